@@ -1,0 +1,343 @@
+"""Parallel layouts and the ONE world mesh that hosts all of them.
+
+A layout is a ``dp x tp x cp`` factorization of the world. DTensor cannot redistribute between two
+different ``DeviceMesh`` objects, so the world is factorized once into mesh dims and every layout is a
+role assignment of those dims: tp takes a PREFIX of the dims, cp the dims right after, dp the rest.
+
+Mesh dim 0 is the most local (consecutive ranks) and is the OUTER split when DTensor shards one tensor
+dim over several mesh dims. With tp always on a prefix, a smaller tp uses the first dims of a larger
+tp, so tp degrees nest: tp up is a local slice, tp down an all-gather of exactly the missing part
+(DESIGN.md, trap "nested sharding order"). The price is that a rank's shard index inside a multi-dim
+group is not its rank order in a ``dist.new_group`` (which sorts ranks); :class:`RankGroup` carries
+the mapping.
+
+Everything except :class:`WorldMesh` is pure integer arithmetic, so data-loader workers can compute a
+rank's coordinates without process groups.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+
+__all__ = [
+    "Layout",
+    "LayoutError",
+    "MeshShape",
+    "RankGroup",
+    "LayoutGroups",
+    "WorldMesh",
+    "parse_layouts",
+]
+
+
+class LayoutError(ValueError):
+    """A layout or a set of layouts that cannot be used; the message names the offending value."""
+
+
+_LAYOUT_RE = re.compile(r"^(?:(dp|tp|cp)(\d+))(?:\s*[x×*]\s*(dp|tp|cp)(\d+))*$")
+_PART_RE = re.compile(r"(dp|tp|cp)(\d+)")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One parallel strategy: data x tensor x context parallel degrees (product = world size)."""
+
+    dp: int = 1
+    tp: int = 1
+    cp: int = 1
+
+    def __post_init__(self) -> None:
+        for field in ("dp", "tp", "cp"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise LayoutError(f"Layout.{field} must be a positive int, got {value!r}")
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.cp
+
+    @property
+    def name(self) -> str:
+        parts = [f"{k}{v}" for k, v in (("dp", self.dp), ("tp", self.tp), ("cp", self.cp)) if v > 1]
+        return "x".join(parts) or "dp1"
+
+    def __str__(self) -> str:
+        return self.name
+
+    @classmethod
+    def parse(cls, spec: Layout | str | Mapping[str, int]) -> Layout:
+        """Accepts a Layout, a mapping ``{"dp": 2, "tp": 2}`` or a name like ``"dp2xtp2"``."""
+        if isinstance(spec, Layout):
+            return spec
+        if isinstance(spec, Mapping):
+            unknown = set(spec) - {"dp", "tp", "cp"}
+            if unknown:
+                raise LayoutError(f"layout {dict(spec)!r} has unknown keys {sorted(unknown)}; use dp, tp, cp")
+            return cls(**{k: spec[k] for k in spec})
+        if isinstance(spec, str):
+            text = spec.strip().lower()
+            if not _LAYOUT_RE.match(text):
+                raise LayoutError(f"cannot parse layout {spec!r}; expected e.g. 'dp2xtp2' or 'tp2xcp2'")
+            degrees: dict[str, int] = {}
+            for role, value in _PART_RE.findall(text):
+                if role in degrees:
+                    raise LayoutError(f"layout {spec!r} names {role} twice")
+                degrees[role] = int(value)
+            return cls(**degrees)
+        raise LayoutError(f"cannot interpret {spec!r} (type {type(spec).__name__}) as a layout")
+
+
+def parse_layouts(specs: Iterable[Layout | str | Mapping[str, int]], world_size: int) -> tuple[Layout, ...]:
+    """Parses and validates a candidate layout set for ``world_size`` ranks (no duplicates)."""
+    if isinstance(specs, (str, Mapping, Layout)):
+        raise LayoutError(f"expected a list of layouts, got a single {specs!r}")
+    layouts = tuple(Layout.parse(s) for s in specs)
+    if not layouts:
+        raise LayoutError("the layout list is empty; give at least one layout")
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise LayoutError(f"world size must be a positive int, got {world_size!r}")
+    for layout in layouts:
+        if layout.world_size != world_size:
+            raise LayoutError(
+                f"layout {layout} covers {layout.world_size} ranks (dp*tp*cp = "
+                f"{layout.dp}*{layout.tp}*{layout.cp}), but the world size is {world_size}"
+            )
+    seen: set[Layout] = set()
+    for layout in layouts:
+        if layout in seen:
+            raise LayoutError(f"layout {layout} is listed twice")
+        seen.add(layout)
+    return layouts
+
+
+def _shard_index(coords: Sequence[int], sizes: Sequence[int], dims: Sequence[int]) -> int:
+    """Mixed-radix index over ``dims``, first dim most significant: DTensor's nested chunk order."""
+    index = 0
+    for d in dims:
+        index = index * sizes[d] + coords[d]
+    return index
+
+
+@dataclass(frozen=True)
+class MeshShape:
+    """The factorization of the world into mesh dims (dim 0 most local) and each layout's dims.
+
+    Pure arithmetic: no process groups. ``tp_dims(layout)`` is a prefix range, ``cp_dims`` follows
+    it, ``dp_dims`` is the rest.
+    """
+
+    sizes: tuple[int, ...]
+    layouts: tuple[Layout, ...]
+
+    @classmethod
+    def for_layouts(cls, layouts: Iterable[Layout | str | Mapping[str, int]], world_size: int) -> MeshShape:
+        layouts = parse_layouts(layouts, world_size)
+        boundaries = sorted({lay.tp for lay in layouts} | {lay.tp * lay.cp for lay in layouts} | {world_size})
+        boundaries = [b for b in boundaries if b > 1]
+        for small, large in zip(boundaries, boundaries[1:]):
+            if large % small:
+                culprits = [str(lay) for lay in layouts if small in (lay.tp, lay.tp * lay.cp)]
+                culprits += [str(lay) for lay in layouts if large in (lay.tp, lay.tp * lay.cp)]
+                raise LayoutError(
+                    f"layouts {sorted(set(culprits))} cannot share one world mesh: their tp / tp*cp "
+                    f"group sizes {small} and {large} do not nest (one must divide the other)"
+                )
+        sizes, previous = [], 1
+        for b in boundaries:
+            sizes.append(b // previous)
+            previous = b
+        return cls(tuple(sizes) or (1,), layouts)
+
+    @property
+    def world_size(self) -> int:
+        return math.prod(self.sizes)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.sizes)
+
+    def prefix_length(self, product: int) -> int:
+        """Number of leading mesh dims whose sizes multiply to ``product``."""
+        if product == 1:
+            return 0
+        acc = 1
+        for i, size in enumerate(self.sizes):
+            acc *= size
+            if acc == product:
+                return i + 1
+        raise LayoutError(f"{product} is not a product of leading mesh dims {self.sizes}")
+
+    def tp_dims(self, layout: Layout) -> range:
+        return range(0, self.prefix_length(layout.tp))
+
+    def cp_dims(self, layout: Layout) -> range:
+        return range(self.prefix_length(layout.tp), self.prefix_length(layout.tp * layout.cp))
+
+    def dp_dims(self, layout: Layout) -> range:
+        return range(self.prefix_length(layout.tp * layout.cp), self.ndim)
+
+    def coords(self, rank: int) -> tuple[int, ...]:
+        if not 0 <= rank < self.world_size:
+            raise LayoutError(f"rank {rank} is outside the world of {self.world_size} ranks")
+        out, rest = [], rank
+        for size in self.sizes:
+            out.append(rest % size)
+            rest //= size
+        return tuple(out)
+
+    def rank_of(self, coords: Sequence[int]) -> int:
+        rank, stride = 0, 1
+        for c, size in zip(coords, self.sizes):
+            rank += c * stride
+            stride *= size
+        return rank
+
+    def shard_index(self, rank: int, dims: Iterable[int]) -> int:
+        return _shard_index(self.coords(rank), self.sizes, list(dims))
+
+    def group_ranks(self, rank: int, dims: Iterable[int]) -> tuple[int, ...]:
+        """Ranks that differ from ``rank`` only on ``dims``, in shard-index order."""
+        dims = list(dims)
+        base = list(self.coords(rank))
+        count = math.prod(self.sizes[d] for d in dims)
+        ranks = []
+        for index in range(count):
+            coords, rest = list(base), index
+            for d in reversed(dims):
+                coords[d] = rest % self.sizes[d]
+                rest //= self.sizes[d]
+            ranks.append(self.rank_of(coords))
+        return tuple(ranks)
+
+    def rank_coords(self, layout: Layout, rank: int) -> tuple[int, int, int]:
+        """(dp_rank, tp_rank, cp_rank) of ``rank`` in ``layout``."""
+        return (
+            self.shard_index(rank, self.dp_dims(layout)),
+            self.shard_index(rank, self.tp_dims(layout)),
+            self.shard_index(rank, self.cp_dims(layout)),
+        )
+
+    def mesh_tensor(self) -> torch.Tensor:
+        """Rank tensor for ``DeviceMesh``: element [c0, c1, ...] is the rank with those coords."""
+        ranks = torch.arange(self.world_size).reshape(tuple(reversed(self.sizes)))
+        return ranks.permute(*reversed(range(self.ndim))).contiguous()
+
+    @property
+    def dim_names(self) -> tuple[str, ...]:
+        return tuple(f"m{i}" for i in range(self.ndim))
+
+
+@dataclass(frozen=True)
+class RankGroup:
+    """A process group over some mesh dims, seen from one rank.
+
+    ``ranks`` are in shard-index order (DTensor's chunk order); ``group`` is None for a group of one.
+    ``slot_of_shard[i]`` is the group rank (collective output slot) of the member with shard index i.
+    """
+
+    dims: tuple[int, ...]
+    ranks: tuple[int, ...]
+    index: int
+    group: object | None
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    @cached_property
+    def slot_of_shard(self) -> tuple[int, ...]:
+        sorted_ranks = sorted(self.ranks)  # dist.new_group orders members by global rank
+        return tuple(sorted_ranks.index(r) for r in self.ranks)
+
+    @property
+    def in_shard_order(self) -> bool:
+        return all(i == s for i, s in enumerate(self.slot_of_shard))
+
+
+@dataclass(frozen=True)
+class LayoutGroups:
+    """What the compute path needs for one layout on this rank."""
+
+    layout: Layout
+    tp: RankGroup
+    cp: RankGroup
+    dp: RankGroup
+
+    @property
+    def tp_rank(self) -> int:
+        return self.tp.index
+
+    @property
+    def cp_rank(self) -> int:
+        return self.cp.index
+
+    @property
+    def dp_rank(self) -> int:
+        return self.dp.index
+
+
+class WorldMesh:
+    """The one ``DeviceMesh`` of the run plus a process group for every contiguous range of its dims.
+
+    Built collectively (every rank, same arguments) after ``init_process_group``. Groups are created
+    eagerly and in the same order on every rank, since ``dist.new_group`` must be called by all.
+    """
+
+    def __init__(self, layouts: Iterable[Layout | str | Mapping[str, int]], device_type: str = "cpu") -> None:
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import DeviceMesh
+
+        if not dist.is_initialized():
+            raise RuntimeError("WorldMesh needs an initialized default process group")
+        self.rank = dist.get_rank()
+        self.shape = MeshShape.for_layouts(layouts, dist.get_world_size())
+        self.layouts = self.shape.layouts
+        self.device_type = device_type
+        self.device_mesh = DeviceMesh(device_type, self.shape.mesh_tensor(), mesh_dim_names=self.shape.dim_names)
+        self._groups: dict[tuple[int, ...], RankGroup] = {}
+        for start in range(self.shape.ndim):
+            for stop in range(start + 1, self.shape.ndim + 1):
+                self._groups[tuple(range(start, stop))] = self._create_group(tuple(range(start, stop)))
+
+    def _create_group(self, dims: tuple[int, ...]) -> RankGroup:
+        import torch.distributed as dist
+
+        mine = None
+        seen: set[tuple[int, ...]] = set()
+        for rank in range(self.shape.world_size):  # every block, same order on every rank
+            ranks = self.shape.group_ranks(rank, dims)
+            key = tuple(sorted(ranks))
+            if key in seen:
+                continue
+            seen.add(key)
+            pg = dist.new_group(list(key)) if len(key) > 1 else None
+            if self.rank in ranks:
+                mine = RankGroup(dims, ranks, ranks.index(self.rank), pg)
+        assert mine is not None
+        return mine
+
+    def group(self, dims: Iterable[int]) -> RankGroup:
+        """This rank's group over a contiguous range of mesh dims (empty range: a group of one)."""
+        dims = tuple(dims)
+        if not dims:
+            return RankGroup((), (self.rank,), 0, None)
+        if dims not in self._groups:
+            raise LayoutError(f"mesh dims {dims} are not a contiguous range of {self.shape.sizes}")
+        return self._groups[dims]
+
+    def layout_groups(self, layout: Layout | str | Mapping[str, int]) -> LayoutGroups:
+        layout = Layout.parse(layout)
+        if layout not in self.layouts:
+            raise LayoutError(f"layout {layout} is not among this mesh's layouts {[str(x) for x in self.layouts]}")
+        return LayoutGroups(
+            layout,
+            tp=self.group(self.shape.tp_dims(layout)),
+            cp=self.group(self.shape.cp_dims(layout)),
+            dp=self.group(self.shape.dp_dims(layout)),
+        )

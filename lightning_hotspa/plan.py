@@ -1,0 +1,303 @@
+"""The step-plan vocabulary that data, planner, strategy and callbacks share (DESIGN.md section 4).
+
+Two levels:
+
+* :class:`StepPlan` / :class:`Stage` — the GLOBAL plan of one optimizer step, pure integers
+  (document indices), computed identically on every rank with no communication.
+* :class:`RankPlan` / :class:`RankStage` / :class:`MicroBatch` — one rank's slice of it, with
+  tensors, produced by :func:`slice_plan`. This is what one Lightning batch carries.
+
+Context-parallel slicing happens here, not in the model: each document is padded to a multiple of
+``2*cp`` (the only padding in the system), cut into ``2*cp`` chunks, and cp rank ``r`` takes chunks
+``r`` and ``2*cp-1-r`` so causal attention work is balanced across cp ranks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from .layout import Layout, LayoutError, MeshShape
+
+__all__ = [
+    "IGNORE_INDEX",
+    "PlanError",
+    "MicroBatch",
+    "Stage",
+    "StepPlan",
+    "RankStage",
+    "RankPlan",
+    "pack_micro_batch",
+    "slice_plan",
+    "single_stage_plan",
+]
+
+IGNORE_INDEX = -100
+
+
+class PlanError(ValueError):
+    """An inconsistent plan or micro-batch; the message names the offending value."""
+
+
+def _check_1d(name: str, t: torch.Tensor, dtypes: tuple[torch.dtype, ...]) -> None:
+    if not isinstance(t, torch.Tensor) or t.dim() != 1:
+        raise PlanError(f"MicroBatch.{name} must be a 1-D tensor, got {type(t).__name__} "
+                        f"of shape {tuple(getattr(t, 'shape', ()))}")
+    if t.dtype not in dtypes:
+        raise PlanError(f"MicroBatch.{name} must have dtype in {dtypes}, got {t.dtype}")
+
+
+def _check_cu_seqlens(name: str, cu: torch.Tensor, total: int) -> list[int]:
+    _check_1d(name, cu, (torch.int32, torch.int64))
+    values = cu.tolist()
+    if len(values) < 2 or values[0] != 0 or values[-1] != total:
+        raise PlanError(f"MicroBatch.{name} must start at 0 and end at {total}, got {values}")
+    if any(b <= a for a, b in zip(values, values[1:])):
+        raise PlanError(f"MicroBatch.{name} must be strictly increasing (no empty documents), got {values}")
+    return values
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """Packed documents one tp x cp group processes in one forward/backward (this rank's slice).
+
+    ``labels`` are already shifted inside each document (``IGNORE_INDEX`` at document ends, padding
+    and masked positions); ``position_ids`` restart at every document; ``cu_seqlens`` are the
+    document boundaries as this rank holds them. With ``cp_size > 1`` each local document is this
+    rank's two chunks, and ``cp_cu_seqlens`` gives the boundaries of the whole (padded) row.
+    """
+
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+    position_ids: torch.Tensor
+    cu_seqlens: torch.Tensor
+    max_seqlen: int
+    num_target_tokens: int
+    cp_size: int = 1
+    cp_rank: int = 0
+    cp_cu_seqlens: torch.Tensor | None = None
+    doc_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        long = (torch.int64,)
+        _check_1d("input_ids", self.input_ids, long)
+        _check_1d("labels", self.labels, long)
+        _check_1d("position_ids", self.position_ids, long)
+        total = self.input_ids.numel()
+        if total == 0:
+            raise PlanError("MicroBatch is empty (no tokens)")
+        for name in ("labels", "position_ids"):
+            if getattr(self, name).numel() != total:
+                raise PlanError(f"MicroBatch.{name} has {getattr(self, name).numel()} tokens, input_ids has {total}")
+        bounds = _check_cu_seqlens("cu_seqlens", self.cu_seqlens, total)
+        longest = max(b - a for a, b in zip(bounds, bounds[1:]))
+        if self.max_seqlen != longest:
+            raise PlanError(f"MicroBatch.max_seqlen is {self.max_seqlen} but the longest document is {longest}")
+        targets = int((self.labels != IGNORE_INDEX).sum())
+        if self.num_target_tokens != targets:
+            raise PlanError(f"MicroBatch.num_target_tokens is {self.num_target_tokens} but labels hold {targets}")
+        if not (1 <= self.cp_size and 0 <= self.cp_rank < self.cp_size):
+            raise PlanError(f"MicroBatch cp_rank={self.cp_rank} is not within cp_size={self.cp_size}")
+        if self.cp_size > 1:
+            if self.cp_cu_seqlens is None:
+                raise PlanError(f"MicroBatch with cp_size={self.cp_size} needs cp_cu_seqlens")
+            full = _check_cu_seqlens("cp_cu_seqlens", self.cp_cu_seqlens, total * self.cp_size)
+            local_lengths = [b - a for a, b in zip(bounds, bounds[1:])]
+            full_lengths = [b - a for a, b in zip(full, full[1:])]
+            if [n * self.cp_size for n in local_lengths] != full_lengths or any(
+                n % (2 * self.cp_size) for n in full_lengths
+            ):
+                raise PlanError(f"MicroBatch cp_cu_seqlens {full} does not match local cu_seqlens {bounds} "
+                                f"split over cp_size={self.cp_size} in 2*cp chunks")
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.numel()
+
+    @property
+    def num_documents(self) -> int:
+        return self.cu_seqlens.numel() - 1
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> MicroBatch:
+        """Lightning moves any object with ``.to`` to the device."""
+        def move(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device, non_blocking=non_blocking)
+
+        return MicroBatch(move(self.input_ids), move(self.labels), move(self.position_ids), move(self.cu_seqlens),
+                          self.max_seqlen, self.num_target_tokens, self.cp_size, self.cp_rank,
+                          move(self.cp_cu_seqlens), self.doc_ids)
+
+
+def pack_micro_batch(
+    docs: Sequence[torch.Tensor], cp_size: int = 1, cp_rank: int = 0, doc_ids: Sequence[int] = ()
+) -> MicroBatch:
+    """Packs whole documents (1-D token tensors) into one micro-batch, cp-sliced for ``cp_rank``.
+
+    Every document's labels are its next tokens; the last token of a document has no target.
+    """
+    if not docs:
+        raise PlanError("cannot pack a micro-batch from zero documents")
+    if cp_size < 1 or not 0 <= cp_rank < cp_size:
+        raise PlanError(f"cp_rank={cp_rank} is not within cp_size={cp_size}")
+    inputs, labels, positions, local_lengths, full_lengths = [], [], [], [], []
+    for i, doc in enumerate(docs):
+        doc = torch.as_tensor(doc).long().reshape(-1)
+        n = doc.numel()
+        if n == 0:
+            raise PlanError(f"document {doc_ids[i] if doc_ids else i} is empty; empty documents must be skipped earlier")
+        lab = torch.full((n,), IGNORE_INDEX, dtype=torch.long)
+        lab[:-1] = doc[1:]
+        pos = torch.arange(n, dtype=torch.long)
+        if cp_size > 1:
+            chunks = 2 * cp_size
+            padded = -(-n // chunks) * chunks
+            pad = padded - n
+            doc = torch.cat([doc, doc.new_zeros(pad)])
+            lab = torch.cat([lab, lab.new_full((pad,), IGNORE_INDEX)])
+            pos = torch.arange(padded, dtype=torch.long)
+            c = padded // chunks
+            keep = torch.cat([torch.arange(cp_rank * c, (cp_rank + 1) * c),
+                              torch.arange((chunks - 1 - cp_rank) * c, (chunks - cp_rank) * c)])
+            doc, lab, pos = doc[keep], lab[keep], pos[keep]
+            full_lengths.append(padded)
+        inputs.append(doc)
+        labels.append(lab)
+        positions.append(pos)
+        local_lengths.append(doc.numel())
+    cu = torch.zeros(len(docs) + 1, dtype=torch.int32)
+    cu[1:] = torch.tensor(local_lengths).cumsum(0)
+    cp_cu = None
+    if cp_size > 1:
+        cp_cu = torch.zeros(len(docs) + 1, dtype=torch.int32)
+        cp_cu[1:] = torch.tensor(full_lengths).cumsum(0)
+    label = torch.cat(labels)
+    return MicroBatch(torch.cat(inputs), label, torch.cat(positions), cu, max(local_lengths),
+                      int((label != IGNORE_INDEX).sum()), cp_size, cp_rank, cp_cu, tuple(doc_ids))
+
+
+@dataclass(frozen=True)
+class Stage:
+    """All micro-batches of one layout in one step: ``micro_batches[dp_rank]`` lists that dp group's
+    micro-batches, each a tuple of document indices into the step's document list."""
+
+    layout: Layout
+    micro_batches: tuple[tuple[tuple[int, ...], ...], ...]
+    activation_checkpointing: bool = False
+    label: str = ""  # bucket / length band, for metrics
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.layout, Layout):
+            raise PlanError(f"Stage.layout must be a Layout, got {self.layout!r}")
+        if len(self.micro_batches) != self.layout.dp:
+            raise PlanError(f"stage in layout {self.layout} has {len(self.micro_batches)} dp groups of "
+                            f"micro-batches; the layout has dp={self.layout.dp}")
+        for group in self.micro_batches:
+            for mb in group:
+                if not mb:
+                    raise PlanError(f"stage in layout {self.layout} has an empty micro-batch")
+
+    @property
+    def doc_ids(self) -> list[int]:
+        return [d for group in self.micro_batches for mb in group for d in mb]
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """Everything one optimizer step does; every document is trained on exactly once."""
+
+    step: int
+    doc_lengths: tuple[int, ...]
+    stages: tuple[Stage, ...]
+    global_target_tokens: int = -1  # -1: derive as sum(length - 1) (plain next-token documents)
+
+    def __post_init__(self) -> None:
+        if not self.stages:
+            raise PlanError(f"step plan {self.step} has no stages")
+        sizes = {s.layout.world_size for s in self.stages}
+        if len(sizes) > 1:
+            raise PlanError(f"step plan {self.step} mixes world sizes {sorted(sizes)}")
+        if any(n < 1 for n in self.doc_lengths):
+            raise PlanError(f"step plan {self.step} has a document of length < 1: {min(self.doc_lengths)}")
+        seen = [0] * len(self.doc_lengths)
+        for stage in self.stages:
+            for d in stage.doc_ids:
+                if not 0 <= d < len(seen):
+                    raise PlanError(f"step plan {self.step} names document {d}, but it has {len(seen)}")
+                seen[d] += 1
+        missing = [i for i, c in enumerate(seen) if c == 0]
+        twice = [i for i, c in enumerate(seen) if c > 1]
+        if missing or twice:
+            raise PlanError(f"step plan {self.step}: every document must be planned exactly once; "
+                            f"missing {missing[:10]}, repeated {twice[:10]}")
+        if self.global_target_tokens == -1:
+            object.__setattr__(self, "global_target_tokens", sum(n - 1 for n in self.doc_lengths))
+        if self.global_target_tokens < 0:
+            raise PlanError(f"global_target_tokens must be >= 0, got {self.global_target_tokens}")
+
+    @property
+    def layouts(self) -> tuple[Layout, ...]:
+        return tuple(s.layout for s in self.stages)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.doc_lengths)
+
+
+@dataclass(frozen=True)
+class RankStage:
+    layout: Layout
+    micro_batches: tuple[MicroBatch, ...]
+    activation_checkpointing: bool = False
+    label: str = ""
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> RankStage:
+        mbs = tuple(m.to(device, non_blocking) for m in self.micro_batches)
+        return RankStage(self.layout, mbs, self.activation_checkpointing, self.label)
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    """One rank's slice of a step plan: what one Lightning batch carries."""
+
+    step: int
+    stages: tuple[RankStage, ...]
+    global_target_tokens: int
+    extras: dict = field(default_factory=dict, compare=False)  # e.g. data-side bookkeeping
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> RankPlan:
+        return RankPlan(self.step, tuple(s.to(device, non_blocking) for s in self.stages),
+                        self.global_target_tokens, self.extras)
+
+    @property
+    def micro_batches(self) -> list[MicroBatch]:
+        return [m for s in self.stages for m in s.micro_batches]
+
+
+def slice_plan(plan: StepPlan, docs: Sequence[torch.Tensor], mesh: MeshShape, rank: int) -> RankPlan:
+    """This rank's slice: its dp group's micro-batches in every stage, cp-sliced by its cp rank."""
+    if len(docs) != len(plan.doc_lengths):
+        raise PlanError(f"step plan {plan.step} has {len(plan.doc_lengths)} documents, got {len(docs)} token arrays")
+    stages = []
+    for stage in plan.stages:
+        if stage.layout not in mesh.layouts:
+            raise LayoutError(f"step plan {plan.step} uses layout {stage.layout}, which is not among the "
+                              f"mesh's layouts {[str(x) for x in mesh.layouts]}")
+        dp_rank, _, cp_rank = mesh.rank_coords(stage.layout, rank)
+        mbs = tuple(pack_micro_batch([docs[i] for i in ids], stage.layout.cp, cp_rank, ids)
+                    for ids in stage.micro_batches[dp_rank])
+        stages.append(RankStage(stage.layout, mbs, stage.activation_checkpointing, stage.label))
+    return RankPlan(plan.step, tuple(stages), plan.global_target_tokens)
+
+
+def single_stage_plan(step: int, doc_lengths: Sequence[int], layout: Layout) -> StepPlan:
+    """A trivial plan: one stage, documents dealt round-robin to dp groups, one micro-batch each.
+
+    Used for plain batches that are not step plans, and as a baseline in tests.
+    """
+    groups: list[list[int]] = [[] for _ in range(layout.dp)]
+    for i in range(len(doc_lengths)):
+        groups[i % layout.dp].append(i)
+    mbs = tuple((tuple(g),) if g else () for g in groups)
+    return StepPlan(step, tuple(doc_lengths), (Stage(layout, mbs),))

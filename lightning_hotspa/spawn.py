@@ -1,0 +1,132 @@
+"""Run a function on N local CPU ranks over gloo, with a hard deadline instead of a possible hang.
+
+Used by the tests and the benchmark recipes. A :class:`RankPool` keeps its ranks (and their process
+group) alive between calls, because starting 4 torch processes costs seconds on a 2-core machine;
+any failure or timeout tears the pool down, so a broken process group never leaks into the next call.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import queue
+import tempfile
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch.multiprocessing as mp
+
+__all__ = ["RankPool", "RankFailure", "run_on_ranks"]
+
+
+class RankFailure(RuntimeError):
+    """A rank raised, or the ranks did not finish before the deadline."""
+
+
+def _worker(rank: int, world: int, init_file: str, tasks, results, collective_timeout_s: float) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+        timeout=datetime.timedelta(seconds=collective_timeout_s),
+    )
+    try:
+        while True:
+            task = tasks.get()
+            if task is None:
+                break
+            fn, args, kwargs = task
+            try:
+                results.put((rank, True, fn(*args, **kwargs)))
+            except BaseException:  # noqa: BLE001 - reported to the parent, which raises
+                results.put((rank, False, traceback.format_exc()))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+class RankPool:
+    """``world`` spawned ranks with an initialized gloo process group, reused across calls."""
+
+    def __init__(self, world: int, collective_timeout_s: float = 60.0) -> None:
+        if world < 1:
+            raise ValueError(f"world must be >= 1, got {world}")
+        self.world = world
+        self.collective_timeout_s = collective_timeout_s
+        self._procs: list = []
+
+    def _start(self) -> None:
+        ctx = mp.get_context("spawn")
+        self._dir = tempfile.TemporaryDirectory(prefix="hotspa-rdzv-")
+        init_file = os.path.join(self._dir.name, "rendezvous")
+        self._results = ctx.Queue()
+        self._tasks = [ctx.Queue() for _ in range(self.world)]
+        self._procs = [
+            ctx.Process(target=_worker, args=(r, self.world, init_file, self._tasks[r], self._results,
+                                               self.collective_timeout_s), daemon=True)
+            for r in range(self.world)
+        ]
+        for p in self._procs:
+            p.start()
+
+    def run(self, fn: Callable[..., Any], *args: Any, timeout_s: float = 240.0, **kwargs: Any) -> list[Any]:
+        """Calls ``fn(*args, **kwargs)`` on every rank; returns the per-rank results in rank order.
+
+        ``fn`` must be importable by name (defined at module level) and find its rank through
+        ``torch.distributed``.
+        """
+        if not self._procs:
+            self._start()
+        for q in self._tasks:
+            q.put((fn, args, kwargs))
+        results: dict[int, Any] = {}
+        errors: dict[int, str] = {}
+        deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout_s)
+        while len(results) + len(errors) < self.world:
+            remaining = (deadline - datetime.datetime.now()).total_seconds()
+            try:
+                rank, ok, value = self._results.get(timeout=max(0.1, min(remaining, 1.0)))
+            except queue.Empty:
+                dead = [r for r, p in enumerate(self._procs) if not p.is_alive() and r not in results]
+                if remaining <= 0 or dead:
+                    missing = sorted(set(range(self.world)) - set(results) - set(errors))
+                    self.close(force=True)
+                    why = f"ranks {dead} died" if dead else f"timed out after {timeout_s:.0f}s"
+                    raise RankFailure(f"{getattr(fn, '__name__', fn)}: {why}; no result from ranks {missing}"
+                                      + "".join(f"\n--- rank {r} ---\n{t}" for r, t in errors.items())) from None
+                continue
+            (results if ok else errors)[rank] = value
+        if errors:
+            self.close(force=True)
+            first = min(errors)
+            raise RankFailure(f"{getattr(fn, '__name__', fn)} failed on ranks {sorted(errors)}; rank {first}:\n"
+                              f"{errors[first]}")
+        return [results[r] for r in range(self.world)]
+
+    def close(self, force: bool = False) -> None:
+        if not self._procs:
+            return
+        if not force:
+            for q in self._tasks:
+                q.put(None)
+            for p in self._procs:
+                p.join(timeout=30)
+        for p in self._procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+        self._procs = []
+        self._dir.cleanup()
+
+
+def run_on_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout_s: float = 240.0, **kwargs: Any) -> list[Any]:
+    """One-shot: spawn ``world`` ranks, run ``fn`` on each, tear down."""
+    pool = RankPool(world)
+    try:
+        return pool.run(fn, *args, timeout_s=timeout_s, **kwargs)
+    finally:
+        pool.close()

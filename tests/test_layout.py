@@ -1,0 +1,103 @@
+"""Layouts and the world-mesh factorization: pure arithmetic, no process groups."""
+
+import itertools
+
+import pytest
+import torch
+
+from lightning_hotspa.layout import Layout, LayoutError, MeshShape, parse_layouts
+from lightning_hotspa.placements import build_shardings
+
+FOUNDATION = ["dp4", "dp2xtp2", "tp4", "dp2xcp2", "tp2xcp2"]
+
+
+def test_layout_parse_and_name():
+    assert Layout.parse("dp2xtp2") == Layout(dp=2, tp=2)
+    assert Layout.parse("tp2 x cp2") == Layout(tp=2, cp=2)
+    assert Layout.parse({"dp": 4}) == Layout(dp=4)
+    assert Layout(dp=2, tp=2).name == "dp2xtp2"
+    assert Layout().name == "dp1"
+    assert Layout(tp=2, cp=2).world_size == 4
+
+
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        (lambda: Layout(dp=0), "dp must be a positive int, got 0"),
+        (lambda: Layout(tp=-2), "tp must be a positive int, got -2"),
+        (lambda: Layout(cp=1.5), "cp must be a positive int, got 1.5"),
+        (lambda: Layout(dp=True), "dp must be a positive int, got True"),
+        (lambda: Layout.parse("dp2xpp2"), "cannot parse layout 'dp2xpp2'"),
+        (lambda: Layout.parse("dp2xdp2"), "names dp twice"),
+        (lambda: Layout.parse({"dp": 2, "pp": 2}), "unknown keys \\['pp'\\]"),
+        (lambda: parse_layouts([], 4), "layout list is empty"),
+        (lambda: parse_layouts(["dp2xtp2", "dp2"], 4), "layout dp2 covers 2 ranks"),
+        (lambda: parse_layouts(["dp4", "dp4"], 4), "dp4 is listed twice"),
+        (lambda: parse_layouts("dp4", 4), "expected a list of layouts"),
+        (lambda: MeshShape.for_layouts(["tp2xcp3", "tp3xcp2"], 6), "do not nest"),
+    ],
+)
+def test_bad_layouts_name_the_value(bad, match):
+    with pytest.raises(LayoutError, match=match):
+        bad()
+
+
+def test_factorization_for_foundation_set():
+    shape = MeshShape.for_layouts(FOUNDATION, 4)
+    assert shape.sizes == (2, 2)
+    assert list(shape.tp_dims(Layout(tp=4))) == [0, 1]
+    assert list(shape.tp_dims(Layout(dp=2, tp=2))) == [0]
+    assert list(shape.cp_dims(Layout(tp=2, cp=2))) == [1]
+    assert list(shape.cp_dims(Layout(dp=2, cp=2))) == [0]
+    assert list(shape.dp_dims(Layout(dp=2, cp=2))) == [1]
+    # tp groups are the most local ranks
+    assert shape.group_ranks(0, shape.tp_dims(Layout(dp=2, tp=2))) == (0, 1)
+    assert shape.group_ranks(3, shape.tp_dims(Layout(dp=2, tp=2))) == (2, 3)
+    assert MeshShape.for_layouts(["dp8", "dp4xtp2", "dp2xtp2xcp2", "tp4xcp2"], 8).sizes == (2, 2, 2)
+    assert MeshShape.for_layouts(["dp4", "tp4"], 4).sizes == (4,)
+    assert MeshShape.for_layouts(["dp1"], 1).sizes == (1,)
+
+
+@pytest.mark.parametrize("world, layouts", [(4, FOUNDATION), (8, ["dp8", "dp4xtp2", "dp2xtp2xcp2", "tp4xcp2", "tp8"])])
+def test_rank_coords_cover_every_role_once(world, layouts):
+    shape = MeshShape.for_layouts(layouts, world)
+    for layout in shape.layouts:
+        coords = [shape.rank_coords(layout, r) for r in range(world)]
+        assert sorted(coords) == sorted(itertools.product(range(layout.dp), range(layout.tp), range(layout.cp)))
+
+
+def test_mesh_tensor_matches_coords():
+    shape = MeshShape.for_layouts(["dp8", "dp4xtp2", "dp2xtp2xcp2"], 8)
+    mesh = shape.mesh_tensor()
+    for r in range(8):
+        assert int(mesh[shape.coords(r)]) == r
+
+
+def test_tp_degrees_nest_as_chunks():
+    """A smaller tp's chunk always contains the chunks a larger tp gives the same rank."""
+    shape = MeshShape.for_layouts(["dp8", "dp4xtp2", "dp2xtp4", "tp8"], 8)
+    sh = build_shardings({"w": (16, 3)}, {"w": "colwise"}, shape)["w"]
+    for r in range(8):
+        for small, large in itertools.combinations(range(shape.ndim + 1), 2):
+            a, b = sh.interval(r, small), sh.interval(r, large)
+            assert a[0] <= b[0] and b[1] <= a[1]
+
+
+def test_home_sharding_rules():
+    shape = MeshShape.for_layouts(FOUNDATION, 4)
+    sh = build_shardings(
+        {"col": (8, 4), "row": (4, 8), "norm": (6,), "scalar": (), "odd": (2, 4)},
+        {"col": "colwise", "row": "rowwise", "norm": "replicated", "scalar": "replicated", "odd": "replicated"},
+        shape,
+    )
+    assert sh["col"].home_prefix == 2 and sh["col"].local_shape(2) == (2, 4)
+    assert sh["row"].dim == 1 and sh["row"].local_shape(2) == (4, 2)
+    assert sh["norm"].home_prefix == 1  # 6 splits over 2 but not 4: never an uneven split
+    assert sh["scalar"].home_prefix == 0
+    with pytest.raises(LayoutError, match="size 6 on dim 0, which tp=4 of layout tp4"):
+        build_shardings({"w": (6, 4)}, {"w": "colwise"}, shape)
+    with pytest.raises(LayoutError, match="unknown parameter role 'diagonal'"):
+        build_shardings({"w": (8, 4)}, {"w": "diagonal"}, shape)
+    with pytest.raises(LayoutError, match="no role given for parameters \\['w'\\]"):
+        build_shardings({"w": (8, 4)}, {}, shape)
+    assert torch.Size(sh["col"].shape) == torch.Size([8, 4])
