@@ -94,8 +94,10 @@ class SwitchEngine:
     """Moves a named parameter set between home and the layouts of one :class:`WorldMesh`.
 
     ``home`` maps names to the home parameters (DTensors or plain local shards); their identity never
-    changes. ``working`` holds the active layout's compute copies: fresh leaf tensors with
-    ``requires_grad``, in ``working_dtype``.
+    changes. ``working`` holds the active layout's compute copies as ``nn.Parameter``s in
+    ``working_dtype`` (a model's modules hold these very objects while a stage runs, so their
+    ``.grad`` is what :meth:`reduce_gradients` reads). All-gathers are fused into buckets of at most
+    ``bucket_bytes`` per rank.
     """
 
     def __init__(
@@ -104,6 +106,7 @@ class SwitchEngine:
         shardings: Mapping[str, ParamSharding],
         home: Mapping[str, torch.Tensor],
         working_dtype: torch.dtype | None = None,
+        bucket_bytes: int = 4 * 2**20,
     ) -> None:
         missing = sorted(set(shardings) ^ set(home))
         if missing:
@@ -112,6 +115,7 @@ class SwitchEngine:
         self.shardings = dict(shardings)
         self.home = dict(home)
         self.working_dtype = working_dtype
+        self.bucket_bytes = bucket_bytes
         self.active: Layout | None = None
         self.working: dict[str, torch.Tensor] = {}
         self.grad_store: dict[str, torch.Tensor] = {}
@@ -158,36 +162,62 @@ class SwitchEngine:
         rank = self.world.rank
         out: dict[str, torch.Tensor] = {}
         for name, s, t in plan.slices:
-            x = _sub_chunk(locals_[name].detach(), self.shardings[name], s, t, rank)
-            out[name] = x.to(dtype=dtype or x.dtype, copy=True).contiguous()
-        received = 0
+            x = locals_[name]
+            if s == t and source != HOME:  # same placement in both layouts: keep the working tensor
+                x.grad = None
+                out[name] = x
+                continue
+            x = _sub_chunk(x.detach(), self.shardings[name], s, t, rank)
+            out[name] = nn.Parameter(x.to(dtype=dtype or x.dtype, copy=True).contiguous())
+        received = collectives = 0
         for (t, s), names in plan.gathers.items():
             group = self.world.group(range(t, s))
             pieces = [locals_[n].detach().to(dtype=dtype or locals_[n].dtype) for n in names]
-            gathered = self._all_gather_fused(pieces, [self.shardings[n].dim for n in names], group)
-            out.update(zip(names, gathered))
+            for bucket in self._buckets(pieces):
+                gathered = self._all_gather_fused([pieces[i] for i in bucket],
+                                                  [self.shardings[names[i]].dim for i in bucket], group)
+                out.update((names[i], nn.Parameter(g)) for i, g in zip(bucket, gathered))
+                collectives += 1
             received += sum(p.numel() * p.element_size() for p in pieces) * (group.size - 1)
         lower_bound = sum(n * (dtype or locals_[name].dtype).itemsize for name, n in plan.lower_bound_elems.items())
-        self.working = {n: out[n].requires_grad_(True) for n in self.shardings}
+        self.working = {n: out[n] for n in self.shardings}
         self.active = self._layout(target)
-        return SwitchReport(source, target, received, lower_bound, len(plan.gathers), time.perf_counter() - start)
+        return SwitchReport(source, target, received, lower_bound, collectives, time.perf_counter() - start)
+
+    def _buckets(self, pieces: list[torch.Tensor]) -> list[list[int]]:
+        """Consecutive groups of at most ``bucket_bytes`` per rank (a larger tensor goes alone):
+        gloo moves a few MB per call faster than one huge buffer, and small tensors still fuse."""
+        buckets: list[list[int]] = [[]]
+        size = 0
+        for i, p in enumerate(pieces):
+            nbytes = p.numel() * p.element_size()
+            if buckets[-1] and size + nbytes > self.bucket_bytes:
+                buckets.append([])
+                size = 0
+            buckets[-1].append(i)
+            size += nbytes
+        return buckets
 
     @staticmethod
     def _all_gather_fused(pieces: list[torch.Tensor], dims: list[int], group: RankGroup) -> list[torch.Tensor]:
         """All-gather several tensors in one buffer; each result concatenates the members' pieces
         along its own ``dim`` in shard order."""
-        moved = [p.movedim(d, 0).contiguous() for p, d in zip(pieces, dims)]
-        flat = torch.cat([m.reshape(-1) for m in moved])
+        moved = [p.movedim(d, 0) for p, d in zip(pieces, dims)]
+        flat = moved[0].contiguous().view(-1) if len(moved) == 1 else torch.cat([m.reshape(-1) for m in moved])
         buffer = flat.new_empty(group.size * flat.numel())
         dist.all_gather_into_tensor(buffer, flat, group=group.group)
         rows = buffer.view(group.size, flat.numel())
-        if not group.in_shard_order:
-            rows = rows[list(group.slot_of_shard)]
         results, offset = [], 0
         for m, d in zip(moved, dims):
             n = m.numel()
-            part = rows[:, offset:offset + n].reshape(group.size * m.shape[0], *m.shape[1:])
-            results.append(part.movedim(0, d).contiguous())
+            part = rows[:, offset:offset + n]
+            if len(moved) > 1 or not group.in_shard_order:  # copy the member rows into shard order
+                ordered = part.new_empty(part.shape)
+                for shard, slot in enumerate(group.slot_of_shard):
+                    ordered[shard].copy_(part[slot])
+                part = ordered
+            result = part.view(group.size * m.shape[0], *m.shape[1:]).movedim(0, d)
+            results.append(result.contiguous() if d != 0 else result)
             offset += n
         return results
 

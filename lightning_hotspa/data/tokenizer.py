@@ -1,0 +1,171 @@
+"""Tokenizers with one small interface: ``encode(bytes | str) -> int32 array``.
+
+The byte tokenizer needs no files and accepts any bytes (the stdlib corpus has non-UTF-8 files);
+the Hugging Face one loads a ``tokenizer.json``. Both expose a ``fingerprint()`` so the token
+cache is invalidated when the tokenizer changes.
+"""
+
+from __future__ import annotations
+
+import abc
+import hashlib
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .errors import DataError, require
+
+COMMON_EOS_TOKENS: tuple[str, ...] = ("</s>", "<|endoftext|>", "<eos>", "<|end_of_text|>")
+
+
+class Tokenizer(abc.ABC):
+    """What the data pipeline needs from a tokenizer."""
+
+    vocab_size: int
+    eos_id: int | None
+
+    @abc.abstractmethod
+    def encode(self, doc: bytes | str) -> np.ndarray:
+        """Token ids of one document as a 1-D int32 array."""
+
+    def encode_batch(self, docs: Sequence[bytes | str]) -> list[np.ndarray]:
+        """Several documents at once (overridden where batching is faster)."""
+        return [self.encode(d) for d in docs]
+
+    @abc.abstractmethod
+    def fingerprint(self) -> dict[str, Any]:
+        """JSON-able identity: changes whenever ``encode`` could give different ids."""
+
+    @property
+    def storage_dtype(self) -> np.dtype:
+        """Smallest dtype holding every id: uint16 halves the on-disk cache for small vocabs."""
+        return np.dtype(np.uint16) if self.vocab_size <= 1 << 16 else np.dtype(np.int32)
+
+
+class ByteTokenizer(Tokenizer):
+    """One token per byte (ids 0..255), then optional special tokens from id 256 on.
+
+    A ``str`` is encoded as UTF-8 (``surrogatepass``, so no string can fail). ``append_eos``
+    adds the ``<eos>`` id after every document; packing marks document ends with
+    ``cu_seqlens`` anyway, so it is off by default.
+    """
+
+    def __init__(
+        self, special_tokens: Sequence[str] = ("<eos>",), *, append_eos: bool = False
+    ) -> None:
+        self.special_tokens = tuple(special_tokens)
+        if len(set(self.special_tokens)) != len(self.special_tokens):
+            raise DataError(
+                f"ByteTokenizer special_tokens must be unique, got {self.special_tokens}"
+            )
+        self.vocab_size = 256 + len(self.special_tokens)
+        self.eos_id = self.token_to_id("<eos>") if "<eos>" in self.special_tokens else None
+        if append_eos and self.eos_id is None:
+            raise DataError("ByteTokenizer append_eos=True needs '<eos>' among special_tokens")
+        self.append_eos = append_eos
+
+    def token_to_id(self, token: str) -> int:
+        """Id of a special token."""
+        try:
+            return 256 + self.special_tokens.index(token)
+        except ValueError:
+            raise DataError(f"ByteTokenizer has no special token {token!r}") from None
+
+    def encode(self, doc: bytes | str) -> np.ndarray:
+        raw = doc.encode("utf-8", errors="surrogatepass") if isinstance(doc, str) else bytes(doc)
+        ids = np.frombuffer(raw, dtype=np.uint8).astype(np.int32)
+        if self.append_eos:
+            ids = np.append(ids, np.int32(self.eos_id))
+        return ids
+
+    def decode(self, ids: np.ndarray) -> bytes:
+        """The bytes back (special ids dropped): for tests and debugging."""
+        arr = np.asarray(ids)
+        return arr[arr < 256].astype(np.uint8).tobytes()
+
+    def fingerprint(self) -> dict[str, Any]:
+        return {
+            "type": type(self).__name__,
+            "special_tokens": list(self.special_tokens),
+            "append_eos": self.append_eos,
+        }
+
+
+class HFTokenizer(Tokenizer):
+    """A Hugging Face ``tokenizers`` tokenizer loaded from a ``tokenizer.json`` file.
+
+    Bytes are decoded as UTF-8 with replacement characters (HF tokenizers take ``str``).
+    ``eos_token`` picks the end-of-sequence token; by default the first of
+    :data:`COMMON_EOS_TOKENS` that the vocabulary has, else ``None``.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        eos_token: str | None = None,
+        add_special_tokens: bool = False,
+    ) -> None:
+        self.path = Path(path).expanduser()
+        if not self.path.is_file():
+            raise DataError(f"HFTokenizer: tokenizer file does not exist: {str(self.path)!r}")
+        tokenizers = require("tokenizers", f"HFTokenizer({str(self.path)!r})")
+        try:
+            self._tok = tokenizers.Tokenizer.from_file(str(self.path))
+        except Exception as exc:  # the Rust side raises plain Exception subclasses
+            raise DataError(f"HFTokenizer: cannot load {str(self.path)!r} ({exc})") from exc
+        self.add_special_tokens = add_special_tokens
+        self.vocab_size = int(self._tok.get_vocab_size(with_added_tokens=True))
+        self.eos_token = eos_token
+        self.eos_id = self._find_eos(eos_token)
+        self._sha256 = hashlib.sha256(self.path.read_bytes()).hexdigest()
+
+    def _find_eos(self, eos_token: str | None) -> int | None:
+        if eos_token is not None:
+            found = self._tok.token_to_id(eos_token)
+            if found is None:
+                raise DataError(f"HFTokenizer: {str(self.path)!r} has no token {eos_token!r}")
+            return int(found)
+        for name in COMMON_EOS_TOKENS:
+            found = self._tok.token_to_id(name)
+            if found is not None:
+                return int(found)
+        return None
+
+    @staticmethod
+    def _text(doc: bytes | str) -> str:
+        return doc if isinstance(doc, str) else bytes(doc).decode("utf-8", errors="replace")
+
+    def encode(self, doc: bytes | str) -> np.ndarray:
+        enc = self._tok.encode(self._text(doc), add_special_tokens=self.add_special_tokens)
+        return np.asarray(enc.ids, dtype=np.int32)
+
+    def encode_batch(self, docs: Sequence[bytes | str]) -> list[np.ndarray]:
+        encs = self._tok.encode_batch(
+            [self._text(d) for d in docs], add_special_tokens=self.add_special_tokens
+        )
+        return [np.asarray(e.ids, dtype=np.int32) for e in encs]
+
+    def fingerprint(self) -> dict[str, Any]:
+        return {
+            "type": type(self).__name__,
+            "sha256": self._sha256,
+            "eos_token": self.eos_token,
+            "add_special_tokens": self.add_special_tokens,
+        }
+
+
+def build_tokenizer(kind: str, /, **kwargs: Any) -> Tokenizer:
+    """Build a tokenizer by name (for configs): ``"byte"`` or ``"hf"`` (``path=`` required)."""
+    kinds: dict[str, type[Tokenizer]] = {"byte": ByteTokenizer, "hf": HFTokenizer}
+    if kind not in kinds:
+        raise DataError(f"unknown tokenizer kind {kind!r}; known kinds: {sorted(kinds)}")
+    try:
+        return kinds[kind](**kwargs)
+    except TypeError as exc:
+        raise DataError(
+            f"build_tokenizer({kind!r}): bad arguments {sorted(kwargs)} ({exc})"
+        ) from exc

@@ -1,0 +1,184 @@
+"""Step-plan vocabulary: packing, cp slicing, validation, and a rank's slice of a plan."""
+
+from collections import Counter
+
+import pytest
+import torch
+
+from lightning_hotspa.layout import Layout, LayoutError, MeshShape
+from lightning_hotspa.plan import (
+    IGNORE_INDEX,
+    MicroBatch,
+    PlanError,
+    Stage,
+    StepPlan,
+    pack_micro_batch,
+    single_stage_plan,
+    slice_plan,
+)
+
+FOUNDATION = ["dp4", "dp2xtp2", "tp4", "dp2xcp2", "tp2xcp2"]
+
+
+def _docs(lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, 255, (n,), generator=g) for n in lengths]
+
+
+def test_pack_shifts_labels_inside_documents():
+    a, b = torch.tensor([5, 6, 7]), torch.tensor([8, 9])
+    mb = pack_micro_batch([a, b], doc_ids=(3, 1))
+    assert mb.input_ids.tolist() == [5, 6, 7, 8, 9]
+    assert mb.labels.tolist() == [6, 7, IGNORE_INDEX, 9, IGNORE_INDEX]
+    assert mb.position_ids.tolist() == [0, 1, 2, 0, 1]
+    assert mb.cu_seqlens.tolist() == [0, 3, 5] and mb.cu_seqlens.dtype == torch.int32
+    assert mb.max_seqlen == 3 and mb.num_target_tokens == 3 and mb.doc_ids == (3, 1)
+    assert mb.cp_cu_seqlens is None
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_cp_slices_take_balanced_chunks_and_rebuild_the_row(cp):
+    lengths = [7, 16, 1, 13]
+    docs = _docs(lengths)
+    slices = [pack_micro_batch(docs, cp, r) for r in range(cp)]
+    for r, mb in enumerate(slices):
+        # documents padded to a multiple of 2*cp; rank r holds chunks r and 2cp-1-r of each
+        assert mb.cp_cu_seqlens.tolist() == [0, 8, 24, 24 + 2 * cp, 24 + 2 * cp + 16] if cp == 2 else True
+        bounds = mb.cu_seqlens.tolist()
+        full = mb.cp_cu_seqlens.tolist()
+        for d in range(len(lengths)):
+            padded = full[d + 1] - full[d]
+            c = padded // (2 * cp)
+            pos = mb.position_ids[bounds[d]:bounds[d + 1]].tolist()
+            assert pos == list(range(r * c, (r + 1) * c)) + list(range((2 * cp - 1 - r) * c, (2 * cp - r) * c))
+    # every real token and every target appears exactly once across the cp ranks
+    for d, doc in enumerate(docs):
+        seen = {}
+        for mb in slices:
+            lo, hi = mb.cu_seqlens[d].item(), mb.cu_seqlens[d + 1].item()
+            for p, t, lab in zip(mb.position_ids[lo:hi].tolist(), mb.input_ids[lo:hi].tolist(), mb.labels[lo:hi].tolist()):
+                assert p not in seen
+                seen[p] = (t, lab)
+        for p in range(len(doc)):
+            assert seen[p][0] == doc[p].item()
+            assert seen[p][1] == (doc[p + 1].item() if p + 1 < len(doc) else IGNORE_INDEX)
+        assert all(seen[p][1] == IGNORE_INDEX for p in seen if p >= len(doc))  # padding has no loss
+    assert sum(mb.num_target_tokens for mb in slices) == sum(n - 1 for n in lengths)
+
+
+def test_no_padding_without_cp():
+    mb = pack_micro_batch(_docs([3, 5]))
+    assert mb.num_tokens == 8
+
+
+def _mb(**changes):
+    base = dict(input_ids=torch.tensor([1, 2, 3]), labels=torch.tensor([2, 3, -100]),
+                position_ids=torch.tensor([0, 1, 2]), cu_seqlens=torch.tensor([0, 3], dtype=torch.int32),
+                max_seqlen=3, num_target_tokens=2)
+    base.update(changes)
+    return MicroBatch(**base)
+
+
+@pytest.mark.parametrize(
+    "changes, match",
+    [
+        (dict(labels=torch.tensor([2, 3])), "labels has 2 tokens, input_ids has 3"),
+        (dict(input_ids=torch.tensor([[1, 2, 3]])), "input_ids must be a 1-D tensor"),
+        (dict(input_ids=torch.tensor([1.0, 2.0, 3.0])), "input_ids must have dtype"),
+        (dict(cu_seqlens=torch.tensor([0, 2], dtype=torch.int32)), "must start at 0 and end at 3"),
+        (dict(cu_seqlens=torch.tensor([0, 0, 3], dtype=torch.int32)), "strictly increasing"),
+        (dict(max_seqlen=2), "max_seqlen is 2 but the longest document is 3"),
+        (dict(num_target_tokens=3), "num_target_tokens is 3 but labels hold 2"),
+        (dict(cp_size=2, cp_rank=2), "cp_rank=2 is not within cp_size=2"),
+        (dict(cp_size=2, cp_rank=0), "needs cp_cu_seqlens"),
+        (dict(input_ids=torch.tensor([], dtype=torch.long)), "empty"),
+    ],
+)
+def test_micro_batch_validation_names_the_value(changes, match):
+    with pytest.raises(PlanError, match=match):
+        _mb(**changes)
+
+
+def test_stage_and_plan_validation():
+    dp2 = Layout(dp=2, tp=2)
+    with pytest.raises(PlanError, match="has 1 dp groups of micro-batches; the layout has dp=2"):
+        Stage(dp2, (((0,),),))
+    with pytest.raises(PlanError, match="empty micro-batch"):
+        Stage(dp2, (((0,), ()), ((1,),)))
+    ok = Stage(dp2, (((0,),), ((1, 2),)))
+    with pytest.raises(PlanError, match=r"missing \[3\], repeated \[\]"):
+        StepPlan(0, (4, 5, 6, 7), (ok,))
+    with pytest.raises(PlanError, match=r"missing \[\], repeated \[1\]"):
+        StepPlan(0, (4, 5, 6), (ok, Stage(Layout(dp=4), (((1,),), (), (), ()))))
+    with pytest.raises(PlanError, match="mixes world sizes"):
+        StepPlan(0, (4, 5, 6), (Stage(Layout(dp=2), (((0, 1, 2),), ())), Stage(dp2, ((), ()))))
+    with pytest.raises(PlanError, match="names document 9"):
+        StepPlan(0, (4,), (Stage(Layout(dp=1), (((0, 9),),)),))
+    plan = StepPlan(0, (4, 5, 6), (ok,))
+    assert plan.global_target_tokens == 3 + 4 + 5
+
+
+def _mixed_plan(lengths):
+    """Every foundation layout appears as a stage; dp groups get uneven work."""
+    ids = list(range(len(lengths)))
+    stages = [
+        Stage(Layout(dp=4), (((ids[0], ids[1]),), ((ids[2],),), (), ((ids[3],), (ids[4],)))),
+        Stage(Layout(dp=2, tp=2), (((ids[5],),), ((ids[6],),))),
+        Stage(Layout(tp=4), (((ids[7], ids[8]),),)),
+        Stage(Layout(dp=2, cp=2), (((ids[9],),), ())),
+        Stage(Layout(tp=2, cp=2), (((ids[10], ids[11]), (ids[12],)),)),
+    ]
+    return StepPlan(3, tuple(lengths), tuple(stages))
+
+
+def test_slice_plan_every_token_once_and_tp_ranks_identical():
+    lengths = [5, 9, 3, 12, 7, 30, 17, 40, 33, 50, 21, 64, 47]
+    docs = _docs(lengths, seed=1)
+    plan = _mixed_plan(lengths)
+    mesh = MeshShape.for_layouts(FOUNDATION, 4)
+    slices = [slice_plan(plan, docs, mesh, r) for r in range(4)]
+    assert all(len(s.stages) == 5 and s.global_target_tokens == sum(n - 1 for n in lengths) for s in slices)
+    tokens = Counter()
+    targets = 0
+    for stage_index, stage in enumerate(plan.stages):
+        layout = stage.layout
+        owners = {}
+        for r in range(4):
+            dp, tp, cp = mesh.rank_coords(layout, r)
+            key = (dp, cp)
+            mbs = slices[r].stages[stage_index].micro_batches
+            if key in owners:  # a tp peer: identical inputs
+                other = slices[owners[key]].stages[stage_index].micro_batches
+                assert all(torch.equal(a.input_ids, b.input_ids) for a, b in zip(mbs, other))
+                continue
+            owners[key] = r
+            for mb in mbs:
+                assert mb.cp_size == layout.cp and mb.cp_rank == cp
+                real = mb.labels != IGNORE_INDEX
+                targets += int(real.sum())
+                for d_local, doc_id in enumerate(mb.doc_ids):
+                    lo, hi = mb.cu_seqlens[d_local].item(), mb.cu_seqlens[d_local + 1].item()
+                    for p, t in zip(mb.position_ids[lo:hi].tolist(), mb.input_ids[lo:hi].tolist()):
+                        if p < lengths[doc_id]:
+                            tokens[(doc_id, p, t)] += 1
+    expected = Counter((d, p, t) for d, doc in enumerate(docs) for p, t in enumerate(doc.tolist()))
+    assert tokens == expected
+    assert targets == plan.global_target_tokens
+
+
+def test_slice_plan_rejects_foreign_layouts_and_wrong_doc_count():
+    mesh = MeshShape.for_layouts(["dp4", "tp4"], 4)
+    plan = single_stage_plan(0, [3, 4], Layout(dp=2, tp=2))
+    with pytest.raises(LayoutError, match="uses layout dp2xtp2, which is not among"):
+        slice_plan(plan, _docs([3, 4]), mesh, 0)
+    with pytest.raises(PlanError, match="has 2 documents, got 1 token arrays"):
+        slice_plan(single_stage_plan(0, [3, 4], Layout(dp=4)), _docs([3]), mesh, 0)
+
+
+def test_rank_plan_moves_to_device():
+    mesh = MeshShape.for_layouts(["dp2"], 2)
+    plan = single_stage_plan(0, [3, 4, 5], Layout(dp=2))
+    rp = slice_plan(plan, _docs([3, 4, 5]), mesh, 1)
+    moved = rp.to("cpu")
+    assert moved.micro_batches[0].doc_ids == (1,)
+    assert torch.equal(moved.micro_batches[0].input_ids, rp.micro_batches[0].input_ids)
