@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch.multiprocessing as mp
+from multiprocessing.reduction import ForkingPickler
 
 __all__ = ["RankPool", "RankFailure", "run_on_ranks"]
 
@@ -41,7 +42,9 @@ def _worker(rank: int, world: int, init_file: str, tasks, results, collective_ti
                 break
             fn, args, kwargs = task
             try:
-                results.put((rank, True, fn(*args, **kwargs)))
+                value = fn(*args, **kwargs)
+                ForkingPickler.dumps(value)  # fail here, not silently in the queue's feeder thread
+                results.put((rank, True, value))
             except BaseException:  # noqa: BLE001 - reported to the parent, which raises
                 results.put((rank, False, traceback.format_exc()))
         dist.barrier()
@@ -94,8 +97,9 @@ class RankPool:
                 dead = [r for r, p in enumerate(self._procs) if not p.is_alive() and r not in results]
                 if remaining <= 0 or dead:
                     missing = sorted(set(range(self.world)) - set(results) - set(errors))
+                    codes = {r: self._procs[r].exitcode for r in dead}
                     self.close(force=True)
-                    why = f"ranks {dead} died" if dead else f"timed out after {timeout_s:.0f}s"
+                    why = f"ranks died (exit codes {codes})" if dead else f"timed out after {timeout_s:.0f}s"
                     raise RankFailure(f"{getattr(fn, '__name__', fn)}: {why}; no result from ranks {missing}"
                                       + "".join(f"\n--- rank {r} ---\n{t}" for r, t in errors.items())) from None
                 continue

@@ -30,7 +30,8 @@ from .layout import Layout, LayoutError, RankGroup, WorldMesh
 from .placements import ParamSharding
 
 # torch 2.13 deprecates all_gather_into_tensor in favour of all_gather_single, which 2.11 lacks.
-warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*deprecated", category=FutureWarning)
+warnings.filterwarnings("ignore", message=".*(all_gather_into_tensor|reduce_scatter_tensor).*deprecated",
+                        category=FutureWarning)
 
 __all__ = ["SwitchReport", "GradReport", "SwitchEngine", "build_home_parameters", "HOME"]
 
@@ -338,6 +339,7 @@ def build_home_parameters(
     shardings: Mapping[str, ParamSharding],
     init_full: Callable[[str, tuple[int, ...]], torch.Tensor],
     dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
 ) -> dict[str, nn.Parameter]:
     """Home params as DTensor ``nn.Parameter``s, each initialized IN FULL and cut to this rank's shard.
 
@@ -350,7 +352,7 @@ def build_home_parameters(
         full = init_full(name, sharding.shape)
         if tuple(full.shape) != sharding.shape:
             raise LayoutError(f"init for {name!r} returned shape {tuple(full.shape)}, expected {sharding.shape}")
-        local = _sub_chunk(full, sharding, 0, sharding.home_prefix, rank).to(dtype).contiguous().clone()
+        local = _sub_chunk(full, sharding, 0, sharding.home_prefix, rank).to(device, dtype).contiguous().clone()
         del full
         dt = DTensor.from_local(local, world.device_mesh, sharding.home_placements(), run_check=False,
                                 shape=torch.Size(sharding.shape),
