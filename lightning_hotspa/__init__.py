@@ -4,3 +4,14 @@ from .layout import Layout, LayoutError, MeshShape, WorldMesh, parse_layouts
 
 __all__ = ["Layout", "LayoutError", "MeshShape", "WorldMesh", "parse_layouts"]
 __version__ = "0.1.0"
+
+from lightning.pytorch.strategies import StrategyRegistry  # noqa: E402
+
+from .plan import MicroBatch, RankPlan, StepPlan  # noqa: E402
+from .strategy import HotSPaStrategy  # noqa: E402
+
+if "hotspa" not in StrategyRegistry:  # idempotent: Lightning raises on re-registering a name
+    StrategyRegistry.register("hotspa", HotSPaStrategy,
+                              description="HotSPa: hot-switch parallel layouts per length bucket")
+
+__all__ += ["HotSPaStrategy", "MicroBatch", "RankPlan", "StepPlan"]

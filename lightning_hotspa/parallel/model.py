@@ -1,0 +1,78 @@
+"""Runs one module in any layout of a :class:`WorldMesh`.
+
+``ParallelModel`` installs the tensor- and context-parallel hooks ONCE (they read the shared
+:class:`ParallelState`), and per stage only swaps parameters and updates the state. Outside a stage
+the module holds its home parameters, so ``module.parameters()`` is what the optimizer steps.
+
+The LM head's loss: a module with a callable ``loss_fn`` attribute and one ``vocab`` Linear (the
+:class:`~lightning_hotspa.models.LlamaLM` contract: its logits are consumed through ``loss_fn``)
+gets a vocab-parallel cross entropy on sharded logits; any other module sees gathered logits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping
+
+from torch import nn
+
+from ..layout import Layout, LayoutError, WorldMesh
+from ..plan import MicroBatch
+from .params import set_parameters
+from .state import ParallelState
+
+__all__ = ["ParallelModel"]
+
+
+class ParallelModel:
+    """``loss_parallel``: None decides as described above; True / False force it (True needs
+    ``loss_fn``)."""
+
+    def __init__(self, module: nn.Module, roles: Mapping[str, str], world: WorldMesh,
+                 *, loss_parallel: bool | None = None) -> None:
+        self.module = module
+        self.world = world
+        self.state = ParallelState()
+        self.hooks = 0
+        if any(layout.tp > 1 for layout in world.layouts):
+            from .tensor_parallel import install_tensor_parallel, module_kinds
+
+            if loss_parallel is None:
+                heads = [k for k in module_kinds(module, roles).values() if k == "gather"]
+                loss_parallel = len(heads) == 1 and callable(getattr(module, "loss_fn", None))
+            self.hooks += install_tensor_parallel(module, roles, self.state, loss_parallel=loss_parallel)
+        if any(layout.cp > 1 for layout in world.layouts):
+            from .context_parallel import install_context_parallel
+
+            self.hooks += install_context_parallel(module, self.state)
+        self._checkpointers = [m for m in module.modules() if hasattr(m, "set_activation_checkpointing")]
+
+    def activate(self, layout: Layout, params: Mapping[str, nn.Parameter], activation_checkpointing: bool = False) -> None:
+        """Computes in ``layout`` with ``params`` (the switch engine's working parameters) from now on."""
+        if activation_checkpointing and not self._checkpointers:
+            raise LayoutError(f"activation checkpointing was asked for layout {layout}, but "
+                              f"{type(self.module).__name__} has no module with set_activation_checkpointing()")
+        groups = self.world.layout_groups(layout)
+        if self.hooks:
+            from .attention import check_attention
+
+            check_attention(self.module, groups)  # re-attach swapped backends; heads vs layout
+        self.state.groups = groups
+        set_parameters(self.module, params)
+        for m in self._checkpointers:
+            m.set_activation_checkpointing(activation_checkpointing)
+
+    def restore(self, params: Mapping[str, nn.Parameter]) -> None:
+        """Puts the home parameters back and leaves no layout active."""
+        set_parameters(self.module, params)
+        self.state.groups = None
+        for m in self._checkpointers:
+            m.set_activation_checkpointing(False)
+
+    @contextlib.contextmanager
+    def micro_batch(self, mb: MicroBatch | None) -> Iterator[None]:
+        self.state.micro_batch = mb
+        try:
+            yield
+        finally:
+            self.state.micro_batch = None

@@ -1,0 +1,535 @@
+"""``HotSPaStrategy``: ``Trainer(strategy="hotspa")`` runs a whole step plan per optimizer step,
+hot-switching the model between parallel layouts inside the step (DESIGN.md sections 3-4).
+
+One Lightning batch is this rank's slice of one step plan (:class:`RankPlan`). ``training_step``
+walks its stages: switch the working parameters to the stage's layout, run the user's
+``training_step`` on every micro-batch with the loss scaled to the global token mean, back-propagate,
+and at the stage end reduce the working gradients into the switch engine's store. Lightning then
+zeroes ``.grad`` and calls :meth:`backward`, which hands the store to the home parameters; one
+``optimizer.step()`` follows. The home parameters (fp32 DTensors sharded over the world) are what the
+optimizer, checkpoints and ``module.parameters()`` see outside a step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Mapping, Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.trainer import call
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from torch import Tensor, nn
+from typing_extensions import override
+
+from .checkpoint import load_distributed_checkpoint, save_distributed_checkpoint
+from .layout import Layout, LayoutError, MeshShape, WorldMesh, parse_layouts
+from .parallel.model import ParallelModel
+from .placements import build_shardings
+from .plan import MicroBatch, RankPlan, RankStage
+from .precision import HotSPaPrecision
+from .stats import StageStats, step_metrics
+from .switch import SwitchEngine, build_home_parameters
+
+__all__ = ["HotSPaStrategy", "default_layouts"]
+
+
+def default_layouts(world_size: int) -> list[Layout]:
+    """A nesting candidate set: pure data parallel, then tp2 with growing cp for longer documents."""
+    if world_size & (world_size - 1):
+        return [Layout(dp=world_size)]
+    layouts, cp = [Layout(dp=world_size)], 1
+    while 2 * cp <= world_size:
+        layouts.append(Layout(dp=world_size // (2 * cp), tp=2, cp=cp))
+        cp *= 2
+    return layouts
+
+
+class HotSPaStrategy(ParallelStrategy):
+    """Hot-switching parallel layouts (dp x tp x cp) per length bucket inside one optimizer step.
+
+    Args:
+        layouts: candidate layouts (``Layout``, ``"dp2xtp2"`` or ``{"dp": 2, "tp": 2}``), or ``"auto"``.
+        tokens_per_rank: activation-token capacity of one rank; a layout's micro-batch capacity is
+            ``tokens_per_rank * tp * cp``.
+        planner: ``"rule"`` (assign each document to the most data-parallel layout that holds it), or a
+            ready :class:`~lightning_hotspa.planner.base.Planner`.
+        activation_checkpointing: ``False``, ``True`` (all layouts), ``"auto"`` (layouts with
+            tp*cp > 1, the long-sequence ones) or a list of layouts.
+        default_layout: the layout plain (non-plan) batches, validation and prediction run in;
+            default: the most data-parallel candidate.
+    """
+
+    strategy_name = "hotspa"
+
+    def __init__(
+        self,
+        layouts: Sequence[Layout | str | Mapping[str, int]] | str = "auto",
+        *,
+        tokens_per_rank: int = 4096,
+        planner: Any = "rule",
+        activation_checkpointing: bool | str | Sequence[Layout | str] = False,
+        default_layout: Layout | str | None = None,
+        accelerator: Any = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+    ) -> None:
+        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
+                         cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
+                         precision_plugin=precision_plugin)
+        if isinstance(layouts, str) and layouts != "auto":
+            raise LayoutError(f"layouts must be 'auto' or a list of layouts, got {layouts!r}")
+        self._layout_spec = layouts if layouts == "auto" else [Layout.parse(x) for x in layouts]
+        if self._layout_spec != "auto" and not self._layout_spec:
+            raise LayoutError("HotSPaStrategy(layouts=[]) is empty; give at least one layout or 'auto'")
+        if isinstance(tokens_per_rank, bool) or not isinstance(tokens_per_rank, int) or tokens_per_rank < 1:
+            raise ValueError(f"tokens_per_rank must be a positive int, got {tokens_per_rank!r}")
+        if isinstance(activation_checkpointing, str) and activation_checkpointing != "auto":
+            raise ValueError(f"activation_checkpointing must be a bool, 'auto' or a list of layouts, "
+                             f"got {activation_checkpointing!r}")
+        self.tokens_per_rank = tokens_per_rank
+        self._planner_spec = planner
+        self._ac_spec = activation_checkpointing
+        self._default_layout_spec = Layout.parse(default_layout) if default_layout is not None else None
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
+        self.num_nodes = 1
+        self.world: WorldMesh | None = None
+        self.layouts: tuple[Layout, ...] = ()
+        self.mesh_shape: MeshShape | None = None
+        self._planner: Any = None
+        self.engine: SwitchEngine | None = None
+        self.parallel: ParallelModel | None = None
+        self.home: dict[str, nn.Parameter] = {}
+        self.last_stage_stats: list[StageStats] = []
+
+    # ------------------------------------------------------------------ Lightning plumbing
+    @property
+    @override
+    def precision_plugin(self) -> Precision:
+        return self._precision_plugin if self._precision_plugin is not None else HotSPaPrecision()
+
+    @precision_plugin.setter
+    @override
+    def precision_plugin(self, plugin: Precision | None) -> None:
+        self._precision_plugin = None if plugin is None else self._convert_precision(plugin)
+
+    def _convert_precision(self, plugin: Precision) -> HotSPaPrecision:
+        if isinstance(plugin, HotSPaPrecision):
+            return plugin
+        name = getattr(plugin, "precision", None)
+        if type(plugin) is Precision:
+            name = "32-true"
+        return HotSPaPrecision(name)  # raises a clear error for anything unsupported
+
+    @property
+    def hotspa_precision(self) -> HotSPaPrecision:
+        return self.precision_plugin  # type: ignore[return-value]
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # plain batches run in a pure data-parallel layout: every rank its own samples
+        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+
+    @property
+    def is_distributed(self) -> bool:
+        return True
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True
+
+    @property
+    @override
+    def lightning_restore_optimizer(self) -> bool:
+        return False
+
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if not self.cluster_environment.creates_processes_externally:
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        reset_seed()
+        self.set_world_ranks()
+        self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
+            self.root_device)
+        kwargs: dict[str, Any] = {"timeout": self._timeout}
+        if self.root_device.type != "cpu":
+            kwargs["device_id"] = self.root_device
+        _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
+        world_size = dist.get_world_size()
+        specs = default_layouts(world_size) if self._layout_spec == "auto" else self._layout_spec
+        self.layouts = parse_layouts(specs, world_size)
+        self.world = WorldMesh(self.layouts, device_type=self.root_device.type)
+        self.mesh_shape = self.world.shape
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = self.global_rank
+
+    @property
+    def planner(self) -> Any:
+        """The step planner the DataModule builds plans with (built on first use)."""
+        if self._planner is None:
+            if not self.layouts:
+                raise RuntimeError("the planner is available once the processes are set up")
+            self._planner = self._build_planner()
+        return self._planner
+
+    def _build_planner(self) -> Any:
+        if self._planner_spec == "rule":
+            from .planner.rule import ThresholdPlanner
+
+            return ThresholdPlanner(self.layouts, tokens_per_rank=self.tokens_per_rank)
+        if isinstance(self._planner_spec, str):
+            raise ValueError(f"unknown planner {self._planner_spec!r}; use 'rule' or pass a Planner instance")
+        return self._planner_spec
+
+    @property
+    def default_layout(self) -> Layout:
+        if self._default_layout_spec is not None:
+            if self._default_layout_spec not in self.layouts:
+                raise LayoutError(f"default_layout {self._default_layout_spec} is not among the layouts "
+                                  f"{[str(x) for x in self.layouts]}")
+            return self._default_layout_spec
+        return max(self.layouts, key=lambda x: (x.dp, x.cp))
+
+    def activation_checkpointing_for(self, layout: Layout) -> bool:
+        spec = self._ac_spec
+        if isinstance(spec, bool):
+            return spec
+        if spec == "auto":
+            return layout.tp * layout.cp > 1
+        return layout in {Layout.parse(x) for x in spec}
+
+    # ------------------------------------------------------------------ setup
+    @override
+    def setup(self, trainer: Any) -> None:
+        assert self.accelerator is not None and self.model is not None
+        self.accelerator.setup(trainer)
+        module = self.lightning_module
+        if not module.automatic_optimization:
+            raise ValueError(f"{type(self).__name__} needs automatic optimization; "
+                             f"{type(module).__name__}.automatic_optimization is False")
+        if trainer.accumulate_grad_batches != 1:
+            raise ValueError(f"{type(self).__name__} does not support accumulate_grad_batches="
+                             f"{trainer.accumulate_grad_batches}: one step plan is one optimizer step; raise the "
+                             f"data module's tokens_per_batch instead")
+        self._build_home_state(module)
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+
+    def _roles(self, module: nn.Module) -> dict[str, str]:
+        max_tp = max(x.tp for x in self.layouts)
+        tp_plan = getattr(module, "tp_plan", None)
+        if tp_plan is None:
+            if max_tp > 1:
+                raise LayoutError(f"layouts with tp={max_tp} need a tensor-parallel plan, but "
+                                  f"{type(module).__name__} defines no tp_plan(tp) method")
+            return {n: "replicated" for n, _ in module.named_parameters()}
+        from .models.tp_plan import param_roles
+
+        # tp degrees nest, so a plan valid for the largest tp is valid for every layout
+        return param_roles(module, tp_plan(max_tp))
+
+    def _build_home_state(self, module: nn.Module) -> None:
+        assert self.world is not None
+        shapes = {n: tuple(p.shape) for n, p in module.named_parameters()}
+        shardings = build_shardings(shapes, self._roles(module), self.world.shape)
+        params = dict(module.named_parameters())
+        on_meta = any(p.is_meta for p in params.values())
+        init_parameter = getattr(module, "init_parameter", None)
+        if on_meta and init_parameter is None:
+            raise ValueError(f"{type(module).__name__} was built on the meta device but defines no "
+                             f"init_parameter(name) to initialize its parameters from")
+
+        def full(name: str, shape: tuple[int, ...]) -> Tensor:
+            return init_parameter(name) if on_meta else params[name].detach().to("cpu", torch.float32)
+
+        precision = self.hotspa_precision
+        self.home = build_home_parameters(self.world, shardings, full, dtype=precision.home_dtype,
+                                          device=self.root_device)
+        roles = {n: s.role.name for n, s in shardings.items()}
+        self.parallel = ParallelModel(module, roles, self.world)
+        self.parallel.restore(self.home)
+        module.to(self.root_device)  # buffers; parameters already live there
+        self.engine = SwitchEngine(self.world, shardings, self.home, working_dtype=precision.working_dtype)
+
+    @contextlib.contextmanager
+    @override
+    def tensor_init_context(self, empty_init: bool | None = None) -> Any:
+        """``trainer.init_module(empty_init=True)`` builds on the meta device; ``setup`` then
+        initializes each home shard from the module's ``init_parameter``."""
+        with (torch.device("meta") if empty_init else contextlib.nullcontext()), \
+                self.precision_plugin.tensor_init_context():
+            yield
+
+    @override
+    def model_to_device(self) -> None:
+        pass  # home parameters are created on the root device
+
+    # ------------------------------------------------------------------ the step
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Tensor:
+        batch, batch_idx = args[0], (args[1] if len(args) > 1 else kwargs.get("batch_idx", 0))
+        plan = batch if isinstance(batch, RankPlan) else self._plain_plan(batch)
+        return self._run_plan(plan, batch_idx)
+
+    def _plain_plan(self, batch: Any) -> RankPlan:
+        """An ordinary batch: one stage in the default layout; loss weighted by this rank's target
+        tokens if the batch says how many it has, else averaged over ranks as DDP does."""
+        layout = self.default_layout
+        if layout.tp > 1 or layout.cp > 1:
+            raise LayoutError(f"plain batches of type {type(batch).__name__} need a pure data-parallel "
+                              f"default layout, but it is {layout}; feed RankPlans from HotSPaDataModule")
+        tokens = getattr(batch, "num_target_tokens", None)
+        if tokens is not None:
+            total = torch.tensor([float(tokens)], device=self.root_device)
+            dist.all_reduce(total)
+            global_tokens = int(total.item())
+        else:
+            global_tokens = -1
+        return RankPlan(-1, (RankStage(layout, (batch,), self.activation_checkpointing_for(layout)),),
+                        global_tokens, {"plain": True})
+
+    def _loss_weight(self, mb: Any, plan: RankPlan, layout: Layout) -> float:
+        if plan.global_target_tokens < 0:  # plain batch without token counts: mean over dp ranks
+            return 1.0 / layout.dp
+        if plan.global_target_tokens == 0:
+            return 0.0
+        return mb.num_target_tokens / plan.global_target_tokens
+
+    def _run_plan(self, plan: RankPlan, batch_idx: int) -> Tensor:
+        assert self.engine is not None and self.parallel is not None
+        module = self.lightning_module
+        trainer = module.trainer
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.root_device)
+        stats: list[StageStats] = []
+        try:
+            for stage in plan.stages:
+                t0 = time.perf_counter()
+                report = self._switch_to(stage.layout)
+                self.parallel.activate(stage.layout, self.engine.working,
+                                       stage.activation_checkpointing or self.activation_checkpointing_for(stage.layout))
+                t1 = time.perf_counter()
+                stage_loss = 0.0
+                for mb in stage.micro_batches:
+                    with self.parallel.micro_batch(mb if isinstance(mb, MicroBatch) else None), \
+                            self.precision_plugin.train_step_context():
+                        loss = module.training_step(mb, batch_idx)
+                    loss = _as_scalar_loss(loss, module)
+                    scaled = loss * self._loss_weight(mb, plan, stage.layout)
+                    call._call_callback_hooks(trainer, "on_before_backward", scaled)
+                    call._call_lightning_module_hook(trainer, "on_before_backward", scaled)
+                    module.backward(scaled)
+                    call._call_callback_hooks(trainer, "on_after_backward")
+                    call._call_lightning_module_hook(trainer, "on_after_backward")
+                    stage_loss += float(scaled.detach()) / stage.layout.tp  # tp ranks hold copies
+                t2 = time.perf_counter()
+                grad_report = self.engine.reduce_gradients()
+                t3 = time.perf_counter()
+                loss_sum += stage_loss
+                stats.append(StageStats.measure(stage, report, grad_report, switch_s=t1 - t0,
+                                                compute_s=t2 - t1, reduce_s=t3 - t2))
+        finally:
+            self.parallel.restore(self.home)
+            self.engine.release()
+        self.last_stage_stats = stats
+        # the one small collective of the step: the exact global loss and the slowest rank's times
+        loss, metrics = step_metrics(loss_sum, stats, plan, self.root_device)
+        if metrics and not plan.extras.get("plain"):
+            module.log_dict(metrics, on_step=True, on_epoch=False, sync_dist=False, rank_zero_only=True,
+                            batch_size=1)
+        return loss.to(torch.float32)
+
+    def _switch_to(self, layout: Layout) -> Any:
+        assert self.engine is not None
+        if self.engine.active is None:
+            return self.engine.materialize(layout)
+        return self.engine.switch(layout)
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
+        """Gradients were computed and reduced inside ``training_step``; hand them to the home params
+        now, after Lightning's ``zero_grad`` (DESIGN.md, closure trap)."""
+        assert self.engine is not None
+        self.engine.assign_home_grads()
+        self.engine.clear_grad_store()
+        return closure_loss
+
+    # ------------------------------------------------------------------ evaluation
+    def _eval_step(self, hook: str, args: tuple, kwargs: dict) -> Any:
+        assert self.engine is not None and self.parallel is not None
+        module = self.lightning_module
+        batch = args[0]
+        rest = args[1:]
+        stages = batch.stages if isinstance(batch, RankPlan) else (RankStage(self.default_layout, (batch,)),)
+        if not isinstance(batch, RankPlan) and (self.default_layout.tp > 1 or self.default_layout.cp > 1):
+            raise LayoutError(f"plain batches need a pure data-parallel default layout, got {self.default_layout}")
+        output = None
+        context = getattr(self.precision_plugin, f"{hook.split('_')[0]}_step_context", contextlib.nullcontext)
+        try:
+            for stage in stages:
+                self._switch_to(stage.layout)
+                self.parallel.activate(stage.layout, self.engine.working)
+                for mb in stage.micro_batches:
+                    with self.parallel.micro_batch(mb if isinstance(mb, MicroBatch) else None), context():
+                        output = getattr(module, hook)(mb, *rest, **kwargs)
+        finally:
+            self.parallel.restore(self.home)
+            self.engine.release()
+        return output
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._eval_step("validation_step", args, kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._eval_step("test_step", args, kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._eval_step("predict_step", args, kwargs)
+
+    # ------------------------------------------------------------------ collectives
+    @override
+    def barrier(self, name: str | None = None) -> None:
+        if not _distributed_is_initialized():
+            return
+        if dist.get_backend() == "nccl":
+            dist.barrier(device_ids=[self.root_device.index])
+        else:
+            dist.barrier()
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not _distributed_is_initialized():
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src)
+        return box[0]
+
+    @override
+    def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
+        if isinstance(tensor, Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    @override
+    def teardown(self) -> None:
+        if self.parallel is not None and self.home:
+            self.parallel.restore(self.home)
+        assert self.cluster_environment is not None and self.accelerator is not None
+        self.cluster_environment.teardown()
+        self.precision_plugin.teardown()
+        self.accelerator.teardown()
+
+    # ------------------------------------------------------------------ checkpoints
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        return self.lightning_module.state_dict()
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        pass  # loaded in load_checkpoint, where DCP reshards into this run's layouts
+
+    @override
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        return get_optimizer_state_dict(self.lightning_module, getattr(optimizer, "_optimizer", optimizer))
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        pass  # loaded in load_checkpoint
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__}.save_checkpoint does not take storage_options")
+        path = self.broadcast(str(filepath))
+        checkpoint.setdefault("hotspa", {})["planner"] = (self.planner.state_dict()
+                                                          if hasattr(self.planner, "state_dict") else {})
+        checkpoint["hotspa"]["layouts"] = [x.name for x in self.layouts]
+        save_distributed_checkpoint(checkpoint, path, is_rank_zero=self.global_rank == 0, barrier=self.barrier)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        path = self.broadcast(str(checkpoint_path))
+        checkpoint = load_distributed_checkpoint(path, self.lightning_module, self.optimizers)
+        planner_state = checkpoint.get("hotspa", {}).get("planner")
+        if planner_state and hasattr(self.planner, "load_state_dict"):
+            self.planner.load_state_dict(planner_state)
+        return checkpoint
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        if self.global_rank == 0:
+            import shutil
+            from pathlib import Path
+
+            path = Path(filepath)
+            shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        if "hotspa" not in strategy_registry:
+            strategy_registry.register("hotspa", cls, description="HotSPa: hot-switch parallel layouts per bucket")
+
+
+def _as_scalar_loss(loss: Any, module: nn.Module) -> Tensor:
+    if isinstance(loss, Mapping):
+        loss = loss.get("loss")
+    if not isinstance(loss, Tensor) or loss.numel() != 1 or not loss.requires_grad:
+        what = type(loss).__name__ if not isinstance(loss, Tensor) else f"a tensor of shape {tuple(loss.shape)}" + (
+            "" if loss.requires_grad else " without grad")
+        raise ValueError(f"{type(module).__name__}.training_step must return a scalar loss tensor with a graph "
+                         f"(the mean over its micro-batch's target tokens); got {what}")
+    if not math.isfinite(float(loss.detach())):
+        raise FloatingPointError(f"{type(module).__name__}.training_step returned a non-finite loss "
+                                 f"{float(loss.detach())}")
+    return loss.reshape(())
+

@@ -1,0 +1,192 @@
+"""HotSPaStrategy under a real Lightning Trainer on 4 gloo ranks, against a single-process reference."""
+
+import lightning as L
+import pytest
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback
+from strategy_helpers import lightning_rank_env, mixed_plan, rank_plans, reference_run, rel_errors
+
+import lightning_hotspa  # noqa: F401  (registers "hotspa")
+from lightning_hotspa import HotSPaStrategy
+from lightning_hotspa.layout import Layout
+from lightning_hotspa.models import LlamaLM
+
+LENGTHS = [[7, 30, 12, 5, 64, 9, 3, 40, 17, 25, 11, 50, 8, 33],
+           [20, 4, 44, 13, 6, 70, 15, 9, 31, 2, 27, 18],
+           [60, 10, 21, 35, 5, 14, 48, 26, 7, 19, 3, 38, 12]]
+
+
+def _model():
+    return LlamaLM("tiny", seed=3, lr=2e-3, weight_decay=0.1)
+
+
+class _Recorder(Callback):
+    def __init__(self):
+        self.before = self.after = 0
+        self.losses = []
+
+    def on_before_backward(self, trainer, pl_module, loss):
+        self.before += 1
+
+    def on_after_backward(self, trainer, pl_module):
+        self.after += 1
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.losses.append(float(outputs["loss"]))
+
+
+def fit_and_compare(layout_names, steps=3, precision="32-true", clip=None):
+    layouts = [Layout.parse(x) for x in layout_names]
+    plans = [mixed_plan(s, LENGTHS[s % len(LENGTHS)], layouts) for s in range(steps)]
+    batches = rank_plans(plans, layouts, dist.get_rank())
+    recorder = _Recorder()
+    with lightning_rank_env():
+        trainer = L.Trainer(accelerator="cpu", devices=dist.get_world_size(), strategy=HotSPaStrategy(layout_names),
+                            max_steps=steps, precision=precision, logger=False, enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
+                            callbacks=[recorder], gradient_clip_val=clip)
+        model = _model()
+        trainer.fit(model, train_dataloaders=torch.utils.data.DataLoader(batches, batch_size=None,
+                                                                         collate_fn=lambda x: x))
+    ours = {n: p.detach().full_tensor() for n, p in model.named_parameters()}
+    micro_batches = sum(len(b.micro_batches) for b in batches)
+    assert recorder.before == recorder.after == micro_batches, (recorder.before, micro_batches)
+    if dist.get_rank() != 0:
+        return None
+    ref_model, ref_losses = reference_run(_model, plans, clip=clip)
+    errors = rel_errors(ours, dict(ref_model.named_parameters()))
+    return {"errors": errors, "losses": recorder.losses, "ref_losses": ref_losses,
+            "global_step": trainer.global_step}
+
+
+def test_dp_only_plans_match_single_process(ranks):
+    result = ranks(4).run(fit_and_compare, ["dp4"])[0]
+    assert result["global_step"] == 3
+    worst = max(result["errors"], key=result["errors"].get)
+    assert result["errors"][worst] <= 1e-5, (worst, result["errors"][worst])
+    for ours, ref in zip(result["losses"], result["ref_losses"]):
+        assert abs(ours - ref) <= 1e-5 * abs(ref)
+
+
+def _fit(model, layout_names, batches, steps, ckpt_path=None, **trainer_kwargs):
+    with lightning_rank_env():
+        trainer = L.Trainer(accelerator="cpu", devices=dist.get_world_size(), strategy=HotSPaStrategy(layout_names),
+                            max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                            enable_model_summary=False, use_distributed_sampler=False, **trainer_kwargs)
+        trainer.fit(model, train_dataloaders=torch.utils.data.DataLoader(batches, batch_size=None,
+                                                                         collate_fn=lambda x: x),
+                    ckpt_path=ckpt_path)
+    return trainer
+
+
+def checkpoint_phase(phase, layout_names, path):
+    """'full': 3 steps; 'save': 2 steps then save; 'resume': load, then the third step only."""
+    layouts = [Layout.parse(x) for x in layout_names]
+    plans = [mixed_plan(s, LENGTHS[s % len(LENGTHS)], layouts) for s in range(3)]
+    batches = rank_plans(plans, layouts, dist.get_rank())
+    model = LlamaLM("tiny", seed=3, lr=2e-3, warmup_steps=1, max_steps=10)  # with an LR schedule to restore
+    if phase == "full":
+        _fit(model, layout_names, batches, 3)
+    elif phase == "save":
+        trainer = _fit(model, layout_names, batches[:2], 2)
+        with lightning_rank_env():
+            trainer.save_checkpoint(path)
+    else:
+        trainer = _fit(model, layout_names, batches[2:], 3, ckpt_path=path)
+        assert trainer.global_step == 3
+    return {n: p.detach().full_tensor() for n, p in model.named_parameters()}
+
+
+def test_checkpoint_at_world_4_resumes_at_world_2(ranks, tmp_path):
+    path = str(tmp_path / "ckpt")
+    full = ranks(4).run(checkpoint_phase, "full", ["dp4"], path)[0]
+    ranks(4).run(checkpoint_phase, "save", ["dp4"], path)
+    resumed = ranks(2).run(checkpoint_phase, "resume", ["dp2"], path)[0]
+    errors = rel_errors(resumed, full)
+    assert max(errors.values()) <= 1e-5, errors
+
+
+def _micro_batches(n, seed=0):
+    """Equal target tokens per micro-batch, so a token mean equals DDP's mean of means."""
+    from lightning_hotspa.plan import pack_micro_batch
+    from strategy_helpers import make_docs
+
+    return [pack_micro_batch(make_docs(100 + seed * 50 + i, [17, 9, 30])) for i in range(n)]
+
+
+def plain_batches_vs_ddp():
+    """An ordinary DataLoader (Lightning's DistributedSampler gives each rank its own micro-batch):
+    our dp4 equals DDPStrategy, with gradient clipping and an LR schedule on."""
+    from lightning.pytorch.strategies import DDPStrategy
+
+    data = _micro_batches(12)
+    finals = {}
+    for name, strategy in (("hotspa", HotSPaStrategy(["dp4", "dp2xtp2"], default_layout="dp4")),
+                           ("ddp", DDPStrategy())):
+        model = LlamaLM("tiny", seed=5, lr=3e-3, warmup_steps=2, max_steps=10)
+        with lightning_rank_env():
+            trainer = L.Trainer(accelerator="cpu", devices=4, strategy=strategy, max_steps=3, logger=False,
+                                enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                                gradient_clip_val=0.05)
+            trainer.fit(model, train_dataloaders=torch.utils.data.DataLoader(data, batch_size=None))
+        params = dict(model.named_parameters())
+        finals[name] = {n: (p.detach().full_tensor() if hasattr(p, "full_tensor") else p.detach().clone())
+                        for n, p in params.items()}
+        finals[name + "_lr"] = trainer.lr_scheduler_configs[0].scheduler.get_last_lr()
+        finals[name + "_step"] = trainer.global_step
+    return rel_errors(finals["hotspa"], finals["ddp"]), finals["hotspa_lr"], finals["ddp_lr"], finals["hotspa_step"]
+
+
+def test_plain_dataloader_equals_ddp_with_clipping_and_schedule(ranks):
+    errors, lr_ours, lr_ddp, steps = ranks(4).run(plain_batches_vs_ddp)[0]
+    assert steps == 3 and lr_ours == lr_ddp
+    worst = max(errors, key=errors.get)
+    assert errors[worst] <= 1e-5, (worst, errors[worst])
+
+
+def bad_setups():
+    messages = {}
+    cases = {
+        "product": (["dp2"], LlamaLM("tiny")),
+        "heads": (["dp4", "tp4"], LlamaLM({"preset": "tiny", "n_heads": 2, "n_kv_heads": 2})),
+        "nest": (["dp4", "tp4", "dp2xtp2", "dp2xcp2", "cp4", "tp2xcp2"], LlamaLM("tiny")),
+    }
+    for key, (layouts, model) in cases.items():
+        try:
+            _fit(model, layouts, [], 1)
+            messages[key] = None
+        except Exception as e:  # noqa: BLE001
+            messages[key] = f"{type(e).__name__}: {e}"
+    return messages
+
+
+def test_bad_configuration_fails_at_setup_with_clear_messages(ranks):
+    messages = ranks(4).run(bad_setups)[0]
+    assert "layout dp2 covers 2 ranks" in messages["product"] and "world size is 4" in messages["product"]
+    assert "tp=4 does not divide n_heads=2" in messages["heads"]
+    assert messages["nest"] is None  # all of these nest on a 2x2 mesh
+
+
+@pytest.mark.parametrize("precision, match", [("64-true", "got '64-true'"), ("16-true", "got '16-true'")])
+def test_unsupported_precision_is_refused_when_the_trainer_is_built(precision, match):
+    with pytest.raises(ValueError, match=match):
+        L.Trainer(accelerator="cpu", devices=1, strategy=HotSPaStrategy(["dp1"]), precision=precision)
+
+
+def test_strategy_arguments_are_validated():
+    from lightning_hotspa.layout import LayoutError
+
+    with pytest.raises(LayoutError, match="empty"):
+        HotSPaStrategy([])
+    with pytest.raises(LayoutError, match="cannot parse layout 'dp2xfoo'"):
+        HotSPaStrategy(["dp2xfoo"])
+    with pytest.raises(ValueError, match="tokens_per_rank must be a positive int, got 0"):
+        HotSPaStrategy(tokens_per_rank=0)
+    with pytest.raises(ValueError, match="activation_checkpointing must be"):
+        HotSPaStrategy(activation_checkpointing="sometimes")
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy="hotspa", logger=False)
+    assert isinstance(trainer.strategy, HotSPaStrategy)
+    import importlib
+
+    importlib.reload(lightning_hotspa)  # registering twice is harmless
