@@ -1,0 +1,193 @@
+"""Causal core attention over packed documents, with interchangeable backends.
+
+Every backend has the signature ``(q, k, v, cu_seqlens, max_seqlen) -> out`` with q [T, h, d],
+k and v [T, hkv, d], out [T, h, d], and masks attention at the ``cu_seqlens`` document
+boundaries. Grouped-query attention maps q head i to kv head ``i // (h // hkv)`` (kv groups
+contiguous, as flash-attn does), which stays right when tensor parallelism hands each rank a
+contiguous block of q heads and the matching contiguous block of kv heads.
+
+GPU kernels are imported lazily inside the call: flash-attn has no CPU wheel, and importing
+this module must never need it.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import inspect
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+__all__ = [
+    "CoreAttention",
+    "BACKENDS",
+    "auto_attention",
+    "auto_backend_name",
+    "flash_varlen_attention",
+    "repeat_kv",
+    "sdpa_attention",
+    "select_attention_backend",
+    "torch_varlen_attention",
+]
+
+CoreAttention = Callable[[Tensor, Tensor, Tensor, Tensor, int], Tensor]
+
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+def repeat_kv(kv: Tensor, n_q_heads: int) -> Tensor:
+    """Repeat kv heads [T, hkv, d] to [T, n_q_heads, d], each kv head over a contiguous group."""
+    n_kv_heads = kv.shape[1]
+    if n_q_heads % n_kv_heads:
+        raise ValueError(
+            f"local q heads ({n_q_heads}) are not a multiple of local kv heads ({n_kv_heads})"
+        )
+    if n_q_heads == n_kv_heads:
+        return kv
+    return kv.repeat_interleave(n_q_heads // n_kv_heads, dim=1)
+
+
+def _document_bounds(cu_seqlens: Tensor, total: int) -> list[int]:
+    bounds = [int(b) for b in cu_seqlens.tolist()]
+    if not bounds or bounds[0] != 0 or bounds[-1] != total:
+        raise ValueError(
+            f"cu_seqlens must start at 0 and end at the token count {total}, got {bounds}"
+        )
+    if any(b > e for b, e in zip(bounds[:-1], bounds[1:], strict=True)):
+        raise ValueError(f"cu_seqlens must be non-decreasing, got {bounds}")
+    return bounds
+
+
+def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int) -> Tensor:
+    """Torch SDPA, one causal call per document (the CPU backend and universal fallback).
+
+    Chosen over one SDPA call with a [T, T] block-diagonal causal mask, which does T^2 work
+    and holds a T^2 mask whatever the documents. Measured forward+backward, fp32, 8 heads x 64,
+    T=4096, one thread (CPU time, min of 3): per-document is 4.2x faster for 4 documents of
+    1024, 25x for 16 of 256, 49x for 64 of 64, 32x for 256 of 16, and on par (mask 5% faster,
+    5.2 vs 5.4 s) for one document of 4096. Documents are cut with ``split``, whose backward
+    is one concatenation: slicing each one costs a full-size zero gradient per document
+    (3.3x slower at 256 documents of 8).
+    """
+    del max_seqlen  # per-document calls need no padding bound
+    bounds = _document_bounds(cu_seqlens, q.shape[0])
+    lengths = [end - start for start, end in zip(bounds[:-1], bounds[1:], strict=True)]
+    if not lengths:  # no documents, no tokens
+        return q.new_zeros(q.shape)
+    k, v = repeat_kv(k, q.shape[1]), repeat_kv(v, q.shape[1])
+    # [T, h, d] -> [h, T, d]: SDPA treats the leading dim as batch; documents split along T.
+    pieces = zip(*(t.transpose(0, 1).split(lengths, dim=1) for t in (q, k, v)), strict=True)
+    outs = [
+        F.scaled_dot_product_attention(qd, kd, vd, is_causal=True) if qd.shape[1] else qd
+        for qd, kd, vd in pieces
+    ]
+    return torch.cat(outs, dim=1).transpose(0, 1)
+
+
+def flash_varlen_attention(
+    q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int
+) -> Tensor:
+    """flash-attn's varlen kernel (CUDA, fp16/bf16); handles GQA natively."""
+    from flash_attn import flash_attn_varlen_func  # lazy: no CPU wheel exists
+
+    cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
+    return flash_attn_varlen_func(
+        q, k, v, cu, cu, int(max_seqlen), int(max_seqlen), dropout_p=0.0, causal=True
+    )
+
+
+@functools.cache
+def _parameter_names(fn: Callable[..., object]) -> frozenset[str]:
+    return frozenset(inspect.signature(fn).parameters)
+
+
+def torch_varlen_attention(
+    q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int
+) -> Tensor:
+    """``torch.nn.attention.varlen.varlen_attn`` (CUDA flash kernel shipped with torch)."""
+    from torch.nn.attention.varlen import varlen_attn  # lazy: absent from older torch
+
+    params = _parameter_names(varlen_attn)
+    kwargs: dict[str, object] = {}
+    if "window_size" in params:  # newer torch spells causal as a (-1, 0) window
+        kwargs["window_size"] = (-1, 0)
+    else:
+        kwargs["is_causal"] = True
+    if "enable_gqa" in params:
+        kwargs["enable_gqa"] = True
+    else:
+        k, v = repeat_kv(k, q.shape[1]), repeat_kv(v, q.shape[1])
+    cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
+    return varlen_attn(q, k, v, cu, cu, int(max_seqlen), int(max_seqlen), **kwargs)
+
+
+BACKENDS: dict[str, CoreAttention] = {
+    "flash_varlen": flash_varlen_attention,
+    "torch_varlen": torch_varlen_attention,
+    "sdpa": sdpa_attention,
+}
+
+
+@functools.cache
+def _flash_attn_installed() -> bool:
+    return importlib.util.find_spec("flash_attn") is not None
+
+
+@functools.cache
+def _torch_varlen_available() -> bool:
+    try:
+        from torch.nn.attention.varlen import varlen_attn  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _unavailable_reason(name: str, device: torch.device | None) -> str | None:
+    if name == "sdpa":
+        return None
+    if device is not None and device.type != "cuda":
+        return f"it runs only on CUDA, not on {device.type!r}"
+    if name == "flash_varlen" and not _flash_attn_installed():
+        return "flash-attn is not installed (pip install 'lightning-hotspa[gpu]')"
+    if name == "torch_varlen" and not _torch_varlen_available():
+        return f"torch {torch.__version__} has no torch.nn.attention.varlen"
+    return None
+
+
+def auto_backend_name(device: torch.device | str, dtype: torch.dtype) -> str:
+    """The backend "auto" uses for inputs on ``device`` with ``dtype``."""
+    device = torch.device(device)
+    if device.type == "cuda" and dtype in _LOW_PRECISION:
+        for name in ("flash_varlen", "torch_varlen"):
+            if _unavailable_reason(name, device) is None:
+                return name
+    return "sdpa"  # CPU, fp32 on GPU (the kernels need fp16/bf16), or no GPU kernel installed
+
+
+def auto_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int) -> Tensor:
+    """Pick the backend per call from the inputs' device and dtype (the model's default)."""
+    return BACKENDS[auto_backend_name(q.device, q.dtype)](q, k, v, cu_seqlens, max_seqlen)
+
+
+def select_attention_backend(
+    name: str = "auto", device: torch.device | str | None = None
+) -> CoreAttention:
+    """The core-attention callable for ``name``.
+
+    "auto" returns :func:`auto_attention`, which decides per call (so it stays right when the
+    model moves between devices or precisions). A named backend is checked against ``device``
+    when one is given, and against what is installed.
+    """
+    if name == "auto":
+        return auto_attention
+    if name not in BACKENDS:
+        raise ValueError(
+            f"unknown attention backend {name!r}; choose one of {['auto', *BACKENDS]}"
+        )
+    reason = _unavailable_reason(name, None if device is None else torch.device(device))
+    if reason is not None:
+        raise ValueError(f"attention backend {name!r} is unavailable: {reason}")
+    return BACKENDS[name]

@@ -1,0 +1,152 @@
+"""LightningModule for the Llama decoder, trained on packed micro-batches.
+
+``training_step`` returns the mean loss over its own slice's target tokens, as any
+LightningModule does; the HotSPa strategy rescales it by the slice's share of the mini-batch's
+target tokens (DESIGN.md §4). The loss function is an attribute so a tensor-parallel wrapper
+can swap in a vocab-parallel cross-entropy for vocab-sharded logits.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .config import LlamaConfig
+from .init import build_llama, init_parameter
+from .llama import Llama
+from .tp_plan import TPRole, llama_tp_plan
+
+__all__ = ["IGNORE_INDEX", "LlamaLM", "PackedBatch", "token_mean_cross_entropy"]
+
+IGNORE_INDEX = -100
+
+
+class PackedBatch(Protocol):
+    """What ``training_step`` reads (``lightning_hotspa.plan.MicroBatch`` has these fields)."""
+
+    input_ids: Tensor
+    labels: Tensor
+    position_ids: Tensor
+    cu_seqlens: Tensor
+    max_seqlen: int
+    num_target_tokens: int
+
+
+def token_mean_cross_entropy(logits: Tensor, labels: Tensor) -> Tensor:
+    """Mean fp32 cross-entropy over positions with ``labels != -100``.
+
+    With no target at all it returns an exact zero that still depends on ``logits`` (the sum
+    over no targets), so backward runs and yields zero gradients; no host sync is needed.
+    """
+    total = F.cross_entropy(
+        logits.float(), labels, ignore_index=IGNORE_INDEX, reduction="sum"
+    )
+    count = (labels != IGNORE_INDEX).sum().clamp(min=1)
+    return total / count
+
+
+def _as_config(config: LlamaConfig | str | Mapping[str, Any]) -> LlamaConfig:
+    if isinstance(config, LlamaConfig):
+        return config
+    if isinstance(config, str):
+        return LlamaConfig.preset(config)
+    fields = dict(config)
+    preset = fields.pop("preset", None)
+    return LlamaConfig.preset(preset, **fields) if preset else LlamaConfig(**fields)
+
+
+class LlamaLM(L.LightningModule):
+    """Causal LM over packed documents.
+
+    ``config`` is a :class:`LlamaConfig`, a preset name, or a mapping of fields (with an
+    optional ``preset`` key to start from), which is how Hydra configs pass it. Weights are
+    seeded per parameter from ``seed``; built under ``torch.device("meta")`` (as a strategy's
+    init context may do) they stay empty and the strategy fills them, shard by shard, from
+    :meth:`init_parameter`.
+    """
+
+    def __init__(
+        self,
+        config: LlamaConfig | str | Mapping[str, Any] = "tiny",
+        *,
+        seed: int = 0,
+        lr: float = 3e-4,
+        weight_decay: float = 0.1,
+        betas: Sequence[float] = (0.9, 0.95),
+        warmup_steps: int = 0,
+        max_steps: int | None = None,
+        min_lr_ratio: float = 0.1,
+        activation_checkpointing: bool = False,
+        attention_backend: str = "auto",
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.config = _as_config(config)
+        self.model: Llama = build_llama(self.config, seed)
+        self.model.set_activation_checkpointing(activation_checkpointing)
+        self.model.set_attention_backend(attention_backend)
+        self.loss_fn: Callable[[Tensor, Tensor], Tensor] = token_mean_cross_entropy
+
+    def forward(
+        self, input_ids: Tensor, position_ids: Tensor, cu_seqlens: Tensor, max_seqlen: int
+    ) -> Tensor:
+        return self.model(input_ids, position_ids, cu_seqlens, max_seqlen)
+
+    def training_step(self, batch: PackedBatch, batch_idx: int = 0) -> Tensor:
+        logits = self(batch.input_ids, batch.position_ids, batch.cu_seqlens, batch.max_seqlen)
+        loss = self.loss_fn(logits, batch.labels)
+        self.log("train/loss", loss.detach(), prog_bar=True,
+                 batch_size=max(int(batch.num_target_tokens), 1))
+        return loss
+
+    def init_parameter(self, name: str) -> Tensor:
+        """Full fp32 initial value of parameter ``name`` of this module (``model.`` prefix)."""
+        inner = name.removeprefix("model.")
+        if inner == name:
+            raise ValueError(f"{type(self).__name__} has no parameter {name!r}")
+        shape = self.get_parameter(name).shape
+        return init_parameter(inner, shape, self.hparams.seed, n_layers=self.config.n_layers)
+
+    def tp_plan(self, tp: int) -> dict[str, TPRole]:
+        """The declarative TP plan with names relative to this module."""
+        return llama_tp_plan(self.config, tp, prefix="model.")
+
+    def configure_optimizers(self) -> Any:
+        """AdamW (no decay on 1-D params such as norms), optional linear warmup + cosine decay."""
+        hp = self.hparams
+        decay = [p for p in self.parameters() if p.requires_grad and p.dim() >= 2]
+        no_decay = [p for p in self.parameters() if p.requires_grad and p.dim() < 2]
+        optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": hp.weight_decay},
+             {"params": no_decay, "weight_decay": 0.0}],
+            lr=hp.lr, betas=tuple(hp.betas),
+        )
+        if hp.warmup_steps <= 0 and hp.max_steps is None:
+            return optimizer
+        schedule = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lr_lambda=_warmup_cosine(hp.warmup_steps, hp.max_steps, hp.min_lr_ratio)
+        )
+        return {"optimizer": optimizer,
+                "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+
+def _warmup_cosine(
+    warmup_steps: int, max_steps: int | None, min_ratio: float
+) -> Callable[[int], float]:
+    """LR multiplier: linear warmup, then cosine down to ``min_ratio`` at ``max_steps``."""
+
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        if max_steps is None or max_steps <= warmup_steps:
+            return 1.0
+        progress = min(1.0, (step - warmup_steps) / (max_steps - warmup_steps))
+        return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return factor

@@ -1,0 +1,140 @@
+"""Llama-style decoder (RMSNorm, RoPE, SwiGLU, GQA) over packed 1-D token rows.
+
+Written for one device, but shard-agnostic: no forward reads a head count or the FFN width
+from the config. Local head counts come from the projection outputs, so the same code runs
+when ``wq/wk/wv/w1/w3`` are column-sharded, ``wo/w2`` row-sharded and the embedding / LM head
+vocab-sharded (the parallel wrapper adds the collectives around these modules).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+from .attention import CoreAttention, select_attention_backend
+from .config import LlamaConfig
+from .rope import apply_rotary, rotary_cos_sin
+
+__all__ = ["Attention", "Block", "FeedForward", "Llama", "RMSNorm"]
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm, computed in fp32 whatever the working precision."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + self.eps)
+        return normed.type_as(x) * self.weight
+
+
+class Attention(nn.Module):
+    """Self-attention whose core is the swappable callable ``self.core_attention``.
+
+    ``core_attention(q [T,h,d], k [T,hkv,d], v [T,hkv,d], cu_seqlens, max_seqlen) -> [T,h,d]``;
+    a context-parallel wrapper replaces it without touching the projections.
+    """
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        hd = config.head_dim
+        self.head_dim = hd  # the only shape read in forward: it is never sharded
+        self.wq = nn.Linear(config.hidden, config.n_heads * hd, bias=False)
+        self.wk = nn.Linear(config.hidden, config.n_kv_heads * hd, bias=False)
+        self.wv = nn.Linear(config.hidden, config.n_kv_heads * hd, bias=False)
+        self.wo = nn.Linear(config.n_heads * hd, config.hidden, bias=False)
+        self.core_attention: CoreAttention = select_attention_backend("auto")
+
+    def forward(
+        self, x: Tensor, cos: Tensor, sin: Tensor, cu_seqlens: Tensor, max_seqlen: int
+    ) -> Tensor:
+        tokens = x.shape[0]
+        # -1: the local head count, whatever share of the heads this rank's weights hold.
+        q = self.wq(x).view(tokens, -1, self.head_dim)
+        k = self.wk(x).view(tokens, -1, self.head_dim)
+        v = self.wv(x).view(tokens, -1, self.head_dim)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = self.core_attention(q, k, v, cu_seqlens, max_seqlen)
+        return self.wo(out.reshape(tokens, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU MLP: ``w2(silu(w1 x) * w3 x)``; the hidden width is whatever w1 holds locally."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(config.hidden, config.ffn_hidden, bias=False)
+        self.w2 = nn.Linear(config.ffn_hidden, config.hidden, bias=False)
+        self.w3 = nn.Linear(config.hidden, config.ffn_hidden, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(config.hidden, config.norm_eps)
+        self.attention = Attention(config)
+        self.ffn_norm = RMSNorm(config.hidden, config.norm_eps)
+        self.feed_forward = FeedForward(config)
+
+    def forward(
+        self, x: Tensor, cos: Tensor, sin: Tensor, cu_seqlens: Tensor, max_seqlen: int
+    ) -> Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin, cu_seqlens, max_seqlen)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Llama(nn.Module):
+    """Decoder over a packed row: ``forward(input_ids [T], ...) -> logits [T, vocab]``.
+
+    Constructing under ``torch.device("meta")`` allocates nothing; fill weights with
+    :func:`lightning_hotspa.models.init_weights` (one parameter at a time, seeded by name).
+    """
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.tok_embeddings = nn.Embedding(config.padded_vocab_size, config.hidden)
+        self.layers = nn.ModuleList(Block(config) for _ in range(config.n_layers))
+        self.norm = RMSNorm(config.hidden, config.norm_eps)
+        self.output = nn.Linear(config.hidden, config.padded_vocab_size, bias=False)
+        self.activation_checkpointing = False
+
+    def set_activation_checkpointing(self, enabled: bool) -> None:
+        """Recompute each block in backward instead of keeping its activations (runtime switch)."""
+        self.activation_checkpointing = bool(enabled)
+
+    def set_attention_backend(self, backend: str | CoreAttention) -> None:
+        """Use one core attention (a backend name or a callable) in every layer."""
+        fn = select_attention_backend(backend) if isinstance(backend, str) else backend
+        for layer in self.layers:
+            layer.attention.core_attention = fn
+
+    def forward(
+        self, input_ids: Tensor, position_ids: Tensor, cu_seqlens: Tensor, max_seqlen: int
+    ) -> Tensor:
+        if input_ids.dim() != 1:
+            raise ValueError(
+                f"Llama expects packed 1-D input_ids, got shape {tuple(input_ids.shape)}"
+            )
+        x = self.tok_embeddings(input_ids)
+        cos, sin = rotary_cos_sin(
+            position_ids, self.config.head_dim, self.config.rope_theta, x.dtype
+        )
+        use_checkpoint = self.activation_checkpointing and torch.is_grad_enabled()
+        for layer in self.layers:
+            if use_checkpoint:
+                x = checkpoint(layer, x, cos, sin, cu_seqlens, max_seqlen, use_reentrant=False)
+            else:
+                x = layer(x, cos, sin, cu_seqlens, max_seqlen)
+        return self.output(self.norm(x))

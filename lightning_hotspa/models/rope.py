@@ -1,0 +1,41 @@
+"""Rotary position embeddings driven by explicit ``position_ids``.
+
+Packed inputs hold several documents in one row, so positions cannot be ``arange(T)``: they
+restart at every document boundary and are passed in. Nothing is cached, so the model has no
+buffers to materialize after meta-device construction, and the cost (a [T, head_dim] table)
+is small next to the projections.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = ["rotary_cos_sin", "apply_rotary", "position_ids_from_cu_seqlens"]
+
+
+def rotary_cos_sin(
+    position_ids: Tensor, head_dim: int, theta: float, dtype: torch.dtype
+) -> tuple[Tensor, Tensor]:
+    """cos and sin tables of shape [T, head_dim] (the two halves repeat), computed in fp32."""
+    exponent = torch.arange(0, head_dim, 2, device=position_ids.device, dtype=torch.float32)
+    inv_freq = theta ** (-exponent / head_dim)
+    angles = position_ids.to(torch.float32)[:, None] * inv_freq[None, :]
+    angles = torch.cat((angles, angles), dim=-1)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate ``x`` [T, heads, head_dim] (half-split convention); works for any local head count."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+def position_ids_from_cu_seqlens(cu_seqlens: Tensor) -> Tensor:
+    """Positions 0..len-1 for every document delimited by ``cu_seqlens`` (int64, shape [T])."""
+    cu = cu_seqlens.to(torch.int64)
+    lengths = cu[1:] - cu[:-1]
+    total = int(cu[-1])
+    starts = torch.repeat_interleave(cu[:-1], lengths, output_size=total)
+    return torch.arange(total, device=cu.device) - starts

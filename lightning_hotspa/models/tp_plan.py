@@ -1,0 +1,121 @@
+"""Declarative tensor-parallel plan: glob pattern over module/parameter names -> role.
+
+The model only *declares* how each weight is split (as torchtitan does); the parallel package
+reads the roles and does the sharding and the collectives. Roles:
+
+- ``colwise``: Linear weight [out, in] sharded on dim 0 (output features, i.e. heads).
+- ``rowwise``: Linear weight sharded on dim 1; its outputs are partial sums over tp.
+- ``vocab``: [vocab, hidden] sharded on dim 0: the Embedding (out-of-shard ids look up zeros)
+  and the LM head Linear (colwise, but its consumer, the loss, needs every logit: the parallel
+  forward gathers the vocab-sharded logits or hands them to a vocab-parallel loss).
+- ``replicated``: the same on every tp rank, and so is its gradient (norms).
+- ``replicated_partial``: the same weight on every tp rank, but each rank's gradient is a
+  partial sum to be all-reduced over tp (KV projections when n_kv_heads < tp: every rank keeps
+  all kv heads and uses the one its q heads need; q head i uses kv head i // (n_heads //
+  n_kv_heads), so tp rank r needs kv head r // (tp // n_kv_heads)).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from fnmatch import fnmatchcase
+from typing import Literal
+
+from torch import nn
+
+from .config import LlamaConfig
+
+__all__ = [
+    "ROLES",
+    "TPPlan",
+    "TPRole",
+    "check_tp_compatible",
+    "llama_tp_plan",
+    "param_roles",
+    "shard_dim",
+]
+
+TPRole = Literal["colwise", "rowwise", "vocab", "replicated", "replicated_partial"]
+TPPlan = Mapping[str, TPRole]
+
+# Tensor dim each role shards over tp (None: not sharded).
+_SHARD_DIM: dict[str, int | None] = {
+    "colwise": 0,
+    "rowwise": 1,
+    "vocab": 0,
+    "replicated": None,
+    "replicated_partial": None,
+}
+ROLES: tuple[str, ...] = tuple(_SHARD_DIM)
+
+
+def shard_dim(role: str) -> int | None:
+    """The weight dim that ``role`` shards over tp, or None for the replicated roles."""
+    if role not in _SHARD_DIM:
+        raise ValueError(f"unknown tensor-parallel role {role!r}; roles are {list(ROLES)}")
+    return _SHARD_DIM[role]
+
+
+def check_tp_compatible(config: LlamaConfig, tp: int) -> None:
+    """Raise ValueError unless ``tp`` splits heads, FFN and padded vocab evenly."""
+    if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+        raise ValueError(f"tp must be a positive int, got {tp!r}")
+    checks = {
+        "n_heads": config.n_heads,
+        "ffn_hidden": config.ffn_hidden,
+        "padded_vocab_size": config.padded_vocab_size,
+    }
+    for field, value in checks.items():
+        if value % tp:
+            raise ValueError(f"tp={tp} does not divide {field}={value}")
+    if config.n_kv_heads % tp and tp % config.n_kv_heads:
+        # Otherwise a rank's contiguous q heads would straddle kv groups unevenly.
+        raise ValueError(
+            f"tp={tp} and n_kv_heads={config.n_kv_heads}: one must divide the other"
+        )
+
+
+def llama_tp_plan(config: LlamaConfig, tp: int, prefix: str = "") -> dict[str, TPRole]:
+    """The plan for :class:`Llama` at one tp degree; ``prefix`` for a wrapped model ("model.")."""
+    check_tp_compatible(config, tp)
+    kv: TPRole = "colwise" if config.n_kv_heads % tp == 0 else "replicated_partial"
+    plan: dict[str, TPRole] = {
+        "tok_embeddings": "vocab",
+        "layers.*.attention_norm": "replicated",
+        "layers.*.attention.wq": "colwise",
+        "layers.*.attention.wk": kv,
+        "layers.*.attention.wv": kv,
+        "layers.*.attention.wo": "rowwise",
+        "layers.*.ffn_norm": "replicated",
+        "layers.*.feed_forward.w1": "colwise",
+        "layers.*.feed_forward.w3": "colwise",
+        "layers.*.feed_forward.w2": "rowwise",
+        "norm": "replicated",
+        "output": "vocab",  # vocab-sharded logits
+    }
+    return {prefix + pattern: role for pattern, role in plan.items()}
+
+
+def param_roles(model: nn.Module, plan: TPPlan) -> dict[str, TPRole]:
+    """Resolve every parameter of ``model`` to exactly one role of ``plan``.
+
+    A pattern matches a parameter if it matches (fnmatch, case-sensitive) the parameter name or
+    the name of the module owning it. Unmatched parameters, and parameters matched by patterns
+    with different roles, raise ValueError.
+    """
+    for role in plan.values():
+        shard_dim(role)  # validates the role
+    roles: dict[str, TPRole] = {}
+    unmatched: list[str] = []
+    for name, _ in model.named_parameters():
+        owner = name.rpartition(".")[0]
+        hits = {p: r for p, r in plan.items() if fnmatchcase(name, p) or fnmatchcase(owner, p)}
+        if not hits:
+            unmatched.append(name)
+            continue
+        if len(set(hits.values())) > 1:
+            raise ValueError(f"parameter {name!r} matches conflicting tp-plan patterns {hits}")
+        roles[name] = next(iter(hits.values()))
+    if unmatched:
+        raise ValueError(f"no tp-plan pattern matches parameter(s) {unmatched}")
+    return roles
