@@ -1,0 +1,43 @@
+"""Planning: which layout runs which documents, packed into which micro-batches (DESIGN.md 3, 5).
+
+``planner`` never imports ``data``: it sees document lengths, never tokens.
+"""
+
+from .base import Planner
+from .packing import (
+    DEFAULT_QUADRATIC_SCALE,
+    DocCost,
+    DocumentTooLongError,
+    PackedLayout,
+    PlanStats,
+    QuadraticCost,
+    StagePlanStats,
+    cp_padded_lengths,
+    first_fit_decreasing,
+    max_doc_length,
+    pack_layout,
+    plan_stats,
+    spread_over_groups,
+    stage_stats,
+)
+from .rule import Bucket, ThresholdPlanner
+
+__all__ = [
+    "DEFAULT_QUADRATIC_SCALE",
+    "Bucket",
+    "DocCost",
+    "DocumentTooLongError",
+    "PackedLayout",
+    "PlanStats",
+    "Planner",
+    "QuadraticCost",
+    "StagePlanStats",
+    "ThresholdPlanner",
+    "cp_padded_lengths",
+    "first_fit_decreasing",
+    "max_doc_length",
+    "pack_layout",
+    "plan_stats",
+    "spread_over_groups",
+    "stage_stats",
+]

@@ -1,0 +1,581 @@
+"""HotSPaDataModule: every Lightning batch is this rank's slice of one optimizer step's plan.
+
+Per step (DESIGN.md section 3): :class:`MiniBatchSampler` draws the global mini-batch (a token
+budget) -> ``planner.plan`` assigns, packs and balances it -> :func:`slice_plan` cuts out this
+rank's micro-batches. Every rank (and every loader worker) computes the same global plan from
+(data, seed, step) alone, with no communication.
+
+**A fixed number of plans per epoch.** Lightning reads ``len(train_dataloader)`` once, but the
+number of token-budget mini-batches in one pass over the data changes a little with each pass's
+shuffle. So a Lightning epoch is a fixed window of ``batches_per_epoch`` consecutive mini-batches
+(default: the number in data pass 0) over the endless stream "pass 0, pass 1, ...", each pass
+composed exactly as :class:`MiniBatchSampler` composes it. Nothing is dropped or repeated: a pass
+with more mini-batches than an epoch simply continues into the next epoch, and epoch ``e`` step ``s``
+is stream position ``e * batches_per_epoch + s``. Validation and prediction always use data pass 0.
+
+**Samplers.** Plans are already per rank, so Lightning must not shard them again: the strategy runs
+with ``use_distributed_sampler=False``. The loader works even when Lightning re-creates it with a
+sampler of its own (``DistributedSampler``, prediction's index tracking): it ignores a foreign
+sampler (with a warning) and keeps its own.
+
+**Resume (Lightning 2.6).** The fit loop saves ``state_dict()`` of every training loader that has
+``state_dict``/``load_state_dict`` (``_Stateful``, ``CombinedLoader._state_dicts``) and, when
+restarting, loads it in ``FitLoop.setup_data`` right after ``train_dataloader()`` and before the
+first ``iter``; it then lets the loop count on from the saved batch index (``fetched +=
+batch_progress.current.ready``), so the loader must yield only the rest of the epoch while
+``len()`` stays the full epoch. The DataModule's own ``state_dict`` is saved too and loaded after
+``setup`` (also when Lightning does not restart the loader, e.g. after a finished epoch). Both
+hold one position: the next (epoch, step) to hand out, advanced when a plan leaves the loader (not
+when workers prefetch); a finished epoch rolls over on the next ``iter``. Lightning's
+``set_epoch`` is ignored on purpose (see :meth:`_StepSampler.set_epoch`): the data is a pure
+function of how many plans were consumed, so Lightning's epoch bookkeeping quirks, and
+``limit_train_batches``, never skip or repeat mini-batches. The real iterator starts lazily on the
+first ``next``. Positions do not depend on the world size or layouts: a run can resume on another
+number of ranks and sees the same remaining mini-batches.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import warnings
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import lightning as L
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from ..layout import MeshShape
+from ..plan import MicroBatch, RankPlan, StepPlan, slice_plan
+from ..planner.base import Planner
+from ..planner.packing import max_doc_length, plan_stats
+from .cache import TokenizedCorpus
+from .errors import DataError
+from .minibatches import ChunkRef, LongDocPolicy, MiniBatchSampler, chunk_tokens
+from .sources import DocumentSource, build_source
+from .tokenizer import Tokenizer, build_tokenizer
+
+__all__ = ["HotSPaDataModule", "PlanDataLoader", "StepPlanDataset", "pin_rank_plan"]
+
+STATE_FORMAT = 1
+_VAL_SPLIT_STREAM = 0x5EED  # second word of the val split's RNG seed: apart from any shuffle
+
+
+@dataclass
+class _Cursor:
+    """The next (epoch, step) the training loader hands out."""
+
+    epoch: int = 0
+    step: int = 0
+
+
+class _PassIndex:
+    """Maps a position in the endless stream of mini-batches to (data pass, step in that pass)."""
+
+    def __init__(self, sampler: MiniBatchSampler) -> None:
+        self._sampler = sampler
+        self._starts = [0]  # stream position of each pass's first mini-batch, grown on demand
+
+    def locate(self, position: int) -> tuple[int, int]:
+        while self._starts[-1] <= position:
+            self._starts.append(self._starts[-1] + self._sampler.num_batches(len(self._starts) - 1))
+        p = bisect.bisect_right(self._starts, position) - 1
+        return p, position - self._starts[p]
+
+
+class _ChunkTokens(Sequence[np.ndarray]):
+    """The mini-batch's chunks, read from the (memory-mapped) corpus only when a rank needs them."""
+
+    def __init__(self, corpus: TokenizedCorpus, refs: Sequence[ChunkRef]) -> None:
+        self._corpus, self._refs = corpus, refs
+
+    def __len__(self) -> int:
+        return len(self._refs)
+
+    def __getitem__(self, i: int) -> np.ndarray:  # type: ignore[override]
+        return chunk_tokens(self._corpus, self._refs[i])
+
+
+class StepPlanDataset(Dataset[RankPlan]):
+    """Item ``(epoch, step)`` (or ``step`` of the cursor's epoch) is this rank's plan of that step.
+
+    Picklable for spawned workers: a cached corpus travels as its path, the rest is plain data.
+    """
+
+    def __init__(
+        self,
+        *,
+        split: str,
+        corpus: TokenizedCorpus,
+        doc_index: np.ndarray,
+        sampler: MiniBatchSampler,
+        planner: Planner,
+        mesh_shape: MeshShape,
+        rank: int,
+        batches_per_epoch: int,
+        endless: bool,
+        cursor: _Cursor | None = None,
+    ) -> None:
+        self.split, self.corpus, self.doc_index, self.sampler = split, corpus, doc_index, sampler
+        self.planner, self.mesh_shape, self.rank = planner, mesh_shape, rank
+        self.batches_per_epoch, self.endless = batches_per_epoch, endless
+        self.cursor = cursor if cursor is not None else _Cursor()
+        self._passes = _PassIndex(sampler)
+
+    def __len__(self) -> int:
+        return self.batches_per_epoch
+
+    def locate(self, epoch: int, step: int) -> tuple[int, int, int]:
+        """(stream position, data pass, step in that pass) of epoch ``epoch`` step ``step``."""
+        if not 0 <= step < self.batches_per_epoch or epoch < 0:
+            raise IndexError(f"{self.split} step {step} of epoch {epoch} is outside "
+                             f"[0, {self.batches_per_epoch})")
+        if not self.endless:
+            return step, 0, step
+        position = epoch * self.batches_per_epoch + step
+        return (position, *self._passes.locate(position))
+
+    def minibatch(self, epoch: int, step: int) -> list[ChunkRef]:
+        """The global mini-batch of (epoch, step), with document indices into the corpus."""
+        _, data_pass, pass_step = self.locate(epoch, step)
+        return [ChunkRef(int(self.doc_index[r.doc]), r.start, r.length)
+                for r in self.sampler.batch(data_pass, pass_step)]
+
+    def global_plan(self, epoch: int, step: int) -> tuple[StepPlan, list[ChunkRef]]:
+        """The plan every rank computes for (epoch, step), and the chunks its documents are."""
+        position = self.locate(epoch, step)[0]
+        refs = self.minibatch(epoch, step)
+        return self.planner.plan(position, [r.length for r in refs]), refs
+
+    def __getitem__(self, index: int | tuple[int, int]) -> RankPlan:
+        epoch, step = index if isinstance(index, tuple) else (self.cursor.epoch, index)
+        position, data_pass, pass_step = self.locate(int(epoch), int(step))
+        plan, refs = self.global_plan(int(epoch), int(step))
+        rank_plan = slice_plan(plan, _ChunkTokens(self.corpus, refs), self.mesh_shape, self.rank)
+        stats = plan_stats(plan, self.planner.capacity, getattr(self.planner, "cost_fn", None))
+        extras = {
+            "split": self.split,
+            "epoch": int(epoch),
+            "step": int(step),
+            "stream_step": position,
+            "data_pass": data_pass,
+            "pass_step": pass_step,
+            "num_docs": len(refs),
+            "num_tokens": plan.num_tokens,
+            "rank": self.rank,
+            **stats.as_dict(),
+        }
+        return dataclasses.replace(rank_plan, extras=extras)
+
+
+class _StepSampler(Sampler[tuple[int, int]]):
+    """Yields ``(epoch, step)`` from the cursor to the end of its epoch; a finished epoch rolls
+    over to the next one. Without a cursor (validation, prediction): always all of epoch 0.
+    """
+
+    def __init__(self, cursor: _Cursor | None, length: int) -> None:
+        self.cursor, self.length = cursor, length
+
+    def __len__(self) -> int:
+        return self.length
+
+    def set_epoch(self, epoch: int) -> None:
+        """Deliberately ignored: the position follows consumption, not Lightning's epoch number.
+
+        Lightning passes ``epoch_progress.current.processed``, which after resuming from a
+        checkpoint taken when ``max_steps`` stopped a fit mid-epoch is one ahead of the epoch the
+        loop actually continues; obeying it would skip the rest of that epoch.
+        """
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        if self.cursor is None:
+            yield from ((0, s) for s in range(self.length))
+            return
+        if self.cursor.step >= self.length:
+            self.cursor.epoch, self.cursor.step = self.cursor.epoch + 1, 0
+        epoch, start = self.cursor.epoch, self.cursor.step
+        yield from ((epoch, s) for s in range(start, self.length))
+
+
+def _identity_collate(batch: RankPlan) -> RankPlan:
+    return batch
+
+
+def _accelerator_available() -> bool:
+    acc = getattr(torch, "accelerator", None)
+    if acc is not None and hasattr(acc, "is_available"):
+        return bool(acc.is_available())
+    return torch.cuda.is_available()
+
+
+def pin_rank_plan(plan: RankPlan, pin: Callable[[torch.Tensor], torch.Tensor] | None = None) -> RankPlan:
+    """A copy of ``plan`` with every tensor in page-locked memory.
+
+    Needed because torch's pin-memory thread pins only tensors, mappings, sequences and objects
+    with a ``pin_memory()`` method, and :class:`RankPlan` has none: it would pass through unpinned.
+    """
+    pin = pin or torch.Tensor.pin_memory
+
+    def pin_mb(mb: MicroBatch) -> MicroBatch:
+        return dataclasses.replace(
+            mb,
+            input_ids=pin(mb.input_ids),
+            labels=pin(mb.labels),
+            position_ids=pin(mb.position_ids),
+            cu_seqlens=pin(mb.cu_seqlens),
+            cp_cu_seqlens=None if mb.cp_cu_seqlens is None else pin(mb.cp_cu_seqlens),
+        )
+
+    stages = tuple(dataclasses.replace(s, micro_batches=tuple(pin_mb(m) for m in s.micro_batches))
+                   for s in plan.stages)
+    return dataclasses.replace(plan, stages=stages)
+
+
+class _PlanIterator(Iterator[RankPlan]):
+    """Starts the DataLoader's iterator on the first ``next`` and records what was handed out."""
+
+    def __init__(self, loader: PlanDataLoader) -> None:
+        self._loader = loader
+        self._inner: Iterator[RankPlan] | None = None
+
+    def __next__(self) -> RankPlan:
+        if self._inner is None:
+            self._inner = DataLoader.__iter__(self._loader)
+        plan = next(self._inner)
+        cursor = self._loader.dataset.cursor
+        if self._loader.sampler.cursor is not None:
+            cursor.epoch, cursor.step = plan.extras["epoch"], plan.extras["step"] + 1
+        return pin_rank_plan(plan) if self._loader.pin_plans else plan
+
+
+class PlanDataLoader(DataLoader):
+    """A DataLoader of :class:`RankPlan` batches that keeps its own sampler and resume position.
+
+    ``batch_size=None`` and an identity collate: one item is one optimizer step. Extra DataLoader
+    arguments Lightning passes when it re-creates a loader (``sampler``, ``shuffle``,
+    ``batch_size``, ...) are accepted and ignored, so plans are never re-sharded.
+    """
+
+    dataset: StepPlanDataset
+    sampler: _StepSampler
+
+    def __init__(
+        self,
+        dataset: StepPlanDataset,
+        num_workers: int = 0,
+        pin_memory: bool = False,
+        persistent_workers: bool = False,
+        multiprocessing_context: Any = None,
+        prefetch_factor: int | None = None,
+        timeout: float = 0,
+        worker_init_fn: Callable[[int], None] | None = None,
+        resumable: bool = True,
+        **ignored: Any,
+    ) -> None:
+        foreign = ignored.get("sampler")
+        if foreign is not None and not isinstance(foreign, _StepSampler):
+            warnings.warn(
+                f"{type(self).__name__} ignores the sampler {type(foreign).__name__} it was given: "
+                "step plans are already per rank (run the Trainer with use_distributed_sampler=False)",
+                stacklevel=2,
+            )
+        self.resumable = resumable
+        cursor = dataset.cursor if resumable else None
+        super().__init__(
+            dataset,
+            batch_size=None,
+            sampler=_StepSampler(cursor, len(dataset)),
+            collate_fn=_identity_collate,
+            num_workers=num_workers,
+            pin_memory=False,  # RankPlan is pinned here, see pin_rank_plan
+            persistent_workers=persistent_workers and num_workers > 0,
+            multiprocessing_context=multiprocessing_context if num_workers > 0 else None,
+            prefetch_factor=prefetch_factor if num_workers > 0 else None,
+            timeout=timeout,
+            worker_init_fn=worker_init_fn,
+        )
+        self.pin_plans = bool(pin_memory) and _accelerator_available()
+        if pin_memory and not self.pin_plans:
+            warnings.warn("pin_memory=True but no accelerator is available: plans are not pinned",
+                          stacklevel=2)
+
+    def __iter__(self) -> Iterator[RankPlan]:  # type: ignore[override]
+        return _PlanIterator(self)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Position of the next plan (Lightning saves this with the fit loop)."""
+        return _position_state(self.dataset.cursor, self.dataset)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        _load_position(self.dataset.cursor, state, _identity(self.dataset.sampler, len(self.dataset)))
+
+
+def _identity(sampler: MiniBatchSampler | None, batches_per_epoch: int | None) -> dict[str, Any]:
+    """What a saved position depends on: the mini-batch composition and the epoch length."""
+    out: dict[str, Any] = {} if sampler is None else sampler.state_dict()
+    out.pop("epoch", None)
+    out.pop("step", None)
+    if batches_per_epoch is not None:
+        out["batches_per_epoch"] = batches_per_epoch
+    return out
+
+
+def _position_state(cursor: _Cursor, dataset: StepPlanDataset) -> dict[str, Any]:
+    return {"format": STATE_FORMAT, "epoch": cursor.epoch, "step": cursor.step,
+            **_identity(dataset.sampler, len(dataset))}
+
+
+def _load_position(cursor: _Cursor, state: Mapping[str, Any], mine: Mapping[str, Any]) -> None:
+    """Move ``cursor`` to a saved position after checking it was made for the same data."""
+    if not isinstance(state, Mapping) or state.get("format") != STATE_FORMAT:
+        raise DataError(f"not a HotSPa data position (format {STATE_FORMAT}): {state!r}")
+    diff = {k: (state[k], v) for k, v in mine.items() if k in state and state[k] != v}
+    if diff:
+        raise DataError(f"saved data position does not match this data/config: (saved, current) = {diff}")
+    epoch, step = state.get("epoch"), state.get("step")
+    if any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in (epoch, step)):
+        raise DataError(f"saved data position needs non-negative int epoch and step, got {epoch!r}, {step!r}")
+    cursor.epoch, cursor.step = epoch, step
+
+
+class HotSPaDataModule(L.LightningDataModule):
+    """Token-budget mini-batches as per-rank step plans, resumable at any world size.
+
+    Inside a Trainer, ``setup`` and the ``*_dataloader`` hooks read ``trainer.strategy.planner``
+    (a :class:`Planner`), ``trainer.strategy.mesh_shape`` (a :class:`MeshShape` whose layouts
+    include the planner's) and ``trainer.global_rank``. The ``planner=``, ``mesh_shape=`` and
+    ``rank=`` arguments are used only where no such strategy is present (outside a Trainer, tests).
+    Meant for ``use_distributed_sampler=False`` (the HotSPa strategy forces it); a sampler that
+    Lightning injects anyway is ignored with a warning. Training resumes from either this module's
+    ``state_dict`` or the train loader's (Lightning saves both; they agree).
+    """
+
+    def __init__(
+        self,
+        source: str | DocumentSource | TokenizedCorpus = "stdlib",
+        source_kwargs: Mapping[str, Any] | None = None,
+        tokenizer: str | Tokenizer = "byte",
+        tokenizer_kwargs: Mapping[str, Any] | None = None,
+        *,
+        tokens_per_batch: int = 262_144,
+        context_length: int = 16_384,
+        seed: int = 0,
+        long_doc_policy: LongDocPolicy = "split",
+        val_fraction: float = 0.0,
+        val_seed: int = 0,
+        val_tokens_per_batch: int | None = None,
+        batches_per_epoch: int | None = None,
+        num_workers: int = 0,
+        pin_memory: bool = False,
+        persistent_workers: bool = False,
+        multiprocessing_context: str | None = None,
+        cache_dir: str | None = None,
+        use_cache: bool = True,
+        planner: Planner | None = None,
+        mesh_shape: MeshShape | None = None,
+        rank: int | None = None,
+    ) -> None:
+        super().__init__()
+        name = type(self).__name__
+        if isinstance(source, TokenizedCorpus):
+            self._corpus: TokenizedCorpus | None = source
+            self._source: DocumentSource | None = None
+        else:
+            self._corpus = None
+            self._source = source if isinstance(source, DocumentSource) else build_source(
+                source, **dict(source_kwargs or {}))
+        self._tokenizer = tokenizer if isinstance(tokenizer, Tokenizer) else build_tokenizer(
+            tokenizer, **dict(tokenizer_kwargs or {}))
+        if not (isinstance(val_fraction, (int, float)) and 0.0 <= val_fraction < 1.0):
+            raise DataError(f"{name}: val_fraction must be in [0, 1), got {val_fraction!r}")
+        if batches_per_epoch is not None and (isinstance(batches_per_epoch, bool) or not isinstance(
+                batches_per_epoch, int) or batches_per_epoch < 1):
+            raise DataError(f"{name}: batches_per_epoch must be a positive int or None, got {batches_per_epoch!r}")
+        self.tokens_per_batch, self.context_length = tokens_per_batch, context_length
+        self.seed, self.long_doc_policy = seed, long_doc_policy
+        self.val_fraction, self.val_seed = float(val_fraction), val_seed
+        self.val_tokens_per_batch = val_tokens_per_batch
+        self.num_workers, self.pin_memory = num_workers, pin_memory
+        self.persistent_workers, self.multiprocessing_context = persistent_workers, multiprocessing_context
+        self.cache_dir, self.use_cache = cache_dir, use_cache
+        self._requested_batches_per_epoch = batches_per_epoch
+        self._planner, self._mesh_shape, self._rank = planner, mesh_shape, rank
+        self._cursor = _Cursor()
+        self._pending_state: dict[str, Any] | None = None
+        self._train_sampler: MiniBatchSampler | None = None
+        self._val_sampler: MiniBatchSampler | None = None
+        self._train_ids = self._val_ids = np.zeros(0, dtype=np.int64)
+        self.batches_per_epoch: int | None = None
+
+    # -- data ------------------------------------------------------------------------------
+    def prepare_data(self) -> None:
+        """Tokenize into the on-disk cache once per node (Lightning calls this on one process)."""
+        if self._corpus is None and self.use_cache:
+            TokenizedCorpus.build(self._source, self._tokenizer, self.cache_dir)
+
+    def setup(self, stage: str | None = None) -> None:
+        """Open the cached corpus, split off validation documents, build the mini-batch samplers."""
+        if self._corpus is None:
+            self._corpus = TokenizedCorpus.build(self._source, self._tokenizer, self.cache_dir,
+                                                 use_cache=self.use_cache)
+        if self._train_sampler is None:
+            self._build_samplers(self._corpus)
+        if self._pending_state is not None:
+            state, self._pending_state = self._pending_state, None
+            self.load_state_dict(state)
+        if self._planning_available():
+            self._planning()  # fail early on a misconfigured strategy
+
+    def _build_samplers(self, corpus: TokenizedCorpus) -> None:
+        n = len(corpus)
+        if n == 0:
+            raise DataError(f"{type(self).__name__}: the corpus has no documents ({corpus!r})")
+        k = int(round(self.val_fraction * n))
+        if self.val_fraction > 0:
+            k = max(1, k)
+            if k >= n:
+                raise DataError(f"val_fraction={self.val_fraction} would hold out all {n} documents")
+        perm = np.random.default_rng([self.val_seed, _VAL_SPLIT_STREAM]).permutation(n)
+        self._val_ids, self._train_ids = np.sort(perm[:k]), np.sort(perm[k:])
+        self._train_sampler = self._sampler_over(corpus, self._train_ids, self.tokens_per_batch)
+        if k:
+            self._val_sampler = self._sampler_over(
+                corpus, self._val_ids, self.val_tokens_per_batch or self.tokens_per_batch)
+        self.batches_per_epoch = self._requested_batches_per_epoch or self._train_sampler.num_batches(0)
+
+    def _sampler_over(self, corpus: TokenizedCorpus, ids: np.ndarray, budget: int) -> MiniBatchSampler:
+        return MiniBatchSampler(corpus.lengths[ids], budget, self.context_length, self.seed,
+                                self.long_doc_policy, doc_ids=[corpus.doc_ids[i] for i in ids])
+
+    # -- planner, mesh, rank ---------------------------------------------------------------
+    def _strategy(self) -> Any:
+        trainer = getattr(self, "trainer", None)
+        return getattr(trainer, "strategy", None) if trainer is not None else None
+
+    def _from_strategy(self) -> tuple[Any, Any]:
+        """(planner, mesh_shape) of the Trainer's strategy, or Nones where it has none (yet)."""
+        strategy = self._strategy()
+        try:  # HotSPaStrategy.planner raises until its processes are set up
+            return getattr(strategy, "planner", None), getattr(strategy, "mesh_shape", None)
+        except RuntimeError:
+            return None, None
+
+    def _planning_available(self) -> bool:
+        planner, mesh = self._from_strategy()
+        has = planner is not None and mesh is not None
+        return has or (self._planner is not None and self._mesh_shape is not None)
+
+    def _planning(self) -> tuple[Planner, MeshShape, int]:
+        """The planner, mesh shape and rank to plan with, validated against each other."""
+        name, strategy, trainer = type(self).__name__, self._strategy(), getattr(self, "trainer", None)
+        planner, mesh = self._from_strategy()
+        if planner is not None and mesh is not None:
+            rank = trainer.global_rank
+            if trainer.world_size != mesh.world_size:
+                raise DataError(f"{name}: the strategy's mesh covers {mesh.world_size} ranks but the "
+                                f"Trainer runs {trainer.world_size}")
+        else:
+            planner, mesh, rank = self._planner, self._mesh_shape, self._rank
+            if rank is None and trainer is not None:
+                rank = trainer.global_rank
+            if planner is None or mesh is None:
+                where = f"strategy {type(strategy).__name__}" if strategy is not None else "no Trainer"
+                raise DataError(f"{name} needs a planner and a mesh shape: trainer.strategy.planner / "
+                                f".mesh_shape (HotSPaStrategy provides them; here: {where}) or the "
+                                f"planner= and mesh_shape= arguments")
+            if rank is None:
+                if mesh.world_size > 1:
+                    raise DataError(f"{name}: outside a Trainer pass rank= (the mesh has {mesh.world_size} ranks)")
+                rank = 0
+        if not isinstance(planner, Planner):
+            raise DataError(f"{name}: planner {type(planner).__name__} lacks the Planner interface "
+                            f"(layouts, capacity, plan, state_dict, load_state_dict)")
+        if not isinstance(mesh, MeshShape):
+            raise DataError(f"{name}: mesh_shape must be a MeshShape, got {type(mesh).__name__}")
+        foreign = [str(x) for x in planner.layouts if x not in mesh.layouts]
+        if foreign:
+            raise DataError(f"{name}: planner layouts {foreign} are not on the mesh "
+                            f"({[str(x) for x in mesh.layouts]})")
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < mesh.world_size:
+            raise DataError(f"{name}: rank {rank!r} is outside the mesh of {mesh.world_size} ranks")
+        longest = self._longest_plannable(planner)
+        if self.context_length > longest:
+            raise DataError(f"{name}: context_length={self.context_length} is longer than any "
+                            f"micro-batch of the planner holds ({longest} tokens); lower "
+                            f"context_length or give the layouts more tokens per rank")
+        return planner, mesh, rank
+
+    @staticmethod
+    def _longest_plannable(planner: Planner) -> int:
+        buckets = getattr(planner, "buckets", None)
+        if buckets:
+            return int(buckets[-1].high)
+        return max(max_doc_length(planner.capacity(x), x.cp) for x in planner.layouts)
+
+    # -- loaders ---------------------------------------------------------------------------
+    def _dataset(self, split: str) -> StepPlanDataset:
+        if self._train_sampler is None or self._corpus is None:
+            raise DataError(f"{type(self).__name__}: call setup() before asking for a dataloader")
+        planner, mesh, rank = self._planning()
+        if split == "train":
+            sampler, ids, n, endless = self._train_sampler, self._train_ids, self.batches_per_epoch, True
+        else:  # val and predict: data pass 0 of the held-out documents (predict: else of training)
+            use_val = self._val_sampler is not None
+            sampler = self._val_sampler if use_val else self._train_sampler
+            ids = self._val_ids if use_val else self._train_ids
+            n, endless = sampler.num_batches(0), False
+        return StepPlanDataset(split=split, corpus=self._corpus, doc_index=ids, sampler=sampler,
+                               planner=planner, mesh_shape=mesh, rank=rank, batches_per_epoch=n,
+                               endless=endless, cursor=self._cursor if split == "train" else None)
+
+    def _loader(self, dataset: StepPlanDataset, resumable: bool) -> PlanDataLoader:
+        return PlanDataLoader(dataset, num_workers=self.num_workers, pin_memory=self.pin_memory,
+                              persistent_workers=self.persistent_workers,
+                              multiprocessing_context=self.multiprocessing_context, resumable=resumable)
+
+    def train_dataloader(self) -> PlanDataLoader:
+        return self._loader(self._dataset("train"), resumable=True)
+
+    def val_dataloader(self) -> PlanDataLoader | list:
+        if self._val_sampler is None:
+            return []  # no held-out documents: Lightning skips validation
+        return self._loader(self._dataset("val"), resumable=False)
+
+    def predict_dataloader(self) -> PlanDataLoader:
+        return self._loader(self._dataset("predict"), resumable=False)
+
+    # -- resume ----------------------------------------------------------------------------
+    def _my_identity(self) -> dict[str, Any]:
+        out = _identity(self._train_sampler, self.batches_per_epoch)
+        out.update(val_fraction=self.val_fraction, val_seed=self.val_seed)
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        """The next training (epoch, step) plus what it depends on (Lightning checkpoints this)."""
+        return {"format": STATE_FORMAT, "epoch": self._cursor.epoch, "step": self._cursor.step,
+                **self._my_identity()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume at a saved position; checked against the data once ``setup`` has opened it."""
+        if self._train_sampler is None:
+            _load_position(_Cursor(), state, {})  # validate the shape now, the data at setup
+            self._pending_state = dict(state)
+            return
+        _load_position(self._cursor, state, self._my_identity())
+
+    # -- conveniences ----------------------------------------------------------------------
+    @property
+    def corpus(self) -> TokenizedCorpus | None:
+        return self._corpus
+
+    @property
+    def val_doc_ids(self) -> np.ndarray:
+        """Corpus indices of the held-out documents (empty without a validation split)."""
+        return self._val_ids
+
+    @property
+    def train_doc_ids(self) -> np.ndarray:
+        return self._train_ids
