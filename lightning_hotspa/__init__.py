@@ -7,6 +7,7 @@ __version__ = "0.1.0"
 
 from lightning.pytorch.strategies import StrategyRegistry  # noqa: E402
 
+from .data import HotSPaDataModule  # noqa: E402
 from .plan import MicroBatch, RankPlan, StepPlan  # noqa: E402
 from .strategy import HotSPaStrategy  # noqa: E402
 
@@ -14,4 +15,4 @@ if "hotspa" not in StrategyRegistry:  # idempotent: Lightning raises on re-regis
     StrategyRegistry.register("hotspa", HotSPaStrategy,
                               description="HotSPa: hot-switch parallel layouts per length bucket")
 
-__all__ += ["HotSPaStrategy", "MicroBatch", "RankPlan", "StepPlan"]
+__all__ += ["HotSPaDataModule", "HotSPaStrategy", "MicroBatch", "RankPlan", "StepPlan"]

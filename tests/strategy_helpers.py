@@ -64,17 +64,18 @@ def reference_run(model_factory, plans: list[StepPlan], clip: float | None = Non
     model = model_factory()
     optimizer = model.configure_optimizers()
     optimizer = optimizer["optimizer"] if isinstance(optimizer, dict) else optimizer
-    losses = []
+    losses, grads = [], []
     for plan in plans:
         mb = pack_micro_batch(make_docs(plan.step, plan.doc_lengths))
         optimizer.zero_grad()
         loss = model.training_step(mb, 0)
         loss.backward()
+        grads.append({n: p.grad.detach().clone() for n, p in model.named_parameters()})
         if clip is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         optimizer.step()
         losses.append(float(loss))
-    return model, losses
+    return model, losses, grads
 
 
 def rel_errors(ours: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> dict[str, float]:

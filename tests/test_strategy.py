@@ -24,7 +24,11 @@ def _model():
 class _Recorder(Callback):
     def __init__(self):
         self.before = self.after = 0
-        self.losses = []
+        self.losses, self.grads = [], []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        # the home gradients as the optimizer will see them (a collective: every rank gathers)
+        self.grads.append({n: p.grad.full_tensor() for n, p in pl_module.named_parameters()})
 
     def on_before_backward(self, trainer, pl_module, loss):
         self.before += 1
@@ -54,17 +58,27 @@ def fit_and_compare(layout_names, steps=3, precision="32-true", clip=None):
     assert recorder.before == recorder.after == micro_batches, (recorder.before, micro_batches)
     if dist.get_rank() != 0:
         return None
-    ref_model, ref_losses = reference_run(_model, plans, clip=clip)
-    errors = rel_errors(ours, dict(ref_model.named_parameters()))
-    return {"errors": errors, "losses": recorder.losses, "ref_losses": ref_losses,
-            "global_step": trainer.global_step}
+    initial = dict(_model().named_parameters())
+    ref_model, ref_losses, ref_grads = reference_run(_model, plans, clip=clip)
+    final = dict(ref_model.named_parameters())
+    return {"weights": rel_errors(ours, final),
+            "updates": rel_errors({n: ours[n] - initial[n] for n in ours},
+                                  {n: final[n].detach() - initial[n] for n in ours}),
+            "grads": [rel_errors(g, r) for g, r in zip(recorder.grads, ref_grads)],
+            "losses": recorder.losses, "ref_losses": ref_losses, "global_step": trainer.global_step}
+
+
+def _worst(errors):
+    name = max(errors, key=errors.get)
+    return name, errors[name]
 
 
 def test_dp_only_plans_match_single_process(ranks):
     result = ranks(4).run(fit_and_compare, ["dp4"])[0]
     assert result["global_step"] == 3
-    worst = max(result["errors"], key=result["errors"].get)
-    assert result["errors"][worst] <= 1e-5, (worst, result["errors"][worst])
+    for step_grads in result["grads"]:
+        assert _worst(step_grads)[1] <= 1e-5, _worst(step_grads)
+    assert _worst(result["weights"])[1] <= 1e-5, _worst(result["weights"])
     for ours, ref in zip(result["losses"], result["ref_losses"]):
         assert abs(ours - ref) <= 1e-5 * abs(ref)
 
