@@ -1,0 +1,128 @@
+"""The one wrapper around a module's ``core_attention`` that tensor and context parallelism share.
+
+Why one object and not two nested wrappers: the two installers run in either order, but the
+steps must run in a fixed one — first pick the kv heads this tp rank's q heads need (replicated_partial
+kv projections), then the Ulysses exchange over cp. Each installer switches its part on; the wrapper
+reads the active layout from :class:`ParallelState` at call time, so a layout switch re-wraps nothing.
+
+Global head counts do not depend on the layout (local heads x tp), so the wrapper records them on
+its first call and :meth:`validate` rejects a later layout that cannot split them, before any
+collective runs.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor, nn
+
+from ..layout import LayoutError, LayoutGroups
+from .state import ParallelState
+from .ulysses import ulysses_attention
+
+__all__ = ["ParallelCoreAttention", "attention_modules", "ensure_parallel_attention", "kv_head_range",
+           "check_attention"]
+
+
+def kv_head_range(q_heads: int, kv_heads: int, tp: int, tp_rank: int) -> tuple[int, int]:
+    """Global kv heads [start, stop) that tp rank ``tp_rank``'s contiguous q heads attend with.
+
+    ``q_heads`` and ``kv_heads`` are GLOBAL counts; q head i uses kv head ``i // (q_heads // kv_heads)``.
+    """
+    if q_heads % tp:
+        raise LayoutError(f"tp={tp} does not divide the {q_heads} query heads")
+    if q_heads % kv_heads:
+        raise LayoutError(f"{kv_heads} kv heads do not divide the {q_heads} query heads")
+    local, group = q_heads // tp, q_heads // kv_heads
+    if local % group and group % local:
+        raise LayoutError(f"tp={tp}: each rank's {local} query heads straddle groups of {group} "
+                          f"query heads per kv head unevenly")
+    start = tp_rank * local // group
+    stop = -(-(tp_rank + 1) * local // group)
+    return start, stop
+
+
+class ParallelCoreAttention:
+    """Callable with the core-attention signature ``(q, k, v, cu_seqlens, max_seqlen) -> out``."""
+
+    def __init__(self, inner: object, state: ParallelState, owner: str) -> None:
+        self.inner = inner
+        self.state = state
+        self.owner = owner  # module name, for error messages
+        self.select_kv = False  # set by tensor parallel: k / v hold ALL kv heads (replicated_partial)
+        self.context_parallel = False  # set by context parallel
+        self.heads: tuple[int, int] | None = None  # global (q, kv) heads, seen on the first call
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int) -> Tensor:
+        groups = self.state.groups
+        if groups is None:
+            return self.inner(q, k, v, cu_seqlens, max_seqlen)
+        tp = groups.tp.size
+        self._record_heads(q.shape[1] * tp, k.shape[1] * (1 if self.select_kv else tp))
+        self.validate(groups)
+        if self.select_kv and tp > 1:
+            start, stop = kv_head_range(*self.heads, tp, groups.tp.index)
+            k, v = k[:, start:stop], v[:, start:stop]
+        if self.context_parallel and groups.cp.size > 1:
+            return ulysses_attention(self.inner, q, k, v, cu_seqlens, max_seqlen, groups.cp,
+                                     self.state.micro_batch, self.owner)
+        return self.inner(q, k, v, cu_seqlens, max_seqlen)
+
+    def _record_heads(self, q_heads: int, kv_heads: int) -> None:
+        if self.heads is None:
+            self.heads = (q_heads, kv_heads)
+        elif self.heads != (q_heads, kv_heads):
+            raise LayoutError(f"{self.owner}: attention saw {q_heads} query / {kv_heads} kv heads, earlier "
+                              f"{self.heads[0]} / {self.heads[1]}; are the projections sharded as planned?")
+
+    def validate(self, groups: LayoutGroups) -> None:
+        """Raises if ``groups``' layout cannot split the heads (a no-op before the first call)."""
+        if self.heads is None:
+            return
+        q_heads, kv_heads = self.heads
+        tp, cp, layout = groups.tp.size, groups.cp.size, groups.layout
+        if q_heads % tp:
+            raise LayoutError(f"layout {layout}: tp={tp} does not divide the {q_heads} query heads of {self.owner}")
+        if self.select_kv:
+            try:
+                kv_head_range(q_heads, kv_heads, tp, 0)
+            except LayoutError as err:
+                raise LayoutError(f"layout {layout}, {self.owner}: {err}") from None
+        elif kv_heads % tp:
+            raise LayoutError(f"layout {layout}: tp={tp} does not divide the {kv_heads} kv heads of "
+                              f"{self.owner}; give its kv projections the role 'replicated_partial'")
+        if self.context_parallel and (q_heads // tp) % cp:
+            raise LayoutError(f"layout {layout}: cp={cp} does not divide the {q_heads // tp} query heads each "
+                              f"tp rank of {self.owner} holds ({q_heads} heads / tp={tp}); Ulysses scatters heads")
+
+
+def ensure_parallel_attention(module: nn.Module, name: str, state: ParallelState) -> ParallelCoreAttention:
+    """The module's wrapper, created on first use (both installers share it)."""
+    current = module.core_attention
+    if isinstance(current, ParallelCoreAttention):
+        if current.state is not state:
+            raise LayoutError(f"{name}.core_attention is already wrapped for another ParallelModel")
+        return current
+    if not callable(current):
+        raise LayoutError(f"{name}.core_attention is not callable: {current!r}")
+    wrapper = ParallelCoreAttention(current, state, name)
+    module.core_attention = wrapper
+    module._hotspa_attention = wrapper  # remembered, so a later backend swap can be adopted
+    return wrapper
+
+
+def check_attention(root: nn.Module, groups: LayoutGroups) -> None:
+    """Before a layout becomes active: re-inserts each wrapper whose ``core_attention`` was replaced
+    after install (e.g. by ``set_attention_backend``; the new callable becomes its inner attention),
+    and rejects a layout that cannot split the heads seen so far."""
+    for _, module in root.named_modules():
+        wrapper = module.__dict__.get("_hotspa_attention")
+        if wrapper is None:
+            continue
+        if module.core_attention is not wrapper:
+            wrapper.inner = module.core_attention
+            module.core_attention = wrapper
+        wrapper.validate(groups)
+
+
+def attention_modules(root: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Modules exposing a callable ``core_attention`` (the swappable attention core)."""
+    return [(n, m) for n, m in root.named_modules() if callable(getattr(m, "core_attention", None))]

@@ -1,0 +1,196 @@
+"""Autograd-aware collectives over one :class:`RankGroup`, always in SHARD order.
+
+Why a module of its own: the hot path computes on local tensors with explicit collectives
+(DESIGN.md section 4), and every one of them must respect two facts:
+
+* Megatron's conjugate pairs: an op that is the identity forward must all-reduce backward (``f``)
+  and vice versa (``g``), otherwise tp ranks silently train on partial gradients;
+* ``dist.new_group`` orders members by global rank while shard indices nest across mesh dims, so the
+  output slot of a member is ``group.slot_of_shard[shard]``, not ``shard``. Gathers and all-to-alls
+  map slots to shards here, once, and nowhere else.
+
+The ``torch.distributed`` functions are looked up at call time (``dist.all_reduce``), so
+:func:`lightning_hotspa.comm_bytes.count_collective_bytes` sees every call.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from ..layout import RankGroup
+
+# torch 2.13 deprecates all_gather_into_tensor in favour of all_gather_single, which 2.11 lacks.
+warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*deprecated", category=FutureWarning)
+
+__all__ = [
+    "copy_to_group",
+    "reduce_from_group",
+    "gather_last_dim",
+    "all_to_all_heads_to_tokens",
+    "all_to_all_tokens_to_heads",
+    "permute_rows",
+]
+
+
+def _shard_of_slot(group: RankGroup) -> list[int]:
+    """Inverse of ``slot_of_shard``: the shard index held by each collective slot."""
+    out = [0] * group.size
+    for shard, slot in enumerate(group.slot_of_shard):
+        out[slot] = shard
+    return out
+
+
+def _all_reduce(x: Tensor, group: RankGroup) -> Tensor:
+    """Sum over the group into a fresh contiguous tensor (inputs may be saved or shared)."""
+    out = x.clone(memory_format=torch.contiguous_format)
+    dist.all_reduce(out, group=group.group)
+    return out
+
+
+class _CopyToGroup(torch.autograd.Function):
+    """Megatron ``f``: identity forward, all-reduce backward (input of a column-parallel op)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, group: RankGroup) -> Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        return _all_reduce(grad, ctx.group), None
+
+
+class _ReduceFromGroup(torch.autograd.Function):
+    """Megatron ``g``: all-reduce forward, identity backward (output of a row-parallel op)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, group: RankGroup) -> Tensor:
+        return _all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        return grad, None
+
+
+def _gather_last(x: Tensor, group: RankGroup) -> Tensor:
+    n = group.size
+    flat = x.contiguous()
+    flat = flat.reshape(-1) if flat.dim() == 0 else flat
+    buffer = flat.new_empty((n * flat.shape[0], *flat.shape[1:]))  # gloo wants dim-0 concatenation
+    dist.all_gather_into_tensor(buffer, flat, group=group.group)
+    buffer = buffer.view(n, *x.shape)
+    if not group.in_shard_order:
+        buffer = buffer[list(group.slot_of_shard)]  # row s := the slot that holds shard s
+    return buffer.movedim(0, -2).reshape(*x.shape[:-1], n * x.shape[-1])
+
+
+class _GatherLastDim(torch.autograd.Function):
+    """All-gather along the last dim in shard order; backward keeps this rank's own slice."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, group: RankGroup) -> Tensor:
+        ctx.index, ctx.width = group.index, x.shape[-1]
+        return _gather_last(x, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        start = ctx.index * ctx.width
+        return grad[..., start:start + ctx.width].contiguous(), None
+
+
+def _exchange(send: Tensor, group: RankGroup) -> Tensor:
+    """``send[s]`` goes to shard s; returns ``recv`` with ``recv[s]`` from shard s."""
+    if not group.in_shard_order:
+        send = send[_shard_of_slot(group)]  # slot k carries the block for the shard in slot k
+    send = send.contiguous()
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group.group)
+    if not group.in_shard_order:
+        recv = recv[list(group.slot_of_shard)]
+    return recv
+
+
+def _heads_to_tokens(x: Tensor, group: RankGroup) -> Tensor:
+    """[T, H, ...] -> [n*T, H/n, ...]: head block s to shard s, tokens of shard s at rows s*T."""
+    n, tokens, heads = group.size, x.shape[0], x.shape[1]
+    send = x.reshape(tokens, n, heads // n, *x.shape[2:]).movedim(1, 0)
+    return _exchange(send, group).reshape(n * tokens, heads // n, *x.shape[2:])
+
+
+def _tokens_to_heads(y: Tensor, group: RankGroup) -> Tensor:
+    """Inverse of :func:`_heads_to_tokens`: [n*T, h, ...] -> [T, n*h, ...]."""
+    n, heads = group.size, y.shape[1]
+    tokens = y.shape[0] // n
+    recv = _exchange(y.reshape(n, tokens, heads, *y.shape[2:]), group)
+    return recv.movedim(0, 1).reshape(tokens, n * heads, *y.shape[2:])
+
+
+class _HeadsToTokens(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, group: RankGroup) -> Tensor:
+        ctx.group = group
+        return _heads_to_tokens(x, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        return _tokens_to_heads(grad, ctx.group), None
+
+
+class _TokensToHeads(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, y: Tensor, group: RankGroup) -> Tensor:
+        ctx.group = group
+        return _tokens_to_heads(y, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        return _heads_to_tokens(grad, ctx.group), None
+
+
+class _PermuteRows(torch.autograd.Function):
+    """``x[perm]`` whose backward is a gather with the inverse permutation (no scatter-add)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, perm: Tensor, inverse: Tensor) -> Tensor:
+        ctx.save_for_backward(inverse)
+        return x.index_select(0, perm)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
+        (inverse,) = ctx.saved_tensors
+        return grad.index_select(0, inverse), None, None
+
+
+def copy_to_group(x: Tensor, group: RankGroup) -> Tensor:
+    """``f``: identity forward, all-reduce of the gradient over ``group`` backward."""
+    return x if group.size == 1 else _CopyToGroup.apply(x, group)
+
+
+def reduce_from_group(x: Tensor, group: RankGroup) -> Tensor:
+    """``g``: all-reduce forward, identity backward."""
+    return x if group.size == 1 else _ReduceFromGroup.apply(x, group)
+
+
+def gather_last_dim(x: Tensor, group: RankGroup) -> Tensor:
+    """Concatenate the members' last dims in shard order (e.g. vocab-sharded logits)."""
+    return x if group.size == 1 else _GatherLastDim.apply(x, group)
+
+
+def all_to_all_heads_to_tokens(x: Tensor, group: RankGroup) -> Tensor:
+    """Ulysses forward exchange: scatter heads (dim 1), gather tokens (dim 0) in shard order."""
+    return x if group.size == 1 else _HeadsToTokens.apply(x, group)
+
+
+def all_to_all_tokens_to_heads(y: Tensor, group: RankGroup) -> Tensor:
+    """Ulysses backward exchange: scatter tokens (dim 0), gather heads (dim 1) in shard order."""
+    return y if group.size == 1 else _TokensToHeads.apply(y, group)
+
+
+def permute_rows(x: Tensor, perm: Tensor, inverse: Tensor) -> Tensor:
+    """Rows of ``x`` in the order ``perm``; ``inverse`` must be its inverse permutation."""
+    return _PermuteRows.apply(x, perm, inverse)

@@ -1,0 +1,204 @@
+"""Tensor parallelism for any model from its per-parameter roles, installed once.
+
+Why explicit collectives on local tensors (DESIGN.md section 4): a tp group may span several
+world-mesh dims, which ``parallelize_module`` (1-D tp mesh) cannot express without a flattened mesh
+that DTensor cannot redistribute back from. So each role becomes a Megatron-style forward on the
+module's CURRENT parameters (the switch engine's local shards) and the ACTIVE layout's tp group,
+both read at call time; with tp = 1 (or no layout active) every forward is the module's own.
+
+What each role means for the module that owns it (``nn.Linear`` / ``nn.Embedding``; any other
+module may only hold ``replicated`` parameters):
+
+============================  ================================================================
+``colwise`` Linear            input through ``f`` (identity fwd, all-reduce bwd); output stays
+                              sharded on its last dim (it feeds a ``rowwise`` layer or heads)
+``rowwise`` Linear            output through ``g`` (all-reduce fwd, identity bwd); a bias must be
+                              ``replicated`` and is added once, after the reduction
+``vocab`` Linear              colwise, but the output is GATHERED along its last dim in shard
+                              order (backward keeps the own slice): the plan's way to mark a
+                              colwise layer whose consumer needs the full width (the LM head)
+``vocab`` Embedding           vocab-parallel lookup: ids outside this rank's rows read zeros,
+                              then ``g``
+``replicated_partial`` Linear every rank holds the full weight but uses only the part its shard
+                              needs (kv heads, see :mod:`.attention`); input through ``f``, and
+                              the engine sums the weight's partial gradients over tp
+``replicated``                untouched
+============================  ================================================================
+
+Several column-parallel layers reading the same tensor (q, k, v; w1, w3) share ONE ``f``, so their
+input gradient is all-reduced once, as with Megatron's fused QKV.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Mapping
+
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..layout import LayoutError, RankGroup
+from .attention import attention_modules, ensure_parallel_attention
+from .collectives import copy_to_group, gather_last_dim, reduce_from_group
+from .loss import VocabParallelLoss
+from .state import ParallelState
+
+__all__ = ["install_tensor_parallel", "module_kinds", "TPForward"]
+
+_DIM0 = ("colwise", "vocab")  # roles that shard dim 0 (a Linear's output features)
+
+
+def _fail(name: str, message: str) -> LayoutError:
+    return LayoutError(f"tensor-parallel plan, {name}: {message}")
+
+
+def _linear_kind(name: str, roles: Mapping[str, str]) -> str | None:
+    weight, bias = roles[f"{name}.weight"], roles.get(f"{name}.bias")
+    allowed_bias = {
+        "colwise": _DIM0, "vocab": _DIM0, "rowwise": ("replicated",),
+        "replicated_partial": ("replicated_partial",), "replicated": ("replicated",),
+    }
+    if weight not in allowed_bias:
+        raise _fail(name, f"unknown role {weight!r} for the weight")
+    if bias is not None and bias not in allowed_bias[weight]:
+        raise _fail(name, f"a {weight!r} weight needs its bias to be one of {allowed_bias[weight]}, got {bias!r}"
+                    + (" (the bias is added once, after the all-reduce)" if weight == "rowwise" else ""))
+    return {"colwise": "colwise", "vocab": "gather", "rowwise": "rowwise",
+            "replicated_partial": "partial_input", "replicated": None}[weight]
+
+
+def module_kinds(module: nn.Module, roles: Mapping[str, str]) -> dict[str, str]:
+    """Validates ``roles`` against ``module`` and says which forward each module needs.
+
+    Returns ``{module name: kind}`` for the modules that need a parallel forward; raises a
+    :class:`LayoutError` naming the parameter for any role the module type cannot honour.
+    """
+    params = dict(module.named_parameters())
+    unknown = sorted(set(roles) - set(params))
+    if unknown:
+        raise LayoutError(f"tensor-parallel roles name parameters {unknown[:5]} that "
+                          f"{type(module).__name__} does not have")
+    missing = sorted(set(params) - set(roles))
+    if missing:
+        raise LayoutError(f"tensor-parallel roles miss parameters {missing[:5]} of {type(module).__name__}")
+    kinds: dict[str, str] = {}
+    for name, sub in module.named_modules():
+        own = {leaf: roles[f"{name}.{leaf}" if name else leaf] for leaf, p in sub._parameters.items() if p is not None}
+        if not own or all(r == "replicated" for r in own.values()):
+            continue
+        label = name or type(module).__name__
+        for base in (nn.Linear, nn.Embedding):
+            if isinstance(sub, base) and type(sub).forward is not base.forward:
+                raise _fail(label, f"{type(sub).__name__} overrides {base.__name__}.forward; tensor parallel "
+                            f"replaces that forward, so it splits only plain {base.__name__} modules")
+        if isinstance(sub, nn.Linear):
+            prefixed = {f"{name}.{leaf}": r for leaf, r in own.items()}
+            kind = _linear_kind(name, prefixed)
+        elif isinstance(sub, nn.Embedding):
+            if own.get("weight") != "vocab":
+                raise _fail(label, f"an nn.Embedding supports the roles 'vocab' and 'replicated', got {own}")
+            if sub.max_norm is not None or sub.sparse or sub.scale_grad_by_freq:
+                raise _fail(label, "a vocab-parallel nn.Embedding cannot use max_norm, sparse gradients "
+                            "or scale_grad_by_freq (they see only this rank's rows)")
+            kind = "vocab_embedding"
+        else:
+            raise _fail(label, f"{type(sub).__name__} holds parameters with roles {own}; tensor parallel can "
+                        f"split only nn.Linear and nn.Embedding weights (other modules: 'replicated')")
+        if kind is not None:
+            kinds[name] = kind
+    return kinds
+
+
+class _SharedInputCopy:
+    """Remembers the last ``f(x)`` so layers reading the same ``x`` share one backward all-reduce.
+
+    Weak references only: the memo must not keep an activation (or its graph) alive.
+    """
+
+    def __init__(self) -> None:
+        self._source: weakref.ref | None = None
+        self._copy: weakref.ref | None = None
+        self._group: RankGroup | None = None
+
+    def __call__(self, x: Tensor, group: RankGroup) -> Tensor:
+        if self._source is not None and self._source() is x and self._group is group:
+            copied = self._copy() if self._copy is not None else None
+            if copied is not None:
+                return copied
+        copied = copy_to_group(x, group)
+        self._source, self._copy, self._group = weakref.ref(x), weakref.ref(copied), group
+        return copied
+
+
+class TPForward:
+    """A module's forward under tensor parallelism; installed once as ``module.forward``."""
+
+    def __init__(self, module: nn.Module, kind: str, state: ParallelState, copies: _SharedInputCopy,
+                 local_output: bool = False) -> None:
+        self.module = module
+        self.kind = kind
+        self.state = state
+        self.copies = copies
+        self.local_output = local_output  # vocab head whose loss is vocab-parallel
+
+    def __call__(self, x: Tensor) -> Tensor:
+        m, groups = self.module, self.state.groups
+        tp = groups.tp if groups is not None and groups.tp.size > 1 else None
+        if self.kind == "vocab_embedding":
+            return self._embedding(x, tp)
+        if tp is None:
+            return F.linear(x, m.weight, m.bias)
+        if self.kind == "rowwise":
+            out = reduce_from_group(F.linear(x, m.weight), tp)
+            return out if m.bias is None else out + m.bias
+        out = F.linear(self.copies(x, tp), m.weight, m.bias)  # colwise, gather, partial_input
+        if self.kind == "gather" and not self.local_output:
+            out = gather_last_dim(out, tp)
+        return out
+
+    def _embedding(self, ids: Tensor, tp: RankGroup | None) -> Tensor:
+        m = self.module
+        if tp is None:
+            return F.embedding(ids, m.weight, m.padding_idx)
+        rows = m.weight.shape[0]
+        start = tp.index * rows
+        outside = (ids < start) | (ids >= start + rows)
+        local = (ids - start).masked_fill(outside, 0)
+        pad = m.padding_idx
+        pad = pad - start if pad is not None and start <= pad < start + rows else None
+        out = F.embedding(local, m.weight, pad)
+        return reduce_from_group(out.masked_fill(outside.unsqueeze(-1), 0.0), tp)
+
+
+def install_tensor_parallel(
+    module: nn.Module, roles: Mapping[str, str], state: ParallelState, *, loss_parallel: bool = False
+) -> int:
+    """Installs the parallel forwards (and kv-head selection) once; returns how many were installed.
+
+    With ``loss_parallel`` the ``vocab`` Linear keeps its logits sharded and ``module.loss_fn`` is
+    replaced by a vocab-parallel cross entropy (the model must compute its loss through it).
+    """
+    kinds = module_kinds(module, roles)
+    heads = [n for n, k in kinds.items() if k == "gather"]
+    if loss_parallel:
+        if len(heads) != 1 or not callable(getattr(module, "loss_fn", None)):
+            raise LayoutError(f"loss_parallel needs exactly one 'vocab' nn.Linear (found {heads}) and a "
+                              f"callable {type(module).__name__}.loss_fn(logits, labels) to replace")
+    copies = _SharedInputCopy()
+    installed = 0
+    for name, kind in kinds.items():
+        sub = module.get_submodule(name)
+        if isinstance(sub.__dict__.get("forward"), TPForward):
+            raise LayoutError(f"{name} already has a tensor-parallel forward; install once per module")
+        sub.forward = TPForward(sub, kind, state, copies, local_output=loss_parallel and kind == "gather")
+        installed += 1
+    for name, owner in attention_modules(module):
+        partial = [child for child, k in kinds.items() if k == "partial_input"
+                   and child.rpartition(".")[0] == name]
+        if partial:
+            ensure_parallel_attention(owner, name or type(owner).__name__, state).select_kv = True
+            installed += 1
+    if loss_parallel:
+        module.loss_fn = VocabParallelLoss(state, module.loss_fn, module.get_submodule(heads[0]))
+        installed += 1
+    return installed

@@ -1,0 +1,132 @@
+"""Ulysses context parallelism around an ordinary varlen core attention.
+
+Why Ulysses and not a ring: torch's ring ``context_parallel`` has no CPU SDPA rule (DESIGN.md
+section 8), and an all-to-all keeps the attention kernel untouched, so every backend (SDPA per
+document, flash varlen) works unchanged and documents that straddle cp chunks stay exact.
+
+Each cp rank holds chunks ``r`` and ``2cp-1-r`` of every document (``plan.pack_micro_batch``). One
+all-to-all of the fused q/k/v scatters heads and gathers tokens; the gathered rows (rank-major) are
+permuted back to the true row order, so the full documents lie contiguous at ``cp_cu_seqlens`` and
+the inner attention runs on whole rows with ``cp`` times fewer heads. The output goes back the same
+way. Since every local document is exactly 1/cp of its padded row, ``cp_cu_seqlens == cp *
+cu_seqlens``: the wrapper needs only the local ``cu_seqlens`` (also during activation-checkpoint
+recomputation, where no micro-batch is active) and checks the micro-batch against it when one is.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ..layout import LayoutError, RankGroup
+from ..plan import MicroBatch
+from .collectives import all_to_all_heads_to_tokens, all_to_all_tokens_to_heads, permute_rows
+
+__all__ = ["RowOrder", "row_order", "ulysses_attention"]
+
+
+@dataclass(frozen=True)
+class RowOrder:
+    """``full = gathered[perm]``; ``gathered = full[inverse]``; the whole rows' boundaries."""
+
+    perm: Tensor
+    inverse: Tensor
+    cu_seqlens: Tensor  # int32, the padded full row's document boundaries (== cp_cu_seqlens)
+    max_seqlen: int
+
+
+_CACHE: OrderedDict[tuple[int, int, str], tuple[weakref.ref, RowOrder]] = OrderedDict()
+_CACHE_SIZE = 8
+
+
+def _build_row_order(cu_seqlens: Tensor, cp: int, where: str) -> RowOrder:
+    cu = cu_seqlens.to(torch.int64)
+    local = cu[1:] - cu[:-1]
+    lengths = local.tolist()
+    if not lengths or min(lengths) < 2 or any(n % 2 for n in lengths):
+        raise LayoutError(f"{where}: with cp={cp} every local document must be two equal chunks (the plan "
+                          f"splits each padded document in 2*cp), got local lengths {lengths[:8]}; was the "
+                          f"micro-batch packed for this cp size?")
+    tokens = int(cu[-1])
+    chunk = local // 2
+    full_len = local * cp
+    full_cu = torch.zeros(len(lengths) + 1, dtype=torch.int64, device=cu.device)
+    full_cu[1:] = full_len.cumsum(0)
+    doc = torch.repeat_interleave(torch.arange(len(lengths), device=cu.device), full_len,
+                                  output_size=tokens * cp)
+    offset = torch.arange(tokens * cp, device=cu.device) - full_cu[doc]
+    c = chunk[doc]
+    piece, within = offset // c, offset % c
+    second = piece >= cp
+    owner = torch.where(second, 2 * cp - 1 - piece, piece)
+    perm = owner * tokens + cu[doc] + second * c + within
+    inverse = torch.empty_like(perm)
+    inverse[perm] = torch.arange(perm.numel(), device=cu.device)
+    return RowOrder(perm, inverse, full_cu.to(torch.int32), max(lengths) * cp)
+
+
+def row_order(cu_seqlens: Tensor, cp: int, where: str = "context parallel") -> RowOrder:
+    """The permutation for one micro-batch, cached by the identity of its ``cu_seqlens`` tensor
+    (every layer, and checkpoint recomputation, passes the same object)."""
+    key = (id(cu_seqlens), cp, str(cu_seqlens.device))
+    hit = _CACHE.get(key)
+    if hit is not None and hit[0]() is cu_seqlens:
+        _CACHE.move_to_end(key)
+        return hit[1]
+    order = _build_row_order(cu_seqlens, cp, where)
+    _CACHE[key] = (weakref.ref(cu_seqlens), order)
+    while len(_CACHE) > _CACHE_SIZE:
+        _CACHE.popitem(last=False)
+    return order
+
+
+def _check_micro_batch(mb: MicroBatch | None, cu_seqlens: Tensor, tokens: int, group: RankGroup, where: str) -> None:
+    if mb is None:
+        return
+    if mb.cp_size != group.size or mb.cp_rank != group.index:
+        raise LayoutError(f"{where}: the micro-batch was sliced for cp_size={mb.cp_size}, cp_rank={mb.cp_rank}, "
+                          f"but the active layout has cp={group.size} and this rank is cp rank {group.index}")
+    if mb.num_tokens != tokens:
+        raise LayoutError(f"{where}: attention got {tokens} tokens but the micro-batch has {mb.num_tokens}")
+    if mb.cu_seqlens is not cu_seqlens and not torch.equal(mb.cu_seqlens.cpu().long(), cu_seqlens.cpu().long()):
+        raise LayoutError(f"{where}: cu_seqlens passed to attention differ from the micro-batch's")
+
+
+def ulysses_attention(
+    inner: object,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens: Tensor,
+    max_seqlen: int,
+    group: RankGroup,
+    micro_batch: MicroBatch | None = None,
+    where: str = "context parallel",
+) -> Tensor:
+    """``inner`` run on the whole rows of the cp group; q [T, h, d], k / v [T, hkv, d] local."""
+    del max_seqlen  # the whole rows' maximum is derived from cu_seqlens
+    cp, tokens = group.size, q.shape[0]
+    q_heads, kv_heads = q.shape[1], k.shape[1]
+    if q_heads % cp:
+        raise LayoutError(f"{where}: cp={cp} does not divide the {q_heads} local query heads")
+    _check_micro_batch(micro_batch, cu_seqlens, tokens, group, where)
+    order = row_order(cu_seqlens, cp, where)
+    if kv_heads % cp:  # repeat each kv head just enough that cp divides them (GQA groups stay intact)
+        repeat = cp // math.gcd(kv_heads, cp)
+        k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+        kv_heads *= repeat
+    if k.shape[2] == q.shape[2] == v.shape[2]:  # one exchange for q, k and v
+        parts = [t.reshape(tokens, cp, t.shape[1] // cp, t.shape[2]) for t in (q, k, v)]
+        fused = torch.cat(parts, dim=2).reshape(tokens, q_heads + 2 * kv_heads, q.shape[2])
+        full = permute_rows(all_to_all_heads_to_tokens(fused, group), order.perm, order.inverse)
+        qf, kf, vf = full.split([q_heads // cp, kv_heads // cp, kv_heads // cp], dim=1)
+    else:
+        qf, kf, vf = (permute_rows(all_to_all_heads_to_tokens(t, group), order.perm, order.inverse)
+                      for t in (q, k, v))
+    out = inner(qf, kf, vf, order.cu_seqlens, order.max_seqlen)
+    return all_to_all_tokens_to_heads(permute_rows(out, order.inverse, order.perm), group)

@@ -1,0 +1,168 @@
+"""Model benchmark: forward + backward tokens/s of a Llama preset in every layout vs one process.
+
+Every layout trains on the SAME global set of micro-batches (``--micro-batches`` of
+``--tokens`` tokens each, documents of mixed lengths), dealt to its dp groups as the planner would;
+so tokens/s compare like for like and every layout's gradients (reduced by the switch engine into
+the home store, as full tensors) are checked against the single process's. A step here is the
+compute of one stage plus its gradient reduction (no switch); its time is the slowest rank's,
+median over ``--steps``. The single process runs on rank 0 alone (one thread, as every rank) while
+the others wait. The last line printed is one JSON object.
+
+    python recipes/benchmark_model.py --preset small --tokens 512
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from lightning_hotspa.layout import Layout, WorldMesh  # noqa: E402
+from lightning_hotspa.models import param_roles  # noqa: E402
+from lightning_hotspa.parallel.model import ParallelModel  # noqa: E402
+from lightning_hotspa.placements import build_shardings  # noqa: E402
+from lightning_hotspa.plan import Stage, StepPlan, pack_micro_batch, slice_plan  # noqa: E402
+from lightning_hotspa.spawn import RankPool  # noqa: E402
+from lightning_hotspa.switch import SwitchEngine, build_home_parameters  # noqa: E402
+
+LAYOUTS = ["dp4", "dp2xtp2", "tp4", "dp2xcp2", "tp2xcp2", "cp4"]
+DOC_SHARES = (8, 4, 3, 1)  # a micro-batch's documents, as sixteenths of its tokens
+
+
+def _documents(tokens: int, micro_batches: int, vocab: int) -> tuple[list[torch.Tensor], list[list[int]]]:
+    if tokens % 128:
+        raise ValueError(f"--tokens must be a multiple of 128 (documents stay multiples of 2*cp), got {tokens}")
+    g = torch.Generator().manual_seed(0)
+    docs, groups = [], []
+    for _ in range(micro_batches):
+        groups.append([])
+        for share in DOC_SHARES:
+            groups[-1].append(len(docs))
+            docs.append(torch.randint(0, vocab, (tokens * share // 16,), generator=g))
+    return docs, groups
+
+
+def _slowest(seconds: float) -> float:
+    t = torch.tensor([seconds], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
+def _single_process(lm, docs, groups, total_targets, steps) -> tuple[float, dict[str, torch.Tensor]]:
+    times = []
+    for _ in range(steps + 1):  # the first step warms up
+        lm.zero_grad(set_to_none=True)
+        start = time.perf_counter()
+        for ids in groups:
+            mb = pack_micro_batch([docs[i] for i in ids])
+            (lm.training_step(mb) * (mb.num_target_tokens / total_targets)).backward()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:]), {n: p.grad.clone() for n, p in lm.named_parameters()}
+
+
+def bench_rank(preset: str, tokens: int, micro_batches: int, steps: int) -> dict:
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", message=".*self.log.*")
+    from lightning_hotspa.models import LlamaLM  # Lightning: imported by the worker, not the parent
+
+    world = WorldMesh(LAYOUTS)
+    lm = LlamaLM(preset, seed=0)
+    docs, groups = _documents(tokens, micro_batches, lm.config.vocab_size)
+    lengths = tuple(d.numel() for d in docs)
+    total_targets = sum(n - 1 for n in lengths)
+    init = {n: p.detach().clone() for n, p in lm.named_parameters()}
+    result: dict = {"tokens_per_step": sum(lengths)}
+    if world.rank == 0:
+        seconds, reference = _single_process(lm, docs, groups, total_targets, steps)
+        result["single_process"] = {"step_s": seconds, "tokens_per_s": sum(lengths) / seconds}
+    dist.barrier()
+    roles = param_roles(lm, lm.tp_plan(max(Layout.parse(x).tp for x in LAYOUTS)))
+    shardings = build_shardings({n: tuple(p.shape) for n, p in lm.named_parameters()}, roles, world.shape)
+    home = build_home_parameters(world, shardings, lambda name, shape: init[name])
+    parallel = ParallelModel(lm, roles, world)
+    engine = SwitchEngine(world, shardings, home)
+    result["loss_parallel"] = type(lm.loss_fn).__name__
+    for name in LAYOUTS:
+        layout = Layout.parse(name)
+        stage = Stage(layout, tuple(tuple(tuple(groups[i]) for i in range(dp, len(groups), layout.dp))
+                                    for dp in range(layout.dp)))
+        mine = slice_plan(StepPlan(0, lengths, (stage,)), docs, world.shape, world.rank).stages[0]
+        engine.materialize(layout)
+        parallel.activate(layout, engine.working)
+        times = []
+        for _ in range(steps + 1):
+            for w in engine.working.values():
+                w.grad = None
+            engine.clear_grad_store()
+            dist.barrier()
+            start = time.perf_counter()
+            for mb in mine.micro_batches:
+                with parallel.micro_batch(mb):
+                    loss = lm.training_step(mb)
+                (loss * (mb.num_target_tokens / total_targets)).backward()
+            engine.reduce_gradients()
+            times.append(_slowest(time.perf_counter() - start))
+        parallel.restore(home)
+        engine.release()
+        engine.assign_home_grads()
+        errors = {}
+        for pname, p in home.items():
+            full = p.grad.full_tensor()
+            if world.rank == 0:
+                errors[pname] = float((full - reference[pname]).norm() / reference[pname].norm())
+            p.grad = None
+        engine.clear_grad_store()
+        seconds = statistics.median(times[1:])
+        result[name] = {"step_s": seconds, "tokens_per_s": sum(lengths) / seconds,
+                        "max_grad_rel_err": max(errors.values()) if errors else None}
+    return result
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="small")
+    parser.add_argument("--tokens", type=int, default=512, help="tokens per micro-batch (multiple of 128)")
+    parser.add_argument("--micro-batches", type=int, default=4, help="global micro-batches per step")
+    parser.add_argument("--steps", type=int, default=2, help="timed steps per layout (after one warm-up)")
+    args = parser.parse_args(argv)
+    pool = RankPool(4, collective_timeout_s=600)
+    try:
+        out = pool.run(bench_rank, args.preset, args.tokens, args.micro_batches, args.steps, timeout_s=3600)[0]
+    finally:
+        pool.close()
+    single = out["single_process"]["tokens_per_s"]
+    print(f"{'layout':<16}{'tokens/s':>12}{'vs 1 proc':>12}{'step s':>10}{'grad err':>12}")
+    print(f"{'single process':<16}{single:>12.0f}{1.0:>12.2f}{out['single_process']['step_s']:>10.2f}{'-':>12}")
+    for name in LAYOUTS:
+        r = out[name]
+        print(f"{name:<16}{r['tokens_per_s']:>12.0f}{r['tokens_per_s'] / single:>12.2f}{r['step_s']:>10.2f}"
+              f"{r['max_grad_rel_err']:>12.2e}")
+    result = {
+        "preset": args.preset,
+        "ranks": 4,
+        "tokens_per_micro_batch": args.tokens,
+        "micro_batches_per_step": args.micro_batches,
+        "tokens_per_step": out["tokens_per_step"],
+        "dtype": "float32",
+        "lm_loss": out["loss_parallel"],
+        "tokens_per_s": {"single_process": round(single, 1),
+                         **{name: round(out[name]["tokens_per_s"], 1) for name in LAYOUTS}},
+        "grad_rel_err": {name: out[name]["max_grad_rel_err"] for name in LAYOUTS},
+        "max_grad_rel_err": max(out[name]["max_grad_rel_err"] for name in LAYOUTS),
+    }
+    print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()
