@@ -7,7 +7,9 @@ compute runs on separate working copies, so the strategy converts Lightning's pl
 * ``32-true``: fp32 home, fp32 working copies;
 * ``bf16-mixed``: fp32 home and optimizer state, bf16 working copies and compute, gradients reduced
   in fp32 (the HotSPa artifact's arrangement);
-* ``bf16-true``: everything bf16, home state and optimizer state included.
+* ``bf16-true``: everything bf16, home state and optimizer state included;
+* ``64-true``: everything fp64 — for equivalence tests, where fp32 reduction-order noise would
+  otherwise be amplified by Adam over several steps.
 
 Gradient-norm clipping uses the true global norm over the home gradients (DTensors sharded over
 the world), counting each replicated shard once, with one all-reduce.
@@ -25,7 +27,7 @@ from torch.optim import Optimizer
 
 __all__ = ["HotSPaPrecision", "SUPPORTED_PRECISION", "global_grad_norm", "clip_grad_norm_global"]
 
-SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "bf16-true")
+SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "bf16-true", "64-true")
 
 
 class HotSPaPrecision(Precision):
@@ -37,11 +39,11 @@ class HotSPaPrecision(Precision):
 
     @property
     def working_dtype(self) -> torch.dtype:
-        return torch.float32 if self.precision == "32-true" else torch.bfloat16
+        return {"32-true": torch.float32, "64-true": torch.float64}.get(self.precision, torch.bfloat16)
 
     @property
     def home_dtype(self) -> torch.dtype:
-        return torch.bfloat16 if self.precision == "bf16-true" else torch.float32
+        return {"bf16-true": torch.bfloat16, "64-true": torch.float64}.get(self.precision, torch.float32)
 
     def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
         return module  # the strategy builds home and working copies in the right dtypes itself

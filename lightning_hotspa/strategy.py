@@ -381,7 +381,7 @@ class HotSPaStrategy(ParallelStrategy):
         if metrics and not plan.extras.get("plain"):
             module.log_dict(metrics, on_step=True, on_epoch=False, sync_dist=False, rank_zero_only=True,
                             batch_size=1)
-        return loss.to(torch.float32)
+        return loss.to(torch.float64 if self.hotspa_precision.home_dtype == torch.float64 else torch.float32)
 
     def _switch_to(self, layout: Layout) -> Any:
         assert self.engine is not None

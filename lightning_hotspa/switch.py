@@ -83,6 +83,11 @@ def _sub_chunk(t: torch.Tensor, sharding: ParamSharding, start: int, stop: int, 
     return t.chunk(count, dim=sharding.dim)[index]
 
 
+def _reduce_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Gradients are summed in fp32 at least (fp64 stays fp64)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def _slots_to_shards(group: RankGroup) -> list[int]:
     """shard index held by each collective output slot (inverse of ``slot_of_shard``)."""
     out = [0] * group.size
@@ -267,7 +272,8 @@ class SwitchEngine:
         local: dict[str, torch.Tensor] = {}
         for name, w in self.working.items():
             g = grads[name] if grads is not None else w.grad
-            g = torch.zeros(w.shape, dtype=torch.float32) if g is None else g.detach().float()
+            g = torch.zeros(w.shape, dtype=_reduce_dtype(w.dtype), device=w.device) if g is None else \
+                g.detach().to(_reduce_dtype(g.dtype))
             if name in plan.slices:
                 g = _sub_chunk(g, self.shardings[name], *plan.slices[name], rank)
             local[name] = g
@@ -277,12 +283,12 @@ class SwitchEngine:
             if scatter:
                 group = self.world.group(scatter)
                 tensors = self._reduce_scatter_fused(tensors, [self.shardings[n].dim for n in names], group)
-                received += sum(t.numel() for t in tensors) * 4 * (group.size - 1)
+                received += sum(t.numel() * t.element_size() for t in tensors) * (group.size - 1)
                 collectives += 1
             if reduce:
                 group = self.world.group(reduce)
                 tensors = self._all_reduce_fused(tensors, group)
-                received += 2 * (group.size - 1) * sum(t.numel() for t in tensors) * 4 // group.size
+                received += 2 * (group.size - 1) * sum(t.numel() * t.element_size() for t in tensors) // group.size
                 collectives += 1
             for name, t in zip(names, tensors):
                 if name in self.grad_store:
@@ -322,7 +328,7 @@ class SwitchEngine:
         for name, p in self.home.items():
             g = self.grad_store.get(name)
             if g is None:
-                g = torch.zeros_like(self._home_local(name), dtype=torch.float32)
+                g = torch.zeros_like(self._home_local(name), dtype=_reduce_dtype(p.dtype))
             if isinstance(p, DTensor):
                 g = DTensor.from_local(g.to(p.dtype), p.device_mesh, p.placements, run_check=False,
                                        shape=p.shape, stride=p.stride())

@@ -17,18 +17,24 @@ LENGTHS = [[7, 30, 12, 5, 64, 9, 3, 40, 17, 25, 11, 50, 8, 33],
            [60, 10, 21, 35, 5, 14, 48, 26, 7, 19, 3, 38, 12]]
 
 
-def _model():
-    return LlamaLM("tiny", seed=3, lr=2e-3, weight_decay=0.1)
+FOUNDATION = ["dp4", "dp2xtp2", "tp4", "dp2xcp2", "tp2xcp2"]
+
+
+def _model(dtype=torch.float32):
+    return LlamaLM("tiny", seed=3, lr=2e-3, weight_decay=0.1).to(dtype)
 
 
 class _Recorder(Callback):
+    """Per optimizer step: the pre-update home weights and gradients (full tensors), and hook counts."""
+
     def __init__(self):
         self.before = self.after = 0
-        self.losses, self.grads = [], []
+        self.losses, self.grads, self.weights = [], [], []
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-        # the home gradients as the optimizer will see them (a collective: every rank gathers)
-        self.grads.append({n: p.grad.full_tensor() for n, p in pl_module.named_parameters()})
+        params = dict(pl_module.named_parameters())  # collectives: every rank gathers
+        self.grads.append({n: p.grad.full_tensor() for n, p in params.items()})
+        self.weights.append({n: p.detach().full_tensor() for n, p in params.items()})
 
     def on_before_backward(self, trainer, pl_module, loss):
         self.before += 1
@@ -40,7 +46,28 @@ class _Recorder(Callback):
         self.losses.append(float(outputs["loss"]))
 
 
-def fit_and_compare(layout_names, steps=3, precision="32-true", clip=None):
+def _reference_grads(weights, plan, dtype):
+    """Single process, the same weights, the whole global mini-batch, token-mean loss."""
+    from lightning_hotspa.plan import pack_micro_batch
+    from strategy_helpers import make_docs
+
+    model = _model(dtype)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            p.copy_(weights[n])
+    loss = model.training_step(pack_micro_batch(make_docs(plan.step, plan.doc_lengths)), 0)
+    loss.backward()
+    return float(loss), {n: p.grad for n, p in model.named_parameters()}
+
+
+def fit_and_compare(layout_names, steps=3, precision="32-true"):
+    """3 optimizer steps of mixed plans (every layout a stage, uneven dp groups) under a real Trainer.
+
+    Returns, per step, the gradient error against the single process started from the SAME weights
+    (the update's input: the core invariant), the loss errors, and the error of the final weights
+    against a single-process run of the same 3 AdamW steps.
+    """
+    dtype = torch.float64 if precision == "64-true" else torch.float32
     layouts = [Layout.parse(x) for x in layout_names]
     plans = [mixed_plan(s, LENGTHS[s % len(LENGTHS)], layouts) for s in range(steps)]
     batches = rank_plans(plans, layouts, dist.get_rank())
@@ -49,7 +76,7 @@ def fit_and_compare(layout_names, steps=3, precision="32-true", clip=None):
         trainer = L.Trainer(accelerator="cpu", devices=dist.get_world_size(), strategy=HotSPaStrategy(layout_names),
                             max_steps=steps, precision=precision, logger=False, enable_checkpointing=False,
                             enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
-                            callbacks=[recorder], gradient_clip_val=clip)
+                            callbacks=[recorder])
         model = _model()
         trainer.fit(model, train_dataloaders=torch.utils.data.DataLoader(batches, batch_size=None,
                                                                          collate_fn=lambda x: x))
@@ -58,14 +85,15 @@ def fit_and_compare(layout_names, steps=3, precision="32-true", clip=None):
     assert recorder.before == recorder.after == micro_batches, (recorder.before, micro_batches)
     if dist.get_rank() != 0:
         return None
-    initial = dict(_model().named_parameters())
-    ref_model, ref_losses, ref_grads = reference_run(_model, plans, clip=clip)
-    final = dict(ref_model.named_parameters())
-    return {"weights": rel_errors(ours, final),
-            "updates": rel_errors({n: ours[n] - initial[n] for n in ours},
-                                  {n: final[n].detach() - initial[n] for n in ours}),
-            "grads": [rel_errors(g, r) for g, r in zip(recorder.grads, ref_grads)],
-            "losses": recorder.losses, "ref_losses": ref_losses, "global_step": trainer.global_step}
+    ref_dtype = torch.float32 if precision == "bf16-mixed" else dtype
+    grad_errors, loss_errors = [], []
+    for plan, weights, grads, loss in zip(plans, recorder.weights, recorder.grads, recorder.losses):
+        ref_loss, ref = _reference_grads(weights, plan, ref_dtype)
+        grad_errors.append(rel_errors(grads, ref))
+        loss_errors.append(abs(loss - ref_loss) / abs(ref_loss))
+    ref_model, _, _ = reference_run(lambda: _model(ref_dtype), plans)
+    return {"grads": grad_errors, "losses": loss_errors, "global_step": trainer.global_step,
+            "weights": rel_errors(ours, dict(ref_model.named_parameters()))}
 
 
 def _worst(errors):
@@ -73,14 +101,21 @@ def _worst(errors):
     return name, errors[name]
 
 
-def test_dp_only_plans_match_single_process(ranks):
-    result = ranks(4).run(fit_and_compare, ["dp4"])[0]
+@pytest.mark.parametrize("precision, grad_tol, loss_tol, weight_tol", [
+    # fp32: exact per step; over 3 steps Adam amplifies reduction-order noise of near-zero gradients
+    ("32-true", 1e-5, 1e-5, 1e-4),
+    # fp64 removes that noise: the whole 3-step trajectory must match
+    ("64-true", 1e-10, 1e-12, 1e-9),
+    # bf16 working copies and compute, fp32 home and optimizer state
+    ("bf16-mixed", 5e-2, 1e-2, 5e-2),
+])
+def test_mixed_plans_over_every_layout_match_single_process(ranks, precision, grad_tol, loss_tol, weight_tol):
+    result = ranks(4).run(fit_and_compare, FOUNDATION, 3, precision)[0]
     assert result["global_step"] == 3
-    for step_grads in result["grads"]:
-        assert _worst(step_grads)[1] <= 1e-5, _worst(step_grads)
-    assert _worst(result["weights"])[1] <= 1e-5, _worst(result["weights"])
-    for ours, ref in zip(result["losses"], result["ref_losses"]):
-        assert abs(ours - ref) <= 1e-5 * abs(ref)
+    for step, errors in enumerate(result["grads"]):
+        assert _worst(errors)[1] <= grad_tol, (step, _worst(errors))
+    assert max(result["losses"]) <= loss_tol, result["losses"]
+    assert _worst(result["weights"])[1] <= weight_tol, _worst(result["weights"])
 
 
 def _fit(model, layout_names, batches, steps, ckpt_path=None, **trainer_kwargs):
@@ -182,7 +217,7 @@ def test_bad_configuration_fails_at_setup_with_clear_messages(ranks):
     assert messages["nest"] is None  # all of these nest on a 2x2 mesh
 
 
-@pytest.mark.parametrize("precision, match", [("64-true", "got '64-true'"), ("16-true", "got '16-true'")])
+@pytest.mark.parametrize("precision, match", [("16-true", "got '16-true'")])
 def test_unsupported_precision_is_refused_when_the_trainer_is_built(precision, match):
     with pytest.raises(ValueError, match=match):
         L.Trainer(accelerator="cpu", devices=1, strategy=HotSPaStrategy(["dp1"]), precision=precision)

@@ -45,7 +45,7 @@ def token_mean_cross_entropy(logits: Tensor, labels: Tensor) -> Tensor:
     over no targets), so backward runs and yields zero gradients; no host sync is needed.
     """
     total = F.cross_entropy(
-        logits.float(), labels, ignore_index=IGNORE_INDEX, reduction="sum"
+        logits if logits.dtype == torch.float64 else logits.float(), labels, ignore_index=IGNORE_INDEX, reduction="sum"
     )
     count = (labels != IGNORE_INDEX).sum().clamp(min=1)
     return total / count

@@ -29,7 +29,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        x32 = x.float()
+        x32 = x if x.dtype == torch.float64 else x.float()  # at least fp32
         normed = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + self.eps)
         return normed.type_as(x) * self.weight
 

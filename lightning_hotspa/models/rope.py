@@ -17,10 +17,11 @@ __all__ = ["rotary_cos_sin", "apply_rotary", "position_ids_from_cu_seqlens"]
 def rotary_cos_sin(
     position_ids: Tensor, head_dim: int, theta: float, dtype: torch.dtype
 ) -> tuple[Tensor, Tensor]:
-    """cos and sin tables of shape [T, head_dim] (the two halves repeat), computed in fp32."""
-    exponent = torch.arange(0, head_dim, 2, device=position_ids.device, dtype=torch.float32)
+    """cos and sin tables of shape [T, head_dim] (the two halves repeat), computed in fp32 (fp64 for fp64)."""
+    work = torch.float64 if dtype == torch.float64 else torch.float32
+    exponent = torch.arange(0, head_dim, 2, device=position_ids.device, dtype=work)
     inv_freq = theta ** (-exponent / head_dim)
-    angles = position_ids.to(torch.float32)[:, None] * inv_freq[None, :]
+    angles = position_ids.to(work)[:, None] * inv_freq[None, :]
     angles = torch.cat((angles, angles), dim=-1)
     return angles.cos().to(dtype), angles.sin().to(dtype)
 

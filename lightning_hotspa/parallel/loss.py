@@ -26,7 +26,7 @@ IGNORE_INDEX = -100
 class _VocabParallelCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, logits: Tensor, labels: Tensor, group: RankGroup) -> Tensor:
-        z = logits.float()
+        z = logits if logits.dtype == torch.float64 else logits.float()  # at least fp32
         width = z.shape[-1]
         start = group.index * width
         row_max = z.detach().amax(dim=-1)
