@@ -79,5 +79,5 @@ def reference_run(model_factory, plans: list[StepPlan], clip: float | None = Non
 
 
 def rel_errors(ours: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> dict[str, float]:
-    return {n: float((ours[n].float() - ref[n].float()).norm() / ref[n].float().norm().clamp(min=1e-30))
+    return {n: float((ours[n].double() - ref[n].double()).norm() / ref[n].double().norm().clamp(min=1e-30))
             for n in ref}
