@@ -20,7 +20,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
-__all__ = ["save_distributed_checkpoint", "load_distributed_checkpoint", "META_FILE"]
+__all__ = ["save_distributed_checkpoint", "load_distributed_checkpoint", "export_consolidated", "META_FILE"]
 
 META_FILE = "meta.pt"
 
@@ -64,3 +64,22 @@ def load_distributed_checkpoint(path: str | os.PathLike, module: nn.Module, opti
     for i, optimizer in enumerate(optimizers):
         set_optimizer_state_dict(module, optimizer, state[f"optimizer_{i}"])
     return meta
+
+
+def export_consolidated(checkpoint_dir: str | os.PathLike, output_file: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """One ``torch.save`` file with the full (unsharded) model state dict, for inference.
+
+    Runs in a single process without a process group; loads every shard, so it needs the memory of
+    one full model.
+    """
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    checkpoint_dir, output_file = Path(checkpoint_dir), Path(output_file)
+    if not (checkpoint_dir / META_FILE).is_file():
+        raise FileNotFoundError(f"{checkpoint_dir} is not a complete hotspa checkpoint (no {META_FILE})")
+    tmp = output_file.with_name(output_file.name + ".all.tmp")
+    dcp_to_torch_save(str(checkpoint_dir), str(tmp))
+    state = torch.load(tmp, map_location="cpu", weights_only=False)["model"]
+    tmp.unlink()
+    torch.save(state, output_file)
+    return state

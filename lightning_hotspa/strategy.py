@@ -37,6 +37,7 @@ from lightning.pytorch.trainer import call
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
 from .checkpoint import load_distributed_checkpoint, save_distributed_checkpoint
@@ -275,6 +276,8 @@ class HotSPaStrategy(ParallelStrategy):
 
     def _build_home_state(self, module: nn.Module) -> None:
         assert self.world is not None
+        if self.home and all(p is self.home.get(n) for n, p in module.named_parameters()):
+            return  # the same module again (fit, then validate): hooks and home state stay
         shapes = {n: tuple(p.shape) for n, p in module.named_parameters()}
         shardings = build_shardings(shapes, self._roles(module), self.world.shape)
         params = dict(module.named_parameters())
@@ -285,7 +288,10 @@ class HotSPaStrategy(ParallelStrategy):
                              f"init_parameter(name) to initialize its parameters from")
 
         def full(name: str, shape: tuple[int, ...]) -> Tensor:
-            return init_parameter(name) if on_meta else params[name].detach().to("cpu", torch.float32)
+            if on_meta:
+                return init_parameter(name)
+            p = params[name].detach()
+            return (p.full_tensor() if isinstance(p, DTensor) else p).to("cpu")
 
         precision = self.hotspa_precision
         self.home = build_home_parameters(self.world, shardings, full, dtype=precision.home_dtype,

@@ -155,6 +155,11 @@ def test_checkpoint_at_world_4_resumes_at_world_2_with_other_layouts(ranks, tmp_
     resumed = ranks(2).run(checkpoint_phase, "resume", ["dp2", "tp2", "cp2"], path)[0]
     errors = rel_errors(resumed, full)
     assert max(errors.values()) <= 1e-12, _worst(errors)
+    # a single-file export for inference holds the same (step-2) weights as the sharded checkpoint
+    from lightning_hotspa.checkpoint import export_consolidated
+
+    exported = export_consolidated(path, tmp_path / "model.pt")
+    assert set(exported) == set(full) and torch.load(tmp_path / "model.pt")["model.norm.weight"].dtype == torch.float64
 
 
 def _micro_batches(n, seed=0):
@@ -240,3 +245,37 @@ def test_strategy_arguments_are_validated():
     import importlib
 
     importlib.reload(lightning_hotspa)  # registering twice is harmless
+
+
+def validate_and_log(log_dir):
+    """Validation over step plans in several layouts, and the per-stage metrics reaching a logger."""
+    from lightning.pytorch.loggers import CSVLogger
+
+    layouts = [Layout.parse(x) for x in FOUNDATION]
+    plans = [mixed_plan(s, LENGTHS[s % len(LENGTHS)], layouts) for s in range(2)]
+    batches = rank_plans(plans, layouts, dist.get_rank())
+    loader = torch.utils.data.DataLoader(batches, batch_size=None, collate_fn=lambda x: x)
+    with lightning_rank_env():
+        trainer = L.Trainer(accelerator="cpu", devices=4, strategy=HotSPaStrategy(FOUNDATION, activation_checkpointing="auto"),
+                            max_steps=2, logger=CSVLogger(log_dir, name="run", version=0), log_every_n_steps=1,
+                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                            use_distributed_sampler=False, num_sanity_val_steps=0)
+        model = _model()
+        trainer.fit(model, train_dataloaders=loader, val_dataloaders=loader)
+        metrics = trainer.validate(model, dataloaders=loader, verbose=False)
+    return metrics[0]["val/loss"]
+
+
+def test_validation_in_every_layout_and_stage_metrics_are_logged(ranks, tmp_path):
+    import csv
+
+    val_losses = ranks(4).run(validate_and_log, str(tmp_path))
+    assert len(set(val_losses)) == 1 and val_losses[0] > 0
+    with open(tmp_path / "run" / "version_0" / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    columns = set(rows[0])
+    for layout in FOUNDATION:
+        assert f"hotspa/{layout}/tokens_per_s" in columns and f"hotspa/{layout}/switch_MB" in columns
+    assert {"hotspa/step_s", "hotspa/switch_fraction", "train/loss", "val/loss"} <= columns
+    step_rows = [r for r in rows if r["hotspa/step_s"]]
+    assert len(step_rows) == 2 and all(float(r["hotspa/tokens_per_s"]) > 0 for r in step_rows)

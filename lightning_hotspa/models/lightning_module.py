@@ -105,6 +105,14 @@ class LlamaLM(L.LightningModule):
                  batch_size=max(int(batch.num_target_tokens), 1))
         return loss
 
+    def validation_step(self, batch: PackedBatch, batch_idx: int = 0) -> Tensor:
+        """Token-mean loss of the slice, logged weighted by its target tokens."""
+        logits = self(batch.input_ids, batch.position_ids, batch.cu_seqlens, batch.max_seqlen)
+        loss = self.loss_fn(logits, batch.labels)
+        self.log("val/loss", loss.detach(), prog_bar=True, sync_dist=True,
+                 batch_size=max(int(batch.num_target_tokens), 1))
+        return loss
+
     def init_parameter(self, name: str) -> Tensor:
         """Full fp32 initial value of parameter ``name`` of this module (``model.`` prefix)."""
         inner = name.removeprefix("model.")
