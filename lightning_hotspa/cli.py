@@ -1,0 +1,383 @@
+"""``hotspa``: dry-run planning, the paper-scale simulation grid, and CPU calibration.
+
+* ``hotspa plan``: which layout (and checkpointing) runs which length band of one global batch, the
+  predicted time per stage, and the predicted speed-up over the best static layout.
+* ``hotspa simulate``: LLaMA-7B/13B on 8 and 16 GPUs and 30B on 32, contexts 8K-32K, CommonCrawl- and
+  GitHub-like data: speed-ups of our plans over the best static layout and the artifact's hand-set rule.
+* ``hotspa calibrate``: measures the ``cpu-gloo`` hardware profile's rates on local gloo ranks.
+* ``hotspa check-calibration``: profiled mode end to end on local gloo ranks with the real model:
+  fit on early steps' stage timings, report the prediction error on later (held-out) steps.
+
+``--json`` (plan, simulate) prints one JSON object as the last line. Bad inputs exit with code 2 and a
+one-line message naming the cause.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+__all__ = ["main"]
+
+
+class CliError(Exception):
+    """A bad input; printed as one line, exit code 2."""
+
+
+def _tokens(text: str) -> int:
+    """``32768``, ``32K`` / ``32k`` (x1024), ``1M`` (x1024^2)."""
+    t = text.strip().lower()
+    mult = {"k": 1024, "m": 1024**2}.get(t[-1:], 1)
+    try:
+        value = int(float(t[:-1] if mult > 1 else t) * mult)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a token count like 32768, 32K or 1M, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"token counts must be positive, got {text!r}")
+    return value
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+# ------------------------------------------------------------------------------------------ data
+def _corpus_lengths(path: str) -> np.ndarray:
+    from pathlib import Path
+
+    from .data import (
+        ByteTokenizer,
+        JsonlSource,
+        ParquetSource,
+        StdlibCorpusSource,
+        TextFolderSource,
+        TokenizedCorpus,
+    )
+
+    if path == "stdlib":
+        source: Any = StdlibCorpusSource()
+    else:
+        p = Path(path)
+        if not p.exists():
+            raise CliError(f"--data {path!r} is neither a length generator (commoncrawl, github, uniform, "
+                           f"bimodal) nor an existing path")
+        files = [p] if p.is_file() else list(p.rglob("*"))
+        if any(f.suffix == ".parquet" for f in files):
+            source = ParquetSource(p)
+        elif any(f.suffix == ".jsonl" for f in files):
+            source = JsonlSource(p)
+        else:
+            source = TextFolderSource(p if p.is_dir() else p.parent)
+    corpus = TokenizedCorpus.build(source, ByteTokenizer(), use_cache=False)
+    return np.asarray(corpus.lengths, dtype=np.int64)
+
+
+def batch_lengths(data: str, global_batch_tokens: int, context: int, seed: int, step: int) -> np.ndarray:
+    """One token-budget global batch, as the DataModule composes it (documents longer than the context
+    are cut into context-sized chunks)."""
+    from .data import LENGTH_PROFILES, LengthGenerator, MiniBatchSampler
+
+    if data in LENGTH_PROFILES:
+        gen = LengthGenerator(kind=data, seed=seed, scale=1 / 3.5 if data == "github" else 1.0)
+        mean = float(np.minimum(gen.lengths(2000), context).mean())
+        n = int(math.ceil((step + 2) * 1.3 * global_batch_tokens / mean)) + 16
+        lengths = gen.lengths(n)
+    else:
+        lengths = _corpus_lengths(data)
+    sampler = MiniBatchSampler(lengths, global_batch_tokens, context, seed)
+    if step >= sampler.num_batches(0):
+        raise CliError(f"--step {step}: the data holds only {sampler.num_batches(0)} global batches of "
+                       f"{global_batch_tokens} tokens")
+    return np.asarray(sampler.batch_lengths(0, step), dtype=np.int64)
+
+
+# ------------------------------------------------------------------------------------------ plan
+def _cmd_plan(args: argparse.Namespace) -> dict[str, Any]:
+    from .planner.candidates import auto_layouts
+    from .planner.cost_model import AnalyticCostModel
+    from .planner.simulate import static_layouts, static_seconds
+    from .planner.solver import CostModelPlanner
+
+    cm = AnalyticCostModel(args.model, args.hardware, args.world_size)
+    if args.global_batch_tokens < args.context:
+        raise CliError(f"--global-batch-tokens {args.global_batch_tokens} is below --context {args.context}: "
+                       f"a full-context document could never fit in a batch")
+    lengths = batch_lengths(args.data, args.global_batch_tokens, args.context, args.seed, args.step)
+    if args.layouts == "auto":
+        layouts: Any = auto_layouts(args.world_size, cm.model, cm.hardware, args.context, lengths=lengths)
+    else:
+        layouts = [x for x in args.layouts.split(",") if x.strip()]
+    planner = CostModelPlanner(layouts, model=cm.model, hardware=cm.hardware, world_size=args.world_size,
+                               tokens_per_rank=args.tokens_per_rank)
+    plan = planner.plan(args.step, lengths)
+    pred = planner.predict(plan)
+    statics = static_layouts(cm, int(lengths.max()), include_pp=False, tokens_per_rank=args.tokens_per_rank)
+    static = {p.name: static_seconds(cm, p, lengths, tokens_per_rank=args.tokens_per_rank) for p in statics}
+    best = min(static, key=lambda k: (static[k], k)) if static else None
+    rows = [("band", "docs", "tokens", "layout", "ckpt", "micro-batches", "predicted s")]
+    for s in pred.stages:
+        rows.append((s.band, str(s.documents), str(s.tokens), s.layout, "yes" if s.activation_checkpointing else "no",
+                     str(s.micro_batches), f"{s.seconds:.3f}"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    print(f"{cm.model.n_layers}-layer model ({cm.params / 1e9:.2f}B) on {args.world_size} x {cm.hardware.name}; "
+          f"{lengths.size} documents, {int(lengths.sum())} tokens; candidates {', '.join(x.name for x in planner.layouts)}")
+    for r in rows:
+        print("  ".join(c.rjust(w) if i in (1, 2, 5, 6) else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True))))
+    print(f"switches {pred.switch_seconds:.3f} s; step {pred.seconds:.3f} s; {pred.tokens_per_s:,.0f} tokens/s")
+    speedup = static[best] / pred.seconds if best else None
+    if best:
+        print(f"best static layout {best}: {static[best]:.3f} s -> predicted speed-up {speedup:.3f}x")
+    return {
+        "command": "plan", "model": args.model, "world_size": args.world_size, "hardware": cm.hardware.name,
+        "context": args.context, "data": args.data, "documents": int(lengths.size), "tokens": int(lengths.sum()),
+        "layouts": [x.name for x in planner.layouts], "step_s": pred.seconds, "tokens_per_s": pred.tokens_per_s,
+        "stages": [s.as_dict() for s in pred.stages],
+        "best_static": {"layout": best, "seconds": static[best]} if best else None,
+        "static_s": static, "speedup_vs_best_static": speedup,
+    }
+
+
+# ------------------------------------------------------------------------------------------ simulate
+def _cmd_simulate(args: argparse.Namespace) -> dict[str, Any]:
+    from .planner.simulate import GRID, simulate_grid
+
+    grid = dict(GRID)
+    if args.contexts:
+        grid["contexts"] = args.contexts
+    result = simulate_grid(args.hardware, args.batches, args.sequences, args.seed, grid)
+    cells = result["cells"]
+    print(f"Predicted step time, {args.hardware}, {args.sequences} sequences per global batch, "
+          f"{args.batches} batches per cell (hand-set: the better of c1/c2)\n")
+    print("| model | GPUs | context | data | our layouts | ours s | best static | static s | hand-set s "
+          "| x static | x hand-set |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for c in cells:
+        hand = min(c.rule_s.values()) if c.rule_s else float("nan")
+        print(f"| {c.model} | {c.world_size} | {c.context // 1024}K | {c.data} | {', '.join(c.layouts)} | "
+              f"{c.ours_s:.2f} | {c.best_static} | {c.best_static_s:.2f} | {hand:.2f} | "
+              f"{c.speedup_static:.3f} | {c.speedup_rule:.3f} |")
+    print(f"\ngeometric mean speed-up: {result['geomean_speedup_vs_best_static']:.3f}x over the best static "
+          f"layout, {result['geomean_speedup_vs_hand_set']:.3f}x over the hand-set rule "
+          f"({result['seconds']:.1f} s)")
+    print(f"context: {result['geomean_speedup_vs_best_static_no_cp']:.3f}x over the best static layout without "
+          f"cp (the paper's Megatron-like (dp,tp,pp) family); "
+          f"{result['geomean_speedup_vs_hand_set_artifact_packing']:.3f}x over the hand-set rule with the "
+          f"artifact's padded-row packing")
+    return {"command": "simulate", **{k: v for k, v in result.items() if k != "cells"},
+            "cells": [c.as_dict() for c in cells]}
+
+
+# ------------------------------------------------------------------------------------------ calibrate
+def _cmd_calibrate(args: argparse.Namespace) -> dict[str, Any]:
+    import datetime
+
+    from .planner.hardware import measure_cpu_gloo
+
+    figures = measure_cpu_gloo(args.ranks, args.repeats)
+    out = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%MZ"),
+           "command": f"hotspa calibrate --ranks {args.ranks} --repeats {args.repeats}", **figures}
+    for k, v in figures.items():
+        print(f"{k}: {v:.4g}")
+    return out
+
+
+# ------------------------------------------------------------------------------------------ check-calibration
+def _measure_stages(layouts: list[str], steps: int, seed: int, model: str, tokens_per_rank: int) -> list[list[float]]:
+    """On every rank: run ``steps`` random step plans over all ``layouts`` with the real model
+    (ParallelModel + SwitchEngine on gloo) and time each stage's micro-batches (forward + backward).
+    Returns the all-gathered observation rows (the same on every rank), step-major."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from .layout import Layout, WorldMesh
+    from .models import Llama, LlamaConfig, llama_tp_plan, param_roles, token_mean_cross_entropy
+    from .parallel.model import ParallelModel
+    from .placements import build_shardings
+    from .plan import Stage, StepPlan, slice_plan
+    from .planner.calibration import ROW_WIDTH, Observation, encode_observations
+    from .planner.packing import pack_layout
+    from .switch import SwitchEngine, build_home_parameters
+
+    config = LlamaConfig.preset(model)
+    world = WorldMesh(layouts)
+    lays = [Layout.parse(x) for x in layouts]
+
+    class Wrapped(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.model = Llama(config)
+            self.loss_fn = token_mean_cross_entropy
+
+        def forward(self, mb):  # type: ignore[no-untyped-def]
+            return self.loss_fn(self.model(mb.input_ids, mb.position_ids, mb.cu_seqlens, mb.max_seqlen), mb.labels)
+
+    module = Wrapped()
+    init = {n: p.detach().clone() for n, p in module.named_parameters()}
+    roles = param_roles(module, llama_tp_plan(config, max(x.tp for x in lays), prefix="model."))
+    shardings = build_shardings({n: tuple(p.shape) for n, p in module.named_parameters()}, roles, world.shape)
+    home = build_home_parameters(world, shardings, lambda name, shape: init[name])
+    parallel = ParallelModel(module, roles, world)
+    parallel.restore(home)
+    engine = SwitchEngine(world, shardings, home)
+    rows = []
+    for step in range(steps):
+        rng = np.random.default_rng([seed, step])
+        lengths, stages = [], []
+        for lay in lays:
+            n = int(rng.integers(2, 6 * lay.dp + 1))
+            doc = np.minimum(np.exp(rng.normal(5.5, 1.0, n)).astype(np.int64) + 8, tokens_per_rank * lay.tp * lay.cp)
+            ids = list(range(len(lengths), len(lengths) + n))
+            lengths.extend(int(x) for x in doc)
+            packed = pack_layout(ids, doc, lay, tokens_per_rank * lay.tp * lay.cp)
+            stages.append(Stage(lay, packed.micro_batches))
+        plan = StepPlan(step, tuple(lengths), tuple(stages))
+        g = torch.Generator().manual_seed(step)
+        docs = [torch.randint(0, config.vocab_size, (n,), generator=g) for n in lengths]
+        mine = slice_plan(plan, docs, world.shape, world.rank)
+        observed = []
+        for stage in mine.stages:
+            if engine.active is None:
+                engine.materialize(stage.layout)
+            else:
+                engine.switch(stage.layout)
+            parallel.activate(stage.layout, engine.working)
+            dist.barrier()
+            t0 = time.perf_counter()
+            for mb in stage.micro_batches:
+                with parallel.micro_batch(mb):
+                    loss = module(mb)
+                loss.backward()
+            observed.append(Observation.from_rank_stage(stage, time.perf_counter() - t0))
+            engine.reduce_gradients()
+        parallel.restore(home)
+        engine.release()
+        engine.clear_grad_store()
+        local = torch.tensor(encode_observations(observed, lays), dtype=torch.float64)
+        gathered = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+        dist.all_gather(gathered, local)
+        rows.extend(r.tolist() for t in gathered for r in t.reshape(-1, ROW_WIDTH))
+    return rows
+
+
+def _cmd_check_calibration(args: argparse.Namespace) -> dict[str, Any]:
+    from .layout import Layout
+    from .planner.calibration import (
+        ProfiledCoefficients,
+        decode_observations,
+        held_out_error,
+        predict,
+    )
+    from .planner.solver import CostModelPlanner
+    from .spawn import run_on_ranks
+
+    layouts = [x for x in args.layouts.split(",") if x.strip()]
+    planner = CostModelPlanner(layouts, model=args.model, hardware="cpu-gloo", tokens_per_rank=args.tokens_per_rank)
+    rows = run_on_ranks(_measure_stages, args.ranks, layouts, args.steps, args.seed, args.model,
+                        args.tokens_per_rank, timeout_s=3600)[0]
+    lays = [Layout.parse(x) for x in layouts]
+    if args.rows_out:
+        np.savetxt(args.rows_out, np.asarray(rows), header=f"layouts={','.join(layouts)} steps={args.steps}")
+    obs = decode_observations(np.asarray(rows), lays)
+    per_step = len(obs) // args.steps
+    obs = obs[per_step * args.warmup:]  # the first steps pay one-off costs (allocations, caches)
+    report = held_out_error(obs, planner._analytic, train_fraction=args.train_fraction)
+    # stage level: a stage lasts as long as its slowest rank
+    cut = int(round(len(obs) * args.train_fraction / per_step)) * per_step
+    coeffs = ProfiledCoefficients(refit_every=1, window=10**9)
+    coeffs.observe(obs[:cut])
+    coeffs.refit(0, planner._analytic)
+    stage_errors = []
+    for start in range(cut, len(obs), per_step):
+        step_obs = obs[start:start + per_step]
+        for lay in lays:
+            mine = [o for o in step_obs if o.layout == lay and o.micro_batches > 0]
+            opt = coeffs.apply(planner._analytic[(lay, False)])
+            measured = max(o.seconds for o in mine)
+            stage_errors.append(abs(max(predict(opt, o) for o in mine) - measured) / measured)
+    out = {"ranks": args.ranks, "model": args.model, "layouts": layouts, "steps": args.steps,
+           "warmup_steps": args.warmup, **report.as_dict(),
+           "stage_mean_error": float(np.mean(stage_errors)), "stage_max_error": float(np.max(stage_errors)),
+           "fitted": {f"{k[0].name}{'+ac' if k[1] else ''}": v for k, v in coeffs.fitted.items()}}
+    print(f"held-out rank-stage error: mean {report.mean_error:.1%}, p90 {report.p90_error:.1%}, max "
+          f"{report.max_error:.1%} ({report.test} held-out, {report.train} fitted; uncalibrated analytic "
+          f"{report.analytic_mean_error:.1%})")
+    print(f"held-out stage error (slowest rank): mean {out['stage_mean_error']:.1%}, max {out['stage_max_error']:.1%}")
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hotspa", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    plan = sub.add_parser("plan", help="plan one global batch: layout per length band, predicted speed-up")
+    plan.add_argument("--model", default="llama7b", help="LlamaConfig preset (llama7b, llama13b, llama30b, ...)")
+    plan.add_argument("--world-size", type=_positive, default=8)
+    plan.add_argument("--hardware", default="A800-80G", help="A100-80G, A800-80G, H100, H200, cpu-gloo")
+    plan.add_argument("--data", default="commoncrawl",
+                      help="length generator (commoncrawl, github, uniform, bimodal), a corpus path, or 'stdlib'")
+    plan.add_argument("--global-batch-tokens", type=_tokens, default=_tokens("512K"))
+    plan.add_argument("--context", type=_tokens, default=_tokens("32K"))
+    plan.add_argument("--layouts", default="auto", help="'auto' or a comma list like dp8,dp4xtp2,tp4xcp2")
+    plan.add_argument("--tokens-per-rank", type=_positive, default=None,
+                      help="micro-batch capacity per rank (default: from the memory model)")
+    plan.add_argument("--seed", type=int, default=0)
+    plan.add_argument("--step", type=int, default=0)
+    plan.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    sim = sub.add_parser("simulate", help="the paper-scale grid: speed-ups over static layouts and the hand-set rule")
+    sim.add_argument("--hardware", default="A800-80G")
+    sim.add_argument("--batches", type=_positive, default=2, help="global batches per cell")
+    sim.add_argument("--sequences", type=_positive, default=512, help="documents per global batch")
+    sim.add_argument("--contexts", type=_tokens, nargs="+", default=None)
+    sim.add_argument("--seed", type=int, default=0)
+    sim.add_argument("--json", action="store_true")
+    cal = sub.add_parser("calibrate", help="measure the cpu-gloo profile on local gloo ranks")
+    cal.add_argument("--ranks", type=_positive, default=4)
+    cal.add_argument("--repeats", type=_positive, default=9)
+    cal.add_argument("--json", action="store_true")
+    chk = sub.add_parser("check-calibration", help="profiled mode end to end: time real stages on local gloo "
+                         "ranks, fit on early steps, report the error on later ones")
+    chk.add_argument("--ranks", type=_positive, default=4)
+    chk.add_argument("--layouts", default="dp4,dp2xtp2,tp2xcp2")
+    chk.add_argument("--model", default="tiny")
+    chk.add_argument("--steps", type=_positive, default=16)
+    chk.add_argument("--warmup", type=int, default=2)
+    chk.add_argument("--train-fraction", type=float, default=0.5)
+    chk.add_argument("--tokens-per-rank", type=_positive, default=1024)
+    chk.add_argument("--seed", type=int, default=0)
+    chk.add_argument("--rows-out", default=None, help="save the raw observation rows (np.savetxt) here")
+    chk.add_argument("--json", action="store_true")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``hotspa`` console script; returns the exit code."""
+    args = build_parser().parse_args(argv)
+    commands = {"plan": _cmd_plan, "simulate": _cmd_simulate, "calibrate": _cmd_calibrate,
+                "check-calibration": _cmd_check_calibration}
+    try:
+        result = commands[args.command](args)
+    except (CliError, ValueError, KeyError, OSError) as err:
+        message = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        print(f"hotspa {args.command}: error: {message}", file=sys.stderr)
+        return 2
+    if getattr(args, "json", False):
+        print(json.dumps(result, default=float, sort_keys=False))
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

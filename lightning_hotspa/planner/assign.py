@@ -1,0 +1,216 @@
+"""Heuristic assignment of documents to options for realistic batch sizes (hundreds of documents).
+
+The objective is the one :mod:`.exact` minimizes; the method trades exactness for speed:
+
+1. **Combinations.** A plan uses at most one option per layout; every combination of "unused /
+   without / with checkpointing" per layout that can hold every document is screened (checkpointing
+   variants that hold nothing more than the plain option are skipped: they only add recompute).
+2. **Relaxed stage time** ``max(W/dp, M) + F``: ``W`` the stage's total seconds, ``M`` its costliest
+   single document (one dp group must run it): a lower bound on the balanced stage.
+3. **Throughput assignment.** Each document goes to the option with the least world-seconds
+   ``cost/dp`` (+ its share of micro-batch overhead): separable, and right whenever stages balance.
+4. **Fill.** A stage whose time is set by one long document (``M > W/dp``) leaves dp groups idle;
+   short documents move in from balanced stages, best (seconds saved / idle seconds used) first.
+5. **Realize** the best few combinations: pack each stage (cost-balanced LPT over dp groups, first
+   fit into micro-batches), evaluate exactly, keep the best.
+
+All array work is numpy; ties break by index, so plans are deterministic.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..layout import Layout
+from .cost_model import OptionCost
+
+__all__ = ["StageGroups", "evaluate_groups", "pack_lpt", "solve_heuristic"]
+
+INF = float("inf")
+
+StageGroups = tuple[tuple[tuple[int, ...], ...], ...]  # [dp group][micro-batch] -> doc indices
+
+
+@dataclass
+class _Tables:
+    padded: np.ndarray  # [options, n]
+    cost: np.ndarray  # doc seconds [options, n] (inf where it does not fit)
+    rate: np.ndarray  # world-seconds per doc [options, n]
+    cap: np.ndarray  # per option
+    d: np.ndarray
+    dp: np.ndarray
+    fixed: np.ndarray
+
+
+def _tables(lengths: np.ndarray, options: Sequence[OptionCost]) -> _Tables:
+    padded = np.vstack([o.padded(lengths) for o in options])
+    cost = np.vstack([o.doc_seconds(p) for o, p in zip(options, padded, strict=True)])
+    cap = np.array([o.capacity for o in options], dtype=np.float64)
+    fits = padded <= cap[:, None]
+    cost = np.where(fits, cost, INF)
+    d = np.array([o.per_micro_batch for o in options])
+    dp = np.array([o.parallelism.dp for o in options], dtype=np.float64)
+    rate = np.where(fits, (cost + d[:, None] * padded / np.maximum(cap, 1)[:, None]) / dp[:, None], INF)
+    fixed = np.array([o.stage_fixed for o in options])
+    return _Tables(padded, cost, rate, cap, d, dp, fixed)
+
+
+def _stage_stats(choice: np.ndarray, t: _Tables) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Per option: (relaxed stage seconds without F, W, M, document count) of an assignment."""
+    k = t.cap.size
+    cols = np.arange(choice.size)
+    cs = t.cost[choice, cols]
+    count = np.bincount(choice, minlength=k)
+    w = np.bincount(choice, cs, minlength=k)
+    w += t.d * np.ceil(np.bincount(choice, t.padded[choice, cols], minlength=k) / t.cap)
+    m = np.zeros(k)
+    np.maximum.at(m, choice, cs)
+    m = np.where(count > 0, m + t.d, 0.0)
+    return np.maximum(w / t.dp, m), w, m, count
+
+
+def _relaxed(choice: np.ndarray, t: _Tables, options: Sequence[OptionCost],
+             switch_cost: Callable[[tuple[Layout, ...]], tuple[float, tuple[Layout, ...]]]) -> tuple[float, tuple[int, ...]]:
+    stage, _, _, count = _stage_stats(choice, t)
+    used = tuple(int(j) for j in np.flatnonzero(count))
+    total = float(stage[list(used)].sum() + t.fixed[list(used)].sum())
+    return total + switch_cost(tuple(options[j].parallelism.layout() for j in used))[0], used
+
+
+def _fill(choice: np.ndarray, combo: Sequence[int], t: _Tables, fraction: float = 0.9) -> np.ndarray:
+    """Moves short documents into stages whose dp groups idle behind one long document."""
+    choice = choice.copy()
+    stage, w, m, count = _stage_stats(choice, t)
+    balanced = [p for p in combo if count[p] and w[p] / t.dp[p] >= m[p]]
+    for j in sorted(combo, key=lambda j: (-(stage[j] * t.dp[j] - w[j]), j)):
+        slack = (stage[j] * t.dp[j] - w[j]) * fraction
+        if slack <= 0 or t.dp[j] == 1 or not count[j] or not balanced:
+            continue
+        cand = np.flatnonzero(np.isin(choice, balanced) & (t.cost[j] + t.d[j] <= stage[j]))
+        if cand.size == 0:
+            continue
+        saved = t.rate[choice[cand], cand]
+        used = t.cost[j, cand]
+        order = np.lexsort((cand, -(saved / np.maximum(used, 1e-30))))
+        take = cand[order][np.cumsum(used[order]) <= slack]
+        choice[take] = j
+    return choice
+
+
+def pack_lpt(padded: np.ndarray, balance: np.ndarray, capacity: int, groups: int) -> list[list[list[int]]]:
+    """Positions into dp groups by longest-processing-time on ``balance``, then first fit into each
+    group's micro-batches (a new one when none has room)."""
+    heap = [(0.0, g) for g in range(groups)]
+    rooms: list[list[int]] = [[] for _ in range(groups)]
+    bins: list[list[list[int]]] = [[] for _ in range(groups)]
+    for i in np.lexsort((np.arange(balance.size), -balance)).tolist():
+        load, g = heapq.heappop(heap)
+        size = int(padded[i])
+        room = rooms[g]
+        for k, r in enumerate(room):
+            if r >= size:
+                room[k] = r - size
+                bins[g][k].append(i)
+                break
+        else:
+            room.append(capacity - size)
+            bins[g].append([i])
+        heapq.heappush(heap, (load + float(balance[i]), g))
+    return bins
+
+
+def evaluate_groups(opt: OptionCost, doc_seconds: np.ndarray, groups: Sequence[Sequence[Sequence[int]]]) -> float:
+    """Stage seconds (slowest dp group, plus the stage's fixed cost) of packed groups."""
+    worst = 0.0
+    for g in groups:
+        if g:
+            total = float(doc_seconds[[d for mb in g for d in mb]].sum())
+            worst = max(worst, opt.group_seconds(total, len(g)))
+    return worst + opt.stage_fixed
+
+
+def _realize(choice: np.ndarray, combo: Sequence[int], options: Sequence[OptionCost], t: _Tables,
+             ) -> tuple[float, dict[int, StageGroups]]:
+    """Packs every stage of an assignment; returns (sum of stage seconds, groups per option)."""
+    total, out = 0.0, {}
+    for j in combo:
+        idx = np.flatnonzero(choice == j)
+        if idx.size == 0:
+            continue
+        opt = options[j]
+        padded = t.padded[j, idx]
+        bal = t.cost[j, idx] + opt.per_micro_batch * padded / opt.capacity
+        local = pack_lpt(padded, bal, opt.capacity, opt.parallelism.dp)
+        groups = tuple(tuple(tuple(int(idx[p]) for p in mb) for mb in g) for g in local)
+        total += evaluate_groups(opt, t.cost[j], groups)
+        out[j] = groups
+    return total, out
+
+
+def _combinations(options: Sequence[OptionCost], t: _Tables) -> list[tuple[int, ...]]:
+    by_layout: dict[Layout, list[int]] = {}
+    for j, o in enumerate(options):
+        by_layout.setdefault(o.parallelism.layout(), []).append(j)
+    fits = np.isfinite(t.cost)
+    choices = []
+    for js in by_layout.values():
+        keep = list(js)
+        plain = [j for j in js if not options[j].activation_checkpointing]
+        for j in js:
+            if options[j].activation_checkpointing and plain and not np.any(fits[j] & ~fits[plain[0]]):
+                keep.remove(j)  # holds nothing the plain option does not: pure recompute cost
+        choices.append([None] + keep)
+    combos = []
+    for pick in itertools.product(*choices):
+        combo = tuple(j for j in pick if j is not None)
+        if combo and bool(np.all(fits[list(combo)].any(axis=0))):
+            combos.append(combo)
+    return combos
+
+
+def solve_heuristic(
+    lengths: np.ndarray,
+    options: Sequence[OptionCost],
+    switch_cost: Callable[[tuple[Layout, ...]], tuple[float, tuple[Layout, ...]]],
+    fill: int = 8,
+    realize: int = 2,
+) -> tuple[float, list[tuple[OptionCost, StageGroups]]]:
+    """(predicted seconds, stages in order) of a good plan; see the module docstring.
+
+    Every combination is scored with the throughput assignment; the best ``fill`` are re-scored
+    after filling idle dp groups; the best ``realize`` (and the best single layout) are packed.
+    """
+    t = _tables(lengths, options)
+    first: list[tuple[float, int, tuple[int, ...], np.ndarray]] = []
+    for combo in _combinations(options, t):
+        choice = np.asarray(combo)[np.argmin(t.rate[list(combo)], axis=0)]
+        score, used = _relaxed(choice, t, options, switch_cost)
+        first.append((score, len(first), used, choice))
+    if not first:
+        raise ValueError("no combination of options holds every document")
+    first.sort(key=lambda s: (s[0], s[1]))
+    scored = list(first)
+    for _, _, used, choice in first[:fill]:
+        filled = _fill(choice, used, t)
+        score, used2 = _relaxed(filled, t, options, switch_cost)
+        scored.append((score, len(scored), used2, filled))
+    scored.sort(key=lambda s: (s[0], s[1]))
+    picks = scored[:realize]
+    single = next((s for s in scored if len(s[2]) == 1), None)
+    if single is not None and all(single[1] != p[1] for p in picks):
+        picks.append(single)
+    best: tuple[float, list[tuple[OptionCost, StageGroups]]] | None = None
+    for _, _, used, ch in picks:
+        total, groups = _realize(ch, used, options, t)
+        seconds, order = switch_cost(tuple(options[j].parallelism.layout() for j in used))
+        total += seconds
+        if best is None or total < best[0]:
+            by_layout = {options[j].parallelism.layout(): j for j in used}
+            best = (total, [(options[by_layout[lay]], groups[by_layout[lay]]) for lay in order])
+    assert best is not None
+    return best

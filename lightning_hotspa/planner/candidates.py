@@ -1,0 +1,185 @@
+"""``layouts="auto"``: a small set of candidate layouts for a world size, model and hardware.
+
+1. **Enumerate** every ``dp x tp x cp`` of the world the model can split (heads over tp*cp, kv heads
+   over tp, ffn and vocab over tp), with tp inside one node, whose weights and optimizer state leave
+   room for activations.
+2. **Prune dominated** layouts: B dominates A when B holds every document A holds and costs no more
+   world-seconds per document at every reference length (the throughput view the solver starts from).
+3. **Choose 2-4** that can share ONE world mesh (tp and tp*cp sizes nest:
+   :meth:`MeshShape.for_layouts`) and hold the context, minimizing a relaxed step time of reference
+   documents: each document in its cheapest layout, plus each used layout's gradient reduction and
+   the switches; a smaller set wins when within ``tolerance`` of the best.
+4. **Refine** (with a sample of real lengths): the most promising sets are re-scored by planning the
+   sample with the solver itself, including every set that contains the best static layout.
+
+Reference documents: the caller's sample (the CLI and simulator pass a real batch), else one document
+per length on a log grid up to the context.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+import numpy as np
+
+from ..layout import Layout, LayoutError, MeshShape
+from ..models.config import LlamaConfig
+from .cost_model import AnalyticCostModel, CostModelError, OptionCost
+from .hardware import HardwareProfile
+
+__all__ = ["auto_layouts", "enumerate_layouts", "layout_rates", "prune_dominated"]
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def enumerate_layouts(world_size: int, cost_model: AnalyticCostModel) -> list[Layout]:
+    """Every layout of ``world_size`` the model can split and whose weights fit (any checkpointing)."""
+    out = []
+    for tp in _divisors(world_size):
+        if tp > cost_model.hardware.devices_per_node:
+            continue
+        for cp in _divisors(world_size // tp):
+            lay = Layout(dp=world_size // (tp * cp), tp=tp, cp=cp)
+            try:
+                cost_model.check(lay)
+            except CostModelError:
+                continue
+            if cost_model.capacity(lay, True) >= 2 * cp:
+                out.append(lay)
+    return out
+
+
+def _options(cost_model: AnalyticCostModel, lay: Layout) -> list[OptionCost]:
+    return [o for o in (cost_model.option(lay, False), cost_model.option(lay, True)) if o.capacity >= 2 * lay.cp]
+
+
+def layout_rates(cost_model: AnalyticCostModel, layouts: Sequence[Layout], lengths: np.ndarray) -> np.ndarray:
+    """[layout, doc] world-seconds of each document in each layout (best checkpointing; inf: does not fit)."""
+    out = np.full((len(layouts), lengths.size), np.inf)
+    for r, lay in enumerate(layouts):
+        for o in _options(cost_model, lay):
+            padded = o.padded(lengths)
+            rate = (o.doc_seconds(padded) + o.per_micro_batch * padded / o.capacity) / lay.dp
+            out[r] = np.minimum(out[r], np.where(padded <= o.capacity, rate, np.inf))
+    return out
+
+
+def prune_dominated(layouts: Sequence[Layout], rates: np.ndarray, fixed: Sequence[float]) -> list[int]:
+    """Indices of layouts no other layout dominates: holds every document, costs no more per
+    document and no more per step (``fixed``: gradient reduction + materialization); exact ties
+    keep the earlier layout."""
+    keep = []
+    for a in range(len(layouts)):
+        dominated = False
+        for b in range(len(layouts)):
+            if a == b:
+                continue
+            holds = np.all(np.isfinite(rates[b]) | ~np.isfinite(rates[a]))
+            cheaper = np.all(rates[b] <= rates[a] * (1 + 1e-9)) and fixed[b] <= fixed[a] * (1 + 1e-9)
+            strictly = np.any(rates[b] < rates[a] * (1 - 1e-9)) or fixed[b] < fixed[a] * (1 - 1e-9) or b < a
+            if holds and cheaper and strictly:
+                dominated = True
+                break
+        if not dominated:
+            keep.append(a)
+    return keep
+
+
+def auto_layouts(
+    world_size: int,
+    model: LlamaConfig | str,
+    hardware: HardwareProfile | str,
+    context: int,
+    *,
+    lengths: Sequence[int] | None = None,
+    max_layouts: int = 4,
+    min_layouts: int = 2,
+    tolerance: float = 0.01,
+    refine: int = 6,
+) -> tuple[Layout, ...]:
+    """2-4 candidate layouts (fewer only if fewer exist); see the module docstring."""
+    cm = AnalyticCostModel(model, hardware, world_size)
+    if isinstance(context, bool) or not isinstance(context, int) or context < 1:
+        raise LayoutError(f"context must be a positive int, got {context!r}")
+    layouts = enumerate_layouts(world_size, cm)
+    if not layouts:
+        raise LayoutError(f"{cm.model.n_layers}-layer model ({cm.params / 1e9:.1f}B parameters) has no layout on "
+                          f"{world_size} x {cm.hardware.name}: no split of its heads fits in memory")
+    ref = (np.asarray(lengths, dtype=np.int64) if lengths is not None
+           else np.unique(np.geomspace(128, context, 48).astype(np.int64)))
+    ref = np.minimum(ref, context)
+    if ref.max() < context:
+        ref = np.append(ref, context)
+    rates = layout_rates(cm, layouts, ref)
+    fixed = [cm.grad_reduce_seconds(lay) + cm.switch_seconds(None, lay) for lay in layouts]
+    keep = prune_dominated(layouts, rates, fixed)
+    holds_context = [i for i in keep if np.isfinite(rates[i, ref == context]).all()]
+    if not holds_context:
+        longest = max(layouts, key=lambda lay: max(o.max_doc_length for o in _options(cm, lay)))
+        cap = max(o.max_doc_length for o in _options(cm, longest))
+        raise LayoutError(f"no layout of {world_size} x {cm.hardware.name} holds a {context}-token document "
+                          f"(largest: {cap} tokens in {longest}); lower the context or add devices")
+    scored: list[tuple[float, int, tuple[int, ...]]] = []
+    for size in range(1, max_layouts + 1):
+        for subset in itertools.combinations(keep, size):
+            if not any(i in holds_context for i in subset):
+                continue
+            try:
+                MeshShape.for_layouts([layouts[i] for i in subset], world_size)
+            except LayoutError:
+                continue
+            sub = rates[list(subset)]
+            if not np.all(np.isfinite(sub.min(axis=0))):
+                continue
+            winner = np.argmin(sub, axis=0)
+            used = sorted({subset[int(w)] for w in winner})
+            score = float(sub.min(axis=0).sum()) + sum(cm.grad_reduce_seconds(layouts[i]) for i in used)
+            score += min(cm.switch_sequence_seconds(p) for p in itertools.permutations([layouts[i] for i in used]))
+            scored.append((score, size, subset))
+    if not scored:
+        raise LayoutError(f"no set of layouts of {world_size} ranks shares one mesh and holds {context} tokens")
+    if lengths is not None and refine > 0:
+        scored = _refine(cm, layouts, keep, scored, np.asarray(lengths, dtype=np.int64), refine)
+    top = min(s for s, _, _ in scored)
+    floor = min(min_layouts, len(keep))
+    eligible = [s for s in scored if s[1] >= floor and s[0] <= top * (1 + tolerance)]
+    if not eligible:
+        eligible = [s for s in scored if s[1] >= floor] or scored
+        eligible = [min(eligible)]
+    best = min(eligible, key=lambda s: (s[1], s[0], s[2]))
+    chosen = [layouts[i] for i in best[2]]
+    return tuple(sorted(chosen, key=lambda lay: (lay.tp * lay.cp, lay.tp)))
+
+
+def _refine(cm: AnalyticCostModel, layouts: Sequence[Layout], keep: Sequence[int],
+            scored: list[tuple[float, int, tuple[int, ...]]], sample: np.ndarray, k: int,
+            ) -> list[tuple[float, int, tuple[int, ...]]]:
+    """Re-scores the most promising sets by planning ``sample`` with the real solver.
+
+    The pool: the ``k`` best sets by relaxed score, and the ``k`` best that contain the best static
+    layout on the sample (a set containing it can always fall back to it, so the choice is never
+    predicted slower than the best static layout among the candidates on this sample).
+    """
+    from .solver import CostModelPlanner
+
+    def real(subset: tuple[int, ...]) -> float:
+        planner = CostModelPlanner([layouts[i] for i in subset], model=cm.model, hardware=cm.hardware)
+        return planner.solve(sample)[0]
+
+    longest = int(sample.max())
+    holders = [i for i in keep
+               if max(cm.option(layouts[i], ac).max_doc_length for ac in (False, True)) >= longest]
+    statics = {i: real((i,)) for i in holders}
+    star = min(statics, key=lambda i: (statics[i], i)) if statics else None
+    ranked = sorted(scored)
+    pool = ranked[:k] + ([s for s in ranked if star in s[2]][:k] if star is not None else [])
+    out, seen = [], set()
+    for _, size, subset in pool:
+        if subset in seen:
+            continue
+        seen.add(subset)
+        out.append((statics[subset[0]] if size == 1 and subset[0] in statics else real(subset), size, subset))
+    return out

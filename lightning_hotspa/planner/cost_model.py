@@ -1,0 +1,346 @@
+"""Analytic cost model: predicted seconds and memory of documents, micro-batches, stages and switches.
+
+Everything the solver optimizes reduces to four numbers per *option* (a layout with activation
+checkpointing on or off), collected in :class:`OptionCost`:
+
+* ``quadratic`` and ``linear``: a document of cp-padded length ``s`` costs ``a*s^2 + b*s`` seconds on
+  its tp x cp group (plus ``per_document``, zero analytically, fitted in profiled mode: the CPU
+  attention backend runs one kernel per document). Why per document: with varlen attention (``cu_seqlens``) packed documents do not
+  attend to each other, so a micro-batch's work is the sum over its documents. Why this form: dense
+  FLOPs are linear in ``s`` and causal attention FLOPs are ``~s^2`` (Hydraulis' ``a s^2 + b s + c``).
+* ``per_micro_batch``: fixed seconds per micro-batch (collective latencies, launches).
+* ``stage_fixed``: seconds per stage: the dp gradient reduce-scatter into the world-sharded home state.
+
+How work divides over tp and cp. A tp x cp group owns one micro-batch. Tensor parallelism splits
+every weight, so each tp rank does ``1/tp`` of every GEMM on its tokens; Ulysses context parallelism
+gives each cp rank ``1/cp`` of the tokens for the GEMMs and, after its all-to-all, ``1/cp`` of the
+heads over the whole sequence for attention. Both parts therefore divide by ``tp*cp`` (the 2*cp chunk
+split of plan.py keeps causal work even, and is exact under Ulysses since attention runs on whole
+rows); the cost is padding (``s`` rounded up to ``2*cp``) and communication:
+
+* TP (Megatron with sequence parallel): 2 all-reduce-equivalents of the ``[s/cp, h]`` activations per
+  layer forward, 2 backward, 2 more when checkpointing recomputes the forward; ring cost
+  ``2(tp-1)/tp * bytes / busbw``. Not overlapped with compute (as in our runtime).
+* CP (Ulysses): per layer one all-to-all of fused q/k/v and one of the output forward, the same
+  backward (+ forward again with checkpointing); each moves ``(cp-1)/cp`` of its ``1/tp`` head slice.
+* Activation checkpointing recomputes each layer's forward: +1/3 of the layers' training FLOPs.
+* dp: one reduce-scatter of the stage's fp32 gradients per stage (DESIGN.md step 4).
+* Switches (switch.py): a move from tp ``s`` to tp ``t < s`` all-gathers ``1/t - 1/s`` of the bf16
+  weights over a group spanning ``s`` consecutive ranks; ``t >= s`` is a local slice (free). Home is
+  sharded over the whole world. Group spans decide intra- (NVLink) vs inter-node bandwidth, nodes of
+  ``devices_per_node``; the mesh puts tp on the most local dims, then cp, then dp.
+* pp (simulation of the artifact's (dp, tp, pp) layouts only): each rank runs ``L/pp`` layers, a dp
+  group's ``m`` micro-batches take ``sum/pp * (m + pp - 1)/m`` (1F1B bubble).
+
+Memory per rank: home state over the world (fp32 weights, Adam m and v, fp32 gradient store: 16 B per
+parameter / world), bf16 working weights and gradients of the layout (4 B / (tp*pp)), and activations
+per token (flash attention, SwiGLU, bf16) divided by ``tp*cp``: without checkpointing every layer's
+saved tensors, with it only each layer's input plus one layer being recomputed. What is left decides
+the option's token capacity per micro-batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..layout import Layout
+from ..models.config import LlamaConfig
+from .hardware import HardwareProfile, get_profile
+from .packing import cp_padded_lengths, max_doc_length
+
+__all__ = [
+    "AnalyticCostModel",
+    "CostModelError",
+    "MemoryUse",
+    "OptionCost",
+    "Parallelism",
+    "resolve_model",
+]
+
+
+class CostModelError(ValueError):
+    """A model / world / layout combination the cost model cannot price; the message names it."""
+
+
+def resolve_model(model: LlamaConfig | str) -> LlamaConfig:
+    """A :class:`LlamaConfig` or a preset name (``llama7b``, ``llama13b``, ``llama30b``, ...)."""
+    if isinstance(model, LlamaConfig):
+        return model
+    try:
+        return LlamaConfig.preset(str(model))
+    except ValueError as err:
+        raise CostModelError(str(err)) from None
+
+
+@dataclass(frozen=True)
+class Parallelism:
+    """Degrees of one parallel strategy; ``pp`` > 1 only for simulating pipeline-parallel baselines."""
+
+    dp: int = 1
+    tp: int = 1
+    cp: int = 1
+    pp: int = 1
+
+    def __post_init__(self) -> None:
+        for f in ("dp", "tp", "cp", "pp"):
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise CostModelError(f"Parallelism.{f} must be a positive int, got {v!r}")
+
+    @classmethod
+    def of(cls, layout: Layout | Parallelism) -> Parallelism:
+        if isinstance(layout, Parallelism):
+            return layout
+        return cls(layout.dp, layout.tp, layout.cp, 1)
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.cp * self.pp
+
+    @property
+    def shards(self) -> int:
+        """How many ways the working weights are split (a rank holds 1/shards of them)."""
+        return self.tp * self.pp
+
+    @property
+    def name(self) -> str:
+        parts = [f"{k}{v}" for k, v in (("dp", self.dp), ("tp", self.tp), ("cp", self.cp), ("pp", self.pp))
+                 if v > 1]
+        return "x".join(parts) or "dp1"
+
+    def __str__(self) -> str:
+        return self.name
+
+    def layout(self) -> Layout:
+        if self.pp != 1:
+            raise CostModelError(f"{self} has pipeline parallelism, which the runtime does not run (simulation only)")
+        return Layout(self.dp, self.tp, self.cp)
+
+
+@dataclass(frozen=True)
+class OptionCost:
+    """Predicted seconds of one option; see the module docstring for the meaning of each term."""
+
+    parallelism: Parallelism
+    activation_checkpointing: bool
+    capacity: int  # tokens per micro-batch, cp padding included
+    quadratic: float  # a: seconds per (padded length)^2 of a document
+    linear: float  # b: seconds per padded token
+    per_micro_batch: float  # d
+    stage_fixed: float  # F
+    per_document: float = 0.0  # e: fixed seconds per document (0 analytically; e.g. per-document kernels on CPU)
+
+    @property
+    def key(self) -> tuple[str, bool]:
+        return (self.parallelism.name, self.activation_checkpointing)
+
+    @property
+    def label(self) -> str:
+        return self.parallelism.name + ("+ac" if self.activation_checkpointing else "")
+
+    @property
+    def max_doc_length(self) -> int:
+        return max_doc_length(self.capacity, self.parallelism.cp) if self.capacity > 0 else 0
+
+    def padded(self, lengths: Sequence[int] | np.ndarray) -> np.ndarray:
+        return cp_padded_lengths(lengths, self.parallelism.cp)
+
+    def doc_seconds(self, padded: np.ndarray) -> np.ndarray:
+        """``a s^2 + b s (+ e)`` of each (already padded) document."""
+        s = np.asarray(padded, dtype=np.float64)
+        return (self.quadratic * s + self.linear) * s + self.per_document
+
+    def balance_cost(self, padded: np.ndarray) -> np.ndarray:
+        """Per-document cost for dp balancing: its seconds plus its share of a micro-batch's
+        fixed cost (a :data:`~.packing.DocCost`)."""
+        s = np.asarray(padded, dtype=np.float64)
+        return self.doc_seconds(s) + self.per_micro_batch * s / max(self.capacity, 1)
+
+    def pipeline_factor(self, micro_batches: int) -> float:
+        pp = self.parallelism.pp
+        return 1.0 if pp == 1 or micro_batches == 0 else (micro_batches + pp - 1) / micro_batches
+
+    def group_seconds(self, doc_seconds_sum: float, micro_batches: int) -> float:
+        """One dp group's time for its micro-batches (documents' seconds summed beforehand)."""
+        if micro_batches == 0:
+            return 0.0
+        return (doc_seconds_sum + self.per_micro_batch * micro_batches) * self.pipeline_factor(micro_batches)
+
+    def with_coefficients(self, quadratic: float, linear: float, per_micro_batch: float,
+                          per_document: float | None = None) -> OptionCost:
+        return dataclasses.replace(self, quadratic=float(quadratic), linear=float(linear),
+                                   per_micro_batch=float(per_micro_batch),
+                                   per_document=self.per_document if per_document is None else float(per_document))
+
+
+@dataclass(frozen=True)
+class MemoryUse:
+    """Bytes per rank of one option."""
+
+    home: float
+    working: float
+    activation_per_token: float  # per token of the micro-batch (already divided by tp*cp)
+    usable: float
+
+    @property
+    def free_for_activations(self) -> float:
+        return self.usable - self.home - self.working
+
+
+class AnalyticCostModel:
+    """Prices options, stages and switches of ``model`` on ``world_size`` devices of ``hardware``.
+
+    ``grad_bytes``: bytes per gradient element in the stage reduction (fp32: our runtime sums in
+    fp32). ``param_bytes``: working weights (bf16). ``capacity_multiple``: capacities are rounded
+    down to it, so tables read cleanly.
+    """
+
+    def __init__(self, model: LlamaConfig | str, hardware: HardwareProfile | str, world_size: int, *,
+                 grad_bytes: int = 4, param_bytes: int = 2, capacity_multiple: int = 128) -> None:
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            raise CostModelError(f"world size must be a positive int, got {world_size!r}")
+        self.model = resolve_model(model)
+        self.hardware = get_profile(hardware)
+        self.world_size = world_size
+        self.grad_bytes = grad_bytes
+        self.param_bytes = param_bytes
+        self.capacity_multiple = capacity_multiple
+        m = self.model
+        self.params = float(m.num_params())
+        self.dense_params = float(m.num_params(include_embedding=False))
+        self.layer_params = (self.dense_params - m.padded_vocab_size * m.hidden - m.hidden) / m.n_layers
+        self.attn_width = m.n_heads * m.head_dim
+        self.kv_width = m.n_kv_heads * m.head_dim
+
+    # ------------------------------------------------------------------ validity
+    def check(self, par: Parallelism | Layout) -> Parallelism:
+        """The parallelism, or a :class:`CostModelError` saying why this model cannot run it."""
+        par = Parallelism.of(par)
+        m = self.model
+        if par.world_size != self.world_size:
+            raise CostModelError(f"{par} covers {par.world_size} devices, the world has {self.world_size}")
+        if m.n_heads % (par.tp * par.cp):
+            raise CostModelError(f"{par}: tp*cp={par.tp * par.cp} does not divide the model's {m.n_heads} "
+                                 f"attention heads (tp splits heads, Ulysses cp scatters them)")
+        if m.n_kv_heads % par.tp and par.tp % m.n_kv_heads:
+            raise CostModelError(f"{par}: tp={par.tp} and the model's {m.n_kv_heads} kv heads do not nest")
+        if m.n_layers % par.pp:
+            raise CostModelError(f"{par}: pp={par.pp} does not divide the model's {m.n_layers} layers")
+        if (m.ffn_hidden % par.tp) or (m.padded_vocab_size % par.tp):
+            raise CostModelError(f"{par}: tp={par.tp} does not divide ffn {m.ffn_hidden} / vocab "
+                                 f"{m.padded_vocab_size}")
+        return par
+
+    # ------------------------------------------------------------------ memory
+    def activation_bytes_per_token(self, activation_checkpointing: bool) -> float:
+        """Saved activations of one token through the whole model (one rank, no parallelism)."""
+        m = self.model
+        h, f, v = m.hidden, m.ffn_hidden, m.padded_vocab_size
+        # attention: norm in/out, q, k, v, output; FFN: norm in/out, gate, up, silu(gate), product
+        layer = 2.0 * (6 * h + 2 * self.kv_width + 4 * f)
+        head = 2.0 * h + 10.0 * v  # bf16 logits, fp32 logits and their gradient in the loss
+        if activation_checkpointing:
+            return m.n_layers * 2.0 * h + layer + head
+        return m.n_layers * layer + head
+
+    def memory(self, par: Parallelism | Layout, activation_checkpointing: bool) -> MemoryUse:
+        par = Parallelism.of(par)
+        hw = self.hardware
+        home = self.params * 16.0 / self.world_size
+        working = self.params * 2.0 * self.param_bytes / par.shards
+        act = self.activation_bytes_per_token(activation_checkpointing) / (par.tp * par.cp)
+        usable = hw.memory_bytes * hw.memory_usable_fraction - hw.memory_reserved_bytes
+        return MemoryUse(home, working, act, usable)
+
+    def capacity(self, par: Parallelism | Layout, activation_checkpointing: bool) -> int:
+        """Most tokens one micro-batch may hold (0: the weights alone do not fit)."""
+        mem = self.memory(par, activation_checkpointing)
+        free = mem.free_for_activations
+        if free <= 0:
+            return 0
+        tokens = int(free // mem.activation_per_token)
+        q = self.capacity_multiple
+        return (tokens // q) * q if tokens >= q else tokens
+
+    def activation_ratio(self) -> float:
+        """Capacity gain of checkpointing: activations per token without / with it."""
+        return self.activation_bytes_per_token(False) / self.activation_bytes_per_token(True)
+
+    # ------------------------------------------------------------------ time
+    def _coefficients(self, par: Parallelism, ac: bool) -> tuple[float, float, float]:
+        m, hw = self.model, self.hardware
+        div = par.tp * par.cp * par.pp
+        layers = m.n_layers / par.pp
+        recompute = 1.0 + (1.0 / 3.0 if ac else 0.0)
+        # compute: attention 6*L*H*hd*s*(s+1) (models/config.py), dense 6*P*s (+2*P_layers*s recompute)
+        attn = 6.0 * m.n_layers * self.attn_width * recompute / (div * hw.peak_flops * hw.attention_efficiency)
+        dense_flops = 6.0 * self.dense_params + (2.0 * self.layer_params * m.n_layers if ac else 0.0)
+        dense = dense_flops / (div * hw.peak_flops * hw.dense_efficiency)
+        a, b = attn, attn + dense
+        d = layers * hw.layer_overhead_s * recompute
+        if par.tp > 1:
+            calls = (4 + (2 if ac else 0)) * layers + 1  # + the vocab-parallel embedding
+            bw, lat = hw.bandwidth(par.tp), hw.latency(par.tp)
+            b += calls * 2.0 * (par.tp - 1) / par.tp * m.hidden * self.param_bytes / par.cp / bw
+            d += calls * lat
+        if par.cp > 1:
+            span = par.tp * par.cp
+            bw, lat = hw.bandwidth(span), hw.latency(span)
+            per_token = (2 * self.attn_width + 2 * self.kv_width) / par.tp * self.param_bytes / par.cp
+            rounds = 2 + (1 if ac else 0)  # forward, backward, recomputed forward
+            b += rounds * layers * (par.cp - 1) / par.cp * per_token / bw
+            d += rounds * 2 * layers * lat
+        if par.pp > 1:  # activations across each stage boundary, forward and backward
+            bw = hw.bandwidth(self.world_size)
+            b += 2.0 * m.hidden * self.param_bytes / (par.tp * par.cp) / bw
+            d += 2.0 * hw.latency(self.world_size)
+        return a, b, d
+
+    def grad_reduce_seconds(self, par: Parallelism | Layout) -> float:
+        """The stage's reduce-scatter of fp32 gradients over the ranks sharing a weight shard."""
+        par = Parallelism.of(par)
+        g = par.dp * par.cp
+        if g == 1:
+            return 0.0
+        nbytes = self.params / par.shards * self.grad_bytes
+        hw = self.hardware
+        return (g - 1) / g * nbytes / hw.bandwidth(self.world_size) + hw.latency(self.world_size)
+
+    def option(self, par: Parallelism | Layout, activation_checkpointing: bool,
+               capacity: int | None = None) -> OptionCost:
+        par = self.check(par)
+        a, b, d = self._coefficients(par, activation_checkpointing)
+        cap = self.capacity(par, activation_checkpointing) if capacity is None else int(capacity)
+        return OptionCost(par, bool(activation_checkpointing), cap, a, b, d, self.grad_reduce_seconds(par))
+
+    # ------------------------------------------------------------------ switches
+    def switch_bytes(self, source: Parallelism | Layout | None, target: Parallelism | Layout) -> float:
+        """Bytes each rank receives to hold ``target``'s working weights (``source`` None: home)."""
+        dst = Parallelism.of(target).shards
+        src = self.world_size if source is None else Parallelism.of(source).shards
+        return self.params * self.param_bytes * max(0.0, 1.0 / dst - 1.0 / src)
+
+    def switch_seconds(self, source: Parallelism | Layout | None, target: Parallelism | Layout) -> float:
+        nbytes = self.switch_bytes(source, target)
+        if nbytes <= 0:
+            return 0.0
+        span = self.world_size if source is None else Parallelism.of(source).shards
+        hw = self.hardware
+        return nbytes / hw.bandwidth(span) + hw.latency(span)
+
+    def switch_sequence_seconds(self, order: Sequence[Parallelism | Layout]) -> float:
+        """Home to the first stage's layout, then each next one (the step's switches)."""
+        total, prev = 0.0, None
+        for par in order:
+            total += self.switch_seconds(prev, par)
+            prev = par
+        return total
+
+    def summary(self) -> dict[str, float]:
+        return {"params": self.params, "world_size": self.world_size,
+                "flops_per_token_4k": self.model.flops_per_token(4096)}
+

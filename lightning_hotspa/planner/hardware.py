@@ -1,0 +1,185 @@
+"""Hardware profiles: the few rates the analytic cost model needs, kept as data with their sources.
+
+A profile is per device (one GPU, or one CPU rank): dense bf16 peak, the fraction of it that dense
+GEMMs and attention kernels reach in training, memory, and the bus bandwidth of collectives inside a
+node and between nodes (per device, in the ``busbw`` sense of nccl-tests, so a ring all-reduce of B
+bytes over g devices takes ``2 (g-1)/g * B / bw``). Vendor peaks are from the data sheets; the
+efficiencies and inter-node links are ASSUMPTIONS typical of published runs, named as such. The
+``cpu-gloo`` profile was measured on the development machine with :func:`measure_cpu_gloo`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["CPU_GLOO_CALIBRATION", "HardwareProfile", "PROFILES", "UnknownProfileError", "get_profile", "measure_cpu_gloo"]
+
+GiB = 2**30
+
+
+class UnknownProfileError(ValueError):
+    """A hardware profile name that is not in :data:`PROFILES`; the message lists the known ones."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class HardwareProfile:
+    """Rates of one device. ``peak_flops`` in FLOP/s, bandwidths in bytes/s per device."""
+
+    name: str
+    peak_flops: float
+    dense_efficiency: float  # fraction of peak reached by the dense (GEMM) part of training
+    attention_efficiency: float  # fraction of peak reached by (flash) attention, fwd + bwd
+    memory_bytes: float
+    memory_usable_fraction: float = 0.92  # allocator fragmentation / caching headroom
+    memory_reserved_bytes: float = 4 * GiB  # context, communicator buffers, kernel workspaces
+    devices_per_node: int = 8
+    intra_node_bw: float  # collective bus bandwidth inside a node
+    inter_node_bw: float  # collective bus bandwidth per device across nodes
+    intra_node_latency_s: float = 10e-6  # per collective call
+    inter_node_latency_s: float = 25e-6
+    layer_overhead_s: float = 30e-6  # per layer and micro-batch (launches, small kernels), exposed part
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name in ("name", "source"):
+                continue
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"HardwareProfile {self.name!r}: {f.name} must be a number >= 0, got {value!r}")
+        for f in ("peak_flops", "dense_efficiency", "attention_efficiency", "memory_bytes", "intra_node_bw",
+                  "inter_node_bw", "devices_per_node"):
+            if not getattr(self, f) > 0:
+                raise ValueError(f"HardwareProfile {self.name!r}: {f} must be > 0")
+
+    def bandwidth(self, span: int) -> float:
+        """Bus bandwidth of a collective whose ranks lie within ``span`` consecutive devices."""
+        return self.intra_node_bw if span <= self.devices_per_node else self.inter_node_bw
+
+    def latency(self, span: int) -> float:
+        return self.intra_node_latency_s if span <= self.devices_per_node else self.inter_node_latency_s
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+_AMPERE_NOTE = ("bf16 dense peak 312 TFLOP/s (NVIDIA A100 data sheet). ASSUMED: GEMMs at 65% of peak, "
+                "flash-attention fwd+bwd at 55% (FlashAttention-2 paper reports 50-73% on A100).")
+_HOPPER_NOTE = ("bf16 dense peak 989 TFLOP/s (NVIDIA H100 SXM data sheet). ASSUMED: GEMMs at 55% of peak, "
+                "FlashAttention-2 at 40% (it was tuned for Ampere; FA3 reaches more).")
+
+#: The known profiles. Add one by adding an entry here (or pass a HardwareProfile object).
+PROFILES: dict[str, HardwareProfile] = {
+    "A100-80G": HardwareProfile(
+        name="A100-80G", peak_flops=312e12, dense_efficiency=0.65, attention_efficiency=0.55,
+        memory_bytes=80 * GiB, intra_node_bw=230e9, inter_node_bw=22e9,
+        source=_AMPERE_NOTE + " NVLink3 600 GB/s bidirectional, ~230 GB/s all-reduce busbw (nccl-tests on "
+        "DGX A100); ASSUMED one 200 Gb/s HDR NIC per GPU (~22 GB/s effective).",
+    ),
+    "A800-80G": HardwareProfile(
+        name="A800-80G", peak_flops=312e12, dense_efficiency=0.65, attention_efficiency=0.55,
+        memory_bytes=80 * GiB, intra_node_bw=155e9, inter_node_bw=22e9,
+        source=_AMPERE_NOTE + " The A800 is an A100 with NVLink capped at 400 GB/s bidirectional: "
+        "ASSUMED ~155 GB/s busbw. The HotSPa paper's cluster (nodes of 8, InfiniBand between): "
+        "ASSUMED one 200 Gb/s NIC per GPU (~22 GB/s effective); the paper does not state it.",
+    ),
+    "H100": HardwareProfile(
+        name="H100", peak_flops=989e12, dense_efficiency=0.55, attention_efficiency=0.40,
+        memory_bytes=80 * GiB, intra_node_bw=360e9, inter_node_bw=45e9,
+        source=_HOPPER_NOTE + " NVLink4 900 GB/s bidirectional, ASSUMED ~360 GB/s busbw; ASSUMED one "
+        "400 Gb/s NDR NIC per GPU (~45 GB/s).",
+    ),
+    "H200": HardwareProfile(
+        name="H200", peak_flops=989e12, dense_efficiency=0.55, attention_efficiency=0.40,
+        memory_bytes=141e9, intra_node_bw=360e9, inter_node_bw=45e9,
+        source=_HOPPER_NOTE + " 141 GB HBM3e (H200 data sheet), same compute and NVLink as H100; "
+        "ASSUMED one 400 Gb/s NDR NIC per GPU.",
+    ),
+    # Measured once on the development machine (2 shared cores, 4 gloo ranks, 1 thread each):
+    # see CPU_GLOO_CALIBRATION for the raw numbers and the command.
+    "cpu-gloo": HardwareProfile(
+        name="cpu-gloo", peak_flops=2.22e10, dense_efficiency=1.0, attention_efficiency=0.5,
+        memory_bytes=5 * GiB, memory_usable_fraction=0.9, memory_reserved_bytes=0.5 * GiB,
+        devices_per_node=64, intra_node_bw=3.0e8, inter_node_bw=3.0e8,
+        intra_node_latency_s=5.8e-3, inter_node_latency_s=5.8e-3, layer_overhead_s=1.0e-3,
+        source="measured on the development machine, see CPU_GLOO_CALIBRATION; memory_bytes is 1/4 of "
+        "its 23 GiB RAM (4 ranks); attention_efficiency and layer_overhead_s are ASSUMED starting points",
+    ),
+}
+
+#: What ``hotspa calibrate --ranks 4 --repeats 15`` printed when the cpu-gloo profile was made (median
+#: over ranks of per-rank figures, all 4 ranks busy at once on the 2 shared cores, load average ~5).
+#: The profile takes peak_flops from the slower GEMM shape, bus bandwidth from the 16 MiB all-reduce
+#: and latency from the 1 KiB one. An earlier run under heavier load (load average ~10) measured
+#: 9.3e9 / 3.8e10 FLOP/s, 1.3e8 / 3.5e8 B/s and 12 ms: on a shared machine these rates move by 2x,
+#: which is what profiled mode (``CostModelPlanner(profiled=True)``) is for.
+CPU_GLOO_CALIBRATION: dict[str, Any] = {
+    "date": "2026-11-29T08:58Z",
+    "command": "hotspa calibrate --ranks 4 --repeats 15",
+    "matmul_1024x384x1024_flops": 2.2234e10,
+    "matmul_2048x64x176_flops": 5.0051e10,
+    "allreduce_4MiB_busbw": 3.9146e8,
+    "allreduce_16MiB_busbw": 3.0037e8,
+    "allreduce_1KiB_s": 5.8187e-3,
+}
+
+
+def get_profile(profile: str | HardwareProfile) -> HardwareProfile:
+    """The profile of that name (case-insensitive), or the object itself."""
+    if isinstance(profile, HardwareProfile):
+        return profile
+    if isinstance(profile, str):
+        for name, value in PROFILES.items():
+            if name.lower() == profile.strip().lower():
+                return value
+    raise UnknownProfileError(f"unknown hardware profile {profile!r}; known profiles: {', '.join(PROFILES)}")
+
+
+# ---------------------------------------------------------------------------------------- calibration
+def _time(fn: Any, repeats: int) -> float:
+    """Median seconds of ``fn()`` over ``repeats`` calls (after one warm-up)."""
+    import time
+
+    fn()
+    samples = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - t0)
+    samples.sort()
+    return samples[len(samples) // 2]
+
+
+def _calibrate_rank(repeats: int) -> dict[str, float]:
+    """Runs on every rank at once (so the rates include sharing the cores, as training does)."""
+    import torch
+    import torch.distributed as dist
+
+    out: dict[str, float] = {}
+    for m, k, n in ((1024, 384, 1024), (2048, 64, 176)):  # 'small' and 'tiny' preset GEMM shapes
+        a, b = torch.randn(m, k), torch.randn(k, n)
+        dist.barrier()
+        out[f"matmul_{m}x{k}x{n}_flops"] = 2 * m * k * n / _time(lambda a=a, b=b: a @ b, repeats)
+    for nbytes in (4 * 2**20, 16 * 2**20):
+        x = torch.zeros(nbytes // 4)
+        dist.barrier()
+        sec = _time(lambda x=x: dist.all_reduce(x), repeats)
+        g = dist.get_world_size()
+        out[f"allreduce_{nbytes >> 20}MiB_busbw"] = 2 * (g - 1) / g * nbytes / sec
+    small = torch.zeros(256)
+    dist.barrier()
+    out["allreduce_1KiB_s"] = _time(lambda: dist.all_reduce(small), repeats * 4)
+    return out
+
+
+def measure_cpu_gloo(ranks: int = 4, repeats: int = 9) -> dict[str, float]:
+    """Measures matmul rates and gloo all-reduce bandwidth/latency on ``ranks`` local processes;
+    returns the median over ranks of each figure (the numbers behind the ``cpu-gloo`` profile)."""
+    import statistics
+
+    from ..spawn import run_on_ranks
+
+    per_rank = run_on_ranks(_calibrate_rank, ranks, repeats, timeout_s=600)
+    return {k: statistics.median(r[k] for r in per_rank) for k in per_rank[0]}

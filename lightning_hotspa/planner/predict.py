@@ -1,0 +1,107 @@
+"""Predicted seconds of a step, stage by stage: the one evaluation planner, simulator and CLI share.
+
+A step's prediction is ``sum over stages (slowest dp group + stage fixed cost) + switches``, the
+switches being home -> first stage -> second stage ... in stage order (the planner's objective).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .cost_model import AnalyticCostModel, OptionCost
+
+__all__ = ["StagePrediction", "StepPrediction", "predict_stages"]
+
+Groups = Sequence[Sequence[Sequence[int]]]
+
+
+@dataclass(frozen=True)
+class StagePrediction:
+    """One stage: its option, what it holds, and its predicted seconds."""
+
+    layout: str
+    activation_checkpointing: bool
+    documents: int
+    tokens: int
+    micro_batches: int
+    min_length: int
+    max_length: int
+    group_seconds: tuple[float, ...]
+    stage_fixed: float
+    switch_seconds: float  # switching INTO this stage
+    switch_bytes: float
+
+    @property
+    def compute_seconds(self) -> float:
+        return max(self.group_seconds, default=0.0)
+
+    @property
+    def seconds(self) -> float:
+        """Stage time including its gradient reduction (not the switch into it)."""
+        return self.compute_seconds + self.stage_fixed
+
+    @property
+    def band(self) -> str:
+        return f"{self.min_length}-{self.max_length}"
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "layout": self.layout, "checkpointing": self.activation_checkpointing, "band": self.band,
+            "documents": self.documents, "tokens": self.tokens, "micro_batches": self.micro_batches,
+            "compute_s": self.compute_seconds, "grad_reduce_s": self.stage_fixed,
+            "switch_s": self.switch_seconds, "switch_bytes": self.switch_bytes, "seconds": self.seconds,
+        }
+
+
+@dataclass(frozen=True)
+class StepPrediction:
+    stages: tuple[StagePrediction, ...]
+
+    @property
+    def switch_seconds(self) -> float:
+        return sum(s.switch_seconds for s in self.stages)
+
+    @property
+    def seconds(self) -> float:
+        return sum(s.seconds for s in self.stages) + self.switch_seconds
+
+    @property
+    def tokens(self) -> int:
+        return sum(s.tokens for s in self.stages)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"seconds": self.seconds, "tokens": self.tokens, "tokens_per_s": self.tokens_per_s,
+                "switch_s": self.switch_seconds, "stages": [s.as_dict() for s in self.stages]}
+
+
+def predict_stages(stages: Sequence[tuple[OptionCost, Groups]], lengths: Sequence[int] | np.ndarray,
+                   cost_model: AnalyticCostModel) -> StepPrediction:
+    """Prediction of ``stages`` (option, groups of micro-batches of doc indices) in this order."""
+    arr = np.asarray(lengths, dtype=np.int64)
+    out, prev = [], None
+    for opt, groups in stages:
+        ids = np.asarray([d for g in groups for mb in g for d in mb], dtype=np.int64)
+        padded = opt.padded(arr)
+        secs = opt.doc_seconds(padded)
+        group_seconds = []
+        for g in groups:
+            total = sum(float(secs[list(mb)].sum()) for mb in g)
+            group_seconds.append(opt.group_seconds(total, len(g)))
+        par = opt.parallelism
+        out.append(StagePrediction(
+            layout=par.name, activation_checkpointing=opt.activation_checkpointing, documents=int(ids.size),
+            tokens=int(arr[ids].sum()) if ids.size else 0, micro_batches=sum(len(g) for g in groups),
+            min_length=int(arr[ids].min()) if ids.size else 0, max_length=int(arr[ids].max()) if ids.size else 0,
+            group_seconds=tuple(group_seconds), stage_fixed=opt.stage_fixed,
+            switch_seconds=cost_model.switch_seconds(prev, par), switch_bytes=cost_model.switch_bytes(prev, par),
+        ))
+        prev = par
+    return StepPrediction(tuple(out))

@@ -1,0 +1,275 @@
+"""``CostModelPlanner``: every document to the layout (and checkpointing) that minimizes the step.
+
+Implements the :class:`~lightning_hotspa.planner.base.Planner` protocol. For one global batch it
+chooses which layouts run, which documents each runs, whether each layout checkpoints activations,
+how each layout's documents are packed into micro-batches and spread over its dp groups, and the stage
+order, minimizing the predicted step time ``sum over stages (slowest dp group + gradient reduction) +
+switches`` of the cost model (:mod:`.cost_model`, optionally calibrated by timings: :mod:`.calibration`).
+
+Up to ``exact_max_docs`` documents the plan is exact (:mod:`.exact`); beyond, the heuristic of
+:mod:`.assign` screens every layout combination with a relaxed stage time and packs the best few.
+Plans are a pure function of (document lengths, layouts, cost coefficients): no randomness, no hash
+order, so every rank and loader worker computes the same plan; coefficients change only through
+:meth:`refit` at deterministic steps (or :meth:`load_state_dict`).
+
+How the strategy uses it::
+
+    planner = CostModelPlanner(layouts, model="llama7b", hardware="H100", world_size=8)
+    # profiled mode, per step, on every rank with the SAME all-gathered rows:
+    rows = encode_observations([Observation.from_rank_stage(stage, compute_s)], planner.layouts)
+    gathered = all_gather(rows)                  # rank order
+    planner.observe(decode_observations(gathered, planner.layouts))
+    planner.refit(global_step)                   # changes coefficients only every refit_every steps
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from typing import Any, Literal
+
+import numpy as np
+
+from ..layout import Layout, LayoutError, MeshShape, parse_layouts
+from ..models.config import LlamaConfig
+from ..plan import PlanError, Stage, StepPlan
+from .assign import evaluate_groups, solve_heuristic
+from .calibration import Observation, ProfiledCoefficients
+from .cost_model import AnalyticCostModel, OptionCost
+from .exact import solve_exact
+from .hardware import HardwareProfile
+from .packing import DocumentTooLongError, pack_layout
+from .predict import StepPrediction, predict_stages
+
+__all__ = ["CostModelPlanner"]
+
+# Re-pack a stage with pack_layout's finer balancing only when LPT left it this far off balance
+# (max group / mean - 1) and it has at most this many documents (pack_layout costs ~10 ms at 500).
+_POLISH_IMBALANCE = 0.002
+_POLISH_MAX_DOCS = 256
+
+LayoutSpec = Layout | str | Mapping[str, int]
+Checkpointing = bool | Literal["auto"] | Collection[LayoutSpec]
+
+
+class CostModelPlanner:
+    """Cost-model planner over candidate ``layouts`` (all of one world size, sharing one mesh).
+
+    Args:
+        layouts: candidate layouts, or ``"auto"`` (then ``world_size`` and ``context`` choose them:
+            :func:`~lightning_hotspa.planner.candidates.auto_layouts`).
+        model: a :class:`LlamaConfig` or preset name whose shape the analytic model prices.
+        hardware: a profile name (``A100-80G``, ``A800-80G``, ``H100``, ``H200``, ``cpu-gloo``) or
+            :class:`HardwareProfile`.
+        tokens_per_rank: if given, a layout's capacity is ``tokens_per_rank * tp * cp`` (the
+            strategy's setting), times the model's activation ratio with checkpointing; otherwise
+            capacities come from the memory model.
+        activation_checkpointing: ``"auto"`` (decide per layout and step), True / False (always /
+            never), or the layouts that always checkpoint (the others never do).
+        profiled: fit coefficients to observed timings (``observe`` / ``refit``).
+        refit_every: refit at steps that are multiples of this.
+        exact_max_docs: exact dynamic programming up to this many documents.
+    """
+
+    def __init__(
+        self,
+        layouts: Iterable[LayoutSpec] | Literal["auto"],
+        *,
+        model: LlamaConfig | str,
+        hardware: HardwareProfile | str = "cpu-gloo",
+        world_size: int | None = None,
+        context: int | None = None,
+        tokens_per_rank: int | None = None,
+        activation_checkpointing: Checkpointing = "auto",
+        profiled: bool = False,
+        refit_every: int = 10,
+        exact_max_docs: int = 10,
+    ) -> None:
+        name = type(self).__name__
+        if isinstance(layouts, str) and layouts == "auto":
+            if world_size is None or context is None:
+                raise PlanError(f"{name}(layouts='auto') needs world_size and context")
+            from .candidates import auto_layouts
+
+            layouts = auto_layouts(world_size, model, hardware, context)
+        specs = list(layouts)  # type: ignore[arg-type]
+        if not specs:
+            raise LayoutError(f"{name}: the layout list is empty")
+        world = Layout.parse(specs[0]).world_size if world_size is None else world_size
+        self.layouts: tuple[Layout, ...] = parse_layouts(specs, world)
+        MeshShape.for_layouts(self.layouts, world)
+        self.cost_model = AnalyticCostModel(model, hardware, world)
+        if tokens_per_rank is not None and (isinstance(tokens_per_rank, bool) or not isinstance(tokens_per_rank, int)
+                                            or tokens_per_rank < 1):
+            raise PlanError(f"{name}: tokens_per_rank must be a positive int, got {tokens_per_rank!r}")
+        self.tokens_per_rank = tokens_per_rank
+        self.exact_max_docs = int(exact_max_docs)
+        self.profiled = bool(profiled)
+        self.coefficients = ProfiledCoefficients(refit_every=refit_every)
+        self._ac_modes = {lay: self._ac_mode(lay, activation_checkpointing) for lay in self.layouts}
+        self._analytic: dict[tuple[Layout, bool], OptionCost] = {}
+        for lay in self.layouts:
+            self.cost_model.check(lay)
+            for ac in self._ac_modes[lay]:
+                opt = self.cost_model.option(lay, ac, self._capacity_override(lay, ac))
+                if opt.capacity >= 2 * lay.cp:
+                    self._analytic[(lay, ac)] = opt
+            if not any(k[0] == lay for k in self._analytic):
+                raise PlanError(f"{name}: layout {lay} cannot hold any tokens: the model's weights and "
+                                f"optimizer state alone exceed the memory of a {self.cost_model.hardware.name}")
+        self._orders: dict[frozenset[Layout], tuple[float, tuple[Layout, ...]]] = {}
+        self._refresh()
+
+    # ------------------------------------------------------------------ configuration
+    def _ac_mode(self, lay: Layout, spec: Checkpointing) -> tuple[bool, ...]:
+        if spec == "auto":
+            return (False, True)
+        if isinstance(spec, bool):
+            return (spec,)
+        if isinstance(spec, str):
+            raise PlanError(f"activation_checkpointing must be 'auto', a bool or layouts, got {spec!r}")
+        forced = {Layout.parse(x) for x in spec}
+        return (lay in forced,)
+
+    def _capacity_override(self, lay: Layout, ac: bool) -> int | None:
+        if self.tokens_per_rank is None:
+            return None
+        base = self.tokens_per_rank * lay.tp * lay.cp
+        return int(base * self.cost_model.activation_ratio()) if ac else base
+
+    def _refresh(self) -> None:
+        """Options with the current coefficients (analytic, or fitted in profiled mode)."""
+        self.options: dict[tuple[Layout, bool], OptionCost] = {
+            k: (self.coefficients.apply(o) if self.profiled else o) for k, o in self._analytic.items()
+        }
+        self._option_list = [self.options[k] for k in sorted(self.options, key=lambda k: (self.layouts.index(k[0]), k[1]))]
+
+    @property
+    def version(self) -> int:
+        """Bumps whenever the coefficients change (saved in checkpoints)."""
+        return self.coefficients.version
+
+    def capacity(self, layout: Layout) -> int:
+        """Largest micro-batch of ``layout`` over its allowed checkpointing choices."""
+        caps = [o.capacity for k, o in self.options.items() if k[0] == layout]
+        if not caps:
+            raise LayoutError(f"layout {layout} is not among the candidates {[str(x) for x in self.layouts]}")
+        return max(caps)
+
+    def option(self, layout: Layout, activation_checkpointing: bool) -> OptionCost:
+        return self.options[(layout, activation_checkpointing)]
+
+    def longest_document(self) -> int:
+        return max(o.max_doc_length for o in self.options.values())
+
+    def stage_order(self, used: Iterable[Layout]) -> tuple[float, tuple[Layout, ...]]:
+        """(switch seconds, order) minimizing the step's switches for a set of used layouts; ties:
+        tp descending then cp descending (each byte of weights moves at most once)."""
+        key = frozenset(used)
+        if key not in self._orders:
+            best = None
+            for perm in itertools.permutations(sorted(key, key=lambda x: (-x.tp, -x.cp, -x.dp))):
+                seconds = self.cost_model.switch_sequence_seconds(perm)
+                if best is None or seconds < best[0] - 1e-15:
+                    best = (seconds, perm)
+            assert best is not None
+            self._orders[key] = best
+        return self._orders[key]
+
+    # ------------------------------------------------------------------ planning
+    def _check_lengths(self, doc_lengths: Sequence[int]) -> np.ndarray:
+        lengths = np.asarray(doc_lengths, dtype=np.int64)
+        if lengths.ndim != 1 or lengths.size == 0:
+            raise PlanError(f"doc_lengths must be a non-empty 1-D list of lengths, got shape {lengths.shape}")
+        if int(lengths.min()) < 1:
+            i = int(lengths.argmin())
+            raise PlanError(f"document {i} has length {int(lengths[i])}; documents must be non-empty")
+        longest = self.longest_document()
+        if int(lengths.max()) > longest:
+            i = int(lengths.argmax())
+            where = max(self.options.values(), key=lambda o: o.max_doc_length)
+            raise DocumentTooLongError(
+                f"document {i} has {int(lengths[i])} tokens; no candidate layout can hold it (largest: "
+                f"{longest} tokens in {where.label}); add a layout with more tp*cp or lower the context")
+        return lengths
+
+    def solve(self, doc_lengths: Sequence[int]) -> tuple[float, list[tuple[OptionCost, tuple]]]:
+        """(predicted seconds, [(option, groups of micro-batches)] in stage order)."""
+        lengths = self._check_lengths(doc_lengths)
+        if lengths.size <= self.exact_max_docs:
+            sol = solve_exact(lengths, self._option_list, self.stage_order)
+            return sol.objective, [(o, g) for o, g in sol.stages]
+        total, stages = solve_heuristic(lengths, self._option_list, self.stage_order)
+        return self._polish(lengths, total, stages)
+
+    def _polish(self, lengths: np.ndarray, total: float, stages: list) -> tuple[float, list]:
+        """Re-packs a stage with :func:`~.packing.pack_layout` (document moves and swaps between dp
+        groups) when its groups are off balance by more than ``_POLISH_IMBALANCE`` and it is small
+        enough (``_POLISH_MAX_DOCS``) to afford it; keeps whichever predicts the faster stage."""
+        out = []
+        for opt, groups in stages:
+            ids = [d for g in groups for mb in g for d in mb]
+            secs = opt.doc_seconds(opt.padded(lengths))
+            loads = [opt.group_seconds(float(secs[[d for mb in g for d in mb]].sum()), len(g)) if g else 0.0
+                     for g in groups]
+            mean = sum(loads) / len(loads)
+            if len(groups) > 1 and len(ids) <= _POLISH_MAX_DOCS and max(loads) > mean * (1 + _POLISH_IMBALANCE):
+                packed = pack_layout(ids, lengths[ids], opt.parallelism.layout(), opt.capacity, opt.balance_cost)
+                before = evaluate_groups(opt, secs, groups)
+                after = evaluate_groups(opt, secs, packed.micro_batches)
+                if after < before:
+                    total += after - before
+                    groups = packed.micro_batches
+            out.append((opt, groups))
+        return total, out
+
+    def plan(self, step: int, doc_lengths: Sequence[int]) -> StepPlan:
+        lengths = self._check_lengths(doc_lengths)
+        _, stages = self.solve(lengths)
+        out = []
+        for opt, groups in stages:
+            ids = [d for g in groups for mb in g for d in mb]
+            label = f"{int(lengths[ids].min())}-{int(lengths[ids].max())}"
+            mbs = tuple(tuple(tuple(sorted(mb)) for mb in sorted(g, key=lambda mb: (-len(mb), mb))) for g in groups)
+            out.append(Stage(opt.parallelism.layout(), mbs, opt.activation_checkpointing, label))
+        return StepPlan(int(step), tuple(int(n) for n in lengths.tolist()), tuple(out))
+
+    def predict(self, plan: StepPlan) -> StepPrediction:
+        """Predicted seconds of any plan over these layouts (another planner's too)."""
+        stages = []
+        for s in plan.stages:
+            key = (s.layout, s.activation_checkpointing)
+            opt = self.options.get(key) or self.cost_model.option(s.layout, s.activation_checkpointing,
+                                                                  self._capacity_override(s.layout, s.activation_checkpointing))
+            stages.append((opt, s.micro_batches))
+        return predict_stages(stages, plan.doc_lengths, self.cost_model)
+
+    # ------------------------------------------------------------------ profiled mode
+    def observe(self, observations: Iterable[Observation]) -> None:
+        """Buffers timings (the same all-gathered rows on every rank); plans change only at refit."""
+        self.coefficients.observe(o for o in observations if (o.layout, o.activation_checkpointing) in self._analytic)
+
+    def refit(self, step: int) -> bool:
+        """At steps that are multiples of ``refit_every``: refit the coefficients; True if changed."""
+        if not self.profiled:
+            return False
+        changed = self.coefficients.refit(step, self._analytic)
+        if changed:
+            self._refresh()
+        return changed
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"kind": "cost_model", "version": self.version, "layouts": [x.name for x in self.layouts],
+                "profiled": self.profiled, "coefficients": self.coefficients.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restores the fitted coefficients (and their version); other settings stay as constructed."""
+        if state.get("kind") not in (None, "cost_model"):
+            raise PlanError(f"{type(self).__name__} cannot load a {state.get('kind')!r} planner state")
+        if "coefficients" in state:
+            self.coefficients.load_state_dict(state["coefficients"])
+            self._refresh()
+
+    def __repr__(self) -> str:
+        opts = ", ".join(f"{o.label}:{o.capacity}" for o in self._option_list)
+        return f"{type(self).__name__}({self.cost_model.model.n_layers}L on {self.cost_model.hardware.name}; {opts})"

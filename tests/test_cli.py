@@ -1,0 +1,92 @@
+"""The ``hotspa`` command line: tables, the JSON last line, and one-line errors with exit code 2."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from lightning_hotspa.cli import main
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_plan_prints_a_table_and_a_json_last_line(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(capsys, "plan", "--model", "llama7b", "--world-size", "8", "--hardware", "A800-80G",
+                         "--data", "bimodal", "--global-batch-tokens", "256K", "--context", "32K", "--json")
+    assert code == 0, err
+    lines = out.strip().splitlines()
+    assert lines[1].split()[:4] == ["band", "docs", "tokens", "layout"]
+    result = json.loads(lines[-1])
+    assert result["command"] == "plan" and result["world_size"] == 8
+    stages = result["stages"]
+    assert sum(s["tokens"] for s in stages) == result["tokens"] and result["tokens"] <= 256 * 1024
+    assert sum(s["documents"] for s in stages) == result["documents"]
+    assert result["step_s"] == pytest.approx(sum(s["seconds"] + s["switch_s"] for s in stages))
+    assert result["speedup_vs_best_static"] == pytest.approx(result["best_static"]["seconds"] / result["step_s"])
+    assert result["speedup_vs_best_static"] >= 0.999  # the chosen set can fall back to that static layout
+    assert "predicted speed-up" in out
+
+
+def test_plan_with_given_layouts_and_a_corpus_folder(capsys: pytest.CaptureFixture[str], tmp_path) -> None:
+    for i, n in enumerate((5000, 300, 12000, 800, 40)):
+        (tmp_path / f"doc{i}.txt").write_bytes(b"x" * n)
+    code, out, err = run(capsys, "plan", "--model", "tiny", "--world-size", "4", "--hardware", "cpu-gloo",
+                         "--data", str(tmp_path), "--global-batch-tokens", "64K", "--context", "8K",
+                         "--layouts", "dp4,dp2xtp2,tp2xcp2", "--tokens-per-rank", "4096", "--json")
+    assert code == 0, err
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["documents"] == 6 and result["tokens"] == 5000 + 300 + 12000 + 800 + 40  # 12000 -> 8K + 3808
+    assert result["layouts"] == ["dp4", "dp2xtp2", "tp2xcp2"]
+
+
+def test_simulate_grid_json(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(capsys, "simulate", "--contexts", "8K", "--batches", "1", "--sequences", "128", "--json")
+    assert code == 0, err
+    lines = out.strip().splitlines()
+    assert any(line.startswith("| llama30b | 32 | 8K | github |") for line in lines)
+    result = json.loads(lines[-1])
+    assert len(result["cells"]) == 5 * 2
+    for key in ("geomean_speedup_vs_best_static", "geomean_speedup_vs_hand_set"):
+        assert result[key] > 0
+    cell = result["cells"][0]
+    assert cell["speedup_vs_best_static"] == pytest.approx(cell["best_static_s"] / cell["ours_s"])
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["plan", "--hardware", "TPUv5"], "unknown hardware profile 'TPUv5'; known profiles: A100-80G"),
+    (["plan", "--layouts", "dp8", "--context", "64K", "--data", "github", "--global-batch-tokens", "2M"],
+     "no candidate layout can hold it"),
+    (["plan", "--layouts", "tp3", "--world-size", "3"], "does not divide the model's 32 attention heads"),
+    (["plan", "--world-size", "1", "--model", "llama30b"], "has no layout on 1 x A800-80G"),
+    (["plan", "--model", "llama99b"], "unknown LlamaConfig preset"),
+    (["plan", "--data", "/no/such/corpus"], "neither a length generator"),
+    (["plan", "--layouts", "dp4,dp8"], "covers 4 ranks"),
+])
+def test_bad_inputs_exit_2_with_one_line(capsys: pytest.CaptureFixture[str], argv: list[str], needle: str) -> None:
+    code, out, err = run(capsys, *argv)
+    assert code == 2
+    assert len(err.strip().splitlines()) == 1 and needle in err, err
+    assert "Traceback" not in err + out
+
+
+def test_argument_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["plan", "--context", "lots"])
+    assert exc.value.code == 2
+    assert "expected a token count" in capsys.readouterr().err
+
+
+def test_the_whole_simulation_grid_runs_in_under_a_minute() -> None:
+    import time
+
+    from lightning_hotspa.planner.simulate import simulate_grid
+
+    start = time.perf_counter()
+    result = simulate_grid()
+    assert time.perf_counter() - start < 60
+    assert len(result["cells"]) == 30 and result["geomean_speedup_vs_hand_set"] > 1.0

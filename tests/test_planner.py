@@ -1,0 +1,421 @@
+"""Cost-model planner: cost model, calibration, exactness (brute force, MILP), feasibility,
+determinism, candidates, the artifact rule and the simulator. All single-process and fast."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import time
+from functools import cache
+
+import numpy as np
+import pytest
+
+from lightning_hotspa.layout import Layout, LayoutError, MeshShape
+from lightning_hotspa.plan import PlanError, StepPlan, slice_plan
+from lightning_hotspa.planner.artifact_rule import (
+    HAND_SET_RULES,
+    RuleNotFoundError,
+    artifact_rule,
+    artifact_stages,
+)
+from lightning_hotspa.planner.base import Planner
+from lightning_hotspa.planner.calibration import (
+    Observation,
+    decode_observations,
+    encode_observations,
+    held_out_error,
+    nnls,
+)
+from lightning_hotspa.planner.candidates import auto_layouts
+from lightning_hotspa.planner.cost_model import AnalyticCostModel, CostModelError, Parallelism
+from lightning_hotspa.planner.hardware import (
+    PROFILES,
+    HardwareProfile,
+    UnknownProfileError,
+    get_profile,
+)
+from lightning_hotspa.planner.packing import DocumentTooLongError, cp_padded_lengths
+from lightning_hotspa.planner.simulate import simulate_cell
+from lightning_hotspa.planner.solver import CostModelPlanner
+
+W4 = ["dp4", "dp2xtp2", "tp4"]
+W8 = ["dp8", "dp4xtp2", "dp2xtp2xcp2", "tp4xcp2"]
+
+
+def planner4(**kw) -> CostModelPlanner:
+    return CostModelPlanner(W4, model="llama7b", hardware="A800-80G", **kw)
+
+
+def planner8(**kw) -> CostModelPlanner:
+    return CostModelPlanner(W8, model="llama7b", hardware="A800-80G", **kw)
+
+
+def lognormal(seed: int, n: int, cap: int, mu: float = 7.5, sigma: float = 1.3) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    return np.minimum(np.exp(rng.normal(mu, sigma, n)).astype(np.int64) + 1, cap)
+
+
+def groups_of(plan: StepPlan) -> list:
+    return [(s.layout, s.activation_checkpointing, s.micro_batches) for s in plan.stages]
+
+
+# ------------------------------------------------------------------------------------ hardware
+def test_unknown_profile_lists_the_known_ones() -> None:
+    with pytest.raises(UnknownProfileError) as err:
+        get_profile("TPUv5")
+    for name in ("A100-80G", "A800-80G", "H100", "H200", "cpu-gloo"):
+        assert name in str(err.value)
+    assert get_profile("h100") is PROFILES["H100"]
+
+
+def test_bandwidth_is_intra_node_within_a_node_only() -> None:
+    hw = PROFILES["A800-80G"]
+    assert hw.bandwidth(8) == hw.intra_node_bw and hw.bandwidth(16) == hw.inter_node_bw
+
+
+# ------------------------------------------------------------------------------------ cost model
+def _ideal(**over) -> HardwareProfile:
+    """A profile where compute is the only cost: equal efficiencies, no overheads, huge links."""
+    base = dict(name="ideal", peak_flops=1e15, dense_efficiency=0.5, attention_efficiency=0.5,
+                memory_bytes=1e15, intra_node_bw=1e30, inter_node_bw=1e30, intra_node_latency_s=0.0,
+                inter_node_latency_s=0.0, layer_overhead_s=0.0)
+    return HardwareProfile(**{**base, **over})
+
+
+def test_compute_matches_the_model_flop_count_and_divides_over_tp_and_cp() -> None:
+    cm = AnalyticCostModel("llama7b", _ideal(), 8)
+    model = cm.model
+    for s in (128, 4096, 32768):
+        flops = s * model.flops_per_token(s)
+        single = cm.option(Layout(dp=8), False).doc_seconds(np.array([s]))[0]
+        assert single == pytest.approx(flops / (1e15 * 0.5), rel=1e-9)
+        for lay in (Layout(dp=4, tp=2), Layout(dp=2, tp=2, cp=2), Layout(dp=1, tp=4, cp=2)):
+            part = cm.option(lay, False).doc_seconds(np.array([s]))[0]
+            assert part == pytest.approx(single / (lay.tp * lay.cp), rel=1e-9)
+
+
+def test_checkpointing_recomputes_the_forward() -> None:
+    cm = AnalyticCostModel("llama7b", _ideal(), 8)
+    plain, ac = cm.option(Layout(dp=8), False), cm.option(Layout(dp=8), True)
+    assert ac.quadratic == pytest.approx(plain.quadratic * 4 / 3)  # attention fwd again: +1/3 of 3x
+    extra_dense = 2 * cm.layer_params * cm.model.n_layers / (1e15 * 0.5)
+    assert ac.linear - plain.linear == pytest.approx(extra_dense + (ac.quadratic - plain.quadratic), rel=1e-9)
+    assert cm.capacity(Layout(dp=8), True) > 5 * cm.capacity(Layout(dp=8), False) > 0
+
+
+def test_communication_terms() -> None:
+    cm = AnalyticCostModel("llama7b", "A800-80G", 8)
+    hw = cm.hardware
+    ideal = AnalyticCostModel("llama7b", _ideal(peak_flops=hw.peak_flops, dense_efficiency=hw.dense_efficiency,
+                                                attention_efficiency=hw.attention_efficiency), 8)
+    # tp: 4 all-reduces per layer (+1 embedding) of [s, h] bf16, ring factor 2(tp-1)/tp = 1
+    tp, tp0 = cm.option(Layout(dp=4, tp=2), False), ideal.option(Layout(dp=4, tp=2), False)
+    assert tp.linear - tp0.linear == pytest.approx((4 * 32 + 1) * 4096 * 2 / hw.intra_node_bw)
+    assert tp.quadratic == tp0.quadratic
+    assert tp.per_micro_batch > cm.option(Layout(dp=8), False).per_micro_batch  # collective latencies
+    # cp (Ulysses): 2 rounds x 32 layers of q,k,v,out (4h per token), (cp-1)/cp of it, 1/cp of the tokens
+    cp, cp0 = cm.option(Layout(dp=4, cp=2), False), ideal.option(Layout(dp=4, cp=2), False)
+    assert cp.linear - cp0.linear == pytest.approx(2 * 32 * 0.5 * 4 * 4096 * 2 / 2 / hw.intra_node_bw)
+    assert cp.linear - cp0.linear < tp.linear - tp0.linear
+    # gradient reduction: fp32 over dp*cp ranks
+    g = cm.grad_reduce_seconds(Layout(dp=8))
+    assert g == pytest.approx(7 / 8 * cm.params * 4 / hw.intra_node_bw + hw.intra_node_latency_s)
+    assert cm.grad_reduce_seconds(Layout(tp=4, cp=2)) < g
+    assert cm.grad_reduce_seconds(Layout(tp=8)) == 0.0
+    assert ideal.option(Layout(dp=8), False).stage_fixed < 1e-12
+
+
+def test_switch_bytes_follow_the_tp_prefix_rule() -> None:
+    cm = AnalyticCostModel("llama7b", "A800-80G", 8)
+    p2 = cm.params * 2
+    assert cm.switch_bytes(None, Layout(dp=8)) == pytest.approx(p2 * (1 - 1 / 8))
+    assert cm.switch_bytes(None, Layout(tp=4, cp=2)) == pytest.approx(p2 * (1 / 4 - 1 / 8))
+    assert cm.switch_bytes(Layout(tp=4, cp=2), Layout(dp=4, tp=2)) == pytest.approx(p2 * (1 / 2 - 1 / 4))
+    assert cm.switch_bytes(Layout(dp=8), Layout(tp=4, cp=2)) == 0.0  # tp up: a local slice
+    assert cm.switch_seconds(Layout(dp=4, tp=2), Layout(dp=2, tp=2, cp=2)) == 0.0
+    cm16 = AnalyticCostModel("llama7b", "A800-80G", 16)
+    assert cm16.switch_seconds(None, Layout(dp=16)) > 5 * cm16.switch_seconds(Layout(dp=2, tp=8), Layout(dp=16))
+
+
+def test_memory_capacity_grows_with_sharding_and_model_splits_are_checked() -> None:
+    cm = AnalyticCostModel("llama7b", "A800-80G", 8)
+    caps = [cm.capacity(x, False) for x in (Layout(dp=8), Layout(dp=4, tp=2), Layout(dp=2, tp=2, cp=2))]
+    assert caps == sorted(caps) and 4096 < caps[0] < 8192  # 7B, dp8: ~6K tokens without checkpointing
+    assert AnalyticCostModel("llama30b", "A800-80G", 1).capacity(Layout(), True) == 0  # weights alone
+    with pytest.raises(CostModelError, match="heads"):
+        AnalyticCostModel("llama7b", "A800-80G", 3).option(Layout(tp=3), False)
+    with pytest.raises(CostModelError, match="unknown LlamaConfig preset"):
+        AnalyticCostModel("llama99b", "A800-80G", 8)
+    with pytest.raises(CostModelError, match="world size"):
+        AnalyticCostModel("llama7b", "A800-80G", 0)
+
+
+def test_pipeline_bubble() -> None:
+    cm = AnalyticCostModel("llama7b", "A800-80G", 8)
+    opt = cm.option(Parallelism(dp=2, tp=2, pp=2), False)
+    assert opt.pipeline_factor(1) == 2.0 and opt.pipeline_factor(3) == pytest.approx(4 / 3)
+    assert opt.group_seconds(3.0, 3) == pytest.approx((3.0 + 3 * opt.per_micro_batch) * 4 / 3)
+
+
+# ------------------------------------------------------------------------------------ calibration
+def test_nnls_matches_a_known_non_negative_solution() -> None:
+    rng = np.random.default_rng(0)
+    a = rng.random((30, 3))
+    assert np.allclose(nnls(a, a @ np.array([2.0, 0.5, 1.0])), [2.0, 0.5, 1.0])
+    x = nnls(a, a @ np.array([1.0, -3.0, 0.5]))
+    assert np.all(x >= 0)
+
+
+def _synthetic(coeffs: dict, steps: int, seed: int, noise: float = 0.02) -> list[Observation]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(steps):
+        for lay, (a, b, c) in coeffs.items():
+            mbs = [list(rng.integers(64, 4096, size=rng.integers(1, 6))) for _ in range(rng.integers(1, 4))]
+            s = np.asarray([n for mb in mbs for n in mb], dtype=float)
+            s = cp_padded_lengths(s.astype(np.int64), lay.cp).astype(float)
+            secs = (a * (s * s).sum() + b * s.sum() + c * len(mbs)) * (1 + noise * rng.standard_normal())
+            out.append(Observation.from_lengths(lay, False, mbs, secs))
+    return out
+
+
+def test_profiled_fit_recovers_coefficients_and_reports_held_out_error() -> None:
+    p = CostModelPlanner(["dp4", "dp2xcp2"], model="tiny", hardware="cpu-gloo", profiled=True)
+    truth = {Layout(dp=4): (3e-9, 2e-5, 0.02), Layout(dp=2, cp=2): (1e-9, 1.5e-5, 0.05)}
+    obs = _synthetic(truth, 40, seed=1)
+    report = held_out_error(obs, p._analytic)
+    assert report.mean_error < 0.05 and report.test > 10
+    assert report.analytic_mean_error > report.mean_error  # calibration helps
+
+
+def test_coefficients_change_only_at_refit_steps_and_round_trip() -> None:
+    p = CostModelPlanner(["dp4", "dp2xcp2"], model="tiny", hardware="cpu-gloo", profiled=True, refit_every=5)
+    obs = _synthetic({Layout(dp=4): (3e-9, 2e-5, 0.02), Layout(dp=2, cp=2): (1e-9, 1.5e-5, 0.05)}, 8, seed=2)
+    before = p.option(Layout(dp=4), False)
+    p.observe(obs)
+    assert not p.refit(3) and p.version == 0 and p.option(Layout(dp=4), False) == before
+    assert p.refit(5) and p.version == 1
+    after = p.option(Layout(dp=4), False)
+    assert after != before and after.linear == pytest.approx(2e-5, rel=0.15)
+    assert not p.refit(5)  # once per step
+    state = p.state_dict()
+    q = CostModelPlanner(["dp4", "dp2xcp2"], model="tiny", hardware="cpu-gloo", profiled=True, refit_every=5)
+    q.load_state_dict(state)
+    assert q.version == 1 and q.option(Layout(dp=4), False) == after
+    lengths = lognormal(3, 40, 2000)
+    assert groups_of(q.plan(0, lengths)) == groups_of(p.plan(0, lengths))
+    rows = encode_observations(obs, p.layouts)
+    assert decode_observations(rows, p.layouts) == obs
+
+
+# ------------------------------------------------------------------------------------ brute force
+def brute_force(planner: CostModelPlanner, lengths: np.ndarray) -> float:
+    """Exhaustive optimum, written independently of planner/exact.py: every assignment of documents
+    to layouts (itertools.product), every split of a layout's documents into dp groups and of a group
+    into micro-batches (recursion over "the group / micro-batch of the first remaining document")."""
+    n = len(lengths)
+    by_layout: dict[Layout, list] = {}
+    for (lay, _), opt in sorted(planner.options.items(), key=lambda kv: (kv[0][0].name, kv[0][1])):
+        by_layout.setdefault(lay, []).append(opt)
+    sizes = {id(o): [int(x) for x in o.padded(lengths)] for opts in by_layout.values() for o in opts}
+    secs = {id(o): [float(x) for x in o.doc_seconds(o.padded(lengths))] for opts in by_layout.values() for o in opts}
+
+    def with_first(docs: tuple[int, ...]):
+        first, rest = docs[0], docs[1:]
+        for r in range(len(rest) + 1):
+            for combo in itertools.combinations(rest, r):
+                yield (first,) + combo, tuple(d for d in rest if d not in combo)
+
+    @cache
+    def bins(opt, docs: tuple[int, ...]) -> float:
+        if not docs:
+            return 0
+        size = sizes[id(opt)]
+        best = math.inf
+        for part, rest in with_first(docs):
+            if sum(size[d] for d in part) <= opt.capacity:
+                best = min(best, 1 + bins(opt, rest))
+        return best
+
+    @cache
+    def groups(opt, docs: tuple[int, ...], k: int) -> float:
+        if not docs:
+            return 0.0
+        if k == 0:
+            return math.inf
+        best = math.inf
+        for part, rest in with_first(docs):
+            b = bins(opt, part)
+            own = math.inf if b == math.inf else sum(secs[id(opt)][d] for d in part) + opt.per_micro_batch * b
+            if own < best:
+                best = min(best, max(own, groups(opt, rest, k - 1)))
+        return best
+
+    layouts = list(by_layout)
+    switch = {used: min(planner.cost_model.switch_sequence_seconds([layouts[i] for i in p])
+                        for p in itertools.permutations(used))
+              for r in range(1, len(layouts) + 1) for used in itertools.combinations(range(len(layouts)), r)}
+    stage: dict = {}
+    best = math.inf
+    for assign in itertools.product(range(len(layouts)), repeat=n):
+        used = tuple(sorted(set(assign)))
+        total = switch[used]
+        for li in used:
+            docs = tuple(i for i in range(n) if assign[i] == li)
+            if (li, docs) not in stage:
+                lay = layouts[li]
+                stage[li, docs] = min(groups(o, docs, lay.dp) + o.stage_fixed for o in by_layout[lay])
+            total += stage[li, docs]
+        best = min(best, total)
+    return best
+
+
+@pytest.mark.parametrize("seed,n,world", [(0, 4, 4), (1, 6, 4), (2, 7, 4), (3, 8, 4), (4, 8, 4), (5, 10, 4),
+                                          (6, 9, 8)])
+def test_exact_on_tiny_instances_equals_brute_force(seed: int, n: int, world: int) -> None:
+    p = planner4() if world == 4 else CostModelPlanner(["dp8", "dp4xtp2", "dp2xtp2xcp2"], model="llama7b",
+                                                       hardware="A800-80G")
+    lengths = lognormal(seed, n, 16384, mu=8.0, sigma=1.2)
+    objective, _ = p.solve(lengths)
+    assert objective == pytest.approx(brute_force(p, lengths), rel=1e-9)
+    plan = p.plan(seed, lengths)
+    assert p.predict(plan).seconds == pytest.approx(objective, rel=1e-9)
+
+
+def test_brute_force_sees_what_a_worse_planner_misses() -> None:
+    """The comparison can fail: a one-layout planner is worse than the brute force over three."""
+    lengths = lognormal(3, 8, 16384, mu=8.0, sigma=1.2)
+    full = planner4()
+    single = CostModelPlanner(["tp4"], model="llama7b", hardware="A800-80G")
+    assert single.solve(lengths)[0] > brute_force(full, lengths) * 1.01
+
+
+def test_within_three_percent_of_the_milp_bound_for_40_documents() -> None:
+    pytest.importorskip("highspy")
+    from lightning_hotspa.planner.milp import solve_milp
+
+    for planner, lengths in ((planner4(), lognormal(1, 40, 16384)), (planner8(), lognormal(2, 40, 32768))):
+        ours, _ = planner.solve(lengths)
+        milp = solve_milp(lengths, planner._option_list, planner.stage_order, time_limit=4.0)
+        assert milp.bound > 0 and ours <= milp.bound * 1.03, (ours, milp)
+
+
+# ------------------------------------------------------------------------------------ plans
+def check_plan(planner: CostModelPlanner, plan: StepPlan, lengths: np.ndarray) -> None:
+    seen = sorted(d for s in plan.stages for d in s.doc_ids)
+    assert seen == list(range(len(lengths)))  # every document exactly once
+    assert len({s.layout for s in plan.stages}) == len(plan.stages)  # a layout at most once
+    for s in plan.stages:
+        cap = planner.option(s.layout, s.activation_checkpointing).capacity
+        for group in s.micro_batches:
+            for mb in group:
+                assert int(cp_padded_lengths(lengths[list(mb)], s.layout.cp).sum()) <= cap
+
+
+@pytest.mark.parametrize("kind", ["commoncrawl", "github", "bimodal", "uniform"])
+def test_plans_are_feasible_complete_and_deterministic(kind: str) -> None:
+    from lightning_hotspa.data.lengths import LengthGenerator
+
+    lengths = LengthGenerator(kind=kind, seed=5, max_length=32768, scale=1 / 3.5 if kind == "github" else 1).lengths(300)
+    a, b = planner8(), planner8()
+    plan = a.plan(7, lengths)
+    check_plan(a, plan, lengths)
+    assert groups_of(plan) == groups_of(b.plan(7, lengths)) == groups_of(a.plan(7, lengths))
+    assert isinstance(a, Planner)
+    mesh = MeshShape.for_layouts(a.layouts, 8)
+    import torch
+
+    docs = [torch.zeros(int(n), dtype=torch.long) for n in lengths]
+    total = sum(len(mb.input_ids) for r in range(8) for s in slice_plan(plan, docs, mesh, r).stages
+                for mb in s.micro_batches if mesh.rank_coords(s.layout, r)[1] == 0)
+    assert total >= lengths.sum()  # each tp group slices every token once (cp padding aside)
+
+
+def test_small_batches_use_the_exact_path_and_tiny_models_plan_on_cpu() -> None:
+    p = CostModelPlanner(["dp4", "dp2xtp2", "tp2xcp2"], model="tiny", hardware="cpu-gloo", tokens_per_rank=512)
+    assert p.capacity(Layout(dp=4)) == int(512 * p.cost_model.activation_ratio())
+    lengths = [300, 20, 1500, 700, 90]
+    plan = p.plan(0, lengths)
+    check_plan(p, plan, np.asarray(lengths))
+    assert all(n <= 2048 for n in lengths) and plan.num_tokens == sum(lengths)
+
+
+def test_solver_is_fast_for_512_documents_and_4_layouts() -> None:
+    from lightning_hotspa.data.lengths import LengthGenerator
+
+    p = planner8()
+    batches = [LengthGenerator(kind=k, seed=s, max_length=32768, scale=1 / 3.5 if k == "github" else 1).lengths(512)
+               for k in ("commoncrawl", "github") for s in range(3)]
+    p.plan(0, batches[0])  # warm-up
+    times = []
+    for lengths in batches:
+        t0 = time.process_time()
+        p.plan(0, lengths)
+        times.append(time.process_time() - t0)
+    assert float(np.median(times)) < 0.05, times
+
+
+def test_bad_inputs_name_the_cause() -> None:
+    p = planner8()
+    with pytest.raises(DocumentTooLongError, match=r"document 1 has 999999 tokens.*tp4xcp2"):
+        p.plan(0, [10, 999999])
+    with pytest.raises(PlanError, match="non-empty"):
+        p.plan(0, [10, 0])
+    with pytest.raises(PlanError, match="non-empty 1-D"):
+        p.plan(0, [])
+    with pytest.raises(LayoutError, match="do not nest"):
+        CostModelPlanner(["dp4xtp3", "dp6xtp2"], model="llama7b", hardware="A800-80G")
+    with pytest.raises(CostModelError, match="heads"):
+        CostModelPlanner(["tp3"], model="llama7b", hardware="A800-80G")
+    with pytest.raises(UnknownProfileError):
+        CostModelPlanner(["dp8"], model="llama7b", hardware="B300")
+    with pytest.raises(PlanError, match="cannot hold any tokens"):
+        CostModelPlanner(["dp2"], model="llama30b", hardware="A800-80G")
+    with pytest.raises(LayoutError):
+        p.capacity(Layout(dp=2, tp=4))
+
+
+def test_checkpointing_is_chosen_only_when_it_pays() -> None:
+    p = planner8()
+    short = p.plan(0, [500] * 64)
+    assert not any(s.activation_checkpointing for s in short.stages)
+    forced = planner8(activation_checkpointing=True)
+    assert all(s.activation_checkpointing for s in forced.plan(0, [500] * 64).stages)
+    only = CostModelPlanner(["dp8"], model="llama7b", hardware="A800-80G")  # 20K needs recompute in dp8
+    assert only.plan(0, [20000, 300, 300]).stages[0].activation_checkpointing
+
+
+# ------------------------------------------------------------------------------------ candidates / rule / sim
+def test_auto_layouts_share_a_mesh_and_hold_the_context() -> None:
+    for model, world, ctx in (("llama7b", 8, 32768), ("llama13b", 16, 16384), ("llama30b", 32, 8192)):
+        lays = auto_layouts(world, model, "A800-80G", ctx)
+        assert 2 <= len(lays) <= 4
+        MeshShape.for_layouts(lays, world)
+        p = CostModelPlanner(lays, model=model, hardware="A800-80G")
+        assert p.longest_document() >= ctx
+    with pytest.raises(LayoutError, match="no layout"):
+        auto_layouts(1, "llama30b", "A800-80G", 4096)
+
+
+def test_artifact_rule_table_and_stages() -> None:
+    assert len(HAND_SET_RULES) == 30
+    assert artifact_rule("llama13b", 8, 32768, "c1") == ((4096, Parallelism(4, 2, 1, 1)), (16384, Parallelism(1, 4, 1, 2)),
+                                                         (32768, Parallelism(1, 8, 1, 1)))
+    with pytest.raises(RuleNotFoundError, match="no hand-set rule"):
+        artifact_rule("llama7b", 8, 4096)
+    cm = AnalyticCostModel("llama7b", "A800-80G", 8)
+    lengths = lognormal(0, 200, 32768)
+    for packing in ("ours", "artifact"):
+        stages, order, _ = artifact_stages(lengths, artifact_rule("llama7b", 8, 32768, "c2"), cm, packing)
+        docs = sorted(d for _, groups, _ in stages for g in groups for mb in g for d in mb)
+        assert docs == list(range(200)) and order[0] == Parallelism(1, 4, 1, 2)
+
+
+def test_simulator_compares_on_the_same_batches() -> None:
+    cell = simulate_cell("llama7b", 8, 8192, "commoncrawl", batches=1, sequences=128)
+    assert cell.ours_s > 0 and set(cell.rule_s) == {"c1", "c2"}
+    assert cell.speedup_static > 0.9 and math.isfinite(cell.speedup_rule)
+    assert cell.rule_artifact_packing_s["c1"] >= cell.rule_s["c1"] * 0.99  # padded rows cost more
+    assert dataclasses.asdict(cell)["model"] == "llama7b"
