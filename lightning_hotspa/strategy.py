@@ -70,8 +70,10 @@ class HotSPaStrategy(ParallelStrategy):
         layouts: candidate layouts (``Layout``, ``"dp2xtp2"`` or ``{"dp": 2, "tp": 2}``), or ``"auto"``.
         tokens_per_rank: activation-token capacity of one rank; a layout's micro-batch capacity is
             ``tokens_per_rank * tp * cp``.
-        planner: ``"rule"`` (assign each document to the most data-parallel layout that holds it), or a
-            ready :class:`~lightning_hotspa.planner.base.Planner`.
+        planner: ``"rule"`` (assign each document to the most data-parallel layout that holds it),
+            ``"cost"`` (the cost-model solver, :class:`~lightning_hotspa.planner.CostModelPlanner`, with
+            the ``hardware`` profile), or a ready :class:`~lightning_hotspa.planner.base.Planner`.
+        hardware: hardware profile name for ``planner="cost"`` (e.g. ``"cpu-gloo"``, ``"h200"``).
         activation_checkpointing: ``False``, ``True`` (all layouts), ``"auto"`` (layouts with
             tp*cp > 1, the long-sequence ones) or a list of layouts.
         default_layout: the layout plain (non-plan) batches, validation and prediction run in;
@@ -86,6 +88,7 @@ class HotSPaStrategy(ParallelStrategy):
         *,
         tokens_per_rank: int = 4096,
         planner: Any = "rule",
+        hardware: str = "cpu-gloo",
         activation_checkpointing: bool | str | Sequence[Layout | str] = False,
         default_layout: Layout | str | None = None,
         accelerator: Any = None,
@@ -111,6 +114,7 @@ class HotSPaStrategy(ParallelStrategy):
                              f"got {activation_checkpointing!r}")
         self.tokens_per_rank = tokens_per_rank
         self._planner_spec = planner
+        self.hardware = hardware
         self._ac_spec = activation_checkpointing
         self._default_layout_spec = Layout.parse(default_layout) if default_layout is not None else None
         self._process_group_backend = process_group_backend
@@ -221,8 +225,18 @@ class HotSPaStrategy(ParallelStrategy):
             from .planner.rule import ThresholdPlanner
 
             return ThresholdPlanner(self.layouts, tokens_per_rank=self.tokens_per_rank)
+        if self._planner_spec == "cost":
+            from .planner.solver import CostModelPlanner
+
+            config = getattr(self.lightning_module, "config", None)
+            if config is None:
+                raise ValueError("planner='cost' needs the LightningModule's model config (a `config` attribute, "
+                                 f"e.g. LlamaLM); {type(self.lightning_module).__name__} has none")
+            return CostModelPlanner(self.layouts, model=config, hardware=self.hardware,
+                                    tokens_per_rank=self.tokens_per_rank,
+                                    activation_checkpointing=self._ac_spec)
         if isinstance(self._planner_spec, str):
-            raise ValueError(f"unknown planner {self._planner_spec!r}; use 'rule' or pass a Planner instance")
+            raise ValueError(f"unknown planner {self._planner_spec!r}; use 'rule', 'cost' or a Planner instance")
         return self._planner_spec
 
     @property

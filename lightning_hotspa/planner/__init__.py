@@ -20,11 +20,14 @@ from .packing import (
     spread_over_groups,
     stage_stats,
 )
+from .candidates import auto_layouts
 from .rule import Bucket, ThresholdPlanner
+from .solver import CostModelPlanner
 
 __all__ = [
     "DEFAULT_QUADRATIC_SCALE",
     "Bucket",
+    "CostModelPlanner",
     "DocCost",
     "DocumentTooLongError",
     "PackedLayout",
@@ -33,6 +36,7 @@ __all__ = [
     "QuadraticCost",
     "StagePlanStats",
     "ThresholdPlanner",
+    "auto_layouts",
     "cp_padded_lengths",
     "first_fit_decreasing",
     "max_doc_length",
