@@ -20,6 +20,14 @@ install: $(STAMP)
 test: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider
 
+# The embedded default (configs/config.yaml): tiny Llama, strategy=hotspa on 4 CPU processes, the
+# bundled stdlib corpus, W&B offline unless WANDB_MODE says otherwise. Fails if the mean loss of the
+# last 10 steps is above 0.75x the first step's. Extra Hydra overrides: make train ARGS="model=small".
+train: $(STAMP)
+	@start=$$(date +%s); \
+	OMP_NUM_THREADS=1 WANDB_MODE=$${WANDB_MODE:-offline} $(PY) recipes/train.py expect_loss_ratio=0.75 $(ARGS); \
+	status=$$?; echo "make train: $$(( $$(date +%s) - start )) s (exit $$status)"; exit $$status
+
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 

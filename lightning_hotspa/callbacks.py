@@ -1,0 +1,337 @@
+"""Lightning callbacks that make a HotSPa run legible: per-bucket metrics, plan tables, timelines,
+the current plan in the progress bar, and a summary table at the end.
+
+``HotSPaStrategy`` already logs the measured numbers of every stage (``hotspa/<layout>/...``, one small
+all-gather per step). :class:`HotSPaMonitor` adds what needs the model or the plan: model FLOPs and
+MFU, the cost model's predicted time next to the measured one, the exact step loss, the step plan as a
+table, and a timeline picture. Everything scalar goes through ``LightningModule.log_dict``, so every
+logger (W&B, CSV, ...) gets the same numbers; tables and images go to W&B when it is a logger and to
+files in ``output_dir`` always. All of it runs on rank 0 and needs no communication, except the
+timeline: the per-rank timings of a drawn step take one small all-gather, on those steps only.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import numpy as np
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import TQDMProgressBar
+from lightning.pytorch.loggers import WandbLogger
+
+from .plan import RankPlan, StepPlan
+from .telemetry import (
+    RunSummary,
+    StageRecord,
+    detect_hardware,
+    records_as_rows,
+    stage_flops,
+    stage_records,
+)
+from .timeline import PARTS, draw_timeline
+
+__all__ = ["HotSPaMonitor", "HotSPaProgressBar", "plan_text"]
+
+Predictor = Callable[[StepPlan], list[float | None]]
+
+
+def _nonneg_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"HotSPaMonitor: {name} must be an int >= 0 (0 = never), got {value!r}")
+    return value
+
+
+def _scalar_metrics(trainer: L.Trainer) -> dict[str, float]:
+    out = {}
+    for k, v in trainer.callback_metrics.items():
+        if k.startswith("hotspa/"):
+            out[k] = float(v.item() if isinstance(v, torch.Tensor) else v)
+    return out
+
+
+def plan_text(batch: RankPlan, metrics: Mapping[str, Any] | None = None) -> str:
+    """``bucket->layout xN`` per stage in run order; N = micro-batches of the whole step where known."""
+    parts = []
+    for stage in batch.stages:
+        name = stage.layout.name
+        mbs = (metrics or {}).get(f"hotspa/{name}/micro_batches")
+        count = int(float(mbs)) if mbs is not None else len(stage.micro_batches)
+        parts.append(f"{stage.label + '->' if stage.label else ''}{name} x{count}")
+    return ", ".join(parts)
+
+
+class HotSPaMonitor(L.Callback):
+    """Per-bucket MFU and predicted-vs-measured time, plan tables, timelines and a final summary.
+
+    Args:
+        every_n_steps: compute MFU / predictions (re-derives the step's global plan on rank 0).
+        table_every_n_steps: log the step plan as a table (0: never).
+        timeline_every_n_steps: draw the stage timeline across ranks (0: never); also the first and
+            the last step.
+        hardware: a profile name of ``lightning_hotspa.planner.hardware`` (None: detect).
+        peak_flops_per_device: FLOP/s of one device for MFU (None: the profile's peak).
+        predict: price each step with the cost model (the planner's own if it has ``predict``).
+        output_dir: where ``timeline/``, ``plan_table.csv`` and ``summary.json`` go.
+        skip_first_steps: steps left out of the summary's throughput (start-up).
+    """
+
+    def __init__(self, *, every_n_steps: int = 1, table_every_n_steps: int = 10, timeline_every_n_steps: int = 10,
+                 hardware: str | None = None, peak_flops_per_device: float | None = None, predict: bool = True,
+                 output_dir: str | None = None, skip_first_steps: int = 1, print_summary: bool = True) -> None:
+        self.every_n_steps = max(1, _nonneg_int("every_n_steps", every_n_steps))
+        self.table_every = _nonneg_int("table_every_n_steps", table_every_n_steps)
+        self.timeline_every = _nonneg_int("timeline_every_n_steps", timeline_every_n_steps)
+        self._hardware_spec, self._peak_spec, self._predict_spec = hardware, peak_flops_per_device, predict
+        self._output_dir_spec = output_dir
+        self.print_summary = print_summary
+        self.summary = RunSummary(skip_first=_nonneg_int("skip_first_steps", skip_first_steps))
+        self.hardware: str | None = None
+        self.peak_flops_per_device: float | None = None
+        self.output_dir: Path = Path(output_dir or ".")
+        self.timeline_paths: list[Path] = []
+        self.table_path: Path | None = None
+        self._flops_per_token: Callable[[int], float] | None = None
+        self._predictor: Predictor | None = None
+        self._warned: set[str] = set()
+
+    # ------------------------------------------------------------------ setup
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        device = trainer.strategy.root_device
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
+        self.hardware, self.peak_flops_per_device = detect_hardware(
+            self._hardware_spec, self._peak_spec, device.type, name)
+        self.summary.peak_flops_total = (self.peak_flops_per_device * trainer.world_size
+                                         if self.peak_flops_per_device else None)
+        self.output_dir = Path(self._output_dir_spec or trainer.default_root_dir)
+        config = getattr(pl_module, "config", None)
+        fn = getattr(config, "flops_per_token", None) or getattr(pl_module, "flops_per_token", None)
+        self._flops_per_token = fn if callable(fn) else None
+        if self._predict_spec and trainer.global_rank == 0:
+            self._predictor = self._build_predictor(trainer, pl_module)
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(f"HotSPaMonitor: {message}", stacklevel=2)
+
+    def _build_predictor(self, trainer: L.Trainer, pl_module: L.LightningModule) -> Predictor | None:
+        """The planner's ``predict`` if it has one, else a cost-model planner built for pricing only."""
+        strategy = trainer.strategy
+        try:
+            planner = strategy.planner
+        except (AttributeError, RuntimeError):
+            return None
+        if not callable(getattr(planner, "predict", None)):
+            config = getattr(pl_module, "config", None)
+            if self.hardware is None or config is None:
+                return None
+            try:
+                from .planner.solver import CostModelPlanner
+
+                planner = CostModelPlanner(strategy.layouts, model=config, hardware=self.hardware,
+                                           tokens_per_rank=getattr(strategy, "tokens_per_rank", None),
+                                           activation_checkpointing="auto")
+            except Exception as exc:  # the cost model is optional: say why and go on without it
+                self._warn_once("predictor", f"no predicted times ({type(exc).__name__}: {exc})")
+                return None
+        ac_for = getattr(strategy, "activation_checkpointing_for", None)
+
+        def predict(plan: StepPlan) -> list[float | None]:
+            if ac_for is not None:  # price what runs: the stage's flag or the strategy's setting
+                stages = tuple(dataclasses.replace(s, activation_checkpointing=s.activation_checkpointing
+                                                   or ac_for(s.layout)) for s in plan.stages)
+                plan = dataclasses.replace(plan, stages=stages)
+            return [s.seconds + s.switch_seconds for s in planner.predict(plan).stages]
+
+        return predict
+
+    # ------------------------------------------------------------------ per step
+    def _due(self, every: int, trainer: L.Trainer) -> bool:
+        step = trainer.global_step
+        return every > 0 and (step == 1 or step % every == 0 or step == trainer.max_steps)
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if not isinstance(batch, RankPlan) or batch.extras.get("plain"):
+            return
+        stats = list(getattr(trainer.strategy, "last_stage_stats", ()) or ())
+        # the only collective: every rank takes part, on drawn steps only (same decision everywhere)
+        timings = self._gather_timings(trainer, stats) if self._due(self.timeline_every, trainer) and stats else None
+        if trainer.global_rank != 0:
+            return
+        step = trainer.global_step
+        loss = _loss_of(outputs)
+        if loss is not None:
+            self.summary.add_loss(loss)
+        metrics = _scalar_metrics(trainer)
+        stages = [(s.layout.name, s.label) for s in batch.stages]
+        flops = predicted = None
+        if step % self.every_n_steps == 0 or step == 1:
+            plan = self._global_plan(trainer, batch)
+            if plan is not None and len(plan.stages) == len(stages):
+                flops, predicted = self._flops(plan), self._predicted(plan)
+        plan_stats = batch.extras.get("stages")
+        records = stage_records(step, stages, metrics, flops, predicted, plan_stats)
+        self._log_step(pl_module, records, metrics, loss)
+        self.summary.add(step, records, metrics.get("hotspa/step_s"))
+        if self._due(self.table_every, trainer):
+            self._log_table(trainer, step, records)
+        if timings is not None:
+            self._log_timeline(trainer, step, timings, stages, predicted)
+
+    def _gather_timings(self, trainer: L.Trainer, stats: Sequence[Any]) -> np.ndarray:
+        local = torch.tensor([[getattr(s, f"{p}_s") for p in PARTS] for s in stats], dtype=torch.float64,
+                             device=trainer.strategy.root_device)
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return local.unsqueeze(0).cpu().numpy()
+        world = dist.get_world_size()
+        gathered = local.new_empty(world * local.numel())  # gloo wants a flat concatenation
+        dist.all_gather_into_tensor(gathered, local.reshape(-1))
+        return gathered.reshape(world, *local.shape).cpu().numpy()
+
+    def _global_plan(self, trainer: L.Trainer, batch: RankPlan) -> StepPlan | None:
+        """The step's global plan, recomputed on rank 0 (plans are a pure function of the step)."""
+        dataset = getattr(trainer.train_dataloader, "dataset", None)
+        fn = getattr(dataset, "global_plan", None)
+        epoch, step = batch.extras.get("epoch"), batch.extras.get("step")
+        if fn is None or epoch is None or step is None:
+            self._warn_once("plan", "the data loader cannot re-derive global plans; no MFU or predictions")
+            return None
+        return fn(epoch, step)[0]
+
+    def _flops(self, plan: StepPlan) -> list[float | None] | None:
+        if self._flops_per_token is None:
+            return None
+        return list(stage_flops(plan.doc_lengths, [s.doc_ids for s in plan.stages], self._flops_per_token))
+
+    def _predicted(self, plan: StepPlan) -> list[float | None] | None:
+        if self._predictor is None:
+            return None
+        try:
+            return self._predictor(plan)
+        except Exception as exc:  # a layout the cost model cannot price: stop predicting, say why
+            self._warn_once("predict", f"cost model failed, predictions stop ({type(exc).__name__}: {exc})")
+            self._predictor = None
+            return None
+
+    def _log_step(self, pl_module: L.LightningModule, records: Sequence[StageRecord], metrics: Mapping[str, float],
+                  loss: float | None) -> None:
+        peak = self.summary.peak_flops_total
+        out: dict[str, float] = {}
+        if loss is not None:
+            out["train/step_loss"] = loss
+        for r in records:
+            prefix = f"hotspa/{r.layout}"
+            out[f"{prefix}/stage_s"] = r.seconds
+            if (mfu := r.mfu(peak)) is not None:
+                out[f"{prefix}/mfu"] = mfu
+            if r.predicted_s is not None:
+                out[f"{prefix}/predicted_s"] = r.predicted_s
+        step_s = metrics.get("hotspa/step_s")
+        if records and all(r.flops is not None for r in records) and peak and step_s:
+            out["hotspa/mfu"] = sum(r.flops or 0.0 for r in records) / (step_s * peak)
+        if records and all(r.predicted_s is not None for r in records) and step_s:
+            predicted = sum(r.predicted_s or 0.0 for r in records)
+            out["hotspa/predicted_step_s"] = predicted
+            out["hotspa/predicted_over_measured"] = predicted / step_s
+        if out:
+            pl_module.log_dict(out, on_step=True, on_epoch=False, rank_zero_only=True, batch_size=1)
+
+    def _log_table(self, trainer: L.Trainer, step: int, records: Sequence[StageRecord]) -> None:
+        rows = records_as_rows(records, self.summary.peak_flops_total)
+        if not rows:
+            return
+        columns = list(rows[0])
+        self.table_path = self.output_dir / "plan_table.csv"
+        self.table_path.parent.mkdir(parents=True, exist_ok=True)
+        new = not self.table_path.exists()
+        with self.table_path.open("a", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=columns)
+            if new:
+                writer.writeheader()
+            writer.writerows(rows)
+        for logger in trainer.loggers:
+            if isinstance(logger, WandbLogger):
+                logger.log_table("hotspa/plan", columns=columns, data=[[r[c] for c in columns] for r in rows],
+                                 step=step)
+
+    def _log_timeline(self, trainer: L.Trainer, step: int, timings: np.ndarray, stages: Sequence[tuple[str, str]],
+                      predicted: Sequence[float | None] | None) -> None:
+        path = self.output_dir / "timeline" / f"step_{step:06d}.png"
+        try:
+            draw_timeline(timings, [s[0] for s in stages], [s[1] for s in stages], path, step=step,
+                          predicted_s=predicted)
+        except Exception as exc:  # a plot must never stop training
+            self._warn_once("timeline", f"could not draw the timeline ({type(exc).__name__}: {exc})")
+            return
+        self.timeline_paths.append(path)
+        for logger in trainer.loggers:
+            if isinstance(logger, WandbLogger):
+                logger.log_image("hotspa/timeline", [str(path)], step=step)
+
+    # ------------------------------------------------------------------ end of run
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.global_rank != 0:
+            return
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        summary = {**self.summary.as_dict(), "hardware": self.hardware,
+                   "peak_flops_per_device": self.peak_flops_per_device,
+                   "timelines": [str(p) for p in self.timeline_paths]}
+        (self.output_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+        if not self.print_summary:
+            return
+        lines = ["", self.summary.format_table()]
+        if self.timeline_paths:
+            lines.append(f"timeline PNGs ({len(self.timeline_paths)}): {self.timeline_paths[-1].parent}/, "
+                         f"last: {self.timeline_paths[-1]}")
+        if self.table_path is not None:
+            lines.append(f"plan tables: {self.table_path}")
+        lines.append(f"summary: {self.output_dir / 'summary.json'}")
+        for logger in trainer.loggers:
+            if isinstance(logger, WandbLogger):
+                from .wandb_utils import offline_run_message
+
+                lines.append(offline_run_message(logger))
+            elif getattr(logger, "log_dir", None):
+                lines.append(f"{type(logger).__name__}: {logger.log_dir}")
+        print("\n".join(lines), flush=True)
+
+
+def _loss_of(outputs: Any) -> float | None:
+    loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
+    if isinstance(loss, torch.Tensor) and loss.numel() == 1:
+        return float(loss.detach())
+    return None
+
+
+class HotSPaProgressBar(TQDMProgressBar):
+    """Lightning's bar plus the current step's plan (bucket -> layout x micro-batches) and tokens/s."""
+
+    def __init__(self, refresh_rate: int = 1, leave: bool = True, show_plan: bool = True) -> None:
+        super().__init__(refresh_rate=refresh_rate, leave=leave)
+        self.show_plan = show_plan
+        self._plan = ""
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if self.show_plan and isinstance(batch, RankPlan):
+            self._plan = plan_text(batch, _scalar_metrics(trainer))
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+
+    def get_metrics(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, Any]:
+        items = super().get_metrics(trainer, pl_module)
+        items.pop("v_num", None)
+        tps = trainer.callback_metrics.get("hotspa/tokens_per_s")
+        if tps is not None:
+            items["tok/s"] = f"{float(tps):.0f}"
+        if self._plan:
+            items["plan"] = self._plan
+        return items

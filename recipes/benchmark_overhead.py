@@ -1,0 +1,167 @@
+"""Strategy overhead: HotSPaStrategy pinned to one layout vs Lightning's own strategies, side by side.
+
+Same model, data and tokens per rank, all in one invocation on 4 CPU ranks over gloo:
+(a) ours pinned to dp4 vs Lightning ``DDPStrategy``; (b) ours pinned to dp2xtp2 vs Lightning
+``ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=2)`` (FSDP2 + DTensor TP, applied
+in ``configure_model`` with torch's ``parallelize_module``). Repeats are interleaved so machine noise
+hits all alike; tokens/s is the median over measured steps of the slowest rank. The last line is one
+JSON object.
+
+    python recipes/benchmark_overhead.py --steps 6 --repeats 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from lightning_hotspa.spawn import run_on_ranks  # noqa: E402
+
+WORLD = 4
+
+
+def _docs(step: int, micro_batch: int, tokens: int, lengths: list[int]) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + micro_batch)
+    out, left = [], tokens
+    for n in lengths * (tokens // sum(lengths) + 1):
+        n = min(n, left)
+        if n <= 0:
+            break
+        out.append(torch.randint(0, 256, (n,), generator=g))
+        left -= n
+    return out
+
+
+def _micro_batches(steps: int, per_step: int, tokens: int):
+    from lightning_hotspa.plan import pack_micro_batch
+
+    lengths = [300, 120, 700, 60, 400]
+    return [[pack_micro_batch(_docs(s, i, tokens, lengths)) for i in range(per_step)] for s in range(steps)]
+
+
+class _StepTimer:
+    def __init__(self):
+        import lightning as L
+
+        class Timer(L.Callback):
+            def __init__(self):
+                self.times, self._t = [], 0.0
+
+            def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+                dist.barrier()
+                self._t = time.perf_counter()
+
+            def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+                t = torch.tensor([time.perf_counter() - self._t], dtype=torch.float64)
+                dist.all_reduce(t, op=dist.ReduceOp.MAX)
+                self.times.append(float(t))
+
+        self.callback = Timer()
+
+
+def _model_parallel_module(config: str, seed: int):
+    """LlamaLM with Lightning's ModelParallelStrategy recipe: torch TP on the tp sub-mesh, FSDP2 on dp."""
+    from torch.distributed._composable.fsdp import fully_shard
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from lightning_hotspa.models import LlamaLM
+
+    class MPLlamaLM(LlamaLM):
+        def configure_model(self):
+            tp_mesh = self.device_mesh["tensor_parallel"]
+            plan = {"tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+                    "output": ColwiseParallel(output_layouts=Replicate())}
+            for i in range(len(self.model.layers)):
+                p = f"layers.{i}."
+                plan.update({p + "attention.wq": ColwiseParallel(), p + "attention.wk": ColwiseParallel(),
+                             p + "attention.wv": ColwiseParallel(), p + "attention.wo": RowwiseParallel(),
+                             p + "feed_forward.w1": ColwiseParallel(), p + "feed_forward.w3": ColwiseParallel(),
+                             p + "feed_forward.w2": RowwiseParallel()})
+            parallelize_module(self.model, tp_mesh, plan)
+            dp_mesh = self.device_mesh["data_parallel"]
+            for layer in self.model.layers:
+                fully_shard(layer, mesh=dp_mesh)
+            fully_shard(self.model, mesh=dp_mesh)
+
+    assert Shard  # imported for readers of the plan above
+    return MPLlamaLM(config, seed=seed, lr=1e-3)
+
+
+def bench_rank(config: str, steps: int, repeats: int, tokens: int) -> dict:
+    import lightning as L
+    from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
+
+    from lightning_hotspa import HotSPaStrategy
+    from lightning_hotspa.layout import Layout, MeshShape
+    from lightning_hotspa.models import LlamaLM
+    from lightning_hotspa.plan import RankPlan, RankStage
+
+    rank = dist.get_rank()
+    os.environ.update({"LOCAL_RANK": str(rank), "NODE_RANK": "0", "WORLD_SIZE": str(WORLD), "RANK": str(rank),
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999"})
+    layouts = [Layout(dp=4), Layout(dp=2, tp=2)]
+    mesh = MeshShape.for_layouts(layouts, WORLD)
+    # dp4 comparisons: one micro-batch per rank per step; dp2xtp2: one per dp group (tp pairs share it)
+    per_rank = _micro_batches(steps, WORLD, tokens)
+    per_dp2 = _micro_batches(steps, 2, tokens)
+
+    def plans(layout, batches):
+        dp_rank = mesh.rank_coords(layout, rank)[0]
+        total = sum(m.num_target_tokens for m in batches)
+        return RankPlan(0, (RankStage(layout, (batches[dp_rank],)),), total)
+
+    runs = {
+        "hotspa_dp4": lambda: (HotSPaStrategy(layouts, default_layout="dp4"),
+                               [plans(Layout(dp=4), b) for b in per_rank], LlamaLM(config, seed=0, lr=1e-3)),
+        "ddp": lambda: (DDPStrategy(), [b[rank] for b in per_rank], LlamaLM(config, seed=0, lr=1e-3)),
+        "hotspa_dp2xtp2": lambda: (HotSPaStrategy(layouts), [plans(Layout(dp=2, tp=2), b) for b in per_dp2],
+                                   LlamaLM(config, seed=0, lr=1e-3)),
+        "model_parallel_dp2xtp2": lambda: (ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=2),
+                                           [b[mesh.rank_coords(Layout(dp=2, tp=2), rank)[0]] for b in per_dp2],
+                                           _model_parallel_module(config, 0)),
+    }
+    times: dict[str, list[float]] = {k: [] for k in runs}
+    for _ in range(repeats):
+        for name, make in runs.items():
+            strategy, batches, model = make()
+            timer = _StepTimer().callback
+            trainer = L.Trainer(accelerator="cpu", devices=WORLD, strategy=strategy, max_steps=steps, logger=False,
+                                enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                                use_distributed_sampler=False, callbacks=[timer])
+            trainer.fit(model, train_dataloaders=torch.utils.data.DataLoader(batches, batch_size=None,
+                                                                             collate_fn=lambda x: x))
+            times[name] += timer.times[1:]  # the first step pays for warm-up
+    tokens_per_step = {"hotspa_dp4": WORLD * tokens, "ddp": WORLD * tokens,
+                       "hotspa_dp2xtp2": 2 * tokens, "model_parallel_dp2xtp2": 2 * tokens}
+    return {k: tokens_per_step[k] / statistics.median(v) for k, v in times.items()}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="small")
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--tokens", type=int, default=2048, help="tokens per micro-batch")
+    args = parser.parse_args(argv)
+    result = run_on_ranks(bench_rank, WORLD, args.model, args.steps, args.repeats, args.tokens, timeout_s=3000)[0]
+    out = {"world": WORLD, "model": args.model, "tokens_per_micro_batch": args.tokens, "steps": args.steps,
+           "repeats": args.repeats, "tokens_per_s": result,
+           "dp4_vs_ddp": result["hotspa_dp4"] / result["ddp"],
+           "dp2xtp2_vs_model_parallel": result["hotspa_dp2xtp2"] / result["model_parallel_dp2xtp2"]}
+    print(json.dumps(out))
+    return out
+
+
+if __name__ == "__main__":
+    main()
