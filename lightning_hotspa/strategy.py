@@ -128,6 +128,7 @@ class HotSPaStrategy(ParallelStrategy):
         self.parallel: ParallelModel | None = None
         self.home: dict[str, nn.Parameter] = {}
         self.last_stage_stats: list[StageStats] = []
+        self.last_metrics: dict[str, float] = {}  # the last step's metrics (same on every rank)
 
     # ------------------------------------------------------------------ Lightning plumbing
     @property
@@ -398,6 +399,7 @@ class HotSPaStrategy(ParallelStrategy):
         self.last_stage_stats = stats
         # the one small collective of the step: the exact global loss and the slowest rank's times
         loss, metrics = step_metrics(loss_sum, stats, plan, self.root_device)
+        self.last_metrics = metrics
         if metrics and not plan.extras.get("plain"):
             module.log_dict(metrics, on_step=True, on_epoch=False, sync_dist=False, rank_zero_only=True,
                             batch_size=1)
