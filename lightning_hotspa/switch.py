@@ -192,7 +192,8 @@ class SwitchEngine:
 
     def _buckets(self, pieces: list[torch.Tensor]) -> list[list[int]]:
         """Consecutive groups of at most ``bucket_bytes`` per rank (a larger tensor goes alone):
-        gloo moves a few MB per call faster than one huge buffer, and small tensors still fuse."""
+        gloo moves a few MB per call faster than one huge buffer, and small tensors still fuse.
+        Used for the all-gathers of a switch and the reductions of gradients alike."""
         buckets: list[list[int]] = [[]]
         size = 0
         for i, p in enumerate(pieces):
@@ -278,7 +279,9 @@ class SwitchEngine:
                 g = _sub_chunk(g, self.shardings[name], *plan.slices[name], rank)
             local[name] = g
         received = collectives = 0
-        for (scatter, reduce), names in plan.groups.items():
+        buckets = [(key, [names[i] for i in bucket]) for key, names in plan.groups.items()
+                   for bucket in self._buckets([local[n] for n in names])]
+        for (scatter, reduce), names in buckets:
             tensors = [local[n] for n in names]
             if scatter:
                 group = self.world.group(scatter)
