@@ -18,7 +18,10 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
 
 __all__ = ["save_distributed_checkpoint", "load_distributed_checkpoint", "export_consolidated", "META_FILE"]
 

@@ -71,9 +71,13 @@ class _StepTimer:
 
 def _model_parallel_module(config: str, seed: int):
     """LlamaLM with Lightning's ModelParallelStrategy recipe: torch TP on the tp sub-mesh, FSDP2 on dp."""
-    from torch.distributed._composable.fsdp import fully_shard
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
 
     from lightning_hotspa.models import LlamaLM
 
@@ -94,7 +98,6 @@ def _model_parallel_module(config: str, seed: int):
                 fully_shard(layer, mesh=dp_mesh)
             fully_shard(self.model, mesh=dp_mesh)
 
-    assert Shard  # imported for readers of the plan above
     return MPLlamaLM(config, seed=seed, lr=1e-3)
 
 

@@ -48,8 +48,9 @@ class _Recorder(Callback):
 
 def _reference_grads(weights, plan, dtype):
     """Single process, the same weights, the whole global mini-batch, token-mean loss."""
-    from lightning_hotspa.plan import pack_micro_batch
     from strategy_helpers import make_docs
+
+    from lightning_hotspa.plan import pack_micro_batch
 
     model = _model(dtype)
     with torch.no_grad():
@@ -164,8 +165,9 @@ def test_checkpoint_at_world_4_resumes_at_world_2_with_other_layouts(ranks, tmp_
 
 def _micro_batches(n, seed=0):
     """Equal target tokens per micro-batch, so a token mean equals DDP's mean of means."""
-    from lightning_hotspa.plan import pack_micro_batch
     from strategy_helpers import make_docs
+
+    from lightning_hotspa.plan import pack_micro_batch
 
     return [pack_micro_batch(make_docs(100 + seed * 50 + i, [17, 9, 30])) for i in range(n)]
 

@@ -4,6 +4,7 @@
 """
 
 from .base import Planner
+from .candidates import auto_layouts
 from .packing import (
     DEFAULT_QUADRATIC_SCALE,
     DocCost,
@@ -20,7 +21,6 @@ from .packing import (
     spread_over_groups,
     stage_stats,
 )
-from .candidates import auto_layouts
 from .rule import Bucket, ThresholdPlanner
 from .solver import CostModelPlanner
 
