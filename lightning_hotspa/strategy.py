@@ -374,7 +374,6 @@ class HotSPaStrategy(ParallelStrategy):
                 self.parallel.activate(stage.layout, self.engine.working,
                                        stage.activation_checkpointing or self.activation_checkpointing_for(stage.layout))
                 t1 = time.perf_counter()
-                stage_loss = 0.0
                 for mb in stage.micro_batches:
                     with self.parallel.micro_batch(mb if isinstance(mb, MicroBatch) else None), \
                             self.precision_plugin.train_step_context():
@@ -386,11 +385,10 @@ class HotSPaStrategy(ParallelStrategy):
                     module.backward(scaled)
                     call._call_callback_hooks(trainer, "on_after_backward")
                     call._call_lightning_module_hook(trainer, "on_after_backward")
-                    stage_loss += float(scaled.detach()) / stage.layout.tp  # tp ranks hold copies
+                    loss_sum += scaled.detach().double() / stage.layout.tp  # tp ranks hold copies
                 t2 = time.perf_counter()
                 grad_report = self.engine.reduce_gradients()
                 t3 = time.perf_counter()
-                loss_sum += stage_loss
                 stats.append(StageStats.measure(stage, report, grad_report, switch_s=t1 - t0,
                                                 compute_s=t2 - t1, reduce_s=t3 - t2))
         finally:
