@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .plan import RankPlan, RankStage
+from .plan import RankStage
 
 __all__ = ["StageStats", "step_metrics"]
 
@@ -47,8 +47,7 @@ class StageStats:
                    reduce_s=reduce_s)
 
 
-def step_metrics(loss_sum: torch.Tensor, stats: list[StageStats], plan: RankPlan,
-                 device: torch.device) -> tuple[torch.Tensor, dict[str, float]]:
+def step_metrics(loss_sum: torch.Tensor, stats: list[StageStats], device: torch.device) -> tuple[torch.Tensor, dict[str, float]]:
     """All-gathers every rank's loss contribution and stage numbers once; returns the exact global
     token-mean loss and the step's metrics (token counts summed over ranks, tp copies counted once;
     times are the slowest rank's)."""

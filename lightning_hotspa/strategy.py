@@ -396,7 +396,7 @@ class HotSPaStrategy(ParallelStrategy):
             self.engine.release()
         self.last_stage_stats = stats
         # the one small collective of the step: the exact global loss and the slowest rank's times
-        loss, metrics = step_metrics(loss_sum, stats, plan, self.root_device)
+        loss, metrics = step_metrics(loss_sum, stats, self.root_device)
         self.last_metrics = metrics
         if metrics and not plan.extras.get("plain"):
             module.log_dict(metrics, on_step=True, on_epoch=False, sync_dist=False, rank_zero_only=True,
@@ -428,7 +428,7 @@ class HotSPaStrategy(ParallelStrategy):
         if not isinstance(batch, RankPlan) and (self.default_layout.tp > 1 or self.default_layout.cp > 1):
             raise LayoutError(f"plain batches need a pure data-parallel default layout, got {self.default_layout}")
         output = None
-        context = getattr(self.precision_plugin, f"{hook.split('_')[0]}_step_context", contextlib.nullcontext)
+        context = getattr(self.precision_plugin, _EVAL_CONTEXTS[hook])
         try:
             for stage in stages:
                 self._switch_to(stage.layout)
@@ -538,6 +538,11 @@ class HotSPaStrategy(ParallelStrategy):
     def register_strategies(cls, strategy_registry: Any) -> None:
         if "hotspa" not in strategy_registry:
             strategy_registry.register("hotspa", cls, description="HotSPa: hot-switch parallel layouts per bucket")
+
+
+# Lightning's Precision names its per-hook contexts differently from the hooks themselves
+_EVAL_CONTEXTS = {"validation_step": "val_step_context", "test_step": "test_step_context",
+                  "predict_step": "predict_step_context"}
 
 
 def _as_scalar_loss(loss: Any, module: nn.Module) -> Tensor:
