@@ -1,0 +1,54 @@
+"""Lightning's own ``ModelParallelStrategy`` recipe for our Llama: the baseline the benchmarks compare to.
+
+torch tensor parallelism (``parallelize_module`` with Colwise/Rowwise on the ``tensor_parallel``
+sub-mesh, no sequence parallelism) and FSDP2 ``fully_shard`` per block on ``data_parallel``, applied in
+``configure_model`` as Lightning's docs show. Shared by ``benchmark_overhead.py`` and
+``benchmark_e2e.py``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import Tensor
+
+
+def model_parallel_llama(config: Any, seed: int, lr: float = 1e-3):
+    """A ``LlamaLM`` that parallelizes itself for ``ModelParallelStrategy``.
+
+    A batch is one ``MicroBatch`` or a list of ``(MicroBatch, weight)`` pairs: the weighted sum of
+    their token-mean losses is one optimizer step's loss (a whole step plan's share of one rank).
+    """
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    from lightning_hotspa.models import LlamaLM
+
+    class ModelParallelLlamaLM(LlamaLM):
+        def configure_model(self) -> None:
+            tp_mesh = self.device_mesh["tensor_parallel"]
+            plan = {"tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+                    "output": ColwiseParallel(output_layouts=Replicate())}
+            for i in range(len(self.model.layers)):
+                p = f"layers.{i}."
+                plan.update({p + "attention.wq": ColwiseParallel(), p + "attention.wk": ColwiseParallel(),
+                             p + "attention.wv": ColwiseParallel(), p + "attention.wo": RowwiseParallel(),
+                             p + "feed_forward.w1": ColwiseParallel(), p + "feed_forward.w3": ColwiseParallel(),
+                             p + "feed_forward.w2": RowwiseParallel()})
+            parallelize_module(self.model, tp_mesh, plan)
+            dp_mesh = self.device_mesh["data_parallel"]
+            for layer in self.model.layers:
+                fully_shard(layer, mesh=dp_mesh)
+            fully_shard(self.model, mesh=dp_mesh)
+
+        def training_step(self, batch: Any, batch_idx: int = 0) -> Tensor:
+            if not isinstance(batch, list):
+                return super().training_step(batch, batch_idx)
+            return sum(weight * super(ModelParallelLlamaLM, self).training_step(mb, batch_idx) for mb, weight in batch)
+
+    return ModelParallelLlamaLM(config, seed=seed, lr=lr)
