@@ -352,9 +352,13 @@ def bench_rank(args: argparse.Namespace) -> dict[str, Any]:
     mp_layout = max((x for x in sets["statics"] if x.cp == 1), key=lambda x: x.dp, default=None)
     results: dict[str, dict[str, list]] = {name: {} for name in data}
     plans_of: dict[tuple[str, str], Any] = {}
+    plan_ms: dict[str, float] = {}
     for name in data:
         for cfg, planner in planners.items():
+            t0 = time.perf_counter()
             plans_of[(name, cfg)] = rank_plans(planner, measured[name], rank, 0)
+            if cfg == "hotspa":  # the solver's time per plan (plus slicing), paid in the data loader
+                plan_ms[name] = 1e3 * (time.perf_counter() - t0) / len(measured[name])
     for _ in range(args.repeats):
         for name in data:
             for cfg, planner in planners.items():
@@ -370,7 +374,7 @@ def bench_rank(args: argparse.Namespace) -> dict[str, Any]:
         return {}
     pricing = cost_planner(sets["every"], args, calibration)
     return {"sets": {k: [str(x) for x in v] if k != "rule" else [(b, str(x)) for b, x in v] for k, v in sets.items()},
-            "calibration": calibration, "calibration_s": calibration_s,
+            "calibration": calibration, "calibration_s": calibration_s, "plan_ms": plan_ms,
             "results": results, "mp_layout": str(mp_layout) if mp_layout is not None else None,
             "tokens": {name: [sum(int(d.size) for d in docs) for docs in measured[name]] for name in data},
             "predicted": {name: {cfg: [pricing.predict(p).seconds if p is not None else None
@@ -441,6 +445,7 @@ def summarize(name: str, raw: dict[str, Any], args: argparse.Namespace) -> dict[
                                    if "model_parallel" in per_config else None),
         "configs": {cfg: {"tokens_per_s": v["tokens_per_s"], "step_s": v["step_s"], "switch_s": v["switch_s"],
                           "loss": v["loss"]} for cfg, v in per_config.items()},
+        "hotspa_plan_ms": raw["plan_ms"].get(name),
         "band_s": band_s,
         "hotspa_plan": raw["plan_layouts"][name],
         "hotspa_step_s": hot["step_s"],

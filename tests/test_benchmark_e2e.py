@@ -84,7 +84,7 @@ def test_summary_arithmetic(e2e) -> None:
            "sets": {"bands": [512, 2048]},
            "band_meta": {"cc": {"bands/dp4": [[0], [0]], "bands/tp4": [[0, 1], [0, 1]]}},
            "predicted": {"cc": {"hotspa": [1, 4.0], "static/tp4": [1, 6.0], "static/cp4": [1, 7.0], "rule": [1, 5.0]}},
-           "plan_layouts": {"cc": []}}
+           "plan_layouts": {"cc": []}, "plan_ms": {}}
     out = e2e.summarize("cc", raw, args)
     assert out["best_static_layout"] == "tp4"
     assert out["hotspa_tokens_per_s"] == pytest.approx(800 / 5.0)
