@@ -72,7 +72,9 @@ class HotSPaStrategy(ParallelStrategy):
             ``tokens_per_rank * tp * cp``.
         planner: ``"rule"`` (assign each document to the most data-parallel layout that holds it),
             ``"cost"`` (the cost-model solver, :class:`~lightning_hotspa.planner.CostModelPlanner`, with
-            the ``hardware`` profile), or a ready :class:`~lightning_hotspa.planner.base.Planner`.
+            the ``hardware`` profile), ``"cost-profiled"`` (the same, refitting its coefficients to
+            the measured stage times: :meth:`_observe_timings`), or a ready
+            :class:`~lightning_hotspa.planner.base.Planner`.
         hardware: hardware profile name for ``planner="cost"`` (e.g. ``"cpu-gloo"``, ``"h200"``).
         activation_checkpointing: ``False``, ``True`` (all layouts), ``"auto"`` (layouts with
             tp*cp > 1, the long-sequence ones) or a list of layouts.
@@ -129,6 +131,7 @@ class HotSPaStrategy(ParallelStrategy):
         self.home: dict[str, nn.Parameter] = {}
         self.last_stage_stats: list[StageStats] = []
         self.last_metrics: dict[str, float] = {}  # the last step's metrics (same on every rank)
+        self._timed_steps = 0  # training steps this process ran (its first one is not a fair timing)
 
     # ------------------------------------------------------------------ Lightning plumbing
     @property
@@ -226,7 +229,7 @@ class HotSPaStrategy(ParallelStrategy):
             from .planner.rule import ThresholdPlanner
 
             return ThresholdPlanner(self.layouts, tokens_per_rank=self.tokens_per_rank)
-        if self._planner_spec == "cost":
+        if self._planner_spec in ("cost", "cost-profiled"):
             from .planner.solver import CostModelPlanner
 
             config = getattr(self.lightning_module, "config", None)
@@ -235,9 +238,11 @@ class HotSPaStrategy(ParallelStrategy):
                                  f"e.g. LlamaLM); {type(self.lightning_module).__name__} has none")
             return CostModelPlanner(self.layouts, model=config, hardware=self.hardware,
                                     tokens_per_rank=self.tokens_per_rank,
-                                    activation_checkpointing=self._ac_spec)
+                                    activation_checkpointing=self._ac_spec,
+                                    profiled=self._planner_spec == "cost-profiled")
         if isinstance(self._planner_spec, str):
-            raise ValueError(f"unknown planner {self._planner_spec!r}; use 'rule', 'cost' or a Planner instance")
+            raise ValueError(f"unknown planner {self._planner_spec!r}; use 'rule', 'cost', 'cost-profiled' or a "
+                             f"Planner instance")
         return self._planner_spec
 
     @property
@@ -396,12 +401,30 @@ class HotSPaStrategy(ParallelStrategy):
             self.engine.release()
         self.last_stage_stats = stats
         # the one small collective of the step: the exact global loss and the slowest rank's times
-        loss, metrics = step_metrics(loss_sum, stats, self.root_device)
+        loss, metrics, table = step_metrics(loss_sum, stats, self.root_device)
         self.last_metrics = metrics
+        self._observe_timings(plan, table)
         if metrics and not plan.extras.get("plain"):
             module.log_dict(metrics, on_step=True, on_epoch=False, sync_dist=False, rank_zero_only=True,
                             batch_size=1)
         return loss.to(torch.float64 if self.hotspa_precision.home_dtype == torch.float64 else torch.float32)
+
+    def _observe_timings(self, plan: RankPlan, table: Tensor) -> None:
+        """Profiled planner: every rank's stage seconds (from the step's one all-gather, identical
+        on all ranks) become observations, then ``refit(plan.step)``: coefficients change only at
+        multiples of its ``refit_every`` and plan steps ``>= plan.step + plan_lag``, on every rank
+        and loader worker alike (planner/schedule.py). The clock is ``compute_s``: wall seconds of the
+        stage's forwards and backwards (on an accelerator only as synchronized as the loss read makes it)."""
+        planner = self._planner
+        if planner is None or not getattr(planner, "profiled", False) or plan.step < 0 or plan.extras.get("plain"):
+            return
+        from .stats import gathered_observations
+
+        self._timed_steps += 1
+        if self._timed_steps > 1:  # a process' first step pays one-off costs (allocations, first switches)
+            ac = [s.activation_checkpointing or self.activation_checkpointing_for(s.layout) for s in plan.stages]
+            planner.observe(gathered_observations(table, self.last_stage_stats, ac))
+        planner.refit(plan.step)
 
     def _switch_to(self, layout: Layout) -> Any:
         assert self.engine is not None

@@ -66,6 +66,9 @@ def test_simulate_grid_json(capsys: pytest.CaptureFixture[str]) -> None:
     (["plan", "--model", "llama99b"], "unknown LlamaConfig preset"),
     (["plan", "--data", "/no/such/corpus"], "neither a length generator"),
     (["plan", "--layouts", "dp4,dp8"], "covers 4 ranks"),
+    (["check-calibration", "--steps", "4", "--warmup", "3"], "--warmup 3 leaves fewer than 2 of the 4 steps"),
+    (["check-calibration", "--clock", "sundial"], "unknown clock 'sundial'"),
+    (["check-calibration", "--train-fraction", "1.5"], "--train-fraction must be in (0, 1), got 1.5"),
 ])
 def test_bad_inputs_exit_2_with_one_line(capsys: pytest.CaptureFixture[str], argv: list[str], needle: str) -> None:
     code, out, err = run(capsys, *argv)
@@ -90,3 +93,37 @@ def test_the_whole_simulation_grid_runs_in_under_a_minute() -> None:
     result = simulate_grid()
     assert time.perf_counter() - start < 60
     assert len(result["cells"]) == 30 and result["geomean_speedup_vs_hand_set"] > 1.0
+
+
+def test_calibration_errors_hold_out_later_steps_per_clock() -> None:
+    """The CPU clock is the fitted truth, the wall clock a noisy multiple of it: held-out errors of
+    each clock, stage level = the slowest of the ranks' (4 per layout) seconds."""
+    import numpy as np
+
+    from lightning_hotspa.cli import calibration_errors
+    from lightning_hotspa.layout import Layout
+    from lightning_hotspa.planner.calibration import Observation, encode_observations
+    from lightning_hotspa.planner.solver import CostModelPlanner
+
+    layouts = ["dp4", "dp2xcp2"]
+    truth = {"dp4": (3e-9, 2e-5, 0.02), "dp2xcp2": (1e-9, 1.5e-5, 0.05)}
+    rng = np.random.default_rng(0)
+    rows = []
+    for _step in range(10):
+        for _rank in range(4):
+            obs, cpu = [], []
+            for name in layouts:
+                mbs = [list(rng.integers(64, 2048, size=rng.integers(1, 4))) for _ in range(rng.integers(1, 3))]
+                o = Observation.from_lengths(Layout.parse(name), False, mbs, 1.0)
+                a, b, c = truth[name]
+                cpu.append(a * o.sum_sq + b * o.sum_len + c * o.micro_batches)
+                obs.append(Observation(o.layout, False, o.sum_sq, o.sum_len, o.micro_batches,
+                                       cpu[-1] * rng.uniform(1.0, 3.0), o.documents))
+            rows.extend(np.column_stack([encode_observations(obs, [Layout.parse(x) for x in layouts]), cpu]))
+    prior = CostModelPlanner(layouts, model="tiny", hardware="cpu-gloo")._analytic
+    cpu = calibration_errors(np.asarray(rows), layouts, 10, 2, 0.5, prior, "cpu")
+    wall = calibration_errors(np.asarray(rows), layouts, 10, 2, 0.5, prior, "wall")
+    assert cpu["train_steps"] == cpu["held_out_steps"] == 4 and cpu["stages"] == 4 * 2
+    assert cpu["stage_mean_error"] < 1e-6 and cpu["rank_mean_error"] < 1e-6 and cpu["noise_floor"] < 1e-6
+    assert wall["stage_mean_error"] > 0.05 and wall["rank_mean_error"] > 0.05
+    assert 0 < wall["noise_floor"] < wall["stage_mean_error"]  # a fit that saw the steps does better

@@ -26,6 +26,7 @@ from lightning_hotspa.planner.calibration import (
     decode_observations,
     encode_observations,
     held_out_error,
+    held_out_stage_error,
     nnls,
 )
 from lightning_hotspa.planner.candidates import auto_layouts
@@ -190,6 +191,22 @@ def test_profiled_fit_recovers_coefficients_and_reports_held_out_error() -> None
     assert report.analytic_mean_error > report.mean_error  # calibration helps
 
 
+def test_stage_error_compares_the_slowest_rank_on_held_out_steps_only() -> None:
+    p = CostModelPlanner(["dp4", "dp2xcp2"], model="tiny", hardware="cpu-gloo", profiled=True)
+    truth = {Layout(dp=4): (3e-9, 2e-5, 0.02), Layout(dp=2, cp=2): (1e-9, 1.5e-5, 0.05)}
+    steps = [_synthetic(truth, 4, seed=s, noise=0.0) for s in range(8)]  # 4 "ranks" per layout and step
+    exact = held_out_stage_error(steps, p._analytic, train_steps=4)
+    assert exact["stage_mean_error"] < 1e-6 and exact["stages"] == 4 * 2
+    assert set(exact["stage_per_option"]) == {"dp4", "dp2xcp2"}
+    # a held-out step the fit never saw, twice as slow as the truth: error 50 % on its stages only
+    slow = [dataclasses.replace(o, seconds=2 * o.seconds) for o in steps[-1]]
+    report = held_out_stage_error([*steps[:-1], slow], p._analytic, train_steps=4)
+    assert report["stage_max_error"] == pytest.approx(0.5, rel=1e-5)
+    assert report["stage_mean_error"] == pytest.approx(0.5 * 2 / 8, rel=1e-5)
+    with pytest.raises(ValueError, match="train_steps must leave held-out steps: got 8 of 8"):
+        held_out_stage_error(steps, p._analytic, train_steps=8)
+
+
 def test_coefficients_change_only_at_refit_steps_and_round_trip() -> None:
     p = CostModelPlanner(["dp4", "dp2xcp2"], model="tiny", hardware="cpu-gloo", profiled=True, refit_every=5)
     obs = _synthetic({Layout(dp=4): (3e-9, 2e-5, 0.02), Layout(dp=2, cp=2): (1e-9, 1.5e-5, 0.05)}, 8, seed=2)
@@ -200,12 +217,19 @@ def test_coefficients_change_only_at_refit_steps_and_round_trip() -> None:
     after = p.option(Layout(dp=4), False)
     assert after != before and after.linear == pytest.approx(2e-5, rel=0.15)
     assert not p.refit(5)  # once per step
+    # plans: the refit of step 5 plans steps >= 5 + plan_lag (2); earlier steps keep version 0
+    assert [p.version_at(s) for s in (5, 6, 7, 8)] == [0, 0, 1, 1]
+    lengths = lognormal(3, 40, 2000)
+    analytic = CostModelPlanner(["dp4", "dp2xcp2"], model="tiny", hardware="cpu-gloo")
+    assert groups_of(p.plan(6, lengths)) == groups_of(analytic.plan(6, lengths)) and p.last_version == 0
+    with pytest.raises(PlanError, match="plan of step 12 needs the coefficients decided at step 10"):
+        p.plan(12, lengths)  # step 10's refit is not decided yet: too far ahead
     state = p.state_dict()
     q = CostModelPlanner(["dp4", "dp2xcp2"], model="tiny", hardware="cpu-gloo", profiled=True, refit_every=5)
     q.load_state_dict(state)
     assert q.version == 1 and q.option(Layout(dp=4), False) == after
-    lengths = lognormal(3, 40, 2000)
-    assert groups_of(q.plan(0, lengths)) == groups_of(p.plan(0, lengths))
+    assert [q.version_at(s) for s in (6, 7)] == [0, 1]
+    assert groups_of(q.plan(7, lengths)) == groups_of(p.plan(7, lengths)) and q.last_version == 1
     rows = encode_observations(obs, p.layouts)
     assert decode_observations(rows, p.layouts) == obs
 

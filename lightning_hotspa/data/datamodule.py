@@ -40,6 +40,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import warnings
+import zlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -146,10 +147,19 @@ class StepPlanDataset(Dataset[RankPlan]):
                 for r in self.sampler.batch(data_pass, pass_step)]
 
     def global_plan(self, epoch: int, step: int) -> tuple[StepPlan, list[ChunkRef]]:
-        """The plan every rank computes for (epoch, step), and the chunks its documents are."""
+        """The plan every rank computes for (epoch, step), and the chunks its documents are.
+
+        A profiled planner (its coefficients change during training) plans training step ``s`` with
+        the version decided at step ``s - plan_lag`` (waiting for it in a loader worker), whatever
+        process and however far ahead the plan is built; validation and prediction plans use its
+        newest version, the same on every rank since they are built while training is paused
+        (planner/schedule.py)."""
         position = self.locate(epoch, step)[0]
         refs = self.minibatch(epoch, step)
-        return self.planner.plan(position, [r.length for r in refs]), refs
+        lengths = [r.length for r in refs]
+        if self.split != "train" and getattr(self.planner, "profiled", False):
+            return self.planner.plan(position, lengths, latest=True), refs  # type: ignore[call-arg]
+        return self.planner.plan(position, lengths), refs
 
     def __getitem__(self, index: int | tuple[int, int]) -> RankPlan:
         epoch, step = index if isinstance(index, tuple) else (self.cursor.epoch, index)
@@ -169,6 +179,10 @@ class StepPlanDataset(Dataset[RankPlan]):
             "rank": self.rank,
             **stats.as_dict(),
         }
+        if getattr(self.planner, "profiled", False):  # which coefficients planned it, and what it planned
+            extras["planner_version"] = int(getattr(self.planner, "last_version", -1))
+            extras["plan_digest"] = zlib.crc32(repr([(s.layout.name, s.activation_checkpointing, s.micro_batches)
+                                                     for s in plan.stages]).encode())
         return dataclasses.replace(rank_plan, extras=extras)
 
 
@@ -533,6 +547,9 @@ class HotSPaDataModule(L.LightningDataModule):
                                endless=endless, cursor=self._cursor if split == "train" else None)
 
     def _loader(self, dataset: StepPlanDataset, resumable: bool) -> PlanDataLoader:
+        ensure_lag = getattr(dataset.planner, "ensure_plan_lag", None)
+        if dataset.split == "train" and self.num_workers > 0 and ensure_lag is not None:
+            ensure_lag(self.num_workers * 2 + 2)  # workers prefetch 2 plans each (DataLoader's default)
         return PlanDataLoader(dataset, num_workers=self.num_workers, pin_memory=self.pin_memory,
                               persistent_workers=self.persistent_workers,
                               multiprocessing_context=self.multiprocessing_context, resumable=resumable)

@@ -3,8 +3,9 @@
 A planner turns the document lengths of one global mini-batch into a :class:`StepPlan`. It must be
 deterministic: every rank (and every loader worker) calls it with the same inputs and must get the
 same plan, with no communication. Anything that changes its decisions over time (profiled cost
-coefficients) changes only through ``load_state_dict`` at step boundaries, and is saved with
-checkpoints.
+coefficients) changes only at deterministic step boundaries (``refit`` after a training step, or
+``load_state_dict``), must make the plan of a step independent of when and in which process it is
+built (:mod:`.schedule`), and is saved with checkpoints.
 """
 
 from __future__ import annotations

@@ -12,11 +12,14 @@ coefficients times one global scale fitted over all observations, so unobserved 
 comparable with observed ones.
 
 Determinism (DESIGN.md "who holds what"): every rank must plan with the same coefficients. Ranks
-time different micro-batches, so the strategy all-gathers the encoded rows
-(:func:`encode_observations` -> ``all_gather`` -> :func:`decode_observations`), every rank feeds the
-same rows in the same order to :meth:`ProfiledCoefficients.observe`, and coefficients change only in
-:meth:`ProfiledCoefficients.refit` at steps that are multiples of ``refit_every``. Fitted values are
+time different micro-batches, so the strategy rides the rows on the step's one all-gather
+(:func:`lightning_hotspa.stats.step_metrics`, then :func:`lightning_hotspa.stats.gathered_observations`),
+every rank feeds the same rows in the same order to :meth:`ProfiledCoefficients.observe`, and
+coefficients change only in :meth:`ProfiledCoefficients.refit` at steps that are multiples of
+``refit_every``; which plans a new version affects is :mod:`.schedule`'s business. Fitted values are
 rounded to 9 significant digits so tiny platform differences in the last bits cannot split ranks.
+:func:`encode_observations` / :func:`decode_observations` are the wire format for other exchanges
+(``hotspa check-calibration``) and for checkpoints.
 """
 
 from __future__ import annotations
@@ -36,12 +39,15 @@ __all__ = [
     "CalibrationReport",
     "Observation",
     "ProfiledCoefficients",
+    "apply_coefficients",
     "ROW_WIDTH",
     "decode_observations",
     "encode_observations",
     "fit_option",
     "held_out_error",
+    "held_out_stage_error",
     "nnls",
+    "stage_errors",
 ]
 
 OptionKey = tuple[Layout, bool]
@@ -154,6 +160,15 @@ def fit_option(observations: Sequence[Observation]) -> tuple[float, float, float
     return None
 
 
+def apply_coefficients(option: OptionCost, scale: float, fitted: Mapping[OptionKey, Coefficients]) -> OptionCost:
+    """``option`` with its fitted coefficients, or its analytic ones times ``scale`` when it has none."""
+    key = (option.parallelism.layout(), option.activation_checkpointing)
+    if key in fitted:
+        return option.with_coefficients(*fitted[key])
+    return option.with_coefficients(option.quadratic * scale, option.linear * scale, option.per_micro_batch * scale,
+                                    option.per_document * scale)
+
+
 # ------------------------------------------------------------------------------------------ state
 class ProfiledCoefficients:
     """Pending observations and the fitted coefficients, with a version that bumps on each change.
@@ -214,12 +229,7 @@ class ProfiledCoefficients:
 
     def apply(self, option: OptionCost) -> OptionCost:
         """The option with fitted coefficients (or its analytic ones times the global scale)."""
-        key = (option.parallelism.layout(), option.activation_checkpointing)
-        if key in self.fitted:
-            return option.with_coefficients(*self.fitted[key])
-        s = self.scale
-        return option.with_coefficients(option.quadratic * s, option.linear * s, option.per_micro_batch * s,
-                                        option.per_document * s)
+        return apply_coefficients(option, self.scale, self.fitted)
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -285,6 +295,10 @@ class CalibrationReport:
         return dict(self.__dict__)
 
 
+def _label(key: OptionKey) -> str:
+    return key[0].name + ("+ac" if key[1] else "")
+
+
 def held_out_error(observations: Sequence[Observation], prior: Mapping[OptionKey, OptionCost],
                    train_fraction: float = 0.6, min_observations: int = 6) -> CalibrationReport:
     """Fits on the first ``train_fraction`` of the observations (in order: earlier steps) and
@@ -305,8 +319,47 @@ def held_out_error(observations: Sequence[Observation], prior: Mapping[OptionKey
         e = abs(predict(opt, o) - o.seconds) / o.seconds
         errors.append(e)
         analytic.append(abs(predict(prior[o.key], o) - o.seconds) / o.seconds)
-        per.setdefault(o.layout.name + ("+ac" if o.activation_checkpointing else ""), []).append(e)
+        per.setdefault(_label(o.key), []).append(e)
     arr = np.asarray(errors)
     return CalibrationReport(len(train), len(test), float(arr.mean()), float(np.percentile(arr, 90)),
                              float(arr.max()), {k: float(np.mean(v)) for k, v in sorted(per.items())},
                              float(np.mean(analytic)))
+
+
+def held_out_stage_error(steps: Sequence[Sequence[Observation]], prior: Mapping[OptionKey, OptionCost],
+                         train_steps: int, min_observations: int = 6) -> dict[str, Any]:
+    """Stage-level check: fit on every rank's observations of the first ``train_steps`` steps, then
+    for each later step and option compare the predicted stage time (the slowest rank's predicted
+    seconds, as the solver's "slowest dp group") with the measured one (the slowest rank's seconds).
+
+    ``steps``: per step, every rank's observations (rank-major or not, order does not matter).
+    Returns mean and max relative error overall and per option, and the fitted coefficients.
+    """
+    if not 1 <= train_steps < len(steps):
+        raise ValueError(f"train_steps must leave held-out steps: got {train_steps} of {len(steps)} steps")
+    return stage_errors(steps[:train_steps], steps[train_steps:], prior, min_observations)
+
+
+def stage_errors(fit_steps: Sequence[Sequence[Observation]], check_steps: Sequence[Sequence[Observation]],
+                 prior: Mapping[OptionKey, OptionCost], min_observations: int = 6) -> dict[str, Any]:
+    """Stage-level errors on ``check_steps`` of a fit to ``fit_steps`` (see :func:`held_out_stage_error`)."""
+    coeffs = ProfiledCoefficients(refit_every=1, window=10**9, min_observations=min_observations)
+    coeffs.observe(o for step in fit_steps for o in step if o.key in prior)
+    coeffs.refit(0, prior)
+    per: dict[str, list[float]] = {}
+    for step in check_steps:
+        by_key: dict[OptionKey, list[Observation]] = {}
+        for o in step:
+            if o.key in prior and o.micro_batches > 0 and o.seconds > 0:
+                by_key.setdefault(o.key, []).append(o)
+        for key, obs in by_key.items():
+            opt = coeffs.apply(prior[key])
+            measured = max(o.seconds for o in obs)
+            per.setdefault(_label(key), []).append(abs(max(predict(opt, o) for o in obs) - measured) / measured)
+    if not per:
+        raise ValueError("no held-out stage ran any micro-batch")
+    every = [e for v in per.values() for e in v]
+    return {"stage_mean_error": float(np.mean(every)), "stage_max_error": float(np.max(every)),
+            "stage_per_option": {k: float(np.mean(v)) for k, v in sorted(per.items())},
+            "stages": len(every), "fitted": {_label(k): list(v) for k, v in sorted(
+                coeffs.fitted.items(), key=lambda kv: _label(kv[0]))}, "scale": coeffs.scale}

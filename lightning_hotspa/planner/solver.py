@@ -12,14 +12,27 @@ Plans are a pure function of (document lengths, layouts, cost coefficients): no 
 order, so every rank and loader worker computes the same plan; coefficients change only through
 :meth:`refit` at deterministic steps (or :meth:`load_state_dict`).
 
-How the strategy uses it::
+How to use it::
 
-    planner = CostModelPlanner(layouts, model="llama7b", hardware="H100", world_size=8)
-    # profiled mode, per step, on every rank with the SAME all-gathered rows:
-    rows = encode_observations([Observation.from_rank_stage(stage, compute_s)], planner.layouts)
-    gathered = all_gather(rows)                  # rank order
-    planner.observe(decode_observations(gathered, planner.layouts))
-    planner.refit(global_step)                   # changes coefficients only every refit_every steps
+    # dry run / simulation: analytic coefficients of a hardware profile
+    planner = CostModelPlanner("auto", model="llama7b", hardware="H100", world_size=8, context=32768)
+    plan = planner.plan(step, doc_lengths)       # a StepPlan: stages, micro-batches per dp group
+    planner.predict(plan).seconds                # what the cost model expects it to take
+
+    # training: the strategy builds it (planner="cost", or "cost-profiled" to fit timings), or pass one
+    Trainer(strategy=HotSPaStrategy(layouts, planner=CostModelPlanner(layouts, model=config,
+            hardware="cpu-gloo", tokens_per_rank=4096, profiled=True, refit_every=10)))
+
+Profiled mode, what the strategy does on every rank after each training step (the rows ride the
+step's one all-gather, so every rank feeds the same observations in the same order)::
+
+    planner.observe(gathered_observations(...))  # every rank's measured stage seconds + features
+    planner.refit(plan.step)                     # fits only at multiples of refit_every
+
+A version decided at step ``r`` plans steps ``>= r + plan_lag`` (:mod:`.schedule`: plans are built
+ahead, also in loader workers, which read the versions from shared memory);
+:meth:`version_at` tells which version planned a step. ``state_dict`` holds the versions, the
+pending observations and the schedule, and the strategy saves it in every checkpoint.
 """
 
 from __future__ import annotations
@@ -34,12 +47,13 @@ from ..layout import Layout, LayoutError, MeshShape, parse_layouts
 from ..models.config import LlamaConfig
 from ..plan import PlanError, Stage, StepPlan
 from .assign import evaluate_groups, solve_heuristic
-from .calibration import Observation, ProfiledCoefficients
+from .calibration import Observation, ProfiledCoefficients, apply_coefficients
 from .cost_model import AnalyticCostModel, OptionCost
 from .exact import solve_exact
 from .hardware import HardwareProfile
 from .packing import DocumentTooLongError, pack_layout
 from .predict import StepPrediction, predict_stages
+from .schedule import CoefficientSchedule, ScheduleEntry
 
 __all__ = ["CostModelPlanner"]
 
@@ -68,6 +82,8 @@ class CostModelPlanner:
             never), or the layouts that always checkpoint (the others never do).
         profiled: fit coefficients to observed timings (``observe`` / ``refit``).
         refit_every: refit at steps that are multiples of this.
+        plan_lag: a refit at step ``r`` changes the plans of steps ``>= r + plan_lag`` (>= 2 when
+            Lightning's loop prefetches one batch; more if a main-process loader plans further ahead).
         exact_max_docs: exact dynamic programming up to this many documents.
     """
 
@@ -83,6 +99,7 @@ class CostModelPlanner:
         activation_checkpointing: Checkpointing = "auto",
         profiled: bool = False,
         refit_every: int = 10,
+        plan_lag: int = 2,
         exact_max_docs: int = 10,
     ) -> None:
         name = type(self).__name__
@@ -105,6 +122,9 @@ class CostModelPlanner:
         self.tokens_per_rank = tokens_per_rank
         self.exact_max_docs = int(exact_max_docs)
         self.profiled = bool(profiled)
+        if isinstance(plan_lag, bool) or not isinstance(plan_lag, int) or plan_lag < 0:
+            raise PlanError(f"{name}: plan_lag must be an int >= 0, got {plan_lag!r}")
+        self._plan_lag = plan_lag
         self.coefficients = ProfiledCoefficients(refit_every=refit_every)
         self._ac_modes = {lay: self._ac_mode(lay, activation_checkpointing) for lay in self.layouts}
         self._analytic: dict[tuple[Layout, bool], OptionCost] = {}
@@ -118,6 +138,10 @@ class CostModelPlanner:
                 raise PlanError(f"{name}: layout {lay} cannot hold any tokens: the model's weights and "
                                 f"optimizer state alone exceed the memory of a {self.cost_model.hardware.name}")
         self._orders: dict[frozenset[Layout], tuple[float, tuple[Layout, ...]]] = {}
+        self._schedule = CoefficientSchedule(self._sorted_keys(self._analytic), refit_every, plan_lag) \
+            if self.profiled else None
+        self._entry_options: tuple[ScheduleEntry, list[OptionCost]] | None = None
+        self.last_version = 0  # the version the last plan() used (per process)
         self._refresh()
 
     # ------------------------------------------------------------------ configuration
@@ -137,17 +161,47 @@ class CostModelPlanner:
         base = self.tokens_per_rank * lay.tp * lay.cp
         return int(base * self.cost_model.activation_ratio()) if ac else base
 
+    def _sorted_keys(self, keys: Iterable[tuple[Layout, bool]]) -> list[tuple[Layout, bool]]:
+        return sorted(keys, key=lambda k: (self.layouts.index(k[0]), k[1]))
+
     def _refresh(self) -> None:
-        """Options with the current coefficients (analytic, or fitted in profiled mode)."""
+        """Options with the newest coefficients (analytic, or fitted in profiled mode)."""
         self.options: dict[tuple[Layout, bool], OptionCost] = {
             k: (self.coefficients.apply(o) if self.profiled else o) for k, o in self._analytic.items()
         }
-        self._option_list = [self.options[k] for k in sorted(self.options, key=lambda k: (self.layouts.index(k[0]), k[1]))]
+        self._option_list = [self.options[k] for k in self._sorted_keys(self.options)]
+
+    def _options_of(self, entry: ScheduleEntry) -> list[OptionCost]:
+        """The option list of one scheduled version (cached: versions change rarely)."""
+        if self._entry_options is None or self._entry_options[0] != entry:
+            self._entry_options = (entry, [apply_coefficients(self._analytic[k], entry.scale, entry.fitted)
+                                                   for k in self._sorted_keys(self._analytic)])
+        return self._entry_options[1]
 
     @property
     def version(self) -> int:
-        """Bumps whenever the coefficients change (saved in checkpoints)."""
+        """The newest coefficient version (bumps whenever a refit changes them; saved in checkpoints).
+        Plans use it from step ``refit step + plan_lag`` on: :meth:`version_at`."""
         return self.coefficients.version
+
+    @property
+    def plan_lag(self) -> int:
+        """Steps between a refit and the first plan it changes."""
+        return self._schedule.lag if self._schedule is not None else self._plan_lag
+
+    def ensure_plan_lag(self, lag: int) -> None:
+        """Plans may be built up to ``lag - 2`` steps ahead of Lightning's own prefetch (a loader's
+        workers): raise ``plan_lag`` to ``lag`` so that no worker waits for a refit. The same call
+        on every rank; versions already decided keep the steps they plan."""
+        if self._schedule is not None:
+            self._schedule.ensure_lag(int(lag))
+        self._plan_lag = max(self._plan_lag, int(lag))
+
+    def version_at(self, step: int) -> int:
+        """The coefficient version that plans ``step`` (raises if that is not decided yet)."""
+        if self._schedule is None:
+            return self.version
+        return self._schedule.entry_for(step, wait=False).version
 
     def capacity(self, layout: Layout) -> int:
         """Largest micro-batch of ``layout`` over its allowed checkpointing choices."""
@@ -193,13 +247,16 @@ class CostModelPlanner:
                 f"{longest} tokens in {where.label}); add a layout with more tp*cp or lower the context")
         return lengths
 
-    def solve(self, doc_lengths: Sequence[int]) -> tuple[float, list[tuple[OptionCost, tuple]]]:
-        """(predicted seconds, [(option, groups of micro-batches)] in stage order)."""
+    def solve(self, doc_lengths: Sequence[int], options: Sequence[OptionCost] | None = None,
+              ) -> tuple[float, list[tuple[OptionCost, tuple]]]:
+        """(predicted seconds, [(option, groups of micro-batches)] in stage order); ``options``:
+        default the newest coefficients."""
         lengths = self._check_lengths(doc_lengths)
+        option_list = list(self._option_list if options is None else options)
         if lengths.size <= self.exact_max_docs:
-            sol = solve_exact(lengths, self._option_list, self.stage_order)
+            sol = solve_exact(lengths, option_list, self.stage_order)
             return sol.objective, [(o, g) for o, g in sol.stages]
-        total, stages = solve_heuristic(lengths, self._option_list, self.stage_order)
+        total, stages = solve_heuristic(lengths, option_list, self.stage_order)
         return self._polish(lengths, total, stages)
 
     def _polish(self, lengths: np.ndarray, total: float, stages: list) -> tuple[float, list]:
@@ -223,9 +280,16 @@ class CostModelPlanner:
             out.append((opt, groups))
         return total, out
 
-    def plan(self, step: int, doc_lengths: Sequence[int]) -> StepPlan:
+    def plan(self, step: int, doc_lengths: Sequence[int], *, latest: bool = False) -> StepPlan:
+        """The plan of training step ``step``, with the coefficient version :meth:`version_at` gives
+        (in a DataLoader worker: after waiting for that version to be decided). ``latest``: the
+        newest decided version instead (evaluation plans, built while training is paused)."""
         lengths = self._check_lengths(doc_lengths)
-        _, stages = self.solve(lengths)
+        options = None
+        if self._schedule is not None:
+            entry = self._schedule.entry_for(None if latest else int(step), wait=_in_loader_worker())
+            options, self.last_version = self._options_of(entry), entry.version
+        _, stages = self.solve(lengths, options)
         out = []
         for opt, groups in stages:
             ids = [d for g in groups for mb in g for d in mb]
@@ -250,26 +314,54 @@ class CostModelPlanner:
         self.coefficients.observe(o for o in observations if (o.layout, o.activation_checkpointing) in self._analytic)
 
     def refit(self, step: int) -> bool:
-        """At steps that are multiples of ``refit_every``: refit the coefficients; True if changed."""
-        if not self.profiled:
+        """Called after training step ``step`` (every step, in order, on every rank with the same
+        observations). At multiples of ``refit_every`` refits the coefficients; a new version plans
+        steps ``>= step + plan_lag``. True if the coefficients changed."""
+        if not self.profiled or self._schedule is None:
             return False
         changed = self.coefficients.refit(step, self._analytic)
         if changed:
             self._refresh()
+            c = self.coefficients
+            self._schedule.publish(step, c.version, c.scale, c.fitted)
+        self._schedule.mark_decided(step)
         return changed
 
     def state_dict(self) -> dict[str, Any]:
-        return {"kind": "cost_model", "version": self.version, "layouts": [x.name for x in self.layouts],
-                "profiled": self.profiled, "coefficients": self.coefficients.state_dict()}
+        out = {"kind": "cost_model", "version": self.version, "layouts": [x.name for x in self.layouts],
+               "profiled": self.profiled, "coefficients": self.coefficients.state_dict()}
+        if self._schedule is not None:
+            out["schedule"] = self._schedule.state()
+        return out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restores the fitted coefficients (and their version); other settings stay as constructed."""
+        """Restores the fitted coefficients, their version and which steps each version plans;
+        other settings stay as constructed. Loader workers see it through the shared schedule."""
         if state.get("kind") not in (None, "cost_model"):
             raise PlanError(f"{type(self).__name__} cannot load a {state.get('kind')!r} planner state")
         if "coefficients" in state:
             self.coefficients.load_state_dict(state["coefficients"])
             self._refresh()
+            if self._schedule is not None:
+                if "schedule" in state:
+                    entries, decided, lag = CoefficientSchedule.entries_from_state(state["schedule"])
+                else:  # a state without a schedule: its coefficients plan every step
+                    c = self.coefficients
+                    entries, decided, lag = [ScheduleEntry(-(2**62), c.version, c.scale, dict(c.fitted))], \
+                        c.last_refit_step, None
+                self._schedule.load(entries, decided, lag)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_entry_options"] = None  # rebuilt on first use (keeps worker pickles small)
+        return state
 
     def __repr__(self) -> str:
         opts = ", ".join(f"{o.label}:{o.capacity}" for o in self._option_list)
         return f"{type(self).__name__}({self.cost_model.model.n_layers}L on {self.cost_model.hardware.name}; {opts})"
+
+
+def _in_loader_worker() -> bool:
+    from torch.utils.data import get_worker_info
+
+    return get_worker_info() is not None
