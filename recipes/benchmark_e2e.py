@@ -223,7 +223,9 @@ def rank_plans(planner, batches: list[list[np.ndarray]], rank: int, first_step: 
             docs = [docs[d] for d in kept]
             meta.append(band_ids)
         else:
-            plan = planner.plan(first_step + i, lengths)
+            # a profiled planner plans with the newest (here: the calibration run's) coefficients
+            kwargs = {"latest": True} if getattr(planner, "profiled", False) else {}
+            plan = planner.plan(first_step + i, lengths, **kwargs)
             meta.append(None)
         plans.append(None if plan is None else slice_plan(plan, docs, mesh, rank))
         global_plans.append(plan)
