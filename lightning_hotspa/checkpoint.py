@@ -21,13 +21,16 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
     set_optimizer_state_dict,
 )
 
+from .reliability import is_collective_failure
+
 __all__ = ["save_distributed_checkpoint", "load_distributed_checkpoint", "export_consolidated", "latest_checkpoint",
-           "is_complete_checkpoint", "resolve_checkpoint", "CheckpointError", "META_FILE"]
+           "is_complete_checkpoint", "resolve_checkpoint", "check_checkpoint_dirs", "CheckpointError", "META_FILE"]
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +60,28 @@ def _prepare(tmp: Path) -> str | None:
     except OSError as exc:
         return f"{type(exc).__name__}: {exc}"
     return None
+
+
+def check_checkpoint_dirs(trainer: Any, *, is_rank_zero: bool, broadcast: Callable[[Any], Any]) -> None:
+    """Fail at the start of a fit, not after hours of training, when a ``ModelCheckpoint`` folder
+    cannot be written (every rank raises the same error; rank 0 probes)."""
+    problems = []
+    if is_rank_zero:
+        for callback in getattr(trainer, "checkpoint_callbacks", []):
+            dirpath = getattr(callback, "dirpath", None)
+            if not dirpath or "://" in str(dirpath):
+                continue
+            try:
+                Path(dirpath).mkdir(parents=True, exist_ok=True)
+                probe = Path(dirpath) / f".hotspa-write-probe-{os.getpid()}"
+                probe.write_bytes(b"")
+                probe.unlink()
+            except OSError as exc:
+                problems.append(f"{type(callback).__name__}(dirpath={str(dirpath)!r}) cannot write there: "
+                                f"{type(exc).__name__}: {exc}")
+    problems = broadcast(problems)
+    if problems:
+        raise CheckpointError("; ".join(problems))
 
 
 def _fsync(path: Path) -> None:
@@ -165,10 +190,14 @@ def load_distributed_checkpoint(path: str | os.PathLike, module: nn.Module, opti
         state[f"optimizer_{i}"] = get_optimizer_state_dict(module, optimizer)
     try:
         dcp.load(state, checkpoint_id=str(path))
-    except (RuntimeError, ValueError, KeyError) as exc:
+    except (RuntimeError, ValueError, KeyError, CheckpointException) as exc:
+        if isinstance(exc, CheckpointException) and exc.failures:  # DCP wraps every rank's error
+            exc = next(iter(exc.failures.values()))[0]
+        if is_collective_failure(exc):
+            raise
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise CheckpointError(f"checkpoint {str(path)!r} does not fit {type(module).__name__} "
-                              f"(a different model or optimizer?): {first[:600]}") from exc
+                              f"(a different model or optimizer?): {type(exc).__name__}: {first[:600]}") from exc
     module.load_state_dict(state["model"])
     for i, optimizer in enumerate(optimizers):
         set_optimizer_state_dict(module, optimizer, state[f"optimizer_{i}"])

@@ -40,7 +40,12 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
-from .checkpoint import load_distributed_checkpoint, resolve_checkpoint, save_distributed_checkpoint
+from .checkpoint import (
+    check_checkpoint_dirs,
+    load_distributed_checkpoint,
+    resolve_checkpoint,
+    save_distributed_checkpoint,
+)
 from .layout import Layout, LayoutError, MeshShape, WorldMesh, parse_layouts
 from .parallel.model import ParallelModel
 from .placements import build_shardings
@@ -86,7 +91,8 @@ class HotSPaStrategy(ParallelStrategy):
             as ``rank<N>.txt`` (also ``$HOTSPA_BREADCRUMB_DIR``). Default: off on gloo (a failed
             collective raises an error naming it), ``<default_root_dir>/hotspa_breadcrumbs`` on NCCL,
             whose watchdog aborts the process without a Python error.
-        timeout: the process-group timeout: how long a rank waits in a collective for a dead peer.
+        timeout: the process-group timeout (a ``timedelta`` or seconds): how long a rank waits in a
+            collective for a peer that hangs (a peer that dies is noticed at once on gloo).
     """
 
     strategy_name = "hotspa"
@@ -108,7 +114,7 @@ class HotSPaStrategy(ParallelStrategy):
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
         process_group_backend: str | None = None,
-        timeout: timedelta | None = default_pg_timeout,
+        timeout: timedelta | float = default_pg_timeout,
     ) -> None:
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
@@ -123,13 +129,22 @@ class HotSPaStrategy(ParallelStrategy):
         if isinstance(activation_checkpointing, str) and activation_checkpointing != "auto":
             raise ValueError(f"activation_checkpointing must be a bool, 'auto' or a list of layouts, "
                              f"got {activation_checkpointing!r}")
+        if isinstance(planner, str) and planner not in ("rule", "cost"):
+            raise ValueError(f"unknown planner {planner!r}; use 'rule', 'cost' or a Planner instance")
+        if not isinstance(planner, str) and not all(hasattr(planner, a) for a in ("layouts", "capacity", "plan")):
+            raise ValueError(f"planner must be 'rule', 'cost' or a Planner (layouts, capacity, plan); got "
+                             f"{type(planner).__name__}")
+        if planner == "cost":
+            from .planner.hardware import get_profile
+
+            get_profile(hardware)  # an unknown profile name fails here, naming the known ones
         self.tokens_per_rank = tokens_per_rank
         self._planner_spec = planner
         self.hardware = hardware
         self._ac_spec = activation_checkpointing
         self._default_layout_spec = Layout.parse(default_layout) if default_layout is not None else None
         self._process_group_backend = process_group_backend
-        self._timeout = timeout
+        self._timeout = _as_timeout(timeout)
         self.nonfinite = check_nonfinite_policy(nonfinite)
         self._breadcrumb_dir = breadcrumb_dir if breadcrumb_dir is not None else os.environ.get("HOTSPA_BREADCRUMB_DIR")
         self.tracker = StepTracker()  # this rank's breadcrumb and the step's micro-batch losses
@@ -220,7 +235,12 @@ class HotSPaStrategy(ParallelStrategy):
         self.tracker.rank = self.global_rank
         world_size = dist.get_world_size()
         specs = default_layouts(world_size) if self._layout_spec == "auto" else self._layout_spec
-        self.layouts = parse_layouts(specs, world_size)
+        try:
+            self.layouts = parse_layouts(specs, world_size)
+        except LayoutError as exc:
+            raise LayoutError(f"{type(self).__name__}(layouts={[str(x) for x in specs]}): {exc} (devices x num_nodes; "
+                              f"a run resumed on another number of ranks needs layouts for it, e.g. "
+                              f"{[str(x) for x in default_layouts(world_size)]} or 'auto')") from None
         self.world = WorldMesh(self.layouts, device_type=self.root_device.type)
         self.mesh_shape = self.world.shape
 
@@ -292,6 +312,7 @@ class HotSPaStrategy(ParallelStrategy):
         self._open_breadcrumbs(trainer)
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
+            check_checkpoint_dirs(trainer, is_rank_zero=self.global_rank == 0, broadcast=self.broadcast)
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
 
@@ -627,6 +648,19 @@ class HotSPaStrategy(ParallelStrategy):
 # Lightning's Precision names its per-hook contexts differently from the hooks themselves
 _EVAL_CONTEXTS = {"validation_step": "val_step_context", "test_step": "test_step_context",
                   "predict_step": "predict_step_context"}
+
+
+def _as_timeout(timeout: Any) -> timedelta:
+    """A ``timedelta``, or seconds as a number (what a YAML config can say)."""
+    if isinstance(timeout, timedelta):
+        seconds = timeout.total_seconds()
+    elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
+        seconds = float(timeout)
+    else:
+        raise ValueError(f"timeout must be a datetime.timedelta or a number of seconds, got {timeout!r}")
+    if not seconds > 0:
+        raise ValueError(f"timeout must be positive, got {timeout!r}")
+    return timeout if isinstance(timeout, timedelta) else timedelta(seconds=seconds)
 
 
 def _as_scalar_loss(loss: Any, module: nn.Module) -> Tensor:

@@ -174,3 +174,224 @@ def test_resumed_run_equals_the_uninterrupted_one(chain):
     total = [sum(ours[s]["counts"][t] for s in ours) for t in range(256)]
     assert total == _corpus_targets()
     assert collections.Counter(r["global_step"] for r in chain["final"]["records"][0]) == {5: 1, 6: 1, 7: 1, 8: 1}
+
+
+# ---------------------------------------------------------------------------------------- non-finite losses
+NF_LAYOUTS = ["dp4", "dp2xtp2", "tp2xcp2"]
+NF_LENGTHS = [[7, 30, 12, 5, 64, 9, 3, 40, 17, 25, 11, 50, 8, 33],
+              [20, 4, 44, 13, 6, 70, 15, 9, 31, 2, 27, 18],
+              [60, 10, 21, 35, 5, 14, 48, 26, 7, 19, 3, 38, 12]]
+
+
+def _full_weights(model) -> dict[str, torch.Tensor]:
+    return {n: p.detach().full_tensor() for n, p in model.named_parameters()}
+
+
+def nonfinite_phase(policy: str | None, value: float | None, steps: list[int]) -> dict:
+    """Fits the mixed plans ``steps`` in order; rank 2 turns the loss of its first micro-batch after
+    the first stage of global step 1 into ``value`` (None: a clean run)."""
+    import lightning as L
+    import torch.distributed as dist
+    from lightning.pytorch.callbacks import Callback
+    from strategy_helpers import lightning_rank_env, mixed_plan, rank_plans
+
+    from lightning_hotspa import HotSPaStrategy
+    from lightning_hotspa.layout import Layout
+    from lightning_hotspa.models import LlamaLM
+
+    poisoned: list[str] = []
+
+    class Poisoned(LlamaLM):
+        def training_step(self, batch, batch_idx=0):
+            loss = super().training_step(batch, batch_idx)
+            tracker = self.trainer.strategy.tracker
+            if value is not None and not poisoned and dist.get_rank() == 2 and tracker.step == 1 and tracker.stage >= 1:
+                poisoned.append(tracker.describe())
+                loss = loss * value
+            return loss
+
+    after: list[dict] = []
+
+    class AfterFirst(Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if trainer.global_step == 1:
+                after.append(_full_weights(pl_module))
+
+    layouts = [Layout.parse(x) for x in NF_LAYOUTS]
+    plans = [mixed_plan(s, NF_LENGTHS[s], layouts) for s in steps]
+    batches = rank_plans(plans, layouts, dist.get_rank())
+    kwargs = {} if policy is None else {"nonfinite": policy}
+    strategy = HotSPaStrategy(NF_LAYOUTS, **kwargs)
+    model = Poisoned("tiny", seed=3, lr=2e-3)
+    error = None
+    with lightning_rank_env():
+        trainer = L.Trainer(accelerator="cpu", devices=4, strategy=strategy, max_steps=len(steps), logger=False,
+                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                            use_distributed_sampler=False, callbacks=[AfterFirst()])
+        try:
+            trainer.fit(model, train_dataloaders=torch.utils.data.DataLoader(batches, batch_size=None,
+                                                                             collate_fn=lambda x: x))
+        except Exception as exc:  # noqa: BLE001 - returned for the test to inspect
+            error = f"{type(exc).__name__}: {exc}"
+    return {"error": error, "poisoned": poisoned, "weights": _full_weights(model), "after_first": after,
+            "global_step": trainer.global_step, "skipped": strategy.skipped_steps}
+
+
+def test_nonfinite_loss_stops_every_rank_before_the_update_by_default(ranks):
+    results = ranks(4).run(nonfinite_phase, None, float("nan"), [0, 1, 2])
+    clean = ranks(4).run(nonfinite_phase, "stop", None, [0, 2])[0]
+    where = results[2]["poisoned"][0]  # e.g. "rank 2, global step 1 (batch 1), stage 2/3 (layout dp2xtp2), ..."
+    stage = where.split("stage ")[1].split("/")[0]
+    layout = where.split("(layout ")[1].split(")")[0].split(",")[0]
+    for r in results:  # every rank, the same verdict and the same report
+        assert r["error"] is not None and r["error"].startswith("NonFiniteLossError: non-finite loss at step 1")
+        assert f"rank 2 stage {stage} (layout {layout}" in r["error"] and "micro-batch 1: loss nan" in r["error"]
+        assert "Plan: [stage 1 dp4" in r["error"] and "nonfinite='skip'" in r["error"]
+        assert r["error"].split(". Plan:")[0] == results[0]["error"].split(". Plan:")[0]
+        assert r["global_step"] == 1
+    # nothing of step 1 reached the weights: they are those after step 0
+    for n, w in clean["after_first"][0].items():
+        assert torch.equal(results[0]["weights"][n], w), n
+
+
+def test_nonfinite_loss_skip_policy_drops_only_that_update(ranks):
+    results = ranks(4).run(nonfinite_phase, "skip", float("inf"), [0, 1, 2])
+    clean = ranks(4).run(nonfinite_phase, "skip", None, [0, 2])[0]
+    for r in results:
+        assert r["error"] is None and r["global_step"] == 3
+        assert [s["global_step"] for s in r["skipped"]] == [1]
+        assert "rank 2 stage" in r["skipped"][0]["report"] and "loss inf" in r["skipped"][0]["report"]
+    # AdamW without a schedule: skipping step 1 leaves exactly the run over steps 0 and 2
+    for n, w in clean["weights"].items():
+        assert torch.equal(results[0]["weights"][n], w), n
+
+
+# ---------------------------------------------------------------------------------------- single process
+def test_breadcrumb_names_the_position_and_survives_in_its_file(tmp_path):
+    from lightning_hotspa.layout import Layout
+    from lightning_hotspa.plan import RankStage, pack_micro_batch
+    from lightning_hotspa.reliability import StepTracker
+
+    tracker = StepTracker()
+    tracker.rank = 3
+    path = tracker.open_file(tmp_path, 3)
+    mb = pack_micro_batch([torch.arange(5), torch.arange(3)])
+    tracker.begin_step(7, 2, num_stages=2)
+    tracker.enter_stage(RankStage(Layout(dp=2, tp=2), (mb, mb, mb), label="(256,512]"))
+    assert path.read_text().startswith("rank 3, global step 7 (batch 2), stage 1/2 (layout dp2xtp2, bucket "
+                                       "(256,512]), phase switch")
+    tracker.enter_micro_batch()
+    tracker.enter_micro_batch()
+    assert "micro-batch 2/3, phase forward-backward" in path.read_text()
+    tracker.enter_phase("reduce")
+    assert path.read_text().rstrip().endswith("stage 1/2 (layout dp2xtp2, bucket (256,512]), phase reduce")
+    tracker.enter_phase("optimizer")
+    assert path.read_text().rstrip() == "rank 3, global step 7 (batch 2), phase optimizer"
+    assert len(path.read_bytes()) == 400  # rewritten in place, never growing
+    tracker.close_file()
+
+
+def test_guard_wraps_failed_collectives_only():
+    from lightning_hotspa.reliability import CollectiveError, StepTracker
+
+    tracker = StepTracker()
+    tracker.begin_step(4, 4, 1)
+    gloo = RuntimeError("[../gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:1234")
+    with pytest.raises(CollectiveError, match=r"a collective failed in a barrier at rank 0, global step 4") as info:
+        with tracker.guard("a barrier"):
+            raise gloo
+    assert info.value.__cause__ is gloo and "Connection closed by peer" in str(info.value)
+    with pytest.raises(ValueError, match="user bug"):  # not a collective: passes through untouched
+        with tracker.guard():
+            raise ValueError("user bug")
+    with pytest.raises(CollectiveError) as outer:  # nested guards wrap once
+        with tracker.guard(), tracker.guard():
+            raise gloo
+    assert outer.value.__cause__ is gloo
+
+
+def test_nccl_flight_recorder_is_enabled_unless_the_user_chose():
+    from lightning_hotspa.reliability import enable_nccl_flight_recorder
+
+    env: dict[str, str] = {}
+    assert enable_nccl_flight_recorder("nccl", env) and env["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "2000"
+    assert env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
+    mine = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "0"}
+    assert not enable_nccl_flight_recorder("nccl", mine) and mine == {"TORCH_NCCL_TRACE_BUFFER_SIZE": "0"}
+    gloo: dict[str, str] = {}
+    assert not enable_nccl_flight_recorder("gloo", gloo) and gloo == {}
+
+
+def _save(path, value: float, step: int):
+    from lightning_hotspa.checkpoint import save_distributed_checkpoint
+
+    checkpoint = {"state_dict": {"w": torch.full((4,), value)}, "global_step": step}
+    save_distributed_checkpoint(checkpoint, path, is_rank_zero=True, barrier=lambda: None)
+
+
+def _load(path) -> float:
+    from lightning_hotspa.checkpoint import load_distributed_checkpoint
+
+    module = torch.nn.Module()
+    module.w = torch.nn.Parameter(torch.zeros(4))
+    meta = load_distributed_checkpoint(path, module, [])
+    return float(module.w[0]), meta["global_step"]
+
+
+def test_interrupted_saves_leave_the_previous_checkpoint_usable(tmp_path, monkeypatch):
+    import torch.distributed.checkpoint as dcp
+
+    from lightning_hotspa import checkpoint as ck
+
+    _save(tmp_path / "step=2", 2.0, 2)
+    # 1) a new checkpoint dies while DCP writes its shards
+    real_save = dcp.save
+
+    def dying_save(state, checkpoint_id):
+        (ck.Path(checkpoint_id) / "__0_0.distcp").write_bytes(b"partial")
+        raise KeyboardInterrupt("killed mid-write")
+
+    monkeypatch.setattr(dcp, "save", dying_save)
+    with pytest.raises(KeyboardInterrupt):
+        _save(tmp_path / "step=4", 4.0, 4)
+    monkeypatch.setattr(dcp, "save", real_save)
+    assert (tmp_path / "step=4.tmp").is_dir() and not (tmp_path / "step=4").exists()
+    assert ck.latest_checkpoint(tmp_path).name == "step=2" and _load(ck.latest_checkpoint(tmp_path)) == (2.0, 2)
+    with pytest.raises(ck.CheckpointError, match=r"step=4.tmp' ends in '.tmp'"):
+        _save(tmp_path / "step=4.tmp", 4.0, 4)
+    # 2) overwriting step=2 in place dies between moving the old one aside and moving the new one in
+    real_replace = ck.os.replace
+    calls = []
+
+    def dying_replace(src, dst):
+        calls.append((src, dst))
+        if len(calls) == 2:
+            raise KeyboardInterrupt("killed between the renames")
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(ck.os, "replace", dying_replace)
+    with pytest.raises(KeyboardInterrupt):
+        _save(tmp_path / "step=2", 3.0, 3)
+    monkeypatch.setattr(ck.os, "replace", real_replace)
+    assert not (tmp_path / "step=2").exists() and (tmp_path / "step=2.old").is_dir()
+    assert _load(tmp_path / "step=2") == (2.0, 2)  # resolved to the intact .old
+    assert ck.latest_checkpoint(tmp_path).name == "step=2.old"
+    # 3) a complete newer save wins
+    _save(tmp_path / "step=6", 6.0, 6)
+    assert ck.latest_checkpoint(tmp_path).name == "step=6" and _load(tmp_path / "step=6") == (6.0, 6)
+
+
+def test_periodic_checkpoints_come_from_the_hydra_config(tmp_path):
+    from hydra import compose, initialize_config_dir
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_hotspa.recipe import CONFIG_DIR, build_trainer, register_resolvers
+
+    register_resolvers()
+    with initialize_config_dir(str(CONFIG_DIR), version_base="1.3"):
+        cfg = compose("config", overrides=["trainer=cpu1", "logger=none", "strategy.layouts=[{dp: 1}]",
+                                           "checkpoint.every_n_steps=5", f"checkpoint.dirpath={tmp_path}",
+                                           "output_dir=" + str(tmp_path), "hardware=cpu-gloo"])
+    trainer = build_trainer(cfg)
+    saver = [c for c in trainer.callbacks if isinstance(c, ModelCheckpoint)]
+    assert len(saver) == 1 and saver[0]._every_n_train_steps == 5 and saver[0].dirpath == str(tmp_path)
