@@ -45,7 +45,7 @@ T0 = 0.0
 LAYOUTS = ["dp4", "dp2xtp2", "tp2xcp2"]
 TOKENS_PER_RANK = 32  # buckets: (0, 32] dp4, (32, 64] dp2xtp2, (64, 128] tp2xcp2
 CONTEXT = 128
-NUM_DOCS = 48
+NUM_DOCS = 36
 TOKENS_PER_BATCH = 512
 VOCAB = 256
 
@@ -80,7 +80,8 @@ class Recorder(Callback):
 
 def install_kill(kind: str, at_step: int, strategy: HotSPaStrategy, out: Path) -> None:
     """Rank 1 SIGKILLs itself at global step ``at_step``: in a switch of the step's second stage, in
-    a later micro-batch's forward, or inside the distributed checkpoint write."""
+    a later micro-batch's forward, or in the middle of the distributed checkpoint write (its shards
+    written, the checkpoint not yet complete)."""
     tracker = strategy.tracker
 
     def die(where: str) -> None:
@@ -108,17 +109,18 @@ def install_kill(kind: str, at_step: int, strategy: HotSPaStrategy, out: Path) -
 
         LlamaLM.training_step = training_step
     elif kind == "checkpoint":
-        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
-        real_save = dcp.save
+        real_write = FileSystemWriter.write_data
 
-        def save(state, *args, **kwargs):
+        def write_data(self, plan, planner):
+            written = real_write(self, plan, planner)
             if strategy.lightning_module.trainer.global_step == at_step:
-                time.sleep(0.3)  # rank 0 is writing its shards by now
-                die(f"dcp.save at global step {at_step}")
-            return real_save(state, *args, **kwargs)
+                written.wait()  # this rank's shards are on disk; DCP's .metadata and meta.pt are not
+                die(f"after writing its shards of the step-{at_step} checkpoint")
+            return written
 
-        dcp.save = save
+        FileSystemWriter.write_data = write_data
     else:
         raise SystemExit(f"unknown kill kind {kind!r}")
 
@@ -204,7 +206,8 @@ def launch(job: dict, timeout_s: float, deadline_s: float) -> None:
     kill = json.loads(kill_file.read_text()) if kill_file.exists() else None
     ckpt = Path(job["ckpt"])
     report = {"exit_codes": codes, "exit_times": times, "hung": hung, "start": start, "kill": kill,
-              "wall_s": time.time() - start, "checkpoints": sorted(os.listdir(ckpt)) if ckpt.is_dir() else []}
+              "wall_s": time.time() - start, "checkpoints": sorted(os.listdir(ckpt)) if ckpt.is_dir() else [],
+              "tmp_contents": sorted(n for d in ckpt.glob("*.tmp") for n in os.listdir(d)) if ckpt.is_dir() else []}
     (out / "job.json").write_text(json.dumps(report))
 
 
