@@ -139,6 +139,15 @@ def _check_context(cfg: DictConfig) -> None:
     from .strategy import default_layouts
 
     s, world = cfg.strategy, _world_size(cfg.trainer)
+    context = cfg.data.get("context_length")
+    planner_cfg = s.get("planner")
+    if isinstance(planner_cfg, DictConfig) and isinstance(context, int):
+        bounds = [b[0] if isinstance(b, (list, ListConfig)) else b for b in planner_cfg.get("buckets") or []]
+        above = [b for b in bounds if isinstance(b, int) and b > context]
+        if above:
+            raise ConfigError(f"strategy.planner.buckets: bound(s) {above} are above data.context_length={context}; "
+                              f"no document is longer than the context, so those buckets never fill: lower them "
+                              f"or raise data.context_length")
     if world is None or s.get("_target_") not in _STRATEGY_TARGETS or s.get("planner", "rule") != "rule":
         return
     spec = s.get("layouts", "auto")
@@ -149,7 +158,6 @@ def _check_context(cfg: DictConfig) -> None:
     except (LayoutError, ValueError, TypeError):
         return  # reported elsewhere, or not ours to judge
     longest = planner.buckets[-1]
-    context = cfg.data.get("context_length")
     if isinstance(context, int) and context > longest.high:
         raise ConfigError(
             f"data.context_length={context} is longer than any layout's micro-batch holds ({longest.high} tokens "
@@ -209,6 +217,44 @@ def _build_all(name: str, node: Any) -> list[Any]:
     return [build(f"{name}.{key}", value) for key, value in node.items() if value is not None]
 
 
+def checkpoint_callback(node: Any) -> Any:
+    """A ``ModelCheckpoint`` every ``checkpoint.every_n_steps`` optimizer steps keeping the newest
+    ``checkpoint.keep`` (by step), or None when periodic checkpoints are off."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    if node is None or node.get("every_n_steps") is None:
+        return None
+    every, keep = node.get("every_n_steps"), node.get("keep", 2)
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        raise ConfigError(f"checkpoint.every_n_steps must be a positive int or null (off), got {every!r}")
+    if isinstance(keep, bool) or not isinstance(keep, int) or keep == 0 or keep < -1:
+        raise ConfigError(f"checkpoint.keep must be a positive int or -1 (all), got {keep!r}")
+    dirpath = node.get("dirpath")
+    if not dirpath:
+        raise ConfigError("checkpoint.dirpath is empty; give the folder periodic checkpoints go to")
+    return ModelCheckpoint(dirpath=str(dirpath), every_n_train_steps=every, save_top_k=keep, monitor="step",
+                           mode="max", filename="{epoch}-{step}")
+
+
+def resolve_ckpt_path(cfg: DictConfig) -> str | None:
+    """``ckpt_path``, with ``latest`` meaning the newest complete checkpoint in ``checkpoint.dirpath``."""
+    from .checkpoint import latest_checkpoint
+
+    spec = cfg.get("ckpt_path")
+    if spec != "latest":
+        return spec
+    node = cfg.get("checkpoint") or {}
+    dirpath = node.get("dirpath")
+    if not dirpath:
+        raise ConfigError("ckpt_path=latest needs checkpoint.dirpath (the folder to look in)")
+    found = latest_checkpoint(dirpath)
+    if found is None:
+        print(f"ckpt_path=latest: no complete checkpoint in {dirpath}; starting from scratch", file=sys.stderr,
+              flush=True)
+        return None
+    return str(found)
+
+
 def build_trainer(cfg: DictConfig) -> Any:
     """Strategy, loggers and callbacks first, then the Trainer that gets them."""
     from lightning.pytorch.callbacks import LearningRateMonitor
@@ -218,9 +264,14 @@ def build_trainer(cfg: DictConfig) -> Any:
     callbacks = _build_all("callbacks", cfg.get("callbacks"))
     if not loggers:  # Lightning refuses a LearningRateMonitor without a logger
         callbacks = [c for c in callbacks if not isinstance(c, LearningRateMonitor)]
+    extra = {}
+    saver = checkpoint_callback(cfg.get("checkpoint"))
+    if saver is not None:
+        callbacks.append(saver)
+        extra["enable_checkpointing"] = True
     make = build("trainer", cfg.trainer, _partial_=True)
     try:
-        return make(strategy=strategy, logger=loggers or False, callbacks=callbacks)
+        return make(strategy=strategy, logger=loggers or False, callbacks=callbacks, **extra)
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"trainer: {_first_line(exc)}") from exc
 
@@ -257,7 +308,7 @@ def train(cfg: DictConfig) -> int:
     with trainer.init_module(empty_init=bool(cfg.get("empty_init", False))):
         model = build("model", cfg.model)
     _note_torchrun_run_dir()
-    trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
+    trainer.fit(model, datamodule=datamodule, ckpt_path=resolve_ckpt_path(cfg))
     monitor = next((c for c in trainer.callbacks if isinstance(c, HotSPaMonitor)), None)
     expected = cfg.get("expect_loss_ratio")
     if trainer.global_rank != 0 or expected is None:

@@ -13,7 +13,7 @@ optimizer, checkpoints and ``module.parameters()`` see outside a step.
 from __future__ import annotations
 
 import contextlib
-import math
+import os
 import time
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
@@ -35,17 +35,23 @@ from lightning.pytorch.strategies.launchers.subprocess_script import _Subprocess
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer import call
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
-from .checkpoint import load_distributed_checkpoint, save_distributed_checkpoint
+from .checkpoint import (
+    check_checkpoint_dirs,
+    load_distributed_checkpoint,
+    resolve_checkpoint,
+    save_distributed_checkpoint,
+)
 from .layout import Layout, LayoutError, MeshShape, WorldMesh, parse_layouts
 from .parallel.model import ParallelModel
 from .placements import build_shardings
 from .plan import MicroBatch, RankPlan, RankStage
 from .precision import HotSPaPrecision
+from .reliability import StepTracker, check_nonfinite_policy, enable_nccl_flight_recorder
 from .stats import StageStats, step_metrics
 from .switch import SwitchEngine, build_home_parameters
 
@@ -80,6 +86,15 @@ class HotSPaStrategy(ParallelStrategy):
             tp*cp > 1, the long-sequence ones) or a list of layouts.
         default_layout: the layout plain (non-plan) batches, validation and prediction run in;
             default: the most data-parallel candidate.
+        nonfinite: what a NaN/Inf micro-batch loss does, decided alike on every rank before the
+            optimizer step: ``"stop"`` (default; raises ``NonFiniteLossError`` naming the step, stage,
+            layout and micro-batch) or ``"skip"`` (no update for that step; logged with its plan).
+        breadcrumb_dir: where each rank keeps its current step / stage / layout / micro-batch / phase
+            as ``rank<N>.txt`` (also ``$HOTSPA_BREADCRUMB_DIR``). Default: off on gloo (a failed
+            collective raises an error naming it), ``<default_root_dir>/hotspa_breadcrumbs`` on NCCL,
+            whose watchdog aborts the process without a Python error.
+        timeout: the process-group timeout (a ``timedelta`` or seconds): how long a rank waits in a
+            collective for a peer that hangs (a peer that dies is noticed at once on gloo).
     """
 
     strategy_name = "hotspa"
@@ -93,13 +108,15 @@ class HotSPaStrategy(ParallelStrategy):
         hardware: str = "cpu-gloo",
         activation_checkpointing: bool | str | Sequence[Layout | str] = False,
         default_layout: Layout | str | None = None,
+        nonfinite: str = "stop",
+        breadcrumb_dir: str | os.PathLike | None = None,
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
         process_group_backend: str | None = None,
-        timeout: timedelta | None = default_pg_timeout,
+        timeout: timedelta | float = default_pg_timeout,
     ) -> None:
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
@@ -114,13 +131,27 @@ class HotSPaStrategy(ParallelStrategy):
         if isinstance(activation_checkpointing, str) and activation_checkpointing != "auto":
             raise ValueError(f"activation_checkpointing must be a bool, 'auto' or a list of layouts, "
                              f"got {activation_checkpointing!r}")
+        if isinstance(planner, str) and planner not in ("rule", "cost"):
+            raise ValueError(f"unknown planner {planner!r}; use 'rule', 'cost' or a Planner instance")
+        if not isinstance(planner, str) and not all(hasattr(planner, a) for a in ("layouts", "capacity", "plan")):
+            raise ValueError(f"planner must be 'rule', 'cost' or a Planner (layouts, capacity, plan); got "
+                             f"{type(planner).__name__}")
+        if planner == "cost":
+            from .planner.hardware import get_profile
+
+            get_profile(hardware)  # an unknown profile name fails here, naming the known ones
         self.tokens_per_rank = tokens_per_rank
         self._planner_spec = planner
         self.hardware = hardware
         self._ac_spec = activation_checkpointing
         self._default_layout_spec = Layout.parse(default_layout) if default_layout is not None else None
         self._process_group_backend = process_group_backend
-        self._timeout = timeout
+        self._timeout = _as_timeout(timeout)
+        self.nonfinite = check_nonfinite_policy(nonfinite)
+        self._breadcrumb_dir = breadcrumb_dir if breadcrumb_dir is not None else os.environ.get("HOTSPA_BREADCRUMB_DIR")
+        self.tracker = StepTracker()  # this rank's breadcrumb and the step's micro-batch losses
+        self.skipped_steps: list[dict[str, Any]] = []  # non-finite steps dropped under nonfinite="skip"
+        self._skip_update = False
         self.num_nodes = 1
         self.world: WorldMesh | None = None
         self.layouts: tuple[Layout, ...] = ()
@@ -202,10 +233,17 @@ class HotSPaStrategy(ParallelStrategy):
         kwargs: dict[str, Any] = {"timeout": self._timeout}
         if self.root_device.type != "cpu":
             kwargs["device_id"] = self.root_device
+        enable_nccl_flight_recorder(self._process_group_backend)  # before the process group exists
         _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
+        self.tracker.rank = self.global_rank
         world_size = dist.get_world_size()
         specs = default_layouts(world_size) if self._layout_spec == "auto" else self._layout_spec
-        self.layouts = parse_layouts(specs, world_size)
+        try:
+            self.layouts = parse_layouts(specs, world_size)
+        except LayoutError as exc:
+            raise LayoutError(f"{type(self).__name__}(layouts={[str(x) for x in specs]}): {exc} (devices x num_nodes; "
+                              f"a run resumed on another number of ranks needs layouts for it, e.g. "
+                              f"{[str(x) for x in default_layouts(world_size)]} or 'auto')") from None
         self.world = WorldMesh(self.layouts, device_type=self.root_device.type)
         self.mesh_shape = self.world.shape
 
@@ -276,10 +314,20 @@ class HotSPaStrategy(ParallelStrategy):
                              f"{trainer.accumulate_grad_batches}: one step plan is one optimizer step; raise the "
                              f"data module's tokens_per_batch instead")
         self._build_home_state(module)
+        self._open_breadcrumbs(trainer)
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
+            check_checkpoint_dirs(trainer, is_rank_zero=self.global_rank == 0, broadcast=self.broadcast)
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
+
+    def _open_breadcrumbs(self, trainer: Any) -> None:
+        directory = self._breadcrumb_dir
+        if directory is None and self._process_group_backend and "nccl" in self._process_group_backend:
+            directory = os.path.join(trainer.default_root_dir, "hotspa_breadcrumbs")
+        if directory is not None and self.tracker.path is None:
+            path = self.tracker.open_file(directory, self.global_rank)
+            rank_zero_info(f"hotspa: each rank's position in the step is kept in {path.parent}")
 
     def _roles(self, module: nn.Module) -> dict[str, str]:
         max_tp = max(x.tp for x in self.layouts)
@@ -340,7 +388,9 @@ class HotSPaStrategy(ParallelStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> Tensor:
         batch, batch_idx = args[0], (args[1] if len(args) > 1 else kwargs.get("batch_idx", 0))
         plan = batch if isinstance(batch, RankPlan) else self._plain_plan(batch)
-        return self._run_plan(plan, batch_idx)
+        self.tracker.begin_step(self.lightning_module.trainer.global_step, batch_idx, len(plan.stages))
+        with self.tracker.guard():
+            return self._run_plan(plan, batch_idx)
 
     def _plain_plan(self, batch: Any) -> RankPlan:
         """An ordinary batch: one stage in the default layout; loss weighted by this rank's target
@@ -374,16 +424,19 @@ class HotSPaStrategy(ParallelStrategy):
         stats: list[StageStats] = []
         try:
             for stage in plan.stages:
+                self.tracker.enter_stage(stage)
                 t0 = time.perf_counter()
                 report = self._switch_to(stage.layout)
                 self.parallel.activate(stage.layout, self.engine.working,
                                        stage.activation_checkpointing or self.activation_checkpointing_for(stage.layout))
                 t1 = time.perf_counter()
                 for mb in stage.micro_batches:
+                    self.tracker.enter_micro_batch()
                     with self.parallel.micro_batch(mb if isinstance(mb, MicroBatch) else None), \
                             self.precision_plugin.train_step_context():
                         loss = module.training_step(mb, batch_idx)
                     loss = _as_scalar_loss(loss, module)
+                    self.tracker.record_loss(loss, mb)
                     scaled = loss * self._loss_weight(mb, plan, stage.layout)
                     call._call_callback_hooks(trainer, "on_before_backward", scaled)
                     call._call_lightning_module_hook(trainer, "on_before_backward", scaled)
@@ -392,6 +445,7 @@ class HotSPaStrategy(ParallelStrategy):
                     call._call_lightning_module_hook(trainer, "on_after_backward")
                     loss_sum += scaled.detach().double() / stage.layout.tp  # tp ranks hold copies
                 t2 = time.perf_counter()
+                self.tracker.enter_phase("reduce")
                 grad_report = self.engine.reduce_gradients()
                 t3 = time.perf_counter()
                 stats.append(StageStats.measure(stage, report, grad_report, switch_s=t1 - t0,
@@ -401,7 +455,9 @@ class HotSPaStrategy(ParallelStrategy):
             self.engine.release()
         self.last_stage_stats = stats
         # the one small collective of the step: the exact global loss and the slowest rank's times
+        self.tracker.enter_phase("metrics")
         loss, metrics, table = step_metrics(loss_sum, stats, self.root_device)
+        self._skip_update = self._check_finite(loss, plan, metrics)
         self.last_metrics = metrics
         self._observe_timings(plan, table)
         if metrics and not plan.extras.get("plain"):
@@ -426,6 +482,25 @@ class HotSPaStrategy(ParallelStrategy):
             planner.observe(gathered_observations(table, self.last_stage_stats, ac))
         planner.refit(plan.step)
 
+    def _check_finite(self, loss: Tensor, plan: RankPlan, metrics: dict[str, float]) -> bool:
+        """True: drop this step's update. The gathered total is the same on every rank, and any
+        NaN/Inf micro-batch loss makes it non-finite, so all ranks decide alike with no extra sync."""
+        if bool(torch.isfinite(loss)):
+            return False
+        assert self.engine is not None
+        self.engine.clear_grad_store()
+        report = self.tracker.nonfinite_report(plan)  # a collective, on every rank together
+        if self.nonfinite == "stop":
+            from .reliability import NonFiniteLossError
+
+            raise NonFiniteLossError(f"{report}. Stopping before the optimizer step (nonfinite='stop'; "
+                                     f"nonfinite='skip' drops such steps instead)")
+        self.skipped_steps.append({"global_step": self.tracker.step, "batch_idx": self.tracker.batch_idx,
+                                   "report": report})
+        metrics["hotspa/skipped_steps"] = float(len(self.skipped_steps))
+        rank_zero_warn(f"hotspa: skipping the update: {report} (nonfinite='skip')")
+        return True
+
     def _switch_to(self, layout: Layout) -> Any:
         assert self.engine is not None
         if self.engine.active is None:
@@ -437,9 +512,19 @@ class HotSPaStrategy(ParallelStrategy):
         """Gradients were computed and reduced inside ``training_step``; hand them to the home params
         now, after Lightning's ``zero_grad`` (DESIGN.md, closure trap)."""
         assert self.engine is not None
-        self.engine.assign_home_grads()
+        if self._skip_update:  # a non-finite step under nonfinite="skip": no gradients, no update
+            for p in self.home.values():
+                p.grad = None
+        else:
+            self.engine.assign_home_grads()
         self.engine.clear_grad_store()
+        self.tracker.enter_phase("optimizer")
         return closure_loss
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        with self.tracker.guard():  # clipping's all-reduce; the step itself (in the closure) is guarded there
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
 
     # ------------------------------------------------------------------ evaluation
     def _eval_step(self, hook: str, args: tuple, kwargs: dict) -> Any:
@@ -464,40 +549,51 @@ class HotSPaStrategy(ParallelStrategy):
             self.engine.release()
         return output
 
+    def _eval_guard(self, hook: str) -> Any:
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        self.tracker.between_steps(hook, trainer.global_step if trainer is not None else -1)
+        return self.tracker.guard()
+
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._eval_step("validation_step", args, kwargs)
+        with self._eval_guard("validation_step"):
+            return self._eval_step("validation_step", args, kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._eval_step("test_step", args, kwargs)
+        with self._eval_guard("test_step"):
+            return self._eval_step("test_step", args, kwargs)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._eval_step("predict_step", args, kwargs)
+        with self._eval_guard("predict_step"):
+            return self._eval_step("predict_step", args, kwargs)
 
     # ------------------------------------------------------------------ collectives
     @override
     def barrier(self, name: str | None = None) -> None:
         if not _distributed_is_initialized():
             return
-        if dist.get_backend() == "nccl":
-            dist.barrier(device_ids=[self.root_device.index])
-        else:
-            dist.barrier()
+        with self.tracker.guard(f"barrier {name!r}" if name else "a barrier"):
+            if dist.get_backend() == "nccl":
+                dist.barrier(device_ids=[self.root_device.index])
+            else:
+                dist.barrier()
 
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         if not _distributed_is_initialized():
             return obj
         box = [obj]
-        dist.broadcast_object_list(box, src)
+        with self.tracker.guard("a broadcast"):
+            dist.broadcast_object_list(box, src)
         return box[0]
 
     @override
     def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
         if isinstance(tensor, Tensor):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+            with self.tracker.guard("a reduce"):
+                return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
 
     @override
@@ -505,6 +601,7 @@ class HotSPaStrategy(ParallelStrategy):
         if self.parallel is not None and self.home:
             self.parallel.restore(self.home)
         assert self.cluster_environment is not None and self.accelerator is not None
+        self.tracker.close_file()
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
         self.accelerator.teardown()
@@ -536,12 +633,20 @@ class HotSPaStrategy(ParallelStrategy):
         checkpoint.setdefault("hotspa", {})["planner"] = (self.planner.state_dict()
                                                           if hasattr(self.planner, "state_dict") else {})
         checkpoint["hotspa"]["layouts"] = [x.name for x in self.layouts]
-        save_distributed_checkpoint(checkpoint, path, is_rank_zero=self.global_rank == 0, barrier=self.barrier)
+        checkpoint["hotspa"]["world_size"] = self.world_size
+        self.tracker.between_steps(f"checkpoint save to {path}", checkpoint.get("global_step", -1))
+        with self.tracker.guard("a checkpoint save"):
+            save_distributed_checkpoint(checkpoint, path, is_rank_zero=self.global_rank == 0, barrier=self.barrier,
+                                        broadcast=self.broadcast)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        path = self.broadcast(str(checkpoint_path))
+        path = str(resolve_checkpoint(self.broadcast(str(checkpoint_path))))
         checkpoint = load_distributed_checkpoint(path, self.lightning_module, self.optimizers)
+        saved = checkpoint.get("hotspa", {})
+        rank_zero_info(f"hotspa: resuming from {path} (epoch {checkpoint.get('epoch')}, global step "
+                       f"{checkpoint.get('global_step')}; saved by {saved.get('world_size', '?')} ranks with layouts "
+                       f"{saved.get('layouts', '?')}, now {self.world_size} ranks with {[x.name for x in self.layouts]})")
         planner_state = checkpoint.get("hotspa", {}).get("planner")
         if planner_state and hasattr(self.planner, "load_state_dict"):
             self.planner.load_state_dict(planner_state)
@@ -568,6 +673,19 @@ _EVAL_CONTEXTS = {"validation_step": "val_step_context", "test_step": "test_step
                   "predict_step": "predict_step_context"}
 
 
+def _as_timeout(timeout: Any) -> timedelta:
+    """A ``timedelta``, or seconds as a number (what a YAML config can say)."""
+    if isinstance(timeout, timedelta):
+        seconds = timeout.total_seconds()
+    elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
+        seconds = float(timeout)
+    else:
+        raise ValueError(f"timeout must be a datetime.timedelta or a number of seconds, got {timeout!r}")
+    if not seconds > 0:
+        raise ValueError(f"timeout must be positive, got {timeout!r}")
+    return timeout if isinstance(timeout, timedelta) else timedelta(seconds=seconds)
+
+
 def _as_scalar_loss(loss: Any, module: nn.Module) -> Tensor:
     if isinstance(loss, Mapping):
         loss = loss.get("loss")
@@ -576,8 +694,5 @@ def _as_scalar_loss(loss: Any, module: nn.Module) -> Tensor:
             "" if loss.requires_grad else " without grad")
         raise ValueError(f"{type(module).__name__}.training_step must return a scalar loss tensor with a graph "
                          f"(the mean over its micro-batch's target tokens); got {what}")
-    if not math.isfinite(float(loss.detach())):
-        raise FloatingPointError(f"{type(module).__name__}.training_step returned a non-finite loss "
-                                 f"{float(loss.detach())}")
-    return loss.reshape(())
+    return loss.reshape(())  # finiteness is checked once per step, on every rank alike (_check_finite)
 

@@ -406,6 +406,9 @@ class HotSPaDataModule(L.LightningDataModule):
             tokenizer, **dict(tokenizer_kwargs or {}))
         if not (isinstance(val_fraction, (int, float)) and 0.0 <= val_fraction < 1.0):
             raise DataError(f"{name}: val_fraction must be in [0, 1), got {val_fraction!r}")
+        if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
+            raise DataError(f"{name}: num_workers must be an int >= 0 (0: load in the training process), "
+                            f"got {num_workers!r}")
         if batches_per_epoch is not None and (isinstance(batches_per_epoch, bool) or not isinstance(
                 batches_per_epoch, int) or batches_per_epoch < 1):
             raise DataError(f"{name}: batches_per_epoch must be a positive int or None, got {batches_per_epoch!r}")
@@ -516,6 +519,11 @@ class HotSPaDataModule(L.LightningDataModule):
                             f"({[str(x) for x in mesh.layouts]})")
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < mesh.world_size:
             raise DataError(f"{name}: rank {rank!r} is outside the mesh of {mesh.world_size} ranks")
+        above = [b for b in getattr(planner, "hand_set_bounds", ()) if b > self.context_length]
+        if isinstance(self.context_length, int) and above:
+            raise DataError(f"{name}: context_length={self.context_length} is smaller than the hand-set bucket "
+                            f"bound(s) {above} of {type(planner).__name__}: no document is longer than the "
+                            f"context, so those buckets can never fill; lower the bounds or raise context_length")
         longest = self._longest_plannable(planner)
         if self.context_length > longest:
             raise DataError(f"{name}: context_length={self.context_length} is longer than any "

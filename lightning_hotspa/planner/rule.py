@@ -114,6 +114,8 @@ class ThresholdPlanner:
             self.buckets = (Bucket(0, max_doc_length(self.capacity(lay), lay.cp), lay),)
         else:
             self.buckets = self._custom_buckets(buckets) if buckets is not None else self._default_buckets()
+        # the bounds the user set by hand (the defaults after them follow the layouts' capacities)
+        self.hand_set_bounds: tuple[int, ...] = tuple(b.high for b in self.buckets[:len(buckets or ())])
         used = {b.layout for b in self.buckets}
         self.stage_order: tuple[Layout, ...] = tuple(sorted(used, key=lambda x: (-x.tp, -x.cp)))
         self.backfill = bool(backfill)
