@@ -241,7 +241,7 @@ class HotSPaStrategy(ParallelStrategy):
             raise LayoutError(f"{type(self).__name__}(layouts={[str(x) for x in specs]}): {exc} (devices x num_nodes; "
                               f"a run resumed on another number of ranks needs layouts for it, e.g. "
                               f"{[str(x) for x in default_layouts(world_size)]} or 'auto')") from None
-        self.world = WorldMesh(self.layouts, device_type=self.root_device.type)
+        self.world = WorldMesh(self.layouts, device_type=self.root_device.type, timeout=self._timeout)
         self.mesh_shape = self.world.shape
 
     def set_world_ranks(self) -> None:
