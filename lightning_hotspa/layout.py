@@ -21,6 +21,7 @@ import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 from functools import cached_property
 
 import torch
@@ -287,9 +288,13 @@ class WorldMesh:
 
     Built collectively (every rank, same arguments) after ``init_process_group``. Groups are created
     eagerly and in the same order on every rank, since ``dist.new_group`` must be called by all.
+    ``timeout`` is their collective timeout: ``dist.new_group`` does not inherit the default group's,
+    it takes torch's 30-minute default, so a hung peer in a tp / cp / dp collective would block that
+    long (the ``DeviceMesh``'s own sub-groups, used off the step's hot path, keep torch's default).
     """
 
-    def __init__(self, layouts: Iterable[Layout | str | Mapping[str, int]], device_type: str = "cpu") -> None:
+    def __init__(self, layouts: Iterable[Layout | str | Mapping[str, int]], device_type: str = "cpu",
+                 timeout: timedelta | None = None) -> None:
         import torch.distributed as dist
         from torch.distributed.device_mesh import DeviceMesh
 
@@ -299,6 +304,7 @@ class WorldMesh:
         self.shape = MeshShape.for_layouts(layouts, dist.get_world_size())
         self.layouts = self.shape.layouts
         self.device_type = device_type
+        self.timeout = timeout
         self.device_mesh = DeviceMesh(device_type, self.shape.mesh_tensor(), mesh_dim_names=self.shape.dim_names)
         self._groups: dict[tuple[int, ...], RankGroup] = {}
         for start in range(self.shape.ndim):
@@ -316,7 +322,7 @@ class WorldMesh:
             if key in seen:
                 continue
             seen.add(key)
-            pg = dist.new_group(list(key)) if len(key) > 1 else None
+            pg = dist.new_group(list(key), timeout=self.timeout) if len(key) > 1 else None
             if self.rank in ranks:
                 mine = RankGroup(dims, ranks, ranks.index(self.rank), pg)
         assert mine is not None

@@ -185,10 +185,14 @@ class StepTracker:
         except BaseException as exc:  # noqa: BLE001 - re-raised, wrapped only if it is a collective failure
             if not is_collective_failure(exc):
                 raise
-            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            inner = exc
+            failures = getattr(exc, "failures", None)  # DCP's CheckpointException: every rank's error
+            if isinstance(failures, dict) and failures:
+                inner = next(iter(failures.values()))[0]
+            first = (str(inner).strip().splitlines() or [type(inner).__name__])[0]
             op = f" in {operation}" if operation else ""
             raise CollectiveError(
-                f"a collective failed{op} at {self.describe()}: {type(exc).__name__}: {first[:500]} -- another rank "
+                f"a collective failed{op} at {self.describe()}: {type(inner).__name__}: {first[:500]} -- another rank "
                 f"has probably died or hung (see its log); resume from the last complete checkpoint") from exc
 
     # ------------------------------------------------------------------ non-finite losses

@@ -51,7 +51,12 @@ from .parallel.model import ParallelModel
 from .placements import build_shardings
 from .plan import MicroBatch, RankPlan, RankStage
 from .precision import HotSPaPrecision
-from .reliability import StepTracker, check_nonfinite_policy, enable_nccl_flight_recorder
+from .reliability import (
+    NonFiniteLossError,
+    StepTracker,
+    check_nonfinite_policy,
+    enable_nccl_flight_recorder,
+)
 from .stats import StageStats, step_metrics
 from .switch import SwitchEngine, build_home_parameters
 
@@ -244,7 +249,7 @@ class HotSPaStrategy(ParallelStrategy):
             raise LayoutError(f"{type(self).__name__}(layouts={[str(x) for x in specs]}): {exc} (devices x num_nodes; "
                               f"a run resumed on another number of ranks needs layouts for it, e.g. "
                               f"{[str(x) for x in default_layouts(world_size)]} or 'auto')") from None
-        self.world = WorldMesh(self.layouts, device_type=self.root_device.type)
+        self.world = WorldMesh(self.layouts, device_type=self.root_device.type, timeout=self._timeout)
         self.mesh_shape = self.world.shape
 
     def set_world_ranks(self) -> None:
@@ -387,9 +392,10 @@ class HotSPaStrategy(ParallelStrategy):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Tensor:
         batch, batch_idx = args[0], (args[1] if len(args) > 1 else kwargs.get("batch_idx", 0))
-        plan = batch if isinstance(batch, RankPlan) else self._plain_plan(batch)
-        self.tracker.begin_step(self.lightning_module.trainer.global_step, batch_idx, len(plan.stages))
+        self.tracker.begin_step(self.lightning_module.trainer.global_step, batch_idx,
+                                len(batch.stages) if isinstance(batch, RankPlan) else 1)
         with self.tracker.guard():
+            plan = batch if isinstance(batch, RankPlan) else self._plain_plan(batch)
             return self._run_plan(plan, batch_idx)
 
     def _plain_plan(self, batch: Any) -> RankPlan:
@@ -491,8 +497,6 @@ class HotSPaStrategy(ParallelStrategy):
         self.engine.clear_grad_store()
         report = self.tracker.nonfinite_report(plan)  # a collective, on every rank together
         if self.nonfinite == "stop":
-            from .reliability import NonFiniteLossError
-
             raise NonFiniteLossError(f"{report}. Stopping before the optimizer step (nonfinite='stop'; "
                                      f"nonfinite='skip' drops such steps instead)")
         self.skipped_steps.append({"global_step": self.tracker.step, "batch_idx": self.tracker.batch_idx,

@@ -8,8 +8,8 @@ given global step and phase. This file, not the product, does the killing.
 
     python tests/reliability_job.py JOBS.json [--timeout S] [--deadline S]
 
-runs the listed jobs one after another ({"out", "ckpt", "every", "resume", "kill": "switch:2" |
-"stage:4" | "checkpoint:6"}), each forked from one process that imported everything once. A job writes
+runs the listed jobs one after another ({"out", "ckpt", "every", "resume", "timeout", "kill": "switch:2"
+| "stage:4" | "checkpoint:6" | "hang:0"}), each forked from one process that imported everything once. A job writes
 OUT_DIR/job.json (per-rank exit codes and exit times, the kill time), OUT_DIR/rank<r>.log,
 OUT_DIR/record<r>.jsonl (per optimizer step: data position and target-token histogram) and, when the
 fit finishes, OUT_DIR/weights.pt (rank 0, full tensors).
@@ -81,11 +81,13 @@ class Recorder(Callback):
 def install_kill(kind: str, at_step: int, strategy: HotSPaStrategy, out: Path) -> None:
     """Rank 1 SIGKILLs itself at global step ``at_step``: in a switch of the step's second stage, in
     a later micro-batch's forward, or in the middle of the distributed checkpoint write (its shards
-    written, the checkpoint not yet complete)."""
+    written, the checkpoint not yet complete); or ("hang") stops answering in that micro-batch."""
     tracker = strategy.tracker
 
     def die(where: str) -> None:
         (out / "kill.json").write_text(json.dumps({"time": time.time(), "where": where}))
+        if kind == "hang":
+            time.sleep(3600)  # alive but silent: the others must give up after the process-group timeout
         os.kill(os.getpid(), signal.SIGKILL)
 
     if kind == "switch":
@@ -99,7 +101,7 @@ def install_kill(kind: str, at_step: int, strategy: HotSPaStrategy, out: Path) -
             return real(self, layout)
 
         SwitchEngine.switch = switch
-    elif kind == "stage":
+    elif kind in ("stage", "hang"):
         real_step = LlamaLM.training_step
 
         def training_step(self, batch, batch_idx=0):
@@ -145,7 +147,8 @@ def rank_main(rank: int, args: argparse.Namespace) -> None:
         callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=args.every, save_top_k=-1))
     trainer = L.Trainer(accelerator="cpu", devices=WORLD, strategy=strategy, max_epochs=1,
                         logger=False, enable_progress_bar=False, enable_model_summary=False,
-                        use_distributed_sampler=False, num_sanity_val_steps=0,
+                        use_distributed_sampler=False, num_sanity_val_steps=0, default_root_dir=str(out),
+                        enable_checkpointing=bool(args.every),
                         callbacks=callbacks)
     model = LlamaLM("tiny", seed=3, lr=3e-3, warmup_steps=2, max_steps=20)
     data = HotSPaDataModule(source(), tokens_per_batch=TOKENS_PER_BATCH, context_length=CONTEXT, seed=11,
@@ -168,9 +171,11 @@ def launch(job: dict, timeout_s: float, deadline_s: float) -> None:
     """One job: fork the ranks, wait (killing any rank still alive at the deadline), write job.json."""
     out = Path(job["out"])
     out.mkdir(parents=True, exist_ok=True)
+    timeout_s = job.get("timeout", timeout_s)
     args = argparse.Namespace(out=str(out), ckpt_dir=job["ckpt"], every=job.get("every", 2),
                               resume=job.get("resume", False), kill=job.get("kill"), timeout=timeout_s,
                               port=_free_port())
+    hanging = 1 if str(job.get("kill")).startswith("hang") else None
     start = time.time()
     pids = {}
     for rank in range(WORLD):
@@ -193,6 +198,8 @@ def launch(job: dict, timeout_s: float, deadline_s: float) -> None:
     while pids and time.time() - start < deadline_s:
         pid, status = os.waitpid(-1, os.WNOHANG)
         if pid == 0:
+            if hanging is not None and list(pids.values()) == [hanging]:
+                os.kill(next(iter(pids)), signal.SIGKILL)  # the others are gone: end the silent one
             time.sleep(0.05)
             continue
         rank = pids.pop(pid)

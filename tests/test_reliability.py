@@ -32,6 +32,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 JOB = ROOT / "tests" / "reliability_job.py"
 PG_TIMEOUT_S = 30.0  # the strategy's process-group timeout in the jobs
+HANG_TIMEOUT_S = 4.0  # ... in the job where rank 1 hangs instead of dying
 TIMINGS: dict[str, float] = {}
 
 
@@ -80,13 +81,14 @@ def chain(tmp_path_factory):
         "checkpoint": {"ckpt": ckpt, "resume": True, "kill": "checkpoint:4"},
         "stage": {"ckpt": ckpt, "resume": True, "kill": "stage:2"},
         "final": {"ckpt": ckpt, "resume": True, "every": 0},
+        "hang": {"ckpt": str(base / "unused"), "every": 0, "kill": "hang:0", "timeout": HANG_TIMEOUT_S},
     })
     jobs["base"] = base
     yield jobs
     print(f"\ncrash-test jobs (s, after imports): {', '.join(f'{k} {v:.1f}' for k, v in TIMINGS.items())}")
 
 
-def _assert_crashed_cleanly(job: dict, step: int) -> list[str]:
+def _assert_crashed_cleanly(job: dict, step: int, within_s: float = PG_TIMEOUT_S) -> list[str]:
     """Rank 1 was SIGKILLed; every other rank exited non-zero, within the collective timeout, with an
     error naming where it was. Returns the survivors' error lines."""
     assert job["kill"] is not None, "rank 1 never reached its kill point"
@@ -97,7 +99,7 @@ def _assert_crashed_cleanly(job: dict, step: int) -> list[str]:
         log = job["logs"][rank]
         assert job["exit_codes"][rank] != 0, f"rank {rank} exited 0 after rank 1 died:\n{log[-2000:]}"
         waited = job["exit_times"][rank] - job["kill"]["time"]
-        assert waited < PG_TIMEOUT_S, f"rank {rank} took {waited:.1f}s to fail"
+        assert waited < within_s, f"rank {rank} took {waited:.1f}s to fail"
         error = [x for x in log.splitlines() if "CollectiveError:" in x]
         assert error, f"rank {rank} failed without naming where it was:\n{log[-3000:]}"
         assert f"rank {rank}, " in error[-1] and f"global step {step}" in error[-1], error[-1]
@@ -139,6 +141,15 @@ def test_killed_rank_during_a_stage_fails_the_others_fast(chain):
     lines = _assert_crashed_cleanly(job, step=2)
     assert "phase forward-backward" in job["kill"]["where"]
     assert any("stage " in x for x in lines), lines
+
+
+def test_a_hung_rank_makes_the_others_time_out_with_their_breadcrumb(chain):
+    job = chain["hang"]
+    # they wait out the process-group timeout, then fail (allowing for Python's exit on a loaded machine)
+    lines = _assert_crashed_cleanly(job, step=0, within_s=HANG_TIMEOUT_S + 15)
+    waits = [job["exit_times"][r] - job["kill"]["time"] for r in (0, 2, 3)]
+    assert min(waits) >= HANG_TIMEOUT_S - 1, waits  # a timeout, not a closed connection
+    assert all("Timed out" in x or "timed out" in x for x in lines), lines
 
 
 def _trained(records: dict, upto: int | None = None) -> dict[int, dict]:
