@@ -436,7 +436,7 @@ class HotSPaStrategy(ParallelStrategy):
                 self.parallel.activate(stage.layout, self.engine.working,
                                        stage.activation_checkpointing or self.activation_checkpointing_for(stage.layout))
                 t1 = time.perf_counter()
-                for mb in stage.micro_batches:
+                for i, mb in enumerate(stage.micro_batches):
                     self.tracker.enter_micro_batch()
                     with self.parallel.micro_batch(mb if isinstance(mb, MicroBatch) else None), \
                             self.precision_plugin.train_step_context():
@@ -446,6 +446,8 @@ class HotSPaStrategy(ParallelStrategy):
                     scaled = loss * self._loss_weight(mb, plan, stage.layout)
                     call._call_callback_hooks(trainer, "on_before_backward", scaled)
                     call._call_lightning_module_hook(trainer, "on_before_backward", scaled)
+                    if i == len(stage.micro_batches) - 1:  # reduce gradient buckets while it runs
+                        self.engine.overlap_next_backward()
                     module.backward(scaled)
                     call._call_callback_hooks(trainer, "on_after_backward")
                     call._call_lightning_module_hook(trainer, "on_after_backward")

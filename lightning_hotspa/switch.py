@@ -6,11 +6,14 @@ chunk lies inside the source chunk) or an all-gather over mesh dims ``[t, s)`` o
 part. All parameters that need the same all-gather travel in ONE fused buffer: one collective per
 distinct dim range instead of one per tensor (as the HotSPa artifact fuses all slices for a peer).
 
-Gradients never move between layouts. At the end of a stage the working gradients (partial sums over
-the layout's dp/cp dims, and over tp for ``replicated_partial`` params) are reduced in fp32 straight
-into the engine's own store in the home sharding: a reduce-scatter over the dims home splits, an
-all-reduce over the dims home replicates. Lightning zeroes ``.grad`` between ``training_step`` and
-``backward``, so the store is handed to the home params only on request (DESIGN.md, closure trap).
+Gradients never move between layouts. The working gradients of a stage (partial sums over the
+layout's dp/cp dims, and over tp for ``replicated_partial`` params) are reduced in fp32 straight into
+the engine's own store in the home sharding: a reduce-scatter over the dims home splits, an all-reduce
+over the dims home replicates. Like DDP, the reductions are bucketed in reverse parameter order and
+can start during the stage's last backward (:meth:`SwitchEngine.overlap_next_backward`): a bucket is
+launched asynchronously once autograd has accumulated all its gradients, and the stage end only
+waits. Lightning zeroes ``.grad`` between ``training_step`` and ``backward``, so the store is handed
+to the home params only on request (DESIGN.md, closure trap).
 """
 
 from __future__ import annotations
@@ -68,9 +71,43 @@ class _MovePlan:
 
 
 @dataclass
+class _GradBucket:
+    """Gradients reduced by one fused collective: a reduce-scatter over ``scatter`` then an
+    all-reduce over ``reduce`` (either may be empty)."""
+
+    scatter: tuple[int, ...]
+    reduce: tuple[int, ...]
+    names: list[str] = field(default_factory=list)
+
+
+@dataclass
 class _ReducePlan:
     slices: dict[str, tuple[int, int]] = field(default_factory=dict)  # name -> replicated dims to slice
-    groups: dict[tuple[tuple[int, ...], tuple[int, ...]], list[str]] = field(default_factory=dict)
+    buckets: list[_GradBucket] = field(default_factory=list)  # launch order: reverse parameter order
+    bucket_of: dict[str, int] = field(default_factory=dict)
+
+
+class _Pending:
+    """One launched asynchronous collective and how to unpack its result."""
+
+    def __init__(self, work, unpack: Callable[[], list[torch.Tensor]]) -> None:
+        self.work, self.unpack = work, unpack
+
+    def result(self) -> list[torch.Tensor]:
+        if self.work is not None:
+            self.work.wait()
+        return self.unpack()
+
+
+@dataclass
+class _Overlap:
+    """Reductions started from gradient hooks during one backward."""
+
+    remaining: list[int]  # per bucket: gradients still to be accumulated
+    handles: list = field(default_factory=list)
+    ready: set[str] = field(default_factory=set)
+    launched: list[tuple[_GradBucket, _Pending]] = field(default_factory=list)
+    received: int = 0
 
 
 def _sub_chunk(t: torch.Tensor, sharding: ParamSharding, start: int, stop: int, rank: int) -> torch.Tensor:
@@ -127,6 +164,7 @@ class SwitchEngine:
         self.grad_store: dict[str, torch.Tensor] = {}
         self._move_plans: dict[tuple[str, str], _MovePlan] = {}
         self._reduce_plans: dict[str, _ReducePlan] = {}
+        self._overlap: _Overlap | None = None
 
     # ---------------------------------------------------------------- switching
     def _home_local(self, name: str) -> torch.Tensor:
@@ -162,6 +200,8 @@ class SwitchEngine:
         return self._move_plans[key]
 
     def _move(self, source: str, target: str, locals_: Mapping[str, torch.Tensor]) -> SwitchReport:
+        if self._overlap is not None:
+            raise RuntimeError("switching layouts with gradient reductions in flight; call reduce_gradients() first")
         start = time.perf_counter()
         plan = self._move_plan(source, target)
         dtype = self.working_dtype
@@ -241,90 +281,173 @@ class SwitchEngine:
         return self._move(self.active.name, target, self.working)
 
     def release(self) -> None:
-        """Drops the working params (e.g. after the optimizer step, which makes them stale)."""
+        """Drops the working params (e.g. after the optimizer step, which makes them stale) and any
+        gradient hooks of an unfinished :meth:`overlap_next_backward`."""
+        if self._overlap is not None:
+            for handle in self._overlap.handles:
+                handle.remove()
+            self._overlap = None
         self.working, self.active = {}, None
 
     # ---------------------------------------------------------------- gradients
     def _reduce_plan(self, layout: Layout) -> _ReducePlan:
+        """Buckets of at most ``bucket_bytes`` (fp32) per (scatter, reduce) kind, filled in reverse
+        parameter order, which is roughly the order backward produces gradients in (as DDP)."""
         if layout.name not in self._reduce_plans:
             plan = _ReducePlan()
-            for name, sharding in self.shardings.items():
+            open_: dict[tuple[tuple[int, ...], tuple[int, ...]], tuple[_GradBucket, int]] = {}
+            for name in reversed(list(self.shardings)):
+                sharding = self.shardings[name]
                 states, home = sharding.grad_states(layout), sharding.home_prefix
                 rep = [d for d in range(home) if states[d] == "replicate"]
-                scatter = tuple(d for d in range(home) if states[d] == "partial")
-                reduce = tuple(d for d in range(home, len(states)) if states[d] == "partial")
+                key = (tuple(d for d in range(home) if states[d] == "partial"),
+                       tuple(d for d in range(home, len(states)) if states[d] == "partial"))
                 if rep:
                     plan.slices[name] = (rep[0], rep[-1] + 1)
-                plan.groups.setdefault((scatter, reduce), []).append(name)
+                w = self.working[name]
+                nbytes = _sub_chunk(w.detach(), sharding, *plan.slices.get(name, (0, 0)), self.world.rank).numel() \
+                    * _reduce_dtype(w.dtype).itemsize
+                bucket, size = open_.get(key, (None, 0))
+                if bucket is None or size + nbytes > self.bucket_bytes:
+                    bucket, size = _GradBucket(*key), 0
+                    plan.buckets.append(bucket)
+                bucket.names.append(name)
+                open_[key] = (bucket, size + nbytes)
+            plan.bucket_of = {n: i for i, b in enumerate(plan.buckets) for n in b.names}
             self._reduce_plans[layout.name] = plan
         return self._reduce_plans[layout.name]
 
-    def reduce_gradients(self, grads: Mapping[str, torch.Tensor] | None = None) -> GradReport:
-        """Sums the active layout's working gradients (fp32) into the home-sharded store.
+    def overlap_next_backward(self) -> None:
+        """Reduces each gradient bucket as soon as the coming backward has accumulated all of it.
 
-        ``grads`` defaults to the ``.grad`` of the working params; a param without a gradient
-        contributes zeros (every rank still joins every collective).
+        Call right before the LAST backward of a stage (earlier ones would reduce partial sums),
+        then :meth:`reduce_gradients` at the stage end launches what is left and waits. Buckets are
+        launched strictly in plan order, so every rank issues the same collectives in the same order.
         """
         if self.active is None:
             raise RuntimeError("no active layout to reduce gradients from")
-        start = time.perf_counter()
-        layout, rank = self.active, self.world.rank
-        plan = self._reduce_plan(layout)
-        local: dict[str, torch.Tensor] = {}
+        if self._overlap is not None:
+            raise RuntimeError("overlap_next_backward() called twice in one stage")
+        plan = self._reduce_plan(self.active)
+        overlap = _Overlap([len(b.names) for b in plan.buckets])
         for name, w in self.working.items():
+            if w.requires_grad:
+                overlap.handles.append(w.register_post_accumulate_grad_hook(
+                    lambda _, name=name: self._grad_ready(name)))
+        self._overlap = overlap
+
+    def _grad_ready(self, name: str) -> None:
+        overlap, plan = self._overlap, self._reduce_plan(self.active)
+        if name in overlap.ready:
+            if plan.bucket_of[name] < len(overlap.launched):
+                raise RuntimeError(f"the gradient of {name!r} was accumulated again after its bucket was "
+                                   f"reduced; call overlap_next_backward() only before a stage's last backward")
+            return
+        overlap.ready.add(name)
+        overlap.remaining[plan.bucket_of[name]] -= 1
+        while len(overlap.launched) < len(plan.buckets) and overlap.remaining[len(overlap.launched)] == 0:
+            self._launch(plan, plan.buckets[len(overlap.launched)], None, overlap)
+
+    def _launch(self, plan: _ReducePlan, bucket: _GradBucket, grads: Mapping[str, torch.Tensor] | None,
+                into: _Overlap) -> None:
+        """Starts the first collective of ``bucket`` (reduce-scatter, else all-reduce)."""
+        rank = self.world.rank
+        local = []
+        for name in bucket.names:
+            w = self.working[name]
             g = grads[name] if grads is not None else w.grad
             g = torch.zeros(w.shape, dtype=_reduce_dtype(w.dtype), device=w.device) if g is None else \
                 g.detach().to(_reduce_dtype(g.dtype))
             if name in plan.slices:
                 g = _sub_chunk(g, self.shardings[name], *plan.slices[name], rank)
-            local[name] = g
-        received = collectives = 0
-        buckets = [(key, [names[i] for i in bucket]) for key, names in plan.groups.items()
-                   for bucket in self._buckets([local[n] for n in names])]
-        for (scatter, reduce), names in buckets:
-            tensors = [local[n] for n in names]
-            if scatter:
-                group = self.world.group(scatter)
-                tensors = self._reduce_scatter_fused(tensors, [self.shardings[n].dim for n in names], group)
-                received += sum(t.numel() * t.element_size() for t in tensors) * (group.size - 1)
-                collectives += 1
-            if reduce:
-                group = self.world.group(reduce)
-                tensors = self._all_reduce_fused(tensors, group)
-                received += 2 * (group.size - 1) * sum(t.numel() * t.element_size() for t in tensors) // group.size
-                collectives += 1
-            for name, t in zip(names, tensors):
-                if name in self.grad_store:
-                    self.grad_store[name].add_(t)
-                else:
-                    self.grad_store[name] = t.clone() if t is local.get(name) else t
-        return GradReport(layout.name, received, collectives, time.perf_counter() - start)
+            local.append(g)
+        if bucket.scatter:
+            group = self.world.group(bucket.scatter)
+            pending = self._reduce_scatter_start(local, [self.shardings[n].dim for n in bucket.names], group)
+            into.received += sum(t.numel() * t.element_size() for t in local) * (group.size - 1) // group.size
+        elif bucket.reduce:
+            pending = self._all_reduce_start(local, self.world.group(bucket.reduce), into)
+        else:  # nothing to sum: keep a copy (the working grad may change or be freed)
+            pending = _Pending(None, lambda local=local: [t.clone() for t in local])
+        into.launched.append((bucket, pending))
+
+    def reduce_gradients(self, grads: Mapping[str, torch.Tensor] | None = None) -> GradReport:
+        """Sums the active layout's working gradients (fp32) into the home-sharded store.
+
+        ``grads`` defaults to the ``.grad`` of the working params; a param without a gradient
+        contributes zeros (every rank still joins every collective). After
+        :meth:`overlap_next_backward` this launches the buckets not started yet and waits for all.
+        """
+        if self.active is None:
+            raise RuntimeError("no active layout to reduce gradients from")
+        start = time.perf_counter()
+        layout = self.active
+        plan = self._reduce_plan(layout)
+        overlap, self._overlap = self._overlap, None
+        if overlap is None:
+            overlap = _Overlap([])
+        else:
+            for handle in overlap.handles:
+                handle.remove()
+            if grads is not None:
+                raise RuntimeError("reduce_gradients(grads) after overlap_next_backward(): the hooks read .grad")
+        for bucket in plan.buckets[len(overlap.launched):]:
+            self._launch(plan, bucket, grads, overlap)
+        second: list[tuple[_GradBucket, _Pending]] = []
+        for bucket, pending in overlap.launched:
+            tensors = pending.result()
+            if bucket.scatter and bucket.reduce:
+                second.append((bucket, self._all_reduce_start(tensors, self.world.group(bucket.reduce), overlap)))
+            else:
+                self._store(bucket.names, tensors)
+        for bucket, pending in second:
+            self._store(bucket.names, pending.result())
+        collectives = sum(bool(b.scatter) + bool(b.reduce) for b in plan.buckets)
+        return GradReport(layout.name, overlap.received, collectives, time.perf_counter() - start)
+
+    def _store(self, names: list[str], tensors: list[torch.Tensor]) -> None:
+        for name, t in zip(names, tensors):
+            if name in self.grad_store:
+                self.grad_store[name].add_(t)
+            else:
+                self.grad_store[name] = t
 
     @staticmethod
-    def _reduce_scatter_fused(tensors: list[torch.Tensor], dims: list[int], group: RankGroup) -> list[torch.Tensor]:
+    def _reduce_scatter_start(tensors: list[torch.Tensor], dims: list[int], group: RankGroup) -> _Pending:
         moved = [t.movedim(d, 0).contiguous() for t, d in zip(tensors, dims)]
         rows = torch.cat([m.reshape(group.size, -1) for m in moved], dim=1)
         if not group.in_shard_order:
             rows = rows[_slots_to_shards(group)]
         out = rows.new_empty(rows.shape[1])
-        dist.reduce_scatter_tensor(out, rows.contiguous().view(-1), group=group.group)
-        results, offset = [], 0
-        for m, d in zip(moved, dims):
-            n = m.numel() // group.size
-            shape = (m.shape[0] // group.size, *m.shape[1:])
-            results.append(out[offset:offset + n].view(shape).movedim(0, d).contiguous())
-            offset += n
-        return results
+        work = dist.reduce_scatter_tensor(out, rows.contiguous().view(-1), group=group.group, async_op=True)
+        shapes = [(m.shape[0] // group.size, *m.shape[1:]) for m in moved]
+
+        def unpack() -> list[torch.Tensor]:
+            results, offset = [], 0
+            for shape, d in zip(shapes, dims):
+                n = math.prod(shape)
+                results.append(out[offset:offset + n].view(shape).movedim(0, d).contiguous())
+                offset += n
+            return results
+
+        return _Pending(work, unpack)
 
     @staticmethod
-    def _all_reduce_fused(tensors: list[torch.Tensor], group: RankGroup) -> list[torch.Tensor]:
+    def _all_reduce_start(tensors: list[torch.Tensor], group: RankGroup, into: _Overlap) -> _Pending:
         flat = torch.cat([t.reshape(-1) for t in tensors])
-        dist.all_reduce(flat, group=group.group)
-        results, offset = [], 0
-        for t in tensors:
-            results.append(flat[offset:offset + t.numel()].view(t.shape))
-            offset += t.numel()
-        return results
+        work = dist.all_reduce(flat, group=group.group, async_op=True)
+        into.received += 2 * (group.size - 1) * flat.numel() * flat.element_size() // group.size
+        shapes = [t.shape for t in tensors]
+
+        def unpack() -> list[torch.Tensor]:
+            results, offset = [], 0
+            for shape in shapes:
+                n = math.prod(shape)
+                results.append(flat[offset:offset + n].view(shape))
+                offset += n
+            return results
+
+        return _Pending(work, unpack)
 
     def assign_home_grads(self) -> None:
         """Hands the store to the home params' ``.grad`` (as DTensors where the params are)."""

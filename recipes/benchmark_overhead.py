@@ -3,11 +3,16 @@
 Same model, data and tokens per rank, all in one invocation on 4 CPU ranks over gloo:
 (a) ours pinned to dp4 vs Lightning ``DDPStrategy``; (b) ours pinned to dp2xtp2 vs Lightning
 ``ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=2)`` (FSDP2 + DTensor TP, applied
-in ``configure_model`` with torch's ``parallelize_module``). Repeats are interleaved so machine noise
-hits all alike; tokens/s is the median over measured steps of the slowest rank. The last line is one
+in ``configure_model`` with torch's ``parallelize_module``). Repeats are interleaved (A B C D, then
+D C B A, ...) so machine noise hits all alike; tokens/s is the median over measured steps of the
+slowest rank. The ``*_paired`` ratios compare the two runs of each pair within each repeat (adjacent
+in time, so under about the same load) and take the median over repeats. Also reported: wall
+and process-CPU seconds per phase and rank (``phases_wall_cpu_s``) and the CPU-seconds ratio
+``dp4_vs_ddp_cpu`` (DDP's CPU seconds per step over ours: the work per step, less sensitive to how
+a shared machine schedules the ranks, though contention still inflates it). The last line is one
 JSON object.
 
-    python recipes/benchmark_overhead.py --steps 6 --repeats 2
+    python recipes/benchmark_overhead.py --steps 6 --repeats 3
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from lightning_baselines import model_parallel_llama  # noqa: E402
 
 from lightning_hotspa.spawn import run_on_ranks  # noqa: E402
 
@@ -49,56 +56,46 @@ def _micro_batches(steps: int, per_step: int, tokens: int):
     return [[pack_micro_batch(_docs(s, i, tokens, lengths)) for i in range(per_step)] for s in range(steps)]
 
 
+PHASES = ("forward", "backward", "rest")
+
+
 class _StepTimer:
+    """Step wall time (slowest rank) plus this rank's wall and process-CPU seconds per phase:
+    forward = step start to the first backward (our switch included), backward = first to last
+    backward (DDP's overlapped all-reduce included), rest = the remainder (our gradient reduction
+    tail, the optimizer). CPU seconds count every thread of the rank (gloo's too), so they say
+    how much work a step is, independent of how the shared machine schedules it."""
+
     def __init__(self):
         import lightning as L
 
+        def now():
+            return time.perf_counter(), time.process_time()
+
         class Timer(L.Callback):
             def __init__(self):
-                self.times, self._t = [], 0.0
+                self.times, self.phases, self._marks = [], [], []
 
             def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
                 dist.barrier()
-                self._t = time.perf_counter()
+                self._marks = [now()]
+
+            def on_before_backward(self, trainer, pl_module, loss):
+                if len(self._marks) == 1:
+                    self._marks.append(now())
+
+            def on_after_backward(self, trainer, pl_module):
+                self._marks[2:] = [now()]
 
             def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-                t = torch.tensor([time.perf_counter() - self._t], dtype=torch.float64)
+                self._marks.append(now())
+                start, end = self._marks[0], self._marks[-1]
+                t = torch.tensor([end[0] - start[0]], dtype=torch.float64)
                 dist.all_reduce(t, op=dist.ReduceOp.MAX)
                 self.times.append(float(t))
+                self.phases.append([(b[0] - a[0], b[1] - a[1]) for a, b in zip(self._marks, self._marks[1:])])
 
         self.callback = Timer()
-
-
-def _model_parallel_module(config: str, seed: int):
-    """LlamaLM with Lightning's ModelParallelStrategy recipe: torch TP on the tp sub-mesh, FSDP2 on dp."""
-    from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        RowwiseParallel,
-        parallelize_module,
-    )
-
-    from lightning_hotspa.models import LlamaLM
-
-    class MPLlamaLM(LlamaLM):
-        def configure_model(self):
-            tp_mesh = self.device_mesh["tensor_parallel"]
-            plan = {"tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
-                    "output": ColwiseParallel(output_layouts=Replicate())}
-            for i in range(len(self.model.layers)):
-                p = f"layers.{i}."
-                plan.update({p + "attention.wq": ColwiseParallel(), p + "attention.wk": ColwiseParallel(),
-                             p + "attention.wv": ColwiseParallel(), p + "attention.wo": RowwiseParallel(),
-                             p + "feed_forward.w1": ColwiseParallel(), p + "feed_forward.w3": ColwiseParallel(),
-                             p + "feed_forward.w2": RowwiseParallel()})
-            parallelize_module(self.model, tp_mesh, plan)
-            dp_mesh = self.device_mesh["data_parallel"]
-            for layer in self.model.layers:
-                fully_shard(layer, mesh=dp_mesh)
-            fully_shard(self.model, mesh=dp_mesh)
-
-    return MPLlamaLM(config, seed=seed, lr=1e-3)
 
 
 def bench_rank(config: str, steps: int, repeats: int, tokens: int) -> dict:
@@ -132,11 +129,14 @@ def bench_rank(config: str, steps: int, repeats: int, tokens: int) -> dict:
                                    LlamaLM(config, seed=0, lr=1e-3)),
         "model_parallel_dp2xtp2": lambda: (ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=2),
                                            [b[mesh.rank_coords(Layout(dp=2, tp=2), rank)[0]] for b in per_dp2],
-                                           _model_parallel_module(config, 0)),
+                                           model_parallel_llama(config, 0)),
     }
     times: dict[str, list[float]] = {k: [] for k in runs}
-    for _ in range(repeats):
-        for name, make in runs.items():
+    phases: dict[str, list] = {k: [] for k in runs}
+    per_repeat: dict[str, list[float]] = {k: [] for k in runs}
+    for repeat in range(repeats):
+        order = list(runs.items())
+        for name, make in order if repeat % 2 == 0 else order[::-1]:  # A B C D, D C B A, ...: pairs stay adjacent
             strategy, batches, model = make()
             timer = _StepTimer().callback
             trainer = L.Trainer(accelerator="cpu", devices=WORLD, strategy=strategy, max_steps=steps, logger=False,
@@ -145,9 +145,21 @@ def bench_rank(config: str, steps: int, repeats: int, tokens: int) -> dict:
             trainer.fit(model, train_dataloaders=torch.utils.data.DataLoader(batches, batch_size=None,
                                                                              collate_fn=lambda x: x))
             times[name] += timer.times[1:]  # the first step pays for warm-up
+            phases[name] += timer.phases[1:]
+            per_repeat[name].append(statistics.median(timer.times[1:]))
     tokens_per_step = {"hotspa_dp4": WORLD * tokens, "ddp": WORLD * tokens,
                        "hotspa_dp2xtp2": 2 * tokens, "model_parallel_dp2xtp2": 2 * tokens}
-    return {k: tokens_per_step[k] / statistics.median(v) for k, v in times.items()}
+    mean_phases = {k: {p: [statistics.mean(step[i][j] for step in v) for j in (0, 1)] for i, p in enumerate(PHASES)}
+                   for k, v in phases.items()}
+    return {"tokens_per_s": {k: tokens_per_step[k] / statistics.median(v) for k, v in times.items()},
+            "phases": mean_phases, "per_repeat_s": per_repeat}
+
+
+def _paired(per_repeat: dict[str, list[float]], ours: str, theirs: str) -> dict:
+    """Throughput ratio within each repeat (the two runs were adjacent in time, so they saw about
+    the same machine load), and the median over repeats."""
+    ratios = [t / o for o, t in zip(per_repeat[ours], per_repeat[theirs])]
+    return {"per_repeat": [round(r, 3) for r in ratios], "median": statistics.median(ratios)}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -157,11 +169,21 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--tokens", type=int, default=2048, help="tokens per micro-batch")
     args = parser.parse_args(argv)
-    result = run_on_ranks(bench_rank, WORLD, args.model, args.steps, args.repeats, args.tokens, timeout_s=3000)[0]
+    ranks = run_on_ranks(bench_rank, WORLD, args.model, args.steps, args.repeats, args.tokens, timeout_s=3000)
+    result = ranks[0]["tokens_per_s"]
+    # per phase [wall s, cpu s] per step, mean over ranks; cpu_s: the whole step's CPU seconds per rank
+    phases = {k: {p: [round(statistics.mean(r["phases"][k][p][j] for r in ranks), 3) for j in (0, 1)]
+                  for p in PHASES} for k in result}
+    cpu = {k: round(sum(v[1] for v in phases[k].values()), 3) for k in result}
     out = {"world": WORLD, "model": args.model, "tokens_per_micro_batch": args.tokens, "steps": args.steps,
            "repeats": args.repeats, "tokens_per_s": result,
            "dp4_vs_ddp": result["hotspa_dp4"] / result["ddp"],
-           "dp2xtp2_vs_model_parallel": result["hotspa_dp2xtp2"] / result["model_parallel_dp2xtp2"]}
+           "dp2xtp2_vs_model_parallel": result["hotspa_dp2xtp2"] / result["model_parallel_dp2xtp2"],
+           "dp4_vs_ddp_paired": _paired(ranks[0]["per_repeat_s"], "hotspa_dp4", "ddp"),
+           "dp2xtp2_vs_model_parallel_paired": _paired(ranks[0]["per_repeat_s"], "hotspa_dp2xtp2",
+                                                       "model_parallel_dp2xtp2"),
+           "phases_wall_cpu_s": phases, "cpu_s_per_step": cpu,
+           "dp4_vs_ddp_cpu": cpu["ddp"] / cpu["hotspa_dp4"]}
     print(json.dumps(out))
     return out
 

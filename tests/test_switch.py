@@ -24,11 +24,11 @@ def full_init(name, shape):
     return torch.randn(shape, generator=g)
 
 
-def _engine(layouts, dtype=None):
+def _engine(layouts, dtype=None, **kwargs):
     world = WorldMesh(layouts)
     shardings = build_shardings(SHAPES, ROLES, world.shape)
     home = build_home_parameters(world, shardings, full_init)
-    return world, shardings, home, SwitchEngine(world, shardings, home, working_dtype=dtype)
+    return world, shardings, home, SwitchEngine(world, shardings, home, working_dtype=dtype, **kwargs)
 
 
 def _expected(world, sharding, layout, dtype=None):
@@ -100,9 +100,15 @@ def _rank_grad(name, shape, seed_key):
     return torch.randn(shape, generator=g)
 
 
-def reduce_grads_into_home(layouts, stage_layouts):
-    """Each rank invents working grads with the right symmetry; the store must hold the exact sum."""
-    world, shardings, home, engine = _engine(layouts)
+def reduce_grads_into_home(layouts, stage_layouts, via_backward=False):
+    """Each rank invents working grads with the right symmetry; the store must hold the exact sum.
+
+    ``via_backward``: the grads come from two backward passes through the working params (the
+    second with :meth:`overlap_next_backward`, one param per bucket), 'wq' gets none; also returns
+    how many buckets each stage launched before its end."""
+    world, shardings, home, engine = _engine(layouts, **({"bucket_bytes": 1} if via_backward else {}))
+    unused = "wq" if via_backward else None
+    launched_early = []
     rank = dist.get_rank()
     shape = world.shape
     expected = {n: torch.zeros(sh.shape) for n, sh in shardings.items()}
@@ -122,27 +128,36 @@ def reduce_grads_into_home(layouts, stage_layouts):
                 g = _rank_grad(name, sh.local_shape(prefix), key)
                 if r == rank:
                     grads[name] = g
-                if sh.role.tp_grad == "replicate" and tuple(coords) != shape.coords(r):
-                    continue  # a copy, not a contribution
+                if name == unused or (sh.role.tp_grad == "replicate" and tuple(coords) != shape.coords(r)):
+                    continue  # no gradient, or a copy rather than a contribution
                 lo, hi = sh.interval(r, prefix)
                 if sh.dim is None or prefix == 0:
                     expected[name] += g
                 else:
                     expected[name].narrow(sh.dim, lo, hi - lo).add_(g)
         with count_collective_bytes() as log:
-            report = engine.reduce_gradients(grads)
+            if via_backward:
+                used = [n for n in grads if n != unused]
+                sum((engine.working[n] * (0.25 * grads[n])).sum() for n in used).backward()
+                engine.overlap_next_backward()
+                sum((engine.working[n] * (0.75 * grads[n])).sum() for n in used).backward()
+                launched_early.append(len(engine._overlap.launched))
+                report = engine.reduce_gradients()
+            else:
+                report = engine.reduce_gradients(grads)
         reports.append((report.bytes_received, log.bytes_received))
     errors = {}
     for name, sh in shardings.items():
         lo, hi = sh.interval(rank, sh.home_prefix)
         exp = expected[name] if sh.dim is None or sh.home_prefix == 0 else expected[name].narrow(sh.dim, lo, hi - lo)
         got = engine.grad_store[name]
-        errors[name] = float((got - exp).norm() / exp.norm())
+        errors[name] = float((got - exp).norm() / exp.norm().clamp_min(1e-30))
     engine.assign_home_grads()
     for name, p in home.items():
         assert isinstance(p.grad, DTensor) and p.grad.placements == p.placements
-        errors[name + ".full"] = float((p.grad.full_tensor() - expected[name]).norm() / expected[name].norm())
-    return errors, reports
+        exp = expected[name]
+        errors[name + ".full"] = float((p.grad.full_tensor() - exp).norm() / exp.norm().clamp_min(1e-30))
+    return (errors, reports, launched_early) if via_backward else (errors, reports)
 
 
 def test_gradient_reduction_sums_across_stages(ranks):
@@ -151,6 +166,18 @@ def test_gradient_reduction_sums_across_stages(ranks):
         assert max(errors.values()) < 1e-6, errors
         for ours, counted in reports:
             assert ours == counted
+
+
+def test_gradient_reduction_overlapped_with_backward(ranks):
+    """Buckets launched from gradient hooks during the last backward give the same store."""
+    results = ranks(4).run(reduce_grads_into_home, FOUNDATION, ["dp4", "dp2xtp2", "tp2xcp2"], True)
+    for errors, reports, launched_early in results:
+        assert max(errors.values()) < 1e-6, errors
+        for ours, counted in reports:
+            assert ours == counted
+        # one param per bucket, launched in reverse parameter order: all but the unused 'wq' (the
+        # last bucket) start during backward
+        assert launched_early == [len(SHAPES) - 1] * 3, launched_early
 
 
 LAYOUTS_8 = ["dp8", "dp4xtp2", "dp2xtp4", "tp8", "dp2xtp2xcp2", "tp4xcp2"]
