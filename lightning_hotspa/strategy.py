@@ -167,6 +167,7 @@ class HotSPaStrategy(ParallelStrategy):
         self.home: dict[str, nn.Parameter] = {}
         self.last_stage_stats: list[StageStats] = []
         self.last_metrics: dict[str, float] = {}  # the last step's metrics (same on every rank)
+        self.last_step_table: Tensor | None = None  # the last step's gathered stage table (step_metrics)
         self._timed_steps = 0  # training steps this process ran (its first one is not a fair timing)
 
     # ------------------------------------------------------------------ Lightning plumbing
@@ -465,6 +466,7 @@ class HotSPaStrategy(ParallelStrategy):
         # the one small collective of the step: the exact global loss and the slowest rank's times
         self.tracker.enter_phase("metrics")
         loss, metrics, table = step_metrics(loss_sum, stats, self.root_device)
+        self.last_step_table = table  # every rank's stage numbers: stats.gathered_observations reads it
         self._skip_update = self._check_finite(loss, plan, metrics)
         self.last_metrics = metrics
         self._observe_timings(plan, table)

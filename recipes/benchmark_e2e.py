@@ -258,29 +258,12 @@ def _recorder(calibrate: bool):
             self.steps.append({"step_s": float(t[0]), "loss": float(loss),
                                "switch_s": [float(x) for x in t[1::3]], "work_s": [float(x) for x in t[2::3]]})
             if calibrate:
-                self.observations.append((batch_idx, _gather_observations(batch, stats, trainer.strategy.layouts)))
+                from lightning_hotspa.stats import gathered_observations
+
+                ac = [st.activation_checkpointing for st in batch.stages]
+                self.observations.append((batch_idx, gathered_observations(trainer.strategy.last_step_table, stats, ac)))
 
     return Recorder()
-
-
-def _gather_observations(batch, stats, layouts) -> list:
-    """Every rank's (stage, compute seconds) observations of this step, in rank order."""
-    from lightning_hotspa.planner.calibration import (
-        Observation,
-        decode_observations,
-        encode_observations,
-    )
-
-    obs = [Observation.from_rank_stage(st, s.compute_s) for st, s in zip(batch.stages, stats)]
-    local = torch.tensor(encode_observations(obs, list(layouts)), dtype=torch.float64)
-    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(WORLD)]
-    dist.all_gather(sizes, torch.tensor([local.shape[0]]))
-    padded = torch.zeros(int(max(sizes)), local.shape[1], dtype=torch.float64)
-    padded[: local.shape[0]] = local
-    gathered = [torch.empty_like(padded) for _ in range(WORLD)]
-    dist.all_gather(gathered, padded)
-    rows = np.concatenate([g[: int(n)].numpy() for n, g in zip(sizes, gathered)])
-    return decode_observations(rows, list(layouts))
 
 
 def _trainer(strategy, steps: int, callbacks):
@@ -322,7 +305,6 @@ def run_model_parallel(layout, plans, args: argparse.Namespace):
 
 # ------------------------------------------------------------------------------------------ rank main
 def bench_rank(args: argparse.Namespace) -> dict[str, Any]:
-
     rank = dist.get_rank()
     os.environ.update({"LOCAL_RANK": str(rank), "NODE_RANK": "0", "WORLD_SIZE": str(WORLD), "RANK": str(rank),
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29998"})
