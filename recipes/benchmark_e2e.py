@@ -237,8 +237,8 @@ def _recorder(calibrate: bool):
     import lightning as L
 
     class Recorder(L.Callback):
-        """Per step: slowest-rank step time, loss, per-stage (switch, compute + reduce) times and,
-        when calibrating, every rank's observations."""
+        """Per step: slowest-rank step time, CPU seconds summed over ranks, loss, per-stage (switch,
+        compute + reduce) times and, when calibrating, every rank's observations."""
 
         def __init__(self) -> None:
             self.steps: list[dict[str, Any]] = []
@@ -246,16 +246,18 @@ def _recorder(calibrate: bool):
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             dist.barrier()
-            self._t0 = time.perf_counter()
+            self._t0, self._c0 = time.perf_counter(), time.process_time()
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            elapsed = time.perf_counter() - self._t0
+            elapsed, cpu = time.perf_counter() - self._t0, time.process_time() - self._c0
             stats = getattr(trainer.strategy, "last_stage_stats", [])
             row = [elapsed] + [x for s in stats for x in (s.switch_s, s.compute_s + s.reduce_s, s.compute_s)]
             t = torch.tensor(row, dtype=torch.float64)
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            cpu_all = torch.tensor([cpu], dtype=torch.float64)  # CPU seconds of all ranks together
+            dist.all_reduce(cpu_all)
             loss = outputs["loss"] if isinstance(outputs, dict) else outputs
-            self.steps.append({"step_s": float(t[0]), "loss": float(loss),
+            self.steps.append({"step_s": float(t[0]), "cpu_s": float(cpu_all), "loss": float(loss),
                                "switch_s": [float(x) for x in t[1::3]], "work_s": [float(x) for x in t[2::3]]})
             if calibrate:
                 from lightning_hotspa.stats import gathered_observations
@@ -303,6 +305,13 @@ def run_model_parallel(layout, plans, args: argparse.Namespace):
     return recorder
 
 
+def run_order(configs: list[str], repeat: int) -> list[str]:
+    """The configurations of one repeat, rotated by the repeat index: no configuration always runs
+    first (or last) in a repeat, where the machine's state differs from the middle of it."""
+    shift = repeat % len(configs)
+    return configs[shift:] + configs[:shift]
+
+
 # ------------------------------------------------------------------------------------------ rank main
 def bench_rank(args: argparse.Namespace) -> dict[str, Any]:
     rank = dist.get_rank()
@@ -343,21 +352,22 @@ def bench_rank(args: argparse.Namespace) -> dict[str, Any]:
             plans_of[(name, cfg)] = rank_plans(planner, measured[name], rank, 0)
             if cfg == "hotspa":  # the solver's time per plan (plus slicing), paid in the data loader
                 plan_ms[name] = 1e3 * (time.perf_counter() - t0) / len(measured[name])
-    for _ in range(args.repeats):
+    configs = [cfg for cfg in planners] + (["model_parallel"] if mp_layout is not None else [])
+    for repeat in range(args.repeats):
         for name in data:
-            for cfg, planner in planners.items():
+            for cfg in run_order(configs, repeat):
+                if cfg == "model_parallel":
+                    static_plans = plans_of[(name, f"static/{mp_layout}")][0]
+                    results[name].setdefault(cfg, []).append(run_model_parallel(mp_layout, static_plans, args).steps)
+                    continue
                 plans, _, _ = plans_of[(name, cfg)]
                 if any(p is None for p in plans):
                     continue
-                results[name].setdefault(cfg, []).append(run_hotspa(planner, plans, args).steps)
-            if mp_layout is not None:
-                static_plans = plans_of[(name, f"static/{mp_layout}")][0]
-                results[name].setdefault("model_parallel", []).append(
-                    run_model_parallel(mp_layout, static_plans, args).steps)
+                results[name].setdefault(cfg, []).append(run_hotspa(planners[cfg], plans, args).steps)
     if rank != 0:
         return {}
     pricing = cost_planner(sets["every"], args, calibration)
-    return {"sets": {k: [str(x) for x in v] if k != "rule" else [(b, str(x)) for b, x in v] for k, v in sets.items()},
+    return {"cores": len(os.sched_getaffinity(0)), "sets": {k: [str(x) for x in v] if k != "rule" else [(b, str(x)) for b, x in v] for k, v in sets.items()},
             "calibration": calibration, "calibration_s": calibration_s, "plan_ms": plan_ms,
             "results": results, "mp_layout": str(mp_layout) if mp_layout is not None else None,
             "tokens": {name: [sum(int(d.size) for d in docs) for docs in measured[name]] for name in data},
@@ -381,12 +391,16 @@ def summarize(name: str, raw: dict[str, Any], args: argparse.Namespace) -> dict[
     def tokens_per_s(cfg: str) -> float:
         return statistics.median(measured_tokens / sum(r[s]["step_s"] for s in steps) for r in runs[cfg])
 
+    def cpu_per_step(cfg: str) -> float:
+        return statistics.median(sum(r[s]["cpu_s"] for s in steps) / len(steps) for r in runs[cfg])
+
     def median_step(cfg: str, s: int, key: str = "step_s", stage: int | None = None) -> float:
         vals = [r[s][key] if stage is None else r[s][key][stage] for r in runs[cfg]]
         return statistics.median(vals)
 
     per_config = {cfg: {"tokens_per_s": tokens_per_s(cfg),
                         "step_s": [median_step(cfg, s) for s in steps],
+                        "cpu_s_per_step": cpu_per_step(cfg),
                         "switch_s": [sum(statistics.median(r[s]["switch_s"][i] for r in runs[cfg])
                                          for i in range(len(runs[cfg][0][s]["switch_s"]))) for s in steps],
                         "loss": [runs[cfg][0][s]["loss"] for s in range(len(tokens))]}
@@ -427,8 +441,14 @@ def summarize(name: str, raw: dict[str, Any], args: argparse.Namespace) -> dict[
         "predicted_speedup": sum(pred[best][s] for s in steps) / sum(pred["hotspa"][s] for s in steps),
         "model_parallel_speedup": (per_config["model_parallel"]["tokens_per_s"] / statics[best]["tokens_per_s"]
                                    if "model_parallel" in per_config else None),
+        # CPU work: on a box with fewer cores than ranks the step is throughput-bound (wall ~ CPU
+        # seconds of all ranks / cores), so a layout gains only the CPU work it saves, not idle time
+        "cpu_work_speedup": statics[best]["cpu_s_per_step"] / hot["cpu_s_per_step"],
+        "core_utilization": {cfg: per_config[cfg]["cpu_s_per_step"] * len(steps) / (sum(per_config[cfg]["step_s"])
+                                                                                    * raw["cores"])
+                             for cfg in ("hotspa", best)},
         "configs": {cfg: {"tokens_per_s": v["tokens_per_s"], "step_s": v["step_s"], "switch_s": v["switch_s"],
-                          "loss": v["loss"]} for cfg, v in per_config.items()},
+                          "cpu_s_per_step": v["cpu_s_per_step"], "loss": v["loss"]} for cfg, v in per_config.items()},
         "hotspa_plan_ms": raw["plan_ms"].get(name),
         "band_s": band_s,
         "hotspa_plan": raw["plan_layouts"][name],
@@ -455,7 +475,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args.tokens_per_rank = tokens_per_rank(args.memory_mib)
     path = Path(args.calibration) if args.calibration else None
     args.calibration_state = json.loads(path.read_text()) if path is not None and path.exists() else None
-    t0 = time.perf_counter()
+    t0, load_before = time.perf_counter(), os.getloadavg()[0]
     raw = run_on_ranks(bench_rank, WORLD, args, timeout_s=6000)[0]
     if path is not None and args.calibration_state is None:
         path.write_text(json.dumps(raw["calibration"]))
@@ -466,7 +486,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "model_parallel_layout": raw["mp_layout"],
         "calibration": "loaded from " + str(path) if args.calibration_state is not None else
         f"fitted in this invocation before the measured runs ({raw['calibration_s']:.0f} s)",
-        "wall_s": round(time.perf_counter() - t0, 1),
+        "wall_s": round(time.perf_counter() - t0, 1), "cores": raw["cores"],
+        "load_average": [round(load_before, 1), round(os.getloadavg()[0], 1)],
     }
     for name in args.datasets:
         out[name] = summarize(name, raw, args)
@@ -474,7 +495,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"{name}: hotspa {s['hotspa_tokens_per_s']:.0f} tok/s, best static {s['best_static_layout']} "
               f"{s['best_static_tokens_per_s']:.0f} -> speedup {s['speedup']:.2f} (ideal {s['ideal_speedup']:.2f}, "
               f"rule {s['threshold_rule_speedup']:.2f}, predicted {s['predicted_speedup']:.2f}); switch "
-              f"{s['switch_fraction']:.1%}; max loss rel diff {s['max_loss_rel_diff']:.1e}")
+              f"{s['switch_fraction']:.1%}; max loss rel diff {s['max_loss_rel_diff']:.1e}; CPU work "
+              f"best static / hotspa {s['cpu_work_speedup']:.2f}, core utilization "
+              f"{', '.join(f'{k} {v:.0%}' for k, v in s['core_utilization'].items())}")
     print(json.dumps(out))
     return out
 

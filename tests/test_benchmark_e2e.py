@@ -63,16 +63,17 @@ def test_band_plans_hold_each_held_document_once_in_its_band_stage(e2e) -> None:
     assert e2e.BandPlanner(Layout(dp=4), bands, tokens_per_rank=60).plan(0, lengths)[0] is None
 
 
-def _run(step_s, work, switch=(0.0,), loss=(2.0, 1.5)):
-    return [{"step_s": t, "loss": x, "switch_s": list(switch), "work_s": list(w)}
-            for t, w, x in zip(step_s, work, loss)]
+def _run(step_s, work, switch=(0.0,), loss=(2.0, 1.5), cpu=None):
+    cpu = cpu or [2 * t for t in step_s]
+    return [{"step_s": t, "cpu_s": c, "loss": x, "switch_s": list(switch), "work_s": list(w)}
+            for t, c, w, x in zip(step_s, cpu, work, loss)]
 
 
 def test_summary_arithmetic(e2e) -> None:
     """Two configurations' steps by hand: speed-ups, the ideal, switch fraction, loss difference."""
     args = argparse.Namespace(warmup=1, steps=1)
     steps = {
-        "hotspa": [_run([9, 5.0], [[1], [1.0, 3.0]], switch=(0.25, 0.25), loss=(2.0, 1.5000001))],
+        "hotspa": [_run([9, 5.0], [[1], [1.0, 3.0]], switch=(0.25, 0.25), loss=(2.0, 1.5000001), cpu=[9, 8.0])],
         "static/tp4": [_run([9, 8.0], [[1], [7.0]])],
         "static/cp4": [_run([9, 10.0], [[1], [9.0]])],
         "rule": [_run([9, 6.0], [[1], [5.0]])],
@@ -80,7 +81,7 @@ def test_summary_arithmetic(e2e) -> None:
         "bands/dp4": [_run([9, 2.0], [[1], [1.0]])],
         "bands/tp4": [_run([9, 6.0], [[1], [3.0, 2.5]])],
     }
-    raw = {"results": {"cc": steps}, "tokens": {"cc": [100, 800]},
+    raw = {"cores": 2, "results": {"cc": steps}, "tokens": {"cc": [100, 800]},
            "sets": {"bands": [512, 2048]},
            "band_meta": {"cc": {"bands/dp4": [[0], [0]], "bands/tp4": [[0, 1], [0, 1]]}},
            "predicted": {"cc": {"hotspa": [1, 4.0], "static/tp4": [1, 6.0], "static/cp4": [1, 7.0], "rule": [1, 5.0]}},
@@ -95,4 +96,16 @@ def test_summary_arithmetic(e2e) -> None:
     assert out["switch_fraction"] == pytest.approx(0.5 / 5.0)
     assert out["max_loss_rel_diff"] == pytest.approx(1e-7 / 1.5, rel=1e-3)
     assert out["predicted_speedup"] == pytest.approx(6.0 / 4.0)
+    # CPU work per step: tp4 16 (2 x its 8 s step) vs hotspa 8; utilization = CPU / (wall x 2 cores)
+    assert out["cpu_work_speedup"] == pytest.approx(16.0 / 8.0)
+    assert out["core_utilization"] == pytest.approx({"hotspa": 8.0 / (5.0 * 2), "static/tp4": 1.0})
+    assert out["configs"]["rule"]["cpu_s_per_step"] == pytest.approx(12.0)
     assert out["band_s"] == {"<=512": {"dp4": 1.0, "tp4": 3.0}, "<=2048": {"tp4": 2.5}}
+
+
+def test_run_order_rotates_so_no_configuration_always_runs_first(e2e) -> None:
+    configs = ["hotspa", "static/cp4", "rule", "model_parallel"]
+    orders = [e2e.run_order(configs, r) for r in range(4)]
+    assert all(sorted(o) == sorted(configs) for o in orders)
+    assert {o[0] for o in orders} == set(configs)
+    assert len({tuple(o) for o in orders}) == 4
