@@ -29,7 +29,12 @@ _FIELDS = ("tokens", "documents", "micro_batches", "target_tokens", "switch_byte
 
 @dataclass(frozen=True)
 class StageStats:
-    """What one rank saw of one stage."""
+    """What one rank saw of one stage.
+
+    ``reduce_*``: the gradient reduction at the stage end. A stage followed by one of the same tp
+    degree does not reduce (0 s, 0 bytes, 0 collectives): the last stage of such a run reduces the
+    whole run's gradients, so its ``reduce_s`` pays for all of them.
+    """
 
     layout: str
     label: str
@@ -44,6 +49,8 @@ class StageStats:
     reduce_s: float
     sum_sq: float = 0.0  # sum over this rank's documents of (cp-padded length)^2
     sum_len: float = 0.0  # sum of cp-padded lengths
+    reduce_bytes: int = 0  # this rank's received bytes of the reduction (GradReport)
+    reduce_collectives: int = 0
 
     @classmethod
     def measure(cls, stage: RankStage, switch_report, grad_report, *, switch_s: float, compute_s: float,
@@ -57,7 +64,8 @@ class StageStats:
                    tokens=sum(m.num_tokens for m in mbs), documents=sum(m.num_documents for m in mbs),
                    micro_batches=len(stage.micro_batches), target_tokens=sum(m.num_target_tokens for m in mbs),
                    switch_bytes=switch_report.bytes_received, switch_s=switch_s, compute_s=compute_s,
-                   reduce_s=reduce_s, sum_sq=sum_sq, sum_len=sum_len)
+                   reduce_s=reduce_s, sum_sq=sum_sq, sum_len=sum_len,
+                   reduce_bytes=grad_report.bytes_received, reduce_collectives=grad_report.collectives)
 
 
 def step_metrics(loss_sum: torch.Tensor, stats: list[StageStats], device: torch.device,

@@ -4,7 +4,9 @@ hot-switching the model between parallel layouts inside the step (DESIGN.md sect
 One Lightning batch is this rank's slice of one step plan (:class:`RankPlan`). ``training_step``
 walks its stages: switch the working parameters to the stage's layout, run the user's
 ``training_step`` on every micro-batch with the loss scaled to the global token mean, back-propagate,
-and at the stage end reduce the working gradients into the switch engine's store. Lightning then
+and at the stage end reduce the working gradients into the switch engine's store, except when the
+next stage has the same tp degree: a run of such stages shares working shards and gradient states,
+so it accumulates into the same ``.grad`` and reduces once, at its last stage. Lightning then
 zeroes ``.grad`` and calls :meth:`backward`, which hands the store to the home parameters; one
 ``optimizer.step()`` follows. The home parameters (fp32 DTensors sharded over the world) are what the
 optimizer, checkpoints and ``module.parameters()`` see outside a step.
@@ -58,7 +60,7 @@ from .reliability import (
     enable_nccl_flight_recorder,
 )
 from .stats import StageStats, step_metrics
-from .switch import SwitchEngine, build_home_parameters
+from .switch import GradReport, SwitchEngine, build_home_parameters
 
 __all__ = ["HotSPaStrategy", "default_layouts"]
 
@@ -429,11 +431,15 @@ class HotSPaStrategy(ParallelStrategy):
         trainer = module.trainer
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.root_device)
         stats: list[StageStats] = []
+        carry = False  # the previous stage left its working gradients unreduced for this one
         try:
-            for stage in plan.stages:
+            for k, stage in enumerate(plan.stages):
                 self.tracker.enter_stage(stage)
                 t0 = time.perf_counter()
-                report = self._switch_to(stage.layout)
+                report = self._switch_to(stage.layout, keep_grads=carry)
+                # the same decision on every rank: the stage list is the global plan's
+                carry = k + 1 < len(plan.stages) and self.engine.shares_gradients(stage.layout,
+                                                                                  plan.stages[k + 1].layout)
                 self.parallel.activate(stage.layout, self.engine.working,
                                        stage.activation_checkpointing or self.activation_checkpointing_for(stage.layout))
                 t1 = time.perf_counter()
@@ -447,16 +453,19 @@ class HotSPaStrategy(ParallelStrategy):
                     scaled = loss * self._loss_weight(mb, plan, stage.layout)
                     call._call_callback_hooks(trainer, "on_before_backward", scaled)
                     call._call_lightning_module_hook(trainer, "on_before_backward", scaled)
-                    if i == len(stage.micro_batches) - 1:  # reduce gradient buckets while it runs
+                    if i == len(stage.micro_batches) - 1 and not carry:  # reduce buckets while it runs
                         self.engine.overlap_next_backward()
                     module.backward(scaled)
                     call._call_callback_hooks(trainer, "on_after_backward")
                     call._call_lightning_module_hook(trainer, "on_after_backward")
                     loss_sum += scaled.detach().double() / stage.layout.tp  # tp ranks hold copies
                 t2 = time.perf_counter()
-                self.tracker.enter_phase("reduce")
-                grad_report = self.engine.reduce_gradients()
-                t3 = time.perf_counter()
+                if carry:  # same tp next: keep accumulating, the run's last stage reduces once
+                    grad_report, t3 = GradReport(stage.layout.name, 0, 0, 0.0), t2
+                else:
+                    self.tracker.enter_phase("reduce")
+                    grad_report = self.engine.reduce_gradients()
+                    t3 = time.perf_counter()
                 stats.append(StageStats.measure(stage, report, grad_report, switch_s=t1 - t0,
                                                 compute_s=t2 - t1, reduce_s=t3 - t2))
         finally:
@@ -509,11 +518,11 @@ class HotSPaStrategy(ParallelStrategy):
         rank_zero_warn(f"hotspa: skipping the update: {report} (nonfinite='skip')")
         return True
 
-    def _switch_to(self, layout: Layout) -> Any:
+    def _switch_to(self, layout: Layout, keep_grads: bool = False) -> Any:
         assert self.engine is not None
         if self.engine.active is None:
             return self.engine.materialize(layout)
-        return self.engine.switch(layout)
+        return self.engine.switch(layout, keep_grads=keep_grads)
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:

@@ -6,9 +6,12 @@ chunk lies inside the source chunk) or an all-gather over mesh dims ``[t, s)`` o
 part. All parameters that need the same all-gather travel in ONE fused buffer: one collective per
 distinct dim range instead of one per tensor (as the HotSPa artifact fuses all slices for a peer).
 
-Gradients never move between layouts. The working gradients of a stage (partial sums over the
-layout's dp/cp dims, and over tp for ``replicated_partial`` params) are reduced in fp32 straight into
-the engine's own store in the home sharding: a reduce-scatter over the dims home splits, an all-reduce
+Gradients never move between layouts. Two layouts with the same tp dims give every parameter the
+same working shard and the same gradient states (:meth:`SwitchEngine.shares_gradients`), so a switch
+between them may keep the working ``.grad`` (``switch(layout, keep_grads=True)``) and a run of such
+stages reduces once. The working gradients (partial sums over the layout's dp/cp dims, and over tp for
+``replicated_partial`` params) are reduced in fp32 straight into the engine's own store in the home
+sharding: a reduce-scatter over the dims home splits, an all-reduce
 over the dims home replicates. Like DDP, the reductions are bucketed in reverse parameter order and
 can start during the stage's last backward (:meth:`SwitchEngine.overlap_next_backward`): a bucket is
 launched asynchronously once autograd has accumulated all its gradients, and the stage end only
@@ -199,9 +202,14 @@ class SwitchEngine:
             self._move_plans[key] = plan
         return self._move_plans[key]
 
-    def _move(self, source: str, target: str, locals_: Mapping[str, torch.Tensor]) -> SwitchReport:
+    def _move(self, source: str, target: str, locals_: Mapping[str, torch.Tensor],
+              keep_grads: bool = False) -> SwitchReport:
         if self._overlap is not None:
             raise RuntimeError("switching layouts with gradient reductions in flight; call reduce_gradients() first")
+        if keep_grads and not self.shares_gradients(source, target):
+            raise LayoutError(f"cannot keep the working gradients from {source} to {target}: their tp degrees "
+                              f"differ, so the parameters' working shards or gradient states differ; call "
+                              f"reduce_gradients() before switching")
         start = time.perf_counter()
         plan = self._move_plan(source, target)
         dtype = self.working_dtype
@@ -210,7 +218,8 @@ class SwitchEngine:
         for name, s, t in plan.slices:
             x = locals_[name]
             if s == t and source != HOME:  # same placement in both layouts: keep the working tensor
-                x.grad = None
+                if not keep_grads:
+                    x.grad = None
                 out[name] = x
                 continue
             x = _sub_chunk(x.detach(), self.shardings[name], s, t, rank)
@@ -273,12 +282,24 @@ class SwitchEngine:
         target = Layout.parse(layout).name
         return self._move(HOME, target, {n: self._home_local(n) for n in self.shardings})
 
-    def switch(self, layout: Layout | str) -> SwitchReport:
-        """Working params from the active layout to ``layout`` (zero traffic if it is the same)."""
+    def switch(self, layout: Layout | str, keep_grads: bool = False) -> SwitchReport:
+        """Working params from the active layout to ``layout`` (zero traffic if it is the same).
+
+        ``keep_grads``: keep accumulating into the working ``.grad`` instead of dropping it (the
+        caller did not reduce); only between layouts that :meth:`shares_gradients`, else it raises.
+        """
         if self.active is None:
             raise RuntimeError("no active layout: call materialize() first")
         target = Layout.parse(layout).name
-        return self._move(self.active.name, target, self.working)
+        return self._move(self.active.name, target, self.working, keep_grads)
+
+    def shares_gradients(self, a: Layout | str, b: Layout | str) -> bool:
+        """True if every parameter has the same working shard and gradient states in ``a`` and
+        ``b`` (same tp degree: tp dims are a mesh prefix), so one reduction after stages in both
+        equals one after each: the working gradients of both are partial sums of the same kind."""
+        la, lb = self._layout(Layout.parse(a).name), self._layout(Layout.parse(b).name)
+        return all(sh.layout_prefix(la) == sh.layout_prefix(lb) and sh.grad_states(la) == sh.grad_states(lb)
+                   for sh in self.shardings.values())
 
     def release(self) -> None:
         """Drops the working params (e.g. after the optimizer step, which makes them stale) and any

@@ -95,10 +95,10 @@ def install_kill(kind: str, at_step: int, strategy: HotSPaStrategy, out: Path) -
 
         real = SwitchEngine.switch
 
-        def switch(self, layout):
+        def switch(self, layout, **kwargs):
             if tracker.step == at_step and tracker.stage >= 1:
                 die(tracker.describe())
-            return real(self, layout)
+            return real(self, layout, **kwargs)
 
         SwitchEngine.switch = switch
     elif kind in ("stage", "hang"):

@@ -18,6 +18,10 @@ LENGTHS = [[7, 30, 12, 5, 64, 9, 3, 40, 17, 25, 11, 50, 8, 33],
 
 
 FOUNDATION = ["dp4", "dp2xtp2", "tp4", "dp2xcp2", "tp2xcp2"]
+# stage order of each step's plan: every stage next to another tp degree (each reduces), then runs of
+# same-tp stages (tp 4,2,2,1,1 and 1,1,2,2,4) that reduce once per run, with tp changes in between
+STAGE_ORDERS = [FOUNDATION, ["tp4", "dp2xtp2", "tp2xcp2", "dp4", "dp2xcp2"],
+                ["dp2xcp2", "dp4", "tp2xcp2", "dp2xtp2", "tp4"]]
 
 
 def _model(dtype=torch.float32):
@@ -29,7 +33,7 @@ class _Recorder(Callback):
 
     def __init__(self):
         self.before = self.after = 0
-        self.losses, self.grads, self.weights = [], [], []
+        self.losses, self.grads, self.weights, self.reductions = [], [], [], []
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
         params = dict(pl_module.named_parameters())  # collectives: every rank gathers
@@ -44,6 +48,8 @@ class _Recorder(Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.losses.append(float(outputs["loss"]))
+        self.reductions.append([(s.layout, s.tp, s.reduce_collectives, s.reduce_bytes, s.reduce_s)
+                                for s in trainer.strategy.last_stage_stats])
 
 
 def _reference_grads(weights, plan, dtype):
@@ -62,15 +68,17 @@ def _reference_grads(weights, plan, dtype):
 
 
 def fit_and_compare(layout_names, steps=3, precision="32-true"):
-    """3 optimizer steps of mixed plans (every layout a stage, uneven dp groups) under a real Trainer.
+    """3 optimizer steps of mixed plans (every layout a stage, uneven dp groups, stage orders of
+    :data:`STAGE_ORDERS`) under a real Trainer.
 
     Returns, per step, the gradient error against the single process started from the SAME weights
-    (the update's input: the core invariant), the loss errors, and the error of the final weights
-    against a single-process run of the same 3 AdamW steps.
+    (the update's input: the core invariant), the loss errors, the error of the final weights
+    against a single-process run of the same 3 AdamW steps, and each stage's gradient reduction.
     """
     dtype = torch.float64 if precision == "64-true" else torch.float32
     layouts = [Layout.parse(x) for x in layout_names]
-    plans = [mixed_plan(s, LENGTHS[s % len(LENGTHS)], layouts) for s in range(steps)]
+    plans = [mixed_plan(s, LENGTHS[s % len(LENGTHS)], [Layout.parse(x) for x in STAGE_ORDERS[s % len(STAGE_ORDERS)]])
+             for s in range(steps)]
     batches = rank_plans(plans, layouts, dist.get_rank())
     recorder = _Recorder()
     with lightning_rank_env():
@@ -94,7 +102,7 @@ def fit_and_compare(layout_names, steps=3, precision="32-true"):
         loss_errors.append(abs(loss - ref_loss) / abs(ref_loss))
     ref_model, _, _ = reference_run(lambda: _model(ref_dtype), plans)
     return {"grads": grad_errors, "losses": loss_errors, "global_step": trainer.global_step,
-            "weights": rel_errors(ours, dict(ref_model.named_parameters()))}
+            "weights": rel_errors(ours, dict(ref_model.named_parameters())), "reductions": recorder.reductions}
 
 
 def _worst(errors):
@@ -117,6 +125,25 @@ def test_mixed_plans_over_every_layout_match_single_process(ranks, precision, gr
         assert _worst(errors)[1] <= grad_tol, (step, _worst(errors))
     assert max(result["losses"]) <= loss_tol, result["losses"]
     assert _worst(result["weights"])[1] <= weight_tol, _worst(result["weights"])
+    _check_one_reduction_per_tp_run(result["reductions"])
+
+
+def _check_one_reduction_per_tp_run(steps):
+    """Step 0 reduces at every stage (no two neighbours share tp): each layout's own reduction.
+    Later steps carry gradients through runs of same-tp stages: 0 collectives until the run's last
+    stage, which reduces exactly as a lone stage of its layout (the grads above are right only if
+    the carried stages' gradients reached that reduction)."""
+    alone = {layout: (count, nbytes) for layout, _, count, nbytes, _ in steps[0]}
+    assert [layout for layout, *_ in steps[0]] == FOUNDATION and sum(c for c, _ in alone.values()) > 0
+    for stages, order in zip(steps, STAGE_ORDERS):
+        assert [layout for layout, *_ in stages] == order[:len(stages)]  # 12 documents: 4 stages
+        for (layout, tp, count, nbytes, seconds), nxt in zip(stages, stages[1:] + [None]):
+            if nxt is not None and nxt[1] == tp:
+                assert (count, nbytes, seconds) == (0, 0, 0.0), (order, layout)
+            else:
+                assert (count, nbytes) == alone[layout], (order, layout)
+    for stages in steps[1:]:  # fewer collectives than one reduction per stage
+        assert sum(c for _, _, c, _, _ in stages) < sum(alone[layout][0] for layout, *_ in stages)
 
 
 def _fit(model, layout_names, batches, steps, ckpt_path=None, **trainer_kwargs):

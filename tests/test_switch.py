@@ -207,16 +207,35 @@ def engine_misuse():
         messages.append(None)
     except LayoutError as e:
         messages.append(str(e))
-    return messages
+    # gradients carried between layouts of one tp degree: kept as they are; across tp: refused
+    shares = [engine.shares_gradients(a, b) for a, b in itertools.combinations(FOUNDATION, 2)]
+    engine.materialize("dp4")
+    for w in engine.working.values():
+        w.grad = torch.ones_like(w)
+    grads = {n: w.grad for n, w in engine.working.items()}
+    engine.switch("dp2xcp2", keep_grads=True)
+    kept = all(engine.working[n].grad is g for n, g in grads.items())
+    try:
+        engine.switch("tp2xcp2", keep_grads=True)
+        messages.append(None)
+    except LayoutError as e:
+        messages.append(str(e))
+    engine.switch("dp4")
+    dropped = all(w.grad is None for w in engine.working.values())
+    return messages, shares, kept, dropped
 
 
 def test_engine_misuse_raises_clear_errors(ranks):
-    messages = ranks(4).run(engine_misuse)[0]
+    messages, shares, kept, dropped = ranks(4).run(engine_misuse)[0]
     assert "materialize() first" in messages[0]
     assert "no active layout" in messages[1]
     assert "cannot parse layout 'dp2xtp2xcp1x'" in messages[2]
     assert messages[3] is None  # tp2xcp2xdp1 is the same layout as tp2xcp2
     assert "['wq']" in messages[4]
+    assert "cannot keep the working gradients from dp2xcp2 to tp2xcp2" in messages[5]
+    same_tp = [Layout.parse(a).tp == Layout.parse(b).tp for a, b in itertools.combinations(FOUNDATION, 2)]
+    assert shares == same_tp and any(shares)
+    assert kept and dropped
 
 
 def test_pairs_cover_all_layout_pairs():

@@ -10,6 +10,8 @@ checkpointing on or off), collected in :class:`OptionCost`:
   FLOPs are linear in ``s`` and causal attention FLOPs are ``~s^2`` (Hydraulis' ``a s^2 + b s + c``).
 * ``per_micro_batch``: fixed seconds per micro-batch (collective latencies, launches).
 * ``stage_fixed``: seconds per stage: the dp gradient reduce-scatter into the world-sharded home state.
+  Consecutive stages of one tp degree keep accumulating into the same working gradients and reduce
+  once (:func:`shares_gradients`): a plan pays it once per such run (:mod:`.predict`).
 
 How work divides over tp and cp. A tp x cp group owns one micro-batch. Tensor parallelism splits
 every weight, so each tp rank does ``1/tp`` of every GEMM on its tokens; Ulysses context parallelism
@@ -24,7 +26,7 @@ rows); the cost is padding (``s`` rounded up to ``2*cp``) and communication:
 * CP (Ulysses): per layer one all-to-all of fused q/k/v and one of the output forward, the same
   backward (+ forward again with checkpointing); each moves ``(cp-1)/cp`` of its ``1/tp`` head slice.
 * Activation checkpointing recomputes each layer's forward: +1/3 of the layers' training FLOPs.
-* dp: one reduce-scatter of the stage's fp32 gradients per stage (DESIGN.md step 4).
+* dp: one reduce-scatter of the stage's fp32 gradients per run of same-tp stages (DESIGN.md step 4).
 * Switches (switch.py): a move from tp ``s`` to tp ``t < s`` all-gathers ``1/t - 1/s`` of the bf16
   weights over a group spanning ``s`` consecutive ranks; ``t >= s`` is a local slice (free). Home is
   sharded over the whole world. Group spans decide intra- (NVLink) vs inter-node bandwidth, nodes of
@@ -59,6 +61,7 @@ __all__ = [
     "OptionCost",
     "Parallelism",
     "resolve_model",
+    "shares_gradients",
 ]
 
 
@@ -119,6 +122,13 @@ class Parallelism:
         if self.pp != 1:
             raise CostModelError(f"{self} has pipeline parallelism, which the runtime does not run (simulation only)")
         return Layout(self.dp, self.tp, self.cp)
+
+
+def shares_gradients(a: Parallelism | Layout, b: Parallelism | Layout) -> bool:
+    """Stages in ``a`` then ``b`` share working shards and gradient states (same tp, and pp), so the
+    runtime reduces once after both (``SwitchEngine.shares_gradients``); their ``stage_fixed`` agree."""
+    a, b = Parallelism.of(a), Parallelism.of(b)
+    return (a.tp, a.pp) == (b.tp, b.pp)
 
 
 @dataclass(frozen=True)
@@ -339,6 +349,11 @@ class AnalyticCostModel:
             total += self.switch_seconds(prev, par)
             prev = par
         return total
+
+    def shared_reduction_seconds(self, order: Sequence[Parallelism | Layout]) -> float:
+        """Gradient reductions a stage order saves against one per stage: a stage followed by one
+        that :func:`shares_gradients` with it does not reduce (the run's last stage does)."""
+        return sum(self.grad_reduce_seconds(a) for a, b in zip(order, order[1:]) if shares_gradients(a, b))
 
     def summary(self) -> dict[str, float]:
         return {"params": self.params, "world_size": self.world_size,

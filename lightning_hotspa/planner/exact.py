@@ -165,7 +165,9 @@ def solve_exact(
 ) -> ExactSolution:
     """The optimal plan of ``lengths`` over ``options`` (at most one option per layout in a plan).
 
-    ``switch_cost(layouts)`` returns (seconds, stage order) for a set of used layouts.
+    ``switch_cost(layouts)`` returns (seconds, stage order) for a set of used layouts: its switches,
+    and any stage-order-dependent correction of the per-stage ``stage_fixed`` charged here
+    (``CostModelPlanner.stage_order``: the reductions that runs of same-tp stages share).
     """
     arr = np.asarray(lengths, dtype=np.int64)
     n = arr.size

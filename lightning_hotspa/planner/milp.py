@@ -8,9 +8,9 @@ use: it is a test dependency.
 
 Variables: ``x[i,o,g]`` document i in option o's dp group g (only where it fits), ``y[o]`` option
 used, ``n[o,g]`` micro-batches, ``z[o]`` stage compute seconds, ``w[U]`` the set of used layouts is
-exactly U (its switch cost). Rows: each document once; at most one option per layout; a used option
-runs at least one document; ``z[o] >= sum c x + d n`` per group; capacity; symmetric dp groups
-ordered by load.
+exactly U (its switch cost, less the gradient reductions same-tp neighbours share: ``stage_order``).
+Rows: each document once; at most one option per layout; a used option runs at least one document;
+``z[o] >= sum c x + d n`` per group; capacity; symmetric dp groups ordered by load.
 """
 
 from __future__ import annotations

@@ -1,7 +1,9 @@
 """Predicted seconds of a step, stage by stage: the one evaluation planner, simulator and CLI share.
 
 A step's prediction is ``sum over stages (slowest dp group + stage fixed cost) + switches``, the
-switches being home -> first stage -> second stage ... in stage order (the planner's objective).
+switches being home -> first stage -> second stage ... in stage order (the planner's objective). The
+fixed cost (the gradient reduction) is paid once per run of consecutive stages that share gradients
+(same tp degree, :func:`~.cost_model.shares_gradients`): by the run's last stage, as the runtime does.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from .cost_model import AnalyticCostModel, OptionCost
+from .cost_model import AnalyticCostModel, OptionCost, shares_gradients
 
 __all__ = ["StagePrediction", "StepPrediction", "predict_stages"]
 
@@ -31,7 +33,7 @@ class StagePrediction:
     min_length: int
     max_length: int
     group_seconds: tuple[float, ...]
-    stage_fixed: float
+    stage_fixed: float  # 0 when the next stage shares its gradients (the run's last stage reduces)
     switch_seconds: float  # switching INTO this stage
     switch_bytes: float
 
@@ -87,7 +89,8 @@ def predict_stages(stages: Sequence[tuple[OptionCost, Groups]], lengths: Sequenc
     """Prediction of ``stages`` (option, groups of micro-batches of doc indices) in this order."""
     arr = np.asarray(lengths, dtype=np.int64)
     out, prev = [], None
-    for opt, groups in stages:
+    for k, (opt, groups) in enumerate(stages):
+        carried = k + 1 < len(stages) and shares_gradients(opt.parallelism, stages[k + 1][0].parallelism)
         ids = np.asarray([d for g in groups for mb in g for d in mb], dtype=np.int64)
         padded = opt.padded(arr)
         secs = opt.doc_seconds(padded)
@@ -100,7 +103,7 @@ def predict_stages(stages: Sequence[tuple[OptionCost, Groups]], lengths: Sequenc
             layout=par.name, activation_checkpointing=opt.activation_checkpointing, documents=int(ids.size),
             tokens=int(arr[ids].sum()) if ids.size else 0, micro_batches=sum(len(g) for g in groups),
             min_length=int(arr[ids].min()) if ids.size else 0, max_length=int(arr[ids].max()) if ids.size else 0,
-            group_seconds=tuple(group_seconds), stage_fixed=opt.stage_fixed,
+            group_seconds=tuple(group_seconds), stage_fixed=0.0 if carried else opt.stage_fixed,
             switch_seconds=cost_model.switch_seconds(prev, par), switch_bytes=cost_model.switch_bytes(prev, par),
         ))
         prev = par

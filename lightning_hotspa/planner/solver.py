@@ -3,8 +3,9 @@
 Implements the :class:`~lightning_hotspa.planner.base.Planner` protocol. For one global batch it
 chooses which layouts run, which documents each runs, whether each layout checkpoints activations,
 how each layout's documents are packed into micro-batches and spread over its dp groups, and the stage
-order, minimizing the predicted step time ``sum over stages (slowest dp group + gradient reduction) +
-switches`` of the cost model (:mod:`.cost_model`, optionally calibrated by timings: :mod:`.calibration`).
+order, minimizing the predicted step time ``sum over stages (slowest dp group) + one gradient
+reduction per run of same-tp stages + switches`` of the cost model (:mod:`.cost_model`, optionally
+calibrated by timings: :mod:`.calibration`).
 
 Up to ``exact_max_docs`` documents the plan is exact (:mod:`.exact`); beyond, the heuristic of
 :mod:`.assign` screens every layout combination with a relaxed stage time and packs the best few.
@@ -217,13 +218,16 @@ class CostModelPlanner:
         return max(o.max_doc_length for o in self.options.values())
 
     def stage_order(self, used: Iterable[Layout]) -> tuple[float, tuple[Layout, ...]]:
-        """(switch seconds, order) minimizing the step's switches for a set of used layouts; ties:
-        tp descending then cp descending (each byte of weights moves at most once)."""
+        """(seconds, order) for a set of used layouts: the order minimizing its switches minus the
+        gradient reductions that same-tp neighbours save (the solvers charge every stage its
+        ``stage_fixed``, so this credit makes them pay once per run, as :mod:`.predict` does); ties:
+        tp descending then cp descending (each byte of weights moves at most once, same tp adjacent)."""
         key = frozenset(used)
         if key not in self._orders:
             best = None
             for perm in itertools.permutations(sorted(key, key=lambda x: (-x.tp, -x.cp, -x.dp))):
-                seconds = self.cost_model.switch_sequence_seconds(perm)
+                seconds = (self.cost_model.switch_sequence_seconds(perm)
+                           - self.cost_model.shared_reduction_seconds(perm))
                 if best is None or seconds < best[0] - 1e-15:
                     best = (seconds, perm)
             assert best is not None
