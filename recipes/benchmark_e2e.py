@@ -1,7 +1,8 @@
 """End to end: HotSPa against every static layout, a threshold rule and Lightning, side by side.
 
 The same model, seed, global mini-batches (token budget) and number of optimizer steps, on 4 CPU
-ranks over gloo, all in one invocation; repeats interleaved so machine noise hits all alike:
+ranks over gloo, all in one invocation; repeats interleaved and the configuration order rotated per
+repeat, so machine noise hits all alike; each run's process groups are destroyed when it ends:
 
 * ``hotspa``: our strategy with the ``auto`` candidate layouts and the cost-model planner, its
   coefficients calibrated on a SEPARATE earlier run (other mini-batches, see ``calibrate``);
@@ -28,8 +29,11 @@ GPUs where long sequences force TP/CP.
 same step with its compute replaced by the sum over bands of each band's time in its fastest
 layout: ``T_static / (T_static - W_static + sum_b min_L t(b, L))``, ``W`` and ``t`` being stage
 compute + gradient reduction (what a zero-cost switch would give). ``predicted_speedup``: the cost
-model with the calibrated coefficients, pricing the plans that ran. The last line is one JSON
-object.
+model with the calibrated coefficients, pricing the plans that ran. ``cpu_work_speedup``: CPU seconds
+of all ranks per step, best static / hotspa; ``core_utilization``: those CPU seconds / (wall x cores).
+Near 100 % the box is throughput-bound (more ranks than free cores): a rank waiting in a collective
+lends its core to another, so layouts differ only by the CPU work they do, not by exposed
+communication. The last line is one JSON object.
 
     python recipes/benchmark_e2e.py                   # both data sets, defaults below
     python recipes/benchmark_e2e.py --calibration e2e_calibration.json   # reuse / write the fit
