@@ -42,9 +42,7 @@ communication. The last line is one JSON object.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
-import gc
 import json
 import os
 import statistics
@@ -282,28 +280,13 @@ def _trainer(strategy, steps: int, callbacks):
                      use_distributed_sampler=False, callbacks=callbacks)
 
 
-@contextlib.contextmanager
-def own_process_groups():
-    """Destroys the process groups a run creates (our WorldMesh's, the DeviceMesh's, Lightning's) when
-    it ends: gloo keeps threads per group, and dozens of runs in one process left ~600 threads per rank
-    polling sockets (43 % system CPU), slowing every later configuration."""
-    from torch.distributed import distributed_c10d
-
-    before = set(distributed_c10d._world.pg_map)
-    try:
-        yield
-    finally:
-        dist.barrier()
-        for group in [g for g in distributed_c10d._world.pg_map if g not in before]:
-            dist.destroy_process_group(group)
-        gc.collect()  # a group's threads end when the last reference to it goes
-
-
 def _loader(items):
     return torch.utils.data.DataLoader(items, batch_size=None, collate_fn=lambda x: x)
 
 
 def run_hotspa(planner, plans, args: argparse.Namespace, calibrate: bool = False):
+    from lightning_baselines import own_process_groups
+
     from lightning_hotspa import HotSPaStrategy
     from lightning_hotspa.models import LlamaLM
 
@@ -318,7 +301,7 @@ def run_model_parallel(layout, plans, args: argparse.Namespace):
     """Lightning's ModelParallelStrategy(dp, tp) on the micro-batches our static ``layout`` (cp=1)
     gives each rank, weighted so that FSDP's mean over dp yields the global token mean."""
     from lightning.pytorch.strategies import ModelParallelStrategy
-    from lightning_baselines import model_parallel_llama
+    from lightning_baselines import model_parallel_llama, own_process_groups
 
     batches = [[(mb, mb.num_target_tokens * layout.dp / p.global_target_tokens) for mb in p.stages[0].micro_batches]
                for p in plans]

@@ -1,4 +1,5 @@
-"""Lightning's own ``ModelParallelStrategy`` recipe for our Llama: the baseline the benchmarks compare to.
+"""Lightning's own ``ModelParallelStrategy`` recipe for our Llama: the baseline the benchmarks compare to,
+and the process-group clean-up between the many ``Trainer.fit`` runs a benchmark makes in one process.
 
 torch tensor parallelism (``parallelize_module`` with Colwise/Rowwise on the ``tensor_parallel``
 sub-mesh, no sequence parallelism) and FSDP2 ``fully_shard`` per block on ``data_parallel``, applied in
@@ -8,8 +9,11 @@ sub-mesh, no sequence parallelism) and FSDP2 ``fully_shard`` per block on ``data
 
 from __future__ import annotations
 
+import contextlib
+import gc
 from typing import Any
 
+import torch.distributed as dist
 from torch import Tensor
 
 
@@ -52,3 +56,28 @@ def model_parallel_llama(config: Any, seed: int, lr: float = 1e-3):
             return sum(weight * super(ModelParallelLlamaLM, self).training_step(mb, batch_idx) for mb, weight in batch)
 
     return ModelParallelLlamaLM(config, seed=seed, lr=lr)
+
+
+@contextlib.contextmanager
+def own_process_groups():
+    """Destroys the process groups a run creates (our WorldMesh's, the DeviceMesh's, Lightning's) when
+    it ends: gloo keeps threads per group, and the runs of one benchmark process piled up 581 threads
+    per rank polling sockets (top: 43 % system CPU), slowing every later configuration.
+
+    Limit: a later Lightning ``ModelParallelStrategy`` run on a multi-dim mesh (dp2 x tp2, as in
+    ``benchmark_overhead.py``, which therefore does not use this) fails with "Could not resolve the
+    process group registered under the name ...": something still holds an earlier, equal mesh
+    (``DeviceMesh`` equality ignores its groups); clearing DTensor's sharding-propagation caches did not
+    help. Its 1-D tp4 mesh over the whole world (``benchmark_e2e.py``) uses the default group and runs;
+    so do our strategy's runs (5 repeats of every configuration)."""
+    from torch.distributed import distributed_c10d
+
+    before = set(distributed_c10d._world.pg_map)
+    try:
+        yield
+    finally:
+        dist.barrier()
+        for group in [g for g in distributed_c10d._world.pg_map if g not in before]:
+            dist.destroy_process_group(group)
+        gc.collect()  # a group's threads end when the last reference to it goes
+
