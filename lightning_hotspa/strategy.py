@@ -64,6 +64,9 @@ from .switch import GradReport, SwitchEngine, build_home_parameters
 
 __all__ = ["HotSPaStrategy", "default_layouts"]
 
+#: what ``planner=`` accepts by name (anything else must be a Planner instance)
+PLANNER_NAMES = ("rule", "cost", "cost-profiled")
+
 
 def default_layouts(world_size: int) -> list[Layout]:
     """A nesting candidate set: pure data parallel, then tp2 with growing cp for longer documents."""
@@ -138,12 +141,12 @@ class HotSPaStrategy(ParallelStrategy):
         if isinstance(activation_checkpointing, str) and activation_checkpointing != "auto":
             raise ValueError(f"activation_checkpointing must be a bool, 'auto' or a list of layouts, "
                              f"got {activation_checkpointing!r}")
-        if isinstance(planner, str) and planner not in ("rule", "cost"):
-            raise ValueError(f"unknown planner {planner!r}; use 'rule', 'cost' or a Planner instance")
+        if isinstance(planner, str) and planner not in PLANNER_NAMES:
+            raise ValueError(f"unknown planner {planner!r}; use one of {list(PLANNER_NAMES)} or a Planner instance")
         if not isinstance(planner, str) and not all(hasattr(planner, a) for a in ("layouts", "capacity", "plan")):
-            raise ValueError(f"planner must be 'rule', 'cost' or a Planner (layouts, capacity, plan); got "
-                             f"{type(planner).__name__}")
-        if planner == "cost":
+            raise ValueError(f"planner must be one of {list(PLANNER_NAMES)} or a Planner (layouts, capacity, plan); "
+                             f"got {type(planner).__name__}")
+        if planner in ("cost", "cost-profiled"):
             from .planner.hardware import get_profile
 
             get_profile(hardware)  # an unknown profile name fails here, naming the known ones
@@ -286,10 +289,7 @@ class HotSPaStrategy(ParallelStrategy):
                                     tokens_per_rank=self.tokens_per_rank,
                                     activation_checkpointing=self._ac_spec,
                                     profiled=self._planner_spec == "cost-profiled")
-        if isinstance(self._planner_spec, str):
-            raise ValueError(f"unknown planner {self._planner_spec!r}; use 'rule', 'cost', 'cost-profiled' or a "
-                             f"Planner instance")
-        return self._planner_spec
+        return self._planner_spec  # a Planner instance (names were checked in __init__)
 
     @property
     def default_layout(self) -> Layout:

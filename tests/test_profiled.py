@@ -188,3 +188,15 @@ def test_four_ranks_refit_at_the_same_steps_and_plan_alike(ranks, tmp_path) -> N
     for o in out:
         assert o["restored_version"] == o["version"] == newest[-1] and o["restored_state"]
         assert o["restored_next_versions"] == o["next_versions"]
+
+
+@pytest.mark.parametrize("name", ["rule", "cost", "cost-profiled"])
+def test_the_strategy_builds_each_named_planner(name: str) -> None:
+    """``planner="cost-profiled"`` is documented and was once rejected by the constructor's check."""
+    strategy = HotSPaStrategy(LAYOUTS, planner=name, tokens_per_rank=TOKENS_PER_RANK)
+    strategy.layouts = tuple(Layout.parse(x) for x in LAYOUTS)  # what setup_environment does on 4 ranks
+    strategy._lightning_module = LlamaLM("tiny")
+    planner = strategy.planner
+    assert tuple(planner.layouts) == strategy.layouts
+    assert getattr(planner, "profiled", False) == (name == "cost-profiled")
+    assert isinstance(planner, CostModelPlanner) == name.startswith("cost")
