@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lightning_hotspa.models.attention import BACKENDS, select_attention_backend  # noqa: E402
 from lightning_hotspa.models.config import LlamaConfig  # noqa: E402
-from lightning_hotspa.models.init import init_weights  # noqa: E402
+from lightning_hotspa.models.init import build_llama  # noqa: E402
 from lightning_hotspa.models.llama import Llama  # noqa: E402
 from lightning_hotspa.planner.hardware import get_profile  # noqa: E402
 
@@ -118,8 +118,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if unknown:
         raise SystemExit(f"--backends: unknown {unknown}; choose from {sorted(BACKENDS)} or 'all'")
     skipped = {b: "unavailable on this machine" for b in wanted if b not in here}
-    torch.manual_seed(0)
-    model = init_weights(Llama(config), seed=0).to(device=device, dtype=dtype)
+    model = build_llama(config, seed=0, device=device).to(dtype)  # meta first: no default init of 1B params
     results: dict[str, Any] = {}
     for backend in (b for b in wanted if b in here):
         model.set_attention_backend(backend)

@@ -360,7 +360,7 @@ def bench_rank(args: argparse.Namespace) -> dict[str, Any]:
             plans_of[(name, cfg)] = rank_plans(planner, measured[name], rank, 0)
             if cfg == "hotspa":  # the solver's time per plan (plus slicing), paid in the data loader
                 plan_ms[name] = 1e3 * (time.perf_counter() - t0) / len(measured[name])
-    configs = [cfg for cfg in planners] + (["model_parallel"] if mp_layout is not None else [])
+    configs = list(planners) + (["model_parallel"] if mp_layout is not None else [])
     for repeat in range(args.repeats):
         for name in data:
             for cfg in run_order(configs, repeat):
