@@ -7,9 +7,9 @@ __version__ = "0.1.0"
 
 from lightning.pytorch.strategies import StrategyRegistry  # noqa: E402
 
+from .adapter.strategy import HotSPaStrategy  # noqa: E402
 from .data import HotSPaDataModule  # noqa: E402
 from .plan import MicroBatch, RankPlan, StepPlan  # noqa: E402
-from .strategy import HotSPaStrategy  # noqa: E402
 
 if "hotspa" not in StrategyRegistry:  # idempotent: Lightning raises on re-registering a name
     StrategyRegistry.register("hotspa", HotSPaStrategy,

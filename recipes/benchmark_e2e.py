@@ -59,7 +59,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "recipes"))
 
-from lightning_hotspa.spawn import run_on_ranks  # noqa: E402
+from lightning_hotspa.testing.spawn import run_on_ranks  # noqa: E402
 
 WORLD = 4
 #: the benchmark model: the tiny preset with one kv head per query head, so that Lightning's
@@ -264,7 +264,7 @@ def _recorder(calibrate: bool):
             self.steps.append({"step_s": float(t[0]), "cpu_s": float(cpu_all), "loss": float(loss),
                                "switch_s": [float(x) for x in t[1::3]], "work_s": [float(x) for x in t[2::3]]})
             if calibrate:
-                from lightning_hotspa.stats import gathered_observations
+                from lightning_hotspa.adapter.stats import gathered_observations
 
                 ac = [st.activation_checkpointing for st in batch.stages]
                 self.observations.append((batch_idx, gathered_observations(trainer.strategy.last_step_table, stats, ac)))

@@ -27,13 +27,13 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from lightning_hotspa.engine.switch import SwitchEngine, build_home_parameters  # noqa: E402
 from lightning_hotspa.layout import Layout, WorldMesh  # noqa: E402
 from lightning_hotspa.models import param_roles  # noqa: E402
 from lightning_hotspa.parallel.model import ParallelModel  # noqa: E402
 from lightning_hotspa.placements import build_shardings  # noqa: E402
 from lightning_hotspa.plan import Stage, StepPlan, pack_micro_batch, slice_plan  # noqa: E402
-from lightning_hotspa.spawn import RankPool  # noqa: E402
-from lightning_hotspa.switch import SwitchEngine, build_home_parameters  # noqa: E402
+from lightning_hotspa.testing.spawn import RankPool  # noqa: E402
 
 LAYOUTS = ["dp4", "dp2xtp2", "tp4", "dp2xcp2", "tp2xcp2", "cp4"]
 DOC_SHARES = (8, 4, 3, 1)  # a micro-batch's documents, as sixteenths of its tokens

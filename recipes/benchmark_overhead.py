@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lightning_baselines import model_parallel_llama  # noqa: E402
 
-from lightning_hotspa.spawn import run_on_ranks  # noqa: E402
+from lightning_hotspa.testing.spawn import run_on_ranks  # noqa: E402
 
 WORLD = 4
 

@@ -27,11 +27,11 @@ from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lightning_hotspa.comm_bytes import count_collective_bytes  # noqa: E402
+from lightning_hotspa.engine.switch import SwitchEngine, build_home_parameters  # noqa: E402
 from lightning_hotspa.layout import Layout, WorldMesh  # noqa: E402
 from lightning_hotspa.placements import build_shardings  # noqa: E402
-from lightning_hotspa.spawn import run_on_ranks  # noqa: E402
-from lightning_hotspa.switch import SwitchEngine, build_home_parameters  # noqa: E402
+from lightning_hotspa.testing.comm_bytes import count_collective_bytes  # noqa: E402
+from lightning_hotspa.testing.spawn import run_on_ranks  # noqa: E402
 
 LAYOUTS = {4: ["dp4", "dp2xtp2", "tp4", "dp2xcp2", "tp2xcp2"],
            8: ["dp8", "dp4xtp2", "dp2xtp4", "tp8", "dp4xcp2", "tp4xcp2", "dp2xtp2xcp2"],

@@ -1,4 +1,4 @@
-"""Train a model with HotSPa from the Hydra configs in ``configs/``.
+"""Train a model with HotSPa from the Hydra configs in ``lightning_hotspa/configs/``.
 
     python recipes/train.py                                   # = make train (tiny, 4 CPU processes)
     python recipes/train.py model=small strategy=static_tp2xcp2 logger=csv trainer.max_steps=20
@@ -22,15 +22,15 @@ sys.path.insert(0, str(ROOT))  # a checkout works without installing
 import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
+from lightning_hotspa.adapter.recipe import CONFIG_DIR, ConfigError, register_resolvers, train  # noqa: E402
 from lightning_hotspa.data.errors import DataError  # noqa: E402
 from lightning_hotspa.layout import LayoutError  # noqa: E402
 from lightning_hotspa.plan import PlanError  # noqa: E402
-from lightning_hotspa.recipe import ConfigError, register_resolvers, train  # noqa: E402
 
 register_resolvers()
 
 
-@hydra.main(version_base="1.3", config_path=str(ROOT / "configs"), config_name="config")
+@hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name="config")
 def main(cfg: DictConfig) -> None:
     try:
         status = train(cfg)

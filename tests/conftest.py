@@ -9,7 +9,7 @@ import pytest
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
 
-from lightning_hotspa.spawn import RankPool  # noqa: E402
+from lightning_hotspa.testing.spawn import RankPool  # noqa: E402
 
 _POOLS: dict[int, RankPool] = {}
 

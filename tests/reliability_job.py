@@ -35,7 +35,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
 
 import lightning_hotspa  # noqa: E402, F401
 from lightning_hotspa import HotSPaStrategy  # noqa: E402
-from lightning_hotspa.checkpoint import latest_checkpoint  # noqa: E402
+from lightning_hotspa.adapter.checkpoint import latest_checkpoint  # noqa: E402
 from lightning_hotspa.data import HotSPaDataModule  # noqa: E402
 from lightning_hotspa.data.sources import SyntheticSource  # noqa: E402
 from lightning_hotspa.models import LlamaLM  # noqa: E402
@@ -91,7 +91,7 @@ def install_kill(kind: str, at_step: int, strategy: HotSPaStrategy, out: Path) -
         os.kill(os.getpid(), signal.SIGKILL)
 
     if kind == "switch":
-        from lightning_hotspa.switch import SwitchEngine
+        from lightning_hotspa.engine.switch import SwitchEngine
 
         real = SwitchEngine.switch
 

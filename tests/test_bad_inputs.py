@@ -16,10 +16,10 @@ from typing import Any
 
 import pytest
 
-from lightning_hotspa.checkpoint import CheckpointError
+from lightning_hotspa.adapter.checkpoint import CheckpointError
+from lightning_hotspa.adapter.recipe import ConfigError
 from lightning_hotspa.data import DataError
 from lightning_hotspa.layout import LayoutError
-from lightning_hotspa.recipe import ConfigError
 
 TALLY = {"tried": 0, "handled": 0}
 
@@ -68,7 +68,7 @@ def _config(*overrides: str, build: bool = False) -> Callable[[Path], Callable[[
         def call() -> Any:
             from hydra import compose, initialize_config_dir
 
-            from lightning_hotspa.recipe import (
+            from lightning_hotspa.adapter.recipe import (
                 CONFIG_DIR,
                 build_trainer,
                 check_config,
@@ -273,7 +273,7 @@ def _precision(tmp: Path) -> Callable[[], Any]:
 def _save_into_a_file(tmp: Path) -> Callable[[], Any]:
     import torch
 
-    from lightning_hotspa.checkpoint import save_distributed_checkpoint
+    from lightning_hotspa.adapter.checkpoint import save_distributed_checkpoint
 
     (tmp / "runs").mkdir()
     (tmp / "runs" / "ckpts").write_text("I am a file, not a folder")
@@ -282,7 +282,7 @@ def _save_into_a_file(tmp: Path) -> Callable[[], Any]:
 
 
 def _load_incomplete(tmp: Path) -> Callable[[], Any]:
-    from lightning_hotspa.checkpoint import export_consolidated
+    from lightning_hotspa.adapter.checkpoint import export_consolidated
 
     (tmp / "ck" / "step=4").mkdir(parents=True)
     (tmp / "ck" / "step=4" / "__0_0.distcp").write_bytes(b"partial")
@@ -292,7 +292,7 @@ def _load_incomplete(tmp: Path) -> Callable[[], Any]:
 def _load_missing(tmp: Path) -> Callable[[], Any]:
     import torch
 
-    from lightning_hotspa.checkpoint import load_distributed_checkpoint
+    from lightning_hotspa.adapter.checkpoint import load_distributed_checkpoint
 
     return lambda: load_distributed_checkpoint(tmp / "no-such-checkpoint", torch.nn.Linear(2, 2), [])
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from lightning_hotspa.cli import main
+from lightning_hotspa.tools.cli import main
 
 
 def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
@@ -87,7 +87,7 @@ def test_argument_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
 def test_the_whole_simulation_grid_runs_in_under_a_minute() -> None:
     import time
 
-    from lightning_hotspa.planner.simulate import simulate_grid
+    from lightning_hotspa.tools.simulate import simulate_grid
 
     start = time.perf_counter()
     result = simulate_grid()
@@ -100,10 +100,10 @@ def test_calibration_errors_hold_out_later_steps_per_clock() -> None:
     each clock, stage level = the slowest of the ranks' (4 per layout) seconds."""
     import numpy as np
 
-    from lightning_hotspa.cli import calibration_errors
     from lightning_hotspa.layout import Layout
     from lightning_hotspa.planner.calibration import Observation, encode_observations
     from lightning_hotspa.planner.solver import CostModelPlanner
+    from lightning_hotspa.tools.cli import calibration_errors
 
     layouts = ["dp4", "dp2xcp2"]
     truth = {"dp4": (3e-9, 2e-5, 0.02), "dp2xcp2": (1e-9, 1.5e-5, 0.05)}

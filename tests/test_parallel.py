@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from lightning_hotspa.engine.switch import SwitchEngine, build_home_parameters
 from lightning_hotspa.layout import Layout, LayoutError, LayoutGroups, RankGroup, WorldMesh
 from lightning_hotspa.models import Llama, LlamaConfig, llama_tp_plan, param_roles
 from lightning_hotspa.models.attention import sdpa_attention
@@ -39,7 +40,6 @@ from lightning_hotspa.parallel.tensor_parallel import (
 )
 from lightning_hotspa.placements import build_shardings
 from lightning_hotspa.plan import Stage, StepPlan, pack_micro_batch, slice_plan
-from lightning_hotspa.switch import SwitchEngine, build_home_parameters
 
 LAYOUTS = ["dp4", "dp2xtp2", "tp4", "dp2xcp2", "tp2xcp2", "cp4"]
 DOC_LENGTHS = [45, 7, 130, 19, 64, 3, 88, 33]  # odd lengths, one shorter than 2*cp, one long

@@ -14,12 +14,6 @@ import pytest
 
 from lightning_hotspa.layout import Layout, LayoutError, MeshShape
 from lightning_hotspa.plan import PlanError, Stage, StepPlan, slice_plan
-from lightning_hotspa.planner.artifact_rule import (
-    HAND_SET_RULES,
-    RuleNotFoundError,
-    artifact_rule,
-    artifact_stages,
-)
 from lightning_hotspa.planner.base import Planner
 from lightning_hotspa.planner.calibration import (
     Observation,
@@ -38,8 +32,14 @@ from lightning_hotspa.planner.hardware import (
     get_profile,
 )
 from lightning_hotspa.planner.packing import DocumentTooLongError, cp_padded_lengths
-from lightning_hotspa.planner.simulate import simulate_cell
 from lightning_hotspa.planner.solver import CostModelPlanner
+from lightning_hotspa.tools.artifact_rule import (
+    HAND_SET_RULES,
+    RuleNotFoundError,
+    artifact_rule,
+    artifact_stages,
+)
+from lightning_hotspa.tools.simulate import simulate_cell
 
 W4 = ["dp4", "dp2xtp2", "tp4"]
 W8 = ["dp8", "dp4xtp2", "dp2xtp2xcp2", "tp4xcp2"]
@@ -348,7 +348,7 @@ def test_brute_force_sees_what_a_worse_planner_misses() -> None:
 
 def test_within_three_percent_of_the_milp_bound_for_40_documents() -> None:
     pytest.importorskip("highspy")
-    from lightning_hotspa.planner.milp import solve_milp
+    from lightning_hotspa.tools.milp import solve_milp
 
     for planner, lengths in ((planner4(), lognormal(1, 40, 16384)), (planner8(), lognormal(2, 40, 32768))):
         ours, _ = planner.solve(lengths)
@@ -360,7 +360,7 @@ def test_milp_charges_shared_gradient_reductions_once() -> None:
     """The MILP (a relaxation) never exceeds the exact optimum, also when that optimum shares one
     gradient reduction between two tp2 stages (charging it twice gives a bound above the optimum)."""
     pytest.importorskip("highspy")
-    from lightning_hotspa.planner.milp import solve_milp
+    from lightning_hotspa.tools.milp import solve_milp
 
     p = CostModelPlanner(W4_SAME_TP, model="llama7b", hardware="A800-80G")
     for seed, n in ((0, 7), (3, 8)):

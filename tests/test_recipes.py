@@ -19,8 +19,7 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from lightning_hotspa.data import SOURCE_KINDS, HotSPaDataModule
-from lightning_hotspa.recipe import (
+from lightning_hotspa.adapter.recipe import (
     CONFIG_DIR,
     ConfigError,
     check_config,
@@ -28,8 +27,9 @@ from lightning_hotspa.recipe import (
     register_resolvers,
     run_dir_name,
 )
-from lightning_hotspa.telemetry import RunSummary, StageRecord, detect_hardware
-from lightning_hotspa.wandb_utils import decide_wandb_mode
+from lightning_hotspa.adapter.telemetry import RunSummary, StageRecord, detect_hardware
+from lightning_hotspa.adapter.wandb_utils import decide_wandb_mode
+from lightning_hotspa.data import SOURCE_KINDS, HotSPaDataModule
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = ROOT / "recipes" / "train.py"

@@ -8,10 +8,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from lightning_hotspa.comm_bytes import count_collective_bytes
+from lightning_hotspa.engine.switch import SwitchEngine, build_home_parameters
 from lightning_hotspa.layout import Layout, LayoutError, WorldMesh
 from lightning_hotspa.placements import build_shardings
-from lightning_hotspa.switch import SwitchEngine, build_home_parameters
+from lightning_hotspa.testing.comm_bytes import count_collective_bytes
 
 FOUNDATION = ["dp4", "dp2xtp2", "tp4", "dp2xcp2", "tp2xcp2"]
 SHAPES = {"wq": (8, 12), "wo": (12, 8), "emb": (16, 4), "norm": (12,), "wk": (4, 12), "bias": (6,)}

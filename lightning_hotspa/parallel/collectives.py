@@ -10,7 +10,7 @@ Why a module of its own: the hot path computes on local tensors with explicit co
   map slots to shards here, once, and nowhere else.
 
 The ``torch.distributed`` functions are looked up at call time (``dist.all_reduce``), so
-:func:`lightning_hotspa.comm_bytes.count_collective_bytes` sees every call.
+:func:`lightning_hotspa.testing.comm_bytes.count_collective_bytes` sees every call.
 """
 
 from __future__ import annotations

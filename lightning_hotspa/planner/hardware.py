@@ -179,7 +179,7 @@ def measure_cpu_gloo(ranks: int = 4, repeats: int = 9) -> dict[str, float]:
     returns the median over ranks of each figure (the numbers behind the ``cpu-gloo`` profile)."""
     import statistics
 
-    from ..spawn import run_on_ranks
+    from ..testing.spawn import run_on_ranks
 
     per_rank = run_on_ranks(_calibrate_rank, ranks, repeats, timeout_s=600)
     return {k: statistics.median(r[k] for r in per_rank) for k in per_rank[0]}

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import TQDMProgressBar
 from lightning.pytorch.loggers import WandbLogger
 
-from .plan import RankPlan, StepPlan
+from ..plan import RankPlan, StepPlan
 from .telemetry import (
     RunSummary,
     StageRecord,
@@ -134,7 +134,7 @@ class HotSPaMonitor(L.Callback):
             if self.hardware is None or config is None:
                 return None
             try:
-                from .planner.solver import CostModelPlanner
+                from ..planner.solver import CostModelPlanner
 
                 planner = CostModelPlanner(strategy.layouts, model=config, hardware=self.hardware,
                                            tokens_per_rank=getattr(strategy, "tokens_per_rank", None),

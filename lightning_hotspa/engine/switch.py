@@ -32,8 +32,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from .layout import Layout, LayoutError, RankGroup, WorldMesh
-from .placements import ParamSharding
+from ..layout import Layout, LayoutError, RankGroup, WorldMesh
+from ..placements import ParamSharding
 
 # torch 2.13 deprecates all_gather_into_tensor in favour of all_gather_single, which 2.11 lacks.
 warnings.filterwarnings("ignore", message=".*(all_gather_into_tensor|reduce_scatter_tensor).*deprecated",

@@ -22,8 +22,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from .assign import pack_lpt
-from .cost_model import AnalyticCostModel, OptionCost, Parallelism
+from ..planner.assign import pack_lpt
+from ..planner.cost_model import AnalyticCostModel, OptionCost, Parallelism
 
 __all__ = ["HAND_SET_RULES", "artifact_rule", "artifact_stages", "RuleNotFoundError"]
 

@@ -58,7 +58,7 @@ def _positive(text: str) -> int:
 def _corpus_lengths(path: str) -> np.ndarray:
     from pathlib import Path
 
-    from .data import (
+    from ..data import (
         ByteTokenizer,
         JsonlSource,
         ParquetSource,
@@ -88,7 +88,7 @@ def _corpus_lengths(path: str) -> np.ndarray:
 def batch_lengths(data: str, global_batch_tokens: int, context: int, seed: int, step: int) -> np.ndarray:
     """One token-budget global batch, as the DataModule composes it (documents longer than the context
     are cut into context-sized chunks)."""
-    from .data import LENGTH_PROFILES, LengthGenerator, MiniBatchSampler
+    from ..data import LENGTH_PROFILES, LengthGenerator, MiniBatchSampler
 
     if data in LENGTH_PROFILES:
         gen = LengthGenerator(kind=data, seed=seed, scale=1 / 3.5 if data == "github" else 1.0)
@@ -106,10 +106,10 @@ def batch_lengths(data: str, global_batch_tokens: int, context: int, seed: int, 
 
 # ------------------------------------------------------------------------------------------ plan
 def _cmd_plan(args: argparse.Namespace) -> dict[str, Any]:
-    from .planner.candidates import auto_layouts
-    from .planner.cost_model import AnalyticCostModel
-    from .planner.simulate import static_layouts, static_seconds
-    from .planner.solver import CostModelPlanner
+    from ..planner.candidates import auto_layouts
+    from ..planner.cost_model import AnalyticCostModel
+    from ..planner.solver import CostModelPlanner
+    from .simulate import static_layouts, static_seconds
 
     cm = AnalyticCostModel(args.model, args.hardware, args.world_size)
     if args.global_batch_tokens < args.context:
@@ -152,7 +152,7 @@ def _cmd_plan(args: argparse.Namespace) -> dict[str, Any]:
 
 # ------------------------------------------------------------------------------------------ simulate
 def _cmd_simulate(args: argparse.Namespace) -> dict[str, Any]:
-    from .planner.simulate import GRID, simulate_grid
+    from .simulate import GRID, simulate_grid
 
     grid = dict(GRID)
     if args.contexts:
@@ -184,7 +184,7 @@ def _cmd_simulate(args: argparse.Namespace) -> dict[str, Any]:
 def _cmd_calibrate(args: argparse.Namespace) -> dict[str, Any]:
     import datetime
 
-    from .planner.hardware import measure_cpu_gloo
+    from ..planner.hardware import measure_cpu_gloo
 
     figures = measure_cpu_gloo(args.ranks, args.repeats)
     out = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%MZ"),
@@ -213,14 +213,14 @@ def _measure_stages(layouts: list[str], steps: int, seed: int, model: str, token
     import torch
     import torch.distributed as dist
 
-    from .layout import Layout, WorldMesh
-    from .models import Llama, LlamaConfig, llama_tp_plan, param_roles, token_mean_cross_entropy
-    from .parallel.model import ParallelModel
-    from .placements import build_shardings
-    from .plan import Stage, StepPlan, slice_plan
-    from .planner.calibration import ROW_WIDTH, Observation, encode_observations
-    from .planner.packing import pack_layout
-    from .switch import SwitchEngine, build_home_parameters
+    from ..engine.switch import SwitchEngine, build_home_parameters
+    from ..layout import Layout, WorldMesh
+    from ..models import Llama, LlamaConfig, llama_tp_plan, param_roles, token_mean_cross_entropy
+    from ..parallel.model import ParallelModel
+    from ..placements import build_shardings
+    from ..plan import Stage, StepPlan, slice_plan
+    from ..planner.calibration import ROW_WIDTH, Observation, encode_observations
+    from ..planner.packing import pack_layout
 
     config = LlamaConfig.preset(model)
     world = WorldMesh(layouts)
@@ -299,8 +299,8 @@ def calibration_errors(rows: np.ndarray, layouts: Sequence[str], steps: int, war
     held out (never seen by the fit). Rank level (each rank's stage seconds) and stage level (the
     slowest rank, what a step waits for). ``noise_floor``: the stage error on the same held-out
     steps of a fit that DID see them (all steps): what no coefficients can beat on this data."""
-    from .layout import Layout
-    from .planner.calibration import (
+    from ..layout import Layout
+    from ..planner.calibration import (
         ROW_WIDTH,
         decode_observations,
         held_out_error,
@@ -334,8 +334,8 @@ def calibration_errors(rows: np.ndarray, layouts: Sequence[str], steps: int, war
 def _cmd_check_calibration(args: argparse.Namespace) -> dict[str, Any]:
     import os
 
-    from .planner.solver import CostModelPlanner
-    from .spawn import run_on_ranks
+    from ..planner.solver import CostModelPlanner
+    from ..testing.spawn import run_on_ranks
 
     layouts = [x for x in args.layouts.split(",") if x.strip()]
     planner = CostModelPlanner(layouts, model=args.model, hardware="cpu-gloo", tokens_per_rank=args.tokens_per_rank)

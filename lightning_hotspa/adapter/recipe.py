@@ -9,6 +9,7 @@ launcher noise. Config mistakes are caught here, in the first process, and repor
 
 from __future__ import annotations
 
+import importlib.resources
 import os
 import sys
 from collections.abc import Mapping
@@ -21,9 +22,10 @@ from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 __all__ = ["ConfigError", "CONFIG_DIR", "check_config", "group_options", "hardware_profile", "register_resolvers",
            "run_dir_name", "train"]
 
-CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
+# Shipped as package data, so an installed wheel finds them too (not only a checkout).
+CONFIG_DIR = Path(str(importlib.resources.files("lightning_hotspa") / "configs"))
 REQUIRED_GROUPS = ("model", "strategy", "data", "trainer")
-_STRATEGY_TARGETS = ("lightning_hotspa.HotSPaStrategy", "lightning_hotspa.strategy.HotSPaStrategy")
+_STRATEGY_TARGETS = ("lightning_hotspa.HotSPaStrategy", "lightning_hotspa.adapter.strategy.HotSPaStrategy")
 
 
 class ConfigError(ValueError):
@@ -111,7 +113,7 @@ def _layout_error(world: int | None, problem: str) -> ConfigError:
 
 def check_layouts(strategy_cfg: Any, trainer_cfg: Any) -> None:
     """``strategy.layouts`` is "auto" or a list of layouts of the world size that share one mesh."""
-    from .layout import Layout, LayoutError, MeshShape, parse_layouts
+    from ..layout import Layout, LayoutError, MeshShape, parse_layouts
 
     spec = strategy_cfg.get("layouts", "auto")
     world = _world_size(trainer_cfg)
@@ -134,8 +136,8 @@ def check_layouts(strategy_cfg: Any, trainer_cfg: Any) -> None:
 
 def _check_context(cfg: DictConfig) -> None:
     """With the rule planner: the context must fit the largest micro-batch some layout holds."""
-    from .layout import LayoutError, parse_layouts
-    from .planner.rule import ThresholdPlanner
+    from ..layout import LayoutError, parse_layouts
+    from ..planner.rule import ThresholdPlanner
     from .strategy import default_layouts
 
     s, world = cfg.strategy, _world_size(cfg.trainer)

@@ -42,16 +42,17 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
+from ..engine.switch import GradReport, SwitchEngine, build_home_parameters
+from ..layout import Layout, LayoutError, MeshShape, WorldMesh, parse_layouts
+from ..parallel.model import ParallelModel
+from ..placements import build_shardings
+from ..plan import MicroBatch, RankPlan, RankStage
 from .checkpoint import (
     check_checkpoint_dirs,
     load_distributed_checkpoint,
     resolve_checkpoint,
     save_distributed_checkpoint,
 )
-from .layout import Layout, LayoutError, MeshShape, WorldMesh, parse_layouts
-from .parallel.model import ParallelModel
-from .placements import build_shardings
-from .plan import MicroBatch, RankPlan, RankStage
 from .precision import HotSPaPrecision
 from .reliability import (
     NonFiniteLossError,
@@ -60,7 +61,6 @@ from .reliability import (
     enable_nccl_flight_recorder,
 )
 from .stats import StageStats, step_metrics
-from .switch import GradReport, SwitchEngine, build_home_parameters
 
 __all__ = ["HotSPaStrategy", "default_layouts"]
 
@@ -147,7 +147,7 @@ class HotSPaStrategy(ParallelStrategy):
             raise ValueError(f"planner must be one of {list(PLANNER_NAMES)} or a Planner (layouts, capacity, plan); "
                              f"got {type(planner).__name__}")
         if planner in ("cost", "cost-profiled"):
-            from .planner.hardware import get_profile
+            from ..planner.hardware import get_profile
 
             get_profile(hardware)  # an unknown profile name fails here, naming the known ones
         self.tokens_per_rank = tokens_per_rank
@@ -275,11 +275,11 @@ class HotSPaStrategy(ParallelStrategy):
 
     def _build_planner(self) -> Any:
         if self._planner_spec == "rule":
-            from .planner.rule import ThresholdPlanner
+            from ..planner.rule import ThresholdPlanner
 
             return ThresholdPlanner(self.layouts, tokens_per_rank=self.tokens_per_rank)
         if self._planner_spec in ("cost", "cost-profiled"):
-            from .planner.solver import CostModelPlanner
+            from ..planner.solver import CostModelPlanner
 
             config = getattr(self.lightning_module, "config", None)
             if config is None:
@@ -345,7 +345,7 @@ class HotSPaStrategy(ParallelStrategy):
                 raise LayoutError(f"layouts with tp={max_tp} need a tensor-parallel plan, but "
                                   f"{type(module).__name__} defines no tp_plan(tp) method")
             return {n: "replicated" for n, _ in module.named_parameters()}
-        from .models.tp_plan import param_roles
+        from ..models.tp_plan import param_roles
 
         # tp degrees nest, so a plan valid for the largest tp is valid for every layout
         return param_roles(module, tp_plan(max_tp))

@@ -120,7 +120,7 @@ def detect_hardware(profile: str | None, peak_flops_per_device: float | None,
     peak = peak_flops_per_device
     if profile is not None and peak is None:
         try:
-            from .planner.hardware import get_profile
+            from ..planner.hardware import get_profile
         except ImportError:  # the cost model is optional for monitoring
             return profile, None
         peak = get_profile(profile).peak_flops

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .layout import Layout
-from .plan import RankStage
+from ..layout import Layout
+from ..plan import RankStage
 
 __all__ = ["StageStats", "gathered_observations", "step_metrics"]
 
@@ -112,7 +112,7 @@ def gathered_observations(table: torch.Tensor, stats: Sequence[StageStats], acti
     """Every rank's measured stage seconds with its cost-model features, from :func:`step_metrics`'
     table: rank-major, stage order, bit-identical on every rank. ``activation_checkpointing``: per
     stage, whether it ran with checkpointing. Stages a rank had no micro-batch in are skipped."""
-    from .planner.calibration import Observation
+    from ..planner.calibration import Observation
 
     rows = table.detach().to("cpu", torch.float64).tolist()
     width = len(_FIELDS)

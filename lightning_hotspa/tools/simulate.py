@@ -23,12 +23,12 @@ from typing import Any
 import numpy as np
 
 from ..layout import Layout
+from ..planner.assign import pack_lpt
+from ..planner.candidates import auto_layouts, enumerate_layouts
+from ..planner.cost_model import AnalyticCostModel, CostModelError, Parallelism
+from ..planner.packing import max_doc_length
+from ..planner.solver import CostModelPlanner
 from .artifact_rule import RuleNotFoundError, artifact_rule, artifact_stages
-from .assign import pack_lpt
-from .candidates import auto_layouts, enumerate_layouts
-from .cost_model import AnalyticCostModel, CostModelError, Parallelism
-from .packing import max_doc_length
-from .solver import CostModelPlanner
 
 __all__ = ["CellResult", "GRID", "sample_batches", "simulate_cell", "simulate_grid", "static_seconds",
            "static_layouts", "geometric_mean"]
