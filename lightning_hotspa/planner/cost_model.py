@@ -25,6 +25,9 @@ rows); the cost is padding (``s`` rounded up to ``2*cp``) and communication:
   ``2(tp-1)/tp * bytes / busbw``. Not overlapped with compute (as in our runtime).
 * CP (Ulysses): per layer one all-to-all of fused q/k/v and one of the output forward, the same
   backward (+ forward again with checkpointing); each moves ``(cp-1)/cp`` of its ``1/tp`` head slice.
+* Local shapes are smaller than the unsharded ones, so a rank's kernels may run below the
+  unsharded efficiency: compute divides by ``tp*cp * hardware.shard_efficiency(tp, cp)`` (a
+  measured per-degree curve, recipes/gpu_check.py part (c); 1.0 when the profile has none).
 * Activation checkpointing recomputes each layer's forward: +1/3 of the layers' training FLOPs.
 * dp: one reduce-scatter of the stage's fp32 gradients per run of same-tp stages (DESIGN.md step 4).
 * Switches (switch.py): a move from tp ``s`` to tp ``t < s`` all-gathers ``1/t - 1/s`` of the bf16
@@ -283,7 +286,8 @@ class AnalyticCostModel:
     # ------------------------------------------------------------------ time
     def _coefficients(self, par: Parallelism, ac: bool) -> tuple[float, float, float]:
         m, hw = self.model, self.hardware
-        div = par.tp * par.cp * par.pp
+        # tp*cp*pp ways, each at the measured efficiency of its smaller local shapes (1.0 by default)
+        div = par.tp * par.cp * par.pp * hw.shard_efficiency(par.tp, par.cp)
         layers = m.n_layers / par.pp
         recompute = 1.0 + (1.0 / 3.0 if ac else 0.0)
         # compute: attention 6*L*H*hd*s*(s+1) (models/config.py), dense 6*P*s (+2*P_layers*s recompute)

@@ -11,6 +11,7 @@ efficiencies and inter-node links are ASSUMPTIONS typical of published runs, nam
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,10 +42,18 @@ class HardwareProfile:
     inter_node_latency_s: float = 25e-6
     layer_overhead_s: float = 30e-6  # per layer and micro-batch (launches, small kernels), exposed part
     source: str = ""
+    # Per-degree efficiency of a rank's local (sharded) compute against 1/degree of the unsharded
+    # compute, as ((degree, efficiency), ...) pairs, measured by recipes/gpu_check.py part (c).
+    # Empty (the default): 1.0 at every degree, i.e. work divides perfectly by tp*cp.
+    tp_efficiency: tuple[tuple[int, float], ...] = ()
+    cp_efficiency: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
+            if f.name in _CURVES:
+                object.__setattr__(self, f.name, _check_curve(self.name, f.name, value))
+                continue
             if f.name in ("name", "source"):
                 continue
             if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
@@ -53,6 +62,11 @@ class HardwareProfile:
                   "inter_node_bw", "devices_per_node"):
             if not getattr(self, f) > 0:
                 raise ValueError(f"HardwareProfile {self.name!r}: {f} must be > 0")
+
+    def shard_efficiency(self, tp: int = 1, cp: int = 1) -> float:
+        """Fraction of ideal speed-up a rank's local compute reaches at these degrees: the product of
+        the tp and cp curves, each interpolated linearly in log2(degree) and held flat past its ends."""
+        return _interpolate(self.tp_efficiency, tp) * _interpolate(self.cp_efficiency, cp)
 
     def bandwidth(self, span: int) -> float:
         """Bus bandwidth of a collective whose ranks lie within ``span`` consecutive devices."""
@@ -63,6 +77,40 @@ class HardwareProfile:
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+_CURVES = ("tp_efficiency", "cp_efficiency")
+
+
+def _check_curve(profile: str, field: str, value: Any) -> tuple[tuple[int, float], ...]:
+    """((degree, efficiency), ...) sorted by degree; a clear error for anything else."""
+    try:
+        pairs = tuple((d, e) for d, e in value)
+    except (TypeError, ValueError):
+        raise ValueError(f"HardwareProfile {profile!r}: {field} must be (degree, efficiency) pairs, "
+                         f"got {value!r}") from None
+    for d, e in pairs:
+        if isinstance(d, bool) or not isinstance(d, int) or d < 1:
+            raise ValueError(f"HardwareProfile {profile!r}: {field} degree must be an int >= 1, got {d!r}")
+        if isinstance(e, bool) or not isinstance(e, (int, float)) or not 0 < e <= 2:
+            raise ValueError(f"HardwareProfile {profile!r}: {field} efficiency at degree {d} must be in "
+                             f"(0, 2], got {e!r}")
+    degrees = [d for d, _ in pairs]
+    if len(set(degrees)) != len(degrees):
+        raise ValueError(f"HardwareProfile {profile!r}: {field} repeats a degree: {degrees}")
+    return tuple(sorted((int(d), float(e)) for d, e in pairs))
+
+
+def _interpolate(curve: tuple[tuple[int, float], ...], degree: int) -> float:
+    if degree <= 1 or not curve:
+        return 1.0
+    points = ((1, 1.0),) + tuple(p for p in curve if p[0] > 1)
+    x = math.log2(degree)
+    for (d0, e0), (d1, e1) in zip(points, points[1:]):
+        if degree <= d1:
+            x0, x1 = math.log2(d0), math.log2(d1)
+            return e0 + (e1 - e0) * (x - x0) / (x1 - x0)
+    return points[-1][1]
 
 
 _AMPERE_NOTE = ("bf16 dense peak 312 TFLOP/s (NVIDIA A100 data sheet). ASSUMED: GEMMs at 65% of peak, "
@@ -127,9 +175,14 @@ CPU_GLOO_CALIBRATION: dict[str, Any] = {
 
 
 def get_profile(profile: str | HardwareProfile) -> HardwareProfile:
-    """The profile of that name (case-insensitive), or the object itself."""
+    """The profile of that name (case-insensitive), the object itself, or a profile-update JSON file
+    (``*.json``, e.g. ``h200_profile_update.json`` from recipes/gpu_check.py) applied to its base."""
     if isinstance(profile, HardwareProfile):
         return profile
+    if isinstance(profile, str) and profile.strip().endswith(".json"):
+        from .profile_update import load_updated_profile
+
+        return load_updated_profile(profile.strip())
     if isinstance(profile, str):
         for name, value in PROFILES.items():
             if name.lower() == profile.strip().lower():
