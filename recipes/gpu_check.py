@@ -32,6 +32,7 @@ import faulthandler
 import json
 import os
 import sys
+import tempfile
 import threading
 import time
 from datetime import datetime, timezone
@@ -139,6 +140,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "dtype": str(dtype).removeprefix("torch."), "hardware_profile": profile.name,
             "datasheet_peak_flops": profile.peak_flops, "config": cfg, "parts": list(args.parts)}
     report = Report(out_dir, meta)
+    # the token cache and Lightning's root stay out of $OUT: only a few files come back from there
+    work_dir = tempfile.mkdtemp(prefix="gpu_check_")
     start = time.monotonic()
     deadline = start + cfg["budget_s"]
     _watchdog(report, cfg["budget_s"] + args.grace_s)
@@ -159,7 +162,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         _run_part(report, "train", lambda b: train_check(
             preset=cfg["preset"], steps=cfg["steps"], compare_steps=3, tokens_per_batch=cfg["tokens_per_batch"],
             context_length=cfg["context_length"], tokens_per_rank=cfg["tokens_per_rank"], lr=cfg["lr"],
-            device=device, out_dir=str(out_dir), budget=b, reserve_s=0.15 * b.seconds, keep=shared),
+            device=device, work_dir=work_dir, budget=b, reserve_s=0.15 * b.seconds, keep=shared),
             budget("train"))
     config = LlamaConfig.preset(cfg["preset"])
     model = None
@@ -199,18 +202,17 @@ def _backends(config: LlamaConfig, model: Any, cfg: dict[str, Any], device: torc
 
 def _shards(cfg: dict[str, Any], device: torch.device, dtype: torch.dtype, budget: Budget,
             dry_run: bool) -> dict[str, Any]:
+    from gpu_check_common import working_backend
     from gpu_check_layers import LLAMA3_8B, TINY_GQA, TINY_MHA, mean_curves, shard_efficiency
     from gpu_check_speed import backends_for
 
-    from lightning_hotspa.models import auto_backend_name
-
     shapes = ({"llama7b": TINY_MHA, "llama3_8b": TINY_GQA} if dry_run
               else {"llama7b": LlamaConfig.preset("llama7b"), "llama3_8b": LLAMA3_8B})
-    name = auto_backend_name(device, dtype)
+    name, note = working_backend(device, dtype)
     core = backends_for(device)[name]
     per_shape = shard_efficiency(shapes, [1, 2, 4, 8], cfg["layer_tokens"], cfg["layer_length"], core, device,
                                  dtype, budget)
-    return {"attention_backend": name, "shapes": per_shape, "curves": mean_curves(per_shape),
+    return {"attention_backend": name, "attention_backend_note": note, "shapes": per_shape, "curves": mean_curves(per_shape),
             "stand_ins": "tp: local weight shards; cp: Ulysses all-to-all replaced by a local reshape"}
 
 

@@ -151,6 +151,23 @@ def attention_backends(device: torch.device, with_flex: bool = True) -> dict[str
     return out
 
 
+def working_backend(device: torch.device, dtype: torch.dtype) -> tuple[str, str | None]:
+    """The backend the runtime's "auto" picks here, if a small forward + backward runs; else "sdpa",
+    with why (so a kernel that fails on this torch costs one part's backend, not the whole check)."""
+    from lightning_hotspa.models import auto_backend_name
+
+    name = auto_backend_name(device, dtype)
+    if name == "sdpa":
+        return name, None
+    try:
+        x = packed_attention_inputs(256, 128, 4, 2, 64, device, dtype)
+        BACKENDS[name](x["q"], x["k"], x["v"], x["cu_seqlens"], 128).backward(x["grad"])
+        sync(device)
+    except Exception as err:  # noqa: BLE001
+        return "sdpa", f"{name} failed a forward + backward here, using sdpa: {err!r}"[:400]
+    return name, None
+
+
 def packed_attention_inputs(tokens: int, length: int, heads: int, kv_heads: int, head_dim: int,
                             device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
     """Random q [T, h, d], k/v [T, hkv, d] (requiring grad) for ``tokens // length`` documents."""

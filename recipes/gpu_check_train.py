@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from gpu_check_common import Budget, DeviceTimer, sync
+from gpu_check_common import Budget, DeviceTimer, sync, working_backend
 
 LOSS_RTOL = 1e-2
 WEIGHT_RTOL = 5e-2
@@ -94,12 +94,14 @@ def _recorder(compare_steps: int, budget: Budget, reserve_s: float, device: torc
 
 
 def reference_run(config: Any, seed: int, hparams: dict[str, Any], plans: list[Any], device: torch.device,
-                  working_dtype: torch.dtype, keep: dict[str, Any] | None = None) -> dict[str, Any]:
+                  working_dtype: torch.dtype, backend: str = "auto",
+                  keep: dict[str, Any] | None = None) -> dict[str, Any]:
     """Plain PyTorch: fp32 master weights, ``working_dtype`` compute, AdamW, token-mean loss.
     ``keep["model"]`` receives the master model afterwards (the later parts reuse it: one init less)."""
     from lightning_hotspa.models import build_llama
 
     master = build_llama(config, seed, device=device)
+    master.set_attention_backend(backend)
     init = _fingerprint((n, p.detach()) for n, p in master.named_parameters())
     work = copy.deepcopy(master).to(working_dtype)
     masters, workers = dict(master.named_parameters()), dict(work.named_parameters())
@@ -141,8 +143,23 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-30))
 
 
+def _datamodule(cls: Any, tokens_per_batch: int, context_length: int, work_dir: str) -> tuple[Any, str]:
+    """The stdlib corpus; random-byte documents (named so in the report) where this interpreter ships
+    no standard-library sources (some images keep only bytecode)."""
+    from lightning_hotspa.data import DataError
+
+    common = {"tokenizer": "byte", "tokens_per_batch": tokens_per_batch, "context_length": context_length,
+              "seed": 0, "cache_dir": f"{work_dir}/hotspa_cache"}
+    try:
+        return cls(source="stdlib", source_kwargs={"include_tests": False}, **common), "stdlib"
+    except DataError as err:
+        fallback = {"num_documents": 4 * tokens_per_batch // 256, "seed": 0}
+        return (cls(source="synthetic", source_kwargs=fallback, **common),
+                f"synthetic random bytes (stdlib unavailable: {err})"[:300])
+
+
 def train_check(*, preset: str, steps: int, compare_steps: int, tokens_per_batch: int, context_length: int,
-                tokens_per_rank: int, lr: float, device: torch.device, out_dir: str, budget: Budget,
+                tokens_per_rank: int, lr: float, device: torch.device, work_dir: str, budget: Budget,
                 reserve_s: float, keep: dict[str, Any] | None = None) -> dict[str, Any]:
     """Part (a); the result's ``pass`` says whether the loss fell and the first steps matched."""
     import lightning as L
@@ -151,18 +168,17 @@ def train_check(*, preset: str, steps: int, compare_steps: int, tokens_per_batch
     from lightning_hotspa.models import LlamaLM
     from lightning_hotspa.planner.cost_model import AnalyticCostModel, Parallelism
 
+    backend, backend_note = working_backend(device, torch.bfloat16)
     recorder = _recorder(compare_steps, budget, reserve_s, device)
     strategy = HotSPaStrategy("auto", tokens_per_rank=tokens_per_rank)
     trainer = L.Trainer(accelerator=device.type, devices=1, strategy=strategy, precision="bf16-mixed",
                         max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, use_distributed_sampler=False, default_root_dir=out_dir,
+                        enable_model_summary=False, use_distributed_sampler=False, default_root_dir=work_dir,
                         callbacks=[recorder], num_sanity_val_steps=0)
-    data = HotSPaDataModule(source="stdlib", source_kwargs={"include_tests": False}, tokenizer="byte",
-                            tokens_per_batch=tokens_per_batch, context_length=context_length, seed=0,
-                            cache_dir=f"{out_dir}/hotspa_cache")
+    data, corpus = _datamodule(HotSPaDataModule, tokens_per_batch, context_length, work_dir)
     hparams = {"lr": lr, "weight_decay": 0.1, "betas": (0.9, 0.95)}
     with trainer.init_module(empty_init=True):  # meta: the strategy fills each home shard from the seed
-        module = LlamaLM(preset, seed=0, **hparams)
+        module = LlamaLM(preset, seed=0, attention_backend=backend, **hparams)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     t0 = time.perf_counter()
@@ -170,10 +186,11 @@ def train_check(*, preset: str, steps: int, compare_steps: int, tokens_per_batch
     sync(device)
     fit_s = time.perf_counter() - t0
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-    backend = str(getattr(strategy, "_process_group_backend", None))
+    pg_backend = str(getattr(strategy, "_process_group_backend", None))
     losses = recorder.losses
     result: dict[str, Any] = {
-        "preset": preset, "precision": "bf16-mixed", "process_group_backend": backend, "world_size": trainer.world_size,
+        "preset": preset, "precision": "bf16-mixed", "corpus": corpus, "attention_backend": backend,
+        "attention_backend_note": backend_note, "process_group_backend": pg_backend, "world_size": trainer.world_size,
         "steps": len(losses), "losses": losses, "fit_s": fit_s, "step_s": recorder.step_s,
         "stopped_for_budget": recorder.stopped_for_budget, "tokens_per_batch": tokens_per_batch,
         "micro_batches_per_step": [sum(len(s.micro_batches) for s in b.stages) for b in recorder.batches]}
@@ -187,13 +204,13 @@ def train_check(*, preset: str, steps: int, compare_steps: int, tokens_per_batch
                         "measured_over_predicted": None if peak is None else peak / predicted}
     result["timings"] = recorder.timings[1:]  # the first step pays one-off costs
     config, weights, plans, init = module.config, recorder.weights, recorder.batches, recorder.init
-    del trainer, module, data
+    del trainer, module, data, strategy
     if device.type == "cuda":
         torch.cuda.empty_cache()
     if len(plans) < compare_steps or not weights:
         result.update(reference="skipped: fewer steps than compared", match=False, **{"pass": False})
         return result
-    ref = reference_run(config, 0, hparams, plans, device, torch.bfloat16, keep)
+    ref = reference_run(config, 0, hparams, plans, device, torch.bfloat16, backend, keep)
     loss_err = [abs(a - b) / abs(b) for a, b in zip(losses[:compare_steps], ref["losses"])]
     weight_err = {n: _rel(weights[n], ref["weights"][n]) for n in ref["weights"]}
     init_equal = init == ref["init"]
