@@ -98,7 +98,7 @@ def _watchdog(report: Report, seconds: float) -> None:
     def fire() -> None:
         report.data["meta"]["watchdog"] = f"hard deadline of {seconds:.0f} s hit; parts after it are missing"
         report.write()
-        print(json.dumps(summarize(report.data)), flush=True)
+        print(json.dumps(summarize(report.data), default=str), flush=True)
         os._exit(3)
 
     faulthandler.dump_traceback_later(max(seconds - 5, 1), exit=False)  # where it hung, on stderr
@@ -118,6 +118,7 @@ def _run_part(report: Report, name: str, fn: Any, budget: Budget) -> Any:
         print(f"gpu_check: part {name} failed: {err!r}", file=sys.stderr, flush=True)
     seconds = time.perf_counter() - t0
     if isinstance(value, dict):
+        value.setdefault("status", "ok")
         value.setdefault("budget_s", budget.seconds)
     report.set(name, value, seconds)
     print(f"gpu_check: {name} done in {seconds:.1f} s (budget {budget.seconds:.0f} s)", flush=True)
@@ -162,7 +163,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         _run_part(report, "train", lambda b: train_check(
             preset=cfg["preset"], steps=cfg["steps"], compare_steps=3, tokens_per_batch=cfg["tokens_per_batch"],
             context_length=cfg["context_length"], tokens_per_rank=cfg["tokens_per_rank"], lr=cfg["lr"],
-            device=device, work_dir=work_dir, budget=b, reserve_s=0.15 * b.seconds, keep=shared),
+            device=device, work_dir=work_dir, budget=b, reserve_s=0.3 * b.seconds, keep=shared),
             budget("train"))
     config = LlamaConfig.preset(cfg["preset"])
     model = None
@@ -177,7 +178,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if "shards" in args.parts:
         _run_part(report, "shards", lambda b: _shards(cfg, device, dtype, b, args.dry_run), budget("shards"))
     if "timers" in args.parts:
+        from gpu_check_common import working_backend
         from gpu_check_speed import stage_timings
+
+        model.set_attention_backend(working_backend(device, dtype)[0])
 
         _run_part(report, "timers", lambda b: stage_timings(model, config, cfg["timer_tokens"], cfg["timer_length"],
                                                             device, b), budget("timers"))
@@ -238,7 +242,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     data = run(parse_args(argv))
     summary = summarize(data)
-    print(json.dumps(summary), flush=True)
+    print(json.dumps(summary, default=str), flush=True)
     return summary
 
 

@@ -25,6 +25,7 @@ stage timers (``strategy.last_stage_stats``: switch + compute + reduce).
 from __future__ import annotations
 
 import copy
+import gc
 import time
 from typing import Any
 
@@ -84,7 +85,8 @@ def _recorder(compare_steps: int, budget: Budget, reserve_s: float, device: torc
             self.losses.append(float(outputs["loss"]))
             self.step_s.append(time.perf_counter() - self._start[1])
             if batch_idx == compare_steps - 1:
-                self.weights = {n: p.float().clone() for n, p in _named(pl_module)}
+                # on the host: a device copy would add the model's size to the measured peak (part (d))
+                self.weights = {n: p.float().to("cpu", copy=True) for n, p in _named(pl_module)}
             mean_step = sum(self.step_s[1:]) / max(len(self.step_s) - 1, 1)
             if not budget.allows(reserve_s + 2 * mean_step) and len(self.losses) >= compare_steps:
                 self.stopped_for_budget = True
@@ -205,6 +207,9 @@ def train_check(*, preset: str, steps: int, compare_steps: int, tokens_per_batch
     result["timings"] = recorder.timings[1:]  # the first step pays one-off costs
     config, weights, plans, init = module.config, recorder.weights, recorder.batches, recorder.init
     del trainer, module, data, strategy
+    gc.collect()  # Lightning's trainer holds cycles: free the strategy's home state before the reference
+    if torch.distributed.is_initialized():  # the later parts are single-process
+        torch.distributed.destroy_process_group()
     if device.type == "cuda":
         torch.cuda.empty_cache()
     if len(plans) < compare_steps or not weights:
@@ -212,7 +217,7 @@ def train_check(*, preset: str, steps: int, compare_steps: int, tokens_per_batch
         return result
     ref = reference_run(config, 0, hparams, plans, device, torch.bfloat16, backend, keep)
     loss_err = [abs(a - b) / abs(b) for a, b in zip(losses[:compare_steps], ref["losses"])]
-    weight_err = {n: _rel(weights[n], ref["weights"][n]) for n in ref["weights"]}
+    weight_err = {n: _rel(weights[n].to(device), ref["weights"][n]) for n in ref["weights"]}
     init_equal = init == ref["init"]
     worst = max(weight_err, key=weight_err.get)
     result["reference"] = {

@@ -10,7 +10,7 @@ import pytest
 from lightning_hotspa.layout import Layout
 from lightning_hotspa.planner.cost_model import AnalyticCostModel
 from lightning_hotspa.planner.hardware import PROFILES, get_profile
-from lightning_hotspa.planner.profile_update import ProfileUpdateError, apply_profile_update
+from lightning_hotspa.planner.profile_update import ProfileUpdateError, apply_profile_update, main
 
 
 def test_no_curve_means_perfect_division_as_before():
@@ -61,6 +61,8 @@ def test_update_file_applies_to_its_base_profile(tmp_path):
     assert profile.tp_efficiency == ((2, 0.95), (8, 0.8))
     assert profile.attention_efficiency == get_profile("H200").attention_efficiency
     assert "UPDATED" in profile.source and "NVIDIA H200" in profile.source
+    printed = main([str(path)])  # the CLI prints the fields to paste into hardware.py
+    assert printed["dense_efficiency"] == 0.6 and printed["tp_efficiency"] == ((2, 0.95), (8, 0.8))
 
 
 def test_bad_updates_name_what_is_wrong(tmp_path):
