@@ -112,10 +112,12 @@ def flex_document_attention(device: torch.device) -> Callable[..., Tensor] | str
         return parts
     flex, create_block_mask = parts
     kernel = torch.compile(flex, dynamic=False) if device.type == "cuda" else flex
-    masks: dict[tuple[int, int, int], Any] = {}
+    # keyed by the cu_seqlens object, which the entry keeps alive (so its id is never reused): one
+    # mask per packed row, built on its first layer, with no device sync to compare contents
+    masks: dict[tuple[int, int], tuple[Tensor, Any]] = {}
 
     def block_mask(cu_seqlens: Tensor, total: int) -> Any:
-        key = (cu_seqlens.data_ptr(), cu_seqlens.numel(), total)
+        key = (id(cu_seqlens), total)
         if key not in masks:
             positions = torch.arange(total, device=cu_seqlens.device)
             doc = torch.bucketize(positions, cu_seqlens[1:].to(positions.dtype), right=True)
@@ -123,8 +125,9 @@ def flex_document_attention(device: torch.device) -> Callable[..., Tensor] | str
             def causal_document(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
                 return (doc[q_idx] == doc[kv_idx]) & (q_idx >= kv_idx)
 
-            masks[key] = create_block_mask(causal_document, None, None, total, total, device=cu_seqlens.device)
-        return masks[key]
+            masks[key] = (cu_seqlens, create_block_mask(causal_document, None, None, total, total,
+                                                        device=cu_seqlens.device))
+        return masks[key][1]
 
     def attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int) -> Tensor:
         del max_seqlen
