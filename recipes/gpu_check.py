@@ -31,6 +31,7 @@ import argparse
 import faulthandler
 import json
 import os
+import shutil
 import sys
 import tempfile
 import threading
@@ -188,6 +189,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     report.data["meta"]["total_s"] = time.monotonic() - start
     report.write()
     faulthandler.cancel_dump_traceback_later()
+    shutil.rmtree(work_dir, ignore_errors=True)
     return report.data
 
 

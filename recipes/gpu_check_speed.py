@@ -169,6 +169,7 @@ def stage_timings(model: Llama, config: LlamaConfig, tokens: int, length: int, d
 
     def run(record: bool, synchronize: bool) -> None:
         state: dict[str, Any] = {}
+        events: list[tuple[str, Any, Any]] = []
 
         def forward() -> None:
             logits = model(row["input_ids"], row["position_ids"], row["cu_seqlens"], row["max_seqlen"])
@@ -190,8 +191,10 @@ def stage_timings(model: Llama, config: LlamaConfig, tokens: int, length: int, d
             if record:
                 key = "host_sync" if synchronize else "host_nosync"
                 records[stage][key].append((h2 if synchronize else h1) - h0)
-                records[stage]["device"].append(timer.seconds(e0, e1))
+                events.append((stage, e0, e1))
         sync(device)
+        for stage, e0, e1 in events:  # read after the step: reading an event waits for it
+            records[stage]["device"].append(timer.seconds(e0, e1))
 
     run(record=False, synchronize=True)  # warm-up
     done = 0
