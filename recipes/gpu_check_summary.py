@@ -101,8 +101,10 @@ def summarize(data: dict[str, Any]) -> dict[str, Any]:
                 entry[kind] = {"mfu_datasheet_ge4k": _best(r["cells"], "mfu_datasheet_peak", 4096),
                                "mfu_measured_ge4k": _best(r["cells"], "mfu_measured_peak", 4096),
                                "cells": [[c["length"], round(c["mfu_datasheet_peak"], 4), round(c["tokens_per_s"])]
-                                         if c.get("status") == "ok" else [c["length"], c.get("status")]
+                                         if c.get("status") == "ok" else [c["length"], str(c.get("status"))[:80]]
                                          for c in r["cells"]]}
+                if kind == "attention_alone" and r["cells"]:
+                    entry["rel_error_vs_sdpa"] = r["cells"][0].get("rel_error_vs_sdpa")
                 if kind == "whole_model":
                     entry["fit"] = r.get("fit_vs_datasheet")
                     entry["memory_measured_over_predicted"] = [
