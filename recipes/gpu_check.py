@@ -167,14 +167,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             device=device, work_dir=work_dir, budget=b, reserve_s=0.3 * b.seconds, keep=shared),
             budget("train"))
     config = LlamaConfig.preset(cfg["preset"])
-    model = None
-    if "backends" in args.parts or "timers" in args.parts:
-        from lightning_hotspa.models import build_llama
 
-        model = shared.pop("model", None) or build_llama(config, seed=0, device=device)
-        model = model.to(dtype)
+    def model() -> Any:
+        """Part (a)'s reference model in ``dtype`` (or a fresh one), built inside the part that first
+        needs it, so a failure is that part's error."""
+        if shared.get("dtype") != dtype:
+            from lightning_hotspa.models import build_llama
+
+            shared["model"] = (shared.get("model") or build_llama(config, seed=0, device=device)).to(dtype)
+            shared["dtype"] = dtype
+        return shared["model"]
+
     if "backends" in args.parts:
-        _run_part(report, "backends", lambda b: _backends(config, model, cfg, device, dtype, peaks, b),
+        _run_part(report, "backends", lambda b: _backends(config, model(), cfg, device, dtype, peaks, b),
                   budget("backends"))
     if "shards" in args.parts:
         _run_part(report, "shards", lambda b: _shards(cfg, device, dtype, b, args.dry_run), budget("shards"))
@@ -182,10 +187,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         from gpu_check_common import working_backend
         from gpu_check_speed import stage_timings
 
-        model.set_attention_backend(working_backend(device, dtype)[0])
+        def timers(b: Budget) -> dict[str, Any]:
+            m = model()
+            m.set_attention_backend(working_backend(device, dtype)[0])
+            return stage_timings(m, config, cfg["timer_tokens"], cfg["timer_length"], device, b)
 
-        _run_part(report, "timers", lambda b: stage_timings(model, config, cfg["timer_tokens"], cfg["timer_length"],
-                                                            device, b), budget("timers"))
+        _run_part(report, "timers", timers, budget("timers"))
     report.data["meta"]["total_s"] = time.monotonic() - start
     report.write()
     faulthandler.cancel_dump_traceback_later()
