@@ -254,7 +254,8 @@ def _recorder(calibrate: bool):
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             elapsed, cpu = time.perf_counter() - self._t0, time.process_time() - self._c0
-            stats = getattr(trainer.strategy, "last_stage_stats", [])
+            result = trainer.strategy.last_step
+            stats = result.stages if result is not None else ()
             row = [elapsed] + [x for s in stats for x in (s.switch_s, s.compute_s + s.reduce_s, s.compute_s)]
             t = torch.tensor(row, dtype=torch.float64)
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -264,10 +265,10 @@ def _recorder(calibrate: bool):
             self.steps.append({"step_s": float(t[0]), "cpu_s": float(cpu_all), "loss": float(loss),
                                "switch_s": [float(x) for x in t[1::3]], "work_s": [float(x) for x in t[2::3]]})
             if calibrate:
-                from lightning_hotspa.adapter.stats import gathered_observations
+                from lightning_hotspa.adapter.profiling import gathered_observations
 
                 ac = [st.activation_checkpointing for st in batch.stages]
-                self.observations.append((batch_idx, gathered_observations(trainer.strategy.last_step_table, stats, ac)))
+                self.observations.append((batch_idx, gathered_observations(result, ac)))
 
     return Recorder()
 

@@ -8,8 +8,8 @@
   to the debug log, and the NCCL flight recorder is switched on before the process group exists
   (:func:`enable_nccl_flight_recorder`).
 * A non-finite loss is detected without a host sync per micro-batch: the step's loss total is
-  gathered once per step anyway (``stats.step_metrics``) and any NaN/Inf micro-batch loss makes it
-  non-finite, so every rank reaches the same verdict from the same numbers. Only then are the
+  gathered once per step anyway (``engine.records.gather_step``) and any NaN/Inf micro-batch loss
+  makes it non-finite, so every rank reaches the same verdict from the same numbers. Only then are the
   per-micro-batch losses the tracker kept inspected, and the ranks exchange what they found so the
   report names every offending micro-batch. Policy ``"stop"`` (default) raises
   :class:`NonFiniteLossError`; ``"skip"`` drops the update and logs the plan that caused it.
