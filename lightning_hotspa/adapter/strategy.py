@@ -5,8 +5,8 @@ One Lightning batch is this rank's slice of one step plan (:class:`RankPlan`); `
 hands it to the engine's :class:`StepRunner`. Lightning then zeroes ``.grad`` and calls
 :meth:`backward`, which hands the reduced gradients to the home parameters (fp32 DTensors sharded
 over the world: what the optimizer, checkpoints and ``module.parameters()`` see outside a step).
-This module is the Lightning plumbing; every other job is a module of its own (planner_factory,
-home_state, lightning_step, nonfinite, profiling, stats, checkpoint_hooks, layout_choice).
+The Lightning plumbing only; each other job is a module of its own (planner_factory, home_state,
+lightning_step, nonfinite, profiling, stats, checkpoint_hooks, layout_choice).
 """
 
 from __future__ import annotations
@@ -84,10 +84,9 @@ class HotSPaStrategy(GuardedCollectives, StrategyCheckpoints, ParallelStrategy):
         nonfinite: what a NaN/Inf micro-batch loss does, decided alike on every rank before the
             optimizer step: ``"stop"`` (default; raises ``NonFiniteLossError`` naming the step, stage,
             layout and micro-batch) or ``"skip"`` (no update for that step; logged with its plan).
-        breadcrumb_dir: where each rank keeps its current step / stage / layout / micro-batch / phase
-            as ``rank<N>.txt`` (also ``$HOTSPA_BREADCRUMB_DIR``). Default: off on gloo (a failed
-            collective raises an error naming it), ``<default_root_dir>/hotspa_breadcrumbs`` on NCCL,
-            whose watchdog aborts the process without a Python error.
+        breadcrumb_dir: where each rank keeps its step / stage / layout / micro-batch / phase as
+            ``rank<N>.txt`` (also ``$HOTSPA_BREADCRUMB_DIR``). Default: off on gloo (a failed collective
+            raises an error naming it), ``<default_root_dir>/hotspa_breadcrumbs`` on NCCL.
         timeout: the process-group timeout (a ``timedelta`` or seconds): how long a rank waits in a
             collective for a peer that hangs (a peer that dies is noticed at once on gloo).
     """
@@ -234,9 +233,12 @@ class HotSPaStrategy(GuardedCollectives, StrategyCheckpoints, ParallelStrategy):
             if not self.layouts:
                 raise RuntimeError("the planner is available once the processes are set up")
             self._planner = build_planner(self._planner_spec, self.layouts, tokens_per_rank=self.tokens_per_rank,
-                                          hardware=self.hardware, device=self.root_device,
+                                          hardware=self.hardware, device=self._device_or_cpu(),
                                           module=self.lightning_module, activation_checkpointing=self._ac_spec)
         return self._planner
+
+    def _device_or_cpu(self) -> torch.device:  # no Trainer has given devices yet (a bare strategy)
+        return self.root_device if self.parallel_devices else torch.device("cpu")
 
     def planning_context(self) -> PlanningContext | None:
         """What the DataModule plans with; None until the processes are set up."""
@@ -275,15 +277,14 @@ class HotSPaStrategy(GuardedCollectives, StrategyCheckpoints, ParallelStrategy):
     @contextlib.contextmanager
     @override
     def tensor_init_context(self, empty_init: bool | None = None) -> Any:
-        """``trainer.init_module(empty_init=True)`` builds on the meta device; ``setup`` then
-        initializes each home shard from the module's ``init_parameter``."""
+        """``init_module(empty_init=True)``: on the meta device; ``setup`` inits each home shard."""
         with (torch.device("meta") if empty_init else contextlib.nullcontext()), \
                 self.precision_plugin.tensor_init_context():
             yield
 
     @override
-    def model_to_device(self) -> None:
-        pass  # home parameters are created on the root device
+    def model_to_device(self) -> None:  # home parameters are created on the root device
+        pass
 
     # ------------------------------------------------------------------ the step
     @override
