@@ -228,8 +228,7 @@ def rank_plans(planner, batches: list[list[np.ndarray]], rank: int, first_step: 
             meta.append(band_ids)
         else:
             # a profiled planner plans with the newest (here: the calibration run's) coefficients
-            kwargs = {"latest": True} if getattr(planner, "profiled", False) else {}
-            plan = planner.plan(first_step + i, lengths, **kwargs)
+            plan = planner.plan(first_step + i, lengths, latest=planner.profiled)
             meta.append(None)
         plans.append(None if plan is None else slice_plan(plan, docs, mesh, rank))
         global_plans.append(plan)
@@ -292,7 +291,9 @@ def run_hotspa(planner, plans, args: argparse.Namespace, calibrate: bool = False
     from lightning_hotspa.models import LlamaLM
 
     recorder = _recorder(calibrate)
-    strategy = HotSPaStrategy(list(planner.layouts), tokens_per_rank=args.tokens_per_rank, planner=planner)
+    # the strategy runs the ready plans; a BandPlanner (timing bands, not a training Planner) is not its planner
+    planner_arg = "rule" if isinstance(planner, BandPlanner) else planner
+    strategy = HotSPaStrategy(list(planner.layouts), tokens_per_rank=args.tokens_per_rank, planner=planner_arg)
     with own_process_groups():
         _trainer(strategy, len(plans), [recorder]).fit(LlamaLM(MODEL, seed=0, lr=args.lr), train_dataloaders=_loader(plans))
     return recorder

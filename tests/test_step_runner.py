@@ -259,13 +259,18 @@ def test_cost_planner_follows_the_accelerator(monkeypatch) -> None:
 def test_metrics_come_from_records_with_the_documented_keys() -> None:
     from pathlib import Path
 
-    from lightning_hotspa.adapter.stats import step_metrics
+    from lightning_hotspa.adapter.stats import monitor_metrics, step_metrics
 
     record = StageRecord(step=1, order=0, layout="dp2xtp2", label="b", tokens=100.0, documents=3.0,
-                         micro_batches=2.0, switch_s=1.0, switch_mb=2.5, compute_s=3.0, reduce_s=0.5, stage_s=4.0)
+                         micro_batches=2.0, switch_s=1.0, switch_mb=2.5, compute_s=3.0, reduce_s=0.5, stage_s=4.0,
+                         flops=1e9, predicted_s=5.0)
     metrics = step_metrics([record])
+    extra = monitor_metrics([record], 4.0, 2.0, 1e9)
+    assert set(extra) == {"train/step_loss", "hotspa/dp2xtp2/stage_s", "hotspa/dp2xtp2/mfu",
+                          "hotspa/dp2xtp2/predicted_s", "hotspa/mfu", "hotspa/predicted_step_s",
+                          "hotspa/predicted_over_measured"}
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    for key in metrics:  # every logged key is in the README's metrics table
+    for key in [*metrics, *(k for k in extra if k.startswith("hotspa/"))]:  # all in the README's table
         short = key.replace("hotspa/dp2xtp2/", "")
         assert f"`{key.replace('dp2xtp2', '<layout>')}`" in readme or f"`{short}`" in readme, key
     assert metrics["hotspa/dp2xtp2/tokens_per_s"] == 25.0  # over the slowest rank's stage time

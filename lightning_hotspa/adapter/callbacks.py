@@ -30,6 +30,7 @@ from lightning.pytorch.loggers import WandbLogger
 
 from ..engine.records import StageRecord, StepResult, rank_stage_fields
 from ..plan import RankPlan, StepPlan
+from .stats import monitor_metrics
 from .strategy import HotSPaStrategy
 from .telemetry import RunSummary, detect_hardware, records_as_rows, stage_flops
 from .timeline import PARTS, draw_timeline
@@ -202,23 +203,7 @@ class HotSPaMonitor(L.Callback):
 
     def _log_step(self, pl_module: L.LightningModule, records: Sequence[StageRecord], step_s: float | None,
                   loss: float | None) -> None:
-        peak = self.summary.peak_flops_total
-        out: dict[str, float] = {}
-        if loss is not None:
-            out["train/step_loss"] = loss
-        for r in records:
-            prefix = f"hotspa/{r.layout}"
-            out[f"{prefix}/stage_s"] = r.seconds
-            if (mfu := r.mfu(peak)) is not None:
-                out[f"{prefix}/mfu"] = mfu
-            if r.predicted_s is not None:
-                out[f"{prefix}/predicted_s"] = r.predicted_s
-        if records and all(r.flops is not None for r in records) and peak and step_s:
-            out["hotspa/mfu"] = sum(r.flops or 0.0 for r in records) / (step_s * peak)
-        if records and all(r.predicted_s is not None for r in records) and step_s:
-            predicted = sum(r.predicted_s or 0.0 for r in records)
-            out["hotspa/predicted_step_s"] = predicted
-            out["hotspa/predicted_over_measured"] = predicted / step_s
+        out = monitor_metrics(records, step_s, loss, self.summary.peak_flops_total)
         if out:
             pl_module.log_dict(out, on_step=True, on_epoch=False, rank_zero_only=True, batch_size=1)
 

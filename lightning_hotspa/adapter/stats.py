@@ -1,9 +1,13 @@
 """The step's logger metrics, built in this one place from the step runner's typed records.
 
-Metric names are stable across steps (keyed by layout, which appears at most once per plan):
+Metric names are stable across steps (keyed by layout, which appears at most once per plan). The
+strategy logs :func:`step_metrics`:
 ``hotspa/<layout>/{tokens,documents,micro_batches,switch_s,switch_MB,compute_s,reduce_s,tokens_per_s}``
 and step totals ``hotspa/step_s``, ``hotspa/tokens_per_s``, ``hotspa/switch_fraction``. Token counts
-are summed over ranks (tp copies once), times are the slowest rank's (:class:`StageRecord`).
+are summed over ranks (tp copies once), times are the slowest rank's (:class:`StageRecord`). The
+monitor adds :func:`monitor_metrics` (what needs the model or the cost model): ``train/step_loss``,
+``hotspa/<layout>/{stage_s,mfu,predicted_s}``, ``hotspa/mfu``, ``hotspa/predicted_step_s`` and
+``hotspa/predicted_over_measured``.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ from collections.abc import Sequence
 
 from ..engine.records import StageRecord
 
-__all__ = ["step_metrics"]
+__all__ = ["monitor_metrics", "step_metrics"]
 
 
 def step_metrics(records: Sequence[StageRecord]) -> dict[str, float]:
@@ -37,3 +41,25 @@ def step_metrics(records: Sequence[StageRecord]) -> dict[str, float]:
         metrics["hotspa/tokens_per_s"] = tokens_total / step_s if step_s > 0 else 0.0
         metrics["hotspa/switch_fraction"] = switch_total / step_s if step_s > 0 else 0.0
     return metrics
+
+
+def monitor_metrics(records: Sequence[StageRecord], step_s: float | None, loss: float | None,
+                    peak_flops_total: float | None) -> dict[str, float]:
+    """The monitor's metrics of one step's records, with ``flops`` / ``predicted_s`` filled in."""
+    out: dict[str, float] = {}
+    if loss is not None:
+        out["train/step_loss"] = loss
+    for r in records:
+        prefix = f"hotspa/{r.layout}"
+        out[f"{prefix}/stage_s"] = r.seconds
+        if (mfu := r.mfu(peak_flops_total)) is not None:
+            out[f"{prefix}/mfu"] = mfu
+        if r.predicted_s is not None:
+            out[f"{prefix}/predicted_s"] = r.predicted_s
+    if records and all(r.flops is not None for r in records) and peak_flops_total and step_s:
+        out["hotspa/mfu"] = sum(r.flops or 0.0 for r in records) / (step_s * peak_flops_total)
+    if records and all(r.predicted_s is not None for r in records) and step_s:
+        predicted = sum(r.predicted_s or 0.0 for r in records)
+        out["hotspa/predicted_step_s"] = predicted
+        out["hotspa/predicted_over_measured"] = predicted / step_s
+    return out

@@ -178,9 +178,9 @@ class StepPlanDataset(Dataset[RankPlan]):
 class HotSPaDataModule(L.LightningDataModule):
     """Token-budget mini-batches as per-rank step plans, resumable at any world size.
 
-    Inside a Trainer, ``setup`` and the ``*_dataloader`` hooks read ``trainer.strategy.planner``
-    (a :class:`Planner`), ``trainer.strategy.mesh_shape`` (a :class:`MeshShape` whose layouts
-    include the planner's) and ``trainer.global_rank``. The ``planner=``, ``mesh_shape=`` and
+    Inside a Trainer, ``setup`` and the ``*_dataloader`` hooks plan with the strategy's
+    :class:`~.context.PlanningContext` (``strategy.planning_context()``: the planner, the mesh
+    shape whose layouts include the planner's, this rank). The ``planner=``, ``mesh_shape=`` and
     ``rank=`` arguments are used only where no such strategy is present (outside a Trainer, tests).
     Meant for ``use_distributed_sampler=False`` (the HotSPa strategy forces it); a sampler that
     Lightning injects anyway is ignored with a warning. Training resumes from either this module's
