@@ -253,8 +253,10 @@ def _recorder(calibrate: bool):
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             elapsed, cpu = time.perf_counter() - self._t0, time.process_time() - self._c0
-            result = trainer.strategy.last_step
-            stats = result.stages if result is not None else ()
+            from lightning_hotspa import HotSPaStrategy
+
+            result = trainer.strategy.last_step if isinstance(trainer.strategy, HotSPaStrategy) else None
+            stats = result.stages if result is not None else ()  # Lightning's strategies: none
             row = [elapsed] + [x for s in stats for x in (s.switch_s, s.compute_s + s.reduce_s, s.compute_s)]
             t = torch.tensor(row, dtype=torch.float64)
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
