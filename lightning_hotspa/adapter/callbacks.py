@@ -169,11 +169,12 @@ class HotSPaMonitor(L.Callback):
         stages = [(s.layout.name, s.label) for s in batch.stages]
         flops = predicted = None
         plan = batch.extras.get("global_plan")
-        if (step % self.every_n_steps == 0 or step == 1) and isinstance(plan, StepPlan):
-            if len(plan.stages) == len(stages):
+        if step % self.every_n_steps == 0 or step == 1:
+            if not isinstance(plan, StepPlan):
+                self._warn_once("plan", "the batches carry no global plan (extras['global_plan']); "
+                                        "no MFU or predictions")
+            elif len(plan.stages) == len(stages):
                 flops, predicted = self._flops(plan), self._predicted(plan)
-        elif step % self.every_n_steps == 0 or step == 1:
-            self._warn_once("plan", "the batches carry no global plan (extras['global_plan']); no MFU or predictions")
         plan_stats = batch.extras.get("stages") or ()
         records = [dataclasses.replace(r, step=step, flops=_at(flops, r.order), predicted_s=_at(predicted, r.order),
                                        plan=dict(plan_stats[r.order]) if r.order < len(plan_stats) else {})
