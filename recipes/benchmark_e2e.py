@@ -228,8 +228,7 @@ def rank_plans(planner, batches: list[list[np.ndarray]], rank: int, first_step: 
             meta.append(band_ids)
         else:
             # a profiled planner plans with the newest (here: the calibration run's) coefficients
-            kwargs = {"latest": True} if getattr(planner, "profiled", False) else {}
-            plan = planner.plan(first_step + i, lengths, **kwargs)
+            plan = planner.plan(first_step + i, lengths, latest=planner.profiled)
             meta.append(None)
         plans.append(None if plan is None else slice_plan(plan, docs, mesh, rank))
         global_plans.append(plan)
@@ -254,7 +253,10 @@ def _recorder(calibrate: bool):
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             elapsed, cpu = time.perf_counter() - self._t0, time.process_time() - self._c0
-            stats = getattr(trainer.strategy, "last_stage_stats", [])
+            from lightning_hotspa import HotSPaStrategy
+
+            result = trainer.strategy.last_step if isinstance(trainer.strategy, HotSPaStrategy) else None
+            stats = result.stages if result is not None else ()  # Lightning's strategies: none
             row = [elapsed] + [x for s in stats for x in (s.switch_s, s.compute_s + s.reduce_s, s.compute_s)]
             t = torch.tensor(row, dtype=torch.float64)
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -264,10 +266,10 @@ def _recorder(calibrate: bool):
             self.steps.append({"step_s": float(t[0]), "cpu_s": float(cpu_all), "loss": float(loss),
                                "switch_s": [float(x) for x in t[1::3]], "work_s": [float(x) for x in t[2::3]]})
             if calibrate:
-                from lightning_hotspa.adapter.stats import gathered_observations
+                from lightning_hotspa.adapter.profiling import gathered_observations
 
                 ac = [st.activation_checkpointing for st in batch.stages]
-                self.observations.append((batch_idx, gathered_observations(trainer.strategy.last_step_table, stats, ac)))
+                self.observations.append((batch_idx, gathered_observations(result, ac)))
 
     return Recorder()
 
@@ -291,7 +293,9 @@ def run_hotspa(planner, plans, args: argparse.Namespace, calibrate: bool = False
     from lightning_hotspa.models import LlamaLM
 
     recorder = _recorder(calibrate)
-    strategy = HotSPaStrategy(list(planner.layouts), tokens_per_rank=args.tokens_per_rank, planner=planner)
+    # the strategy runs the ready plans; a BandPlanner (timing bands, not a training Planner) is not its planner
+    planner_arg = "rule" if isinstance(planner, BandPlanner) else planner
+    strategy = HotSPaStrategy(list(planner.layouts), tokens_per_rank=args.tokens_per_rank, planner=planner_arg)
     with own_process_groups():
         _trainer(strategy, len(plans), [recorder]).fit(LlamaLM(MODEL, seed=0, lr=args.lr), train_dataloaders=_loader(plans))
     return recorder

@@ -3,8 +3,9 @@
 Every layout trains on the SAME global set of micro-batches (``--micro-batches`` of
 ``--tokens`` tokens each, documents of mixed lengths), dealt to its dp groups as the planner would;
 so tokens/s compare like for like and every layout's gradients (reduced by the switch engine into
-the home store, as full tensors) are checked against the single process's. A step here is the
-compute of one stage plus its gradient reduction (no switch); its time is the slowest rank's,
+the home store, as full tensors) are checked against the single process's. A step here is one
+stage run by the engine's StepRunner, as training runs it; its time is the stage's compute plus its
+gradient reduction (the switch from home is not timed), the slowest rank's,
 median over ``--steps``. The single process runs on rank 0 alone (one thread, as every rank) while
 the others wait. The last line printed is one JSON object.
 
@@ -27,6 +28,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from lightning_hotspa.engine.step_runner import StepHooks, StepRunner  # noqa: E402
 from lightning_hotspa.engine.switch import SwitchEngine, build_home_parameters  # noqa: E402
 from lightning_hotspa.layout import Layout, WorldMesh  # noqa: E402
 from lightning_hotspa.models import param_roles  # noqa: E402
@@ -56,6 +58,11 @@ def _slowest(seconds: float) -> float:
     t = torch.tensor([seconds], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t)
+
+
+class _StartTogether(StepHooks):
+    def before_compute(self, stage) -> None:  # every rank's stage clock starts at once
+        dist.barrier()
 
 
 def _single_process(lm, docs, groups, total_targets, steps) -> tuple[float, dict[str, torch.Tensor]]:
@@ -91,29 +98,18 @@ def bench_rank(preset: str, tokens: int, micro_batches: int, steps: int) -> dict
     home = build_home_parameters(world, shardings, lambda name, shape: init[name])
     parallel = ParallelModel(lm, roles, world)
     engine = SwitchEngine(world, shardings, home)
+    runner, hooks = StepRunner(engine, parallel), _StartTogether()
     result["loss_parallel"] = type(lm.loss_fn).__name__
     for name in LAYOUTS:
         layout = Layout.parse(name)
         stage = Stage(layout, tuple(tuple(tuple(groups[i]) for i in range(dp, len(groups), layout.dp))
                                     for dp in range(layout.dp)))
-        mine = slice_plan(StepPlan(0, lengths, (stage,)), docs, world.shape, world.rank).stages[0]
-        engine.materialize(layout)
-        parallel.activate(layout, engine.working)
+        mine = slice_plan(StepPlan(0, lengths, (stage,)), docs, world.shape, world.rank)
         times = []
         for _ in range(steps + 1):
-            for w in engine.working.values():
-                w.grad = None
             engine.clear_grad_store()
-            dist.barrier()
-            start = time.perf_counter()
-            for mb in mine.micro_batches:
-                with parallel.micro_batch(mb):
-                    loss = lm.training_step(mb)
-                (loss * (mb.num_target_tokens / total_targets)).backward()
-            engine.reduce_gradients()
-            times.append(_slowest(time.perf_counter() - start))
-        parallel.restore(home)
-        engine.release()
+            (timed,) = runner.run(mine, lm.training_step, hooks).stages
+            times.append(_slowest(timed.compute_s + timed.reduce_s))
         engine.assign_home_grads()
         errors = {}
         for pname, p in home.items():

@@ -63,7 +63,7 @@ def make_dm(corpus, layouts=FOUNDATION, rank=0, *, tokens_per_batch=512, context
 def rank_tokens(plan: RankPlan, dm: HotSPaDataModule, refs, rank: int) -> Counter:
     """(corpus doc, position, token) of this rank's real tokens; tp replicas are skipped. Checks
     labels against the corpus: a label is the next token of the same chunk, never across one."""
-    mesh, corpus = dm._planning()[1], dm.corpus
+    mesh, corpus = dm._planning().mesh_shape, dm.corpus
     seen: Counter = Counter()
     for stage in plan.stages:
         _, tp_rank, cp_rank = mesh.rank_coords(stage.layout, rank)

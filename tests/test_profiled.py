@@ -108,7 +108,7 @@ def test_loader_workers_plan_with_the_versions_the_main_process_decides(context:
                                num_workers=2)
     workers.setup("fit")
     workers.train_dataloader()
-    assert workers._planning()[0].plan_lag == 2 * 2 + 2
+    assert workers._planning().planner.plan_lag == 2 * 2 + 2
 
 
 def _digest(plan) -> int:

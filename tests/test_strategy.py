@@ -49,7 +49,7 @@ class _Recorder(Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.losses.append(float(outputs["loss"]))
         self.reductions.append([(s.layout, s.tp, s.reduce_collectives, s.reduce_bytes, s.reduce_s)
-                                for s in trainer.strategy.last_stage_stats])
+                                for s in trainer.strategy.last_step.stages])
 
 
 def _reference_grads(weights, plan, dtype):

@@ -2,12 +2,14 @@
 the current plan in the progress bar, and a summary table at the end.
 
 ``HotSPaStrategy`` already logs the measured numbers of every stage (``hotspa/<layout>/...``, one small
-all-gather per step). :class:`HotSPaMonitor` adds what needs the model or the plan: model FLOPs and
-MFU, the cost model's predicted time next to the measured one, the exact step loss, the step plan as a
-table, and a timeline picture. Everything scalar goes through ``LightningModule.log_dict``, so every
-logger (W&B, CSV, ...) gets the same numbers; tables and images go to W&B when it is a logger and to
-files in ``output_dir`` always. All of it runs on rank 0 and needs no communication, except the
-timeline: the per-rank timings of a drawn step take one small all-gather, on those steps only.
+all-gather per step) and keeps them as typed records (``strategy.last_step``, a :class:`StepResult`:
+every rank's stage numbers, the same on every rank). :class:`HotSPaMonitor` adds what needs the
+model or the plan: model FLOPs and MFU, the cost model's predicted time next to the measured one,
+the exact step loss, the step plan as a table, and a timeline picture; the plan is the one the
+step ran (``batch.extras["global_plan"]``), never re-derived. Everything scalar goes through
+``LightningModule.log_dict``, so every logger (W&B, CSV, ...) gets the same numbers; tables and
+images go to W&B when it is a logger and to files in ``output_dir`` always. All of it runs on rank 0
+and needs no communication.
 """
 
 from __future__ import annotations
@@ -23,19 +25,14 @@ from typing import Any
 import lightning as L
 import numpy as np
 import torch
-import torch.distributed as dist
 from lightning.pytorch.callbacks import TQDMProgressBar
 from lightning.pytorch.loggers import WandbLogger
 
+from ..engine.records import StageRecord, StepResult, rank_stage_fields
 from ..plan import RankPlan, StepPlan
-from .telemetry import (
-    RunSummary,
-    StageRecord,
-    detect_hardware,
-    records_as_rows,
-    stage_flops,
-    stage_records,
-)
+from .stats import monitor_metrics
+from .strategy import HotSPaStrategy
+from .telemetry import RunSummary, detect_hardware, records_as_rows, stage_flops
 from .timeline import PARTS, draw_timeline
 
 __all__ = ["HotSPaMonitor", "HotSPaProgressBar", "plan_text"]
@@ -49,30 +46,34 @@ def _nonneg_int(name: str, value: Any) -> int:
     return value
 
 
-def _scalar_metrics(trainer: L.Trainer) -> dict[str, float]:
-    out = {}
-    for k, v in trainer.callback_metrics.items():
-        if k.startswith("hotspa/"):
-            out[k] = float(v.item() if isinstance(v, torch.Tensor) else v)
-    return out
+def last_step_of(trainer: L.Trainer) -> StepResult | None:
+    """The typed records of the step that just ran (None outside a HotSPa strategy)."""
+    strategy = trainer.strategy
+    return strategy.last_step if isinstance(strategy, HotSPaStrategy) else None
 
 
-def plan_text(batch: RankPlan, metrics: Mapping[str, Any] | None = None) -> str:
+def plan_text(batch: RankPlan, records: Sequence[StageRecord] = ()) -> str:
     """``bucket->layout xN`` per stage in run order; N = micro-batches of the whole step where known."""
+    counts = {r.layout: int(r.micro_batches) for r in records}
     parts = []
     for stage in batch.stages:
         name = stage.layout.name
-        mbs = (metrics or {}).get(f"hotspa/{name}/micro_batches")
-        count = int(float(mbs)) if mbs is not None else len(stage.micro_batches)
+        count = counts.get(name, len(stage.micro_batches))
         parts.append(f"{stage.label + '->' if stage.label else ''}{name} x{count}")
     return ", ".join(parts)
+
+
+def _rank_timings(result: StepResult) -> np.ndarray:
+    """``[ranks, stages, 3]`` seconds of (switch, compute, reduce) from the step's gathered table."""
+    rows = rank_stage_fields(result.table, len(result.stages))
+    return np.array([[[cols[f"{p}_s"] for p in PARTS] for cols in row] for row in rows], dtype=np.float64)
 
 
 class HotSPaMonitor(L.Callback):
     """Per-bucket MFU and predicted-vs-measured time, plan tables, timelines and a final summary.
 
     Args:
-        every_n_steps: compute MFU / predictions (re-derives the step's global plan on rank 0).
+        every_n_steps: compute MFU / predictions (from the global plan the step ran).
         table_every_n_steps: log the step plan as a table (0: never).
         timeline_every_n_steps: draw the stage timeline across ranks (0: never); also the first and
             the last step.
@@ -123,33 +124,31 @@ class HotSPaMonitor(L.Callback):
             warnings.warn(f"HotSPaMonitor: {message}", stacklevel=2)
 
     def _build_predictor(self, trainer: L.Trainer, pl_module: L.LightningModule) -> Predictor | None:
-        """The planner's ``predict`` if it has one, else a cost-model planner built for pricing only."""
+        """The planner's ``predict``; where it cannot price plans, a cost-model planner built for that."""
         strategy = trainer.strategy
-        try:
-            planner = strategy.planner
-        except (AttributeError, RuntimeError):
+        if not isinstance(strategy, HotSPaStrategy) or not strategy.layouts:
             return None
-        if not callable(getattr(planner, "predict", None)):
-            config = getattr(pl_module, "config", None)
-            if self.hardware is None or config is None:
-                return None
-            try:
+        planner, pricing = strategy.planner, None
+        config = getattr(pl_module, "config", None)
+
+        def price(plan: StepPlan) -> Any:
+            nonlocal pricing
+            prediction = planner.predict(plan)
+            if prediction is None and pricing is None:
+                if self.hardware is None or config is None:
+                    return None
                 from ..planner.solver import CostModelPlanner
 
-                planner = CostModelPlanner(strategy.layouts, model=config, hardware=self.hardware,
-                                           tokens_per_rank=getattr(strategy, "tokens_per_rank", None),
-                                           activation_checkpointing="auto")
-            except Exception as exc:  # the cost model is optional: say why and go on without it
-                self._warn_once("predictor", f"no predicted times ({type(exc).__name__}: {exc})")
-                return None
-        ac_for = getattr(strategy, "activation_checkpointing_for", None)
+                pricing = CostModelPlanner(strategy.layouts, model=config, hardware=self.hardware,
+                                           tokens_per_rank=strategy.tokens_per_rank, activation_checkpointing="auto")
+            return prediction if prediction is not None else pricing.predict(plan)
 
-        def predict(plan: StepPlan) -> list[float | None]:
-            if ac_for is not None:  # price what runs: the stage's flag or the strategy's setting
-                stages = tuple(dataclasses.replace(s, activation_checkpointing=s.activation_checkpointing
-                                                   or ac_for(s.layout)) for s in plan.stages)
-                plan = dataclasses.replace(plan, stages=stages)
-            return [s.seconds + s.switch_seconds for s in planner.predict(plan).stages]
+        def predict(plan: StepPlan) -> list[float | None] | None:
+            # price what runs: the stage's flag or the strategy's setting
+            stages = tuple(dataclasses.replace(s, activation_checkpointing=s.activation_checkpointing
+                                               or strategy.activation_checkpointing_for(s.layout)) for s in plan.stages)
+            prediction = price(dataclasses.replace(plan, stages=stages))
+            return None if prediction is None else [s.seconds + s.switch_seconds for s in prediction.stages]
 
         return predict
 
@@ -160,52 +159,33 @@ class HotSPaMonitor(L.Callback):
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        if not isinstance(batch, RankPlan) or batch.extras.get("plain"):
+        if not isinstance(batch, RankPlan) or batch.extras.get("plain") or trainer.global_rank != 0:
             return
-        stats = list(getattr(trainer.strategy, "last_stage_stats", ()) or ())
-        # the only collective: every rank takes part, on drawn steps only (same decision everywhere)
-        timings = self._gather_timings(trainer, stats) if self._due(self.timeline_every, trainer) and stats else None
-        if trainer.global_rank != 0:
-            return
+        result = last_step_of(trainer)
         step = trainer.global_step
         loss = _loss_of(outputs)
         if loss is not None:
             self.summary.add_loss(loss)
-        metrics = _scalar_metrics(trainer)
         stages = [(s.layout.name, s.label) for s in batch.stages]
         flops = predicted = None
+        plan = batch.extras.get("global_plan")
         if step % self.every_n_steps == 0 or step == 1:
-            plan = self._global_plan(trainer, batch)
-            if plan is not None and len(plan.stages) == len(stages):
+            if not isinstance(plan, StepPlan):
+                self._warn_once("plan", "the batches carry no global plan (extras['global_plan']); "
+                                        "no MFU or predictions")
+            elif len(plan.stages) == len(stages):
                 flops, predicted = self._flops(plan), self._predicted(plan)
-        plan_stats = batch.extras.get("stages")
-        records = stage_records(step, stages, metrics, flops, predicted, plan_stats)
-        self._log_step(pl_module, records, metrics, loss)
-        self.summary.add(step, records, metrics.get("hotspa/step_s"))
+        plan_stats = batch.extras.get("stages") or ()
+        records = [dataclasses.replace(r, step=step, flops=_at(flops, r.order), predicted_s=_at(predicted, r.order),
+                                       plan=dict(plan_stats[r.order]) if r.order < len(plan_stats) else {})
+                   for r in (result.records if result is not None else ())]
+        step_s = result.step_s if result is not None and records else None
+        self._log_step(pl_module, records, step_s, loss)
+        self.summary.add(step, records, step_s)
         if self._due(self.table_every, trainer):
             self._log_table(trainer, step, records)
-        if timings is not None:
-            self._log_timeline(trainer, step, timings, stages, predicted)
-
-    def _gather_timings(self, trainer: L.Trainer, stats: Sequence[Any]) -> np.ndarray:
-        local = torch.tensor([[getattr(s, f"{p}_s") for p in PARTS] for s in stats], dtype=torch.float64,
-                             device=trainer.strategy.root_device)
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-            return local.unsqueeze(0).cpu().numpy()
-        world = dist.get_world_size()
-        gathered = local.new_empty(world * local.numel())  # gloo wants a flat concatenation
-        dist.all_gather_into_tensor(gathered, local.reshape(-1))
-        return gathered.reshape(world, *local.shape).cpu().numpy()
-
-    def _global_plan(self, trainer: L.Trainer, batch: RankPlan) -> StepPlan | None:
-        """The step's global plan, recomputed on rank 0 (plans are a pure function of the step)."""
-        dataset = getattr(trainer.train_dataloader, "dataset", None)
-        fn = getattr(dataset, "global_plan", None)
-        epoch, step = batch.extras.get("epoch"), batch.extras.get("step")
-        if fn is None or epoch is None or step is None:
-            self._warn_once("plan", "the data loader cannot re-derive global plans; no MFU or predictions")
-            return None
-        return fn(epoch, step)[0]
+        if result is not None and result.stages and self._due(self.timeline_every, trainer):
+            self._log_timeline(trainer, step, _rank_timings(result), stages, predicted)
 
     def _flops(self, plan: StepPlan) -> list[float | None] | None:
         if self._flops_per_token is None:
@@ -222,26 +202,9 @@ class HotSPaMonitor(L.Callback):
             self._predictor = None
             return None
 
-    def _log_step(self, pl_module: L.LightningModule, records: Sequence[StageRecord], metrics: Mapping[str, float],
+    def _log_step(self, pl_module: L.LightningModule, records: Sequence[StageRecord], step_s: float | None,
                   loss: float | None) -> None:
-        peak = self.summary.peak_flops_total
-        out: dict[str, float] = {}
-        if loss is not None:
-            out["train/step_loss"] = loss
-        for r in records:
-            prefix = f"hotspa/{r.layout}"
-            out[f"{prefix}/stage_s"] = r.seconds
-            if (mfu := r.mfu(peak)) is not None:
-                out[f"{prefix}/mfu"] = mfu
-            if r.predicted_s is not None:
-                out[f"{prefix}/predicted_s"] = r.predicted_s
-        step_s = metrics.get("hotspa/step_s")
-        if records and all(r.flops is not None for r in records) and peak and step_s:
-            out["hotspa/mfu"] = sum(r.flops or 0.0 for r in records) / (step_s * peak)
-        if records and all(r.predicted_s is not None for r in records) and step_s:
-            predicted = sum(r.predicted_s or 0.0 for r in records)
-            out["hotspa/predicted_step_s"] = predicted
-            out["hotspa/predicted_over_measured"] = predicted / step_s
+        out = monitor_metrics(records, step_s, loss, self.summary.peak_flops_total)
         if out:
             pl_module.log_dict(out, on_step=True, on_epoch=False, rank_zero_only=True, batch_size=1)
 
@@ -305,6 +268,10 @@ class HotSPaMonitor(L.Callback):
         print("\n".join(lines), flush=True)
 
 
+def _at(values: Sequence[float | None] | None, i: int) -> float | None:
+    return values[i] if values is not None and i < len(values) else None
+
+
 def _loss_of(outputs: Any) -> float | None:
     loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
     if isinstance(loss, torch.Tensor) and loss.numel() == 1:
@@ -323,7 +290,8 @@ class HotSPaProgressBar(TQDMProgressBar):
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         if self.show_plan and isinstance(batch, RankPlan):
-            self._plan = plan_text(batch, _scalar_metrics(trainer))
+            result = last_step_of(trainer)
+            self._plan = plan_text(batch, result.records if result is not None else ())
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
 
     def get_metrics(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, Any]:

@@ -25,7 +25,7 @@ from lightning.pytorch.plugins.precision import Precision
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
-__all__ = ["HotSPaPrecision", "SUPPORTED_PRECISION", "global_grad_norm", "clip_grad_norm_global"]
+__all__ = ["HotSPaPrecision", "SUPPORTED_PRECISION", "as_hotspa_precision", "clip_grad_norm_global", "global_grad_norm"]
 
 SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "bf16-true", "64-true")
 
@@ -87,3 +87,11 @@ def clip_grad_norm_global(params: Iterable[torch.Tensor], max_norm: float) -> to
         for p in params:
             p.grad.mul_(scale)
     return norm
+
+
+def as_hotspa_precision(plugin: Precision) -> HotSPaPrecision:
+    """Lightning's precision plugin as the strategy's own (a clear error for anything unsupported)."""
+    if isinstance(plugin, HotSPaPrecision):
+        return plugin
+    name = "32-true" if type(plugin) is Precision else getattr(plugin, "precision", None)
+    return HotSPaPrecision(name)

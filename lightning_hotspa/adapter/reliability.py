@@ -8,8 +8,8 @@
   to the debug log, and the NCCL flight recorder is switched on before the process group exists
   (:func:`enable_nccl_flight_recorder`).
 * A non-finite loss is detected without a host sync per micro-batch: the step's loss total is
-  gathered once per step anyway (``stats.step_metrics``) and any NaN/Inf micro-batch loss makes it
-  non-finite, so every rank reaches the same verdict from the same numbers. Only then are the
+  gathered once per step anyway (``engine.records.gather_step``) and any NaN/Inf micro-batch loss
+  makes it non-finite, so every rank reaches the same verdict from the same numbers. Only then are the
   per-micro-batch losses the tracker kept inspected, and the ranks exchange what they found so the
   report names every offending micro-batch. Policy ``"stop"`` (default) raises
   :class:`NonFiniteLossError`; ``"skip"`` drops the update and logs the plan that caused it.
@@ -23,13 +23,14 @@ import os
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["NONFINITE_POLICIES", "CollectiveError", "NonFiniteLossError", "StepTracker", "check_nonfinite_policy",
+__all__ = ["NONFINITE_POLICIES", "CollectiveError", "as_timeout", "NonFiniteLossError", "StepTracker", "check_nonfinite_policy",
            "enable_nccl_flight_recorder", "is_collective_failure"]
 
 log = logging.getLogger(__name__)
@@ -235,3 +236,16 @@ def plan_summary(plan: Any) -> str:
     extras = getattr(plan, "extras", {}) or {}
     position = {k: extras[k] for k in ("epoch", "step", "stream_step") if k in extras}
     return "[" + "; ".join(parts) + "]" + (f" data position {position}" if position else "")
+
+
+def as_timeout(timeout: Any) -> timedelta:
+    """The process-group timeout: a ``timedelta``, or seconds as a number (what a YAML config can say)."""
+    if isinstance(timeout, timedelta):
+        seconds = timeout.total_seconds()
+    elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
+        seconds = float(timeout)
+    else:
+        raise ValueError(f"timeout must be a datetime.timedelta or a number of seconds, got {timeout!r}")
+    if not seconds > 0:
+        raise ValueError(f"timeout must be positive, got {timeout!r}")
+    return timeout if isinstance(timeout, timedelta) else timedelta(seconds=seconds)

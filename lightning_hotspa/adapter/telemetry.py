@@ -1,17 +1,19 @@
-"""Per-stage records of a step, model FLOPs, hardware peaks and the end-of-run summary table.
+"""Model FLOPs, hardware peaks and the end-of-run summary table, over the step runner's records.
 
 Pure functions over numbers (no Lightning, no collectives) so the monitor callback stays thin and
-all of this is testable on its own. Measured numbers come from the strategy's per-step metrics
-(``hotspa/<layout>/...``, slowest rank of each part); FLOPs are *model* FLOPs of the documents
+all of this is testable on its own. Measured numbers are the step's :class:`StageRecord` s (slowest
+rank of each part, device time); FLOPs are *model* FLOPs of the documents
 (``LlamaConfig.flops_per_token``), the usual MFU numerator: padding and recomputation do not count.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+from ..engine.records import StageRecord
 
 __all__ = [
     "RunSummary",
@@ -19,73 +21,9 @@ __all__ = [
     "detect_hardware",
     "records_as_rows",
     "stage_flops",
-    "stage_records",
 ]
 
 FlopsPerToken = Callable[[int], float]
-
-
-@dataclass(frozen=True)
-class StageRecord:
-    """One stage of one step: what ran (bucket, layout) and how long it took, over all ranks."""
-
-    step: int
-    order: int
-    layout: str
-    label: str
-    tokens: float
-    documents: float
-    micro_batches: float
-    switch_s: float
-    switch_mb: float
-    compute_s: float
-    reduce_s: float
-    flops: float | None = None
-    predicted_s: float | None = None
-    plan: Mapping[str, Any] = field(default_factory=dict)  # packing stats: fill, padding, imbalance
-
-    @property
-    def seconds(self) -> float:
-        """Switch + compute + gradient reduce (each the slowest rank's)."""
-        return self.switch_s + self.compute_s + self.reduce_s
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.tokens / self.seconds if self.seconds > 0 else 0.0
-
-    def mfu(self, peak_flops_total: float | None) -> float | None:
-        """Model FLOPs / (stage seconds x peak FLOP/s of all devices)."""
-        if self.flops is None or not peak_flops_total or self.seconds <= 0:
-            return None
-        return self.flops / (self.seconds * peak_flops_total)
-
-
-def stage_records(step: int, stages: Sequence[tuple[str, str]], metrics: Mapping[str, Any],
-                  flops: Sequence[float | None] | None = None,
-                  predicted_s: Sequence[float | None] | None = None,
-                  plan_stats: Sequence[Mapping[str, Any]] | None = None) -> list[StageRecord]:
-    """Records of one step from the strategy's metrics; ``stages`` is ``(layout, bucket)`` in run order.
-
-    Stages whose metrics are missing (a plain batch, a logger-less rank) are skipped.
-    """
-    out = []
-    for i, (layout, label) in enumerate(stages):
-        prefix = f"hotspa/{layout}/"
-        if f"{prefix}tokens" not in metrics:
-            continue
-
-        def get(name: str, prefix: str = prefix) -> float:
-            return float(metrics.get(prefix + name, 0.0))
-
-        out.append(StageRecord(
-            step=step, order=i, layout=layout, label=label, tokens=get("tokens"), documents=get("documents"),
-            micro_batches=get("micro_batches"), switch_s=get("switch_s"), switch_mb=get("switch_MB"),
-            compute_s=get("compute_s"), reduce_s=get("reduce_s"),
-            flops=flops[i] if flops is not None and i < len(flops) else None,
-            predicted_s=predicted_s[i] if predicted_s is not None and i < len(predicted_s) else None,
-            plan=dict(plan_stats[i]) if plan_stats is not None and i < len(plan_stats) else {},
-        ))
-    return out
 
 
 def stage_flops(doc_lengths: Sequence[int], stage_doc_ids: Sequence[Sequence[int]],
@@ -102,9 +40,6 @@ def stage_flops(doc_lengths: Sequence[int], stage_doc_ids: Sequence[Sequence[int
 
 
 # --------------------------------------------------------------------------- hardware
-_CUDA_NAMES = (("H200", "H200"), ("H100", "H100"), ("A800", "A800-80G"), ("A100", "A100-80G"))
-
-
 def detect_hardware(profile: str | None, peak_flops_per_device: float | None,
                     device_type: str, device_name: str = "") -> tuple[str | None, float | None]:
     """(profile name, peak FLOP/s per device) for MFU and the cost model.
@@ -112,17 +47,12 @@ def detect_hardware(profile: str | None, peak_flops_per_device: float | None,
     An explicit ``profile`` wins; otherwise a CUDA device name picks one and CPU gets ``cpu-gloo``.
     ``peak_flops_per_device`` overrides the profile's peak. Unknown hardware: (None, override).
     """
+    from ..planner.hardware import get_profile, profile_for_device
+
     if profile is None:
-        if device_type == "cpu":
-            profile = "cpu-gloo"
-        elif device_type == "cuda":
-            profile = next((p for key, p in _CUDA_NAMES if key in device_name.upper()), None)
+        profile = profile_for_device(device_type, device_name)
     peak = peak_flops_per_device
     if profile is not None and peak is None:
-        try:
-            from ..planner.hardware import get_profile
-        except ImportError:  # the cost model is optional for monitoring
-            return profile, None
         peak = get_profile(profile).peak_flops
     return profile, (float(peak) if peak else None)
 
@@ -275,7 +205,7 @@ def records_as_rows(records: Sequence[StageRecord], peak_flops_total: float | No
     """Table rows (the W&B plan table and plan_table.csv)."""
     rows = []
     for r in records:
-        d = {k: v for k, v in asdict(r).items() if k != "plan"}
+        d = {k: v for k, v in asdict(r).items() if k not in ("plan", "stage_s")}
         d.update(seconds=r.seconds, tokens_per_s=r.tokens_per_s, mfu=r.mfu(peak_flops_total))
         for key in ("fill", "padding", "imbalance"):
             d[key] = r.plan.get(key)

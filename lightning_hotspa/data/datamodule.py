@@ -39,39 +39,29 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-import warnings
 import zlib
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import lightning as L
 import numpy as np
-import torch
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import Dataset
 
 from ..layout import MeshShape
-from ..plan import MicroBatch, RankPlan, StepPlan, slice_plan
-from ..planner.base import Planner
-from ..planner.packing import max_doc_length, plan_stats
+from ..plan import RankPlan, StepPlan, slice_plan
+from ..planner.base import Planner, check_planner
+from ..planner.packing import plan_stats
 from .cache import TokenizedCorpus
+from .context import PlanningContext, PlanningProvider
 from .errors import DataError
+from .loader import STATE_FORMAT, PlanDataLoader, _Cursor, _identity, _load_position, pin_rank_plan
 from .minibatches import ChunkRef, LongDocPolicy, MiniBatchSampler, chunk_tokens
 from .sources import DocumentSource, build_source
 from .tokenizer import Tokenizer, build_tokenizer
 
 __all__ = ["HotSPaDataModule", "PlanDataLoader", "StepPlanDataset", "pin_rank_plan"]
 
-STATE_FORMAT = 1
 _VAL_SPLIT_STREAM = 0x5EED  # second word of the val split's RNG seed: apart from any shuffle
-
-
-@dataclass
-class _Cursor:
-    """The next (epoch, step) the training loader hands out."""
-
-    epoch: int = 0
-    step: int = 0
 
 
 class _PassIndex:
@@ -157,16 +147,14 @@ class StepPlanDataset(Dataset[RankPlan]):
         position = self.locate(epoch, step)[0]
         refs = self.minibatch(epoch, step)
         lengths = [r.length for r in refs]
-        if self.split != "train" and getattr(self.planner, "profiled", False):
-            return self.planner.plan(position, lengths, latest=True), refs  # type: ignore[call-arg]
-        return self.planner.plan(position, lengths), refs
+        return self.planner.plan(position, lengths, latest=self.split != "train" and self.planner.profiled), refs
 
     def __getitem__(self, index: int | tuple[int, int]) -> RankPlan:
         epoch, step = index if isinstance(index, tuple) else (self.cursor.epoch, index)
         position, data_pass, pass_step = self.locate(int(epoch), int(step))
         plan, refs = self.global_plan(int(epoch), int(step))
         rank_plan = slice_plan(plan, _ChunkTokens(self.corpus, refs), self.mesh_shape, self.rank)
-        stats = plan_stats(plan, self.planner.capacity, getattr(self.planner, "cost_fn", None))
+        stats = plan_stats(plan, self.planner.capacity, self.planner.cost_fn)
         extras = {
             "split": self.split,
             "epoch": int(epoch),
@@ -177,191 +165,22 @@ class StepPlanDataset(Dataset[RankPlan]):
             "num_docs": len(refs),
             "num_tokens": plan.num_tokens,
             "rank": self.rank,
+            "global_plan": plan,  # the plan every rank ran (the monitor's FLOPs and predictions)
             **stats.as_dict(),
         }
-        if getattr(self.planner, "profiled", False):  # which coefficients planned it, and what it planned
-            extras["planner_version"] = int(getattr(self.planner, "last_version", -1))
+        if self.planner.profiled:  # which coefficients planned it, and what it planned
+            extras["planner_version"] = int(self.planner.last_version)
             extras["plan_digest"] = zlib.crc32(repr([(s.layout.name, s.activation_checkpointing, s.micro_batches)
                                                      for s in plan.stages]).encode())
         return dataclasses.replace(rank_plan, extras=extras)
 
 
-class _StepSampler(Sampler[tuple[int, int]]):
-    """Yields ``(epoch, step)`` from the cursor to the end of its epoch; a finished epoch rolls
-    over to the next one. Without a cursor (validation, prediction): always all of epoch 0.
-    """
-
-    def __init__(self, cursor: _Cursor | None, length: int) -> None:
-        self.cursor, self.length = cursor, length
-
-    def __len__(self) -> int:
-        return self.length
-
-    def set_epoch(self, epoch: int) -> None:
-        """Deliberately ignored: the position follows consumption, not Lightning's epoch number.
-
-        Lightning passes ``epoch_progress.current.processed``, which after resuming from a
-        checkpoint taken when ``max_steps`` stopped a fit mid-epoch is one ahead of the epoch the
-        loop actually continues; obeying it would skip the rest of that epoch.
-        """
-
-    def __iter__(self) -> Iterator[tuple[int, int]]:
-        if self.cursor is None:
-            yield from ((0, s) for s in range(self.length))
-            return
-        if self.cursor.step >= self.length:
-            self.cursor.epoch, self.cursor.step = self.cursor.epoch + 1, 0
-        epoch, start = self.cursor.epoch, self.cursor.step
-        yield from ((epoch, s) for s in range(start, self.length))
-
-
-def _identity_collate(batch: RankPlan) -> RankPlan:
-    return batch
-
-
-def _accelerator_available() -> bool:
-    acc = getattr(torch, "accelerator", None)
-    if acc is not None and hasattr(acc, "is_available"):
-        return bool(acc.is_available())
-    return torch.cuda.is_available()
-
-
-def pin_rank_plan(plan: RankPlan, pin: Callable[[torch.Tensor], torch.Tensor] | None = None) -> RankPlan:
-    """A copy of ``plan`` with every tensor in page-locked memory.
-
-    Needed because torch's pin-memory thread pins only tensors, mappings, sequences and objects
-    with a ``pin_memory()`` method, and :class:`RankPlan` has none: it would pass through unpinned.
-    """
-    pin = pin or torch.Tensor.pin_memory
-
-    def pin_mb(mb: MicroBatch) -> MicroBatch:
-        return dataclasses.replace(
-            mb,
-            input_ids=pin(mb.input_ids),
-            labels=pin(mb.labels),
-            position_ids=pin(mb.position_ids),
-            cu_seqlens=pin(mb.cu_seqlens),
-            cp_cu_seqlens=None if mb.cp_cu_seqlens is None else pin(mb.cp_cu_seqlens),
-        )
-
-    stages = tuple(dataclasses.replace(s, micro_batches=tuple(pin_mb(m) for m in s.micro_batches))
-                   for s in plan.stages)
-    return dataclasses.replace(plan, stages=stages)
-
-
-class _PlanIterator(Iterator[RankPlan]):
-    """Starts the DataLoader's iterator on the first ``next`` and records what was handed out."""
-
-    def __init__(self, loader: PlanDataLoader) -> None:
-        self._loader = loader
-        self._inner: Iterator[RankPlan] | None = None
-
-    def __next__(self) -> RankPlan:
-        if self._inner is None:
-            self._inner = DataLoader.__iter__(self._loader)
-        plan = next(self._inner)
-        cursor = self._loader.dataset.cursor
-        if self._loader.sampler.cursor is not None:
-            cursor.epoch, cursor.step = plan.extras["epoch"], plan.extras["step"] + 1
-        return pin_rank_plan(plan) if self._loader.pin_plans else plan
-
-
-class PlanDataLoader(DataLoader):
-    """A DataLoader of :class:`RankPlan` batches that keeps its own sampler and resume position.
-
-    ``batch_size=None`` and an identity collate: one item is one optimizer step. Extra DataLoader
-    arguments Lightning passes when it re-creates a loader (``sampler``, ``shuffle``,
-    ``batch_size``, ...) are accepted and ignored, so plans are never re-sharded.
-    """
-
-    dataset: StepPlanDataset
-    sampler: _StepSampler
-
-    def __init__(
-        self,
-        dataset: StepPlanDataset,
-        num_workers: int = 0,
-        pin_memory: bool = False,
-        persistent_workers: bool = False,
-        multiprocessing_context: Any = None,
-        prefetch_factor: int | None = None,
-        timeout: float = 0,
-        worker_init_fn: Callable[[int], None] | None = None,
-        resumable: bool = True,
-        **ignored: Any,
-    ) -> None:
-        foreign = ignored.get("sampler")
-        if foreign is not None and not isinstance(foreign, _StepSampler):
-            warnings.warn(
-                f"{type(self).__name__} ignores the sampler {type(foreign).__name__} it was given: "
-                "step plans are already per rank (run the Trainer with use_distributed_sampler=False)",
-                stacklevel=2,
-            )
-        self.resumable = resumable
-        cursor = dataset.cursor if resumable else None
-        super().__init__(
-            dataset,
-            batch_size=None,
-            sampler=_StepSampler(cursor, len(dataset)),
-            collate_fn=_identity_collate,
-            num_workers=num_workers,
-            pin_memory=False,  # RankPlan is pinned here, see pin_rank_plan
-            persistent_workers=persistent_workers and num_workers > 0,
-            multiprocessing_context=multiprocessing_context if num_workers > 0 else None,
-            prefetch_factor=prefetch_factor if num_workers > 0 else None,
-            timeout=timeout,
-            worker_init_fn=worker_init_fn,
-        )
-        self.pin_plans = bool(pin_memory) and _accelerator_available()
-        if pin_memory and not self.pin_plans:
-            warnings.warn("pin_memory=True but no accelerator is available: plans are not pinned",
-                          stacklevel=2)
-
-    def __iter__(self) -> Iterator[RankPlan]:  # type: ignore[override]
-        return _PlanIterator(self)
-
-    def state_dict(self) -> dict[str, Any]:
-        """Position of the next plan (Lightning saves this with the fit loop)."""
-        return _position_state(self.dataset.cursor, self.dataset)
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        _load_position(self.dataset.cursor, state, _identity(self.dataset.sampler, len(self.dataset)))
-
-
-def _identity(sampler: MiniBatchSampler | None, batches_per_epoch: int | None) -> dict[str, Any]:
-    """What a saved position depends on: the mini-batch composition and the epoch length."""
-    out: dict[str, Any] = {} if sampler is None else sampler.state_dict()
-    out.pop("epoch", None)
-    out.pop("step", None)
-    if batches_per_epoch is not None:
-        out["batches_per_epoch"] = batches_per_epoch
-    return out
-
-
-def _position_state(cursor: _Cursor, dataset: StepPlanDataset) -> dict[str, Any]:
-    return {"format": STATE_FORMAT, "epoch": cursor.epoch, "step": cursor.step,
-            **_identity(dataset.sampler, len(dataset))}
-
-
-def _load_position(cursor: _Cursor, state: Mapping[str, Any], mine: Mapping[str, Any]) -> None:
-    """Move ``cursor`` to a saved position after checking it was made for the same data."""
-    if not isinstance(state, Mapping) or state.get("format") != STATE_FORMAT:
-        raise DataError(f"not a HotSPa data position (format {STATE_FORMAT}): {state!r}")
-    diff = {k: (state[k], v) for k, v in mine.items() if k in state and state[k] != v}
-    if diff:
-        raise DataError(f"saved data position does not match this data/config: (saved, current) = {diff}")
-    epoch, step = state.get("epoch"), state.get("step")
-    if any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in (epoch, step)):
-        raise DataError(f"saved data position needs non-negative int epoch and step, got {epoch!r}, {step!r}")
-    cursor.epoch, cursor.step = epoch, step
-
-
 class HotSPaDataModule(L.LightningDataModule):
     """Token-budget mini-batches as per-rank step plans, resumable at any world size.
 
-    Inside a Trainer, ``setup`` and the ``*_dataloader`` hooks read ``trainer.strategy.planner``
-    (a :class:`Planner`), ``trainer.strategy.mesh_shape`` (a :class:`MeshShape` whose layouts
-    include the planner's) and ``trainer.global_rank``. The ``planner=``, ``mesh_shape=`` and
+    Inside a Trainer, ``setup`` and the ``*_dataloader`` hooks plan with the strategy's
+    :class:`~.context.PlanningContext` (``strategy.planning_context()``: the planner, the mesh
+    shape whose layouts include the planner's, this rank). The ``planner=``, ``mesh_shape=`` and
     ``rank=`` arguments are used only where no such strategy is present (outside a Trainer, tests).
     Meant for ``use_distributed_sampler=False`` (the HotSPa strategy forces it); a sampler that
     Lightning injects anyway is ignored with a warning. Training resumes from either this module's
@@ -444,7 +263,7 @@ class HotSPaDataModule(L.LightningDataModule):
         if self._pending_state is not None:
             state, self._pending_state = self._pending_state, None
             self.load_state_dict(state)
-        if self._planning_available():
+        if self._context() is not None:
             self._planning()  # fail early on a misconfigured strategy
 
     def _build_samplers(self, corpus: TokenizedCorpus) -> None:
@@ -469,80 +288,63 @@ class HotSPaDataModule(L.LightningDataModule):
                                 self.long_doc_policy, doc_ids=[corpus.doc_ids[i] for i in ids])
 
     # -- planner, mesh, rank ---------------------------------------------------------------
-    def _strategy(self) -> Any:
+    def _context(self) -> PlanningContext | None:
+        """The Trainer's strategy's planning context, else one from the constructor's arguments
+        (None where neither has a planner and a mesh shape yet)."""
         trainer = getattr(self, "trainer", None)
-        return getattr(trainer, "strategy", None) if trainer is not None else None
+        strategy = trainer.strategy if trainer is not None else None
+        if isinstance(strategy, PlanningProvider):
+            context = strategy.planning_context()
+            if context is not None:
+                return context
+        if self._planner is None or self._mesh_shape is None:
+            return None
+        rank = self._rank if self._rank is not None else (trainer.global_rank if trainer is not None else None)
+        if rank is None:
+            if self._mesh_shape.world_size > 1:
+                raise DataError(f"{type(self).__name__}: outside a Trainer pass rank= (the mesh has "
+                                f"{self._mesh_shape.world_size} ranks)")
+            rank = 0
+        return PlanningContext(self._planner, self._mesh_shape, rank, self._mesh_shape.world_size)
 
-    def _from_strategy(self) -> tuple[Any, Any]:
-        """(planner, mesh_shape) of the Trainer's strategy, or Nones where it has none (yet)."""
-        strategy = self._strategy()
-        try:  # HotSPaStrategy.planner raises until its processes are set up
-            return getattr(strategy, "planner", None), getattr(strategy, "mesh_shape", None)
-        except RuntimeError:
-            return None, None
-
-    def _planning_available(self) -> bool:
-        planner, mesh = self._from_strategy()
-        has = planner is not None and mesh is not None
-        return has or (self._planner is not None and self._mesh_shape is not None)
-
-    def _planning(self) -> tuple[Planner, MeshShape, int]:
-        """The planner, mesh shape and rank to plan with, validated against each other."""
-        name, strategy, trainer = type(self).__name__, self._strategy(), getattr(self, "trainer", None)
-        planner, mesh = self._from_strategy()
-        if planner is not None and mesh is not None:
-            rank = trainer.global_rank
-            if trainer.world_size != mesh.world_size:
-                raise DataError(f"{name}: the strategy's mesh covers {mesh.world_size} ranks but the "
-                                f"Trainer runs {trainer.world_size}")
-        else:
-            planner, mesh, rank = self._planner, self._mesh_shape, self._rank
-            if rank is None and trainer is not None:
-                rank = trainer.global_rank
-            if planner is None or mesh is None:
-                where = f"strategy {type(strategy).__name__}" if strategy is not None else "no Trainer"
-                raise DataError(f"{name} needs a planner and a mesh shape: trainer.strategy.planner / "
-                                f".mesh_shape (HotSPaStrategy provides them; here: {where}) or the "
-                                f"planner= and mesh_shape= arguments")
-            if rank is None:
-                if mesh.world_size > 1:
-                    raise DataError(f"{name}: outside a Trainer pass rank= (the mesh has {mesh.world_size} ranks)")
-                rank = 0
-        if not isinstance(planner, Planner):
-            raise DataError(f"{name}: planner {type(planner).__name__} lacks the Planner interface "
-                            f"(layouts, capacity, plan, state_dict, load_state_dict)")
+    def _planning(self) -> PlanningContext:
+        """The planning context, its parts validated against each other."""
+        name, trainer = type(self).__name__, getattr(self, "trainer", None)
+        context = self._context()
+        if context is None:
+            where = f"strategy {type(trainer.strategy).__name__}" if trainer is not None else "no Trainer"
+            raise DataError(f"{name} needs a planner and a mesh shape: the strategy's planning_context() "
+                            f"(HotSPaStrategy provides it; here: {where}) or the planner= and mesh_shape= "
+                            f"arguments")
+        planner, mesh, rank = check_planner(context.planner, name, DataError), context.mesh_shape, context.rank
         if not isinstance(mesh, MeshShape):
             raise DataError(f"{name}: mesh_shape must be a MeshShape, got {type(mesh).__name__}")
+        if context.world_size != mesh.world_size:
+            raise DataError(f"{name}: the strategy's mesh covers {mesh.world_size} ranks but the "
+                            f"Trainer runs {context.world_size}")
         foreign = [str(x) for x in planner.layouts if x not in mesh.layouts]
         if foreign:
             raise DataError(f"{name}: planner layouts {foreign} are not on the mesh "
                             f"({[str(x) for x in mesh.layouts]})")
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < mesh.world_size:
             raise DataError(f"{name}: rank {rank!r} is outside the mesh of {mesh.world_size} ranks")
-        above = [b for b in getattr(planner, "hand_set_bounds", ()) if b > self.context_length]
+        above = [b for b in planner.hand_set_bounds if b > self.context_length]
         if isinstance(self.context_length, int) and above:
             raise DataError(f"{name}: context_length={self.context_length} is smaller than the hand-set bucket "
                             f"bound(s) {above} of {type(planner).__name__}: no document is longer than the "
                             f"context, so those buckets can never fill; lower the bounds or raise context_length")
-        longest = self._longest_plannable(planner)
+        longest = planner.longest_document()
         if self.context_length > longest:
             raise DataError(f"{name}: context_length={self.context_length} is longer than any "
                             f"micro-batch of the planner holds ({longest} tokens); lower "
                             f"context_length or give the layouts more tokens per rank")
-        return planner, mesh, rank
-
-    @staticmethod
-    def _longest_plannable(planner: Planner) -> int:
-        buckets = getattr(planner, "buckets", None)
-        if buckets:
-            return int(buckets[-1].high)
-        return max(max_doc_length(planner.capacity(x), x.cp) for x in planner.layouts)
+        return context
 
     # -- loaders ---------------------------------------------------------------------------
     def _dataset(self, split: str) -> StepPlanDataset:
         if self._train_sampler is None or self._corpus is None:
             raise DataError(f"{type(self).__name__}: call setup() before asking for a dataloader")
-        planner, mesh, rank = self._planning()
+        context = self._planning()
         if split == "train":
             sampler, ids, n, endless = self._train_sampler, self._train_ids, self.batches_per_epoch, True
         else:  # val and predict: data pass 0 of the held-out documents (predict: else of training)
@@ -551,13 +353,13 @@ class HotSPaDataModule(L.LightningDataModule):
             ids = self._val_ids if use_val else self._train_ids
             n, endless = sampler.num_batches(0), False
         return StepPlanDataset(split=split, corpus=self._corpus, doc_index=ids, sampler=sampler,
-                               planner=planner, mesh_shape=mesh, rank=rank, batches_per_epoch=n,
+                               planner=context.planner, mesh_shape=context.mesh_shape, rank=context.rank,
+                               batches_per_epoch=n,
                                endless=endless, cursor=self._cursor if split == "train" else None)
 
     def _loader(self, dataset: StepPlanDataset, resumable: bool) -> PlanDataLoader:
-        ensure_lag = getattr(dataset.planner, "ensure_plan_lag", None)
-        if dataset.split == "train" and self.num_workers > 0 and ensure_lag is not None:
-            ensure_lag(self.num_workers * 2 + 2)  # workers prefetch 2 plans each (DataLoader's default)
+        if dataset.split == "train" and self.num_workers > 0:  # workers prefetch 2 plans each (the default)
+            dataset.planner.ensure_plan_lag(self.num_workers * 2 + 2)
         return PlanDataLoader(dataset, num_workers=self.num_workers, pin_memory=self.pin_memory,
                               persistent_workers=self.persistent_workers,
                               multiprocessing_context=self.multiprocessing_context, resumable=resumable)

@@ -3,7 +3,7 @@
 ``planner`` never imports ``data``: it sees document lengths, never tokens.
 """
 
-from .base import Planner
+from .base import Planner, PlannerBase, check_planner
 from .candidates import auto_layouts
 from .packing import (
     DEFAULT_QUADRATIC_SCALE,
@@ -33,9 +33,11 @@ __all__ = [
     "PackedLayout",
     "PlanStats",
     "Planner",
+    "PlannerBase",
     "QuadraticCost",
     "StagePlanStats",
     "ThresholdPlanner",
+    "check_planner",
     "auto_layouts",
     "cp_padded_lengths",
     "first_fit_decreasing",

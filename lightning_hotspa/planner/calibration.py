@@ -13,7 +13,8 @@ comparable with observed ones.
 
 Determinism (DESIGN.md "who holds what"): every rank must plan with the same coefficients. Ranks
 time different micro-batches, so the strategy rides the rows on the step's one all-gather
-(:func:`lightning_hotspa.adapter.stats.step_metrics`, then :func:`lightning_hotspa.adapter.stats.gathered_observations`),
+(:func:`lightning_hotspa.engine.records.gather_step`, then
+:func:`lightning_hotspa.adapter.profiling.gathered_observations`),
 every rank feeds the same rows in the same order to :meth:`ProfiledCoefficients.observe`, and
 coefficients change only in :meth:`ProfiledCoefficients.refit` at steps that are multiples of
 ``refit_every``; which plans a new version affects is :mod:`.schedule`'s business. Fitted values are

@@ -15,7 +15,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["CPU_GLOO_CALIBRATION", "HardwareProfile", "PROFILES", "UnknownProfileError", "get_profile", "measure_cpu_gloo"]
+__all__ = ["CPU_GLOO_CALIBRATION", "HardwareProfile", "PROFILES", "UnknownProfileError", "get_profile", "measure_cpu_gloo",
+           "profile_for_device"]
 
 GiB = 2**30
 
@@ -188,6 +189,20 @@ def get_profile(profile: str | HardwareProfile) -> HardwareProfile:
             if name.lower() == profile.strip().lower():
                 return value
     raise UnknownProfileError(f"unknown hardware profile {profile!r}; known profiles: {', '.join(PROFILES)}")
+
+
+#: a CUDA device name containing the key -> its profile (checked in this order)
+_CUDA_NAMES = (("H200", "H200"), ("H100", "H100"), ("A800", "A800-80G"), ("A100", "A100-80G"))
+
+
+def profile_for_device(device_type: str, device_name: str = "") -> str | None:
+    """The profile of the device a rank runs on: ``cpu-gloo`` on CPU, a known CUDA GPU by its name
+    (``torch.cuda.get_device_name``); None for anything else (pass ``hardware=`` then)."""
+    if device_type == "cpu":
+        return "cpu-gloo"
+    if device_type == "cuda":
+        return next((p for key, p in _CUDA_NAMES if key in device_name.upper()), None)
+    return None
 
 
 # ---------------------------------------------------------------------------------------- calibration

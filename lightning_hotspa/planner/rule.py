@@ -40,6 +40,7 @@ import numpy as np
 
 from ..layout import Layout, LayoutError, MeshShape, parse_layouts
 from ..plan import PlanError, Stage, StepPlan
+from .base import PlannerBase
 from .packing import (
     DocCost,
     DocumentTooLongError,
@@ -75,7 +76,7 @@ def _positive_int(owner: str, name: str, value: Any) -> int:
     return int(value)
 
 
-class ThresholdPlanner:
+class ThresholdPlanner(PlannerBase):
     """Length bands -> layouts by memory alone; packing and dp balancing by :mod:`.packing`.
 
     Implements the :class:`~lightning_hotspa.planner.base.Planner` protocol. Stateless: plans
@@ -241,7 +242,10 @@ class ThresholdPlanner:
                 room[int(np.argmax(room >= size))] -= size
                 owner[doc] = i
 
-    def plan(self, step: int, doc_lengths: Sequence[int]) -> StepPlan:
+    def longest_document(self) -> int:
+        return int(self.buckets[-1].high)
+
+    def plan(self, step: int, doc_lengths: Sequence[int], *, latest: bool = False) -> StepPlan:
         lengths = np.asarray(doc_lengths, dtype=np.int64)
         owner = self._layout_index[self.assign(lengths)]
         if self.backfill:

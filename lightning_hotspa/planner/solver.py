@@ -48,6 +48,7 @@ from ..layout import Layout, LayoutError, MeshShape, parse_layouts
 from ..models.config import LlamaConfig
 from ..plan import PlanError, Stage, StepPlan
 from .assign import evaluate_groups, solve_heuristic
+from .base import PlannerBase
 from .calibration import Observation, ProfiledCoefficients, apply_coefficients
 from .cost_model import AnalyticCostModel, OptionCost
 from .exact import solve_exact
@@ -67,7 +68,7 @@ LayoutSpec = Layout | str | Mapping[str, int]
 Checkpointing = bool | Literal["auto"] | Collection[LayoutSpec]
 
 
-class CostModelPlanner:
+class CostModelPlanner(PlannerBase):
     """Cost-model planner over candidate ``layouts`` (all of one world size, sharing one mesh).
 
     Args:

@@ -205,14 +205,14 @@ CLOCKS = ("cpu", "wall")
 
 def _measure_stages(layouts: list[str], steps: int, seed: int, model: str, tokens_per_rank: int) -> list[list[float]]:
     """On every rank: run ``steps`` random step plans over all ``layouts`` with the real model
-    (ParallelModel + SwitchEngine on gloo) and time each stage's micro-batches (forward + backward)
-    on both clocks. Returns the all-gathered rows (the same on every rank), step-major: the
-    :func:`~.planner.calibration.encode_observations` columns with wall seconds, plus CPU seconds."""
-    import time
-
+    (the engine's StepRunner on gloo) and time each stage's micro-batches (forward + backward) on
+    both clocks (device seconds and this rank's CPU seconds). Returns the all-gathered rows (the
+    same on every rank), step-major: the :func:`~.planner.calibration.encode_observations` columns
+    with device (wall) seconds, plus CPU seconds."""
     import torch
     import torch.distributed as dist
 
+    from ..engine.step_runner import StepHooks, StepRunner
     from ..engine.switch import SwitchEngine, build_home_parameters
     from ..layout import Layout, WorldMesh
     from ..models import Llama, LlamaConfig, llama_tp_plan, param_roles, token_mean_cross_entropy
@@ -244,6 +244,13 @@ def _measure_stages(layouts: list[str], steps: int, seed: int, model: str, token
     parallel = ParallelModel(module, roles, world)
     parallel.restore(home)
     engine = SwitchEngine(world, shardings, home)
+
+    class StartTogether(StepHooks):
+        def before_compute(self, stage):  # type: ignore[no-untyped-def]
+            dist.barrier()  # every rank's stage clock starts at once
+
+    # each stage reduces at its end, none overlapped: compute_s is the micro-batches alone
+    runner, hooks = StepRunner(engine, parallel, overlap=False, share_gradients=False), StartTogether()
     rows = []
     for step in range(steps):
         rng = np.random.default_rng([seed, step])
@@ -259,25 +266,10 @@ def _measure_stages(layouts: list[str], steps: int, seed: int, model: str, token
         g = torch.Generator().manual_seed(step)
         docs = [torch.randint(0, config.vocab_size, (n,), generator=g) for n in lengths]
         mine = slice_plan(plan, docs, world.shape, world.rank)
-        observed, cpu = [], []
-        for stage in mine.stages:
-            if engine.active is None:
-                engine.materialize(stage.layout)
-            else:
-                engine.switch(stage.layout)
-            parallel.activate(stage.layout, engine.working)
-            dist.barrier()
-            t0, c0 = time.perf_counter(), time.process_time()
-            for mb in stage.micro_batches:
-                with parallel.micro_batch(mb):
-                    loss = module(mb)
-                loss.backward()
-            cpu.append(time.process_time() - c0)
-            observed.append(Observation.from_rank_stage(stage, time.perf_counter() - t0))
-            engine.reduce_gradients()
-        parallel.restore(home)
-        engine.release()
+        result = runner.run(mine, module, hooks)
         engine.clear_grad_store()
+        observed = [Observation.from_rank_stage(stage, r.compute_s) for stage, r in zip(mine.stages, result.stages)]
+        cpu = [r.compute_cpu_s for r in result.stages]
         local = torch.tensor(np.column_stack([encode_observations(observed, lays), cpu]), dtype=torch.float64)
         gathered = [torch.empty_like(local) for _ in range(dist.get_world_size())]
         dist.all_gather(gathered, local)

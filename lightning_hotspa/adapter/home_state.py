@@ -1,0 +1,72 @@
+"""The home state of a LightningModule: its parameters as fp32 DTensors sharded over the world.
+
+Built once per module at ``setup``: every parameter's tensor-parallel role (from the module's
+``tp_plan``), its shardings on the world mesh, the home parameters (each initialized in full, from
+the module's weights or, for a module built on the meta device, its ``init_parameter(name)``, and
+cut to this rank's shard), the :class:`ParallelModel` that points the module's layers at them, and
+the :class:`SwitchEngine` that moves them between layouts. The optimizer, checkpoints and
+``module.parameters()`` see these home parameters outside a step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
+
+from ..engine.switch import SwitchEngine, build_home_parameters
+from ..layout import LayoutError, WorldMesh
+from ..parallel.model import ParallelModel
+from ..placements import build_shardings
+
+__all__ = ["HomeState", "build_home_state", "param_roles_of"]
+
+
+@dataclass
+class HomeState:
+    home: dict[str, nn.Parameter]
+    parallel: ParallelModel
+    engine: SwitchEngine
+
+
+def param_roles_of(module: nn.Module, max_tp: int) -> dict[str, str]:
+    """Each parameter's tensor-parallel role; all ``replicated`` for a module without ``tp_plan``
+    (allowed only when no layout has tp > 1)."""
+    tp_plan = getattr(module, "tp_plan", None)
+    if tp_plan is None:
+        if max_tp > 1:
+            raise LayoutError(f"layouts with tp={max_tp} need a tensor-parallel plan, but "
+                              f"{type(module).__name__} defines no tp_plan(tp) method")
+        return {n: "replicated" for n, _ in module.named_parameters()}
+    from ..models.tp_plan import param_roles
+
+    # tp degrees nest, so a plan valid for the largest tp is valid for every layout
+    return param_roles(module, tp_plan(max_tp))
+
+
+def build_home_state(module: nn.Module, world: WorldMesh, *, home_dtype: torch.dtype,
+                     working_dtype: torch.dtype | None, device: torch.device) -> HomeState:
+    """Home parameters, parallel model and switch engine of ``module`` on ``world``."""
+    shapes = {n: tuple(p.shape) for n, p in module.named_parameters()}
+    roles = param_roles_of(module, max(x.tp for x in world.layouts))
+    shardings = build_shardings(shapes, roles, world.shape)
+    params = dict(module.named_parameters())
+    on_meta = any(p.is_meta for p in params.values())
+    init_parameter = getattr(module, "init_parameter", None)
+    if on_meta and init_parameter is None:
+        raise ValueError(f"{type(module).__name__} was built on the meta device but defines no "
+                         f"init_parameter(name) to initialize its parameters from")
+
+    def full(name: str, shape: tuple[int, ...]) -> Tensor:
+        if on_meta:
+            return init_parameter(name)
+        p = params[name].detach()
+        return (p.full_tensor() if isinstance(p, DTensor) else p).to("cpu")
+
+    home = build_home_parameters(world, shardings, full, dtype=home_dtype, device=device)
+    parallel = ParallelModel(module, {n: s.role.name for n, s in shardings.items()}, world)
+    parallel.restore(home)
+    module.to(device)  # buffers; parameters already live there
+    return HomeState(home, parallel, SwitchEngine(world, shardings, home, working_dtype=working_dtype))

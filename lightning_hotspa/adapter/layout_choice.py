@@ -1,0 +1,73 @@
+"""Which layouts a run uses: the candidate set, the default layout and activation checkpointing.
+
+``HotSPaStrategy(layouts="auto")`` takes :func:`default_layouts` of the world size (the one place
+that decides it); plain batches, validation and prediction run in the default layout (the most
+data-parallel candidate unless chosen).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from ..layout import Layout, LayoutError, parse_layouts
+
+__all__ = ["checkpointing_for", "check_checkpointing_spec", "choose_default_layout", "default_layouts",
+           "parse_layout_spec", "resolve_layouts"]
+
+
+def default_layouts(world_size: int) -> list[Layout]:
+    """A nesting candidate set: pure data parallel, then tp2 with growing cp for longer documents."""
+    if world_size & (world_size - 1):
+        return [Layout(dp=world_size)]
+    layouts, cp = [Layout(dp=world_size)], 1
+    while 2 * cp <= world_size:
+        layouts.append(Layout(dp=world_size // (2 * cp), tp=2, cp=cp))
+        cp *= 2
+    return layouts
+
+
+def parse_layout_spec(layouts: Any) -> list[Layout] | str:
+    """``HotSPaStrategy(layouts=...)``: ``"auto"`` or a non-empty list of layouts."""
+    if isinstance(layouts, str) and layouts != "auto":
+        raise LayoutError(f"layouts must be 'auto' or a list of layouts, got {layouts!r}")
+    spec = layouts if layouts == "auto" else [Layout.parse(x) for x in layouts]
+    if spec != "auto" and not spec:
+        raise LayoutError("HotSPaStrategy(layouts=[]) is empty; give at least one layout or 'auto'")
+    return spec
+
+
+def resolve_layouts(spec: Sequence[Layout] | str, world_size: int, owner: str) -> tuple[Layout, ...]:
+    """The candidate layouts of a run on ``world_size`` ranks (``spec``: a list or ``"auto"``)."""
+    auto = default_layouts(world_size)
+    specs = auto if spec == "auto" else list(spec)
+    try:
+        return parse_layouts(specs, world_size)
+    except LayoutError as exc:
+        raise LayoutError(f"{owner}(layouts={[str(x) for x in specs]}): {exc} (devices x num_nodes; "
+                          f"a run resumed on another number of ranks needs layouts for it, e.g. "
+                          f"{[str(x) for x in auto]} or 'auto')") from None
+
+
+def choose_default_layout(spec: Layout | None, layouts: Sequence[Layout]) -> Layout:
+    """``spec`` if given (it must be a candidate), else the most data-parallel candidate."""
+    if spec is not None:
+        if spec not in layouts:
+            raise LayoutError(f"default_layout {spec} is not among the layouts {[str(x) for x in layouts]}")
+        return spec
+    return max(layouts, key=lambda x: (x.dp, x.cp))
+
+
+def check_checkpointing_spec(spec: Any) -> Any:
+    if isinstance(spec, str) and spec != "auto":
+        raise ValueError(f"activation_checkpointing must be a bool, 'auto' or a list of layouts, got {spec!r}")
+    return spec
+
+
+def checkpointing_for(spec: Any, layout: Layout) -> bool:
+    """Whether ``layout`` recomputes activations under ``activation_checkpointing=spec``."""
+    if isinstance(spec, bool):
+        return spec
+    if spec == "auto":
+        return layout.tp * layout.cp > 1
+    return layout in {Layout.parse(x) for x in spec}

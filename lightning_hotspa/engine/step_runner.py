@@ -1,0 +1,182 @@
+"""One rank's step plan, executed: the only place the step loop is written.
+
+Per stage: switch the working parameters to the stage's layout (keeping the working gradients when
+the previous stage had the same tp degree), run every micro-batch's forward and backward through
+the caller's loss callable with the loss scaled to the global token mean
+(``num_target_tokens / global_target_tokens``), and at the stage end reduce the working gradients
+into the switch engine's store, except when the next stage shares gradients with this one: such a
+run accumulates into the same ``.grad`` and reduces once, at its last stage. The reduction of the
+last backward of a reducing stage starts while that backward runs
+(:meth:`SwitchEngine.overlap_next_backward`). Then the step's one small collective gathers every
+rank's loss and stage numbers (:func:`.records.gather_step`), and a non-finite global loss goes to
+the caller's policy (a callable: the engine does not know what "stop" or "skip" mean).
+
+The runner knows no Lightning: the strategy, the CLI's calibration and the benchmark recipes all
+call it, each adding what it needs through :class:`StepHooks` (Lightning's backward hooks, the
+precision context, breadcrumbs, a barrier before timing).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..layout import Layout
+from ..parallel.model import ParallelModel
+from ..plan import MicroBatch, RankPlan
+from .records import StageStats, StepResult, gather_step
+from .switch import GradReport, SwitchEngine, SwitchReport
+from .timing import Clock, clock_for, cpu_seconds
+
+__all__ = ["LossFn", "NonFinitePolicy", "StepHooks", "StepRunner", "loss_weight"]
+
+#: one micro-batch -> its scalar loss (the mean over its target tokens), with a graph
+LossFn = Callable[[Any], Tensor]
+#: (global loss, plan) -> True to drop the step's update; may raise instead
+NonFinitePolicy = Callable[[Tensor, RankPlan], bool]
+
+
+class StepHooks:
+    """What a caller adds around the loop; every method defaults to doing nothing special."""
+
+    def enter_stage(self, stage: Any) -> None:
+        """A stage begins (before its switch)."""
+
+    def enter_micro_batch(self, micro_batch: Any) -> None:
+        """A micro-batch's forward begins."""
+
+    def enter_phase(self, phase: str) -> None:
+        """``"reduce"`` (a stage's gradient reduction) or ``"metrics"`` (the step's gather)."""
+
+    def before_compute(self, stage: Any) -> None:
+        """The stage's layout is active and its micro-batches are about to run (e.g. a barrier)."""
+
+    def compute_context(self) -> contextlib.AbstractContextManager:
+        """Entered around each micro-batch's forward (e.g. an autocast context)."""
+        return contextlib.nullcontext()
+
+    def record_loss(self, loss: Tensor, micro_batch: Any) -> None:
+        """The micro-batch's unscaled loss, before its backward."""
+
+    def backward(self, scaled_loss: Tensor) -> None:
+        """Back-propagate the scaled loss."""
+        scaled_loss.backward()
+
+
+def loss_weight(micro_batch: Any, plan: RankPlan, layout: Layout) -> float:
+    """This micro-batch's share of the global token-mean loss: its target tokens over the step's.
+    A plan without token counts (``global_target_tokens < 0``) averages over the dp ranks, as DDP."""
+    if plan.global_target_tokens < 0:
+        return 1.0 / layout.dp
+    if plan.global_target_tokens == 0:
+        return 0.0
+    return micro_batch.num_target_tokens / plan.global_target_tokens
+
+
+class StepRunner:
+    """Executes one rank's :class:`RankPlan` with a :class:`SwitchEngine` and a :class:`ParallelModel`.
+
+    Args:
+        activation_checkpointing: per layout, whether its stages recompute activations (a stage's
+            own flag also turns it on).
+        clock: the seam stage seconds are read from (default: the device's own, :func:`clock_for`).
+        cpu_clock: this process' CPU seconds, kept beside the device seconds.
+        overlap: start a stage's gradient reduction during its last backward.
+        share_gradients: let a run of same-tp stages accumulate and reduce once (else every
+            stage reduces at its end).
+    """
+
+    def __init__(self, engine: SwitchEngine, parallel: ParallelModel, *, device: torch.device | str = "cpu",
+                 activation_checkpointing: Callable[[Layout], bool] | None = None, clock: Clock | None = None,
+                 cpu_clock: Callable[[], float] = cpu_seconds, overlap: bool = True,
+                 share_gradients: bool = True) -> None:
+        self.engine, self.parallel = engine, parallel
+        self.device = torch.device(device)
+        self.activation_checkpointing = activation_checkpointing or (lambda layout: False)
+        self.clock = clock if clock is not None else clock_for(self.device)
+        self.cpu_clock = cpu_clock
+        self.overlap, self.share_gradients = overlap, share_gradients
+
+    def switch_to(self, layout: Layout, keep_grads: bool = False) -> SwitchReport:
+        """Working params of ``layout``: from home at the start of a step, else from the active layout."""
+        if self.engine.active is None:
+            return self.engine.materialize(layout)
+        return self.engine.switch(layout, keep_grads=keep_grads)
+
+    def run(self, plan: RankPlan, loss_fn: LossFn, hooks: StepHooks | None = None, *,
+            on_nonfinite: NonFinitePolicy | None = None) -> StepResult:
+        """Forward/backward of every micro-batch of ``plan``, gradients reduced into the engine's
+        store; the working parameters are dropped and the home ones restored at the end (also on error)."""
+        hooks = hooks or StepHooks()
+        engine, parallel, clock = self.engine, self.parallel, self.clock
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        marks: list[tuple[Any, Any, Any, Any]] = []
+        parts: list[tuple[SwitchReport, GradReport, float, bool]] = []
+        carry = False  # the previous stage left its working gradients unreduced for this one
+        try:
+            for k, stage in enumerate(plan.stages):
+                hooks.enter_stage(stage)
+                t0 = clock.mark()
+                report = self.switch_to(stage.layout, keep_grads=carry)
+                # the same decision on every rank: the stage list is the global plan's
+                carry = self.share_gradients and k + 1 < len(plan.stages) and engine.shares_gradients(
+                    stage.layout, plan.stages[k + 1].layout)
+                ac = bool(stage.activation_checkpointing or self.activation_checkpointing(stage.layout))
+                parallel.activate(stage.layout, engine.working, ac)
+                hooks.before_compute(stage)
+                t1, c1 = clock.mark(), self.cpu_clock()
+                for i, mb in enumerate(stage.micro_batches):
+                    hooks.enter_micro_batch(mb)
+                    with parallel.micro_batch(mb if isinstance(mb, MicroBatch) else None), hooks.compute_context():
+                        loss = loss_fn(mb)
+                    hooks.record_loss(loss, mb)
+                    scaled = loss * loss_weight(mb, plan, stage.layout)
+                    if self.overlap and i == len(stage.micro_batches) - 1 and not carry:
+                        engine.overlap_next_backward()  # reduce buckets while the last backward runs
+                    hooks.backward(scaled)
+                    loss_sum += scaled.detach().double() / stage.layout.tp  # tp ranks hold copies
+                t2, cpu_s = clock.mark(), self.cpu_clock() - c1
+                if carry:  # same tp next: keep accumulating, the run's last stage reduces once
+                    grad_report = GradReport(stage.layout.name, 0, 0, 0.0)
+                else:
+                    hooks.enter_phase("reduce")
+                    grad_report = engine.reduce_gradients()
+                marks.append((t0, t1, t2, t2 if carry else clock.mark()))
+                parts.append((report, grad_report, cpu_s, ac))
+        finally:
+            parallel.restore(engine.home)
+            engine.release()
+        stats = []
+        for stage, (t0, t1, t2, t3), (report, grad_report, cpu_s, ac) in zip(plan.stages, marks, parts):
+            stats.append(StageStats.measure(
+                stage, report, grad_report, switch_s=clock.seconds(t0, t1), compute_s=clock.seconds(t1, t2),
+                reduce_s=clock.seconds(t2, t3), compute_cpu_s=cpu_s, activation_checkpointing=ac))
+        hooks.enter_phase("metrics")  # the one small collective of the step
+        loss, records, table = gather_step(loss_sum, stats, self.device, plan.step)
+        finite = bool(torch.isfinite(loss))
+        skip = False
+        if not finite and on_nonfinite is not None:
+            engine.clear_grad_store()
+            skip = bool(on_nonfinite(loss, plan))
+        return StepResult(plan.step, loss, tuple(stats), records, table, finite, skip)
+
+    def run_forward(self, plan: RankPlan, fn: Callable[[Any], Any],
+                    context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext) -> Any:
+        """Evaluation: ``fn`` on every micro-batch of every stage in its layout, no gradients
+        reduced; returns the last output."""
+        output = None
+        try:
+            for stage in plan.stages:
+                self.switch_to(stage.layout)
+                self.parallel.activate(stage.layout, self.engine.working)
+                for mb in stage.micro_batches:
+                    with self.parallel.micro_batch(mb if isinstance(mb, MicroBatch) else None), context():
+                        output = fn(mb)
+        finally:
+            self.parallel.restore(self.engine.home)
+            self.engine.release()
+        return output

@@ -1,0 +1,277 @@
+"""The engine's step runner without Lightning: the timing seam it reads, its non-finite seam, its
+reduction options, and the typed seams around it (planner protocol, planning context, hardware)."""
+
+from __future__ import annotations
+
+import contextlib
+import types
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_hotspa.engine.records import StageRecord
+from lightning_hotspa.engine.step_runner import StepHooks, StepRunner
+from lightning_hotspa.engine.switch import SwitchEngine, build_home_parameters
+from lightning_hotspa.engine.timing import HostClock, clock_for
+from lightning_hotspa.layout import Layout, MeshShape, WorldMesh
+from lightning_hotspa.parallel.model import ParallelModel
+from lightning_hotspa.placements import build_shardings
+from lightning_hotspa.plan import Stage, StepPlan, slice_plan
+
+
+class TinyLM(nn.Module):
+    """Embedding + head: a loss over packed micro-batches, every parameter replicated."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.head = nn.Embedding(32, 8), nn.Linear(8, 32)
+
+    def forward(self, mb) -> torch.Tensor:  # the mean over the micro-batch's target tokens
+        logits = self.head(self.emb(mb.input_ids))
+        return nn.functional.cross_entropy(logits.view(-1, 32), mb.labels.view(-1), ignore_index=-100)
+
+
+class TinyLlama(nn.Module):
+    def __init__(self) -> None:
+        from lightning_hotspa.models import Llama, LlamaConfig
+
+        super().__init__()
+        torch.manual_seed(0)
+        self.config = LlamaConfig.preset("tiny")
+        self.model = Llama(self.config)
+
+    def forward(self, mb) -> torch.Tensor:
+        from lightning_hotspa.models import token_mean_cross_entropy
+
+        return token_mean_cross_entropy(self.model(mb.input_ids, mb.position_ids, mb.cu_seqlens, mb.max_seqlen),
+                                        mb.labels)
+
+
+def _setup(layouts, module=None):
+    module = module or TinyLM()
+    world = WorldMesh(layouts)
+    init = {n: p.detach().clone() for n, p in module.named_parameters()}
+    roles = {n: "replicated" for n in init}
+    if isinstance(module, TinyLlama):
+        from lightning_hotspa.models import llama_tp_plan, param_roles
+
+        roles = param_roles(module, llama_tp_plan(module.config, max(Layout.parse(x).tp for x in layouts),
+                                                  prefix="model."))
+    shardings = build_shardings({n: tuple(p.shape) for n, p in init.items()}, roles, world.shape)
+    home = build_home_parameters(world, shardings, lambda name, shape: init[name])
+    parallel = ParallelModel(module, roles, world)
+    parallel.restore(home)
+    return module, world, home, parallel, SwitchEngine(world, shardings, home)
+
+
+def _rank_plan(world, layouts, step=0):
+    lengths = [9, 5, 7, 6, 12, 4, 8, 10, 16, 8, 6, 12]
+    share = len(lengths) // len(layouts)
+    stages = []
+    for i, name in enumerate(layouts):
+        lay = Layout.parse(name)
+        ids = list(range(i * share, (i + 1) * share))
+        groups = tuple(tuple((d,) for d in ids[g::lay.dp]) for g in range(lay.dp))
+        stages.append(Stage(lay, groups, label=f"s{i}"))
+    plan = StepPlan(step, tuple(2 * n for n in lengths), tuple(stages))
+    g = torch.Generator().manual_seed(step)
+    docs = [torch.randint(0, 32, (2 * n,), generator=g) for n in lengths]
+    return slice_plan(plan, docs, world.shape, world.rank)
+
+
+class FakeClock:
+    """Marks are 0, 1, 2, ...; every interval between consecutive marks is 10 s."""
+
+    def __init__(self) -> None:
+        self.count = -1
+
+    def mark(self) -> int:
+        self.count += 1
+        return self.count
+
+    def seconds(self, start: int, end: int) -> float:
+        return 10.0 * (end - start)
+
+
+@pytest.fixture
+def world_of_one(tmp_path):
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_stage_seconds_come_from_the_runners_clock(world_of_one) -> None:
+    """Two stages in one layout share gradients: the first does not reduce (0 s), the second does."""
+    module, world, home, parallel, engine = _setup(["dp1"])
+    cpu = iter([1.0, 1.5, 4.0, 6.0])
+    runner = StepRunner(engine, parallel, clock=FakeClock(), cpu_clock=lambda: next(cpu))
+    result = runner.run(_rank_plan(world, ["dp1", "dp1"]), module)
+    first, second = result.stages
+    assert (first.switch_s, first.compute_s, first.reduce_s) == (10.0, 10.0, 0.0)
+    assert (second.switch_s, second.compute_s, second.reduce_s) == (10.0, 10.0, 10.0)
+    assert (first.compute_cpu_s, second.compute_cpu_s) == (0.5, 2.0)
+    assert [r.stage_s for r in result.records] == [20.0, 30.0] and result.step_s == 50.0
+    assert first.reduce_collectives == 0 and engine.grad_store  # the run reduced once, into the store
+    assert isinstance(clock_for("cpu"), HostClock)
+
+
+def test_a_non_finite_loss_goes_to_the_callers_policy(world_of_one) -> None:
+    module, world, home, parallel, engine = _setup(["dp1"])
+    calls = []
+
+    def policy(loss, plan) -> bool:
+        calls.append((float(loss), plan.step))
+        return True
+
+    runner = StepRunner(engine, parallel)
+    ok = runner.run(_rank_plan(world, ["dp1"], step=3), module, on_nonfinite=policy)
+    assert ok.finite and not ok.skip_update and not calls and engine.grad_store
+    engine.clear_grad_store()
+    bad = runner.run(_rank_plan(world, ["dp1"], step=4), lambda mb: module(mb) * float("nan"), on_nonfinite=policy)
+    assert not bad.finite and bad.skip_update and len(calls) == 1 and calls[0][1] == 4
+    assert not engine.grad_store  # nothing of the bad step reaches the optimizer
+
+
+def test_hooks_see_every_stage_and_micro_batch(world_of_one) -> None:
+    module, world, home, parallel, engine = _setup(["dp1"])
+    seen = []
+
+    class Recorder(StepHooks):
+        def enter_stage(self, stage):
+            seen.append(("stage", stage.label))
+
+        def before_compute(self, stage):
+            seen.append(("compute", stage.label))
+
+        def compute_context(self):
+            seen.append(("context",))
+            return contextlib.nullcontext()
+
+        def backward(self, scaled_loss):
+            seen.append(("backward",))
+            scaled_loss.backward()
+
+    plan = _rank_plan(world, ["dp1", "dp1"])
+    StepRunner(engine, parallel).run(plan, module, Recorder())
+    per_stage = [len(s.micro_batches) for s in plan.stages]
+    assert seen == [x for i, n in enumerate(per_stage)
+                    for x in [("stage", f"s{i}"), ("compute", f"s{i}")] + [("context",), ("backward",)] * n]
+
+
+def _grads_under_options(overlap: bool, share: bool) -> dict:
+    layouts = ["dp4", "dp2xtp2", "tp2xcp2"]  # the last two share gradients (same tp)
+    module, world, home, parallel, engine = _setup(layouts, TinyLlama())
+    StepRunner(engine, parallel, overlap=overlap, share_gradients=share).run(_rank_plan(world, layouts), module)
+    engine.assign_home_grads()
+    return {n: p.grad.full_tensor() for n, p in home.items()}
+
+
+def run_option_grads() -> list:
+    return [_grads_under_options(o, s) for o, s in ((True, True), (False, False))]
+
+
+@pytest.mark.slow
+def test_reduction_options_give_the_same_gradients(ranks) -> None:
+    """Overlapped and shared reductions (the strategy's) equal a plain reduce per stage (calibration's)."""
+    for per_rank in ranks(4).run(run_option_grads):
+        reference = per_rank[1]
+        for other in per_rank[:1]:
+            for name, g in reference.items():
+                assert torch.allclose(other[name], g, rtol=1e-6, atol=1e-7), name
+        assert any(g.abs().sum() > 0 for g in reference.values())
+
+
+# ------------------------------------------------------------------ typed seams
+def test_the_one_planner_check_names_what_is_missing() -> None:
+    from lightning_hotspa.planner.base import Planner, PlannerBase, check_planner
+    from lightning_hotspa.planner.rule import ThresholdPlanner
+
+    class Bare:
+        layouts = (Layout(dp=1),)
+
+        def plan(self, step, doc_lengths):
+            raise NotImplementedError
+
+    with pytest.raises(TypeError, match="capacity.*longest_document.*predict") as err:
+        check_planner(Bare(), "Test")
+    assert "PlannerBase" in str(err.value)
+
+    class Minimal(PlannerBase):
+        layouts = (Layout(dp=1),)
+
+        def capacity(self, layout):
+            return 64
+
+        def plan(self, step, doc_lengths, *, latest=False):
+            raise NotImplementedError
+
+    assert isinstance(check_planner(Minimal(), "Test"), Planner)
+    assert Minimal().longest_document() == 64 and Minimal().predict(None) is None  # type: ignore[arg-type]
+    rule = ThresholdPlanner(["dp2", "tp2"], tokens_per_rank=64)
+    assert check_planner(rule, "Test") is rule and rule.longest_document() == rule.buckets[-1].high
+
+
+def test_the_datamodule_plans_with_the_strategys_context_only() -> None:
+    from lightning_hotspa.data import HotSPaDataModule, TokenizedCorpus
+    from lightning_hotspa.data.context import PlanningContext
+    from lightning_hotspa.data.errors import DataError
+    from lightning_hotspa.planner.rule import ThresholdPlanner
+
+    layouts = ["dp2", "tp2"]
+    planner, mesh = ThresholdPlanner(layouts, tokens_per_rank=64), MeshShape.for_layouts(layouts, 2)
+    context = PlanningContext(planner, mesh, 1, 2)
+
+    class Provider:
+        def planning_context(self):
+            return context
+
+    corpus = TokenizedCorpus.from_token_arrays([torch.arange(n).numpy() for n in (30, 50, 90)])
+    dm = HotSPaDataModule(corpus, tokens_per_batch=256, context_length=100)
+    dm.trainer = types.SimpleNamespace(strategy=Provider(), global_rank=1, world_size=2)
+    assert dm._planning() is context
+    # a strategy that merely has planner / mesh_shape attributes is not asked
+    dm.trainer = types.SimpleNamespace(strategy=types.SimpleNamespace(planner=planner, mesh_shape=mesh),
+                                       global_rank=0, world_size=2)
+    with pytest.raises(DataError, match="planning_context"):
+        dm._planning()
+
+
+def test_cost_planner_follows_the_accelerator(monkeypatch) -> None:
+    from lightning_hotspa.adapter.planner_factory import hardware_for
+    from lightning_hotspa.planner.hardware import profile_for_device
+
+    assert hardware_for(None, torch.device("cpu")) == "cpu-gloo"
+    assert hardware_for("H100", torch.device("cpu")) == "H100"  # a name given by hand wins
+    assert profile_for_device("cuda", "NVIDIA H200") == "H200"
+    assert profile_for_device("cuda", "NVIDIA A100-SXM4-80GB") == "A100-80G"
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    assert hardware_for(None, torch.device("cuda", 0)) == "H200"
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Future GPU X1")
+    with pytest.raises(ValueError, match=r"'Future GPU X1'.*hardware=NAME"):
+        hardware_for(None, torch.device("cuda", 0))
+
+
+def test_metrics_come_from_records_with_the_documented_keys() -> None:
+    from pathlib import Path
+
+    from lightning_hotspa.adapter.stats import monitor_metrics, step_metrics
+
+    record = StageRecord(step=1, order=0, layout="dp2xtp2", label="b", tokens=100.0, documents=3.0,
+                         micro_batches=2.0, switch_s=1.0, switch_mb=2.5, compute_s=3.0, reduce_s=0.5, stage_s=4.0,
+                         flops=1e9, predicted_s=5.0)
+    metrics = step_metrics([record])
+    extra = monitor_metrics([record], 4.0, 2.0, 1e9)
+    assert set(extra) == {"train/step_loss", "hotspa/dp2xtp2/stage_s", "hotspa/dp2xtp2/mfu",
+                          "hotspa/dp2xtp2/predicted_s", "hotspa/mfu", "hotspa/predicted_step_s",
+                          "hotspa/predicted_over_measured"}
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    for key in [*metrics, *(k for k in extra if k.startswith("hotspa/"))]:  # all in the README's table
+        short = key.replace("hotspa/dp2xtp2/", "")
+        assert f"`{key.replace('dp2xtp2', '<layout>')}`" in readme or f"`{short}`" in readme, key
+    assert metrics["hotspa/dp2xtp2/tokens_per_s"] == 25.0  # over the slowest rank's stage time
+    assert metrics["hotspa/step_s"] == 4.0 and metrics["hotspa/switch_fraction"] == 0.25
