@@ -47,12 +47,8 @@ from ..layout import Layout, LayoutError, MeshShape, WorldMesh, parse_layouts
 from ..parallel.model import ParallelModel
 from ..placements import build_shardings
 from ..plan import MicroBatch, RankPlan, RankStage
-from .checkpoint import (
-    check_checkpoint_dirs,
-    load_distributed_checkpoint,
-    resolve_checkpoint,
-    save_distributed_checkpoint,
-)
+from .checkpoint import check_checkpoint_dirs, load_distributed_checkpoint
+from .node_checkpoint import no_checkpoint, placement_for
 from .precision import HotSPaPrecision
 from .reliability import (
     NonFiniteLossError,
@@ -257,6 +253,7 @@ class HotSPaStrategy(ParallelStrategy):
                               f"{[str(x) for x in default_layouts(world_size)]} or 'auto')") from None
         self.world = WorldMesh(self.layouts, device_type=self.root_device.type, timeout=self._timeout)
         self.mesh_shape = self.world.shape
+        self.checkpoints = placement_for(self)  # the rank -> node map and where checkpoints live
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -325,7 +322,8 @@ class HotSPaStrategy(ParallelStrategy):
         self._open_breadcrumbs(trainer)
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
-            check_checkpoint_dirs(trainer, is_rank_zero=self.global_rank == 0, broadcast=self.broadcast)
+            check_checkpoint_dirs(trainer, is_rank_zero=self.global_rank == 0, broadcast=self.broadcast,
+                                  probe=self.checkpoints.mode, local=self.checkpoints.local)
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
 
@@ -653,12 +651,15 @@ class HotSPaStrategy(ParallelStrategy):
         checkpoint["hotspa"]["world_size"] = self.world_size
         self.tracker.between_steps(f"checkpoint save to {path}", checkpoint.get("global_step", -1))
         with self.tracker.guard("a checkpoint save"):
-            save_distributed_checkpoint(checkpoint, path, is_rank_zero=self.global_rank == 0, barrier=self.barrier,
-                                        broadcast=self.broadcast)
+            self.checkpoints.save(checkpoint, path, [x.name for x in self.layouts])
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        path = str(resolve_checkpoint(self.broadcast(str(checkpoint_path))))
+        with self.tracker.guard("finding the checkpoint to resume from"):
+            found = self.checkpoints.resolve(str(checkpoint_path), [x.name for x in self.layouts])
+        if found is None:  # latest:<dir> with no step every rank has: start from scratch
+            return no_checkpoint()
+        path = str(found)
         checkpoint = load_distributed_checkpoint(path, self.lightning_module, self.optimizers)
         saved = checkpoint.get("hotspa", {})
         rank_zero_info(f"hotspa: resuming from {path} (epoch {checkpoint.get('epoch')}, global step "
@@ -671,12 +672,7 @@ class HotSPaStrategy(ParallelStrategy):
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
-        if self.global_rank == 0:
-            import shutil
-            from pathlib import Path
-
-            path = Path(filepath)
-            shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
+        self.checkpoints.remove(filepath)
 
     @classmethod
     @override
