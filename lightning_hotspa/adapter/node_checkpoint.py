@@ -188,7 +188,8 @@ class CheckpointPlacement:
         prefix = f".hotspa-probe-{nonce}-"
         seen = sorted(int(p.name[len(prefix):]) for p in folder.glob(prefix + "*")) if problem is None else []
         reports = _all_gather((seen, problem))
-        mine.unlink(missing_ok=True)
+        if problem is None:
+            mine.unlink(missing_ok=True)
         problems = [p for _, p in reports if p]
         if problems:
             raise CheckpointError("; ".join(problems))
