@@ -56,6 +56,11 @@ class Recorder(Callback):
         with (self.out / f"record{self.rank}.jsonl").open("a") as f:
             f.write(json.dumps(record) + "\n")
 
+    def on_exception(self, trainer, pl_module, exception):
+        """When and what this rank raised (a killed peer: the survivors' CollectiveError)."""
+        text = f"{type(exception).__name__}: {exception}"
+        (self.out / f"error{self.rank}.json").write_text(json.dumps({"time": time.time(), "error": text}))
+
     def on_train_end(self, trainer, pl_module):
         weights = {n: p.detach().full_tensor().clone() for n, p in pl_module.named_parameters()}
         if trainer.global_rank == 0:

@@ -24,6 +24,7 @@ import collections
 import json
 import os
 import pickle
+import re
 import shutil
 import signal
 import socket
@@ -118,6 +119,7 @@ def two_torchrun_nodes(base: Path, ckpt: str) -> dict:
         _kill_tree(procs[node1])
         procs[1 - node1].wait(timeout=PG_TIMEOUT_S + 60)
         survivor_exit = time.time()
+        TIMINGS["survivor exit after the kill"] = survivor_exit - kill_time
         procs[node1].wait(timeout=30)
     finally:
         for p in procs:
@@ -183,7 +185,9 @@ def chain(tmp_path_factory):
     (fake / "commit.json").write_text(json.dumps({**marker, "global_step": 9}))
     shared = merge_node_copies([n / "epoch=0-step=2.ckpt" for n in node], base / "shared" / "epoch=0-step=2.ckpt")
     jobs = forked_jobs(base, {
-        "ref14": {"nodes": 1, "per_node": 4, "overrides": COMMON},
+        # latest in an empty folder: no step anywhere, so it starts from scratch (what a first launch does)
+        "ref14": {"nodes": 1, "per_node": 4, "overrides": COMMON + ["ckpt_path=latest",
+                                                                   f"checkpoint.dirpath={base}/empty"]},
         "local22": {"nodes": 2, "per_node": 2, "overrides": COMMON + ["ckpt_path=latest", f'checkpoint.dirpath="{ckpt}"']},
         "reshape14": {"nodes": 1, "per_node": 4, "overrides": COMMON + ["ckpt_path=latest",
                                                                        f'checkpoint.dirpath="{ckpt}"']},
@@ -191,6 +195,10 @@ def chain(tmp_path_factory):
         "merged41": {"nodes": 4, "per_node": 1, "overrides": COMMON + [f'ckpt_path="{shared}"']},
     })
     print("\nmultinode timings (s):", {k: round(v, 1) for k, v in TIMINGS.items()})
+    errors = {int(p.stem[5:]): json.loads(p.read_text()) for p in (base / "A").glob("error*.json")}
+    torchrun["error_after_kill_s"] = {r: e["time"] - torchrun["kill_time"] for r, e in errors.items()}
+    torchrun["errors"] = {r: e["error"] for r, e in errors.items()}
+    TIMINGS.update({f"rank {r} error after the kill": t for r, t in torchrun["error_after_kill_s"].items()})
     return {"torchrun": torchrun, "crashed": _steps(base / "A"), "node_dirs": node, "base": base, **jobs}
 
 
@@ -220,6 +228,7 @@ def test_two_torchrun_nodes_share_a_run_folder_and_keep_tp_within_a_node(chain):
 
 @pytest.mark.slow
 def test_two_nodes_train_like_one_node_of_four(chain):
+    assert "no complete checkpoint in" in chain["ref14"]["logs"][0]  # ckpt_path=latest, nothing there yet
     crashed, ref = chain["crashed"], chain["ref14"]["steps"]
     assert sorted(crashed) == [1, 2] and sorted(ref) == [1, 2, 3, 4]
     for step in (1, 2):
@@ -234,7 +243,13 @@ def test_a_killed_node_makes_the_other_fail_fast_with_a_collective_error(chain):
     assert run["survivor_rc"] != 0
     assert "CollectiveError: a collective failed" in survivor and "global step 2" in survivor, survivor[-3000:]
     assert "another rank has probably died" in survivor
-    assert run["survivor_exit_s"] < PG_TIMEOUT_S, run["survivor_exit_s"]
+    # the survivors (ranks 0 and 1: node 0) raised it themselves, mid-step, within the timeout
+    assert sorted(run["errors"]) == [0, 1], run["errors"]
+    for rank, error in run["errors"].items():
+        assert error.startswith(f"CollectiveError: a collective failed at rank {rank}, global step 2"), error
+        assert re.search(r"stage \d+/\d+ \(layout \w+", error), error  # inside step 3, not in a save
+        assert run["error_after_kill_s"][rank] < PG_TIMEOUT_S, run["error_after_kill_s"]
+    assert run["survivor_exit_s"] < PG_TIMEOUT_S + 30  # and its torchrun ended (no hang)
 
 
 @pytest.mark.slow
@@ -294,3 +309,13 @@ def test_crash_and_resume_at_another_node_count_loses_and_repeats_no_token(chain
     assert err <= 1e-5, err
     if name == "merged41":
         assert "tensor parallelism crosses nodes" in job["logs"][0]
+
+
+def test_tp_groups_that_span_nodes_are_named():
+    from lightning_hotspa.adapter.node_checkpoint import tp_groups_across_nodes
+    from lightning_hotspa.layout import MeshShape
+
+    shape = MeshShape.for_layouts(["dp4", "dp2xtp2", "tp2xcp2"], 4)
+    assert tp_groups_across_nodes(shape, [0, 0, 1, 1]) == []  # torchrun's placement: consecutive ranks per node
+    assert tp_groups_across_nodes(shape, [0, 1, 2, 3]) == ["dp2xtp2: tp group [0, 1] spans nodes [0, 1]",
+                                                          "tp2xcp2: tp group [0, 1] spans nodes [0, 1]"]

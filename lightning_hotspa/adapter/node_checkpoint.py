@@ -289,7 +289,9 @@ class CheckpointPlacement:
         everyone = _all_gather(sorted(steps))
         common = set(everyone[0]).intersection(*map(set, everyone[1:]))
         if not common:
-            if self.rank == 0:
+            if self.rank == 0 and not any(everyone):
+                log.warning("hotspa: latest: no complete checkpoint in %s; starting from scratch", directory)
+            elif self.rank == 0:
                 newest = {r: (s[-1] if s else None) for r, s in enumerate(everyone)}
                 log.warning("hotspa: no checkpoint step in %s that every rank has (newest per rank: %s); "
                             "starting from scratch", directory, newest)
