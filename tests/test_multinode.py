@@ -319,3 +319,32 @@ def test_tp_groups_that_span_nodes_are_named():
     assert tp_groups_across_nodes(shape, [0, 0, 1, 1]) == []  # torchrun's placement: consecutive ranks per node
     assert tp_groups_across_nodes(shape, [0, 1, 2, 3]) == ["dp2xtp2: tp group [0, 1] spans nodes [0, 1]",
                                                           "tp2xcp2: tp group [0, 1] spans nodes [0, 1]"]
+
+
+def _node_copy(folder: Path, node: int, ranks: list[int], step: int = 2) -> Path:
+    """A stand-in for one node's copy of a node-local checkpoint (files only, no tensors)."""
+    folder.mkdir(parents=True)
+    (folder / ".metadata").write_bytes(pickle.dumps({}))
+    torch.save({"global_step": step}, folder / "meta.pt")
+    (folder / "commit.json").write_text(json.dumps({"node": node, "ranks": ranks, "world_size": 4, "global_step": step,
+                                                    "node_map": [0, 0, 1, 1], "layouts": ["dp4"]}))
+    return folder
+
+
+def test_node_local_copies_are_refused_where_they_cannot_load_and_merged_only_when_complete(tmp_path):
+    from lightning_hotspa.adapter.checkpoint import CheckpointError
+    from lightning_hotspa.adapter.node_checkpoint import CheckpointPlacement, merge_node_copies
+
+    copy0 = _node_copy(tmp_path / "node0" / "step=2", 0, [0, 1])
+    placement = CheckpointPlacement(0, (0, 0, 0, 0), broadcast=lambda x: x, barrier=lambda: None)
+    with pytest.raises(CheckpointError, match=r"holds the shards of ranks \[0, 1\] only.*needs a checkpoint on a "
+                                              r"shared filesystem"):
+        placement.resolve(str(copy0), ["dp4"])
+    same_shape = CheckpointPlacement(0, (0, 0, 1, 1), broadcast=lambda x: x, barrier=lambda: None)
+    assert same_shape.resolve(str(copy0), ["dp4"]) == copy0
+    with pytest.raises(CheckpointError, match=r"do not add up to one checkpoint of 4 ranks: they hold ranks \[0, 1\]"):
+        merge_node_copies([copy0], tmp_path / "merged")
+    late = _node_copy(tmp_path / "node1" / "step=3", 1, [2, 3], step=3)
+    with pytest.raises(CheckpointError, match=r"of steps \[2, 3\]"):
+        merge_node_copies([copy0, late], tmp_path / "merged")
+    assert not (tmp_path / "merged").exists()
