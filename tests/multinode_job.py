@@ -118,7 +118,7 @@ def launch(job: dict) -> None:
             os._exit(code)
         pids[pid] = rank
     codes = {}
-    while pids and time.time() - start < job.get("deadline", 90):
+    while pids and time.time() - start < job.get("deadline", 240):
         pid, status = os.waitpid(-1, os.WNOHANG)
         if pid == 0:
             time.sleep(0.05)
