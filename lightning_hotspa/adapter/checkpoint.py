@@ -30,7 +30,8 @@ from torch.distributed.checkpoint.state_dict import (
 from .reliability import is_collective_failure
 
 __all__ = ["save_distributed_checkpoint", "load_distributed_checkpoint", "export_consolidated", "latest_checkpoint",
-           "is_complete_checkpoint", "resolve_checkpoint", "check_checkpoint_dirs", "CheckpointError", "META_FILE"]
+           "is_complete_checkpoint", "resolve_checkpoint", "check_checkpoint_dirs", "CheckpointError", "META_FILE",
+           "DCP_METADATA"]
 
 log = logging.getLogger(__name__)
 
@@ -62,26 +63,33 @@ def _prepare(tmp: Path) -> str | None:
     return None
 
 
-def check_checkpoint_dirs(trainer: Any, *, is_rank_zero: bool, broadcast: Callable[[Any], Any]) -> None:
+def check_checkpoint_dirs(trainer: Any, *, is_rank_zero: bool, broadcast: Callable[[Any], Any],
+                          probe: Callable[[str], Any] | None = None,
+                          local: Callable[[str], Path] = Path) -> None:
     """Fail at the start of a fit, not after hours of training, when a ``ModelCheckpoint`` folder
-    cannot be written (every rank raises the same error; rank 0 probes)."""
+    cannot be written (every rank raises the same error; rank 0 probes). ``probe(dirpath)``, a
+    collective, then runs on every rank for every folder (``local`` maps it to this rank's path)."""
     problems = []
+    dirpaths = [str(d) for d in (getattr(c, "dirpath", None) for c in getattr(trainer, "checkpoint_callbacks", []))
+                if d and "://" not in str(d)]
     if is_rank_zero:
         for callback in getattr(trainer, "checkpoint_callbacks", []):
             dirpath = getattr(callback, "dirpath", None)
             if not dirpath or "://" in str(dirpath):
                 continue
             try:
-                Path(dirpath).mkdir(parents=True, exist_ok=True)
-                probe = Path(dirpath) / f".hotspa-write-probe-{os.getpid()}"
-                probe.write_bytes(b"")
-                probe.unlink()
+                local(dirpath).mkdir(parents=True, exist_ok=True)
+                probe_file = local(dirpath) / f".hotspa-write-probe-{os.getpid()}"
+                probe_file.write_bytes(b"")
+                probe_file.unlink()
             except OSError as exc:
                 problems.append(f"{type(callback).__name__}(dirpath={str(dirpath)!r}) cannot write there: "
                                 f"{type(exc).__name__}: {exc}")
     problems = broadcast(problems)
     if problems:
         raise CheckpointError("; ".join(problems))
+    for dirpath in dirpaths if probe is not None else []:
+        probe(dirpath)
 
 
 def _fsync(path: Path) -> None:

@@ -239,8 +239,11 @@ def checkpoint_callback(node: Any) -> Any:
 
 
 def resolve_ckpt_path(cfg: DictConfig) -> str | None:
-    """``ckpt_path``, with ``latest`` meaning the newest complete checkpoint in ``checkpoint.dirpath``."""
-    from .checkpoint import latest_checkpoint
+    """``ckpt_path``, with ``latest`` meaning the newest checkpoint in ``checkpoint.dirpath`` that
+    every rank has (``latest:<dirpath>``, which HotSPaStrategy resolves with one collective once the
+    processes are up: with node-local folders, the newest step every node has committed; none:
+    start from scratch)."""
+    from .node_checkpoint import LATEST_PREFIX
 
     spec = cfg.get("ckpt_path")
     if spec != "latest":
@@ -249,12 +252,7 @@ def resolve_ckpt_path(cfg: DictConfig) -> str | None:
     dirpath = node.get("dirpath")
     if not dirpath:
         raise ConfigError("ckpt_path=latest needs checkpoint.dirpath (the folder to look in)")
-    found = latest_checkpoint(dirpath)
-    if found is None:
-        print(f"ckpt_path=latest: no complete checkpoint in {dirpath}; starting from scratch", file=sys.stderr,
-              flush=True)
-        return None
-    return str(found)
+    return f"{LATEST_PREFIX}{dirpath}"
 
 
 def build_trainer(cfg: DictConfig) -> Any:
@@ -310,6 +308,9 @@ def train(cfg: DictConfig) -> int:
     with trainer.init_module(empty_init=bool(cfg.get("empty_init", False))):
         model = build("model", cfg.model)
     _note_torchrun_run_dir()
+    if os.environ.get("LOCAL_RANK", "0") == "0" and "GROUP_RANK" in os.environ:  # one line per torchrun node
+        print(f"hotspa: node {os.environ['GROUP_RANK']} (ranks from {os.environ.get('RANK')}, "
+              f"{os.environ.get('LOCAL_WORLD_SIZE')} per node) writes to run folder {cfg.output_dir}", flush=True)
     trainer.fit(model, datamodule=datamodule, ckpt_path=resolve_ckpt_path(cfg))
     monitor = next((c for c in trainer.callbacks if isinstance(c, HotSPaMonitor)), None)
     expected = cfg.get("expect_loss_ratio")

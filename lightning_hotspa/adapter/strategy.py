@@ -55,6 +55,7 @@ from .layout_choice import (
     resolve_layouts,
 )
 from .lightning_step import check_trainer, open_breadcrumbs, run_eval_step, run_training_step
+from .node_checkpoint import placement_for
 from .nonfinite import NonFiniteHandler
 from .planner_factory import PLANNER_NAMES, build_planner, check_planner_spec
 from .precision import HotSPaPrecision, as_hotspa_precision
@@ -219,6 +220,7 @@ class HotSPaStrategy(GuardedCollectives, StrategyCheckpoints, ParallelStrategy):
         self.layouts = resolve_layouts(self._layout_spec, world_size, type(self).__name__)
         self.world = WorldMesh(self.layouts, device_type=self.root_device.type, timeout=self._timeout)
         self.mesh_shape = self.world.shape
+        self.checkpoints = placement_for(self)  # the rank -> node map and where checkpoints live
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -270,7 +272,8 @@ class HotSPaStrategy(GuardedCollectives, StrategyCheckpoints, ParallelStrategy):
         open_breadcrumbs(self.tracker, self._breadcrumb_dir, self._process_group_backend, trainer, self.global_rank)
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
-            check_checkpoint_dirs(trainer, is_rank_zero=self.global_rank == 0, broadcast=self.broadcast)
+            check_checkpoint_dirs(trainer, is_rank_zero=self.global_rank == 0, broadcast=self.broadcast,
+                                  probe=self.checkpoints.mode, local=self.checkpoints.local)
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
 

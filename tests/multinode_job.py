@@ -1,0 +1,152 @@
+"""Test-only pieces for tests/test_multinode.py: a callback that records what each step trained
+on, and a driver that runs ``recipes/train.py``'s ``train(cfg)`` on forked ranks posing as
+``nodes x per_node`` torchrun workers (cheap: torch, Lightning and Hydra are imported once).
+
+    python tests/multinode_job.py JOBS.json
+
+runs each job ({"out", "nodes", "per_node", "overrides", "deadline"}) in order; a job writes
+OUT/job.json (per-rank exit codes), OUT/rank<r>.log and, through :class:`Recorder` (added to the
+config), OUT/record<r>.jsonl and OUT/weights.pt.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+from lightning.pytorch.callbacks import Callback  # noqa: E402
+
+
+class Recorder(Callback):
+    """Per optimizer step and rank: the step loss, the chunks this rank trained on (ranks with
+    tp and cp coordinate 0 of each stage: every micro-batch counted once) and its target tokens
+    (tp coordinate 0: cp ranks hold disjoint chunks); at the end, rank 0 saves the full weights."""
+
+    def __init__(self, out: str) -> None:
+        self.out = Path(out)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.rank = int(os.environ.get("RANK", "0"))
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        shape = trainer.strategy.mesh_shape
+        # micro-batches name documents by their index in the step's mini-batch: map them to the
+        # corpus chunks (document, start, length) the data module drew for (epoch, step)
+        refs = trainer.train_dataloader.dataset.minibatch(batch.extras["epoch"], batch.extras["step"])
+        docs, tokens = [], 0
+        for stage in batch.stages:
+            _, tp, cp = shape.rank_coords(stage.layout, trainer.global_rank)
+            for mb in stage.micro_batches:
+                if tp == 0:
+                    tokens += int((mb.labels >= 0).sum())
+                if tp == 0 and cp == 0:
+                    docs.extend([refs[d].doc, refs[d].start, refs[d].length] for d in mb.doc_ids)
+        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        record = {"global_step": trainer.global_step, "loss": float(loss), "docs": docs, "tokens": tokens,
+                  "position": {k: batch.extras.get(k) for k in ("epoch", "step")}}
+        with (self.out / f"record{self.rank}.jsonl").open("a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    def on_exception(self, trainer, pl_module, exception):
+        """When and what this rank raised (a killed peer: the survivors' CollectiveError)."""
+        text = f"{type(exception).__name__}: {exception}"
+        (self.out / f"error{self.rank}.json").write_text(json.dumps({"time": time.time(), "error": text}))
+
+    def on_train_end(self, trainer, pl_module):
+        weights = {n: p.detach().full_tensor().clone() for n, p in pl_module.named_parameters()}
+        if trainer.global_rank == 0:
+            torch.save({"weights": weights, "global_step": trainer.global_step}, self.out / "weights.pt")
+
+
+def rank_main(job: dict, rank: int, port: int) -> None:
+    from hydra import compose, initialize_config_dir
+
+    from lightning_hotspa.adapter.recipe import CONFIG_DIR, register_resolvers, train
+
+    out = Path(job["out"])
+    log = (out / f"rank{rank}.log").open("w")
+    os.dup2(log.fileno(), 1)
+    os.dup2(log.fileno(), 2)
+    per_node = job["per_node"]
+    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank % per_node), "GROUP_RANK": str(rank // per_node),
+                       "NODE_RANK": str(rank // per_node), "LOCAL_WORLD_SIZE": str(per_node),
+                       "WORLD_SIZE": str(per_node * job["nodes"]), "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": str(port)})
+    torch.set_num_threads(1)
+    register_resolvers()
+    overrides = list(job["overrides"]) + [
+        f"trainer.num_nodes={job['nodes']}", f"trainer.devices={per_node}", f"output_dir={out}", "run_name=job",
+        "+callbacks.recorder._target_=multinode_job.Recorder", f"+callbacks.recorder.out={out}"]
+    with initialize_config_dir(str(CONFIG_DIR), version_base="1.3"):
+        cfg = compose("config", overrides=overrides)
+    status = train(cfg)
+    print(f"job: rank {rank} done, status {status}", flush=True)
+
+
+def launch(job: dict) -> None:
+    out = Path(job["out"])
+    out.mkdir(parents=True, exist_ok=True)
+    world = job["nodes"] * job["per_node"]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    start = time.time()
+    pids = {}
+    for rank in range(world):
+        pid = os.fork()
+        if pid == 0:
+            code = 0
+            try:
+                rank_main(job, rank, port)
+            except BaseException:  # noqa: BLE001 - printed for the test; the exit code says it failed
+                import traceback
+
+                traceback.print_exc()
+                code = 1
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+            os._exit(code)
+        pids[pid] = rank
+    codes = {}
+    while pids and time.time() - start < job.get("deadline", 240):
+        pid, status = os.waitpid(-1, os.WNOHANG)
+        if pid == 0:
+            time.sleep(0.05)
+            continue
+        codes[pids.pop(pid)] = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+    hung = sorted(pids.values())
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    (out / "job.json").write_text(json.dumps({"exit_codes": codes, "hung": hung, "wall_s": time.time() - start}))
+
+
+def main() -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))  # multinode_job.Recorder for Hydra
+    import lightning  # noqa: F401 - imported once, before the forks
+
+    import lightning_hotspa.adapter.recipe  # noqa: F401
+    import lightning_hotspa.models  # noqa: F401
+
+    for job in json.loads(Path(sys.argv[1]).read_text()):
+        pid = os.fork()  # each job starts from this clean, already-imported process
+        if pid == 0:
+            try:
+                launch(job)
+            finally:
+                os._exit(0)
+        os.waitpid(pid, 0)
+
+
+if __name__ == "__main__":
+    main()
