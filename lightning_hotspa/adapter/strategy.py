@@ -53,6 +53,7 @@ from .checkpoint import (
     resolve_checkpoint,
     save_distributed_checkpoint,
 )
+from .module_layouts import supported_layouts
 from .precision import HotSPaPrecision
 from .reliability import (
     NonFiniteLossError,
@@ -248,7 +249,12 @@ class HotSPaStrategy(ParallelStrategy):
         _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
         self.tracker.rank = self.global_rank
         world_size = dist.get_world_size()
-        specs = default_layouts(world_size) if self._layout_spec == "auto" else self._layout_spec
+        specs = self._layout_spec
+        if specs == "auto":  # what this module supports: no tp without a tp plan (module_layouts.py)
+            supported = supported_layouts(self.lightning_module, world_size)
+            specs = default_layouts(world_size) if supported is None else supported[0]
+            if supported is not None:
+                rank_zero_info(supported[1])
         try:
             self.layouts = parse_layouts(specs, world_size)
         except LayoutError as exc:
@@ -370,10 +376,14 @@ class HotSPaStrategy(ParallelStrategy):
             return (p.full_tensor() if isinstance(p, DTensor) else p).to("cpu")
 
         precision = self.hotspa_precision
+        init_slice = getattr(module, "init_parameter_slice", None) if on_meta else None  # read own slices only
         self.home = build_home_parameters(self.world, shardings, full, dtype=precision.home_dtype,
-                                          device=self.root_device)
+                                          device=self.root_device, init_slice=init_slice)
         roles = {n: s.role.name for n, s in shardings.items()}
         self.parallel = ParallelModel(module, roles, self.world)
+        if self.parallel.loss_parallel:
+            rank_zero_info(f"hotspa: {type(module).__name__}.vocab_parallel_loss is True: under tp its "
+                           f"loss_fn gets vocab-sharded logits (a vocab-parallel cross entropy)")
         self.parallel.restore(self.home)
         module.to(self.root_device)  # buffers; parameters already live there
         self.engine = SwitchEngine(self.world, shardings, self.home, working_dtype=precision.working_dtype)

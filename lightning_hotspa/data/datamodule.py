@@ -439,6 +439,7 @@ class HotSPaDataModule(L.LightningDataModule):
         if self._corpus is None:
             self._corpus = TokenizedCorpus.build(self._source, self._tokenizer, self.cache_dir,
                                                  use_cache=self.use_cache)
+        self._check_vocabulary()
         if self._train_sampler is None:
             self._build_samplers(self._corpus)
         if self._pending_state is not None:
@@ -446,6 +447,15 @@ class HotSPaDataModule(L.LightningDataModule):
             self.load_state_dict(state)
         if self._planning_available():
             self._planning()  # fail early on a misconfigured strategy
+
+    def _check_vocabulary(self) -> None:
+        """The tokenizer's largest id must be a row of the Trainer's model (``config.vocab_size``)."""
+        module = getattr(getattr(self, "trainer", None), "lightning_module", None)
+        model_vocab = getattr(getattr(module, "config", None), "vocab_size", None)
+        if self._source is not None and isinstance(model_vocab, int):
+            from ..models.vocab import check_tokenizer_fits
+
+            check_tokenizer_fits(self._tokenizer.vocab_size, model_vocab, f"{type(self).__name__}: ")
 
     def _build_samplers(self, corpus: TokenizedCorpus) -> None:
         n = len(corpus)
