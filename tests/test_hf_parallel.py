@@ -20,6 +20,7 @@ def run_layouts(cases: dict) -> dict:
 
 def _run_one(path: str, ref_loss: float, ref_grads: dict) -> dict:
     import torch.distributed as dist
+
     from lightning_hotspa.engine.switch import SwitchEngine, build_home_parameters
     from lightning_hotspa.layout import Layout, WorldMesh
     from lightning_hotspa.models import LlamaLM, param_roles

@@ -417,9 +417,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _cmd_export(args: argparse.Namespace) -> dict:
-    from ..adapter.hf_export import export_hf
-
     import torch
+
+    from ..adapter.hf_export import export_hf
 
     names = export_hf(args.checkpoint_dir, args.out_dir, getattr(torch, args.dtype) if args.dtype else None)
     print(f"wrote {len(names)} tensors and config.json to {args.out_dir}")
