@@ -120,6 +120,11 @@ def test_every_config_group_option_composes_resolves_and_builds(tmp_path: Path) 
             extra = [f"{group}={option}", f"data.cache_dir={tmp_path / 'cache'}"]
             if group == "data" and option in paths:
                 extra.append(f"data.source_kwargs.path={paths[option]}")
+            if group == "model" and option == "hf":  # a tiny random Hugging Face folder, made here
+                from hf_helpers import hf_model
+
+                hf_model("llama").save_pretrained(tmp_path / "hf")
+                extra.append(f"model.path={tmp_path / 'hf'}")
             if option == "hotspa_8gpu":
                 extra.append("trainer=gpu8")
             if option in ("cpu1", "cpu2"):  # the default context needs the memory of 4 ranks

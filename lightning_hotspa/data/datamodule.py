@@ -120,8 +120,10 @@ class StepPlanDataset(Dataset[RankPlan]):
         batches_per_epoch: int,
         endless: bool,
         cursor: _Cursor | None = None,
+        prompt_offset: int | None = None,
     ) -> None:
         self.split, self.corpus, self.doc_index, self.sampler = split, corpus, doc_index, sampler
+        self.prompt_offset = prompt_offset  # chat data: prompt ids stored + offset (data/chat.py)
         self.planner, self.mesh_shape, self.rank = planner, mesh_shape, rank
         self.batches_per_epoch, self.endless = batches_per_epoch, endless
         self.cursor = cursor if cursor is not None else _Cursor()
@@ -166,6 +168,10 @@ class StepPlanDataset(Dataset[RankPlan]):
         position, data_pass, pass_step = self.locate(int(epoch), int(step))
         plan, refs = self.global_plan(int(epoch), int(step))
         rank_plan = slice_plan(plan, _ChunkTokens(self.corpus, refs), self.mesh_shape, self.rank)
+        if self.prompt_offset is not None:  # loss on response tokens only
+            from .chat import apply_prompt_mask
+
+            rank_plan = apply_prompt_mask(rank_plan, _ChunkTokens(self.corpus, refs), self.prompt_offset)
         stats = plan_stats(plan, self.planner.capacity, getattr(self.planner, "cost_fn", None))
         extras = {
             "split": self.split,
@@ -455,7 +461,8 @@ class HotSPaDataModule(L.LightningDataModule):
         if self._source is not None and isinstance(model_vocab, int):
             from ..models.vocab import check_tokenizer_fits
 
-            check_tokenizer_fits(self._tokenizer.vocab_size, model_vocab, f"{type(self).__name__}: ")
+            ids = getattr(self._tokenizer, "token_vocab_size", self._tokenizer.vocab_size)  # chat: see chat.py
+            check_tokenizer_fits(ids, model_vocab, f"{type(self).__name__}: ")
 
     def _build_samplers(self, corpus: TokenizedCorpus) -> None:
         n = len(corpus)
@@ -562,7 +569,8 @@ class HotSPaDataModule(L.LightningDataModule):
             n, endless = sampler.num_batches(0), False
         return StepPlanDataset(split=split, corpus=self._corpus, doc_index=ids, sampler=sampler,
                                planner=planner, mesh_shape=mesh, rank=rank, batches_per_epoch=n,
-                               endless=endless, cursor=self._cursor if split == "train" else None)
+                               endless=endless, cursor=self._cursor if split == "train" else None,
+                               prompt_offset=getattr(self._tokenizer, "prompt_offset", None))
 
     def _loader(self, dataset: StepPlanDataset, resumable: bool) -> PlanDataLoader:
         ensure_lag = getattr(dataset.planner, "ensure_plan_lag", None)
