@@ -74,14 +74,24 @@ def run_tp_refusals() -> dict[str, str]:
             out[key] = "no error"
         except VocabularyError as e:
             out[key] = str(e)
+    # loss_fn opt-in: a module with a loss_fn and one vocab head keeps its loss_fn unless it opts in
+    for opt_in in (False, True):
+        head = torch.nn.Module()
+        head.out = torch.nn.Linear(4, 16)
+        head.loss_fn = original = torch.nn.functional.cross_entropy
+        if opt_in:
+            head.vocab_parallel_loss = True
+        pm = ParallelModel(head, {"out.weight": "vocab", "out.bias": "vocab"}, world)
+        out[f"opt_in={opt_in}"] = (pm.loss_parallel, head.loss_fn is original)
     dist.barrier()
     return out
 
 
-def test_tensor_parallel_paths_refuse_ids_outside_every_shard(ranks):
+def test_tensor_parallel_paths_refuse_ids_outside_every_shard_and_loss_fn_is_opt_in(ranks):
     for result in ranks(4).run(run_tp_refusals):
         assert "token id 16, outside the model's vocabulary of 16" in result["embedding"], result
         assert "labels hold token id 16" in result["loss"], result
+        assert result["opt_in=False"] == (False, True) and result["opt_in=True"] == (True, False), result
 
 
 def test_check_token_ids_ignores_only_the_ignore_index():
