@@ -114,6 +114,9 @@ def config_to_hf(config: LlamaConfig, torch_dtype: str = "float32") -> dict[str,
     if config.padded_vocab_size != config.vocab_size:
         raise HFConfigError(f"vocab_size={config.vocab_size} is padded to {config.padded_vocab_size} rows "
                             f"(vocab_multiple={config.vocab_multiple}); Hugging Face models have no padded rows")
+    if config.qkv_bias and config.sliding_window is not None:
+        raise HFConfigError(f"q/k/v biases (Qwen2) with sliding_window={config.sliding_window}: no supported "
+                            f"Hugging Face architecture has both")
     arch = "Qwen2ForCausalLM" if config.qkv_bias else (
         "MistralForCausalLM" if config.sliding_window is not None else "LlamaForCausalLM")
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": config.rope_theta}
