@@ -339,7 +339,9 @@ def test_preset_sizes() -> None:
     assert 0.9e9 < count("1b") < 1.3e9
     assert 8e6 < count("small") < 12e6
     assert LlamaConfig.preset("tiny").padded_vocab_size == 320
-    assert LlamaConfig.preset("llama7b").padded_vocab_size == 30592
+    assert LlamaConfig.preset("llama7b").padded_vocab_size == 32000
+    assert LlamaConfig.preset("llama3-8b").padded_vocab_size == 128256
+    assert LlamaConfig.preset("artifact-llama7b").padded_vocab_size == 30592
     assert TINY.num_params() == sum(p.numel() for p in build_llama(TINY, 0).parameters())
     # Attention makes long documents dearer per token; the dense part is 6 x matmul params.
     c = LlamaConfig.preset("llama7b")

@@ -51,6 +51,8 @@ TINY = LlamaConfig.preset("tiny")
 class LlamaLoss(nn.Module):
     """The LlamaLM contract without Lightning: logits are consumed only through ``loss_fn``."""
 
+    vocab_parallel_loss = True  # opts in: its loss_fn may be wrapped by the vocab-parallel CE
+
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
         torch.manual_seed(0)

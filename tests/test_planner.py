@@ -47,11 +47,11 @@ W4_SAME_TP = ["dp4", "dp2xcp2", "dp2xtp2", "tp2xcp2"]  # two pairs that share gr
 
 
 def planner4(**kw) -> CostModelPlanner:
-    return CostModelPlanner(W4, model="llama7b", hardware="A800-80G", **kw)
+    return CostModelPlanner(W4, model="artifact-llama7b", hardware="A800-80G", **kw)
 
 
 def planner8(**kw) -> CostModelPlanner:
-    return CostModelPlanner(W8, model="llama7b", hardware="A800-80G", **kw)
+    return CostModelPlanner(W8, model="artifact-llama7b", hardware="A800-80G", **kw)
 
 
 def lognormal(seed: int, n: int, cap: int, mu: float = 7.5, sigma: float = 1.3) -> np.ndarray:
@@ -87,7 +87,7 @@ def _ideal(**over) -> HardwareProfile:
 
 
 def test_compute_matches_the_model_flop_count_and_divides_over_tp_and_cp() -> None:
-    cm = AnalyticCostModel("llama7b", _ideal(), 8)
+    cm = AnalyticCostModel("artifact-llama7b", _ideal(), 8)
     model = cm.model
     for s in (128, 4096, 32768):
         flops = s * model.flops_per_token(s)
@@ -99,7 +99,7 @@ def test_compute_matches_the_model_flop_count_and_divides_over_tp_and_cp() -> No
 
 
 def test_checkpointing_recomputes_the_forward() -> None:
-    cm = AnalyticCostModel("llama7b", _ideal(), 8)
+    cm = AnalyticCostModel("artifact-llama7b", _ideal(), 8)
     plain, ac = cm.option(Layout(dp=8), False), cm.option(Layout(dp=8), True)
     assert ac.quadratic == pytest.approx(plain.quadratic * 4 / 3)  # attention fwd again: +1/3 of 3x
     extra_dense = 2 * cm.layer_params * cm.model.n_layers / (1e15 * 0.5)
@@ -108,9 +108,9 @@ def test_checkpointing_recomputes_the_forward() -> None:
 
 
 def test_communication_terms() -> None:
-    cm = AnalyticCostModel("llama7b", "A800-80G", 8)
+    cm = AnalyticCostModel("artifact-llama7b", "A800-80G", 8)
     hw = cm.hardware
-    ideal = AnalyticCostModel("llama7b", _ideal(peak_flops=hw.peak_flops, dense_efficiency=hw.dense_efficiency,
+    ideal = AnalyticCostModel("artifact-llama7b", _ideal(peak_flops=hw.peak_flops, dense_efficiency=hw.dense_efficiency,
                                                 attention_efficiency=hw.attention_efficiency), 8)
     # tp: 4 all-reduces per layer (+1 embedding) of [s, h] bf16, ring factor 2(tp-1)/tp = 1
     tp, tp0 = cm.option(Layout(dp=4, tp=2), False), ideal.option(Layout(dp=4, tp=2), False)
@@ -130,32 +130,32 @@ def test_communication_terms() -> None:
 
 
 def test_switch_bytes_follow_the_tp_prefix_rule() -> None:
-    cm = AnalyticCostModel("llama7b", "A800-80G", 8)
+    cm = AnalyticCostModel("artifact-llama7b", "A800-80G", 8)
     p2 = cm.params * 2
     assert cm.switch_bytes(None, Layout(dp=8)) == pytest.approx(p2 * (1 - 1 / 8))
     assert cm.switch_bytes(None, Layout(tp=4, cp=2)) == pytest.approx(p2 * (1 / 4 - 1 / 8))
     assert cm.switch_bytes(Layout(tp=4, cp=2), Layout(dp=4, tp=2)) == pytest.approx(p2 * (1 / 2 - 1 / 4))
     assert cm.switch_bytes(Layout(dp=8), Layout(tp=4, cp=2)) == 0.0  # tp up: a local slice
     assert cm.switch_seconds(Layout(dp=4, tp=2), Layout(dp=2, tp=2, cp=2)) == 0.0
-    cm16 = AnalyticCostModel("llama7b", "A800-80G", 16)
+    cm16 = AnalyticCostModel("artifact-llama7b", "A800-80G", 16)
     assert cm16.switch_seconds(None, Layout(dp=16)) > 5 * cm16.switch_seconds(Layout(dp=2, tp=8), Layout(dp=16))
 
 
 def test_memory_capacity_grows_with_sharding_and_model_splits_are_checked() -> None:
-    cm = AnalyticCostModel("llama7b", "A800-80G", 8)
+    cm = AnalyticCostModel("artifact-llama7b", "A800-80G", 8)
     caps = [cm.capacity(x, False) for x in (Layout(dp=8), Layout(dp=4, tp=2), Layout(dp=2, tp=2, cp=2))]
     assert caps == sorted(caps) and 4096 < caps[0] < 8192  # 7B, dp8: ~6K tokens without checkpointing
-    assert AnalyticCostModel("llama30b", "A800-80G", 1).capacity(Layout(), True) == 0  # weights alone
+    assert AnalyticCostModel("artifact-llama30b", "A800-80G", 1).capacity(Layout(), True) == 0  # weights alone
     with pytest.raises(CostModelError, match="heads"):
-        AnalyticCostModel("llama7b", "A800-80G", 3).option(Layout(tp=3), False)
+        AnalyticCostModel("artifact-llama7b", "A800-80G", 3).option(Layout(tp=3), False)
     with pytest.raises(CostModelError, match="unknown LlamaConfig preset"):
         AnalyticCostModel("llama99b", "A800-80G", 8)
     with pytest.raises(CostModelError, match="world size"):
-        AnalyticCostModel("llama7b", "A800-80G", 0)
+        AnalyticCostModel("artifact-llama7b", "A800-80G", 0)
 
 
 def test_pipeline_bubble() -> None:
-    cm = AnalyticCostModel("llama7b", "A800-80G", 8)
+    cm = AnalyticCostModel("artifact-llama7b", "A800-80G", 8)
     opt = cm.option(Parallelism(dp=2, tp=2, pp=2), False)
     assert opt.pipeline_factor(1) == 2.0 and opt.pipeline_factor(3) == pytest.approx(4 / 3)
     assert opt.group_seconds(3.0, 3) == pytest.approx((3.0 + 3 * opt.per_micro_batch) * 4 / 3)
@@ -306,9 +306,9 @@ def brute_force(planner: CostModelPlanner, lengths: np.ndarray) -> float:
                                           (6, 9, 8), (0, 7, "4-same-tp"), (3, 8, "4-same-tp")])
 def test_exact_on_tiny_instances_equals_brute_force(seed: int, n: int, world) -> None:
     if world == "4-same-tp":
-        p = CostModelPlanner(W4_SAME_TP, model="llama7b", hardware="A800-80G")
+        p = CostModelPlanner(W4_SAME_TP, model="artifact-llama7b", hardware="A800-80G")
     else:
-        p = planner4() if world == 4 else CostModelPlanner(["dp8", "dp4xtp2", "dp2xtp2xcp2"], model="llama7b",
+        p = planner4() if world == 4 else CostModelPlanner(["dp8", "dp4xtp2", "dp2xtp2xcp2"], model="artifact-llama7b",
                                                            hardware="A800-80G")
     lengths = lognormal(seed, n, 16384, mu=8.0, sigma=1.2)
     objective, _ = p.solve(lengths)
@@ -320,7 +320,7 @@ def test_exact_on_tiny_instances_equals_brute_force(seed: int, n: int, world) ->
 
 
 def test_predict_charges_one_gradient_reduction_per_run_of_same_tp_stages() -> None:
-    p = CostModelPlanner(W4_SAME_TP, model="llama7b", hardware="A800-80G")
+    p = CostModelPlanner(W4_SAME_TP, model="artifact-llama7b", hardware="A800-80G")
     lengths = [4000, 3000, 900, 800, 700, 600]
 
     def plan(*names):  # two documents per stage, one micro-batch each, dealt over the dp groups
@@ -342,7 +342,7 @@ def test_brute_force_sees_what_a_worse_planner_misses() -> None:
     """The comparison can fail: a one-layout planner is worse than the brute force over three."""
     lengths = lognormal(3, 8, 16384, mu=8.0, sigma=1.2)
     full = planner4()
-    single = CostModelPlanner(["tp4"], model="llama7b", hardware="A800-80G")
+    single = CostModelPlanner(["tp4"], model="artifact-llama7b", hardware="A800-80G")
     assert single.solve(lengths)[0] > brute_force(full, lengths) * 1.01
 
 
@@ -362,7 +362,7 @@ def test_milp_charges_shared_gradient_reductions_once() -> None:
     pytest.importorskip("highspy")
     from lightning_hotspa.tools.milp import solve_milp
 
-    p = CostModelPlanner(W4_SAME_TP, model="llama7b", hardware="A800-80G")
+    p = CostModelPlanner(W4_SAME_TP, model="artifact-llama7b", hardware="A800-80G")
     for seed, n in ((0, 7), (3, 8)):
         lengths = lognormal(seed, n, 16384, mu=8.0, sigma=1.2)
         objective, stages = p.solve(lengths)
@@ -435,13 +435,13 @@ def test_bad_inputs_name_the_cause() -> None:
     with pytest.raises(PlanError, match="non-empty 1-D"):
         p.plan(0, [])
     with pytest.raises(LayoutError, match="do not nest"):
-        CostModelPlanner(["dp4xtp3", "dp6xtp2"], model="llama7b", hardware="A800-80G")
+        CostModelPlanner(["dp4xtp3", "dp6xtp2"], model="artifact-llama7b", hardware="A800-80G")
     with pytest.raises(CostModelError, match="heads"):
-        CostModelPlanner(["tp3"], model="llama7b", hardware="A800-80G")
+        CostModelPlanner(["tp3"], model="artifact-llama7b", hardware="A800-80G")
     with pytest.raises(UnknownProfileError):
-        CostModelPlanner(["dp8"], model="llama7b", hardware="B300")
+        CostModelPlanner(["dp8"], model="artifact-llama7b", hardware="B300")
     with pytest.raises(PlanError, match="cannot hold any tokens"):
-        CostModelPlanner(["dp2"], model="llama30b", hardware="A800-80G")
+        CostModelPlanner(["dp2"], model="artifact-llama30b", hardware="A800-80G")
     with pytest.raises(LayoutError):
         p.capacity(Layout(dp=2, tp=4))
 
@@ -452,7 +452,7 @@ def test_checkpointing_is_chosen_only_when_it_pays() -> None:
     assert not any(s.activation_checkpointing for s in short.stages)
     forced = planner8(activation_checkpointing=True)
     assert all(s.activation_checkpointing for s in forced.plan(0, [500] * 64).stages)
-    only = CostModelPlanner(["dp8"], model="llama7b", hardware="A800-80G")  # 20K needs recompute in dp8
+    only = CostModelPlanner(["dp8"], model="artifact-llama7b", hardware="A800-80G")  # 20K needs recompute in dp8
     assert only.plan(0, [20000, 300, 300]).stages[0].activation_checkpointing
 
 
@@ -474,7 +474,7 @@ def test_artifact_rule_table_and_stages() -> None:
                                                          (32768, Parallelism(1, 8, 1, 1)))
     with pytest.raises(RuleNotFoundError, match="no hand-set rule"):
         artifact_rule("llama7b", 8, 4096)
-    cm = AnalyticCostModel("llama7b", "A800-80G", 8)
+    cm = AnalyticCostModel("artifact-llama7b", "A800-80G", 8)
     lengths = lognormal(0, 200, 32768)
     for packing in ("ours", "artifact"):
         stages, order, _ = artifact_stages(lengths, artifact_rule("llama7b", 8, 32768, "c2"), cm, packing)

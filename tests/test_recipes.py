@@ -102,7 +102,7 @@ def _build_check(group: str, node, tmp: Path) -> None:
         kwargs.pop("_target_")
         inspect.signature(HotSPaDataModule).bind(**kwargs)
         inspect.signature(SOURCE_KINDS[kwargs["source"]]).bind(**kwargs["source_kwargs"])
-        if kwargs["source"] in ("stdlib", "synthetic", "text", "jsonl"):
+        if kwargs["source"] in ("stdlib", "synthetic", "text", "jsonl", "chat_jsonl"):
             instantiate(node, _convert_="all")
     elif group == "hardware":
         assert detect_hardware(node.profile, node.peak_flops_per_device, "cpu")[1] > 0
@@ -120,6 +120,17 @@ def test_every_config_group_option_composes_resolves_and_builds(tmp_path: Path) 
             extra = [f"{group}={option}", f"data.cache_dir={tmp_path / 'cache'}"]
             if group == "data" and option in paths:
                 extra.append(f"data.source_kwargs.path={paths[option]}")
+            if group == "data" and option == "chat":  # a chat file and a tokenizer folder made here
+                from test_chat_data import make_tokenizer
+
+                (tmp_path / "chat.jsonl").write_text(json.dumps({"prompt": "hello", "response": "world"}) + "\n")
+                extra += [f"data.source_kwargs.path={tmp_path / 'chat.jsonl'}",
+                          f"data.tokenizer_kwargs.path={make_tokenizer(tmp_path / 'tok')}"]
+            if group == "model" and option == "hf":  # a tiny random Hugging Face folder, made here
+                from hf_helpers import hf_model
+
+                hf_model("llama").save_pretrained(tmp_path / "hf")
+                extra.append(f"model.path={tmp_path / 'hf'}")
             if option == "hotspa_8gpu":
                 extra.append("trainer=gpu8")
             if option in ("cpu1", "cpu2"):  # the default context needs the memory of 4 ranks

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
@@ -65,8 +66,12 @@ def build_home_state(module: nn.Module, world: WorldMesh, *, home_dtype: torch.d
         p = params[name].detach()
         return (p.full_tensor() if isinstance(p, DTensor) else p).to("cpu")
 
-    home = build_home_parameters(world, shardings, full, dtype=home_dtype, device=device)
+    init_slice = getattr(module, "init_parameter_slice", None) if on_meta else None  # read own slices only
+    home = build_home_parameters(world, shardings, full, dtype=home_dtype, device=device, init_slice=init_slice)
     parallel = ParallelModel(module, {n: s.role.name for n, s in shardings.items()}, world)
+    if parallel.loss_parallel:
+        rank_zero_info(f"hotspa: {type(module).__name__}.vocab_parallel_loss is True: under tp its "
+                       f"loss_fn gets vocab-sharded logits (a vocab-parallel cross entropy)")
     parallel.restore(home)
     module.to(device)  # buffers; parameters already live there
     return HomeState(home, parallel, SwitchEngine(world, shardings, home, working_dtype=working_dtype))

@@ -1,7 +1,7 @@
 """Which layouts a run uses: the candidate set, the default layout and activation checkpointing.
 
 ``HotSPaStrategy(layouts="auto")`` takes :func:`default_layouts` of the world size (the one place
-that decides it); plain batches, validation and prediction run in the default layout (the most
+that decides it), or for a module without a tensor-parallel plan the layouts it supports; plain batches, validation and prediction run in the default layout (the most
 data-parallel candidate unless chosen).
 """
 
@@ -10,7 +10,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import nn
+
 from ..layout import Layout, LayoutError, parse_layouts
+from .module_layouts import supported_layouts
 
 __all__ = ["checkpointing_for", "check_checkpointing_spec", "choose_default_layout", "default_layouts",
            "parse_layout_spec", "resolve_layouts"]
@@ -37,9 +41,15 @@ def parse_layout_spec(layouts: Any) -> list[Layout] | str:
     return spec
 
 
-def resolve_layouts(spec: Sequence[Layout] | str, world_size: int, owner: str) -> tuple[Layout, ...]:
-    """The candidate layouts of a run on ``world_size`` ranks (``spec``: a list or ``"auto"``)."""
+def resolve_layouts(spec: Sequence[Layout] | str, world_size: int, owner: str,
+                    module: nn.Module | None = None) -> tuple[Layout, ...]:
+    """The candidate layouts of a run on ``world_size`` ranks (``spec``: a list or ``"auto"``);
+    ``"auto"`` gives ``module`` only layouts it supports (:mod:`.module_layouts`), saying so."""
     auto = default_layouts(world_size)
+    supported = supported_layouts(module, world_size) if module is not None and spec == "auto" else None
+    if supported is not None:
+        auto = supported[0]
+        rank_zero_info(supported[1])
     specs = auto if spec == "auto" else list(spec)
     try:
         return parse_layouts(specs, world_size)

@@ -217,7 +217,8 @@ class HotSPaStrategy(GuardedCollectives, StrategyCheckpoints, ParallelStrategy):
         _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
         self.tracker.rank = self.global_rank
         world_size = dist.get_world_size()
-        self.layouts = resolve_layouts(self._layout_spec, world_size, type(self).__name__)
+        self.layouts = resolve_layouts(self._layout_spec, world_size, type(self).__name__,
+                                       module=self.lightning_module)
         self.world = WorldMesh(self.layouts, device_type=self.root_device.type, timeout=self._timeout)
         self.mesh_shape = self.world.shape
         self.checkpoints = placement_for(self)  # the rank -> node map and where checkpoints live

@@ -110,8 +110,10 @@ class StepPlanDataset(Dataset[RankPlan]):
         batches_per_epoch: int,
         endless: bool,
         cursor: _Cursor | None = None,
+        prompt_offset: int | None = None,
     ) -> None:
         self.split, self.corpus, self.doc_index, self.sampler = split, corpus, doc_index, sampler
+        self.prompt_offset = prompt_offset  # chat data: prompt ids stored + offset (data/chat.py)
         self.planner, self.mesh_shape, self.rank = planner, mesh_shape, rank
         self.batches_per_epoch, self.endless = batches_per_epoch, endless
         self.cursor = cursor if cursor is not None else _Cursor()
@@ -154,6 +156,10 @@ class StepPlanDataset(Dataset[RankPlan]):
         position, data_pass, pass_step = self.locate(int(epoch), int(step))
         plan, refs = self.global_plan(int(epoch), int(step))
         rank_plan = slice_plan(plan, _ChunkTokens(self.corpus, refs), self.mesh_shape, self.rank)
+        if self.prompt_offset is not None:  # loss on response tokens only
+            from .chat import apply_prompt_mask
+
+            rank_plan = apply_prompt_mask(rank_plan, _ChunkTokens(self.corpus, refs), self.prompt_offset)
         stats = plan_stats(plan, self.planner.capacity, self.planner.cost_fn)
         extras = {
             "split": self.split,
@@ -258,6 +264,7 @@ class HotSPaDataModule(L.LightningDataModule):
         if self._corpus is None:
             self._corpus = TokenizedCorpus.build(self._source, self._tokenizer, self.cache_dir,
                                                  use_cache=self.use_cache)
+        self._check_vocabulary()
         if self._train_sampler is None:
             self._build_samplers(self._corpus)
         if self._pending_state is not None:
@@ -265,6 +272,16 @@ class HotSPaDataModule(L.LightningDataModule):
             self.load_state_dict(state)
         if self._context() is not None:
             self._planning()  # fail early on a misconfigured strategy
+
+    def _check_vocabulary(self) -> None:
+        """The tokenizer's largest id must be a row of the Trainer's model (``config.vocab_size``)."""
+        module = getattr(getattr(self, "trainer", None), "lightning_module", None)
+        model_vocab = getattr(getattr(module, "config", None), "vocab_size", None)
+        if self._source is not None and isinstance(model_vocab, int):
+            from ..models.vocab import check_tokenizer_fits
+
+            ids = getattr(self._tokenizer, "token_vocab_size", self._tokenizer.vocab_size)  # chat: see chat.py
+            check_tokenizer_fits(ids, model_vocab, f"{type(self).__name__}: ")
 
     def _build_samplers(self, corpus: TokenizedCorpus) -> None:
         n = len(corpus)
@@ -355,7 +372,8 @@ class HotSPaDataModule(L.LightningDataModule):
         return StepPlanDataset(split=split, corpus=self._corpus, doc_index=ids, sampler=sampler,
                                planner=context.planner, mesh_shape=context.mesh_shape, rank=context.rank,
                                batches_per_epoch=n,
-                               endless=endless, cursor=self._cursor if split == "train" else None)
+                               endless=endless, cursor=self._cursor if split == "train" else None,
+                               prompt_offset=getattr(self._tokenizer, "prompt_offset", None))
 
     def _loader(self, dataset: StepPlanDataset, resumable: bool) -> PlanDataLoader:
         if dataset.split == "train" and self.num_workers > 0:  # workers prefetch 2 plans each (the default)

@@ -159,8 +159,10 @@ class HFTokenizer(Tokenizer):
 
 
 def build_tokenizer(kind: str, /, **kwargs: Any) -> Tokenizer:
-    """Build a tokenizer by name (for configs): ``"byte"`` or ``"hf"`` (``path=`` required)."""
-    kinds: dict[str, type[Tokenizer]] = {"byte": ByteTokenizer, "hf": HFTokenizer}
+    """Build a tokenizer by name (for configs): ``"byte"``, ``"hf"`` or ``"chat"`` (``path=`` required)."""
+    from .chat import ChatTemplateTokenizer  # chat.py builds on this module
+
+    kinds: dict[str, type[Tokenizer]] = {"byte": ByteTokenizer, "hf": HFTokenizer, "chat": ChatTemplateTokenizer}
     if kind not in kinds:
         raise DataError(f"unknown tokenizer kind {kind!r}; known kinds: {sorted(kinds)}")
     try:

@@ -493,20 +493,32 @@ def build_home_parameters(
     init_full: Callable[[str, tuple[int, ...]], torch.Tensor],
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
+    init_slice: Callable[[str, int | None, int, int], torch.Tensor] | None = None,
 ) -> dict[str, nn.Parameter]:
     """Home params as DTensor ``nn.Parameter``s, each initialized IN FULL and cut to this rank's shard.
 
     One parameter at a time, so peak memory is one full tensor; the result equals the single-process
-    model built by ``init_full`` (DESIGN.md trap "random init of sharded DTensors").
+    model built by ``init_full`` (DESIGN.md trap "random init of sharded DTensors"). With
+    ``init_slice(name, dim, start, stop)`` (e.g. a checkpoint reader) only this rank's home slice
+    ``[start, stop)`` along ``dim`` is asked for (``dim=None``: the whole tensor).
     """
     out: dict[str, nn.Parameter] = {}
     rank = world.rank
     for name, sharding in shardings.items():
-        full = init_full(name, sharding.shape)
-        if tuple(full.shape) != sharding.shape:
-            raise LayoutError(f"init for {name!r} returned shape {tuple(full.shape)}, expected {sharding.shape}")
-        local = _sub_chunk(full, sharding, 0, sharding.home_prefix, rank).to(device, dtype).contiguous().clone()
-        del full
+        if init_slice is not None:
+            split = sharding.dim is not None and sharding.home_prefix > 0
+            start, stop = sharding.interval(rank, sharding.home_prefix) if split else (0, 0)
+            local = init_slice(name, sharding.dim if split else None, start, stop)
+            expected = sharding.local_shape(sharding.home_prefix)
+            if tuple(local.shape) != expected:
+                raise LayoutError(f"init_slice for {name!r} returned shape {tuple(local.shape)}, expected {expected}")
+            local = local.to(device, dtype).contiguous().clone()
+        else:
+            full = init_full(name, sharding.shape)
+            if tuple(full.shape) != sharding.shape:
+                raise LayoutError(f"init for {name!r} returned shape {tuple(full.shape)}, expected {sharding.shape}")
+            local = _sub_chunk(full, sharding, 0, sharding.home_prefix, rank).to(device, dtype).contiguous().clone()
+            del full
         dt = DTensor.from_local(local, world.device_mesh, sharding.home_placements(), run_check=False,
                                 shape=torch.Size(sharding.shape),
                                 stride=torch.empty(sharding.shape, device="meta").stride())

@@ -31,6 +31,7 @@ __all__ = [
     "sdpa_attention",
     "select_attention_backend",
     "torch_varlen_attention",
+    "with_sliding_window",
 ]
 
 CoreAttention = Callable[[Tensor, Tensor, Tensor, Tensor, int], Tensor]
@@ -61,7 +62,15 @@ def _document_bounds(cu_seqlens: Tensor, total: int) -> list[int]:
     return bounds
 
 
-def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int) -> Tensor:
+def _window_mask(length: int, window: int, device: torch.device) -> Tensor:
+    """[L, L] bool: query i sees keys j with i - window < j <= i (Mistral's sliding window)."""
+    i = torch.arange(length, device=device)
+    distance = i[:, None] - i[None, :]
+    return (distance >= 0) & (distance < window)
+
+
+def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int,
+                   window: int | None = None) -> Tensor:
     """Torch SDPA, one causal call per document (the CPU backend and universal fallback).
 
     Chosen over one SDPA call with a [T, T] block-diagonal causal mask, which does T^2 work
@@ -81,21 +90,24 @@ def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seql
     # [T, h, d] -> [h, T, d]: SDPA treats the leading dim as batch; documents split along T.
     pieces = zip(*(t.transpose(0, 1).split(lengths, dim=1) for t in (q, k, v)), strict=True)
     outs = [
-        F.scaled_dot_product_attention(qd, kd, vd, is_causal=True) if qd.shape[1] else qd
+        qd if not qd.shape[1] else
+        F.scaled_dot_product_attention(qd, kd, vd, is_causal=True) if window is None or qd.shape[1] <= window
+        else F.scaled_dot_product_attention(qd, kd, vd, attn_mask=_window_mask(qd.shape[1], window, qd.device))
         for qd, kd, vd in pieces
     ]
     return torch.cat(outs, dim=1).transpose(0, 1)
 
 
 def flash_varlen_attention(
-    q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int
+    q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int, window: int | None = None
 ) -> Tensor:
     """flash-attn's varlen kernel (CUDA, fp16/bf16); handles GQA natively."""
     from flash_attn import flash_attn_varlen_func  # lazy: no CPU wheel exists
 
     cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
+    kwargs = {} if window is None else {"window_size": (window - 1, 0)}
     return flash_attn_varlen_func(
-        q, k, v, cu, cu, int(max_seqlen), int(max_seqlen), dropout_p=0.0, causal=True
+        q, k, v, cu, cu, int(max_seqlen), int(max_seqlen), dropout_p=0.0, causal=True, **kwargs
     )
 
 
@@ -105,7 +117,7 @@ def _parameter_names(fn: Callable[..., object]) -> frozenset[str]:
 
 
 def torch_varlen_attention(
-    q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int
+    q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int, window: int | None = None
 ) -> Tensor:
     """``torch.nn.attention.varlen.varlen_attn`` (CUDA flash kernel shipped with torch)."""
     from torch.nn.attention.varlen import varlen_attn  # lazy: absent from older torch
@@ -113,7 +125,10 @@ def torch_varlen_attention(
     params = _parameter_names(varlen_attn)
     kwargs: dict[str, object] = {}
     if "window_size" in params:  # newer torch spells causal as a (-1, 0) window
-        kwargs["window_size"] = (-1, 0)
+        kwargs["window_size"] = (-1, 0) if window is None else (window - 1, 0)
+    elif window is not None:
+        raise ValueError(f"torch {torch.__version__}'s varlen_attn has no window_size: it cannot run a "
+                         f"sliding window of {window}; use attention_backend='sdpa' or 'flash_varlen'")
     else:
         kwargs["is_causal"] = True
     if "enable_gqa" in params:
@@ -167,9 +182,24 @@ def auto_backend_name(device: torch.device | str, dtype: torch.dtype) -> str:
     return "sdpa"  # CPU, fp32 on GPU (the kernels need fp16/bf16), or no GPU kernel installed
 
 
-def auto_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int) -> Tensor:
+def auto_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int,
+                   window: int | None = None) -> Tensor:
     """Pick the backend per call from the inputs' device and dtype (the model's default)."""
-    return BACKENDS[auto_backend_name(q.device, q.dtype)](q, k, v, cu_seqlens, max_seqlen)
+    fn = BACKENDS[auto_backend_name(q.device, q.dtype)]
+    return fn(q, k, v, cu_seqlens, max_seqlen) if window is None else fn(q, k, v, cu_seqlens, max_seqlen,
+                                                                         window=window)
+
+
+def with_sliding_window(fn: CoreAttention, window: int | None) -> CoreAttention:
+    """``fn`` with its ``window`` bound (a core attention of the usual 5 arguments); ``fn`` for None."""
+    if window is None:
+        return fn
+    if isinstance(fn, functools.partial) and "window" in fn.keywords:
+        fn = fn.func
+    if "window" not in _parameter_names(fn):
+        raise ValueError(f"core attention {getattr(fn, '__name__', fn)!r} takes no window argument: it "
+                         f"cannot run the model's sliding window of {window}")
+    return functools.partial(fn, window=window)
 
 
 def select_attention_backend(

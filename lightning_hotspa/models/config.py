@@ -7,10 +7,27 @@ its name, not later as a shape error deep inside a sharded forward pass.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["LlamaConfig", "PRESETS"]
+__all__ = ["ARTIFACT_VOCAB", "Llama3RopeScaling", "LLAMA2_VOCAB", "LLAMA3_VOCAB", "LlamaConfig", "PRESETS"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Llama3RopeScaling:
+    """Llama-3.1-style RoPE frequency scaling (Hugging Face ``rope_type: "llama3"``)."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+    def __post_init__(self) -> None:
+        if not (self.factor > 0 and 0 < self.low_freq_factor < self.high_freq_factor
+                and self.original_max_position_embeddings > 0):
+            raise ValueError(f"Llama3RopeScaling needs factor > 0, 0 < low_freq_factor < high_freq_factor "
+                             f"and original_max_position_embeddings > 0, got {self}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -29,8 +46,21 @@ class LlamaConfig:
     # The embedding and LM head get ``padded_vocab_size`` rows so that every tensor-parallel
     # degree we use divides them evenly (uneven DTensor shards misalign; see DESIGN.md §7).
     vocab_multiple: int = 128
+    # Architecture variants found in released checkpoints (Hugging Face Llama / Mistral / Qwen2):
+    qkv_bias: bool = False  # biases on the q / k / v projections (Qwen2)
+    tie_embeddings: bool = False  # the LM head reuses the embedding matrix (no ``output`` module)
+    rope_scaling: Llama3RopeScaling | None = None  # Llama-3.1 long-context frequency scaling
+    sliding_window: int | None = None  # a query sees at most this many keys, itself included (Mistral)
 
     def __post_init__(self) -> None:
+        if isinstance(self.rope_scaling, Mapping):  # Hydra / JSON hand a mapping
+            object.__setattr__(self, "rope_scaling", Llama3RopeScaling(**self.rope_scaling))
+        for name in ("qkv_bias", "tie_embeddings"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"LlamaConfig.{name} must be a bool, got {getattr(self, name)!r}")
+        window = self.sliding_window
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+            raise ValueError(f"LlamaConfig.sliding_window must be None or a positive int, got {window!r}")
         for name in ("vocab_size", "hidden", "n_layers", "n_heads", "n_kv_heads",
                      "ffn_hidden", "max_seq_len", "vocab_multiple"):
             value = getattr(self, name)
@@ -78,11 +108,13 @@ class LlamaConfig:
         """Exact parameter count of :class:`Llama` built from this config (padded vocab)."""
         h, hd = self.hidden, self.head_dim
         attention = h * self.n_heads * hd * 2 + h * self.n_kv_heads * hd * 2  # wq, wo, wk, wv
+        if self.qkv_bias:
+            attention += (self.n_heads + 2 * self.n_kv_heads) * hd
         ffn = 3 * h * self.ffn_hidden
         per_layer = attention + ffn + 2 * h  # two RMSNorm weights
-        head = self.padded_vocab_size * h  # untied LM head
+        head = self.padded_vocab_size * h  # the LM head (a matmul, also when tied)
         total = self.n_layers * per_layer + h + head
-        if include_embedding:
+        if include_embedding and not self.tie_embeddings:  # tied: the head's matrix is the embedding
             total += self.padded_vocab_size * h
         return total
 
@@ -102,7 +134,15 @@ class LlamaConfig:
         return dense + attention
 
 
-_LLAMA_VOCAB = 30592  # the HotSPa artifact's (Megatron-padded) LLaMA vocabulary
+LLAMA2_VOCAB = 32000  # the LLaMA / LLaMA-2 SentencePiece tokenizer (Hugging Face "meta-llama/Llama-2-*")
+LLAMA3_VOCAB = 128256  # the Llama-3 tiktoken-based tokenizer (128000 + 256 reserved specials)
+ARTIFACT_VOCAB = 30592  # the HotSPa artifact's Megatron-padded vocabulary: planning comparisons only
+
+
+def _llama(vocab: int, hidden: int, layers: int, heads: int, kv: int, ffn: int, **kw: Any) -> LlamaConfig:
+    return LlamaConfig(vocab_size=vocab, hidden=hidden, n_layers=layers, n_heads=heads,
+                       n_kv_heads=kv, ffn_hidden=ffn, max_seq_len=kw.pop("max_seq_len", 32768), **kw)
+
 
 PRESETS: dict[str, LlamaConfig] = {
     # Tests: 2 layers, GQA (4 q heads over 2 kv heads), byte vocab + specials padded to 320.
@@ -112,14 +152,16 @@ PRESETS: dict[str, LlamaConfig] = {
     # CPU demo, about 10M parameters, byte vocabulary (+ specials such as <eos> = 256).
     "small": LlamaConfig(vocab_size=260, hidden=384, n_layers=6, n_heads=8, n_kv_heads=4,
                          ffn_hidden=1024, max_seq_len=4096, vocab_multiple=64),
-    # 1B class (TinyLlama-like shape with the LLaMA vocabulary).
-    "1b": LlamaConfig(vocab_size=_LLAMA_VOCAB, hidden=2048, n_layers=22, n_heads=32,
-                      n_kv_heads=4, ffn_hidden=5632, max_seq_len=32768),
-    # The paper's shapes (REFERENCE.md).
-    "llama7b": LlamaConfig(vocab_size=_LLAMA_VOCAB, hidden=4096, n_layers=32, n_heads=32,
-                           n_kv_heads=32, ffn_hidden=11008, max_seq_len=32768),
-    "llama13b": LlamaConfig(vocab_size=_LLAMA_VOCAB, hidden=5120, n_layers=40, n_heads=40,
-                            n_kv_heads=40, ffn_hidden=13824, max_seq_len=32768),
-    "llama30b": LlamaConfig(vocab_size=_LLAMA_VOCAB, hidden=6656, n_layers=60, n_heads=64,
-                            n_kv_heads=64, ffn_hidden=17920, max_seq_len=32768),
+    # 1B class: TinyLlama's shape, which uses the LLaMA-2 tokenizer (32000 ids).
+    "1b": _llama(LLAMA2_VOCAB, 2048, 22, 32, 4, 5632),
+    # The paper's shapes (REFERENCE.md) with the real LLaMA-2 vocabulary.
+    "llama7b": _llama(LLAMA2_VOCAB, 4096, 32, 32, 32, 11008),
+    "llama13b": _llama(LLAMA2_VOCAB, 5120, 40, 40, 40, 13824),
+    "llama30b": _llama(LLAMA2_VOCAB, 6656, 60, 64, 64, 17920),
+    # Llama-3-8B's shape (GQA 32/8, RoPE theta 500000) with its 128256-id vocabulary.
+    "llama3-8b": _llama(LLAMA3_VOCAB, 4096, 32, 32, 8, 14336, rope_theta=500000.0),
+    # The HotSPa artifact's models exactly (vocabulary 30592): for comparisons with its numbers.
+    "artifact-llama7b": _llama(ARTIFACT_VOCAB, 4096, 32, 32, 32, 11008),
+    "artifact-llama13b": _llama(ARTIFACT_VOCAB, 5120, 40, 40, 40, 13824),
+    "artifact-llama30b": _llama(ARTIFACT_VOCAB, 6656, 60, 64, 64, 17920),
 }

@@ -46,8 +46,10 @@ def init_parameter(
     values do not depend on the device the caller will move them to.
     """
     parts = name.split(".")
-    if len(parts) < 2 or parts[-1] != "weight":
+    if len(parts) < 2 or parts[-1] not in ("weight", "bias"):
         raise ValueError(f"init_parameter: unexpected parameter name {name!r}")
+    if parts[-1] == "bias":  # q / k / v biases (Qwen2-style configs) start at zero
+        return torch.zeros(tuple(shape), dtype=dtype)
     module = parts[-2]
     if module.endswith("norm"):
         return torch.ones(tuple(shape), dtype=dtype)

@@ -21,6 +21,7 @@ from .config import LlamaConfig
 from .init import build_llama, init_parameter
 from .llama import Llama
 from .tp_plan import TPRole, llama_tp_plan
+from .vocab import check_token_ids
 
 __all__ = ["IGNORE_INDEX", "LlamaLM", "PackedBatch", "token_mean_cross_entropy"]
 
@@ -71,6 +72,11 @@ class LlamaLM(L.LightningModule):
     :meth:`init_parameter`.
     """
 
+    #: opts in to a vocab-parallel loss under tp: the logits are consumed ONLY through ``loss_fn``,
+    #: so the strategy may keep them vocab-sharded and wrap ``loss_fn`` (a subclass that reads the
+    #: logits elsewhere sets this to False and gets gathered logits).
+    vocab_parallel_loss = True
+
     def __init__(
         self,
         config: LlamaConfig | str | Mapping[str, Any] = "tiny",
@@ -92,23 +98,46 @@ class LlamaLM(L.LightningModule):
         self.model.set_activation_checkpointing(activation_checkpointing)
         self.model.set_attention_backend(attention_backend)
         self.loss_fn: Callable[[Tensor, Tensor], Tensor] = token_mean_cross_entropy
+        self.pretrained: Any = None  # a models.hf.PretrainedSource after from_pretrained
+
+    @classmethod
+    def from_pretrained(cls, path: str, **overrides: Any) -> LlamaLM:
+        """A local Hugging Face Llama / Mistral / Qwen2 folder (config.json + safetensors).
+
+        ``overrides`` are LlamaConfig fields (e.g. ``max_seq_len``) or this class's arguments (``lr``).
+        Under ``trainer.init_module(empty_init=True)`` nothing is read here: the HotSPa strategy reads
+        each rank's home slices at setup. Otherwise the weights are read here, one tensor at a time.
+        """
+        from .hf import load_pretrained
+
+        return load_pretrained(cls, path, **overrides)
+
+    def save_pretrained(self, path: str, dtype: torch.dtype | None = None) -> None:
+        """Writes a folder ``transformers`` loads; with the strategy's sharded parameters every rank
+        must call it (each parameter is gathered in turn, rank 0 writes)."""
+        from .hf import save_pretrained
+
+        save_pretrained(self, path, dtype)
 
     def forward(
         self, input_ids: Tensor, position_ids: Tensor, cu_seqlens: Tensor, max_seqlen: int
     ) -> Tensor:
         return self.model(input_ids, position_ids, cu_seqlens, max_seqlen)
 
-    def training_step(self, batch: PackedBatch, batch_idx: int = 0) -> Tensor:
+    def _loss(self, batch: PackedBatch) -> Tensor:
         logits = self(batch.input_ids, batch.position_ids, batch.cu_seqlens, batch.max_seqlen)
-        loss = self.loss_fn(logits, batch.labels)
+        check_token_ids(batch.labels, self.config.vocab_size, "labels", ignore_index=IGNORE_INDEX)
+        return self.loss_fn(logits, batch.labels)
+
+    def training_step(self, batch: PackedBatch, batch_idx: int = 0) -> Tensor:
+        loss = self._loss(batch)
         self.log("train/loss", loss.detach(), prog_bar=True,
                  batch_size=max(int(batch.num_target_tokens), 1))
         return loss
 
     def validation_step(self, batch: PackedBatch, batch_idx: int = 0) -> Tensor:
         """Token-mean loss of the slice, logged weighted by its target tokens."""
-        logits = self(batch.input_ids, batch.position_ids, batch.cu_seqlens, batch.max_seqlen)
-        loss = self.loss_fn(logits, batch.labels)
+        loss = self._loss(batch)
         self.log("val/loss", loss.detach(), prog_bar=True, sync_dist=True,
                  batch_size=max(int(batch.num_target_tokens), 1))
         return loss
@@ -118,8 +147,18 @@ class LlamaLM(L.LightningModule):
         inner = name.removeprefix("model.")
         if inner == name:
             raise ValueError(f"{type(self).__name__} has no parameter {name!r}")
+        if self.pretrained is not None:
+            return self.pretrained.read(inner)
         shape = self.get_parameter(name).shape
         return init_parameter(inner, shape, self.hparams.seed, n_layers=self.config.n_layers)
+
+    def init_parameter_slice(self, name: str, dim: int | None, start: int, stop: int) -> Tensor:
+        """``[start, stop)`` along ``dim`` of :meth:`init_parameter` (whole for ``dim=None``); a
+        pretrained module reads only that slice from disk."""
+        if self.pretrained is not None and name.startswith("model."):
+            return self.pretrained.read(name.removeprefix("model."), dim, start, stop)
+        full = self.init_parameter(name)
+        return full if dim is None else full.narrow(dim, start, stop - start).clone()
 
     def tp_plan(self, tp: int) -> dict[str, TPRole]:
         """The declarative TP plan with names relative to this module."""

@@ -13,9 +13,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from .attention import CoreAttention, select_attention_backend
+from .attention import CoreAttention, select_attention_backend, with_sliding_window
 from .config import LlamaConfig
 from .rope import apply_rotary, rotary_cos_sin
+from .vocab import check_token_ids
 
 __all__ = ["Attention", "Block", "FeedForward", "Llama", "RMSNorm"]
 
@@ -45,11 +46,13 @@ class Attention(nn.Module):
         super().__init__()
         hd = config.head_dim
         self.head_dim = hd  # the only shape read in forward: it is never sharded
-        self.wq = nn.Linear(config.hidden, config.n_heads * hd, bias=False)
-        self.wk = nn.Linear(config.hidden, config.n_kv_heads * hd, bias=False)
-        self.wv = nn.Linear(config.hidden, config.n_kv_heads * hd, bias=False)
+        bias = config.qkv_bias
+        self.wq = nn.Linear(config.hidden, config.n_heads * hd, bias=bias)
+        self.wk = nn.Linear(config.hidden, config.n_kv_heads * hd, bias=bias)
+        self.wv = nn.Linear(config.hidden, config.n_kv_heads * hd, bias=bias)
         self.wo = nn.Linear(config.n_heads * hd, config.hidden, bias=False)
-        self.core_attention: CoreAttention = select_attention_backend("auto")
+        self.core_attention: CoreAttention = with_sliding_window(select_attention_backend("auto"),
+                                                                 config.sliding_window)
 
     def forward(
         self, x: Tensor, cos: Tensor, sin: Tensor, cu_seqlens: Tensor, max_seqlen: int
@@ -107,7 +110,8 @@ class Llama(nn.Module):
         self.tok_embeddings = nn.Embedding(config.padded_vocab_size, config.hidden)
         self.layers = nn.ModuleList(Block(config) for _ in range(config.n_layers))
         self.norm = RMSNorm(config.hidden, config.norm_eps)
-        self.output = nn.Linear(config.hidden, config.padded_vocab_size, bias=False)
+        if not config.tie_embeddings:  # tied: the head reads tok_embeddings.weight (one parameter)
+            self.output = nn.Linear(config.hidden, config.padded_vocab_size, bias=False)
         self.activation_checkpointing = False
 
     def set_activation_checkpointing(self, enabled: bool) -> None:
@@ -117,6 +121,7 @@ class Llama(nn.Module):
     def set_attention_backend(self, backend: str | CoreAttention) -> None:
         """Use one core attention (a backend name or a callable) in every layer."""
         fn = select_attention_backend(backend) if isinstance(backend, str) else backend
+        fn = with_sliding_window(fn, self.config.sliding_window)
         for layer in self.layers:
             layer.attention.core_attention = fn
 
@@ -127,9 +132,10 @@ class Llama(nn.Module):
             raise ValueError(
                 f"Llama expects packed 1-D input_ids, got shape {tuple(input_ids.shape)}"
             )
+        check_token_ids(input_ids, self.config.vocab_size)  # the same error in every layout
         x = self.tok_embeddings(input_ids)
         cos, sin = rotary_cos_sin(
-            position_ids, self.config.head_dim, self.config.rope_theta, x.dtype
+            position_ids, self.config.head_dim, self.config.rope_theta, x.dtype, self.config.rope_scaling
         )
         use_checkpoint = self.activation_checkpointing and torch.is_grad_enabled()
         for layer in self.layers:
@@ -137,4 +143,6 @@ class Llama(nn.Module):
                 x = checkpoint(layer, x, cos, sin, cu_seqlens, max_seqlen, use_reentrant=False)
             else:
                 x = layer(x, cos, sin, cu_seqlens, max_seqlen)
+        if self.config.tie_embeddings:
+            return F.linear(self.norm(x), self.tok_embeddings.weight)
         return self.output(self.norm(x))

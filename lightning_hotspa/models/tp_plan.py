@@ -68,6 +68,10 @@ def check_tp_compatible(config: LlamaConfig, tp: int) -> None:
     for field, value in checks.items():
         if value % tp:
             raise ValueError(f"tp={tp} does not divide {field}={value}")
+    if config.tie_embeddings and tp > 1:
+        raise ValueError(f"tp={tp}: tied embeddings (tie_embeddings=True) are not split by tensor parallel "
+                         f"yet; use data / context parallel layouts, or untie (tie_embeddings=False: the "
+                         f"head becomes its own parameter, trained apart from the embedding)")
     if config.n_kv_heads % tp and tp % config.n_kv_heads:
         # Otherwise a rank's contiguous q heads would straddle kv groups unevenly.
         raise ValueError(
@@ -91,8 +95,9 @@ def llama_tp_plan(config: LlamaConfig, tp: int, prefix: str = "") -> dict[str, T
         "layers.*.feed_forward.w3": "colwise",
         "layers.*.feed_forward.w2": "rowwise",
         "norm": "replicated",
-        "output": "vocab",  # vocab-sharded logits
     }
+    if not config.tie_embeddings:
+        plan["output"] = "vocab"  # vocab-sharded logits
     return {prefix + pattern: role for pattern, role in plan.items()}
 
 

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from ..layout import RankGroup
+from ..models.vocab import check_token_ids
 from .state import ParallelState
 
 __all__ = ["IGNORE_INDEX", "vocab_parallel_cross_entropy", "VocabParallelLoss"]
@@ -61,6 +62,8 @@ def vocab_parallel_cross_entropy(logits: Tensor, labels: Tensor, group: RankGrou
     (shard ``group.index`` holds vocab rows ``[index*V_local, (index+1)*V_local)``)."""
     if logits.shape[:-1] != labels.shape:
         raise ValueError(f"logits {tuple(logits.shape)} and labels {tuple(labels.shape)} disagree")
+    # a label outside every shard would find its target logit on no rank: refuse it
+    check_token_ids(labels, logits.shape[-1] * group.size, "labels", ignore_index=IGNORE_INDEX)
     return _VocabParallelCE.apply(logits, labels, group)
 
 

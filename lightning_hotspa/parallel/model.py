@@ -4,9 +4,11 @@
 :class:`ParallelState`), and per stage only swaps parameters and updates the state. Outside a stage
 the module holds its home parameters, so ``module.parameters()`` is what the optimizer steps.
 
-The LM head's loss: a module with a callable ``loss_fn`` attribute and one ``vocab`` Linear (the
-:class:`~lightning_hotspa.models.LlamaLM` contract: its logits are consumed through ``loss_fn``)
-gets a vocab-parallel cross entropy on sharded logits; any other module sees gathered logits.
+The LM head's loss: a module that opts in with ``vocab_parallel_loss = True`` (the
+:class:`~lightning_hotspa.models.LlamaLM` contract: its logits are consumed ONLY through ``loss_fn``)
+and has one ``vocab`` Linear gets its ``loss_fn`` wrapped by a vocab-parallel cross entropy on
+sharded logits; any other module, ``loss_fn`` or not, sees gathered logits (its ``loss_fn`` is
+never replaced behind its back: other users of the logits would see shards).
 """
 
 from __future__ import annotations
@@ -25,8 +27,8 @@ __all__ = ["ParallelModel"]
 
 
 class ParallelModel:
-    """``loss_parallel``: None decides as described above; True / False force it (True needs
-    ``loss_fn``)."""
+    """``loss_parallel``: None reads the module's ``vocab_parallel_loss`` opt-in; True / False force it
+    (True needs ``loss_fn``). ``self.loss_parallel`` says what was installed."""
 
     def __init__(self, module: nn.Module, roles: Mapping[str, str], world: WorldMesh,
                  *, loss_parallel: bool | None = None) -> None:
@@ -34,12 +36,13 @@ class ParallelModel:
         self.world = world
         self.state = ParallelState()
         self.hooks = 0
+        self.loss_parallel = False
         if any(layout.tp > 1 for layout in world.layouts):
-            from .tensor_parallel import install_tensor_parallel, module_kinds
+            from .tensor_parallel import install_tensor_parallel
 
             if loss_parallel is None:
-                heads = [k for k in module_kinds(module, roles).values() if k == "gather"]
-                loss_parallel = len(heads) == 1 and callable(getattr(module, "loss_fn", None))
+                loss_parallel = getattr(module, "vocab_parallel_loss", False) is True
+            self.loss_parallel = bool(loss_parallel)
             self.hooks += install_tensor_parallel(module, roles, self.state, loss_parallel=loss_parallel)
         if any(layout.cp > 1 for layout in world.layouts):
             from .context_parallel import install_context_parallel

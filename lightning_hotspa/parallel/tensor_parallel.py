@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..layout import LayoutError, RankGroup
+from ..models.vocab import check_token_ids
 from .attention import attention_modules, ensure_parallel_attention
 from .collectives import copy_to_group, gather_last_dim, reduce_from_group
 from .loss import VocabParallelLoss
@@ -161,6 +162,8 @@ class TPForward:
         if tp is None:
             return F.embedding(ids, m.weight, m.padding_idx)
         rows = m.weight.shape[0]
+        # an id outside every rank's rows would read zeros everywhere: refuse it, as tp=1 does
+        check_token_ids(ids, rows * tp.size, f"input ids of the vocab-parallel {type(m).__name__}")
         start = tp.index * rows
         outside = (ids < start) | (ids >= start + rows)
         local = (ids - start).masked_fill(outside, 0)

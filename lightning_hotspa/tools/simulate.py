@@ -161,10 +161,17 @@ class CellResult:
         }
 
 
+def _artifact_model(model: str) -> str:
+    """The artifact's own shape of a paper model (vocabulary 30592), so the grid compares like with like."""
+    from ..models.config import PRESETS
+
+    return f"artifact-{model}" if f"artifact-{model}" in PRESETS else model
+
+
 def simulate_cell(model: str, world_size: int, context: int, data: str, hardware: str = "A800-80G",
                   batches: int = 2, sequences: int = 512, seed: int = 0) -> CellResult:
     """Our plan vs the best static layout vs the hand-set rule on the same batches."""
-    cm = AnalyticCostModel(model, hardware, world_size)
+    cm = AnalyticCostModel(_artifact_model(model), hardware, world_size)
     sample = sample_batches(data, context, 1, sequences, seed + 7919)[0]  # candidates from other data
     layouts: tuple[Layout, ...] = auto_layouts(world_size, cm.model, cm.hardware, context, lengths=sample)
     planner = CostModelPlanner(layouts, model=cm.model, hardware=cm.hardware)

@@ -1,0 +1,51 @@
+"""One check of token ids against the model's vocabulary, shared by every layout.
+
+Why: an id past the vocabulary fails loudly only by accident. In pure data parallel the embedding
+raises an IndexError (or a device-side assert on GPU); under tensor parallelism the id falls outside
+every rank's vocab shard, reads a zero embedding and finds its target on no rank, so training goes
+on silently wrong. Ids in the padded rows (``vocab_size <= id < padded_vocab_size``) are no real
+token either. The model checks its inputs, the LightningModule its labels, and the parallel
+embedding and loss check again for models that are not ours: all with this one message.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = ["VocabularyError", "check_token_ids", "check_tokenizer_fits"]
+
+
+class VocabularyError(ValueError):
+    """Token ids (or a tokenizer) that do not fit the model's vocabulary; names both numbers."""
+
+
+def _fix(largest: int, vocab_size: int) -> str:
+    return (f"build the model with vocab_size >= {largest + 1} (presets: 'llama7b' etc. have the LLaMA-2 "
+            f"32000, 'llama3-8b' the Llama-3 128256) or tokenize with the model's own tokenizer")
+
+
+def check_token_ids(ids: Tensor, vocab_size: int, what: str = "input_ids",
+                    ignore_index: int | None = None) -> None:
+    """Raises :class:`VocabularyError` unless every id (except ``ignore_index``) is in ``[0, vocab_size)``.
+
+    One min/max reduction and one host read per call (a sync on an accelerator).
+    """
+    if ids.numel() == 0:
+        return
+    if ignore_index is not None:
+        # ignore_index is never a valid id, so mapping it to 0 leaves min/max of the rest unchanged
+        ids = ids.masked_fill(ids == ignore_index, 0)
+    low, high = (int(v) for v in torch.stack(torch.aminmax(ids)).tolist())
+    if low < 0 or high >= vocab_size:
+        bad = low if low < 0 else high
+        raise VocabularyError(f"{what} hold token id {bad}, outside the model's vocabulary of {vocab_size} "
+                              f"ids (0..{vocab_size - 1}); {_fix(max(high, 0), vocab_size)}")
+
+
+def check_tokenizer_fits(tokenizer_vocab: int, model_vocab: int, where: str = "") -> None:
+    """At setup: the tokenizer's largest id (``tokenizer_vocab - 1``) must be a row of the model."""
+    if tokenizer_vocab > model_vocab:
+        raise VocabularyError(f"{where}the tokenizer has {tokenizer_vocab} ids (largest {tokenizer_vocab - 1}) "
+                              f"but the model's vocabulary has {model_vocab}; "
+                              f"{_fix(tokenizer_vocab - 1, model_vocab)}")
