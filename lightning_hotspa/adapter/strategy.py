@@ -42,6 +42,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
+from ..engine.home import region_initializer
 from ..engine.switch import GradReport, SwitchEngine, build_home_parameters
 from ..layout import Layout, LayoutError, MeshShape, WorldMesh, parse_layouts
 from ..parallel.model import ParallelModel
@@ -371,12 +372,14 @@ class HotSPaStrategy(ParallelStrategy):
 
         precision = self.hotspa_precision
         self.home = build_home_parameters(self.world, shardings, full, dtype=precision.home_dtype,
-                                          device=self.root_device)
+                                          device=self.root_device,
+                                          init_shard=region_initializer(init_parameter) if on_meta else None)
         roles = {n: s.role.name for n, s in shardings.items()}
         self.parallel = ParallelModel(module, roles, self.world)
         self.parallel.restore(self.home)
         module.to(self.root_device)  # buffers; parameters already live there
-        self.engine = SwitchEngine(self.world, shardings, self.home, working_dtype=precision.working_dtype)
+        self.engine = SwitchEngine(self.world, shardings, self.home, working_dtype=precision.working_dtype,
+                                   grad_accum_dtype=precision.grad_accum_dtype)
 
     @contextlib.contextmanager
     @override

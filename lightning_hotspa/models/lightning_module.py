@@ -113,13 +113,16 @@ class LlamaLM(L.LightningModule):
                  batch_size=max(int(batch.num_target_tokens), 1))
         return loss
 
-    def init_parameter(self, name: str) -> Tensor:
-        """Full fp32 initial value of parameter ``name`` of this module (``model.`` prefix)."""
+    def init_parameter(self, name: str, *, dim: int | None = None, start: int = 0,
+                       stop: int | None = None) -> Tensor:
+        """fp32 initial value of parameter ``name`` of this module (``model.`` prefix), or only its
+        slice ``[start, stop)`` along ``dim`` (a rank's home shard: generated alone, models/init.py)."""
         inner = name.removeprefix("model.")
         if inner == name:
             raise ValueError(f"{type(self).__name__} has no parameter {name!r}")
         shape = self.get_parameter(name).shape
-        return init_parameter(inner, shape, self.hparams.seed, n_layers=self.config.n_layers)
+        return init_parameter(inner, shape, self.hparams.seed, n_layers=self.config.n_layers,
+                              dim=dim, start=start, stop=stop)
 
     def tp_plan(self, tp: int) -> dict[str, TPRole]:
         """The declarative TP plan with names relative to this module."""
