@@ -84,13 +84,15 @@ class _Pending:
     """One launched asynchronous collective. It holds its input buffer (an async backend may read
     it until the collective lands) and drops it in :meth:`result`."""
 
-    def __init__(self, work, unpack: Callable[[], list[torch.Tensor]], inputs: torch.Tensor | None) -> None:
+    def __init__(self, work, unpack: Callable[[], list[torch.Tensor]], inputs: torch.Tensor | None,
+                 buffer: torch.Tensor | None = None) -> None:
         self.work, self.unpack, self.inputs = work, unpack, inputs
+        self.buffer = inputs if buffer is None else buffer  # what the bucket allocated (for labels)
 
     def result(self) -> list[torch.Tensor]:
         if self.work is not None:
             self.work.wait()
-        self.work = self.inputs = None
+        self.work = self.inputs = self.buffer = None
         return self.unpack()
 
 
@@ -157,7 +159,7 @@ def _all_reduce_start(tensors: list[torch.Tensor], group: RankGroup, into: _Over
             offset += n
         return results
 
-    return _Pending(work, unpack, None)  # the output is the buffer: the store keeps it
+    return _Pending(work, unpack, None, flat)  # the output is the buffer: the store keeps it
 
 
 class GradientReduction:
@@ -168,6 +170,7 @@ class GradientReduction:
 
     grad_accum_dtype: torch.dtype | None
     max_buckets_in_flight: int
+    _label: Callable[[str, torch.Tensor], None]
 
     def _init_gradients(self, grad_accum_dtype: torch.dtype | None, max_buckets_in_flight: int) -> None:
         if max_buckets_in_flight < 1:
@@ -209,6 +212,7 @@ class GradientReduction:
         acc = self.main_grads.get(name)
         if acc is None:
             self.main_grads[name] = g.detach().to(self.grad_accum_dtype)
+            self._label("grads", self.main_grads[name])
         else:
             acc.add_(g.detach())
         p.grad = None
@@ -306,6 +310,8 @@ class GradientReduction:
         else:  # nothing to sum: keep a copy (the working grad may change or be freed)
             copies = [t.to(dtype, copy=True) for t in local]
             pending = _Pending(None, lambda copies=copies: copies, None)
+        if pending.buffer is not None:
+            self._label("temporaries", pending.buffer)
         for name in bucket.names:  # copied into the bucket: the engine's accumulator is done
             self.main_grads.pop(name, None)
         into.launched += 1
@@ -351,6 +357,7 @@ class GradientReduction:
                 self.grad_store[name].add_(t)
             else:
                 self.grad_store[name] = t
+                self._label("grads", t)
 
     def assign_home_grads(self) -> None:
         """Hands the store to the home params' ``.grad`` (as DTensors where the params are)."""
@@ -364,6 +371,7 @@ class GradientReduction:
                                        shape=p.shape, stride=p.stride())
             else:
                 g = g.to(p.dtype)
+            self._label("grads", g)
             p.grad = g
 
     def clear_grad_store(self) -> None:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -109,6 +109,13 @@ class SwitchEngine(GradientReduction):
         self.working: dict[str, torch.Tensor] = {}
         self._move_plans: dict[tuple[str, str], _MovePlan] = {}
         self._init_gradients(grad_accum_dtype, max_buckets_in_flight)
+        #: ``(category, tensor)`` for each buffer the engine allocates ("params", "grads",
+        #: "temporaries"): how the memory estimator files them (None: nobody listens)
+        self.on_buffer: Callable[[str, torch.Tensor], None] | None = None
+
+    def _label(self, category: str, tensor: torch.Tensor) -> None:
+        if self.on_buffer is not None:
+            self.on_buffer(category, tensor)
 
     # ---------------------------------------------------------------- switching
     def _home_local(self, name: str) -> torch.Tensor:
@@ -185,6 +192,9 @@ class SwitchEngine(GradientReduction):
         lower_bound = sum(n * (dtype or locals_[name].dtype).itemsize for name, n in plan.lower_bound_elems.items())
         old = dict(locals_) if source != HOME else {}
         self.working = {n: out[n] for n in self.shardings}
+        for name, p in self.working.items():
+            if old.get(name) is not p:
+                self._label("params", p)
         self._track_accumulation(old, self.working, keep_grads)
         self.active = self._layout(target)
         return SwitchReport(source, target, received, lower_bound, collectives, time.perf_counter() - start)

@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..host import host_reads
+
 __all__ = [
     "CoreAttention",
     "BACKENDS",
@@ -51,7 +53,8 @@ def repeat_kv(kv: Tensor, n_q_heads: int) -> Tensor:
 
 
 def _document_bounds(cu_seqlens: Tensor, total: int) -> list[int]:
-    bounds = [int(b) for b in cu_seqlens.tolist()]
+    with host_reads():  # metadata: real values even under the memory estimator's FakeTensorMode
+        bounds = [int(b) for b in cu_seqlens.tolist()]
     if not bounds or bounds[0] != 0 or bounds[-1] != total:
         raise ValueError(
             f"cu_seqlens must start at 0 and end at the token count {total}, got {bounds}"

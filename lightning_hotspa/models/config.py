@@ -122,4 +122,9 @@ PRESETS: dict[str, LlamaConfig] = {
                             n_kv_heads=40, ffn_hidden=13824, max_seq_len=32768),
     "llama30b": LlamaConfig(vocab_size=_LLAMA_VOCAB, hidden=6656, n_layers=60, n_heads=64,
                             n_kv_heads=64, ffn_hidden=17920, max_seq_len=32768),
+    # Llama-3 shapes (Meta's model cards / params.json): GQA with 8 kv heads, 128256-token vocabulary.
+    "llama3-8b": LlamaConfig(vocab_size=128256, hidden=4096, n_layers=32, n_heads=32, n_kv_heads=8,
+                             ffn_hidden=14336, rope_theta=500000.0, max_seq_len=32768),
+    "llama3-70b": LlamaConfig(vocab_size=128256, hidden=8192, n_layers=80, n_heads=64, n_kv_heads=8,
+                              ffn_hidden=28672, rope_theta=500000.0, max_seq_len=32768),
 }
