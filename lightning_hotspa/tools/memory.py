@@ -78,9 +78,11 @@ def _micro_batch(layout: Layout, world: Any, tokens: int) -> Any:
 def estimate_layout(config: LlamaConfig, world_size: int, layout: Layout | str, tokens: int, *,
                     activation_checkpointing: bool = False, working_dtype: torch.dtype = torch.bfloat16,
                     grad_accum_dtype: torch.dtype | None = torch.float32,
-                    bucket_bytes: int = 4 * 2**20) -> dict[str, Any]:
+                    bucket_bytes: int = 4 * 2**20, max_buckets_in_flight: int = 2,
+                    overlap: bool = True) -> dict[str, Any]:
     """Peak bytes of rank 0 by category for one training step in ``layout``; also the peak of the
-    gradient-reduction phase alone (``reduce_peak``, ``reduce_start``: bytes when it began)."""
+    gradient-reduction phase alone (``reduce_peak``, ``reduce_start``: bytes when it began).
+    ``overlap``: reduce buckets during the backward (the strategy's way) or all after it."""
     from ..engine.home import build_home_parameters
     from ..engine.switch import SwitchEngine
     from ..host import set_host_reads
@@ -114,7 +116,8 @@ def estimate_layout(config: LlamaConfig, world_size: int, layout: Layout | str, 
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
                 engine = SwitchEngine(world, shardings, home, working_dtype=working_dtype,
-                                      bucket_bytes=bucket_bytes, grad_accum_dtype=grad_accum_dtype)
+                                      bucket_bytes=bucket_bytes, grad_accum_dtype=grad_accum_dtype,
+                                      max_buckets_in_flight=max_buckets_in_flight)
                 with MemoryTracker() as mem:
                     for p in home.values():
                         mem.label("params", p)
@@ -125,7 +128,8 @@ def estimate_layout(config: LlamaConfig, world_size: int, layout: Layout | str, 
                     parallel.activate(layout, engine.working, activation_checkpointing)
                     with parallel.micro_batch(mb):
                         loss = module(mb)
-                    engine.overlap_next_backward()
+                    if overlap:  # as the strategy does before a stage's last backward
+                        engine.overlap_next_backward()
                     loss.backward()
                     del loss
                     reduce_start = mem.current()
