@@ -87,20 +87,30 @@ def _region(shape: tuple[int, ...], dim: int | None, start: int, stop: int | Non
 
 def _tiled_normal(base_seed: int, matrix: tuple[int, int], rect: Sequence[tuple[int, int]],
                   std: float) -> Tensor:
-    """Rows ``rect[0]`` x columns ``rect[1]`` of the tiled N(0, std) matrix of shape ``matrix``."""
+    """Rows ``rect[0]`` x columns ``rect[1]`` of the tiled N(0, std) matrix of shape ``matrix``.
+
+    Each tile is drawn into contiguous memory of its own shape (so its values never depend on the
+    region asked for); one band of tiles is then copied out at once (per-tile copies cost more)."""
     (r0, r1), (c0, c1) = rect
     tr, tc = TILE
     out = torch.empty(r1 - r0, c1 - c0, dtype=torch.float32)
+    if out.numel() == 0:
+        return out
     generator = torch.Generator(device="cpu")
+    j0, j1 = c0 // tc, -(-c1 // tc)
     for i in range(r0 // tr, -(-r1 // tr)):
-        rows = (i * tr, min((i + 1) * tr, matrix[0]))
-        for j in range(c0 // tc, -(-c1 // tc)):
-            cols = (j * tc, min((j + 1) * tc, matrix[1]))
+        top, bottom = i * tr, min((i + 1) * tr, matrix[0])
+        band = torch.empty(j1 - j0, bottom - top, tc)
+        for j in range(j0, j1):
             generator.manual_seed(parameter_seed(base_seed, f"{i},{j}"))
-            tile = torch.empty(rows[1] - rows[0], cols[1] - cols[0]).normal_(0.0, std, generator=generator)
-            a, b = max(rows[0], r0), min(rows[1], r1)
-            c, d = max(cols[0], c0), min(cols[1], c1)
-            out[a - r0:b - r0, c - c0:d - c0] = tile[a - rows[0]:b - rows[0], c - cols[0]:d - cols[0]]
+            width = min(tc, matrix[1] - j * tc)
+            if width == tc:
+                band[j - j0].normal_(0.0, std, generator=generator)
+            else:  # the edge tile: its own shape
+                band[j - j0, :, :width] = torch.empty(bottom - top, width).normal_(0.0, std, generator=generator)
+        rows = band.permute(1, 0, 2).reshape(bottom - top, -1)
+        a, b = max(top, r0), min(bottom, r1)
+        out[a - r0:b - r0] = rows[a - top:b - top, c0 - j0 * tc:c1 - j0 * tc]
     return out
 
 
