@@ -125,3 +125,16 @@ def test_a_switch_holds_both_copies_of_at_most_one_bucket() -> None:
     largest = SMALLISH.padded_vocab_size * SMALLISH.hidden * 2
     assert old > 4 * largest  # holding both copies of everything would break the bound below
     assert peak - start <= new - old + 3 * max(bucket, largest), (peak - start, new, old)
+
+
+def test_memory_model_has_an_activation_term_per_attention_backend() -> None:
+    flash = AnalyticCostModel("llama7b", "H100", 8)
+    math_ = AnalyticCostModel("llama7b", "H100", 8, attention_backend="math")
+    lay = Layout.parse("dp2xtp2xcp2")
+    assert flash.attention_quadratic_bytes(lay) == 0
+    assert math_.attention_quadratic_bytes(lay) == pytest.approx(32 / 4 * (32 * 2 + 8))
+    gap = math_.peak_bytes(lay, False, 8192) - flash.peak_bytes(lay, False, 8192)
+    assert gap == pytest.approx(math_.attention_quadratic_bytes(lay) * 8192**2 - 4 * 32 * 32 / 4 * 8192, rel=1e-6)
+    assert 0 < math_.capacity(lay, False) < flash.capacity(lay, False)
+    with pytest.raises(ValueError, match="attention_backend must be"):
+        AnalyticCostModel("llama7b", "H100", 8, attention_backend="xformers")

@@ -34,11 +34,13 @@ rows); the cost is padding (``s`` rounded up to ``2*cp``) and communication:
 * pp (simulation of the artifact's (dp, tp, pp) layouts only): each rank runs ``L/pp`` layers, a dp
   group's ``m`` micro-batches take ``sum/pp * (m + pp - 1)/m`` (1F1B bubble).
 
-Memory per rank: home state over the world (fp32 weights, Adam m and v, fp32 gradient store: 16 B per
-parameter / world), bf16 working weights and gradients of the layout (4 B / (tp*pp)), and activations
-per token (flash attention, SwiGLU, bf16) divided by ``tp*cp``: without checkpointing every layer's
-saved tensors, with it only each layer's input plus one layer being recomputed. What is left decides
-the option's token capacity per micro-batch.
+Memory per rank (:meth:`AnalyticCostModel.memory`, checked against the real step by ``hotspa memory``):
+home state over the world (fp32 weights, Adam m and v, fp32 gradient store: 16 B per parameter /
+world), bf16 working weights and their fp32 main-grad accumulators (6 B / (tp*pp) for the tp-split
+parameters, norms in full), and activations per token as the runtime saves them (norms and residual
+stream full on every tp rank: no sequence parallelism; attention per ``attention_backend``; SwiGLU;
+the loss head's fp32 logits) over cp: without checkpointing every layer's saved tensors, with it only
+each layer's input plus one layer being recomputed. What is left decides the option's token capacity.
 """
 
 from __future__ import annotations
@@ -206,12 +208,14 @@ class AnalyticCostModel:
 
     ``grad_bytes``: bytes per gradient element in the stage reduction (fp32: our runtime sums in
     fp32). ``param_bytes``: working weights (bf16). ``capacity_multiple``: capacities are rounded
-    down to it, so tables read cleanly.
+    down to it, so tables read cleanly. ``grad_accum_bytes``: working gradient accumulators (4: fp32
+    main grads, the bf16-mixed default; 2: ``grad_accumulation="bf16"``). ``attention_backend``:
+    ``"flash"`` (linear memory) or ``"math"`` (SDPA's fallback, quadratic in the document length).
     """
 
     def __init__(self, model: LlamaConfig | str, hardware: HardwareProfile | str, world_size: int, *,
                  grad_bytes: int = 4, param_bytes: int = 2, capacity_multiple: int = 128,
-                 grad_accum_bytes: int = 4) -> None:
+                 grad_accum_bytes: int = 4, attention_backend: str = "flash") -> None:
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise CostModelError(f"world size must be a positive int, got {world_size!r}")
         self.model = resolve_model(model)
@@ -221,6 +225,10 @@ class AnalyticCostModel:
         self.param_bytes = param_bytes
         self.capacity_multiple = capacity_multiple
         self.grad_accum_bytes = grad_accum_bytes  # working gradient accumulators (fp32 main grads: 4)
+        if attention_backend not in ("flash", "math"):
+            raise CostModelError(f"attention_backend must be 'flash' (flash_varlen, torch_varlen, sdpa) or "
+                                 f"'math' (SDPA's quadratic fallback), got {attention_backend!r}")
+        self.attention_backend = attention_backend
         m = self.model
         self.params = float(m.num_params())
         self.dense_params = float(m.num_params(include_embedding=False))
@@ -283,7 +291,18 @@ class AnalyticCostModel:
     def _attention_state_bytes(self) -> float:
         """Per token per layer beyond q, k, v and out: flash kernels keep an fp32 log-sum-exp per
         head; the quadratic math fallback is :meth:`attention_quadratic_bytes`."""
-        return 4.0 * self.model.n_heads
+        return 4.0 * self.model.n_heads if self.attention_backend == "flash" else 0.0
+
+    def attention_quadratic_bytes(self, par: Parallelism | Layout) -> float:
+        """Bytes per rank per (document length)^2: zero for flash kernels (flash_varlen, torch_varlen,
+        CPU SDPA with 4-D inputs); the math kernel saves each layer's softmax [h/tp, s, s] in the
+        working dtype (split by cp under Ulysses) and holds fp32 scores and their gradient in the
+        layer being differentiated."""
+        if self.attention_backend == "flash":
+            return 0.0
+        par = Parallelism.of(par)
+        heads = self.model.n_heads / (par.tp * par.cp)
+        return heads * (self.model.n_layers * self.param_bytes + 2 * 4.0)
 
     def memory(self, par: Parallelism | Layout, activation_checkpointing: bool) -> MemoryUse:
         """Home: fp32 weights, AdamW m and v, fp32 gradient store (16 B / parameter / world).
@@ -306,7 +325,8 @@ class AnalyticCostModel:
         """Predicted peak bytes per rank with a micro-batch of ``tokens`` (no reserve: compare with
         the memory estimator, ``hotspa memory``)."""
         mem = self.memory(par, activation_checkpointing)
-        return mem.home + mem.working + mem.activation_per_token * tokens
+        quadratic = self.attention_quadratic_bytes(par) * float(tokens) ** 2  # one document: the worst
+        return mem.home + mem.working + mem.activation_per_token * tokens + quadratic
 
     def capacity(self, par: Parallelism | Layout, activation_checkpointing: bool) -> int:
         """Most tokens one micro-batch may hold (0: the weights alone do not fit)."""
@@ -314,7 +334,8 @@ class AnalyticCostModel:
         free = mem.free_for_activations
         if free <= 0:
             return 0
-        tokens = int(free // mem.activation_per_token)
+        q, b = self.attention_quadratic_bytes(par), mem.activation_per_token
+        tokens = int(free // b) if q == 0 else int((-b + (b * b + 4 * q * free) ** 0.5) / (2 * q))
         q = self.capacity_multiple
         return (tokens // q) * q if tokens >= q else tokens
 
