@@ -138,3 +138,12 @@ def test_memory_model_has_an_activation_term_per_attention_backend() -> None:
     assert 0 < math_.capacity(lay, False) < flash.capacity(lay, False)
     with pytest.raises(ValueError, match="attention_backend must be"):
         AnalyticCostModel("llama7b", "H100", 8, attention_backend="xformers")
+
+
+def test_memory_cli_names_bad_rows(capsys: pytest.CaptureFixture[str]) -> None:
+    from lightning_hotspa.tools.cli import main
+
+    assert main(["memory", "--rows", "llama7b:x"]) == 2
+    assert "'llama7b:x' must look like llama7b:8" in capsys.readouterr().err
+    assert main(["memory", "--rows", "llama99b:8"]) == 2
+    assert "llama99b" in capsys.readouterr().err
