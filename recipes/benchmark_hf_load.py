@@ -53,7 +53,7 @@ def _status_kib(field: str) -> int:
 
 
 def load_on_rank(path: str, layouts: list[str]) -> dict:
-    from lightning_hotspa.engine.switch import build_home_parameters
+    from lightning_hotspa.engine.home import build_home_parameters, region_initializer
     from lightning_hotspa.layout import WorldMesh
     from lightning_hotspa.models import LlamaLM, param_roles
     from lightning_hotspa.placements import build_shardings
@@ -66,7 +66,7 @@ def load_on_rank(path: str, layouts: list[str]) -> dict:
     max_tp = max(x.tp for x in world.layouts)
     roles = param_roles(module, module.tp_plan(max_tp))
     shardings = build_shardings({n: tuple(p.shape) for n, p in module.named_parameters()}, roles, world.shape)
-    home = build_home_parameters(world, shardings, None, init_slice=module.init_parameter_slice)
+    home = build_home_parameters(world, shardings, None, init_shard=region_initializer(module.init_parameter))
     local_bytes = sum(p.to_local().numel() * p.to_local().element_size() for p in home.values())
     return {"rank": world.rank, "peak_rss_mib": _status_kib("VmHWM") / 1024, "rss_before_mib": before["rss"],
             "anon_before_mib": before["anon"], "anon_after_mib": _status_kib("RssAnon") / 1024,

@@ -31,8 +31,13 @@ def train_and_save(hf_dir: str, out: str) -> dict:
         with trainer.init_module(empty_init=True):
             model = LlamaLM.from_pretrained(hf_dir, lr=1e-2)
         slices = []
-        original = model.init_parameter_slice
-        model.init_parameter_slice = lambda *a: slices.append(a[1]) or original(*a)
+        original = model.init_parameter
+
+        def recording_init(name, *, dim=None, start=0, stop=None):  # the region the strategy asks for
+            slices.append(dim)
+            return original(name, dim=dim, start=start, stop=stop)
+
+        model.init_parameter = recording_init
         trainer.fit(model, torch.utils.data.DataLoader(batches, batch_size=None, collate_fn=lambda x: x))
         trainer.save_checkpoint(f"{out}/ckpt")
         model.save_pretrained(f"{out}/live")  # every rank: gathers, rank 0 writes

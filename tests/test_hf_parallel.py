@@ -37,11 +37,11 @@ def _run_one(path: str, ref_loss: float, ref_grads: dict) -> dict:
     shardings = build_shardings({n: tuple(p.shape) for n, p in module.named_parameters()}, roles, world.shape)
     reads = []
 
-    def init_slice(name, dim, start, stop):
+    def init_shard(name, shape, dim, start, stop):
         reads.append((name, dim, start, stop))
-        return module.init_parameter_slice(name, dim, start, stop)
+        return module.init_parameter(name, dim=dim, start=start, stop=stop)
 
-    home = build_home_parameters(world, shardings, None, init_slice=init_slice)
+    home = build_home_parameters(world, shardings, None, init_shard=init_shard)
     parallel = ParallelModel(module, roles, world)
     parallel.restore(home)
     engine = SwitchEngine(world, shardings, home)

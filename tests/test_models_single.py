@@ -267,6 +267,27 @@ def test_sdpa_backend_is_causal_within_documents() -> None:
     torch.testing.assert_close(out, torch.einsum("hts,shd->thd", probs, v_full))
 
 
+def _grad_fn_names(t: Tensor) -> set[str]:
+    seen, todo = set(), [t.grad_fn]
+    while todo:
+        fn = todo.pop()
+        if fn is None or type(fn).__name__ in seen:
+            continue
+        seen.add(type(fn).__name__)
+        todo.extend(f for f, _ in fn.next_functions)
+    return seen
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sdpa_backend_takes_the_memory_bounded_cpu_flash_kernel(dtype: torch.dtype) -> None:
+    """3-D inputs fall back to the math kernel (s x s scores in memory): the backend must not."""
+    q = torch.randn(12, 4, 16, dtype=dtype, requires_grad=True)
+    k, v = (torch.randn(12, 2, 16, dtype=dtype, requires_grad=True) for _ in range(2))
+    out = sdpa_attention(q, k, v, torch.tensor([0, 5, 12]), 7)
+    names = _grad_fn_names(out)
+    assert "ScaledDotProductFlashAttentionForCpuBackward0" in names, sorted(names)
+
+
 # ---------------------------------------------------------------------------------------------
 # Activation checkpointing
 
@@ -310,6 +331,22 @@ def test_seeded_init_is_reproducible_and_per_parameter() -> None:
     wo_std = float(a.layers[0].attention.wo.weight.std())
     assert abs(wo_std - 0.02 / (2 * TINY.n_layers) ** 0.5) < 0.002
     assert abs(float(a.tok_embeddings.weight.std()) - 0.02) < 0.002
+
+
+@pytest.mark.parametrize("name,shape", [("layers.0.feed_forward.w1.weight", (176, 130)),
+                                        ("layers.0.attention.wo.weight", (70, 200)),
+                                        ("norm.weight", (64,)), ("layers.1.x.weight", (3, 5, 70))])
+def test_tiled_init_any_slice_equals_that_slice_of_the_full_parameter(name, shape) -> None:
+    """Each rank generates only its shard: every slice, tile-aligned or not, matches the full value."""
+    full = init_parameter(name, shape, 3, n_layers=2)
+    assert full.shape == shape
+    for dim in range(len(shape)):
+        n = shape[dim]
+        for start, stop in [(0, n), (0, 1), (n // 3, n // 2), (63 % n, min(n, 129)), (n - 1, n), (2, 2)]:
+            part = init_parameter(name, shape, 3, n_layers=2, dim=dim, start=start, stop=stop)
+            assert torch.equal(part, full.narrow(dim, start, stop - start)), (dim, start, stop)
+    with pytest.raises(ValueError, match=r"slice \[0, 999\) out of range"):
+        init_parameter(name, shape, 3, n_layers=2, dim=0, start=0, stop=999)
 
 
 def test_init_weights_materializes_meta_model() -> None:

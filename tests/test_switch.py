@@ -141,7 +141,7 @@ def reduce_grads_into_home(layouts, stage_layouts, via_backward=False):
                 sum((engine.working[n] * (0.25 * grads[n])).sum() for n in used).backward()
                 engine.overlap_next_backward()
                 sum((engine.working[n] * (0.75 * grads[n])).sum() for n in used).backward()
-                launched_early.append(len(engine._overlap.launched))
+                launched_early.append(engine._overlap.launched)
                 report = engine.reduce_gradients()
             else:
                 report = engine.reduce_gradients(grads)

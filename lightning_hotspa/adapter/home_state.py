@@ -3,7 +3,8 @@
 Built once per module at ``setup``: every parameter's tensor-parallel role (from the module's
 ``tp_plan``), its shardings on the world mesh, the home parameters (each initialized in full, from
 the module's weights or, for a module built on the meta device, its ``init_parameter(name)``, and
-cut to this rank's shard), the :class:`ParallelModel` that points the module's layers at them, and
+cut to this rank's shard, or only this rank's region where ``init_parameter`` takes one: tiled
+seeds or a checkpoint slice read from disk), the :class:`ParallelModel` that points the module's layers at them, and
 the :class:`SwitchEngine` that moves them between layouts. The optimizer, checkpoints and
 ``module.parameters()`` see these home parameters outside a step.
 """
@@ -17,7 +18,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from ..engine.switch import SwitchEngine, build_home_parameters
+from ..engine.home import build_home_parameters, region_initializer
+from ..engine.switch import SwitchEngine
 from ..layout import LayoutError, WorldMesh
 from ..parallel.model import ParallelModel
 from ..placements import build_shardings
@@ -48,7 +50,8 @@ def param_roles_of(module: nn.Module, max_tp: int) -> dict[str, str]:
 
 
 def build_home_state(module: nn.Module, world: WorldMesh, *, home_dtype: torch.dtype,
-                     working_dtype: torch.dtype | None, device: torch.device) -> HomeState:
+                     working_dtype: torch.dtype | None, device: torch.device,
+                     grad_accum_dtype: torch.dtype | None = None) -> HomeState:
     """Home parameters, parallel model and switch engine of ``module`` on ``world``."""
     shapes = {n: tuple(p.shape) for n, p in module.named_parameters()}
     roles = param_roles_of(module, max(x.tp for x in world.layouts))
@@ -66,12 +69,14 @@ def build_home_state(module: nn.Module, world: WorldMesh, *, home_dtype: torch.d
         p = params[name].detach()
         return (p.full_tensor() if isinstance(p, DTensor) else p).to("cpu")
 
-    init_slice = getattr(module, "init_parameter_slice", None) if on_meta else None  # read own slices only
-    home = build_home_parameters(world, shardings, full, dtype=home_dtype, device=device, init_slice=init_slice)
+    # a module that can initialize (or read from disk) one region alone: each rank makes only its shard
+    init_shard = region_initializer(init_parameter) if on_meta else None
+    home = build_home_parameters(world, shardings, full, dtype=home_dtype, device=device, init_shard=init_shard)
     parallel = ParallelModel(module, {n: s.role.name for n, s in shardings.items()}, world)
     if parallel.loss_parallel:
         rank_zero_info(f"hotspa: {type(module).__name__}.vocab_parallel_loss is True: under tp its "
                        f"loss_fn gets vocab-sharded logits (a vocab-parallel cross entropy)")
     parallel.restore(home)
     module.to(device)  # buffers; parameters already live there
-    return HomeState(home, parallel, SwitchEngine(world, shardings, home, working_dtype=working_dtype))
+    return HomeState(home, parallel, SwitchEngine(world, shardings, home, working_dtype=working_dtype,
+                                                  grad_accum_dtype=grad_accum_dtype))

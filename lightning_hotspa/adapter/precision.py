@@ -30,12 +30,28 @@ __all__ = ["HotSPaPrecision", "SUPPORTED_PRECISION", "as_hotspa_precision", "cli
 SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "bf16-true", "64-true")
 
 
+GRAD_ACCUMULATION = ("fp32", "bf16")
+
+
 class HotSPaPrecision(Precision):
-    def __init__(self, precision: str = "32-true") -> None:
+    """``grad_accumulation``: how bf16 working gradients are summed across micro-batches: ``"fp32"``
+    (default; an fp32 main grad per working param, +4 bytes each) or ``"bf16"`` (autograd's own
+    bf16 ``.grad``, for memory-tight runs). Pass ``plugins=[HotSPaPrecision("bf16-mixed",
+    grad_accumulation="bf16")]`` to the Trainer."""
+
+    def __init__(self, precision: str = "32-true", grad_accumulation: str = "fp32") -> None:
         if precision not in SUPPORTED_PRECISION:
             raise ValueError(f"HotSPaStrategy supports precision {', '.join(map(repr, SUPPORTED_PRECISION))}; "
                              f"got {precision!r}")
+        if grad_accumulation not in GRAD_ACCUMULATION:
+            raise ValueError(f"grad_accumulation must be one of {GRAD_ACCUMULATION}, got {grad_accumulation!r}")
         self.precision = precision
+        self.grad_accumulation = grad_accumulation
+
+    @property
+    def grad_accum_dtype(self) -> torch.dtype | None:
+        """The engine's accumulation dtype for working gradients (None: autograd's ``.grad``)."""
+        return torch.float32 if self.grad_accumulation == "fp32" else None
 
     @property
     def working_dtype(self) -> torch.dtype:

@@ -266,7 +266,8 @@ class HotSPaStrategy(GuardedCollectives, StrategyCheckpoints, ParallelStrategy):
         if not (self.home and all(p is self.home.get(n) for n, p in module.named_parameters())):
             # a new module (not fit, then validate on the same one: hooks and home state stay)
             state = build_home_state(module, self.world, home_dtype=self.hotspa_precision.home_dtype,
-                                     working_dtype=self.hotspa_precision.working_dtype, device=self.root_device)
+                                     working_dtype=self.hotspa_precision.working_dtype, device=self.root_device,
+                                     grad_accum_dtype=self.hotspa_precision.grad_accum_dtype)
             self.home, self.parallel, self.engine = state.home, state.parallel, state.engine
             self.runner = StepRunner(self.engine, self.parallel, device=self.root_device,
                                      activation_checkpointing=self.activation_checkpointing_for)

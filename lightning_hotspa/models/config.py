@@ -160,6 +160,7 @@ PRESETS: dict[str, LlamaConfig] = {
     "llama30b": _llama(LLAMA2_VOCAB, 6656, 60, 64, 64, 17920),
     # Llama-3-8B's shape (GQA 32/8, RoPE theta 500000) with its 128256-id vocabulary.
     "llama3-8b": _llama(LLAMA3_VOCAB, 4096, 32, 32, 8, 14336, rope_theta=500000.0),
+    "llama3-70b": _llama(LLAMA3_VOCAB, 8192, 80, 64, 8, 28672, rope_theta=500000.0),
     # The HotSPa artifact's models exactly (vocabulary 30592): for comparisons with its numbers.
     "artifact-llama7b": _llama(ARTIFACT_VOCAB, 4096, 32, 32, 32, 11008),
     "artifact-llama13b": _llama(ARTIFACT_VOCAB, 5120, 40, 40, 40, 13824),

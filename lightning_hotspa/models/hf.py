@@ -2,7 +2,7 @@
 
 Loading never builds the model twice: the module is constructed on the meta device and each
 parameter is then read from the checkpoint, either whole (a single process) or, inside the HotSPa
-strategy, as this rank's home slice only (``init_parameter_slice``; the strategy asks for it when
+strategy, as this rank's home slice only (``init_parameter(name, dim=, start=, stop=)``; the strategy asks for it when
 the module was built under ``trainer.init_module(empty_init=True)``).
 """
 

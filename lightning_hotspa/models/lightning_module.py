@@ -142,23 +142,18 @@ class LlamaLM(L.LightningModule):
                  batch_size=max(int(batch.num_target_tokens), 1))
         return loss
 
-    def init_parameter(self, name: str) -> Tensor:
-        """Full fp32 initial value of parameter ``name`` of this module (``model.`` prefix)."""
+    def init_parameter(self, name: str, *, dim: int | None = None, start: int = 0,
+                       stop: int | None = None) -> Tensor:
+        """fp32 initial value of parameter ``name`` of this module (``model.`` prefix), or only its
+        slice ``[start, stop)`` along ``dim`` (a rank's home shard: generated alone, models/init.py)."""
         inner = name.removeprefix("model.")
         if inner == name:
             raise ValueError(f"{type(self).__name__} has no parameter {name!r}")
-        if self.pretrained is not None:
-            return self.pretrained.read(inner)
+        if self.pretrained is not None:  # a Hugging Face checkpoint: only this slice is read from disk
+            return self.pretrained.read(inner, dim, start, stop)
         shape = self.get_parameter(name).shape
-        return init_parameter(inner, shape, self.hparams.seed, n_layers=self.config.n_layers)
-
-    def init_parameter_slice(self, name: str, dim: int | None, start: int, stop: int) -> Tensor:
-        """``[start, stop)`` along ``dim`` of :meth:`init_parameter` (whole for ``dim=None``); a
-        pretrained module reads only that slice from disk."""
-        if self.pretrained is not None and name.startswith("model."):
-            return self.pretrained.read(name.removeprefix("model."), dim, start, stop)
-        full = self.init_parameter(name)
-        return full if dim is None else full.narrow(dim, start, stop - start).clone()
+        return init_parameter(inner, shape, self.hparams.seed, n_layers=self.config.n_layers,
+                              dim=dim, start=start, stop=stop)
 
     def tp_plan(self, tp: int) -> dict[str, TPRole]:
         """The declarative TP plan with names relative to this module."""

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ..host import host_reads
 from ..layout import LayoutError, RankGroup
 from ..plan import MicroBatch
 from .collectives import all_to_all_heads_to_tokens, all_to_all_tokens_to_heads, permute_rows
@@ -78,7 +79,8 @@ def row_order(cu_seqlens: Tensor, cp: int, where: str = "context parallel") -> R
     if hit is not None and hit[0]() is cu_seqlens:
         _CACHE.move_to_end(key)
         return hit[1]
-    order = _build_row_order(cu_seqlens, cp, where)
+    with host_reads():  # metadata: real values even under the memory estimator's FakeTensorMode
+        order = _build_row_order(cu_seqlens, cp, where)
     _CACHE[key] = (weakref.ref(cu_seqlens), order)
     while len(_CACHE) > _CACHE_SIZE:
         _CACHE.popitem(last=False)

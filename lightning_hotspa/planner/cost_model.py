@@ -37,11 +37,13 @@ rows); the cost is padding (``s`` rounded up to ``2*cp``) and communication:
 * pp (simulation of the artifact's (dp, tp, pp) layouts only): each rank runs ``L/pp`` layers, a dp
   group's ``m`` micro-batches take ``sum/pp * (m + pp - 1)/m`` (1F1B bubble).
 
-Memory per rank: home state over the world (fp32 weights, Adam m and v, fp32 gradient store: 16 B per
-parameter / world), bf16 working weights and gradients of the layout (4 B / (tp*pp)), and activations
-per token (flash attention, SwiGLU, bf16) divided by ``tp*cp``: without checkpointing every layer's
-saved tensors, with it only each layer's input plus one layer being recomputed. What is left decides
-the option's token capacity per micro-batch.
+Memory per rank (:meth:`AnalyticCostModel.memory`, checked against the real step by ``hotspa memory``):
+home state over the world (fp32 weights, Adam m and v, fp32 gradient store: 16 B per parameter /
+world), bf16 working weights and their fp32 main-grad accumulators (6 B / (tp*pp) for the tp-split
+parameters, norms in full), and activations per token as the runtime saves them (norms and residual
+stream full on every tp rank: no sequence parallelism; attention per ``attention_backend``; SwiGLU;
+the loss head's fp32 logits) over cp: without checkpointing every layer's saved tensors, with it only
+each layer's input plus one layer being recomputed. What is left decides the option's token capacity.
 """
 
 from __future__ import annotations
@@ -209,11 +211,14 @@ class AnalyticCostModel:
 
     ``grad_bytes``: bytes per gradient element in the stage reduction (fp32: our runtime sums in
     fp32). ``param_bytes``: working weights (bf16). ``capacity_multiple``: capacities are rounded
-    down to it, so tables read cleanly.
+    down to it, so tables read cleanly. ``grad_accum_bytes``: working gradient accumulators (4: fp32
+    main grads, the bf16-mixed default; 2: ``grad_accumulation="bf16"``). ``attention_backend``:
+    ``"flash"`` (linear memory) or ``"math"`` (SDPA's fallback, quadratic in the document length).
     """
 
     def __init__(self, model: LlamaConfig | str, hardware: HardwareProfile | str, world_size: int, *,
-                 grad_bytes: int = 4, param_bytes: int = 2, capacity_multiple: int = 128) -> None:
+                 grad_bytes: int = 4, param_bytes: int = 2, capacity_multiple: int = 128,
+                 grad_accum_bytes: int = 4, attention_backend: str = "flash") -> None:
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise CostModelError(f"world size must be a positive int, got {world_size!r}")
         self.model = resolve_model(model)
@@ -222,6 +227,11 @@ class AnalyticCostModel:
         self.grad_bytes = grad_bytes
         self.param_bytes = param_bytes
         self.capacity_multiple = capacity_multiple
+        self.grad_accum_bytes = grad_accum_bytes  # working gradient accumulators (fp32 main grads: 4)
+        if attention_backend not in ("flash", "math"):
+            raise CostModelError(f"attention_backend must be 'flash' (flash_varlen, torch_varlen, sdpa) or "
+                                 f"'math' (SDPA's quadratic fallback), got {attention_backend!r}")
+        self.attention_backend = attention_backend
         m = self.model
         self.params = float(m.num_params())
         self.dense_params = float(m.num_params(include_embedding=False))
@@ -248,26 +258,78 @@ class AnalyticCostModel:
                                  f"{m.padded_vocab_size}")
         return par
 
-    # ------------------------------------------------------------------ memory
-    def activation_bytes_per_token(self, activation_checkpointing: bool) -> float:
-        """Saved activations of one token through the whole model (one rank, no parallelism)."""
+    # ------------------------------------------------------------------ memory (issue 19)
+    # What our runtime holds per rank, term by term; checked against the real code path under
+    # FakeTensorMode + MemTracker by ``hotspa memory`` (tools/memory.py). TP here has no sequence
+    # parallelism: norms and the residual stream are full on every tp rank (divided by cp only).
+    def _param_split(self, tp: int) -> tuple[float, float]:
+        """(parameters split by tp, parameters every tp rank holds in full) of the model."""
         m = self.model
-        h, f, v = m.hidden, m.ffn_hidden, m.padded_vocab_size
-        # attention: norm in/out, q, k, v, output; FFN: norm in/out, gate, up, silu(gate), product
-        layer = 2.0 * (6 * h + 2 * self.kv_width + 4 * f)
-        head = 2.0 * h + 10.0 * v  # bf16 logits, fp32 logits and their gradient in the loss
-        if activation_checkpointing:
-            return m.n_layers * 2.0 * h + layer + head
-        return m.n_layers * layer + head
+        norms = (2 * m.n_layers + 1) * m.hidden
+        kv = 2 * m.n_layers * m.hidden * self.kv_width
+        full = norms + (kv if m.n_kv_heads % tp else 0)  # kv heads fewer than tp: replicated_partial
+        return self.params - full, full
+
+    def activation_bytes_per_token(self, activation_checkpointing: bool, tp: int = 1, cp: int = 1) -> float:
+        """Bytes one token of a micro-batch adds to the peak of one rank in a tp x cp group: the
+        tensors autograd saves (module docstring of models/llama.py; attention per
+        ``attention_backend``) plus the loss head's transients at the forward/backward turn."""
+        m = self.model
+        h, f, hd, wb = m.hidden, m.ffn_hidden, m.head_dim, self.param_bytes
+        a = self.attn_width
+        kv = a if m.n_heads != m.n_kv_heads else self.kv_width  # GQA: SDPA saves the repeated k, v
+        norm = 4.0 * h + 2.0 * wb * h  # fp32 input copy, normed, weighted output (saved by the linears)
+        replicated = 2 * norm
+        attention = wb * (3 * a + 2 * kv) + self._attention_state_bytes()  # q, k, v, out, wo input
+        sharded = attention + 4.0 * wb * f  # SwiGLU: w1 out, silu, w3 out, product
+        layer = replicated / cp + sharded / (tp * cp)
+        rope = 2.0 * wb * hd / cp  # cos, sin tables shared by the layers
+        v = m.padded_vocab_size / tp
+        # loss head: final norm; logits (working dtype), fp32 logits/softmax and their gradients
+        head = norm / cp + (12.0 if tp == 1 else 10.0) * v / cp
+        if activation_checkpointing:  # each layer's input, plus one layer recomputed
+            return m.n_layers * wb * h / cp + layer + rope + head
+        return m.n_layers * layer + rope + head
+
+    def _attention_state_bytes(self) -> float:
+        """Per token per layer beyond q, k, v and out: flash kernels keep an fp32 log-sum-exp per
+        head; the quadratic math fallback is :meth:`attention_quadratic_bytes`."""
+        return 4.0 * self.model.n_heads if self.attention_backend == "flash" else 0.0
+
+    def attention_quadratic_bytes(self, par: Parallelism | Layout) -> float:
+        """Bytes per rank per (document length)^2: zero for flash kernels (flash_varlen, torch_varlen,
+        CPU SDPA with 4-D inputs); the math kernel saves each layer's softmax [h/tp, s, s] in the
+        working dtype (split by cp under Ulysses) and holds fp32 scores and their gradient in the
+        layer being differentiated."""
+        if self.attention_backend == "flash":
+            return 0.0
+        par = Parallelism.of(par)
+        heads = self.model.n_heads / (par.tp * par.cp)
+        return heads * (self.model.n_layers * self.param_bytes + 2 * 4.0)
 
     def memory(self, par: Parallelism | Layout, activation_checkpointing: bool) -> MemoryUse:
+        """Home: fp32 weights, AdamW m and v, fp32 gradient store (16 B / parameter / world).
+        Working: weights in the working dtype plus their gradient accumulators (``grad_accum_bytes``:
+        fp32 main grads by default, +4 B per working parameter) over the layout's tp (and pp), and
+        the largest gradient in the working dtype before its accumulation hook folds it in."""
         par = Parallelism.of(par)
         hw = self.hardware
         home = self.params * 16.0 / self.world_size
-        working = self.params * 2.0 * self.param_bytes / par.shards
-        act = self.activation_bytes_per_token(activation_checkpointing) / (par.tp * par.cp)
+        split, full = self._param_split(par.tp)
+        per_rank = split / par.shards + full / par.pp
+        largest = self.model.padded_vocab_size * self.model.hidden / par.tp  # the LM head
+        working = per_rank * (self.param_bytes + self.grad_accum_bytes) + \
+            (largest * self.param_bytes if self.grad_accum_bytes != self.param_bytes else 0.0)
+        act = self.activation_bytes_per_token(activation_checkpointing, par.tp, par.cp)
         usable = hw.memory_bytes * hw.memory_usable_fraction - hw.memory_reserved_bytes
         return MemoryUse(home, working, act, usable)
+
+    def peak_bytes(self, par: Parallelism | Layout, activation_checkpointing: bool, tokens: int) -> float:
+        """Predicted peak bytes per rank with a micro-batch of ``tokens`` (no reserve: compare with
+        the memory estimator, ``hotspa memory``)."""
+        mem = self.memory(par, activation_checkpointing)
+        quadratic = self.attention_quadratic_bytes(par) * float(tokens) ** 2  # one document: the worst
+        return mem.home + mem.working + mem.activation_per_token * tokens + quadratic
 
     def capacity(self, par: Parallelism | Layout, activation_checkpointing: bool) -> int:
         """Most tokens one micro-batch may hold (0: the weights alone do not fit)."""
@@ -275,7 +337,8 @@ class AnalyticCostModel:
         free = mem.free_for_activations
         if free <= 0:
             return 0
-        tokens = int(free // mem.activation_per_token)
+        q, b = self.attention_quadratic_bytes(par), mem.activation_per_token
+        tokens = int(free // b) if q == 0 else int((-b + (b * b + 4 * q * free) ** 0.5) / (2 * q))
         q = self.capacity_multiple
         return (tokens // q) * q if tokens >= q else tokens
 

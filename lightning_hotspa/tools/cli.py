@@ -5,6 +5,8 @@
 * ``hotspa simulate``: LLaMA-7B/13B on 8 and 16 GPUs and 30B on 32, contexts 8K-32K, CommonCrawl- and
   GitHub-like data: speed-ups of our plans over the best static layout and the artifact's hand-set rule.
 * ``hotspa calibrate``: measures the ``cpu-gloo`` hardware profile's rates on local gloo ranks.
+* ``hotspa memory``: peak memory per rank of the real training step at 7B-70B scale, under
+  ``FakeTensorMode`` and a fake process group, next to the cost model's prediction (tools/memory.py).
 * ``hotspa check-calibration``: profiled mode end to end on local gloo ranks with the real model:
   fit on early steps' stage timings, report the prediction error on later (held-out) steps, on
   each rank's CPU seconds (default, see :data:`CLOCKS`) and on wall seconds.
@@ -405,6 +407,9 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("checkpoint_dir")
     exp.add_argument("out_dir")
     exp.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"], help="default: as stored")
+    from .memory import add_parser as add_memory_parser
+
+    add_memory_parser(sub)
     return parser
 
 
@@ -421,8 +426,10 @@ def _cmd_export(args: argparse.Namespace) -> dict:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``hotspa`` console script; returns the exit code."""
     args = build_parser().parse_args(argv)
+    from .memory import run as _cmd_memory
+
     commands = {"plan": _cmd_plan, "simulate": _cmd_simulate, "calibrate": _cmd_calibrate,
-                "check-calibration": _cmd_check_calibration, "export": _cmd_export}
+                "check-calibration": _cmd_check_calibration, "export": _cmd_export, "memory": _cmd_memory}
     try:
         result = commands[args.command](args)
     except (CliError, ValueError, KeyError, OSError) as err:

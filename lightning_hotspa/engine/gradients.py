@@ -1,0 +1,378 @@
+"""Gradient side of the switch engine: accumulation across micro-batches and the bucketed reduction.
+
+Accumulation (Megatron's ``main_grad`` idea): with low-precision working params (bf16), autograd would
+sum the micro-batches' gradients in bf16. With ``grad_accum_dtype=torch.float32`` (the default under
+bf16-mixed) a post-accumulate hook adds each fresh ``.grad`` into an fp32 buffer owned by the engine
+and drops the bf16 one, so the sum is fp32 (+4 bytes per working parameter, counted by the memory
+model); ``None`` keeps autograd's own ``.grad`` (bf16 under bf16-mixed: the memory-tight option).
+
+Reduction: working gradients (partial sums over the layout's dp/cp dims, and over tp for
+``replicated_partial`` params) are reduced in fp32 straight into the engine's store in the home
+sharding: a reduce-scatter over the dims home splits, an all-reduce over the dims home replicates.
+Like DDP, buckets follow reverse parameter order and can start during the stage's last backward
+(:meth:`GradientReduction.overlap_next_backward`). Each bucket's fp32 input buffer lives only until
+its collective lands: at most ``max_buckets_in_flight`` are pending at once (a new launch first
+finishes the oldest), and a finished bucket keeps nothing but its slice of the store.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from ..layout import Layout, RankGroup
+from ..placements import ParamSharding
+
+__all__ = ["GradReport", "GradientReduction", "sub_chunk", "reduce_dtype"]
+
+
+@dataclass(frozen=True)
+class GradReport:
+    layout: str
+    bytes_received: int  # reduce-scatter: (g-1)/g of its input; all-reduce: 2(g-1)/g (ring)
+    collectives: int
+    seconds: float
+
+
+def sub_chunk(t: torch.Tensor, sharding: ParamSharding, start: int, stop: int, rank: int) -> torch.Tensor:
+    """This rank's chunk of ``t`` after additionally splitting over mesh dims [start, stop)."""
+    if start == stop or sharding.dim is None:
+        return t
+    dims = range(start, stop)
+    count = math.prod(sharding.mesh.sizes[d] for d in dims)
+    index = sharding.mesh.shard_index(rank, dims)
+    return t.chunk(count, dim=sharding.dim)[index]
+
+
+def reduce_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Gradients are summed in fp32 at least (fp64 stays fp64)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _slots_to_shards(group: RankGroup) -> list[int]:
+    """shard index held by each collective output slot (inverse of ``slot_of_shard``)."""
+    out = [0] * group.size
+    for shard, slot in enumerate(group.slot_of_shard):
+        out[slot] = shard
+    return out
+
+
+@dataclass
+class _GradBucket:
+    """Gradients reduced by one fused collective: a reduce-scatter over ``scatter`` then an
+    all-reduce over ``reduce`` (either may be empty)."""
+
+    scatter: tuple[int, ...]
+    reduce: tuple[int, ...]
+    names: list[str] = field(default_factory=list)
+
+
+@dataclass
+class _ReducePlan:
+    slices: dict[str, tuple[int, int]] = field(default_factory=dict)  # name -> replicated dims to slice
+    buckets: list[_GradBucket] = field(default_factory=list)  # launch order: reverse parameter order
+    bucket_of: dict[str, int] = field(default_factory=dict)
+
+
+class _Pending:
+    """One launched asynchronous collective. It holds its input buffer (an async backend may read
+    it until the collective lands) and drops it in :meth:`result`."""
+
+    def __init__(self, work, unpack: Callable[[], list[torch.Tensor]], inputs: torch.Tensor | None,
+                 buffer: torch.Tensor | None = None) -> None:
+        self.work, self.unpack, self.inputs = work, unpack, inputs
+        self.buffer = inputs if buffer is None else buffer  # what the bucket allocated (for labels)
+
+    def result(self) -> list[torch.Tensor]:
+        if self.work is not None:
+            self.work.wait()
+        self.work = self.inputs = self.buffer = None
+        return self.unpack()
+
+
+@dataclass
+class _Overlap:
+    """Reductions of one stage: hooks of an overlapped backward, buckets launched and in flight."""
+
+    remaining: list[int]  # per bucket: gradients still to be accumulated
+    handles: list = field(default_factory=list)
+    ready: set[str] = field(default_factory=set)
+    launched: int = 0
+    in_flight: list[tuple[_GradBucket, _Pending]] = field(default_factory=list)
+    received: int = 0
+
+
+def _reduce_scatter_start(tensors: list[torch.Tensor], dims: list[int], group: RankGroup,
+                          dtype: torch.dtype) -> _Pending:
+    """Copies (and casts) the tensors straight into one ``[group, n]`` fp32 buffer in slot order."""
+    moved = [t.movedim(d, 0) for t, d in zip(tensors, dims)]
+    widths = [m.numel() // group.size for m in moved]
+    rows = torch.empty(group.size, sum(widths), dtype=dtype, device=tensors[0].device)
+    order = None if group.in_shard_order else _slots_to_shards(group)
+    offset = 0
+    for m, n in zip(moved, widths):
+        src = m.unflatten(0, (group.size, m.shape[0] // group.size))
+        dst = rows[:, offset:offset + n].unflatten(1, src.shape[1:])
+        if order is None:
+            dst.copy_(src)
+        else:
+            for slot, shard in enumerate(order):
+                dst[slot].copy_(src[shard])
+        offset += n
+    out = rows.new_empty(rows.shape[1])
+    work = dist.reduce_scatter_tensor(out, rows.view(-1), group=group.group, async_op=True)
+    shapes = [(m.shape[0] // group.size, *m.shape[1:]) for m in moved]
+
+    def unpack() -> list[torch.Tensor]:
+        results, offset = [], 0
+        for shape, d in zip(shapes, dims):
+            n = math.prod(shape)
+            results.append(out[offset:offset + n].view(shape).movedim(0, d).contiguous())
+            offset += n
+        return results
+
+    return _Pending(work, unpack, rows)
+
+
+def _all_reduce_start(tensors: list[torch.Tensor], group: RankGroup, into: _Overlap,
+                      dtype: torch.dtype) -> _Pending:
+    flat = torch.empty(sum(t.numel() for t in tensors), dtype=dtype, device=tensors[0].device)
+    offset = 0
+    for t in tensors:
+        flat[offset:offset + t.numel()].view(t.shape).copy_(t)
+        offset += t.numel()
+    work = dist.all_reduce(flat, group=group.group, async_op=True)
+    into.received += 2 * (group.size - 1) * flat.numel() * flat.element_size() // group.size
+    shapes = [t.shape for t in tensors]
+
+    def unpack() -> list[torch.Tensor]:
+        results, offset = [], 0
+        for shape in shapes:
+            n = math.prod(shape)
+            results.append(flat[offset:offset + n].view(shape))
+            offset += n
+        return results
+
+    return _Pending(work, unpack, None, flat)  # the output is the buffer: the store keeps it
+
+
+class GradientReduction:
+    """Mixin of :class:`~lightning_hotspa.engine.switch.SwitchEngine`: its gradient methods.
+
+    Reads ``world``, ``shardings``, ``home``, ``working``, ``active`` and ``bucket_bytes`` of the engine.
+    """
+
+    grad_accum_dtype: torch.dtype | None
+    max_buckets_in_flight: int
+    _label: Callable[[str, torch.Tensor], None]
+
+    def _init_gradients(self, grad_accum_dtype: torch.dtype | None, max_buckets_in_flight: int) -> None:
+        if max_buckets_in_flight < 1:
+            raise ValueError(f"max_buckets_in_flight must be >= 1, got {max_buckets_in_flight!r}")
+        self.grad_accum_dtype = grad_accum_dtype
+        self.max_buckets_in_flight = max_buckets_in_flight
+        self.grad_store: dict[str, torch.Tensor] = {}
+        self.main_grads: dict[str, torch.Tensor] = {}  # fp32 accumulators (grad_accum_dtype set)
+        self._accum_hooks: dict[str, object] = {}
+        self._reduce_plans: dict[str, _ReducePlan] = {}
+        self._overlap: _Overlap | None = None
+
+    # ---------------------------------------------------------------- accumulation
+    def _accumulates(self, p: torch.Tensor) -> bool:
+        """True if ``p``'s gradients are summed in the engine's own (wider) buffer."""
+        acc = self.grad_accum_dtype
+        return acc is not None and p.dtype != acc and acc.itemsize > p.dtype.itemsize
+
+    def _track_accumulation(self, old: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor],
+                            keep_grads: bool) -> None:
+        """Re-points the accumulation hooks after a switch from ``old`` to ``new`` working params."""
+        for name, p in new.items():
+            if old.get(name) is p:
+                if not keep_grads:
+                    self.main_grads.pop(name, None)
+                continue
+            handle = self._accum_hooks.pop(name, None)
+            if handle is not None:
+                handle.remove()
+            self.main_grads.pop(name, None)
+            if self._accumulates(p) and p.requires_grad:
+                self._accum_hooks[name] = p.register_post_accumulate_grad_hook(
+                    lambda q, name=name: self._accumulate(name, q))
+
+    def _accumulate(self, name: str, p: torch.Tensor) -> None:
+        g = p.grad
+        if g is None:
+            return
+        acc = self.main_grads.get(name)
+        if acc is None:
+            self.main_grads[name] = g.detach().to(self.grad_accum_dtype)
+            self._label("grads", self.main_grads[name])
+        else:
+            acc.add_(g.detach())
+        p.grad = None
+
+    def _drop_accumulation(self) -> None:
+        for handle in self._accum_hooks.values():
+            handle.remove()
+        self._accum_hooks, self.main_grads = {}, {}
+
+    def working_grad(self, name: str) -> torch.Tensor | None:
+        """The accumulated gradient of working param ``name`` (fp32 main grad or ``.grad``)."""
+        return self.main_grads[name] if name in self.main_grads else self.working[name].grad
+
+    # ---------------------------------------------------------------- reduction
+    def _reduce_plan(self, layout: Layout) -> _ReducePlan:
+        """Buckets of at most ``bucket_bytes`` (fp32) per (scatter, reduce) kind, filled in reverse
+        parameter order, which is roughly the order backward produces gradients in (as DDP)."""
+        if layout.name not in self._reduce_plans:
+            plan = _ReducePlan()
+            open_: dict[tuple[tuple[int, ...], tuple[int, ...]], tuple[_GradBucket, int]] = {}
+            for name in reversed(list(self.shardings)):
+                sharding = self.shardings[name]
+                states, home = sharding.grad_states(layout), sharding.home_prefix
+                rep = [d for d in range(home) if states[d] == "replicate"]
+                key = (tuple(d for d in range(home) if states[d] == "partial"),
+                       tuple(d for d in range(home, len(states)) if states[d] == "partial"))
+                if rep:
+                    plan.slices[name] = (rep[0], rep[-1] + 1)
+                w = self.working[name]
+                nbytes = sub_chunk(w.detach(), sharding, *plan.slices.get(name, (0, 0)), self.world.rank).numel() \
+                    * reduce_dtype(w.dtype).itemsize
+                bucket, size = open_.get(key, (None, 0))
+                if bucket is None or size + nbytes > self.bucket_bytes:
+                    bucket, size = _GradBucket(*key), 0
+                    plan.buckets.append(bucket)
+                bucket.names.append(name)
+                open_[key] = (bucket, size + nbytes)
+            plan.bucket_of = {n: i for i, b in enumerate(plan.buckets) for n in b.names}
+            self._reduce_plans[layout.name] = plan
+        return self._reduce_plans[layout.name]
+
+    def overlap_next_backward(self) -> None:
+        """Reduces each gradient bucket as soon as the coming backward has accumulated all of it.
+
+        Call right before the LAST backward of a stage (earlier ones would reduce partial sums),
+        then :meth:`reduce_gradients` at the stage end launches what is left and waits. Buckets are
+        launched strictly in plan order, so every rank issues the same collectives in the same order.
+        """
+        if self.active is None:
+            raise RuntimeError("no active layout to reduce gradients from")
+        if self._overlap is not None:
+            raise RuntimeError("overlap_next_backward() called twice in one stage")
+        plan = self._reduce_plan(self.active)
+        overlap = _Overlap([len(b.names) for b in plan.buckets])
+        for name, w in self.working.items():
+            if w.requires_grad:  # registered after the accumulation hook, so it runs after it
+                overlap.handles.append(w.register_post_accumulate_grad_hook(
+                    lambda _, name=name: self._grad_ready(name)))
+        self._overlap = overlap
+
+    def _grad_ready(self, name: str) -> None:
+        overlap, plan = self._overlap, self._reduce_plan(self.active)
+        if name in overlap.ready:
+            if plan.bucket_of[name] < overlap.launched:
+                raise RuntimeError(f"the gradient of {name!r} was accumulated again after its bucket was "
+                                   f"reduced; call overlap_next_backward() only before a stage's last backward")
+            return
+        overlap.ready.add(name)
+        overlap.remaining[plan.bucket_of[name]] -= 1
+        while overlap.launched < len(plan.buckets) and overlap.remaining[overlap.launched] == 0:
+            self._launch(plan, plan.buckets[overlap.launched], None, overlap)
+
+    def _launch(self, plan: _ReducePlan, bucket: _GradBucket, grads: Mapping[str, torch.Tensor] | None,
+                into: _Overlap) -> None:
+        """Starts the first collective of ``bucket`` (reduce-scatter, else all-reduce), first landing
+        the oldest pending bucket if ``max_buckets_in_flight`` are already out."""
+        while len(into.in_flight) >= self.max_buckets_in_flight:
+            self._land(*into.in_flight.pop(0), into)
+        rank = self.world.rank
+        local, dtype = [], None
+        for name in bucket.names:
+            w = self.working[name]
+            g = grads[name] if grads is not None else self.working_grad(name)
+            dtype = reduce_dtype(w.dtype)
+            g = torch.zeros(w.shape, dtype=dtype, device=w.device) if g is None else g.detach()
+            if name in plan.slices:
+                g = sub_chunk(g, self.shardings[name], *plan.slices[name], rank)
+            local.append(g)
+        if bucket.scatter:
+            group = self.world.group(bucket.scatter)
+            pending = _reduce_scatter_start(local, [self.shardings[n].dim for n in bucket.names], group, dtype)
+            into.received += sum(t.numel() for t in local) * dtype.itemsize * (group.size - 1) // group.size
+        elif bucket.reduce:
+            pending = _all_reduce_start(local, self.world.group(bucket.reduce), into, dtype)
+        else:  # nothing to sum: keep a copy (the working grad may change or be freed)
+            copies = [t.to(dtype, copy=True) for t in local]
+            pending = _Pending(None, lambda copies=copies: copies, None)
+        if pending.buffer is not None:
+            self._label("temporaries", pending.buffer)
+        for name in bucket.names:  # copied into the bucket: the engine's accumulator is done
+            self.main_grads.pop(name, None)
+        into.launched += 1
+        into.in_flight.append((bucket, pending))
+
+    def _land(self, bucket: _GradBucket, pending: _Pending, into: _Overlap) -> None:
+        """Waits for ``bucket``'s collective (and runs its all-reduce phase) and stores the result."""
+        tensors = pending.result()
+        if bucket.scatter and bucket.reduce:
+            tensors = _all_reduce_start(tensors, self.world.group(bucket.reduce), into, tensors[0].dtype).result()
+        self._store(bucket.names, tensors)
+
+    def reduce_gradients(self, grads: Mapping[str, torch.Tensor] | None = None) -> GradReport:
+        """Sums the active layout's working gradients (fp32) into the home-sharded store.
+
+        ``grads`` defaults to the working params' accumulated gradients (:meth:`working_grad`); a
+        param without one contributes zeros (every rank still joins every collective). After
+        :meth:`overlap_next_backward` this launches the buckets not started yet and waits for all.
+        """
+        if self.active is None:
+            raise RuntimeError("no active layout to reduce gradients from")
+        start = time.perf_counter()
+        layout = self.active
+        plan = self._reduce_plan(layout)
+        overlap, self._overlap = self._overlap, None
+        if overlap is None:
+            overlap = _Overlap([])
+        else:
+            for handle in overlap.handles:
+                handle.remove()
+            if grads is not None:
+                raise RuntimeError("reduce_gradients(grads) after overlap_next_backward(): the hooks read .grad")
+        for bucket in plan.buckets[overlap.launched:]:
+            self._launch(plan, bucket, grads, overlap)
+        while overlap.in_flight:
+            self._land(*overlap.in_flight.pop(0), overlap)
+        collectives = sum(bool(b.scatter) + bool(b.reduce) for b in plan.buckets)
+        return GradReport(layout.name, overlap.received, collectives, time.perf_counter() - start)
+
+    def _store(self, names: list[str], tensors: list[torch.Tensor]) -> None:
+        for name, t in zip(names, tensors):
+            if name in self.grad_store:
+                self.grad_store[name].add_(t)
+            else:
+                self.grad_store[name] = t
+                self._label("grads", t)
+
+    def assign_home_grads(self) -> None:
+        """Hands the store to the home params' ``.grad`` (as DTensors where the params are)."""
+        for name, p in self.home.items():
+            g = self.grad_store.get(name)
+            if g is None:
+                local = p.to_local() if isinstance(p, DTensor) else p
+                g = torch.zeros_like(local, dtype=reduce_dtype(p.dtype))
+            if isinstance(p, DTensor):
+                g = DTensor.from_local(g.to(p.dtype), p.device_mesh, p.placements, run_check=False,
+                                       shape=p.shape, stride=p.stride())
+            else:
+                g = g.to(p.dtype)
+            self._label("grads", g)
+            p.grad = g
+
+    def clear_grad_store(self) -> None:
+        self.grad_store = {}

@@ -1,0 +1,117 @@
+"""Any world size in one process, with no memory behind the tensors: torch's fake process group
+(``FakeStore``, backend ``"fake"``: collectives are no-ops) plus ``FakeTensorMode``, and torch's
+``MemTracker`` to account the bytes each rank would hold, by category.
+
+The ONE module of the package that imports torch's private testing / tools APIs (they move between
+releases; checked on torch 2.11-2.13). torchtitan's memory estimator works the same way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["CATEGORIES", "FakeWorld", "fake_mode", "host_reads_real", "MemoryTracker"]
+
+#: categories reported, in order (MemTracker's reference types folded into the issue's five)
+CATEGORIES = ("params", "grads", "optimizer", "activations", "temporaries")
+
+
+class FakeWorld:
+    """Context: a fake process group of ``world_size`` ranks in which this process is ``rank``."""
+
+    def __init__(self, world_size: int, rank: int = 0) -> None:
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"fake world needs 0 <= rank < world_size, got rank {rank} of {world_size}")
+        self.world_size, self.rank = world_size, rank
+
+    def __enter__(self) -> FakeWorld:
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        if dist.is_initialized():
+            raise RuntimeError("a process group is already initialized; the fake world needs its own")
+        dist.init_process_group("fake", store=FakeStore(), rank=self.rank, world_size=self.world_size)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        dist.destroy_process_group()
+
+
+def fake_mode():
+    """A ``FakeTensorMode`` that accepts real inputs (plan metadata is built outside it)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+@contextlib.contextmanager
+def host_reads_real() -> Iterator[None]:
+    """For :func:`lightning_hotspa.host.set_host_reads`: host reads of metadata run outside the fake
+    mode (on the real tensors the estimator built)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily():
+        yield
+
+
+class MemoryTracker:
+    """``MemTracker`` with the engine's own buffers labelled (:meth:`label`), peak bytes by category."""
+
+    def __init__(self) -> None:
+        from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+
+        self.tracker = MemTracker()
+        self.tracker._update_peak_stats = self._update_peak  # per-op: the global peak only (module-wise
+        # snapshots cost O(modules) deep copies per op: minutes for a 70B model, and are not reported)
+        self._types = {"params": _MemRefType.PARAM, "grads": _MemRefType.GRAD, "optimizer": _MemRefType.OPT,
+                       "activations": _MemRefType.ACT, "temporaries": _MemRefType.TEMP}
+        self._fold = {_MemRefType.PARAM: "params", _MemRefType.BUFFER: "params", _MemRefType.GRAD: "grads",
+                      _MemRefType.OPT: "optimizer", _MemRefType.ACT: "activations",
+                      _MemRefType.TEMP: "temporaries", _MemRefType.OTH: "temporaries"}
+
+    def _update_peak(self, peak_state: object) -> None:
+        t = self.tracker
+        for dev, snap in t._curr_mem_snap.items():
+            if t._peak_mem.get(dev, 0) < snap["Total"]:
+                t._peak_mem[dev] = snap["Total"]
+                t._peak_mem_snap[dev] = dict(snap)
+
+    def __enter__(self) -> MemoryTracker:
+        self.tracker.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.tracker.__exit__(*exc)
+
+    def label(self, category: str, tensor: torch.Tensor) -> None:
+        """Files ``tensor``'s storage under ``category`` (one of :data:`CATEGORIES`)."""
+        if isinstance(tensor, torch.distributed.tensor.DTensor):
+            tensor = tensor.to_local()
+        self.tracker._update_and_maybe_create_winfos(tensor, self._types[category])
+
+    def track(self, *objects: object) -> None:
+        self.tracker.track_external(*objects)
+
+    def _folded(self, kind: str) -> dict[str, int]:
+        out = dict.fromkeys(CATEGORIES, 0)
+        for snap in self.tracker.get_tracker_snapshot(kind).values():
+            for key, nbytes in snap.items():
+                if key in self._fold:
+                    out[self._fold[key]] += int(nbytes)
+        return out
+
+    def current(self) -> dict[str, int]:
+        return self._folded("current")
+
+    def peak(self) -> dict[str, int]:
+        """Bytes by category at the moment of the peak total (one device: the fake CPU)."""
+        return self._folded("peak")
+
+    def reset_peak(self) -> None:
+        """Starts a new peak window from the current bytes (e.g. to measure one phase alone)."""
+        t = self.tracker
+        t._peak_mem_snap = t.get_tracker_snapshot("current")
+        t._peak_mem = {dev: snap.get("Total", 0) for dev, snap in t._peak_mem_snap.items()}

@@ -1,0 +1,252 @@
+"""``hotspa memory``: peak memory per rank of the REAL training step at any scale, without GPUs.
+
+For each (model, world size, layout) one process joins a fake process group of that world size as
+rank 0 (:mod:`lightning_hotspa.testing.fake_world`) and, under ``FakeTensorMode`` (no bytes behind the
+tensors), runs the code path of a training step: home state (fp32, sharded over the world, AdamW
+state already created), switch engine and model, a switch from home into the layout, one forward and
+backward of a full-capacity micro-batch (the cost model's capacity, one document), the gradient
+reduction, and the optimizer step. torch's ``MemTracker`` accounts every storage, and the engine files
+its own buffers (working params, fp32 main grads, bucket buffers, the gradient store) under the right
+category. The measured peak stands next to the cost model's predicted peak (:meth:`peak_bytes`).
+
+What the tracker cannot see (allocator fragmentation, the CUDA context, NCCL buffers) is the
+hardware profile's reserve (a fixed GiB plus a usable fraction); ``fits`` uses it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from ..layout import Layout
+from ..models.config import LlamaConfig
+from ..planner.cost_model import AnalyticCostModel, CostModelError
+
+__all__ = ["ROWS", "QUICK_ROWS", "add_parser", "candidate_layouts", "estimate_layout", "estimate_rows", "run"]
+
+GiB = 2**30
+
+#: (model, world size) of the full table; the Llama-3 shapes are presets ``llama3-8b`` / ``llama3-70b``
+ROWS = (("llama7b", 8), ("llama7b", 16), ("llama13b", 8), ("llama13b", 16), ("llama30b", 32),
+        ("llama3-8b", 8), ("llama3-70b", 64))
+#: ``--quick``: one 7B and one 70B row, a few layouts each (under 5 minutes on the 2-core box)
+QUICK_ROWS = (("llama7b", 8, ("dp8", "dp4xtp2", "dp2xtp2xcp2")), ("llama3-70b", 64, ("dp8xtp8", "dp4xtp8xcp2")))
+
+
+def candidate_layouts(cm: AnalyticCostModel) -> list[Layout]:
+    """Every layout the cost model can price (tp within a node), feasible or not."""
+    world = cm.world_size
+    out = []
+    for tp in (d for d in range(1, world + 1) if world % d == 0 and d <= cm.hardware.devices_per_node):
+        for cp in (d for d in range(1, world // tp + 1) if (world // tp) % d == 0):
+            lay = Layout(dp=world // (tp * cp), tp=tp, cp=cp)
+            try:
+                cm.check(lay)
+            except CostModelError:
+                continue
+            out.append(lay)
+    return out
+
+
+class _Wrapped(torch.nn.Module):
+    """The Llama decoder with its loss as ``loss_fn`` (the vocab-parallel loss contract)."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        from ..models import Llama, token_mean_cross_entropy
+
+        super().__init__()
+        self.model = Llama(config)
+        self.loss_fn = token_mean_cross_entropy
+
+    def forward(self, mb: Any) -> torch.Tensor:
+        return self.loss_fn(self.model(mb.input_ids, mb.position_ids, mb.cu_seqlens, mb.max_seqlen), mb.labels)
+
+
+def _micro_batch(layout: Layout, world: Any, tokens: int) -> Any:
+    """This rank's slice of a plan with one document of ``tokens`` per dp group (real tensors)."""
+    from ..plan import Stage, StepPlan, slice_plan
+
+    docs = [torch.zeros(tokens, dtype=torch.int64) for _ in range(layout.dp)]
+    plan = StepPlan(0, tuple([tokens] * layout.dp), (Stage(layout, tuple(((i,),) for i in range(layout.dp))),))
+    return slice_plan(plan, docs, world.shape, 0).stages[0].micro_batches[0]
+
+
+def estimate_layout(config: LlamaConfig, world_size: int, layout: Layout | str, tokens: int, *,
+                    activation_checkpointing: bool = False, working_dtype: torch.dtype = torch.bfloat16,
+                    grad_accum_dtype: torch.dtype | None = torch.float32,
+                    bucket_bytes: int = 4 * 2**20, max_buckets_in_flight: int = 2,
+                    overlap: bool = True) -> dict[str, Any]:
+    """Peak bytes of rank 0 by category for one training step in ``layout``; also the peak of the
+    gradient-reduction phase alone (``reduce_peak``, ``reduce_start``: bytes when it began).
+    ``overlap``: reduce buckets during the backward (the strategy's way) or all after it."""
+    from ..engine.home import build_home_parameters
+    from ..engine.switch import SwitchEngine
+    from ..host import set_host_reads
+    from ..layout import WorldMesh
+    from ..models import llama_tp_plan, param_roles
+    from ..parallel.model import ParallelModel
+    from ..placements import build_shardings
+    from ..testing.fake_world import FakeWorld, MemoryTracker, fake_mode, host_reads_real
+
+    layout = Layout.parse(layout)
+    start = time.perf_counter()
+    with FakeWorld(world_size):
+        world = WorldMesh([layout])  # outside the fake mode: mesh creation reads real tensors
+        mb = _micro_batch(layout, world, tokens)
+        with torch.device("meta"):
+            module = _Wrapped(config)
+        roles = param_roles(module, llama_tp_plan(config, layout.tp, prefix="model.")) if layout.tp > 1 \
+            else {n: "replicated" for n, _ in module.named_parameters()}
+        shapes = {n: tuple(p.shape) for n, p in module.named_parameters()}
+        shardings = build_shardings(shapes, roles, world.shape)
+        previous = set_host_reads(host_reads_real)
+        try:
+            with fake_mode():
+                module.to_empty(device="cpu")
+                home = build_home_parameters(world, shardings, None, init_shard=_empty_shard)
+                parallel = ParallelModel(module, roles, world)
+                parallel.restore(home)
+                optimizer = torch.optim.AdamW(list(home.values()), lr=1e-4, foreach=False)
+                for p in home.values():  # AdamW state exists from step 1 on: create it untracked
+                    p.grad = torch.zeros_like(p)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                engine = SwitchEngine(world, shardings, home, working_dtype=working_dtype,
+                                      bucket_bytes=bucket_bytes, grad_accum_dtype=grad_accum_dtype,
+                                      max_buckets_in_flight=max_buckets_in_flight)
+                with MemoryTracker() as mem:
+                    for p in home.values():
+                        mem.label("params", p)
+                    mem.track(optimizer)
+                    engine.on_buffer = mem.label
+                    engine.materialize(layout)
+                    _as_if_mid_step(engine, home)
+                    parallel.activate(layout, engine.working, activation_checkpointing)
+                    with parallel.micro_batch(mb):
+                        loss = module(mb)
+                    if overlap:  # as the strategy does before a stage's last backward
+                        engine.overlap_next_backward()
+                    loss.backward()
+                    del loss
+                    reduce_start = mem.current()
+                    peak_before = mem.peak()
+                    mem.reset_peak()
+                    engine.reduce_gradients()
+                    reduce_peak = mem.peak()
+                    parallel.restore(home)
+                    engine.release()
+                    engine.assign_home_grads()
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
+                    engine.clear_grad_store()
+                    after = mem.peak()
+                    peak = max((peak_before, reduce_peak, after), key=lambda d: sum(d.values()))
+        finally:
+            set_host_reads(previous)
+    return {"peak": peak, "peak_bytes": sum(peak.values()), "reduce_peak": reduce_peak,
+            "reduce_start": reduce_start, "seconds": time.perf_counter() - start}
+
+
+def _as_if_mid_step(engine: Any, home: dict[str, torch.Tensor]) -> None:
+    """The steady state of a stage's last micro-batch in a multi-stage step: an earlier stage filled
+    the gradient store, an earlier micro-batch the working gradients (fp32 main grads, or ``.grad``
+    when accumulating in the working dtype)."""
+    for name, p in home.items():
+        local = p.to_local()
+        engine.grad_store[name] = torch.zeros_like(local, dtype=torch.float32)
+        engine._label("grads", engine.grad_store[name])
+    for name, w in engine.working.items():
+        if engine._accumulates(w):
+            engine.main_grads[name] = torch.zeros_like(w, dtype=engine.grad_accum_dtype)
+            engine._label("grads", engine.main_grads[name])
+        else:
+            w.grad = torch.zeros_like(w)
+            engine._label("grads", w.grad)
+
+
+def _empty_shard(name: str, shape: tuple[int, ...], dim: int | None, start: int, stop: int) -> torch.Tensor:
+    local = list(shape)
+    if dim is not None:
+        local[dim] = stop - start
+    return torch.empty(local)
+
+
+def estimate_rows(rows: Sequence[tuple], hardware: str = "H100", *, log: Any = print) -> dict[str, Any]:
+    """The table: each (model, world[, layouts]) row's layouts, measured vs predicted peak.
+
+    A layout's micro-batch is its capacity with the cheaper checkpointing option that holds any tokens
+    (no checkpointing first); a layout with no capacity at all runs ``2*cp*64`` tokens with
+    checkpointing, to show how far its weights alone are from fitting.
+    """
+    from ..planner.cost_model import resolve_model
+
+    out, worst = [], 0.0
+    for row in rows:
+        model, world = row[0], row[1]
+        config = resolve_model(model)
+        cm = AnalyticCostModel(config, hardware, world)
+        layouts = [Layout.parse(x) for x in row[2]] if len(row) > 2 else candidate_layouts(cm)
+        for lay in layouts:
+            ac = cm.capacity(lay, False) < 2 * lay.cp
+            cap = cm.capacity(lay, ac)
+            feasible = cap >= 2 * lay.cp
+            tokens = cap - cap % (2 * lay.cp) if feasible else 2 * lay.cp * 64
+            measured = estimate_layout(config, world, lay, tokens, activation_checkpointing=ac)
+            predicted = cm.peak_bytes(lay, ac, tokens)
+            limit = cm.memory(lay, ac).usable
+            entry = {"model": model, "world": world, "layout": lay.name, "activation_checkpointing": ac,
+                     "tokens": tokens, "planner_feasible": feasible,
+                     "measured_peak_gib": round(measured["peak_bytes"] / GiB, 3),
+                     "predicted_peak_gib": round(predicted / GiB, 3),
+                     "usable_gib": round(limit / GiB, 3),
+                     "fits": bool(measured["peak_bytes"] <= limit),
+                     "measured_gib": {k: round(v / GiB, 3) for k, v in measured["peak"].items()},
+                     "seconds": round(measured["seconds"], 1)}
+            worst = max(worst, abs(measured["peak_bytes"] / predicted - 1))
+            out.append(entry)
+            log(f"{model:>11} w{world:<3} {lay.name:<14} ac={int(ac)} tokens={tokens:>6} "
+                f"measured {entry['measured_peak_gib']:8.2f} GiB predicted {entry['predicted_peak_gib']:8.2f} "
+                f"usable {entry['usable_gib']:6.1f} fits={entry['fits']!s:<5} planner={feasible!s:<5} "
+                f"{entry['measured_gib']} ({entry['seconds']} s)")
+    return {"hardware": hardware, "rows": out, "max_rel_error": round(worst, 4), "reserve": _reserve(hardware)}
+
+
+def _reserve(hardware: str) -> dict[str, float]:
+    from ..planner.hardware import get_profile
+
+    hw = get_profile(hardware)
+    return {"memory_gib": hw.memory_bytes / GiB, "usable_fraction": hw.memory_usable_fraction,
+            "reserved_gib": hw.memory_reserved_bytes / GiB}
+
+
+def add_parser(sub: Any) -> argparse.ArgumentParser:
+    """The ``hotspa memory`` subcommand (``sub``: the CLI's subparsers)."""
+    mem = sub.add_parser("memory", help="peak memory per rank of the real step under FakeTensorMode, "
+                         "measured next to the cost model's prediction")
+    mem.add_argument("--quick", action="store_true", help="one 7B and one 70B row, a few layouts each")
+    mem.add_argument("--hardware", default="H100", help="hardware profile: memory, reserve, capacity")
+    mem.add_argument("--rows", default=None, help="e.g. llama7b:8,llama3-70b:64 (default: the full table)")
+    mem.add_argument("--layouts", default=None, help="comma list applied to every row (default: all)")
+    mem.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    return mem
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    rows: list[tuple] = list(QUICK_ROWS if args.quick else ROWS)
+    if args.rows:
+        rows = []
+        for item in args.rows.split(","):
+            model, _, world = item.partition(":")
+            if not world.isdigit() or int(world) < 1:
+                raise ValueError(f"--rows entry {item!r} must look like llama7b:8")
+            rows.append((model, int(world)))
+    if args.layouts:
+        rows = [(r[0], r[1], tuple(args.layouts.split(","))) for r in rows]
+    start = time.perf_counter()
+    result = estimate_rows(rows, args.hardware)
+    result["seconds"] = round(time.perf_counter() - start, 1)
+    return result

@@ -1,0 +1,149 @@
+"""The memory estimator (FakeTensorMode + fake process group + MemTracker) on tiny models, and the
+engine's memory fixes it checks: buckets freed when their reduction lands, fp32 gradient accumulation,
+shard-only initialization."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_hotspa.engine.home import build_home_parameters
+from lightning_hotspa.engine.switch import SwitchEngine
+from lightning_hotspa.layout import Layout, WorldMesh
+from lightning_hotspa.models import Llama, LlamaConfig, init_parameter, llama_tp_plan, param_roles
+from lightning_hotspa.placements import build_shardings
+from lightning_hotspa.planner.cost_model import AnalyticCostModel
+from lightning_hotspa.testing.fake_world import CATEGORIES, FakeWorld
+from lightning_hotspa.tools.memory import estimate_layout
+
+TINY = LlamaConfig.preset("tiny")
+# wider than "tiny" so weights, not the fixed terms, dominate: 4 layers, MHA and GQA
+SMALLISH = LlamaConfig(vocab_size=1000, hidden=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_hidden=704,
+                       vocab_multiple=64)
+
+
+@pytest.mark.parametrize("layout", ["dp4", "dp2xtp2", "tp2xcp2"])
+def test_estimator_measures_every_category_and_agrees_with_the_cost_model(layout: str) -> None:
+    tokens = 512
+    got = estimate_layout(SMALLISH, 4, layout, tokens)
+    assert set(got["peak"]) == set(CATEGORIES)
+    for category in ("params", "grads", "optimizer", "activations"):
+        assert got["peak"][category] > 0, (category, got["peak"])
+    predicted = AnalyticCostModel(SMALLISH, "H100", 4).peak_bytes(Layout.parse(layout), False, tokens)
+    assert abs(got["peak_bytes"] / predicted - 1) < 0.10, (got["peak"], predicted)
+
+
+@pytest.mark.parametrize("in_flight", [1, 2])
+def test_gradient_buckets_do_not_outlive_their_reduction(in_flight: int) -> None:
+    """Reducing after the backward (no overlap): the reduce phase may add at most the buckets in
+    flight (fp32 input + output), never the whole layout's fp32 gradients."""
+    bucket = 64 * 2**10
+    got = estimate_layout(SMALLISH, 4, "dp4", 128, bucket_bytes=bucket, max_buckets_in_flight=in_flight,
+                          overlap=False)
+    added = sum(got["reduce_peak"].values()) - sum(got["reduce_start"].values())
+    largest = SMALLISH.padded_vocab_size * SMALLISH.hidden * 4  # a tensor larger than a bucket goes alone
+    fp32_grads = SMALLISH.num_params() * 4
+    bound = (in_flight + 1) * max(bucket, largest) * 1.25
+    assert bound < fp32_grads / 2  # the check can tell a bounded reduction from an unbounded one
+    assert added <= bound, (added, bound, fp32_grads)
+
+
+def _tiny_engine(world: WorldMesh, grad_accum_dtype):
+    with torch.device("meta"):
+        model = Llama(TINY)
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    roles = {n: "replicated" for n in shapes}
+    shardings = build_shardings(shapes, roles, world.shape)
+    home = build_home_parameters(world, shardings, lambda n, s: init_parameter(n, s, 0, n_layers=2))
+    return SwitchEngine(world, shardings, home, working_dtype=torch.bfloat16, grad_accum_dtype=grad_accum_dtype)
+
+
+def test_bf16_working_gradients_accumulate_in_fp32_by_choice() -> None:
+    """Small micro-batch gradients on top of a large one: lost in bf16 (1 + 1e-3 == 1), kept in fp32."""
+    with FakeWorld(1):
+        world = WorldMesh(["dp1"])
+        sums = {}
+        for accum in (torch.float32, None):
+            engine = _tiny_engine(world, accum)
+            engine.materialize("dp1")
+            w = engine.working["norm.weight"]
+            for scale in [1.0] + [1e-3] * 16:
+                (w.float().sum() * scale).backward()
+            got = engine.working_grad("norm.weight")
+            sums[accum] = (got.dtype, float(got.float().mean()), w.grad is None)
+            engine.release()
+    assert sums[torch.float32][0] == torch.float32 and sums[torch.float32][2]  # main grad, no .grad kept
+    assert abs(sums[torch.float32][1] - 1.016) < 1e-4
+    assert sums[None][0] == torch.bfloat16 and sums[None][1] == 1.0  # the memory-tight option's loss
+
+
+@pytest.mark.parametrize("rank", [0, 5])
+def test_each_rank_initializes_only_its_shard_and_it_equals_the_full_model(rank: int) -> None:
+    with FakeWorld(8, rank):
+        world = WorldMesh(["dp2xtp4", "dp8"])
+        with torch.device("meta"):
+            model = Llama(TINY)
+        shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+        roles = param_roles(model, llama_tp_plan(TINY, 4))
+        shardings = build_shardings(shapes, roles, world.shape)
+        asked = []
+
+        def shard(name, shape, dim, start, stop):
+            asked.append((dim, start, stop))
+            return init_parameter(name, shape, 3, n_layers=2, dim=dim, start=start, stop=stop)
+
+        home = build_home_parameters(world, shardings, None, init_shard=shard)
+        reference = build_home_parameters(world, shardings, lambda n, s: init_parameter(n, s, 3, n_layers=2))
+    assert any(dim is not None and stop - start < shapes[n][dim] for (dim, start, stop), n in zip(asked, shapes))
+    for name in shapes:
+        assert torch.equal(home[name].to_local(), reference[name].to_local()), name
+
+
+def test_a_switch_holds_both_copies_of_at_most_one_bucket() -> None:
+    """dp2xtp2 -> dp4 all-gathers every tp-split weight: the old copies go bucket by bucket."""
+    from lightning_hotspa.testing.fake_world import MemoryTracker, fake_mode
+
+    bucket = 64 * 2**10
+    with FakeWorld(4):
+        world = WorldMesh(["dp4", "dp2xtp2"])
+        with torch.device("meta"):
+            model = Llama(SMALLISH)
+        shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+        shardings = build_shardings(shapes, param_roles(model, llama_tp_plan(SMALLISH, 2)), world.shape)
+        with fake_mode():
+            home = build_home_parameters(world, shardings, None, init_shard=lambda n, s, d, a, b: torch.empty(
+                [b - a if i == d else x for i, x in enumerate(s)]))
+            engine = SwitchEngine(world, shardings, home, working_dtype=torch.bfloat16, bucket_bytes=bucket)
+            with MemoryTracker() as mem:
+                engine.materialize("dp2xtp2")
+                old = sum(w.numel() * 2 for w in engine.working.values())
+                mem.reset_peak()
+                start = sum(mem.current().values())
+                engine.switch("dp4")
+                new = sum(w.numel() * 2 for w in engine.working.values())
+                peak = sum(mem.peak().values())
+    largest = SMALLISH.padded_vocab_size * SMALLISH.hidden * 2
+    assert old > 4 * largest  # holding both copies of everything would break the bound below
+    assert peak - start <= new - old + 3 * max(bucket, largest), (peak - start, new, old)
+
+
+def test_memory_model_has_an_activation_term_per_attention_backend() -> None:
+    flash = AnalyticCostModel("llama7b", "H100", 8)
+    math_ = AnalyticCostModel("llama7b", "H100", 8, attention_backend="math")
+    lay = Layout.parse("dp2xtp2xcp2")
+    assert flash.attention_quadratic_bytes(lay) == 0
+    assert math_.attention_quadratic_bytes(lay) == pytest.approx(32 / 4 * (32 * 2 + 8))
+    gap = math_.peak_bytes(lay, False, 8192) - flash.peak_bytes(lay, False, 8192)
+    assert gap == pytest.approx(math_.attention_quadratic_bytes(lay) * 8192**2 - 4 * 32 * 32 / 4 * 8192, rel=1e-6)
+    assert 0 < math_.capacity(lay, False) < flash.capacity(lay, False)
+    with pytest.raises(ValueError, match="attention_backend must be"):
+        AnalyticCostModel("llama7b", "H100", 8, attention_backend="xformers")
+
+
+def test_memory_cli_names_bad_rows(capsys: pytest.CaptureFixture[str]) -> None:
+    from lightning_hotspa.tools.cli import main
+
+    assert main(["memory", "--rows", "llama7b:x"]) == 2
+    assert "'llama7b:x' must look like llama7b:8" in capsys.readouterr().err
+    assert main(["memory", "--rows", "llama99b:8"]) == 2
+    assert "llama99b" in capsys.readouterr().err
