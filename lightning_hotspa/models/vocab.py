@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..host import host_reads
+
 __all__ = ["VocabularyError", "check_token_ids", "check_tokenizer_fits"]
 
 
@@ -33,10 +35,11 @@ def check_token_ids(ids: Tensor, vocab_size: int, what: str = "input_ids",
     """
     if ids.numel() == 0:
         return
-    if ignore_index is not None:
-        # ignore_index is never a valid id, so mapping it to 0 leaves min/max of the rest unchanged
-        ids = ids.masked_fill(ids == ignore_index, 0)
-    low, high = (int(v) for v in torch.stack(torch.aminmax(ids)).tolist())
+    with host_reads():  # real values even under the memory estimator's FakeTensorMode
+        if ignore_index is not None:
+            # ignore_index is never a valid id, so mapping it to 0 leaves min/max of the rest unchanged
+            ids = ids.masked_fill(ids == ignore_index, 0)
+        low, high = (int(v) for v in torch.stack(torch.aminmax(ids)).tolist())
     if low < 0 or high >= vocab_size:
         bad = low if low < 0 else high
         raise VocabularyError(f"{what} hold token id {bad}, outside the model's vocabulary of {vocab_size} "
