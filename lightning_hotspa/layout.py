@@ -26,6 +26,8 @@ from functools import cached_property
 
 import torch
 
+from .checks import check_int
+
 __all__ = [
     "Layout",
     "LayoutError",
@@ -55,9 +57,7 @@ class Layout:
 
     def __post_init__(self) -> None:
         for field in ("dp", "tp", "cp"):
-            value = getattr(self, field)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise LayoutError(f"Layout.{field} must be a positive int, got {value!r}")
+            check_int(getattr(self, field), f"Layout.{field}", error=LayoutError)
 
     @property
     def world_size(self) -> int:
@@ -101,8 +101,7 @@ def parse_layouts(specs: Iterable[Layout | str | Mapping[str, int]], world_size:
     layouts = tuple(Layout.parse(s) for s in specs)
     if not layouts:
         raise LayoutError("the layout list is empty; give at least one layout")
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise LayoutError(f"world size must be a positive int, got {world_size!r}")
+    check_int(world_size, "world size", error=LayoutError)
     for layout in layouts:
         if layout.world_size != world_size:
             raise LayoutError(

@@ -127,22 +127,22 @@ def test_state_from_other_config_or_out_of_range_is_refused() -> None:
         MiniBatchSampler([100, 200, 301], 512, 128, seed=1).load_state_dict(state)
     with pytest.raises(DataError, match="saved step must be in"):
         sampler.load_state_dict({**state, "step": 99})
-    with pytest.raises(DataError, match="epoch must be a non-negative integer, got -1"):
+    with pytest.raises(DataError, match="epoch must be an int >= 0, got -1"):
         sampler.load_state_dict({**state, "epoch": -1})
 
 
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"tokens_per_batch": 0}, "tokens_per_batch must be a positive integer, got 0"),
+        ({"tokens_per_batch": 0}, "tokens_per_batch must be a positive int, got 0"),
         ({"tokens_per_batch": -5}, "got -5"),
         ({"tokens_per_batch": 1.5}, "got 1.5"),
-        ({"context_length": 0}, "context_length must be a positive integer, got 0"),
+        ({"context_length": 0}, "context_length must be a positive int, got 0"),
         (
             {"tokens_per_batch": 64, "context_length": 128},
             "tokens_per_batch=64 is smaller than context_length=128",
         ),
-        ({"seed": -1}, "seed must be a non-negative integer, got -1"),
+        ({"seed": -1}, "seed must be an int >= 0, got -1"),
         ({"long_doc_policy": "drop"}, "long_doc_policy must be one of.*'drop'"),
         ({"lengths": [3, -1]}, "document 1 has -1"),
         ({"lengths": [[1, 2]]}, "1-D sequence of integers"),
@@ -160,7 +160,7 @@ def test_bad_step_and_epoch_are_named() -> None:
     sampler = MiniBatchSampler([10, 20], 256, 128)
     with pytest.raises(DataError, match=r"step must be in \[0, 1\) for epoch 0, got 1"):
         sampler.batch(0, 1)
-    with pytest.raises(DataError, match="epoch must be a non-negative integer, got -2"):
+    with pytest.raises(DataError, match="epoch must be an int >= 0, got -2"):
         sampler.num_batches(-2)
 
 

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import TQDMProgressBar
 from lightning.pytorch.loggers import WandbLogger
 
+from ..checks import check_int
 from ..plan import RankPlan, StepPlan
 from .telemetry import (
     RunSummary,
@@ -44,9 +45,7 @@ Predictor = Callable[[StepPlan], list[float | None]]
 
 
 def _nonneg_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"HotSPaMonitor: {name} must be an int >= 0 (0 = never), got {value!r}")
-    return value
+    return check_int(value, f"HotSPaMonitor: {name}", minimum=0, hint=" (0 = never)")
 
 
 def _scalar_metrics(trainer: L.Trainer) -> dict[str, float]:

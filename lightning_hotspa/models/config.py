@@ -10,6 +10,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from ..checks import check_int, check_number
+
 __all__ = ["LlamaConfig", "PRESETS"]
 
 
@@ -33,13 +35,9 @@ class LlamaConfig:
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden", "n_layers", "n_heads", "n_kv_heads",
                      "ffn_hidden", "max_seq_len", "vocab_multiple"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"LlamaConfig.{name} must be a positive int, got {value!r}")
+            check_int(getattr(self, name), f"LlamaConfig.{name}")
         for name in ("rope_theta", "norm_eps"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"LlamaConfig.{name} must be a positive number, got {value!r}")
+            check_number(getattr(self, name), f"LlamaConfig.{name}")
         if self.hidden % self.n_heads:
             raise ValueError(
                 f"LlamaConfig.hidden={self.hidden} is not divisible by n_heads={self.n_heads}"

@@ -23,6 +23,7 @@ from typing import Literal
 
 from torch import nn
 
+from ..checks import check_int
 from .config import LlamaConfig
 
 __all__ = [
@@ -58,8 +59,7 @@ def shard_dim(role: str) -> int | None:
 
 def check_tp_compatible(config: LlamaConfig, tp: int) -> None:
     """Raise ValueError unless ``tp`` splits heads, FFN and padded vocab evenly."""
-    if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
-        raise ValueError(f"tp must be a positive int, got {tp!r}")
+    check_int(tp, "tp")
     checks = {
         "n_heads": config.n_heads,
         "ffn_hidden": config.ffn_hidden,

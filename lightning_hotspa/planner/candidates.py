@@ -23,6 +23,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from ..checks import check_int
 from ..layout import Layout, LayoutError, MeshShape
 from ..models.config import LlamaConfig
 from .cost_model import AnalyticCostModel, CostModelError, OptionCost
@@ -102,8 +103,7 @@ def auto_layouts(
 ) -> tuple[Layout, ...]:
     """2-4 candidate layouts (fewer only if fewer exist); see the module docstring."""
     cm = AnalyticCostModel(model, hardware, world_size)
-    if isinstance(context, bool) or not isinstance(context, int) or context < 1:
-        raise LayoutError(f"context must be a positive int, got {context!r}")
+    check_int(context, "context", error=LayoutError)
     layouts = enumerate_layouts(world_size, cm)
     if not layouts:
         raise LayoutError(f"{cm.model.n_layers}-layer model ({cm.params / 1e9:.1f}B parameters) has no layout on "

@@ -49,6 +49,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..checks import check_int
 from ..layout import Layout
 from ..models.config import LlamaConfig
 from .hardware import HardwareProfile, get_profile
@@ -90,9 +91,7 @@ class Parallelism:
 
     def __post_init__(self) -> None:
         for f in ("dp", "tp", "cp", "pp"):
-            v = getattr(self, f)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise CostModelError(f"Parallelism.{f} must be a positive int, got {v!r}")
+            check_int(getattr(self, f), f"Parallelism.{f}", error=CostModelError)
 
     @classmethod
     def of(cls, layout: Layout | Parallelism) -> Parallelism:
@@ -211,8 +210,7 @@ class AnalyticCostModel:
 
     def __init__(self, model: LlamaConfig | str, hardware: HardwareProfile | str, world_size: int, *,
                  grad_bytes: int = 4, param_bytes: int = 2, capacity_multiple: int = 128) -> None:
-        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-            raise CostModelError(f"world size must be a positive int, got {world_size!r}")
+        check_int(world_size, "world size", error=CostModelError)
         self.model = resolve_model(model)
         self.hardware = get_profile(hardware)
         self.world_size = world_size

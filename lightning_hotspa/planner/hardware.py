@@ -14,6 +14,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from ..checks import check_number
+
 __all__ = ["CPU_GLOO_CALIBRATION", "HardwareProfile", "PROFILES", "UnknownProfileError", "get_profile", "measure_cpu_gloo"]
 
 GiB = 2**30
@@ -47,8 +49,7 @@ class HardwareProfile:
             value = getattr(self, f.name)
             if f.name in ("name", "source"):
                 continue
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"HardwareProfile {self.name!r}: {f.name} must be a number >= 0, got {value!r}")
+            check_number(value, f"HardwareProfile {self.name!r}: {f.name}", strict=False)
         for f in ("peak_flops", "dense_efficiency", "attention_efficiency", "memory_bytes", "intra_node_bw",
                   "inter_node_bw", "devices_per_node"):
             if not getattr(self, f) > 0:

@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from ..checks import check_int
 from ..layout import Layout
 from ..plan import PlanError, Stage, StepPlan
 
@@ -394,8 +395,7 @@ def pack_layout(
     raw = np.asarray(lengths, dtype=np.int64)
     if ids.shape != raw.shape or ids.ndim != 1:
         raise PlanError(f"pack_layout: {ids.size} doc ids but {raw.size} lengths")
-    if isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer)) or capacity < 1:
-        raise PlanError(f"pack_layout: capacity must be a positive int, got {capacity!r}")
+    check_int(capacity, "pack_layout: capacity", error=PlanError)
     if raw.size and int(raw.min()) < 1:
         i = int(raw.argmin())
         raise PlanError(f"document {int(ids[i])} has length {int(raw[i])}; documents must be non-empty")

@@ -44,6 +44,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from ..checks import check_int
 from ..layout import Layout, LayoutError, MeshShape, parse_layouts
 from ..models.config import LlamaConfig
 from ..plan import PlanError, Stage, StepPlan
@@ -117,15 +118,12 @@ class CostModelPlanner:
         self.layouts: tuple[Layout, ...] = parse_layouts(specs, world)
         MeshShape.for_layouts(self.layouts, world)
         self.cost_model = AnalyticCostModel(model, hardware, world)
-        if tokens_per_rank is not None and (isinstance(tokens_per_rank, bool) or not isinstance(tokens_per_rank, int)
-                                            or tokens_per_rank < 1):
-            raise PlanError(f"{name}: tokens_per_rank must be a positive int, got {tokens_per_rank!r}")
+        if tokens_per_rank is not None:
+            tokens_per_rank = check_int(tokens_per_rank, f"{name}: tokens_per_rank", error=PlanError)
         self.tokens_per_rank = tokens_per_rank
         self.exact_max_docs = int(exact_max_docs)
         self.profiled = bool(profiled)
-        if isinstance(plan_lag, bool) or not isinstance(plan_lag, int) or plan_lag < 0:
-            raise PlanError(f"{name}: plan_lag must be an int >= 0, got {plan_lag!r}")
-        self._plan_lag = plan_lag
+        self._plan_lag = check_int(plan_lag, f"{name}: plan_lag", minimum=0, error=PlanError)
         self.coefficients = ProfiledCoefficients(refit_every=refit_every)
         self._ac_modes = {lay: self._ac_mode(lay, activation_checkpointing) for lay in self.layouts}
         self._analytic: dict[tuple[Layout, bool], OptionCost] = {}
