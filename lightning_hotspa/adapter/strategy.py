@@ -42,6 +42,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
+from ..checks import check_int
 from ..engine.switch import GradReport, SwitchEngine, build_home_parameters
 from ..layout import Layout, LayoutError, MeshShape, WorldMesh, parse_layouts
 from ..parallel.model import ParallelModel
@@ -136,8 +137,7 @@ class HotSPaStrategy(ParallelStrategy):
         self._layout_spec = layouts if layouts == "auto" else [Layout.parse(x) for x in layouts]
         if self._layout_spec != "auto" and not self._layout_spec:
             raise LayoutError("HotSPaStrategy(layouts=[]) is empty; give at least one layout or 'auto'")
-        if isinstance(tokens_per_rank, bool) or not isinstance(tokens_per_rank, int) or tokens_per_rank < 1:
-            raise ValueError(f"tokens_per_rank must be a positive int, got {tokens_per_rank!r}")
+        check_int(tokens_per_rank, "tokens_per_rank")
         if isinstance(activation_checkpointing, str) and activation_checkpointing != "auto":
             raise ValueError(f"activation_checkpointing must be a bool, 'auto' or a list of layouts, "
                              f"got {activation_checkpointing!r}")
