@@ -52,7 +52,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 from ..checks import check_int, is_int
 from ..layout import MeshShape
-from ..plan import MicroBatch, RankPlan, StepPlan, slice_plan
+from ..plan import RankPlan, StepPlan, slice_plan
 from ..planner.base import Planner
 from ..planner.packing import max_doc_length, plan_stats
 from .cache import TokenizedCorpus
@@ -228,26 +228,10 @@ def _accelerator_available() -> bool:
 
 
 def pin_rank_plan(plan: RankPlan, pin: Callable[[torch.Tensor], torch.Tensor] | None = None) -> RankPlan:
-    """A copy of ``plan`` with every tensor in page-locked memory.
-
-    Needed because torch's pin-memory thread pins only tensors, mappings, sequences and objects
-    with a ``pin_memory()`` method, and :class:`RankPlan` has none: it would pass through unpinned.
-    """
-    pin = pin or torch.Tensor.pin_memory
-
-    def pin_mb(mb: MicroBatch) -> MicroBatch:
-        return dataclasses.replace(
-            mb,
-            input_ids=pin(mb.input_ids),
-            labels=pin(mb.labels),
-            position_ids=pin(mb.position_ids),
-            cu_seqlens=pin(mb.cu_seqlens),
-            cp_cu_seqlens=None if mb.cp_cu_seqlens is None else pin(mb.cp_cu_seqlens),
-        )
-
-    stages = tuple(dataclasses.replace(s, micro_batches=tuple(pin_mb(m) for m in s.micro_batches))
-                   for s in plan.stages)
-    return dataclasses.replace(plan, stages=stages)
+    """A copy of ``plan`` with every tensor in page-locked memory (``pin`` replaces the pinning in
+    tests). The loader pins here, in its iterator, rather than with torch's pin-memory thread, which
+    would call :meth:`RankPlan.pin_memory` (the same mapping) only when ``pin_memory=True``."""
+    return plan.map_tensors(pin or torch.Tensor.pin_memory)
 
 
 class _PlanIterator(Iterator[RankPlan]):

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import math
 import time
-import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -34,10 +33,7 @@ from torch.distributed.tensor import DTensor
 
 from ..layout import Layout, LayoutError, RankGroup, WorldMesh
 from ..placements import ParamSharding
-
-# torch 2.13 deprecates all_gather_into_tensor in favour of all_gather_single, which 2.11 lacks.
-warnings.filterwarnings("ignore", message=".*(all_gather_into_tensor|reduce_scatter_tensor).*deprecated",
-                        category=FutureWarning)
+from ..torch_compat import C10D_DEPRECATION_MESSAGE  # noqa: F401  (installs the warning filter)
 
 __all__ = ["SwitchReport", "GradReport", "SwitchEngine", "build_home_parameters", "HOME"]
 

@@ -17,14 +17,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..plan import IGNORE_INDEX
 from .config import LlamaConfig
 from .init import build_llama, init_parameter
 from .llama import Llama
 from .tp_plan import TPRole, llama_tp_plan
 
 __all__ = ["IGNORE_INDEX", "LlamaLM", "PackedBatch", "token_mean_cross_entropy"]
-
-IGNORE_INDEX = -100
 
 
 class PackedBatch(Protocol):

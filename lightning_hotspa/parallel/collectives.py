@@ -15,7 +15,6 @@ The ``torch.distributed`` functions are looked up at call time (``dist.all_reduc
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 import torch
@@ -23,9 +22,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..layout import RankGroup
-
-# torch 2.13 deprecates all_gather_into_tensor in favour of all_gather_single, which 2.11 lacks.
-warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*deprecated", category=FutureWarning)
+from ..torch_compat import C10D_DEPRECATION_MESSAGE  # noqa: F401  (installs the warning filter)
 
 __all__ = [
     "copy_to_group",

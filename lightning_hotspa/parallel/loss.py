@@ -16,11 +16,10 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from ..layout import RankGroup
+from ..plan import IGNORE_INDEX
 from .state import ParallelState
 
 __all__ = ["IGNORE_INDEX", "vocab_parallel_cross_entropy", "VocabParallelLoss"]
-
-IGNORE_INDEX = -100
 
 
 class _VocabParallelCE(torch.autograd.Function):

@@ -4,7 +4,7 @@
 """
 
 from .base import Planner
-from .candidates import auto_layouts
+from .candidates import auto_layouts, auto_planner
 from .packing import (
     DEFAULT_QUADRATIC_SCALE,
     DocCost,
@@ -37,6 +37,7 @@ __all__ = [
     "StagePlanStats",
     "ThresholdPlanner",
     "auto_layouts",
+    "auto_planner",
     "cp_padded_lengths",
     "first_fit_decreasing",
     "max_doc_length",

@@ -16,7 +16,7 @@ order, so every rank and loader worker computes the same plan; coefficients chan
 How to use it::
 
     # dry run / simulation: analytic coefficients of a hardware profile
-    planner = CostModelPlanner("auto", model="llama7b", hardware="H100", world_size=8, context=32768)
+    planner = auto_planner(8, 32768, model="llama7b", hardware="H100")  # candidates.auto_layouts
     plan = planner.plan(step, doc_lengths)       # a StepPlan: stages, micro-batches per dp group
     planner.predict(plan).seconds                # what the cost model expects it to take
 
@@ -72,8 +72,8 @@ class CostModelPlanner:
     """Cost-model planner over candidate ``layouts`` (all of one world size, sharing one mesh).
 
     Args:
-        layouts: candidate layouts, or ``"auto"`` (then ``world_size`` and ``context`` choose them:
-            :func:`~lightning_hotspa.planner.candidates.auto_layouts`).
+        layouts: candidate layouts (for a chosen set: :func:`~lightning_hotspa.planner.candidates.auto_planner`,
+            which scores candidate sets with this solver, so the choice lives above it).
         model: a :class:`LlamaConfig` or preset name whose shape the analytic model prices.
         hardware: a profile name (``A100-80G``, ``A800-80G``, ``H100``, ``H200``, ``cpu-gloo``) or
             :class:`HardwareProfile`.
@@ -96,7 +96,6 @@ class CostModelPlanner:
         model: LlamaConfig | str,
         hardware: HardwareProfile | str = "cpu-gloo",
         world_size: int | None = None,
-        context: int | None = None,
         tokens_per_rank: int | None = None,
         activation_checkpointing: Checkpointing = "auto",
         profiled: bool = False,
@@ -106,11 +105,8 @@ class CostModelPlanner:
     ) -> None:
         name = type(self).__name__
         if isinstance(layouts, str) and layouts == "auto":
-            if world_size is None or context is None:
-                raise PlanError(f"{name}(layouts='auto') needs world_size and context")
-            from .candidates import auto_layouts
-
-            layouts = auto_layouts(world_size, model, hardware, context)
+            raise PlanError(f"{name}(layouts='auto'): choose the candidates with "
+                            f"planner.candidates.auto_planner(world_size, context, model=..., hardware=...)")
         specs = list(layouts)  # type: ignore[arg-type]
         if not specs:
             raise LayoutError(f"{name}: the layout list is empty")
