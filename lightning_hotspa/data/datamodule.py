@@ -54,7 +54,8 @@ from ..checks import check_int, is_int
 from ..layout import MeshShape
 from ..plan import RankPlan, StepPlan, slice_plan
 from ..planner.base import Planner
-from ..planner.packing import max_doc_length, plan_stats
+from ..planner.packing import max_doc_length
+from ..planner.plan_stats import plan_stats
 from .cache import TokenizedCorpus
 from .errors import DataError
 from .minibatches import ChunkRef, LongDocPolicy, MiniBatchSampler, chunk_tokens

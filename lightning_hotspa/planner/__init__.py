@@ -10,17 +10,15 @@ from .packing import (
     DocCost,
     DocumentTooLongError,
     PackedLayout,
-    PlanStats,
     QuadraticCost,
     StagePlanStats,
     cp_padded_lengths,
     first_fit_decreasing,
     max_doc_length,
     pack_layout,
-    plan_stats,
     spread_over_groups,
-    stage_stats,
 )
+from .plan_stats import PlanStats, plan_stats, stage_stats
 from .rule import Bucket, ThresholdPlanner
 from .solver import CostModelPlanner
 
