@@ -7,7 +7,7 @@ role assignment of those dims: tp takes a PREFIX of the dims, cp the dims right 
 Mesh dim 0 is the most local (consecutive ranks) and is the OUTER split when DTensor shards one tensor
 dim over several mesh dims. With tp always on a prefix, a smaller tp uses the first dims of a larger
 tp, so tp degrees nest: tp up is a local slice, tp down an all-gather of exactly the missing part
-(DESIGN.md, trap "nested sharding order"). The price is that a rank's shard index inside a multi-dim
+(docs/DESIGN.md §7, trap "nested sharding order"). The price is that a rank's shard index inside a multi-dim
 group is not its rank order in a ``dist.new_group`` (which sorts ranks); :class:`RankGroup` carries
 the mapping.
 

@@ -6,7 +6,7 @@ dims, replicate over the rest", so a placement is fully described by that prefix
 
 * in a layout the prefix is the layout's tp dims (sharded roles) or empty (replicated roles);
 * at home it is the longest prefix whose size product divides the tensor dim (ZeRO-3-like storage,
-  never an uneven DTensor split: DESIGN.md trap "uneven shards").
+  never an uneven DTensor split: docs/DESIGN.md §7, trap "uneven shards").
 
 Because tp dims are a prefix too, a layout chunk always contains this rank's home chunk, so
 home -> layout needs only an all-gather of what is missing.

@@ -1,4 +1,4 @@
-"""The step-plan vocabulary that data, planner, strategy and callbacks share (DESIGN.md section 4).
+"""The step-plan vocabulary that data, planner, strategy and callbacks share (docs/DESIGN.md §4).
 
 Two levels:
 

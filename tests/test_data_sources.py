@@ -256,7 +256,7 @@ def test_stdlib_corpus_counts_empty_and_keeps_non_utf8() -> None:
     assert not any("site-packages" in d for d in docs)
     ids = list(docs)
     assert ids == sorted(ids)
-    if sys.version_info[:2] == (3, 11):  # the numbers DESIGN.md records
+    if sys.version_info[:2] == (3, 11):  # docs/DESIGN.md §7, trap "The bundled corpus is not clean"
         assert (expected_empty, len(non_utf8)) == (28, 4)
 
 

@@ -1,5 +1,5 @@
 """``HotSPaStrategy``: ``Trainer(strategy="hotspa")`` runs a whole step plan per optimizer step,
-hot-switching the model between parallel layouts inside the step (DESIGN.md sections 3-4).
+hot-switching the model between parallel layouts inside the step (docs/DESIGN.md §3-4).
 
 One Lightning batch is this rank's slice of one step plan (:class:`RankPlan`). ``training_step``
 walks its stages: switch the working parameters to the stage's layout, run the user's
@@ -527,7 +527,7 @@ class HotSPaStrategy(ParallelStrategy):
     @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
         """Gradients were computed and reduced inside ``training_step``; hand them to the home params
-        now, after Lightning's ``zero_grad`` (DESIGN.md, closure trap)."""
+        now, after Lightning's ``zero_grad`` (docs/DESIGN.md §7, trap "Lightning's closure order")."""
         assert self.engine is not None
         if self._skip_update:  # a non-finite step under nonfinite="skip": no gradients, no update
             for p in self.home.values():

@@ -1,6 +1,6 @@
 """HotSPaDataModule: every Lightning batch is this rank's slice of one optimizer step's plan.
 
-Per step (DESIGN.md section 3): :class:`MiniBatchSampler` draws the global mini-batch (a token
+Per step (docs/DESIGN.md §3): :class:`MiniBatchSampler` draws the global mini-batch (a token
 budget) -> ``planner.plan`` assigns, packs and balances it -> :func:`slice_plan` cuts out this
 rank's micro-batches. Every rank (and every loader worker) computes the same global plan from
 (data, seed, step) alone, with no communication.

@@ -16,7 +16,7 @@ over the dims home replicates. Like DDP, the reductions are bucketed in reverse 
 can start during the stage's last backward (:meth:`SwitchEngine.overlap_next_backward`): a bucket is
 launched asynchronously once autograd has accumulated all its gradients, and the stage end only
 waits. Lightning zeroes ``.grad`` between ``training_step`` and ``backward``, so the store is handed
-to the home params only on request (DESIGN.md, closure trap).
+to the home params only on request (docs/DESIGN.md §7, trap "Lightning's closure order").
 """
 
 from __future__ import annotations
@@ -493,7 +493,7 @@ def build_home_parameters(
     """Home params as DTensor ``nn.Parameter``s, each initialized IN FULL and cut to this rank's shard.
 
     One parameter at a time, so peak memory is one full tensor; the result equals the single-process
-    model built by ``init_full`` (DESIGN.md trap "random init of sharded DTensors").
+    model built by ``init_full`` (docs/DESIGN.md §7, trap "random init of sharded DTensors").
     """
     out: dict[str, nn.Parameter] = {}
     rank = world.rank

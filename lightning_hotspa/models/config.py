@@ -29,7 +29,7 @@ class LlamaConfig:
     norm_eps: float = 1e-5
     max_seq_len: int = 4096
     # The embedding and LM head get ``padded_vocab_size`` rows so that every tensor-parallel
-    # degree we use divides them evenly (uneven DTensor shards misalign; see DESIGN.md §7).
+    # degree we use divides them evenly (uneven DTensor shards misalign: docs/DESIGN.md §7, trap "uneven shards").
     vocab_multiple: int = 128
 
     def __post_init__(self) -> None:
@@ -113,7 +113,7 @@ PRESETS: dict[str, LlamaConfig] = {
     # 1B class (TinyLlama-like shape with the LLaMA vocabulary).
     "1b": LlamaConfig(vocab_size=_LLAMA_VOCAB, hidden=2048, n_layers=22, n_heads=32,
                       n_kv_heads=4, ffn_hidden=5632, max_seq_len=32768),
-    # The paper's shapes (REFERENCE.md).
+    # The paper's shapes (docs/REFERENCE.md §2).
     "llama7b": LlamaConfig(vocab_size=_LLAMA_VOCAB, hidden=4096, n_layers=32, n_heads=32,
                            n_kv_heads=32, ffn_hidden=11008, max_seq_len=32768),
     "llama13b": LlamaConfig(vocab_size=_LLAMA_VOCAB, hidden=5120, n_layers=40, n_heads=40,

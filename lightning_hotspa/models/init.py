@@ -4,7 +4,8 @@ Each parameter is generated IN FULL from its own generator, seeded by (seed, par
 through a stable hash. A sharded owner therefore builds exactly the tensor the single-process
 model has and keeps its shard; no parameter's values depend on which others exist, and only
 one full parameter is in memory at a time (so even 7B initializes on a small host). Random
-init of sharded CPU DTensors is wrong (DESIGN.md §7), which is why this exists.
+init of sharded CPU DTensors is wrong (docs/DESIGN.md §7, trap "random init of sharded
+DTensors"), which is why this exists.
 """
 
 from __future__ import annotations

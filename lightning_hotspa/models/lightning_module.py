@@ -2,7 +2,7 @@
 
 ``training_step`` returns the mean loss over its own slice's target tokens, as any
 LightningModule does; the HotSPa strategy rescales it by the slice's share of the mini-batch's
-target tokens (DESIGN.md §4). The loss function is an attribute so a tensor-parallel wrapper
+target tokens (docs/DESIGN.md §4). The loss function is an attribute so a tensor-parallel wrapper
 can swap in a vocab-parallel cross-entropy for vocab-sharded logits.
 """
 

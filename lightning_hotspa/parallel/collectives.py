@@ -1,7 +1,7 @@
 """Autograd-aware collectives over one :class:`RankGroup`, always in SHARD order.
 
 Why a module of its own: the hot path computes on local tensors with explicit collectives
-(DESIGN.md section 4), and every one of them must respect two facts:
+(docs/DESIGN.md §4), and every one of them must respect two facts:
 
 * Megatron's conjugate pairs: an op that is the identity forward must all-reduce backward (``f``)
   and vice versa (``g``), otherwise tp ranks silently train on partial gradients;

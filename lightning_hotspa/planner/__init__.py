@@ -1,4 +1,4 @@
-"""Planning: which layout runs which documents, packed into which micro-batches (DESIGN.md 3, 5).
+"""Planning: which layout runs which documents, packed into which micro-batches (docs/DESIGN.md §3, §5).
 
 ``planner`` never imports ``data``: it sees document lengths, never tokens.
 """

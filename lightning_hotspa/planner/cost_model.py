@@ -26,7 +26,7 @@ rows); the cost is padding (``s`` rounded up to ``2*cp``) and communication:
 * CP (Ulysses): per layer one all-to-all of fused q/k/v and one of the output forward, the same
   backward (+ forward again with checkpointing); each moves ``(cp-1)/cp`` of its ``1/tp`` head slice.
 * Activation checkpointing recomputes each layer's forward: +1/3 of the layers' training FLOPs.
-* dp: one reduce-scatter of the stage's fp32 gradients per run of same-tp stages (DESIGN.md step 4).
+* dp: one reduce-scatter of the stage's fp32 gradients per run of same-tp stages (docs/DESIGN.md §4, "Gradients live in the engine's store").
 * Switches (switch.py): a move from tp ``s`` to tp ``t < s`` all-gathers ``1/t - 1/s`` of the bf16
   weights over a group spanning ``s`` consecutive ranks; ``t >= s`` is a local slice (free). Home is
   sharded over the whole world. Group spans decide intra- (NVLink) vs inter-node bandwidth, nodes of

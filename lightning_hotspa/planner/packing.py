@@ -1,6 +1,6 @@
 """Packing one layout's documents into micro-batches and spreading them over its dp groups.
 
-Packing is planning (DESIGN.md section 5): every planner (the threshold rule, the cost-model planner)
+Packing is planning (docs/DESIGN.md §5): every planner (the threshold rule, the cost-model planner)
 ends with "these documents run in this layout", and this module turns that into micro-batches:
 
 1. **Capacity with cp padding.** A document in a layout with ``cp > 1`` is padded to a multiple of
