@@ -91,10 +91,13 @@ _TRAINER = ("t = L.Trainer(strategy='hotspa', accelerator='cpu', devices=1, logg
             "print(type(t.strategy).__name__)\n")
 
 
-@pytest.mark.parametrize("first", ["lightning_hotspa", "lightning"])
-def test_trainer_finds_hotspa_after_a_bare_import_in_either_order(first: str) -> None:
-    second = "lightning" if first == "lightning_hotspa" else "lightning_hotspa"
-    code = (f"import {first}\nimport {second}\nimport lightning as L\n" + _TRAINER
+@pytest.mark.parametrize("imports", [
+    "import lightning_hotspa; import lightning",
+    "import lightning; import lightning_hotspa",
+    "from lightning_hotspa import HotSPaStrategy",  # our strategy's own import loads Lightning
+])
+def test_trainer_finds_hotspa_after_a_bare_import_in_either_order(imports: str) -> None:
+    code = (f"{imports}\nimport lightning as L\n" + _TRAINER
             + "import sys\n"
             "assert not [f for f in sys.meta_path if getattr(f, 'hotspa_registration_hook', 0)]\n"
             "assert type(sys.modules['lightning'].__loader__).__name__ != '_RegisterAfterExec'\n"

@@ -9,8 +9,8 @@ So :func:`install` (called by the package ``__init__``) registers at once if Lig
 imported, and otherwise puts a finder on ``sys.meta_path`` that wraps the loader of the top-level
 ``lightning`` package: right after that package has run (every ``lightning.*`` import runs it
 first, and it imports the trainer and the strategies), the name is registered and the finder
-removes itself. Either import order works, and registering twice is harmless
-(:meth:`HotSPaStrategy.register_strategies` skips a name that is there).
+removes itself. Either import order works, and registering twice is harmless (a name that is
+there is skipped).
 """
 
 from __future__ import annotations
@@ -25,13 +25,28 @@ __all__ = ["install", "register_strategy"]
 _TOP = "lightning"
 
 
+NAME = "hotspa"
+DESCRIPTION = "HotSPa: hot-switch parallel layouts per length bucket"
+
+
+def hotspa_strategy(**kwargs: Any) -> Any:
+    """What the registry builds for ``strategy="hotspa"``: a :class:`HotSPaStrategy`.
+
+    A function, not the class, so that registering imports nothing of ours: the hook runs while some
+    other module is being imported (often ``adapter/strategy.py`` itself, whose first Lightning import
+    triggers it), and importing the strategy from there would meet it half-initialized. Lightning's
+    registry only ever calls the entry (``StrategyRegistry.get``), when a Trainer is built."""
+    from .strategy import HotSPaStrategy
+
+    return HotSPaStrategy(**kwargs)
+
+
 def register_strategy() -> None:
     """Register "hotspa" with Lightning's ``StrategyRegistry`` (imports Lightning; idempotent)."""
     from lightning.pytorch.strategies import StrategyRegistry
 
-    from .strategy import HotSPaStrategy
-
-    HotSPaStrategy.register_strategies(StrategyRegistry)
+    if NAME not in StrategyRegistry:  # Lightning raises on re-registering a name
+        StrategyRegistry.register(NAME, hotspa_strategy, description=DESCRIPTION)
 
 
 class _RegisterAfterExec(importlib.abc.Loader):

@@ -680,12 +680,6 @@ class HotSPaStrategy(ParallelStrategy):
             path = Path(filepath)
             shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
 
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        if "hotspa" not in strategy_registry:
-            strategy_registry.register("hotspa", cls, description="HotSPa: hot-switch parallel layouts per bucket")
-
 
 # Lightning's Precision names its per-hook contexts differently from the hooks themselves
 _EVAL_CONTEXTS = {"validation_step": "val_step_context", "test_step": "test_step_context",
