@@ -1,18 +1,38 @@
-"""lightning_hotspa: HotSPa-style parallelism hot switching for PyTorch Lightning on DTensor."""
+"""lightning_hotspa: HotSPa-style parallelism hot switching for PyTorch Lightning on DTensor.
 
+The plain-value names (layouts, step plans) load at once; the Lightning-facing ones
+(``HotSPaStrategy``, ``HotSPaDataModule``) on first access, so that importing the planner, the
+layouts or the data side never imports Lightning. The strategy name "hotspa" is registered with
+Lightning as soon as Lightning is (or gets) imported: see :mod:`lightning_hotspa.adapter.registration`.
+"""
+
+from typing import Any
+
+from .adapter import registration as _registration
 from .layout import Layout, LayoutError, MeshShape, WorldMesh, parse_layouts
+from .plan import MicroBatch, RankPlan, StepPlan
 
-__all__ = ["Layout", "LayoutError", "MeshShape", "WorldMesh", "parse_layouts"]
 __version__ = "0.1.0"
 
-from lightning.pytorch.strategies import StrategyRegistry  # noqa: E402
+#: name -> module that defines it, imported on first access (they import Lightning)
+_LAZY = {"HotSPaStrategy": ".adapter.strategy", "HotSPaDataModule": ".data.datamodule"}
 
-from .adapter.strategy import HotSPaStrategy  # noqa: E402
-from .data import HotSPaDataModule  # noqa: E402
-from .plan import MicroBatch, RankPlan, StepPlan  # noqa: E402
+__all__ = ["HotSPaDataModule", "HotSPaStrategy", "Layout", "LayoutError", "MeshShape", "MicroBatch",
+           "RankPlan", "StepPlan", "WorldMesh", "parse_layouts"]
 
-if "hotspa" not in StrategyRegistry:  # idempotent: Lightning raises on re-registering a name
-    StrategyRegistry.register("hotspa", HotSPaStrategy,
-                              description="HotSPa: hot-switch parallel layouts per length bucket")
 
-__all__ += ["HotSPaDataModule", "HotSPaStrategy", "MicroBatch", "RankPlan", "StepPlan"]
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
+
+_registration.install()

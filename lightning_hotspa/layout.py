@@ -7,7 +7,7 @@ role assignment of those dims: tp takes a PREFIX of the dims, cp the dims right 
 Mesh dim 0 is the most local (consecutive ranks) and is the OUTER split when DTensor shards one tensor
 dim over several mesh dims. With tp always on a prefix, a smaller tp uses the first dims of a larger
 tp, so tp degrees nest: tp up is a local slice, tp down an all-gather of exactly the missing part
-(DESIGN.md, trap "nested sharding order"). The price is that a rank's shard index inside a multi-dim
+(docs/DESIGN.md §7, trap "nested sharding order"). The price is that a rank's shard index inside a multi-dim
 group is not its rank order in a ``dist.new_group`` (which sorts ranks); :class:`RankGroup` carries
 the mapping.
 
@@ -25,6 +25,8 @@ from datetime import timedelta
 from functools import cached_property
 
 import torch
+
+from .checks import check_int
 
 __all__ = [
     "Layout",
@@ -55,9 +57,7 @@ class Layout:
 
     def __post_init__(self) -> None:
         for field in ("dp", "tp", "cp"):
-            value = getattr(self, field)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise LayoutError(f"Layout.{field} must be a positive int, got {value!r}")
+            check_int(getattr(self, field), f"Layout.{field}", error=LayoutError)
 
     @property
     def world_size(self) -> int:
@@ -101,8 +101,7 @@ def parse_layouts(specs: Iterable[Layout | str | Mapping[str, int]], world_size:
     layouts = tuple(Layout.parse(s) for s in specs)
     if not layouts:
         raise LayoutError("the layout list is empty; give at least one layout")
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise LayoutError(f"world size must be a positive int, got {world_size!r}")
+    check_int(world_size, "world size", error=LayoutError)
     for layout in layouts:
         if layout.world_size != world_size:
             raise LayoutError(

@@ -6,7 +6,7 @@ dims, replicate over the rest", so a placement is fully described by that prefix
 
 * in a layout the prefix is the layout's tp dims (sharded roles) or empty (replicated roles);
 * at home it is the longest prefix whose size product divides the tensor dim (ZeRO-3-like storage,
-  never an uneven DTensor split: DESIGN.md trap "uneven shards").
+  never an uneven DTensor split: docs/DESIGN.md §7, trap "uneven shards").
 
 Because tp dims are a prefix too, a layout chunk always contains this rank's home chunk, so
 home -> layout needs only an all-gather of what is missing.
@@ -23,9 +23,11 @@ from torch.distributed.tensor import Placement, Replicate, Shard
 
 from .layout import Layout, LayoutError, MeshShape
 
-__all__ = ["Role", "ROLES", "ParamSharding", "build_shardings"]
+__all__ = ["Role", "ROLES", "TPRole", "ParamSharding", "build_shardings", "role_of"]
 
 GradState = Literal["shard", "replicate", "partial"]
+#: The role names a model's tensor-parallel plan may use (``models.tp_plan`` explains each one).
+TPRole = Literal["colwise", "rowwise", "vocab", "replicated", "replicated_partial"]
 
 
 @dataclass(frozen=True)
@@ -47,11 +49,12 @@ ROLES: dict[str, Role] = {
 }
 
 
-def _role(role: Role | str) -> Role:
+def role_of(role: Role | str) -> Role:
+    """The :class:`Role` named ``role``; an unknown name raises :class:`LayoutError` (a ValueError)."""
     if isinstance(role, Role):
         return role
     if role not in ROLES:
-        raise LayoutError(f"unknown parameter role {role!r}; known roles: {sorted(ROLES)}")
+        raise LayoutError(f"unknown tensor-parallel role {role!r}; known roles: {sorted(ROLES)}")
     return ROLES[role]
 
 
@@ -111,7 +114,7 @@ def build_shardings(
         raise LayoutError(f"no role given for parameters {missing}")
     out: dict[str, ParamSharding] = {}
     for name, shape in shapes.items():
-        role, shape = _role(roles[name]), tuple(int(s) for s in shape)
+        role, shape = role_of(roles[name]), tuple(int(s) for s in shape)
         if role.shard_dim is not None:
             if len(shape) <= role.shard_dim:
                 raise LayoutError(f"parameter {name!r} of shape {shape} has no dim {role.shard_dim} for role {role.name!r}")

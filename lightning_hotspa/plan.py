@@ -1,4 +1,4 @@
-"""The step-plan vocabulary that data, planner, strategy and callbacks share (DESIGN.md section 4).
+"""The step-plan vocabulary that data, planner, strategy and callbacks share (docs/DESIGN.md §4).
 
 Two levels:
 
@@ -14,7 +14,7 @@ Context-parallel slicing happens here, not in the model: each document is padded
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -34,6 +34,7 @@ __all__ = [
     "single_stage_plan",
 ]
 
+#: The label of a token with no loss (document ends, padding, prompt tokens); torch's own default.
 IGNORE_INDEX = -100
 
 
@@ -120,7 +121,8 @@ class MicroBatch:
     def num_documents(self) -> int:
         return self.cu_seqlens.numel() - 1
 
-    def _map(self, fn) -> MicroBatch:
+    def map_tensors(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> MicroBatch:
+        """A copy with ``fn`` applied to every tensor (moving, pinning: one definition of each)."""
         def apply(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else fn(t)
 
@@ -130,11 +132,11 @@ class MicroBatch:
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> MicroBatch:
         """Lightning moves any object with ``.to`` to the device."""
-        return self._map(lambda t: t.to(device, non_blocking=non_blocking))
+        return self.map_tensors(lambda t: t.to(device, non_blocking=non_blocking))
 
     def pin_memory(self) -> MicroBatch:
         """torch's DataLoader pin thread calls this on custom batch types."""
-        return self._map(lambda t: t.pin_memory())
+        return self.map_tensors(torch.Tensor.pin_memory)
 
 
 def pack_micro_batch(
@@ -258,13 +260,15 @@ class RankStage:
     activation_checkpointing: bool = False
     label: str = ""
 
-    def to(self, device: torch.device | str, non_blocking: bool = False) -> RankStage:
-        mbs = tuple(m.to(device, non_blocking) for m in self.micro_batches)
+    def map_tensors(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> RankStage:
+        mbs = tuple(m.map_tensors(fn) for m in self.micro_batches)
         return RankStage(self.layout, mbs, self.activation_checkpointing, self.label)
 
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> RankStage:
+        return self.map_tensors(lambda t: t.to(device, non_blocking=non_blocking))
+
     def pin_memory(self) -> RankStage:
-        mbs = tuple(m.pin_memory() for m in self.micro_batches)
-        return RankStage(self.layout, mbs, self.activation_checkpointing, self.label)
+        return self.map_tensors(torch.Tensor.pin_memory)
 
 
 @dataclass(frozen=True)
@@ -276,12 +280,18 @@ class RankPlan:
     global_target_tokens: int
     extras: dict = field(default_factory=dict, compare=False)  # e.g. data-side bookkeeping
 
+    def map_tensors(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> RankPlan:
+        """A copy with ``fn`` applied to every tensor of every micro-batch."""
+        return RankPlan(self.step, tuple(s.map_tensors(fn) for s in self.stages), self.global_target_tokens,
+                        self.extras)
+
     def to(self, device: torch.device | str, non_blocking: bool = False) -> RankPlan:
-        return RankPlan(self.step, tuple(s.to(device, non_blocking) for s in self.stages),
-                        self.global_target_tokens, self.extras)
+        """Lightning moves any object with ``.to`` to the device."""
+        return self.map_tensors(lambda t: t.to(device, non_blocking=non_blocking))
 
     def pin_memory(self) -> RankPlan:
-        return RankPlan(self.step, tuple(s.pin_memory() for s in self.stages), self.global_target_tokens, self.extras)
+        """torch's DataLoader pin thread calls this on custom batch types."""
+        return self.map_tensors(torch.Tensor.pin_memory)
 
     @property
     def micro_batches(self) -> list[MicroBatch]:

@@ -8,7 +8,7 @@ repeat, so machine noise hits all alike; each run's process groups are destroyed
   coefficients calibrated on a SEPARATE earlier run (other mini-batches, see ``calibrate``);
 * ``static/<layout>``: our strategy pinned to each layout that holds the longest document (what a
   Megatron-LM or torchtitan user picks: one layout for everything);
-* ``rule``: an artifact-style hand-set rule, REFERENCE.md's "<=4K: dp8; <=8K: dp4 x tp2; <=16K:
+* ``rule``: an artifact-style hand-set rule, docs/REFERENCE.md §3's "<=4K: dp8; <=8K: dp4 x tp2; <=16K:
   dp2 x tp2 x pp2" (7B, 8 GPUs, 16K, c2) mapped to 4 ranks as fixed fractions of the context:
   <= context/4: dp4, <= context/2: dp2xtp2, <= context: tp2xcp2 (our runtime has no pp);
 * ``model_parallel``: Lightning's own ``ModelParallelStrategy`` (torch TP + FSDP2) with the best

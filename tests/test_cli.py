@@ -26,10 +26,18 @@ def test_plan_prints_a_table_and_a_json_last_line(capsys: pytest.CaptureFixture[
     stages = result["stages"]
     assert sum(s["tokens"] for s in stages) == result["tokens"] and result["tokens"] <= 256 * 1024
     assert sum(s["documents"] for s in stages) == result["documents"]
-    assert result["step_s"] == pytest.approx(sum(s["seconds"] + s["switch_s"] for s in stages))
-    assert result["speedup_vs_best_static"] == pytest.approx(result["best_static"]["seconds"] / result["step_s"])
+    statics = result["static_s"]
+    assert result["best_static"] == {"layout": min(statics, key=statics.get), "seconds": min(statics.values())}
     assert result["speedup_vs_best_static"] >= 0.999  # the chosen set can fall back to that static layout
     assert "predicted speed-up" in out
+    # the best static, planned on its own by the same command, predicts what the comparison said
+    code, out, err = run(capsys, "plan", "--model", "llama7b", "--world-size", "8", "--hardware", "A800-80G",
+                         "--data", "bimodal", "--global-batch-tokens", "256K", "--context", "32K", "--json",
+                         "--layouts", result["best_static"]["layout"])
+    alone = json.loads(out.strip().splitlines()[-1])
+    assert code == 0 and alone["layouts"] == [result["best_static"]["layout"]]
+    assert alone["tokens"] == result["tokens"]  # the same batch
+    assert alone["step_s"] == pytest.approx(result["best_static"]["seconds"], rel=1e-9)
 
 
 def test_plan_with_given_layouts_and_a_corpus_folder(capsys: pytest.CaptureFixture[str], tmp_path) -> None:
@@ -53,8 +61,8 @@ def test_simulate_grid_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert len(result["cells"]) == 5 * 2
     for key in ("geomean_speedup_vs_best_static", "geomean_speedup_vs_hand_set"):
         assert result[key] > 0
-    cell = result["cells"][0]
-    assert cell["speedup_vs_best_static"] == pytest.approx(cell["best_static_s"] / cell["ours_s"])
+    for cell in result["cells"]:  # the best static over all layouts is no slower than the best without cp
+        assert cell["best_static_s"] <= cell["best_static_no_cp_s"] * (1 + 1e-12), cell
 
 
 @pytest.mark.parametrize("argv,needle", [

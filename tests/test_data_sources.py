@@ -36,9 +36,6 @@ from lightning_hotspa.data import (
 )
 from lightning_hotspa.data.sources import TEST_DIR_NAMES, stdlib_root
 
-pa = pytest.importorskip("pyarrow")
-pq = pytest.importorskip("pyarrow.parquet")
-
 
 def write_jsonl(path: Path, lines: list[str]) -> Path:
     path.write_text("\n".join(lines) + "\n")
@@ -129,15 +126,20 @@ def test_bad_policy_value_is_rejected(tmp_path: Path) -> None:
 # -- ParquetSource ---------------------------------------------------------------------------
 
 
-def write_parquet(path: Path, column: list, name: str = "text", type_=None) -> Path:
-    pq.write_table(pa.table({name: pa.array(column, type=type_)}), path)
+def write_parquet(path: Path, column: list, name: str = "text", binary: bool = False) -> Path:
+    # pyarrow is in the test extra: imported here, so a missing one fails the parquet tests by name
+    # instead of skipping this whole module
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({name: pa.array(column, type=pa.binary() if binary else None)}), path)
     return path
 
 
 def test_parquet_reads_rows_across_files_and_batches(tmp_path: Path) -> None:
     write_parquet(tmp_path / "b.parquet", ["b0"])
     write_parquet(tmp_path / "a.parquet", [f"a{i}" for i in range(5)] + [""])
-    write_parquet(tmp_path / "c.parquet", [b"\xff\xfe raw"], type_=pa.binary())
+    write_parquet(tmp_path / "c.parquet", [b"\xff\xfe raw"], binary=True)
     src = ParquetSource(tmp_path, batch_size=2)
     docs = list(src)
     assert [d for d, _ in docs] == [f"a.parquet:{i}" for i in range(5)] + [
@@ -256,7 +258,7 @@ def test_stdlib_corpus_counts_empty_and_keeps_non_utf8() -> None:
     assert not any("site-packages" in d for d in docs)
     ids = list(docs)
     assert ids == sorted(ids)
-    if sys.version_info[:2] == (3, 11):  # the numbers DESIGN.md records
+    if sys.version_info[:2] == (3, 11):  # docs/DESIGN.md §7, trap "The bundled corpus is not clean"
         assert (expected_empty, len(non_utf8)) == (28, 4)
 
 

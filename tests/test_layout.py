@@ -96,7 +96,7 @@ def test_home_sharding_rules():
     assert sh["scalar"].home_prefix == 0
     with pytest.raises(LayoutError, match="size 6 on dim 0, which tp=4 of layout tp4"):
         build_shardings({"w": (6, 4)}, {"w": "colwise"}, shape)
-    with pytest.raises(LayoutError, match="unknown parameter role 'diagonal'"):
+    with pytest.raises(LayoutError, match="unknown tensor-parallel role 'diagonal'"):
         build_shardings({"w": (8, 4)}, {"w": "diagonal"}, shape)
     with pytest.raises(LayoutError, match="no role given for parameters \\['w'\\]"):
         build_shardings({"w": (8, 4)}, {}, shape)

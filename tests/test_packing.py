@@ -232,8 +232,13 @@ def test_threshold_planner_is_a_stateless_planner() -> None:
     planner = ThresholdPlanner(FOUNDATION, 64)
     assert isinstance(planner, Planner)
     state = planner.state_dict()
-    ThresholdPlanner(["dp2", "tp2"], 64).load_state_dict(state)  # other layouts: accepted
-    lengths = [int(x) for x in np.random.default_rng(1).integers(1, 257, size=40)]
+    assert state["buckets"] == [(b.high, b.layout.name) for b in planner.buckets]
+    lengths = [int(x) for x in np.random.default_rng(1).integers(1, 126, size=40)]
+    other = ThresholdPlanner(["dp2", "tp2"], 64)
+    before = (other.buckets, other.plan(3, lengths), other.state_dict())
+    other.load_state_dict(state)  # another run's state (other layouts, world size): accepted, ignored
+    assert (other.buckets, other.plan(3, lengths), other.state_dict()) == before
+    assert {s.layout.name for s in other.plan(3, lengths).stages} <= {"dp2", "tp2"}
     assert planner.plan(3, lengths) == ThresholdPlanner(FOUNDATION, 64).plan(3, lengths)
 
 

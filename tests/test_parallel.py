@@ -1,4 +1,4 @@
-"""Tensor + context parallel compute path vs the single-process model (DESIGN.md section 3 invariant).
+"""Tensor + context parallel compute path vs the single-process model (docs/DESIGN.md §3).
 
 For every layout the forward loss and every parameter gradient (reduced by the switch engine into
 the home store, compared as full tensors) must equal the single-process model's on the same global

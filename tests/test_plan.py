@@ -41,9 +41,11 @@ def test_cp_slices_take_balanced_chunks_and_rebuild_the_row(cp):
     lengths = [7, 16, 1, 13]
     docs = _docs(lengths)
     slices = [pack_micro_batch(docs, cp, r) for r in range(cp)]
+    # documents padded to a multiple of 2*cp (7 -> 8, 16, 1 -> 2cp, 13 -> 16), worked out by hand
+    whole_row = {2: [0, 8, 24, 28, 44], 4: [0, 8, 24, 32, 48]}[cp]
     for r, mb in enumerate(slices):
-        # documents padded to a multiple of 2*cp; rank r holds chunks r and 2cp-1-r of each
-        assert mb.cp_cu_seqlens.tolist() == [0, 8, 24, 24 + 2 * cp, 24 + 2 * cp + 16] if cp == 2 else True
+        # rank r holds chunks r and 2cp-1-r of each document
+        assert mb.cp_cu_seqlens.tolist() == whole_row
         bounds = mb.cu_seqlens.tolist()
         full = mb.cp_cu_seqlens.tolist()
         for d in range(len(lengths)):
@@ -175,10 +177,49 @@ def test_slice_plan_rejects_foreign_layouts_and_wrong_doc_count():
         slice_plan(single_stage_plan(0, [3, 4], Layout(dp=4)), _docs([3]), mesh, 0)
 
 
-def test_rank_plan_moves_to_device():
-    mesh = MeshShape.for_layouts(["dp2"], 2)
-    plan = single_stage_plan(0, [3, 4, 5], Layout(dp=2))
-    rp = slice_plan(plan, _docs([3, 4, 5]), mesh, 1)
-    moved = rp.to("cpu")
-    assert moved.micro_batches[0].doc_ids == (1,)
-    assert torch.equal(moved.micro_batches[0].input_ids, rp.micro_batches[0].input_ids)
+def _cp_rank_plan():
+    mesh = MeshShape.for_layouts(["dp2", "cp2"], 2)
+    plan = StepPlan(step=3, doc_lengths=(3, 4, 5), stages=(
+        Stage(Layout(dp=2), (((0,),), ((1,),))), Stage(Layout(cp=2), (((2,),),))))
+    return slice_plan(plan, _docs([3, 4, 5]), mesh, 1)
+
+
+TENSOR_FIELDS = {"input_ids", "labels", "position_ids", "cu_seqlens", "cp_cu_seqlens"}
+
+
+def test_rank_plan_maps_every_tensor_and_keeps_the_rest():
+    """Moving and pinning go through ``map_tensors``: every tensor (cp slices included) must be
+    mapped, and nothing else may change."""
+    rp = _cp_rank_plan()
+    made = []
+
+    def fn(t: torch.Tensor) -> torch.Tensor:
+        made.append(t.clone())
+        return made[-1]
+
+    mapped = rp.map_tensors(fn)
+    assert (mapped.step, mapped.global_target_tokens) == (rp.step, rp.global_target_tokens)
+    assert [s.layout for s in mapped.stages] == [s.layout for s in rp.stages]
+    assert [m.doc_ids for m in mapped.micro_batches] == [(1,), (2,)]
+    fresh = {id(t) for t in made}
+    for before, after in zip(rp.micro_batches, mapped.micro_batches):
+        tensors = {k: v for k, v in vars(after).items() if isinstance(v, torch.Tensor)}
+        assert set(tensors) == TENSOR_FIELDS - ({"cp_cu_seqlens"} if before.cp_size == 1 else set())
+        for name, t in tensors.items():
+            assert id(t) in fresh and torch.equal(t, getattr(before, name)), name
+        assert (after.max_seqlen, after.num_target_tokens, after.cp_size, after.cp_rank) == (
+            before.max_seqlen, before.num_target_tokens, before.cp_size, before.cp_rank)
+
+
+def test_rank_plan_to_and_pin_memory_reach_every_tensor(monkeypatch):
+    rp = _cp_rank_plan()
+    calls = []
+    monkeypatch.setattr(torch.Tensor, "to", lambda t, *a, **k: calls.append((a, k)) or t)
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda t: calls.append("pin") or t)
+    rp.to("cuda:1", non_blocking=True)
+    n = sum(getattr(m, f) is not None for m in rp.micro_batches for f in TENSOR_FIELDS)
+    assert n == 9  # a dp micro-batch (4 tensors) and a cp slice (5)
+    assert calls == [(("cuda:1",), {"non_blocking": True})] * n
+    calls.clear()
+    rp.pin_memory()
+    assert calls == ["pin"] * n

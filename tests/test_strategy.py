@@ -292,14 +292,48 @@ def validate_and_log(log_dir):
         model = _model()
         trainer.fit(model, train_dataloaders=loader, val_dataloaders=loader)
         metrics = trainer.validate(model, dataloaders=loader, verbose=False)
-    return metrics[0]["val/loss"]
+        weights = {n: p.detach().full_tensor() for n, p in model.named_parameters()}  # collective
+    return metrics[0]["val/loss"], weights if dist.get_rank() == 0 else None
+
+
+def _reference_val_loss(weights, plans):
+    """What Lightning reports for ``val/loss`` logged per micro-batch with ``batch_size`` = its target
+    tokens and ``sync_dist``: the token-weighted mean over every rank's slices. A tp group's ranks all
+    log the same micro-batch, so a token of a stage with tp t counts t times; each token's loss comes
+    from the single-process model on the whole document."""
+    import torch.nn.functional as F
+    from strategy_helpers import make_docs
+
+    from lightning_hotspa.plan import pack_micro_batch
+
+    ref = _model()
+    with torch.no_grad():
+        for n, p in ref.named_parameters():
+            p.copy_(weights[n])
+    total = count = 0.0
+    for plan in plans:
+        mb = pack_micro_batch(make_docs(plan.step, plan.doc_lengths))
+        with torch.no_grad():
+            logits = ref(mb.input_ids, mb.position_ids, mb.cu_seqlens, mb.max_seqlen)
+        token_loss = F.cross_entropy(logits.double(), mb.labels, ignore_index=-100, reduction="none")
+        starts = mb.cu_seqlens.tolist()
+        for stage in plan.stages:
+            for doc in (d for group in stage.micro_batches for m in group for d in m):
+                lo, hi = starts[doc], starts[doc + 1] - 1  # the last position has no target
+                total += stage.layout.tp * float(token_loss[lo:hi].sum())
+                count += stage.layout.tp * (hi - lo)
+    return total / count
 
 
 def test_validation_in_every_layout_and_stage_metrics_are_logged(ranks, tmp_path):
     import csv
 
-    val_losses = ranks(4).run(validate_and_log, str(tmp_path))
-    assert len(set(val_losses)) == 1 and val_losses[0] > 0
+    results = ranks(4).run(validate_and_log, str(tmp_path))
+    val_losses = [v for v, _ in results]
+    layouts = [Layout.parse(x) for x in FOUNDATION]
+    plans = [mixed_plan(s, LENGTHS[s % len(LENGTHS)], layouts) for s in range(2)]
+    expected = _reference_val_loss(results[0][1], plans)
+    assert len(set(val_losses)) == 1 and abs(val_losses[0] - expected) <= 1e-5 * expected, (val_losses, expected)
     with open(tmp_path / "run" / "version_0" / "metrics.csv") as f:
         rows = list(csv.DictReader(f))
     columns = set(rows[0])

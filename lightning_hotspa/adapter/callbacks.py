@@ -28,6 +28,7 @@ import torch
 from lightning.pytorch.callbacks import TQDMProgressBar
 from lightning.pytorch.loggers import WandbLogger
 
+from ..checks import check_int
 from ..engine.records import StageRecord, StepResult, rank_stage_fields
 from ..plan import RankPlan, StepPlan
 from .stats import monitor_metrics
@@ -41,9 +42,7 @@ Predictor = Callable[[StepPlan], list[float | None]]
 
 
 def _nonneg_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"HotSPaMonitor: {name} must be an int >= 0 (0 = never), got {value!r}")
-    return value
+    return check_int(value, f"HotSPaMonitor: {name}", minimum=0, hint=" (0 = never)")
 
 
 def last_step_of(trainer: L.Trainer) -> StepResult | None:

@@ -39,6 +39,8 @@ class GuardedCollectives:
 
     def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
         if isinstance(tensor, Tensor):
+            if not tensor.is_floating_point() and isinstance(reduce_op, str) and reduce_op.lower() in ("mean", "avg"):
+                tensor = tensor.double()  # Lightning's mean of an int tensor truncates (e.g. summed batch sizes)
             with self.tracker.guard("a reduce"):
                 return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor

@@ -19,6 +19,8 @@ from typing import Any
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
+from ..checks import check_int, is_int
+
 __all__ = ["ConfigError", "CONFIG_DIR", "check_config", "group_options", "hardware_profile", "register_resolvers",
            "run_dir_name", "train"]
 
@@ -92,9 +94,9 @@ def _world_size(trainer_cfg: Any) -> int | None:
         devices = len(devices)
     if isinstance(devices, str) and devices.strip().lstrip("-").isdigit():
         devices = int(devices)
-    if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
+    if not is_int(devices) or devices < 1:
         return None
-    return devices * nodes if isinstance(nodes, int) and nodes >= 1 else None
+    return devices * nodes if is_int(nodes) and nodes >= 1 else None
 
 
 def _layout_error(world: int | None, problem: str) -> ConfigError:
@@ -227,9 +229,8 @@ def checkpoint_callback(node: Any) -> Any:
     if node is None or node.get("every_n_steps") is None:
         return None
     every, keep = node.get("every_n_steps"), node.get("keep", 2)
-    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-        raise ConfigError(f"checkpoint.every_n_steps must be a positive int or null (off), got {every!r}")
-    if isinstance(keep, bool) or not isinstance(keep, int) or keep == 0 or keep < -1:
+    check_int(every, "checkpoint.every_n_steps", hint=" or null (off)", error=ConfigError)
+    if not is_int(keep) or keep == 0 or keep < -1:
         raise ConfigError(f"checkpoint.keep must be a positive int or -1 (all), got {keep!r}")
     dirpath = node.get("dirpath")
     if not dirpath:

@@ -1,5 +1,5 @@
 """``HotSPaStrategy``: ``Trainer(strategy="hotspa")`` runs a whole step plan per optimizer step,
-hot-switching the model between parallel layouts inside the step (docs/DESIGN.md).
+hot-switching the model between parallel layouts inside the step (docs/DESIGN.md §3-4).
 
 One Lightning batch is this rank's slice of one step plan (:class:`RankPlan`); ``training_step``
 hands it to the engine's :class:`StepRunner`. Lightning then zeroes ``.grad`` and calls
@@ -34,6 +34,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch import Tensor, nn
 from typing_extensions import override
 
+from ..checks import check_int
 from ..data.context import PlanningContext
 from ..engine.records import StepResult
 from ..engine.step_runner import StepRunner
@@ -117,8 +118,7 @@ class HotSPaStrategy(GuardedCollectives, StrategyCheckpoints, ParallelStrategy):
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin)
         self._layout_spec = parse_layout_spec(layouts)
-        if isinstance(tokens_per_rank, bool) or not isinstance(tokens_per_rank, int) or tokens_per_rank < 1:
-            raise ValueError(f"tokens_per_rank must be a positive int, got {tokens_per_rank!r}")
+        check_int(tokens_per_rank, "tokens_per_rank")
         check_planner_spec(planner, hardware)
         self.tokens_per_rank, self.hardware = tokens_per_rank, hardware
         self._planner_spec, self._ac_spec = planner, check_checkpointing_spec(activation_checkpointing)
@@ -308,7 +308,7 @@ class HotSPaStrategy(GuardedCollectives, StrategyCheckpoints, ParallelStrategy):
     @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
         """Gradients were computed and reduced inside ``training_step``; hand them to the home params
-        now, after Lightning's ``zero_grad`` (the closure trap)."""
+        now, after Lightning's ``zero_grad`` (docs/DESIGN.md §7, trap "Lightning's closure order")."""
         assert self.engine is not None
         if self._skip_update:  # a non-finite step under nonfinite="skip": no gradients, no update
             for p in self.home.values():
@@ -347,9 +347,4 @@ class HotSPaStrategy(GuardedCollectives, StrategyCheckpoints, ParallelStrategy):
         self.precision_plugin.teardown()
         self.accelerator.teardown()
 
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        if "hotspa" not in strategy_registry:
-            strategy_registry.register("hotspa", cls, description="HotSPa: hot-switch parallel layouts per bucket")
 

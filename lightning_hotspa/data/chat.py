@@ -14,19 +14,17 @@ response tokens of the whole mini-batch.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
 from collections.abc import Iterator, Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from .errors import BadRecordPolicy, DataError, require
+from .errors import BadRecordPolicy
 from .source_base import Document, DocumentSource, _existing, files_fingerprint, list_files
-from .tokenizer import Tokenizer
+from .tokenizer import ChatTemplateTokenizer
 
 __all__ = ["ChatJsonlSource", "ChatTemplateTokenizer", "apply_prompt_mask", "response_targets"]
 
@@ -87,63 +85,6 @@ class ChatJsonlSource(DocumentSource):
 
     def fingerprint(self) -> dict[str, Any]:
         return {"type": type(self).__name__, "fields": self.fields, **files_fingerprint(self.root, self.files)}
-
-
-class ChatTemplateTokenizer(Tokenizer):
-    """A Hugging Face tokenizer folder (``tokenizer.json`` + ``tokenizer_config.json`` with a
-    ``chat_template``) that encodes :class:`ChatJsonlSource` documents with prompt tokens as
-    ``id + token_vocab_size`` (see the module doc). ``vocab_size`` is the encoding's id range
-    (twice the tokenizer's); ``token_vocab_size`` is what the model must hold."""
-
-    def __init__(self, path: str | os.PathLike[str], *, chat_template: str | None = None) -> None:
-        self.path = Path(path).expanduser()
-        if not (self.path / "tokenizer.json").is_file():
-            raise DataError(f"ChatTemplateTokenizer: {str(self.path)!r} has no tokenizer.json")
-        transformers = require("transformers", "ChatTemplateTokenizer (chat templates)")
-        self._tok = transformers.PreTrainedTokenizerFast.from_pretrained(str(self.path))
-        if chat_template is not None:
-            self._tok.chat_template = chat_template
-        if not getattr(self._tok, "chat_template", None):
-            raise DataError(f"ChatTemplateTokenizer: {str(self.path)!r} has no chat_template in its "
-                            f"tokenizer_config.json (pass chat_template=...)")
-        self.token_vocab_size = len(self._tok)
-        self.vocab_size = 2 * self.token_vocab_size
-        self.eos_id = self._tok.eos_token_id
-        self._digest = hashlib.sha256(b"".join(
-            (self.path / f).read_bytes() for f in ("tokenizer.json", "tokenizer_config.json")
-            if (self.path / f).is_file()) + self._tok.chat_template.encode()).hexdigest()
-
-    @property
-    def prompt_offset(self) -> int:
-        """Prompt tokens are stored as ``id + prompt_offset`` (the DataModule undoes it per plan)."""
-        return self.token_vocab_size
-
-    @property
-    def storage_dtype(self) -> np.dtype:
-        return np.dtype(np.int32)
-
-    def _ids(self, messages: Sequence[Mapping[str, str]], generation_prompt: bool) -> list[int]:
-        text = self._tok.apply_chat_template(list(messages), tokenize=False,
-                                             add_generation_prompt=generation_prompt)
-        return list(self._tok(text, add_special_tokens=False)["input_ids"])
-
-    def encode(self, doc: bytes | str) -> np.ndarray:
-        messages = json.loads(doc)
-        ids = self._ids(messages, False)
-        response = np.zeros(len(ids), dtype=bool)
-        for i, m in enumerate(messages):
-            if m["role"] != "assistant":
-                continue
-            start, turn = len(self._ids(messages[:i], True)), self._ids(messages[: i + 1], False)
-            if ids[: len(turn)] != turn:
-                raise DataError("ChatTemplateTokenizer: the chat template does not render a conversation as "
-                                "a prefix of its continuation; the assistant turns cannot be found")
-            response[start:len(turn)] = True
-        out = np.asarray(ids, dtype=np.int64)
-        return np.where(response, out, out + self.token_vocab_size).astype(np.int32)
-
-    def fingerprint(self) -> dict[str, Any]:
-        return {"type": type(self).__name__, "sha256": self._digest}
 
 
 def response_targets(docs: Sequence[np.ndarray], offset: int) -> int:

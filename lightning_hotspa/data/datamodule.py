@@ -1,6 +1,6 @@
 """HotSPaDataModule: every Lightning batch is this rank's slice of one optimizer step's plan.
 
-Per step (DESIGN.md section 3): :class:`MiniBatchSampler` draws the global mini-batch (a token
+Per step (docs/DESIGN.md §3): :class:`MiniBatchSampler` draws the global mini-batch (a token
 budget) -> ``planner.plan`` assigns, packs and balances it -> :func:`slice_plan` cuts out this
 rank's micro-batches. Every rank (and every loader worker) computes the same global plan from
 (data, seed, step) alone, with no communication.
@@ -47,10 +47,11 @@ import lightning as L
 import numpy as np
 from torch.utils.data import Dataset
 
+from ..checks import check_int, is_int
 from ..layout import MeshShape
 from ..plan import RankPlan, StepPlan, slice_plan
 from ..planner.base import Planner, check_planner
-from ..planner.packing import plan_stats
+from ..planner.plan_stats import plan_stats
 from .cache import TokenizedCorpus
 from .context import PlanningContext, PlanningProvider
 from .errors import DataError
@@ -231,12 +232,10 @@ class HotSPaDataModule(L.LightningDataModule):
             tokenizer, **dict(tokenizer_kwargs or {}))
         if not (isinstance(val_fraction, (int, float)) and 0.0 <= val_fraction < 1.0):
             raise DataError(f"{name}: val_fraction must be in [0, 1), got {val_fraction!r}")
-        if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
-            raise DataError(f"{name}: num_workers must be an int >= 0 (0: load in the training process), "
-                            f"got {num_workers!r}")
-        if batches_per_epoch is not None and (isinstance(batches_per_epoch, bool) or not isinstance(
-                batches_per_epoch, int) or batches_per_epoch < 1):
-            raise DataError(f"{name}: batches_per_epoch must be a positive int or None, got {batches_per_epoch!r}")
+        check_int(num_workers, f"{name}: num_workers", minimum=0, hint=" (0: load in the training process)",
+                  error=DataError)
+        if batches_per_epoch is not None:
+            check_int(batches_per_epoch, f"{name}: batches_per_epoch", hint=" or None", error=DataError)
         self.tokens_per_batch, self.context_length = tokens_per_batch, context_length
         self.seed, self.long_doc_policy = seed, long_doc_policy
         self.val_fraction, self.val_seed = float(val_fraction), val_seed
@@ -343,7 +342,7 @@ class HotSPaDataModule(L.LightningDataModule):
         if foreign:
             raise DataError(f"{name}: planner layouts {foreign} are not on the mesh "
                             f"({[str(x) for x in mesh.layouts]})")
-        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < mesh.world_size:
+        if not is_int(rank) or not 0 <= rank < mesh.world_size:
             raise DataError(f"{name}: rank {rank!r} is outside the mesh of {mesh.world_size} ranks")
         above = [b for b in planner.hand_set_bounds if b > self.context_length]
         if isinstance(self.context_length, int) and above:

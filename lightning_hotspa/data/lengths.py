@@ -41,6 +41,7 @@ from typing import Any
 
 import numpy as np
 
+from ..checks import check_int
 from .errors import DataError
 
 LENGTH_PROFILES: dict[str, dict[str, float]] = {
@@ -79,8 +80,7 @@ class LengthGenerator:
                 f"LengthGenerator({self.kind!r}) got unknown params {sorted(unknown)}; "
                 f"known: {sorted(LENGTH_PROFILES[self.kind])}"
             )
-        if not isinstance(self.seed, int) or self.seed < 0:
-            raise DataError(f"LengthGenerator seed must be a non-negative int, got {self.seed!r}")
+        check_int(self.seed, "LengthGenerator seed", minimum=0, error=DataError)
         if self.min_length < 1:
             raise DataError(f"LengthGenerator min_length must be >= 1, got {self.min_length}")
         if self.max_length is not None and self.max_length < self.min_length:

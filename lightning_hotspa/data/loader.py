@@ -8,21 +8,17 @@ the resume notes of :mod:`.datamodule`.
 
 from __future__ import annotations
 
-import dataclasses
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, Sampler
 
-from ..plan import MicroBatch, RankPlan
+from ..plan import RankPlan
 from .errors import DataError
 from .minibatches import MiniBatchSampler
-
-if TYPE_CHECKING:
-    from .datamodule import StepPlanDataset
 
 __all__ = ["STATE_FORMAT", "PlanDataLoader", "pin_rank_plan"]
 
@@ -78,26 +74,10 @@ def _accelerator_available() -> bool:
 
 
 def pin_rank_plan(plan: RankPlan, pin: Callable[[torch.Tensor], torch.Tensor] | None = None) -> RankPlan:
-    """A copy of ``plan`` with every tensor in page-locked memory.
-
-    Needed because torch's pin-memory thread pins only tensors, mappings, sequences and objects
-    with a ``pin_memory()`` method, and :class:`RankPlan` has none: it would pass through unpinned.
-    """
-    pin = pin or torch.Tensor.pin_memory
-
-    def pin_mb(mb: MicroBatch) -> MicroBatch:
-        return dataclasses.replace(
-            mb,
-            input_ids=pin(mb.input_ids),
-            labels=pin(mb.labels),
-            position_ids=pin(mb.position_ids),
-            cu_seqlens=pin(mb.cu_seqlens),
-            cp_cu_seqlens=None if mb.cp_cu_seqlens is None else pin(mb.cp_cu_seqlens),
-        )
-
-    stages = tuple(dataclasses.replace(s, micro_batches=tuple(pin_mb(m) for m in s.micro_batches))
-                   for s in plan.stages)
-    return dataclasses.replace(plan, stages=stages)
+    """A copy of ``plan`` with every tensor in page-locked memory (``pin`` replaces the pinning in
+    tests). The loader pins here, in its iterator, rather than with torch's pin-memory thread, which
+    would call :meth:`RankPlan.pin_memory` (the same mapping) only when ``pin_memory=True``."""
+    return plan.map_tensors(pin or torch.Tensor.pin_memory)
 
 
 class _PlanIterator(Iterator[RankPlan]):
@@ -125,12 +105,12 @@ class PlanDataLoader(DataLoader):
     ``batch_size``, ...) are accepted and ignored, so plans are never re-sharded.
     """
 
-    dataset: StepPlanDataset
+    dataset: Any  # a StepPlanDataset (data/datamodule.py, which imports this module)
     sampler: _StepSampler
 
     def __init__(
         self,
-        dataset: StepPlanDataset,
+        dataset: Any,
         num_workers: int = 0,
         pin_memory: bool = False,
         persistent_workers: bool = False,
@@ -189,7 +169,7 @@ def _identity(sampler: MiniBatchSampler | None, batches_per_epoch: int | None) -
     return out
 
 
-def _position_state(cursor: _Cursor, dataset: StepPlanDataset) -> dict[str, Any]:
+def _position_state(cursor: _Cursor, dataset: Any) -> dict[str, Any]:
     return {"format": STATE_FORMAT, "epoch": cursor.epoch, "step": cursor.step,
             **_identity(dataset.sampler, len(dataset))}
 

@@ -28,6 +28,7 @@ from typing import Any, Literal, NamedTuple, Protocol
 
 import numpy as np
 
+from ..checks import check_int, is_int
 from .errors import DataError
 
 LongDocPolicy = Literal["split", "truncate", "raise"]
@@ -59,9 +60,7 @@ def chunk_tokens(store: TokenStore, ref: ChunkRef) -> np.ndarray:
 
 
 def _positive_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
-        raise DataError(f"{name} must be a positive integer, got {value!r}")
-    return int(value)
+    return check_int(value, name, error=DataError)
 
 
 def split_into_chunks(
@@ -130,9 +129,7 @@ class MiniBatchSampler:
                 f"tokens_per_batch={self.tokens_per_batch} is smaller than context_length="
                 f"{self.context_length}: a full-context chunk could never fit in a mini-batch"
             )
-        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
-            raise DataError(f"seed must be a non-negative integer, got {seed!r}")
-        self.seed = int(seed)
+        self.seed = check_int(seed, "seed", minimum=0, error=DataError)
         if long_doc_policy not in LONG_DOC_POLICIES:
             raise DataError(
                 f"long_doc_policy must be one of {LONG_DOC_POLICIES}, got {long_doc_policy!r}"
@@ -170,9 +167,7 @@ class MiniBatchSampler:
 
     def _plan(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
         """(chunk order, batch boundaries) of one epoch, memoized for the last two epochs."""
-        if isinstance(epoch, bool) or not isinstance(epoch, (int, np.integer)) or epoch < 0:
-            raise DataError(f"epoch must be a non-negative integer, got {epoch!r}")
-        epoch = int(epoch)
+        epoch = check_int(epoch, "epoch", minimum=0, error=DataError)
         if epoch not in self._plans:
             order = np.random.default_rng([self.seed, epoch]).permutation(self.num_chunks)
             bounds = _next_fit_bounds(self.chunk_len[order], self.tokens_per_batch)
@@ -187,11 +182,7 @@ class MiniBatchSampler:
     def batch_indices(self, epoch: int, step: int) -> np.ndarray:
         """Chunk indices of one mini-batch (into ``chunk_doc``/``chunk_start``/``chunk_len``)."""
         order, bounds = self._plan(epoch)
-        if (
-            isinstance(step, bool)
-            or not isinstance(step, (int, np.integer))
-            or not 0 <= step < len(bounds) - 1
-        ):
+        if not is_int(step) or not 0 <= step < len(bounds) - 1:
             raise DataError(
                 f"step must be in [0, {len(bounds) - 1}) for epoch {epoch}, got {step!r}"
             )
@@ -255,11 +246,7 @@ class MiniBatchSampler:
             )
         epoch, step = state.get("epoch"), state.get("step")
         self._plan(epoch)  # validates epoch
-        if (
-            isinstance(step, bool)
-            or not isinstance(step, (int, np.integer))
-            or not 0 <= step <= self.num_batches(epoch)
-        ):
+        if not is_int(step) or not 0 <= step <= self.num_batches(epoch):
             raise DataError(
                 f"saved step must be in [0, {self.num_batches(epoch)}] for epoch {epoch}, got {step!r}"
             )

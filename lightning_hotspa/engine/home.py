@@ -5,7 +5,7 @@ Start-up scales with the shard when the caller can initialize a region of a para
 do not depend on the region asked for): each rank then generates only the rows (or columns) it holds,
 on CPU, and moves that shard to its device. Without ``init_shard`` every rank builds each FULL
 parameter and slices it (one parameter at a time, so peak memory is one full tensor).
-Either way the result equals the single-process model (DESIGN.md trap "random init of sharded DTensors").
+Either way the result equals the single-process model (docs/DESIGN.md §7, trap "random init of sharded DTensors").
 """
 
 from __future__ import annotations

@@ -16,14 +16,13 @@ into the home-sharded store). Two layouts with the same tp dims give every param
 shard and gradient states (:meth:`SwitchEngine.shares_gradients`), so a switch between them may keep
 the working gradients (``switch(layout, keep_grads=True)``) and a run of such stages reduces once.
 Lightning zeroes ``.grad`` between ``training_step`` and ``backward``, so the store is handed to the
-home params only on request (DESIGN.md, closure trap).
+home params only on request (docs/DESIGN.md §7, trap "Lightning's closure order").
 """
 
 from __future__ import annotations
 
 import math
 import time
-import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -34,13 +33,10 @@ from torch.distributed.tensor import DTensor
 
 from ..layout import Layout, LayoutError, RankGroup, WorldMesh
 from ..placements import ParamSharding
+from ..torch_compat import C10D_DEPRECATION_MESSAGE  # noqa: F401  (installs the warning filter)
 from .gradients import GradientReduction, GradReport
 from .gradients import sub_chunk as _sub_chunk
 from .home import build_home_parameters
-
-# torch 2.13 deprecates all_gather_into_tensor in favour of all_gather_single, which 2.11 lacks.
-warnings.filterwarnings("ignore", message=".*(all_gather_into_tensor|reduce_scatter_tensor).*deprecated",
-                        category=FutureWarning)
 
 __all__ = ["SwitchReport", "GradReport", "SwitchEngine", "build_home_parameters", "HOME"]
 

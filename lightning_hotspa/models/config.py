@@ -11,6 +11,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ..checks import check_int, check_number
+
 __all__ = ["ARTIFACT_VOCAB", "Llama3RopeScaling", "LLAMA2_VOCAB", "LLAMA3_VOCAB", "LlamaConfig", "PRESETS"]
 
 
@@ -44,7 +46,7 @@ class LlamaConfig:
     norm_eps: float = 1e-5
     max_seq_len: int = 4096
     # The embedding and LM head get ``padded_vocab_size`` rows so that every tensor-parallel
-    # degree we use divides them evenly (uneven DTensor shards misalign; see DESIGN.md §7).
+    # degree we use divides them evenly (uneven DTensor shards misalign: docs/DESIGN.md §7, trap "uneven shards").
     vocab_multiple: int = 128
     # Architecture variants found in released checkpoints (Hugging Face Llama / Mistral / Qwen2):
     qkv_bias: bool = False  # biases on the q / k / v projections (Qwen2)
@@ -63,13 +65,9 @@ class LlamaConfig:
             raise ValueError(f"LlamaConfig.sliding_window must be None or a positive int, got {window!r}")
         for name in ("vocab_size", "hidden", "n_layers", "n_heads", "n_kv_heads",
                      "ffn_hidden", "max_seq_len", "vocab_multiple"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"LlamaConfig.{name} must be a positive int, got {value!r}")
+            check_int(getattr(self, name), f"LlamaConfig.{name}")
         for name in ("rope_theta", "norm_eps"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"LlamaConfig.{name} must be a positive number, got {value!r}")
+            check_number(getattr(self, name), f"LlamaConfig.{name}")
         if self.hidden % self.n_heads:
             raise ValueError(
                 f"LlamaConfig.hidden={self.hidden} is not divisible by n_heads={self.n_heads}"
@@ -154,7 +152,7 @@ PRESETS: dict[str, LlamaConfig] = {
                          ffn_hidden=1024, max_seq_len=4096, vocab_multiple=64),
     # 1B class: TinyLlama's shape, which uses the LLaMA-2 tokenizer (32000 ids).
     "1b": _llama(LLAMA2_VOCAB, 2048, 22, 32, 4, 5632),
-    # The paper's shapes (REFERENCE.md) with the real LLaMA-2 vocabulary.
+    # The paper's shapes (docs/REFERENCE.md §2) with the real LLaMA-2 vocabulary.
     "llama7b": _llama(LLAMA2_VOCAB, 4096, 32, 32, 32, 11008),
     "llama13b": _llama(LLAMA2_VOCAB, 5120, 40, 40, 40, 13824),
     "llama30b": _llama(LLAMA2_VOCAB, 6656, 60, 64, 64, 17920),

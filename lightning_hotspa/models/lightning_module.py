@@ -2,7 +2,7 @@
 
 ``training_step`` returns the mean loss over its own slice's target tokens, as any
 LightningModule does; the HotSPa strategy rescales it by the slice's share of the mini-batch's
-target tokens (DESIGN.md §4). The loss function is an attribute so a tensor-parallel wrapper
+target tokens (docs/DESIGN.md §4). The loss function is an attribute so a tensor-parallel wrapper
 can swap in a vocab-parallel cross-entropy for vocab-sharded logits.
 """
 
@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..plan import IGNORE_INDEX
 from .config import LlamaConfig
 from .init import build_llama, init_parameter
 from .llama import Llama
@@ -24,8 +25,6 @@ from .tp_plan import TPRole, llama_tp_plan
 from .vocab import check_token_ids
 
 __all__ = ["IGNORE_INDEX", "LlamaLM", "PackedBatch", "token_mean_cross_entropy"]
-
-IGNORE_INDEX = -100
 
 
 class PackedBatch(Protocol):

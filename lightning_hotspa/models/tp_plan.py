@@ -19,10 +19,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from fnmatch import fnmatchcase
-from typing import Literal
 
 from torch import nn
 
+from ..checks import check_int
+from ..placements import ROLES, TPRole, role_of
 from .config import LlamaConfig
 
 __all__ = [
@@ -35,31 +36,18 @@ __all__ = [
     "shard_dim",
 ]
 
-TPRole = Literal["colwise", "rowwise", "vocab", "replicated", "replicated_partial"]
 TPPlan = Mapping[str, TPRole]
-
-# Tensor dim each role shards over tp (None: not sharded).
-_SHARD_DIM: dict[str, int | None] = {
-    "colwise": 0,
-    "rowwise": 1,
-    "vocab": 0,
-    "replicated": None,
-    "replicated_partial": None,
-}
-ROLES: tuple[str, ...] = tuple(_SHARD_DIM)
 
 
 def shard_dim(role: str) -> int | None:
-    """The weight dim that ``role`` shards over tp, or None for the replicated roles."""
-    if role not in _SHARD_DIM:
-        raise ValueError(f"unknown tensor-parallel role {role!r}; roles are {list(ROLES)}")
-    return _SHARD_DIM[role]
+    """The weight dim that ``role`` shards over tp, or None for the replicated roles (the roles
+    themselves are defined once, in :mod:`lightning_hotspa.placements`)."""
+    return role_of(role).shard_dim
 
 
 def check_tp_compatible(config: LlamaConfig, tp: int) -> None:
     """Raise ValueError unless ``tp`` splits heads, FFN and padded vocab evenly."""
-    if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
-        raise ValueError(f"tp must be a positive int, got {tp!r}")
+    check_int(tp, "tp")
     checks = {
         "n_heads": config.n_heads,
         "ffn_hidden": config.ffn_hidden,

@@ -1,7 +1,7 @@
 """Autograd-aware collectives over one :class:`RankGroup`, always in SHARD order.
 
 Why a module of its own: the hot path computes on local tensors with explicit collectives
-(DESIGN.md section 4), and every one of them must respect two facts:
+(docs/DESIGN.md §4), and every one of them must respect two facts:
 
 * Megatron's conjugate pairs: an op that is the identity forward must all-reduce backward (``f``)
   and vice versa (``g``), otherwise tp ranks silently train on partial gradients;
@@ -15,7 +15,6 @@ The ``torch.distributed`` functions are looked up at call time (``dist.all_reduc
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 import torch
@@ -23,9 +22,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..layout import RankGroup
-
-# torch 2.13 deprecates all_gather_into_tensor in favour of all_gather_single, which 2.11 lacks.
-warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*deprecated", category=FutureWarning)
+from ..torch_compat import C10D_DEPRECATION_MESSAGE  # noqa: F401  (installs the warning filter)
 
 __all__ = [
     "copy_to_group",

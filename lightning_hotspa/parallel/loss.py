@@ -17,11 +17,10 @@ from torch import Tensor, nn
 
 from ..layout import RankGroup
 from ..models.vocab import check_token_ids
+from ..plan import IGNORE_INDEX
 from .state import ParallelState
 
 __all__ = ["IGNORE_INDEX", "vocab_parallel_cross_entropy", "VocabParallelLoss"]
-
-IGNORE_INDEX = -100
 
 
 class _VocabParallelCE(torch.autograd.Function):

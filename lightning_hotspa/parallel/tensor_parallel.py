@@ -1,6 +1,6 @@
 """Tensor parallelism for any model from its per-parameter roles, installed once.
 
-Why explicit collectives on local tensors (DESIGN.md section 4): a tp group may span several
+Why explicit collectives on local tensors (docs/DESIGN.md §4): a tp group may span several
 world-mesh dims, which ``parallelize_module`` (1-D tp mesh) cannot express without a flattened mesh
 that DTensor cannot redistribute back from. So each role becomes a Megatron-style forward on the
 module's CURRENT parameters (the switch engine's local shards) and the ACTIVE layout's tp group,

@@ -1,8 +1,9 @@
 """Ulysses context parallelism around an ordinary varlen core attention.
 
-Why Ulysses and not a ring: torch's ring ``context_parallel`` has no CPU SDPA rule (DESIGN.md
-section 8), and an all-to-all keeps the attention kernel untouched, so every backend (SDPA per
-document, flash varlen) works unchanged and documents that straddle cp chunks stay exact.
+Why Ulysses and not a ring: torch's ring ``context_parallel`` has no CPU SDPA rule
+(docs/DESIGN.md §7, trap "context_parallel on CPU"), and an all-to-all keeps the attention kernel
+untouched, so every backend (SDPA per document, flash varlen) works unchanged and documents that
+straddle cp chunks stay exact.
 
 Each cp rank holds chunks ``r`` and ``2cp-1-r`` of every document (``plan.pack_micro_batch``). One
 all-to-all of the fused q/k/v scatters heads and gathers tokens; the gathered rows (rank-major) are

@@ -1,26 +1,24 @@
-"""Planning: which layout runs which documents, packed into which micro-batches (DESIGN.md 3, 5).
+"""Planning: which layout runs which documents, packed into which micro-batches (docs/DESIGN.md §3, §5).
 
 ``planner`` never imports ``data``: it sees document lengths, never tokens.
 """
 
 from .base import Planner, PlannerBase, check_planner
-from .candidates import auto_layouts
+from .candidates import auto_layouts, auto_planner
 from .packing import (
     DEFAULT_QUADRATIC_SCALE,
     DocCost,
     DocumentTooLongError,
     PackedLayout,
-    PlanStats,
     QuadraticCost,
     StagePlanStats,
     cp_padded_lengths,
     first_fit_decreasing,
     max_doc_length,
     pack_layout,
-    plan_stats,
     spread_over_groups,
-    stage_stats,
 )
+from .plan_stats import PlanStats, plan_stats, stage_stats
 from .rule import Bucket, ThresholdPlanner
 from .solver import CostModelPlanner
 
@@ -39,6 +37,7 @@ __all__ = [
     "ThresholdPlanner",
     "check_planner",
     "auto_layouts",
+    "auto_planner",
     "cp_padded_lengths",
     "first_fit_decreasing",
     "max_doc_length",

@@ -1,6 +1,6 @@
 """Profiled mode: fit each option's ``a*s^2 + b*s`` per document and ``c`` per micro-batch to timings.
 
-Hydraulis fits ``time = a s^2 + b s + c`` per strategy (REFERENCE.md); here one observation is one
+Hydraulis fits ``time = a s^2 + b s + c`` per strategy (docs/REFERENCE.md §5); here one observation is one
 rank's measured compute seconds of one stage, whose features are ``(sum s^2, sum s, micro-batches,
 documents)`` over that rank's micro-batches (padded lengths): ``c`` is paid per micro-batch (launches,
 collective latencies) and ``e`` per document (per-document attention calls), so the fit is linear
@@ -11,7 +11,7 @@ option with too few or too uniform observations to separate the three terms keep
 coefficients times one global scale fitted over all observations, so unobserved options stay
 comparable with observed ones.
 
-Determinism (DESIGN.md "who holds what"): every rank must plan with the same coefficients. Ranks
+Determinism (docs/DESIGN.md §4, "Who holds what"): every rank must plan with the same coefficients. Ranks
 time different micro-batches, so the strategy rides the rows on the step's one all-gather
 (:func:`lightning_hotspa.engine.records.gather_step`, then
 :func:`lightning_hotspa.adapter.profiling.gathered_observations`),

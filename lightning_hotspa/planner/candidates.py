@@ -20,15 +20,18 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
+from ..checks import check_int
 from ..layout import Layout, LayoutError, MeshShape
 from ..models.config import LlamaConfig
 from .cost_model import AnalyticCostModel, CostModelError, OptionCost
 from .hardware import HardwareProfile
+from .solver import CostModelPlanner
 
-__all__ = ["auto_layouts", "enumerate_layouts", "layout_rates", "prune_dominated"]
+__all__ = ["auto_layouts", "auto_planner", "enumerate_layouts", "layout_rates", "prune_dominated"]
 
 
 def _divisors(n: int) -> list[int]:
@@ -102,8 +105,7 @@ def auto_layouts(
 ) -> tuple[Layout, ...]:
     """2-4 candidate layouts (fewer only if fewer exist); see the module docstring."""
     cm = AnalyticCostModel(model, hardware, world_size)
-    if isinstance(context, bool) or not isinstance(context, int) or context < 1:
-        raise LayoutError(f"context must be a positive int, got {context!r}")
+    check_int(context, "context", error=LayoutError)
     layouts = enumerate_layouts(world_size, cm)
     if not layouts:
         raise LayoutError(f"{cm.model.n_layers}-layer model ({cm.params / 1e9:.1f}B parameters) has no layout on "
@@ -163,8 +165,6 @@ def _refine(cm: AnalyticCostModel, layouts: Sequence[Layout], keep: Sequence[int
     layout on the sample (a set containing it can always fall back to it, so the choice is never
     predicted slower than the best static layout among the candidates on this sample).
     """
-    from .solver import CostModelPlanner
-
     def real(subset: tuple[int, ...]) -> float:
         planner = CostModelPlanner([layouts[i] for i in subset], model=cm.model, hardware=cm.hardware)
         return planner.solve(sample)[0]
@@ -183,3 +183,11 @@ def _refine(cm: AnalyticCostModel, layouts: Sequence[Layout], keep: Sequence[int
         seen.add(subset)
         out.append((statics[subset[0]] if size == 1 and subset[0] in statics else real(subset), size, subset))
     return out
+
+
+def auto_planner(world_size: int, context: int, *, model: LlamaConfig | str, hardware: HardwareProfile | str,
+                 lengths: Sequence[int] | None = None, **planner_kwargs: Any) -> CostModelPlanner:
+    """A :class:`CostModelPlanner` over :func:`auto_layouts` (the choice scores sets with the solver,
+    so it lives here, above the solver; ``planner_kwargs`` go to the planner)."""
+    layouts = auto_layouts(world_size, model, hardware, context, lengths=lengths)
+    return CostModelPlanner(layouts, model=model, hardware=hardware, world_size=world_size, **planner_kwargs)

@@ -29,7 +29,7 @@ rows); the cost is padding (``s`` rounded up to ``2*cp``) and communication:
   unsharded efficiency: compute divides by ``tp*cp * hardware.shard_efficiency(tp, cp)`` (a
   measured per-degree curve, recipes/gpu_check.py part (c); 1.0 when the profile has none).
 * Activation checkpointing recomputes each layer's forward: +1/3 of the layers' training FLOPs.
-* dp: one reduce-scatter of the stage's fp32 gradients per run of same-tp stages (DESIGN.md step 4).
+* dp: one reduce-scatter of the stage's fp32 gradients per run of same-tp stages (docs/DESIGN.md §4, "Gradients live in the engine's store").
 * Switches (switch.py): a move from tp ``s`` to tp ``t < s`` all-gathers ``1/t - 1/s`` of the bf16
   weights over a group spanning ``s`` consecutive ranks; ``t >= s`` is a local slice (free). Home is
   sharded over the whole world. Group spans decide intra- (NVLink) vs inter-node bandwidth, nodes of
@@ -54,6 +54,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..checks import check_int
 from ..layout import Layout
 from ..models.config import LlamaConfig
 from .hardware import HardwareProfile, get_profile
@@ -95,9 +96,7 @@ class Parallelism:
 
     def __post_init__(self) -> None:
         for f in ("dp", "tp", "cp", "pp"):
-            v = getattr(self, f)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise CostModelError(f"Parallelism.{f} must be a positive int, got {v!r}")
+            check_int(getattr(self, f), f"Parallelism.{f}", error=CostModelError)
 
     @classmethod
     def of(cls, layout: Layout | Parallelism) -> Parallelism:
@@ -219,8 +218,7 @@ class AnalyticCostModel:
     def __init__(self, model: LlamaConfig | str, hardware: HardwareProfile | str, world_size: int, *,
                  grad_bytes: int = 4, param_bytes: int = 2, capacity_multiple: int = 128,
                  grad_accum_bytes: int = 4, attention_backend: str = "flash") -> None:
-        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-            raise CostModelError(f"world size must be a positive int, got {world_size!r}")
+        check_int(world_size, "world size", error=CostModelError)
         self.model = resolve_model(model)
         self.hardware = get_profile(hardware)
         self.world_size = world_size

@@ -5,18 +5,25 @@ GEMMs and attention kernels reach in training, memory, and the bus bandwidth of 
 node and between nodes (per device, in the ``busbw`` sense of nccl-tests, so a ring all-reduce of B
 bytes over g devices takes ``2 (g-1)/g * B / bw``). Vendor peaks are from the data sheets; the
 efficiencies and inter-node links are ASSUMPTIONS typical of published runs, named as such. The
-``cpu-gloo`` profile was measured on the development machine with :func:`measure_cpu_gloo`.
+``cpu-gloo`` profile was measured on the development machine with ``hotspa calibrate``
+(:mod:`lightning_hotspa.tools.measure_hardware`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-__all__ = ["CPU_GLOO_CALIBRATION", "HardwareProfile", "PROFILES", "UnknownProfileError", "get_profile", "measure_cpu_gloo",
-           "profile_for_device"]
+from ..checks import check_number
+
+__all__ = ["CPU_GLOO_CALIBRATION", "HardwareProfile", "PROFILES", "UnknownProfileError", "get_profile",
+           "profile_for_device", "UPDATABLE_FIELDS", "ProfileUpdateError",
+           "apply_profile_update", "load_updated_profile"]
 
 GiB = 2**30
 
@@ -57,8 +64,7 @@ class HardwareProfile:
                 continue
             if f.name in ("name", "source"):
                 continue
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"HardwareProfile {self.name!r}: {f.name} must be a number >= 0, got {value!r}")
+            check_number(value, f"HardwareProfile {self.name!r}: {f.name}", strict=False)
         for f in ("peak_flops", "dense_efficiency", "attention_efficiency", "memory_bytes", "intra_node_bw",
                   "inter_node_bw", "devices_per_node"):
             if not getattr(self, f) > 0:
@@ -181,8 +187,6 @@ def get_profile(profile: str | HardwareProfile) -> HardwareProfile:
     if isinstance(profile, HardwareProfile):
         return profile
     if isinstance(profile, str) and profile.strip().endswith(".json"):
-        from .profile_update import load_updated_profile
-
         return load_updated_profile(profile.strip())
     if isinstance(profile, str):
         for name, value in PROFILES.items():
@@ -205,49 +209,50 @@ def profile_for_device(device_type: str, device_name: str = "") -> str | None:
     return None
 
 
-# ---------------------------------------------------------------------------------------- calibration
-def _time(fn: Any, repeats: int) -> float:
-    """Median seconds of ``fn()`` over ``repeats`` calls (after one warm-up)."""
-    import time
-
-    fn()
-    samples = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - t0)
-    samples.sort()
-    return samples[len(samples) // 2]
+# ----------------------------------------------------------------- measured updates (gpu_check)
+#: the fields a measurement may set; the rest of a profile (links, memory) stays as written
+UPDATABLE_FIELDS = ("peak_flops", "dense_efficiency", "attention_efficiency", "layer_overhead_s",
+                    "tp_efficiency", "cp_efficiency")
 
 
-def _calibrate_rank(repeats: int) -> dict[str, float]:
-    """Runs on every rank at once (so the rates include sharing the cores, as training does)."""
-    import torch
-    import torch.distributed as dist
-
-    out: dict[str, float] = {}
-    for m, k, n in ((1024, 384, 1024), (2048, 64, 176)):  # 'small' and 'tiny' preset GEMM shapes
-        a, b = torch.randn(m, k), torch.randn(k, n)
-        dist.barrier()
-        out[f"matmul_{m}x{k}x{n}_flops"] = 2 * m * k * n / _time(lambda a=a, b=b: a @ b, repeats)
-    for nbytes in (4 * 2**20, 16 * 2**20):
-        x = torch.zeros(nbytes // 4)
-        dist.barrier()
-        sec = _time(lambda x=x: dist.all_reduce(x), repeats)
-        g = dist.get_world_size()
-        out[f"allreduce_{nbytes >> 20}MiB_busbw"] = 2 * (g - 1) / g * nbytes / sec
-    small = torch.zeros(256)
-    dist.barrier()
-    out["allreduce_1KiB_s"] = _time(lambda: dist.all_reduce(small), repeats * 4)
-    return out
+class ProfileUpdateError(ValueError):
+    """A profile-update file or mapping that cannot be applied; the message names the bad part."""
 
 
-def measure_cpu_gloo(ranks: int = 4, repeats: int = 9) -> dict[str, float]:
-    """Measures matmul rates and gloo all-reduce bandwidth/latency on ``ranks`` local processes;
-    returns the median over ranks of each figure (the numbers behind the ``cpu-gloo`` profile)."""
-    import statistics
+def apply_profile_update(profile: str | HardwareProfile, update: Mapping[str, Any]) -> HardwareProfile:
+    """``profile`` with the ``update["set"]`` fields replaced (validated as any profile is), its
+    ``source`` saying where the new figures came from."""
+    base = get_profile(profile)
+    if not isinstance(update, Mapping) or not isinstance(update.get("set"), Mapping):
+        raise ProfileUpdateError(f"a profile update needs a 'set' mapping of fields, got {update!r}")
+    fields = dict(update["set"])
+    unknown = sorted(set(fields) - set(UPDATABLE_FIELDS))
+    if unknown:
+        raise ProfileUpdateError(f"profile update sets unknown or fixed fields {unknown}; "
+                                 f"updatable: {list(UPDATABLE_FIELDS)}")
+    for key in ("tp_efficiency", "cp_efficiency"):
+        if key in fields:
+            try:
+                fields[key] = tuple((int(d), float(e)) for d, e in fields[key])
+            except (TypeError, ValueError):
+                raise ProfileUpdateError(f"{key} must be [[degree, efficiency], ...], got {fields[key]!r}") from None
+    measured = update.get("measured") or {}
+    note = " MEASURED " + ", ".join(f"{k}={v}" for k, v in sorted(measured.items())) if measured else ""
+    try:
+        return dataclasses.replace(base, **fields, source=base.source + f" UPDATED: {sorted(fields)}" + note)
+    except ValueError as err:
+        raise ProfileUpdateError(f"profile update for {base.name}: {err}") from None
 
-    from ..testing.spawn import run_on_ranks
 
-    per_rank = run_on_ranks(_calibrate_rank, ranks, repeats, timeout_s=600)
-    return {k: statistics.median(r[k] for r in per_rank) for k in per_rank[0]}
+def load_updated_profile(path: str | Path) -> HardwareProfile:
+    """The profile a profile-update JSON file names, with the file's fields applied."""
+    path = Path(path)
+    try:
+        update = json.loads(path.read_text())
+    except OSError as err:
+        raise ProfileUpdateError(f"cannot read profile update {str(path)!r}: {err}") from None
+    except json.JSONDecodeError as err:
+        raise ProfileUpdateError(f"profile update {str(path)!r} is not JSON: {err}") from None
+    if not isinstance(update, Mapping) or not isinstance(update.get("profile"), str):
+        raise ProfileUpdateError(f"profile update {str(path)!r} must name its base 'profile' (e.g. \"H200\")")
+    return apply_profile_update(update["profile"], update)

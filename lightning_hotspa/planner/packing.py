@@ -1,6 +1,6 @@
 """Packing one layout's documents into micro-batches and spreading them over its dp groups.
 
-Packing is planning (DESIGN.md section 5): every planner (the threshold rule, the cost-model planner)
+Packing is planning (docs/DESIGN.md §5): every planner (the threshold rule, the cost-model planner)
 ends with "these documents run in this layout", and this module turns that into micro-batches:
 
 1. **Capacity with cp padding.** A document in a layout with ``cp > 1`` is padded to a multiple of
@@ -28,24 +28,22 @@ from typing import Any
 
 import numpy as np
 
+from ..checks import check_int
 from ..layout import Layout
-from ..plan import PlanError, Stage, StepPlan
+from ..plan import PlanError
 
 __all__ = [
     "DEFAULT_QUADRATIC_SCALE",
     "DocCost",
     "DocumentTooLongError",
     "PackedLayout",
-    "PlanStats",
     "QuadraticCost",
     "StagePlanStats",
     "cp_padded_lengths",
     "first_fit_decreasing",
     "max_doc_length",
     "pack_layout",
-    "plan_stats",
     "spread_over_groups",
-    "stage_stats",
 ]
 
 #: Llama-7B-like default. Per token and layer a decoder does ~12*h^2 multiply-adds in its dense
@@ -182,42 +180,6 @@ class StagePlanStats:
             "fill": self.fill,
             "padding": self.padding_fraction,
             "imbalance": self.imbalance,
-        }
-
-
-@dataclass(frozen=True)
-class PlanStats:
-    """Per-stage stats and their step-level aggregates."""
-
-    stages: tuple[StagePlanStats, ...]
-
-    @property
-    def tokens(self) -> int:
-        return sum(s.tokens for s in self.stages)
-
-    @property
-    def fill(self) -> float:
-        used = sum(s.micro_batches * s.capacity for s in self.stages)
-        return self.tokens / used if used else 1.0
-
-    @property
-    def padding_fraction(self) -> float:
-        padded = sum(s.padded_tokens for s in self.stages)
-        return (padded - self.tokens) / padded if padded else 0.0
-
-    @property
-    def imbalance(self) -> float:
-        """Predicted step time over its ideal: sum of stage maxima / sum of stage means."""
-        worst = sum(max(s.group_costs) for s in self.stages if s.group_costs)
-        ideal = sum(sum(s.group_costs) / len(s.group_costs) for s in self.stages if s.group_costs)
-        return worst / ideal if ideal > 0 else 1.0
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "fill": self.fill,
-            "padding": self.padding_fraction,
-            "imbalance": self.imbalance,
-            "stages": [s.as_dict() for s in self.stages],
         }
 
 
@@ -394,8 +356,7 @@ def pack_layout(
     raw = np.asarray(lengths, dtype=np.int64)
     if ids.shape != raw.shape or ids.ndim != 1:
         raise PlanError(f"pack_layout: {ids.size} doc ids but {raw.size} lengths")
-    if isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer)) or capacity < 1:
-        raise PlanError(f"pack_layout: capacity must be a positive int, got {capacity!r}")
+    check_int(capacity, "pack_layout: capacity", error=PlanError)
     if raw.size and int(raw.min()) < 1:
         i = int(raw.argmin())
         raise PlanError(f"document {int(ids[i])} has length {int(raw[i])}; documents must be non-empty")
@@ -430,35 +391,3 @@ def pack_layout(
         group_costs=tuple(float(x) for x in balancer.load),
     )
     return PackedLayout(micro_batches, stats)
-
-
-def stage_stats(stage: Stage, doc_lengths: Sequence[int], capacity: int, cost_fn: DocCost | None = None) -> StagePlanStats:
-    """Stats of any planner's stage (so metrics do not depend on which planner made the plan)."""
-    cost_fn = cost_fn or QuadraticCost()
-    lengths = np.asarray(doc_lengths, dtype=np.int64)
-    ids = np.asarray(stage.doc_ids, dtype=np.int64)
-    padded = cp_padded_lengths(lengths[ids], stage.layout.cp) if ids.size else np.zeros(0, np.int64)
-    group_costs = []
-    for group in stage.micro_batches:
-        members = np.asarray([d for mb in group for d in mb], dtype=np.int64)
-        sizes = cp_padded_lengths(lengths[members], stage.layout.cp)
-        group_costs.append(float(np.asarray(cost_fn(sizes), dtype=np.float64).sum()) if members.size else 0.0)
-    return StagePlanStats(
-        layout=stage.layout,
-        label=stage.label,
-        documents=int(ids.size),
-        tokens=int(lengths[ids].sum()) if ids.size else 0,
-        padded_tokens=int(padded.sum()),
-        micro_batches=sum(len(g) for g in stage.micro_batches),
-        capacity=int(capacity),
-        group_costs=tuple(group_costs),
-    )
-
-
-def plan_stats(
-    plan: StepPlan, capacity: Callable[[Layout], int], cost_fn: DocCost | None = None
-) -> PlanStats:
-    """Fill, padding and dp imbalance of every stage of ``plan`` (``capacity``: the planner's)."""
-    return PlanStats(
-        tuple(stage_stats(s, plan.doc_lengths, capacity(s.layout), cost_fn) for s in plan.stages)
-    )

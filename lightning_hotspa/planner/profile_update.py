@@ -18,63 +18,18 @@ fields to paste into :data:`.hardware.PROFILES`.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
-from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
-from .hardware import HardwareProfile, get_profile
+from .hardware import (
+    UPDATABLE_FIELDS,
+    ProfileUpdateError,
+    apply_profile_update,
+    load_updated_profile,
+)
 
-__all__ = ["UPDATABLE_FIELDS", "ProfileUpdateError", "apply_profile_update", "load_updated_profile"]
-
-#: the fields a measurement may set; the rest of a profile (links, memory) stays as written
-UPDATABLE_FIELDS = ("peak_flops", "dense_efficiency", "attention_efficiency", "layer_overhead_s",
-                    "tp_efficiency", "cp_efficiency")
-
-
-class ProfileUpdateError(ValueError):
-    """A profile-update file or mapping that cannot be applied; the message names the bad part."""
-
-
-def apply_profile_update(profile: str | HardwareProfile, update: Mapping[str, Any]) -> HardwareProfile:
-    """``profile`` with the ``update["set"]`` fields replaced (validated as any profile is), its
-    ``source`` saying where the new figures came from."""
-    base = get_profile(profile)
-    if not isinstance(update, Mapping) or not isinstance(update.get("set"), Mapping):
-        raise ProfileUpdateError(f"a profile update needs a 'set' mapping of fields, got {update!r}")
-    fields = dict(update["set"])
-    unknown = sorted(set(fields) - set(UPDATABLE_FIELDS))
-    if unknown:
-        raise ProfileUpdateError(f"profile update sets unknown or fixed fields {unknown}; "
-                                 f"updatable: {list(UPDATABLE_FIELDS)}")
-    for key in ("tp_efficiency", "cp_efficiency"):
-        if key in fields:
-            try:
-                fields[key] = tuple((int(d), float(e)) for d, e in fields[key])
-            except (TypeError, ValueError):
-                raise ProfileUpdateError(f"{key} must be [[degree, efficiency], ...], got {fields[key]!r}") from None
-    measured = update.get("measured") or {}
-    note = " MEASURED " + ", ".join(f"{k}={v}" for k, v in sorted(measured.items())) if measured else ""
-    try:
-        return dataclasses.replace(base, **fields, source=base.source + f" UPDATED: {sorted(fields)}" + note)
-    except ValueError as err:
-        raise ProfileUpdateError(f"profile update for {base.name}: {err}") from None
-
-
-def load_updated_profile(path: str | Path) -> HardwareProfile:
-    """The profile a profile-update JSON file names, with the file's fields applied."""
-    path = Path(path)
-    try:
-        update = json.loads(path.read_text())
-    except OSError as err:
-        raise ProfileUpdateError(f"cannot read profile update {str(path)!r}: {err}") from None
-    except json.JSONDecodeError as err:
-        raise ProfileUpdateError(f"profile update {str(path)!r} is not JSON: {err}") from None
-    if not isinstance(update, Mapping) or not isinstance(update.get("profile"), str):
-        raise ProfileUpdateError(f"profile update {str(path)!r} must name its base 'profile' (e.g. \"H200\")")
-    return apply_profile_update(update["profile"], update)
-
+# the functions live with the profiles (planner/hardware.py); this module is their command line
+__all__ = ["UPDATABLE_FIELDS", "ProfileUpdateError", "apply_profile_update", "load_updated_profile", "main"]
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description="Print a hardware profile with a profile-update file applied.")

@@ -38,6 +38,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from ..checks import check_int
 from ..layout import Layout, LayoutError, MeshShape, parse_layouts
 from ..plan import PlanError, Stage, StepPlan
 from .base import PlannerBase
@@ -71,9 +72,7 @@ class Bucket:
 
 
 def _positive_int(owner: str, name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise PlanError(f"{owner}: {name} must be a positive int, got {value!r}")
-    return int(value)
+    return check_int(value, f"{owner}: {name}", error=PlanError)
 
 
 class ThresholdPlanner(PlannerBase):

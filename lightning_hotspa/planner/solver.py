@@ -16,7 +16,7 @@ order, so every rank and loader worker computes the same plan; coefficients chan
 How to use it::
 
     # dry run / simulation: analytic coefficients of a hardware profile
-    planner = CostModelPlanner("auto", model="llama7b", hardware="H100", world_size=8, context=32768)
+    planner = auto_planner(8, 32768, model="llama7b", hardware="H100")  # candidates.auto_layouts
     plan = planner.plan(step, doc_lengths)       # a StepPlan: stages, micro-batches per dp group
     planner.predict(plan).seconds                # what the cost model expects it to take
 
@@ -44,6 +44,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from ..checks import check_int
 from ..layout import Layout, LayoutError, MeshShape, parse_layouts
 from ..models.config import LlamaConfig
 from ..plan import PlanError, Stage, StepPlan
@@ -72,8 +73,8 @@ class CostModelPlanner(PlannerBase):
     """Cost-model planner over candidate ``layouts`` (all of one world size, sharing one mesh).
 
     Args:
-        layouts: candidate layouts, or ``"auto"`` (then ``world_size`` and ``context`` choose them:
-            :func:`~lightning_hotspa.planner.candidates.auto_layouts`).
+        layouts: candidate layouts (for a chosen set: :func:`~lightning_hotspa.planner.candidates.auto_planner`,
+            which scores candidate sets with this solver, so the choice lives above it).
         model: a :class:`LlamaConfig` or preset name whose shape the analytic model prices.
         hardware: a profile name (``A100-80G``, ``A800-80G``, ``H100``, ``H200``, ``cpu-gloo``) or
             :class:`HardwareProfile`.
@@ -96,7 +97,6 @@ class CostModelPlanner(PlannerBase):
         model: LlamaConfig | str,
         hardware: HardwareProfile | str = "cpu-gloo",
         world_size: int | None = None,
-        context: int | None = None,
         tokens_per_rank: int | None = None,
         activation_checkpointing: Checkpointing = "auto",
         profiled: bool = False,
@@ -106,11 +106,8 @@ class CostModelPlanner(PlannerBase):
     ) -> None:
         name = type(self).__name__
         if isinstance(layouts, str) and layouts == "auto":
-            if world_size is None or context is None:
-                raise PlanError(f"{name}(layouts='auto') needs world_size and context")
-            from .candidates import auto_layouts
-
-            layouts = auto_layouts(world_size, model, hardware, context)
+            raise PlanError(f"{name}(layouts='auto'): choose the candidates with "
+                            f"planner.candidates.auto_planner(world_size, context, model=..., hardware=...)")
         specs = list(layouts)  # type: ignore[arg-type]
         if not specs:
             raise LayoutError(f"{name}: the layout list is empty")
@@ -118,15 +115,12 @@ class CostModelPlanner(PlannerBase):
         self.layouts: tuple[Layout, ...] = parse_layouts(specs, world)
         MeshShape.for_layouts(self.layouts, world)
         self.cost_model = AnalyticCostModel(model, hardware, world)
-        if tokens_per_rank is not None and (isinstance(tokens_per_rank, bool) or not isinstance(tokens_per_rank, int)
-                                            or tokens_per_rank < 1):
-            raise PlanError(f"{name}: tokens_per_rank must be a positive int, got {tokens_per_rank!r}")
+        if tokens_per_rank is not None:
+            tokens_per_rank = check_int(tokens_per_rank, f"{name}: tokens_per_rank", error=PlanError)
         self.tokens_per_rank = tokens_per_rank
         self.exact_max_docs = int(exact_max_docs)
         self.profiled = bool(profiled)
-        if isinstance(plan_lag, bool) or not isinstance(plan_lag, int) or plan_lag < 0:
-            raise PlanError(f"{name}: plan_lag must be an int >= 0, got {plan_lag!r}")
-        self._plan_lag = plan_lag
+        self._plan_lag = check_int(plan_lag, f"{name}: plan_lag", minimum=0, error=PlanError)
         self.coefficients = ProfiledCoefficients(refit_every=refit_every)
         self._ac_modes = {lay: self._ac_mode(lay, activation_checkpointing) for lay in self.layouts}
         self._analytic: dict[tuple[Layout, bool], OptionCost] = {}

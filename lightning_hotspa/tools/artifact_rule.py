@@ -1,11 +1,11 @@
-"""The HotSPa artifact's hand-set strategy table (REFERENCE.md), as a comparator for the simulator.
+"""The HotSPa artifact's hand-set strategy table (docs/REFERENCE.md §3), as a comparator for the simulator.
 
-Source: the table in REFERENCE.md, transcribed from the artifact's experiment scripts
+Source: the table in docs/REFERENCE.md §3, transcribed from the artifact's experiment scripts
 (``hotspa/scripts/exprs_for_paper/`` of github.com/ccchengff/HotSPa-AE). Each setting maps length bands
 to ``(dp, tp, pp)`` strategies; ``c1`` uses fewer strategies, ``c2`` more. Bands are upper bounds in
 tokens (K = 1024). Only contexts 8K-32K are listed there.
 
-The artifact's step (also from REFERENCE.md), which :func:`artifact_stages` can mimic:
+The artifact's step (docs/REFERENCE.md §4), which :func:`artifact_stages` can mimic:
 ``packing="artifact"`` packs each band first-fit into rows of the band's upper bound, one row per
 micro-batch, padded to the bound, with packed documents attending to each other (cost of a row = cost of
 one document of the bound's length); ``packing="ours"`` keeps the rule's band -> strategy assignment but
@@ -35,7 +35,7 @@ class RuleNotFoundError(KeyError):
         return str(self.args[0])
 
 
-# comb, model preset, GPUs, context K -> "bound_K:dp,tp,pp; ..." exactly as in REFERENCE.md
+# comb, model preset, GPUs, context K -> "bound_K:dp,tp,pp; ..." exactly as in docs/REFERENCE.md §3
 _TABLE = """
 c1 llama7b 8 32 | 4:8,1,1; 16:2,2,2; 32:1,4,2
 c1 llama7b 8 16 | 4:8,1,1; 16:2,2,2

@@ -186,7 +186,7 @@ def _cmd_simulate(args: argparse.Namespace) -> dict[str, Any]:
 def _cmd_calibrate(args: argparse.Namespace) -> dict[str, Any]:
     import datetime
 
-    from ..planner.hardware import measure_cpu_gloo
+    from .measure_hardware import measure_cpu_gloo
 
     figures = measure_cpu_gloo(args.ranks, args.repeats)
     out = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%MZ"),

@@ -3,7 +3,7 @@
 Same objective as the solver, one relaxation: the micro-batches of a dp group are counted as
 ``n >= tokens / capacity`` (integer ``n``) instead of an exact bin packing, so the MILP optimum is a
 LOWER bound of the true optimum (true packings need at least that many micro-batches). FlexSP
-(REFERENCE.md) plans with a MILP too; here it only checks the heuristic. ``highspy`` is imported on
+(docs/REFERENCE.md §5) plans with a MILP too; here it only checks the heuristic. ``highspy`` is imported on
 use: it is a test dependency.
 
 Variables: ``x[i,o,g]`` document i in option o's dp group g (only where it fits), ``y[o]`` option

@@ -33,7 +33,7 @@ from .artifact_rule import RuleNotFoundError, artifact_rule, artifact_stages
 __all__ = ["CellResult", "GRID", "sample_batches", "simulate_cell", "simulate_grid", "static_seconds",
            "static_layouts", "geometric_mean"]
 
-#: The paper-scale grid: (model, GPUs) x contexts x data (REFERENCE.md evaluation setting).
+#: The paper-scale grid: (model, GPUs) x contexts x data (docs/REFERENCE.md §2).
 GRID: dict[str, Any] = {
     "settings": [("llama7b", 8), ("llama7b", 16), ("llama13b", 8), ("llama13b", 16), ("llama30b", 32)],
     "contexts": [8192, 16384, 32768],
