@@ -135,6 +135,7 @@ KV_LAYOUTS = ["dp4", "cp4:kv", "tp2xcp2:kv", "cp4:kv2", "cp4"]
 KV_ORDERS = [KV_LAYOUTS, ["cp4:kv2", "tp2xcp2:kv", "dp4", "cp4", "cp4:kv"]]
 
 
+@pytest.mark.slow
 def test_all_gather_kv_and_hybrid_cp_match_single_process(ranks):
     """The core invariant for the new cp kinds: 3 AdamW steps of mixed plans, fp32."""
     result = ranks(4).run(fit_and_compare, KV_LAYOUTS, 3, "32-true", KV_ORDERS)[0]

@@ -2,7 +2,8 @@
 
 1. **Enumerate** every ``dp x tp x cp`` of the world the model can split (heads over tp*cp, kv heads
    over tp, ffn and vocab over tp), with tp inside one node, whose weights and optimizer state leave
-   room for activations.
+   room for activations; each cp > 1 in up to three kinds (:func:`cp_kinds`): Ulysses, all-gather-KV
+   (``:kv``) and, when tp*cp crosses a node, the hybrid with Ulysses filling the node.
 2. **Prune dominated** layouts: B dominates A when B holds every document A holds and costs no more
    world-seconds per document at every reference length (the throughput view the solver starts from).
 3. **Choose 2-4** that can share ONE world mesh (tp and tp*cp sizes nest:
@@ -28,27 +29,42 @@ from ..models.config import LlamaConfig
 from .cost_model import AnalyticCostModel, CostModelError, OptionCost
 from .hardware import HardwareProfile
 
-__all__ = ["auto_layouts", "enumerate_layouts", "layout_rates", "prune_dominated"]
+__all__ = ["auto_layouts", "cp_kinds", "enumerate_layouts", "layout_rates", "prune_dominated"]
 
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def enumerate_layouts(world_size: int, cost_model: AnalyticCostModel) -> list[Layout]:
-    """Every layout of ``world_size`` the model can split and whose weights fit (any checkpointing)."""
+def cp_kinds(tp: int, cp: int, devices_per_node: int) -> list[int]:
+    """The ``cp_kv`` values offered for a tp x cp group: 1 (Ulysses), ``cp`` (all-gather-KV) and, when
+    the group crosses a node, the hybrid whose Ulysses part is the largest that stays in the node."""
+    if cp == 1:
+        return [1]
+    kinds = [1, cp]
+    inside = [u for u in _divisors(cp) if 1 < u < cp and tp * u <= devices_per_node]
+    if tp * cp > devices_per_node and inside:
+        kinds.append(cp // max(inside))
+    return kinds
+
+
+def enumerate_layouts(world_size: int, cost_model: AnalyticCostModel, cp_kind: bool = True) -> list[Layout]:
+    """Every layout of ``world_size`` the model can split and whose weights fit (any checkpointing);
+    ``cp_kind=False``: Ulysses context parallelism only (the runtime's only kind before all-gather-KV)."""
     out = []
+    per_node = cost_model.hardware.devices_per_node
     for tp in _divisors(world_size):
-        if tp > cost_model.hardware.devices_per_node:
+        if tp > per_node:
             continue
         for cp in _divisors(world_size // tp):
-            lay = Layout(dp=world_size // (tp * cp), tp=tp, cp=cp)
-            try:
-                cost_model.check(lay)
-            except CostModelError:
-                continue
-            if cost_model.capacity(lay, True) >= 2 * cp:
-                out.append(lay)
+            for cp_kv in (cp_kinds(tp, cp, per_node) if cp_kind else [1]):
+                lay = Layout(dp=world_size // (tp * cp), tp=tp, cp=cp, cp_kv=cp_kv)
+                try:
+                    cost_model.check(lay)
+                except CostModelError:
+                    continue
+                if cost_model.capacity(lay, True) >= 2 * cp:
+                    out.append(lay)
     return out
 
 
