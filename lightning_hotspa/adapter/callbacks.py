@@ -180,7 +180,9 @@ class HotSPaMonitor(L.Callback):
                 flops, predicted = self._flops(plan), self._predicted(plan)
         plan_stats = batch.extras.get("stages")
         records = stage_records(step, stages, metrics, flops, predicted, plan_stats)
-        self._log_step(pl_module, records, metrics, loss)
+        planner_notes = batch.extras.get("planner") or {}
+        self._log_step(pl_module, records, {**metrics, **{f"hotspa/planner/{k}": float(v)
+                                                          for k, v in planner_notes.items()}}, loss)
         self.summary.add(step, records, metrics.get("hotspa/step_s"))
         if self._due(self.table_every, trainer):
             self._log_table(trainer, step, records)
@@ -225,7 +227,7 @@ class HotSPaMonitor(L.Callback):
     def _log_step(self, pl_module: L.LightningModule, records: Sequence[StageRecord], metrics: Mapping[str, float],
                   loss: float | None) -> None:
         peak = self.summary.peak_flops_total
-        out: dict[str, float] = {}
+        out: dict[str, float] = {k: v for k, v in metrics.items() if k.startswith("hotspa/planner/")}
         if loss is not None:
             out["train/step_loss"] = loss
         for r in records:

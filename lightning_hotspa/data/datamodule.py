@@ -177,6 +177,7 @@ class StepPlanDataset(Dataset[RankPlan]):
             "num_docs": len(refs),
             "num_tokens": plan.num_tokens,
             "rank": self.rank,
+            "planner": dict(plan.notes),  # e.g. the never-worse-than-static guard's decision
             **stats.as_dict(),
         }
         if getattr(self.planner, "profiled", False):  # which coefficients planned it, and what it planned

@@ -122,4 +122,10 @@ PRESETS: dict[str, LlamaConfig] = {
                             n_kv_heads=40, ffn_hidden=13824, max_seq_len=32768),
     "llama30b": LlamaConfig(vocab_size=_LLAMA_VOCAB, hidden=6656, n_layers=60, n_heads=64,
                             n_kv_heads=64, ffn_hidden=17920, max_seq_len=32768),
+    # Llama 3 / 3.1 shapes (GQA, 8 kv heads; "The Llama 3 Herd of Models", table 3; 128K context
+    # for 3.1); the long-context simulator grid prices them up to 512K tokens.
+    "llama3-8b": LlamaConfig(vocab_size=128256, hidden=4096, n_layers=32, n_heads=32, n_kv_heads=8,
+                             ffn_hidden=14336, max_seq_len=131072),
+    "llama3-70b": LlamaConfig(vocab_size=128256, hidden=8192, n_layers=80, n_heads=64, n_kv_heads=8,
+                              ffn_hidden=28672, max_seq_len=131072),
 }

@@ -139,6 +139,7 @@ def auto_layouts(
         raise LayoutError(f"no layout of {world_size} x {cm.hardware.name} holds a {context}-token document "
                           f"(largest: {cap} tokens in {longest}); lower the context or add devices")
     scored: list[tuple[float, int, tuple[int, ...]]] = []
+    switch_cost: dict[tuple[int, ...], float] = {}
     for size in range(1, max_layouts + 1):
         for subset in itertools.combinations(keep, size):
             if not any(i in holds_context for i in subset):
@@ -153,7 +154,11 @@ def auto_layouts(
             winner = np.argmin(sub, axis=0)
             used = sorted({subset[int(w)] for w in winner})
             score = float(sub.min(axis=0).sum()) + sum(cm.grad_reduce_seconds(layouts[i]) for i in used)
-            score += min(cm.switch_sequence_seconds(p) for p in itertools.permutations([layouts[i] for i in used]))
+            key = tuple(used)
+            if key not in switch_cost:  # the same used set recurs across many subsets
+                switch_cost[key] = min(cm.switch_sequence_seconds(p)
+                                       for p in itertools.permutations([layouts[i] for i in used]))
+            score += switch_cost[key]
             scored.append((score, size, subset))
     if not scored:
         raise LayoutError(f"no set of layouts of {world_size} ranks shares one mesh and holds {context} tokens")

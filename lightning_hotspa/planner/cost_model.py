@@ -139,6 +139,11 @@ class Parallelism:
         return Layout(self.dp, self.tp, self.cp, self.cp_kv)
 
 
+def _shards(par: Parallelism | Layout) -> int:
+    """``Parallelism.of(par).shards`` without building one (switch pricing runs in tight loops)."""
+    return par.tp * getattr(par, "pp", 1)
+
+
 def shares_gradients(a: Parallelism | Layout, b: Parallelism | Layout) -> bool:
     """Stages in ``a`` then ``b`` share working shards and gradient states (same tp, and pp), so the
     runtime reduces once after both (``SwitchEngine.shares_gradients``); their ``stage_fixed`` agree."""
@@ -359,15 +364,15 @@ class AnalyticCostModel:
     # ------------------------------------------------------------------ switches
     def switch_bytes(self, source: Parallelism | Layout | None, target: Parallelism | Layout) -> float:
         """Bytes each rank receives to hold ``target``'s working weights (``source`` None: home)."""
-        dst = Parallelism.of(target).shards
-        src = self.world_size if source is None else Parallelism.of(source).shards
+        dst = _shards(target)
+        src = self.world_size if source is None else _shards(source)
         return self.params * self.param_bytes * max(0.0, 1.0 / dst - 1.0 / src)
 
     def switch_seconds(self, source: Parallelism | Layout | None, target: Parallelism | Layout) -> float:
         nbytes = self.switch_bytes(source, target)
         if nbytes <= 0:
             return 0.0
-        span = self.world_size if source is None else Parallelism.of(source).shards
+        span = self.world_size if source is None else _shards(source)
         hw = self.hardware
         return nbytes / hw.bandwidth(span) + hw.latency(span)
 
