@@ -132,6 +132,11 @@ def auto_layouts(
     rates = layout_rates(cm, layouts, ref)
     fixed = [cm.grad_reduce_seconds(lay) + cm.switch_seconds(None, lay) for lay in layouts]
     keep = prune_dominated(layouts, rates, fixed)
+    star = None
+    if lengths is not None and refine > 0:  # the best static layout on the sample, planned for real:
+        star = _best_static(cm, layouts, np.asarray(lengths, dtype=np.int64), context)  # the relaxed
+        if star is not None and star not in keep:  # rates above may call it dominated (they pick
+            keep.append(star)  # checkpointing per document; a real stage has one setting)
     holds_context = [i for i in keep if np.isfinite(rates[i, ref == context]).all()]
     if not holds_context:
         longest = max(layouts, key=lambda lay: max(o.max_doc_length for o in _options(cm, lay)))
@@ -163,7 +168,9 @@ def auto_layouts(
     if not scored:
         raise LayoutError(f"no set of layouts of {world_size} ranks shares one mesh and holds {context} tokens")
     if lengths is not None and refine > 0:
-        scored = _refine(cm, layouts, keep, scored, np.asarray(lengths, dtype=np.int64), refine)
+        scored = _refine(cm, layouts, scored, np.asarray(lengths, dtype=np.int64), refine, star)
+        if star is not None:  # never worse than static by design: the set holds the best static
+            scored = [s for s in scored if star in s[2]] or scored  # layout, the guard's fallback
     top = min(s for s, _, _ in scored)
     floor = min(min_layouts, len(keep))
     eligible = [s for s in scored if s[1] >= floor and s[0] <= top * (1 + tolerance)]
@@ -175,14 +182,29 @@ def auto_layouts(
     return tuple(sorted(chosen, key=lambda lay: (lay.tp * lay.cp, lay.tp)))
 
 
-def _refine(cm: AnalyticCostModel, layouts: Sequence[Layout], keep: Sequence[int],
-            scored: list[tuple[float, int, tuple[int, ...]]], sample: np.ndarray, k: int,
+def _best_static(cm: AnalyticCostModel, layouts: Sequence[Layout], sample: np.ndarray, context: int) -> int | None:
+    """Index of the layout whose single-layout plan of ``sample`` is fastest among those holding a
+    ``context``-token document (the static baseline must hold any batch); None if none does."""
+    from .solver import CostModelPlanner
+
+    best: tuple[float, int] | None = None
+    for i, lay in enumerate(layouts):
+        if max(o.max_doc_length for o in _options(cm, lay)) < max(context, int(sample.max())):
+            continue
+        seconds = CostModelPlanner([lay], model=cm.model, hardware=cm.hardware).solve(sample)[0]
+        if best is None or (seconds, i) < best:
+            best = (seconds, i)
+    return None if best is None else best[1]
+
+
+def _refine(cm: AnalyticCostModel, layouts: Sequence[Layout],
+            scored: list[tuple[float, int, tuple[int, ...]]], sample: np.ndarray, k: int, star: int | None,
             ) -> list[tuple[float, int, tuple[int, ...]]]:
     """Re-scores the most promising sets by planning ``sample`` with the real solver.
 
-    The pool: the ``k`` best sets by relaxed score, and the ``k`` best that contain the best static
-    layout on the sample (a set containing it can always fall back to it, so the choice is never
-    predicted slower than the best static layout among the candidates on this sample).
+    The pool: the ``k`` best sets by relaxed score, and the ``k`` best that contain ``star``, the
+    best static layout on the sample (a set containing it can always fall back to it, so the
+    choice is never predicted slower than the best static layout on this sample).
     """
     from .solver import CostModelPlanner
 
@@ -190,11 +212,6 @@ def _refine(cm: AnalyticCostModel, layouts: Sequence[Layout], keep: Sequence[int
         planner = CostModelPlanner([layouts[i] for i in subset], model=cm.model, hardware=cm.hardware)
         return planner.solve(sample)[0]
 
-    longest = int(sample.max())
-    holders = [i for i in keep
-               if max(cm.option(layouts[i], ac).max_doc_length for ac in (False, True)) >= longest]
-    statics = {i: real((i,)) for i in holders}
-    star = min(statics, key=lambda i: (statics[i], i)) if statics else None
     ranked = sorted(scored)
     pool = ranked[:k] + ([s for s in ranked if star in s[2]][:k] if star is not None else [])
     out, seen = [], set()
@@ -202,5 +219,5 @@ def _refine(cm: AnalyticCostModel, layouts: Sequence[Layout], keep: Sequence[int
         if subset in seen:
             continue
         seen.add(subset)
-        out.append((statics[subset[0]] if size == 1 and subset[0] in statics else real(subset), size, subset))
+        out.append((real(subset), size, subset))
     return out
