@@ -115,8 +115,13 @@ def auto_layouts(
     min_layouts: int = 2,
     tolerance: float = 0.01,
     refine: int = 6,
+    static_batches: Sequence[Sequence[int]] | None = None,
 ) -> tuple[Layout, ...]:
-    """2-4 candidate layouts (fewer only if fewer exist); see the module docstring."""
+    """2-4 candidate layouts (fewer only if fewer exist); see the module docstring.
+
+    ``static_batches``: sample global batches on which the best static layout is picked (every set
+    considered then contains it, the guard's fallback); default ``[lengths]``. Several batches make
+    that pick robust where one batch holds few long documents."""
     cm = AnalyticCostModel(model, hardware, world_size)
     if isinstance(context, bool) or not isinstance(context, int) or context < 1:
         raise LayoutError(f"context must be a positive int, got {context!r}")
@@ -133,10 +138,11 @@ def auto_layouts(
     fixed = [cm.grad_reduce_seconds(lay) + cm.switch_seconds(None, lay) for lay in layouts]
     keep = prune_dominated(layouts, rates, fixed)
     star = None
-    if lengths is not None and refine > 0:  # the best static layout on the sample, planned for real:
-        star = _best_static(cm, layouts, np.asarray(lengths, dtype=np.int64), context)  # the relaxed
-        if star is not None and star not in keep:  # rates above may call it dominated (they pick
-            keep.append(star)  # checkpointing per document; a real stage has one setting)
+    if lengths is not None and refine > 0:  # the best static layout on the sample batches (the
+        batches = [np.asarray(b, dtype=np.int64) for b in (static_batches or [lengths])]  # relaxed
+        star = _best_static(cm, layouts, batches, context)  # rates above may call it dominated:
+        if star is not None and star not in keep:  # they pick checkpointing per document, a real
+            keep.append(star)  # stage has one setting)
     holds_context = [i for i in keep if np.isfinite(rates[i, ref == context]).all()]
     if not holds_context:
         longest = max(layouts, key=lambda lay: max(o.max_doc_length for o in _options(cm, lay)))
@@ -182,19 +188,42 @@ def auto_layouts(
     return tuple(sorted(chosen, key=lambda lay: (lay.tp * lay.cp, lay.tp)))
 
 
-def _best_static(cm: AnalyticCostModel, layouts: Sequence[Layout], sample: np.ndarray, context: int) -> int | None:
-    """Index of the layout whose single-layout plan of ``sample`` is fastest among those holding a
-    ``context``-token document (the static baseline must hold any batch); None if none does."""
+def _best_static(cm: AnalyticCostModel, layouts: Sequence[Layout], batches: Sequence[np.ndarray],
+                 context: int) -> int | None:
+    """Index of the layout that is fastest over ``batches`` as the only layout, among those holding a
+    ``context``-token document (the static baseline must hold any batch); None if none does.
+
+    Each batch is first priced by a bound of the single-layout plan (cheap, so many batches can be
+    used): the larger of the mean dp group's work (perfect fill and balance) and the longest document
+    on one dp group, plus the stage's gradient reduction, with the better checkpointing per batch;
+    the 4 best by that bound are then planned for real on the first 4 batches."""
+    bounds: list[tuple[float, int]] = []
+    for i, lay in enumerate(layouts):
+        opts = _options(cm, lay)
+        if not opts or max(o.max_doc_length for o in opts) < context:
+            continue
+        total = 0.0
+        for lengths in batches:
+            step = np.inf
+            for o in opts:
+                if o.max_doc_length < int(lengths.max()):
+                    continue
+                padded = o.padded(lengths)
+                secs = o.doc_seconds(padded) + o.per_micro_batch * padded / o.capacity
+                step = min(step, max(float(secs.sum()) / lay.dp, float(secs.max())) + o.stage_fixed)
+            total += step
+        if np.isfinite(total):
+            bounds.append((total, i))
+    if not bounds:
+        return None
     from .solver import CostModelPlanner
 
-    best: tuple[float, int] | None = None
-    for i, lay in enumerate(layouts):
-        if max(o.max_doc_length for o in _options(cm, lay)) < max(context, int(sample.max())):
-            continue
-        seconds = CostModelPlanner([lay], model=cm.model, hardware=cm.hardware).solve(sample)[0]
-        if best is None or (seconds, i) < best:
-            best = (seconds, i)
-    return None if best is None else best[1]
+    # the bound ranks the layouts; the real solver decides among the closest few on a few batches
+    real = []
+    for _, i in sorted(bounds)[:4]:
+        planner = CostModelPlanner([layouts[i]], model=cm.model, hardware=cm.hardware)
+        real.append((sum(planner.solve(b)[0] for b in batches[:4]), i))
+    return min(real)[1]
 
 
 def _refine(cm: AnalyticCostModel, layouts: Sequence[Layout],

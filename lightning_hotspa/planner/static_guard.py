@@ -69,12 +69,17 @@ def guard(lengths: np.ndarray, options: Sequence[OptionCost], multi: Solution, m
         by_layout: dict[object, list[OptionCost]] = {}
         for opt in options:
             by_layout.setdefault(opt.parallelism, []).append(opt)
-        for par, opts in by_layout.items():
-            if max(o.max_doc_length for o in opts) < longest:
-                continue
-            single = solve(lengths, opts)
+        bounds = sorted((_lower_bound(lengths, opts, longest), i, par) for i, (par, opts) in enumerate(by_layout.items()))
+        threshold = total * (1.0 + margin)
+        for bound, _, par in bounds:  # cheapest bound first; a bound above the threshold (or the
+            if bound > threshold or (best is not None and bound >= best[0]):  # best so far) cannot
+                break  # change the decision: skip the solve (keeps the guard within the time budget)
+            single = solve(lengths, by_layout[par])
             if best is None or single[0] < best[0]:
                 best, best_name = single, par.name
+        if best is None and bounds and np.isfinite(bounds[0][0]):  # every single layout is bounded
+            bound, _, par = bounds[0]  # out: report the best bound as its time (a lower bound)
+            return multi, GuardDecision(total, bound, f"{par.name} (bound)", margin, False)
     else:  # already one layout: it is its own static plan
         best, best_name = multi, next(iter(used)).name
     if best is None:
@@ -82,3 +87,16 @@ def guard(lengths: np.ndarray, options: Sequence[OptionCost], multi: Solution, m
     fall_back = best is not multi and not best[0] > total * (1.0 + margin)
     decision = GuardDecision(total, best[0], best_name, margin, fall_back)
     return (best if fall_back else multi), decision
+
+
+def _lower_bound(lengths: np.ndarray, options: Sequence[OptionCost], longest: int) -> float:
+    """No single-layout plan over ``options`` is faster: its slowest dp group is at least the mean
+    group (documents' seconds plus the fewest micro-batches that hold their tokens, over dp)."""
+    best = np.inf
+    for opt in options:
+        if opt.max_doc_length < longest:
+            continue
+        padded = opt.padded(lengths)
+        work = float(opt.doc_seconds(padded).sum()) + opt.per_micro_batch * float(padded.sum()) / opt.capacity
+        best = min(best, work / opt.parallelism.dp)
+    return best

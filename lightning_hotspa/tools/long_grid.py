@@ -134,11 +134,12 @@ def long_cell(model: str, gpus: int, context: int, data: str, hardware: str, bat
     tokens = max(TOKENS_PER_GPU * gpus, 2 * context)
     out: dict[str, Any] = {"model": model, "gpus": gpus, "context": context, "data": data, "hardware": hardware,
                            "tokens_per_step": tokens}
-    # candidates chosen on other data: 3 batches in one, so that the best static layout on it (the
-    # guard's fallback) has seen enough long documents to be the best static layout on real batches
+    # candidates chosen on other data: 3 batches in one for scoring sets, 16 more to pick the best
+    # static layout (every set then holds it: the guard's fallback) robustly
     sample = np.concatenate([token_batch(data, context, tokens, seed + 7919 + i) for i in range(3)])
     try:
-        layouts = auto_layouts(gpus, cm.model, cm.hardware, context, lengths=sample)
+        static_sample = [token_batch(data, context, tokens, seed + 104729 + i) for i in range(16)]
+        layouts = auto_layouts(gpus, cm.model, cm.hardware, context, lengths=sample, static_batches=static_sample)
     except LayoutError as err:
         return {**out, "feasible": False, "reason": str(err)}
     planner = CostModelPlanner(layouts, model=cm.model, hardware=cm.hardware, static_margin=margin)
