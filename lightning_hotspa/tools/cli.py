@@ -184,32 +184,13 @@ def _cmd_simulate(args: argparse.Namespace) -> dict[str, Any]:
 
 def _cmd_long_grid(args: argparse.Namespace) -> dict[str, Any]:
     from ..planner.static_guard import DEFAULT_STATIC_MARGIN
-    from .long_grid import LONG_GRID, SMOKE_GRID, long_grid
+    from .long_grid import LONG_GRID, SMOKE_GRID, long_grid, print_long_grid
 
     margin = DEFAULT_STATIC_MARGIN if args.margin is None else args.margin
     if not 0 <= margin < 10:
         raise CliError(f"--margin must be in [0, 10), got {margin}")
     result = long_grid(LONG_GRID if args.grid == "long" else SMOKE_GRID, args.batches, args.seed, margin)
-    print(f"Long-context grid: predicted step seconds, {args.batches} batches per cell, guard margin {margin:.3f}\n")
-    print("| hw | model | GPUs | context | data | our layouts | best static | ours x | oracle x | captured "
-          "| x Megatron rows | x artifact rule |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for c in result["cells"]:
-        if not c["feasible"]:
-            print(f"| {c['hardware']} | {c['model']} | {c['gpus']} | {c['context'] // 1024}K | {c['data']} | "
-                  f"infeasible: {c['reason']} |")
-            continue
-        cap = "-" if c["captured"] is None else f"{c['captured']:.2f}"
-        rule = "-" if c["artifact_rule_s"] is None else f"{c['artifact_rule_s'] / c['ours_s']:.3f}"
-        print(f"| {c['hardware']} | {c['model']} | {c['gpus']} | {c['context'] // 1024}K | {c['data']} | "
-              f"{', '.join(c['layouts'])} | {c['best_static']} | {c['ours_over_static']:.3f} | "
-              f"{c['oracle_over_static']:.3f} | {cap} | {c['ours_over_megatron_rows']:.2f} | {rule} |")
-    g14 = result["geomean_where_oracle_ge_1_4"]
-    print(f"\ngeomean over cells: ours {result['geomean_ours_over_static']:.3f}x, oracle "
-          f"{result['geomean_oracle_over_static']:.3f}x over the best static layout; where the oracle >= 1.4x "
-          f"({result['cells_where_oracle_ge_1_4']} cells): {'-' if g14 is None else f'{g14:.3f}x'}; captured "
-          f"headroom min {result['min_captured']}, mean {result['mean_captured']} over "
-          f"{result['cells_with_headroom']} cells with oracle > 1.01x ({result['seconds']:.0f} s)")
+    print_long_grid(result)
     return {"command": "simulate", **result}
 
 
@@ -424,9 +405,8 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--sequences", type=_positive, default=512, help="documents per global batch")
     sim.add_argument("--contexts", type=_tokens, nargs="+", default=None)
     sim.add_argument("--seed", type=int, default=0)
-    sim.add_argument("--grid", choices=("paper", "long", "smoke"), default="paper",
-                     help="paper: 7B-30B, 8K-32K (default); long: Llama 3 8B/70B and 7B/13B, 32K-512K, 8-1024 "
-                     "H100/H200 GPUs, with the oracle and Megatron-style rows; smoke: one long cell")
+    sim.add_argument("--grid", choices=("paper", "long", "smoke"), default="paper", help="paper: 7B-30B, 8K-32K; "
+                     "long: Llama 3 8B/70B, 7B/13B, 32K-512K, 8-1024 H100/H200 (tools/long_grid.py); smoke: 1 cell")
     sim.add_argument("--margin", type=float, default=None,
                      help="--grid long/smoke: the planner's static_margin (default: its own, 0.147)")
     sim.add_argument("--json", action="store_true")

@@ -38,7 +38,7 @@ from ..planner.static_guard import DEFAULT_STATIC_MARGIN
 from .artifact_rule import RuleNotFoundError, artifact_rule
 from .simulate import geometric_mean, rule_seconds, static_seconds
 
-__all__ = ["LONG_GRID", "SMOKE_GRID", "long_cell", "long_grid", "token_batch"]
+__all__ = ["LONG_GRID", "SMOKE_GRID", "long_cell", "long_grid", "print_long_grid", "token_batch"]
 
 #: (model, GPUs, context) settings; GPUs in nodes of 8.
 LONG_GRID: dict[str, Any] = {
@@ -199,3 +199,28 @@ def long_grid(grid: dict[str, Any] | None = None, batches: int = 2, seed: int = 
             "mean_captured": float(np.mean(captured)) if captured else None,
             "cells_with_headroom": len(captured), "infeasible_cells": len(cells) - len(ok),
             "seconds": time.perf_counter() - start}
+
+
+def print_long_grid(result: dict[str, Any]) -> None:
+    """The grid as a markdown table and the headline (what ``hotspa simulate --grid long`` prints)."""
+    print(f"Long-context grid: predicted step seconds, {result['batches_per_cell']} batches per cell, "
+          f"guard margin {result['margin']:.3f}\n")
+    print("| hw | model | GPUs | context | data | our layouts | best static | ours x | oracle x | captured "
+          "| x Megatron rows | x artifact rule |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for c in result["cells"]:
+        if not c["feasible"]:
+            print(f"| {c['hardware']} | {c['model']} | {c['gpus']} | {c['context'] // 1024}K | {c['data']} | "
+                  f"infeasible: {c['reason']} |")
+            continue
+        cap = "-" if c["captured"] is None else f"{c['captured']:.2f}"
+        rule = "-" if c["artifact_rule_s"] is None else f"{c['artifact_rule_s'] / c['ours_s']:.3f}"
+        print(f"| {c['hardware']} | {c['model']} | {c['gpus']} | {c['context'] // 1024}K | {c['data']} | "
+              f"{', '.join(c['layouts'])} | {c['best_static']} | {c['ours_over_static']:.3f} | "
+              f"{c['oracle_over_static']:.3f} | {cap} | {c['ours_over_megatron_rows']:.2f} | {rule} |")
+    g14 = result["geomean_where_oracle_ge_1_4"]
+    print(f"\ngeomean over cells: ours {result['geomean_ours_over_static']:.3f}x, oracle "
+          f"{result['geomean_oracle_over_static']:.3f}x over the best static layout; where the oracle >= 1.4x "
+          f"({result['cells_where_oracle_ge_1_4']} cells): {'-' if g14 is None else f'{g14:.3f}x'}; captured "
+          f"headroom min {result['min_captured']}, mean {result['mean_captured']} over "
+          f"{result['cells_with_headroom']} cells with oracle > 1.01x ({result['seconds']:.0f} s)")
