@@ -43,53 +43,90 @@ class LayoutError(ValueError):
     """A layout or a set of layouts that cannot be used; the message names the offending value."""
 
 
-_LAYOUT_RE = re.compile(r"^(?:(dp|tp|cp)(\d+))(?:\s*[x×*]\s*(dp|tp|cp)(\d+))*$")
+_LAYOUT_RE = re.compile(r"^(?:(dp|tp|cp)(\d+))(?:\s*[x×*]\s*(dp|tp|cp)(\d+))*(?::kv(\d+)?)?$")
 _PART_RE = re.compile(r"(dp|tp|cp)(\d+)")
+_KV_RE = re.compile(r":kv(\d+)?$")
 
 
 @dataclass(frozen=True)
 class Layout:
-    """One parallel strategy: data x tensor x context parallel degrees (product = world size)."""
+    """One parallel strategy: data x tensor x context parallel degrees (product = world size).
+
+    ``cp_kv`` says how context parallelism is done (:mod:`lightning_hotspa.parallel.kv_gather`):
+    1 (default) is Ulysses over all ``cp`` ranks; ``cp_kv == cp`` is all-gather-KV over all of them
+    (name suffix ``:kv``); in between is the hybrid, Ulysses over the ``cp // cp_kv`` most local cp
+    ranks (inside a node) and all-gather-KV over ``cp_kv`` groups of them (``:kv<cp_kv>``).
+    """
 
     dp: int = 1
     tp: int = 1
     cp: int = 1
+    cp_kv: int = 1
 
     def __post_init__(self) -> None:
-        for field in ("dp", "tp", "cp"):
+        for field in ("dp", "tp", "cp", "cp_kv"):
             check_int(getattr(self, field), f"Layout.{field}", error=LayoutError)
+        if self.cp % self.cp_kv:
+            raise LayoutError(f"Layout.cp_kv={self.cp_kv} must divide cp={self.cp} (the all-gather-KV part of "
+                              f"context parallelism is a factor of it)")
 
     @property
     def world_size(self) -> int:
         return self.dp * self.tp * self.cp
 
     @property
+    def cp_ulysses(self) -> int:
+        """The Ulysses (head-scattering) part of cp: all of it by default, 1 for pure all-gather-KV."""
+        return self.cp // self.cp_kv
+
+    @property
+    def cp_kind(self) -> str:
+        """``"ulysses"``, ``"kv"`` (all-gather-KV over the whole cp group) or ``"hybrid"``."""
+        if self.cp_kv == 1:
+            return "ulysses"
+        return "kv" if self.cp_kv == self.cp else "hybrid"
+
+    @property
     def name(self) -> str:
         parts = [f"{k}{v}" for k, v in (("dp", self.dp), ("tp", self.tp), ("cp", self.cp)) if v > 1]
-        return "x".join(parts) or "dp1"
+        base = "x".join(parts) or "dp1"
+        if self.cp_kv == 1:
+            return base
+        return base + (":kv" if self.cp_kv == self.cp else f":kv{self.cp_kv}")
 
     def __str__(self) -> str:
         return self.name
 
     @classmethod
     def parse(cls, spec: Layout | str | Mapping[str, int]) -> Layout:
-        """Accepts a Layout, a mapping ``{"dp": 2, "tp": 2}`` or a name like ``"dp2xtp2"``."""
+        """Accepts a Layout, a mapping ``{"dp": 2, "tp": 2}`` (``"cp_kv"`` too) or a name like
+        ``"dp2xtp2"``, ``"tp2xcp4:kv"`` (all-gather-KV) or ``"cp8:kv2"`` (hybrid: Ulysses over 4,
+        all-gather-KV over 2)."""
         if isinstance(spec, Layout):
             return spec
         if isinstance(spec, Mapping):
-            unknown = set(spec) - {"dp", "tp", "cp"}
+            unknown = set(spec) - {"dp", "tp", "cp", "cp_kv"}
             if unknown:
-                raise LayoutError(f"layout {dict(spec)!r} has unknown keys {sorted(unknown)}; use dp, tp, cp")
+                raise LayoutError(f"layout {dict(spec)!r} has unknown keys {sorted(unknown)}; use dp, tp, cp, cp_kv")
             return cls(**{k: spec[k] for k in spec})
         if isinstance(spec, str):
             text = spec.strip().lower()
             if not _LAYOUT_RE.match(text):
-                raise LayoutError(f"cannot parse layout {spec!r}; expected e.g. 'dp2xtp2' or 'tp2xcp2'")
+                raise LayoutError(f"cannot parse layout {spec!r}; expected e.g. 'dp2xtp2', 'tp2xcp2', "
+                                  f"'tp2xcp4:kv' or 'cp8:kv2'")
+            kv = _KV_RE.search(text)
+            base = text[:kv.start()] if kv else text
             degrees: dict[str, int] = {}
-            for role, value in _PART_RE.findall(text):
+            for role, value in _PART_RE.findall(base):
                 if role in degrees:
                     raise LayoutError(f"layout {spec!r} names {role} twice")
                 degrees[role] = int(value)
+            if kv:
+                cp = degrees.get("cp", 1)
+                if cp == 1:
+                    raise LayoutError(f"layout {spec!r}: ':kv' names a kind of context parallelism, but the "
+                                      f"layout has no cp > 1")
+                degrees["cp_kv"] = int(kv.group(1)) if kv.group(1) else cp
             return cls(**degrees)
         raise LayoutError(f"cannot interpret {spec!r} (type {type(spec).__name__}) as a layout")
 
@@ -138,15 +175,18 @@ class MeshShape:
     @classmethod
     def for_layouts(cls, layouts: Iterable[Layout | str | Mapping[str, int]], world_size: int) -> MeshShape:
         layouts = parse_layouts(layouts, world_size)
-        boundaries = sorted({lay.tp for lay in layouts} | {lay.tp * lay.cp for lay in layouts} | {world_size})
+        def sizes_of(lay: Layout) -> set[int]:  # group sizes that must be mesh-dim boundaries
+            return {lay.tp, lay.tp * lay.cp_ulysses, lay.tp * lay.cp}
+
+        boundaries = sorted(set().union(*(sizes_of(lay) for lay in layouts)) | {world_size})
         boundaries = [b for b in boundaries if b > 1]
         for small, large in zip(boundaries, boundaries[1:]):
             if large % small:
-                culprits = [str(lay) for lay in layouts if small in (lay.tp, lay.tp * lay.cp)]
-                culprits += [str(lay) for lay in layouts if large in (lay.tp, lay.tp * lay.cp)]
+                culprits = [str(lay) for lay in layouts if small in sizes_of(lay) or large in sizes_of(lay)]
                 raise LayoutError(
                     f"layouts {sorted(set(culprits))} cannot share one world mesh: their tp / tp*cp "
-                    f"group sizes {small} and {large} do not nest (one must divide the other)"
+                    f"(or tp*Ulysses part of cp) group sizes {small} and {large} do not nest "
+                    f"(one must divide the other)"
                 )
         sizes, previous = [], 1
         for b in boundaries:
@@ -178,6 +218,14 @@ class MeshShape:
 
     def cp_dims(self, layout: Layout) -> range:
         return range(self.prefix_length(layout.tp), self.prefix_length(layout.tp * layout.cp))
+
+    def cp_ulysses_dims(self, layout: Layout) -> range:
+        """The Ulysses part of cp: its most local dims (inside a node when they fit)."""
+        return range(self.prefix_length(layout.tp), self.prefix_length(layout.tp * layout.cp_ulysses))
+
+    def cp_kv_dims(self, layout: Layout) -> range:
+        """The all-gather-KV part of cp: the cp dims after the Ulysses part."""
+        return range(self.prefix_length(layout.tp * layout.cp_ulysses), self.prefix_length(layout.tp * layout.cp))
 
     def dp_dims(self, layout: Layout) -> range:
         return range(self.prefix_length(layout.tp * layout.cp), self.ndim)
@@ -268,6 +316,10 @@ class LayoutGroups:
     tp: RankGroup
     cp: RankGroup
     dp: RankGroup
+    # the two parts of cp (``layout.cp_kv``): Ulysses over cp_ulysses, then all-gather-KV over cp_kv;
+    # a rank's cp index is ``cp_ulysses.index * cp_kv.size + cp_kv.index`` (nested shard order)
+    cp_ulysses: RankGroup | None = None
+    cp_kv: RankGroup | None = None
 
     @property
     def tp_rank(self) -> int:
@@ -345,4 +397,6 @@ class WorldMesh:
             tp=self.group(self.shape.tp_dims(layout)),
             cp=self.group(self.shape.cp_dims(layout)),
             dp=self.group(self.shape.dp_dims(layout)),
+            cp_ulysses=self.group(self.shape.cp_ulysses_dims(layout)),
+            cp_kv=self.group(self.shape.cp_kv_dims(layout)),
         )

@@ -219,6 +219,8 @@ class StepPlan:
     doc_lengths: tuple[int, ...]
     stages: tuple[Stage, ...]
     global_target_tokens: int = -1  # -1: derive as sum(length - 1) (plain next-token documents)
+    # the planner's per-step figures (e.g. its predicted gain over static), logged as hotspa/planner/*
+    notes: tuple[tuple[str, float], ...] = field(default=(), compare=False)
 
     def __post_init__(self) -> None:
         if not self.stages:

@@ -65,7 +65,21 @@ def test_simulate_grid_json(capsys: pytest.CaptureFixture[str]) -> None:
         assert cell["best_static_s"] <= cell["best_static_no_cp_s"] * (1 + 1e-12), cell
 
 
+def test_simulate_long_grid_smoke_json(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(capsys, "simulate", "--grid", "smoke", "--batches", "1", "--json")
+    assert code == 0, err
+    lines = out.strip().splitlines()
+    assert any(line.startswith("| H100 | llama3-8b | 16 | 64K | github |") for line in lines)
+    result = json.loads(lines[-1])
+    assert result["grid"] == "long" and result["margin"] == pytest.approx(0.147)
+    for key in ("geomean_where_oracle_ge_1_4", "min_captured", "seconds"):
+        assert key in result
+    (cell,) = result["cells"]
+    assert cell["ours_over_static"] == pytest.approx(cell["static_s"] / cell["ours_s"])
+
+
 @pytest.mark.parametrize("argv,needle", [
+    (["simulate", "--grid", "smoke", "--margin", "-1"], "--margin must be in [0, 10), got -1.0"),
     (["plan", "--hardware", "TPUv5"], "unknown hardware profile 'TPUv5'; known profiles: A100-80G"),
     (["plan", "--layouts", "dp8", "--context", "64K", "--data", "github", "--global-batch-tokens", "2M"],
      "no candidate layout can hold it"),

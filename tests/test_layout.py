@@ -20,6 +20,23 @@ def test_layout_parse_and_name():
     assert Layout(tp=2, cp=2).world_size == 4
 
 
+def test_cp_kinds_parse_name_and_nest():
+    """All-gather-KV (':kv') and the hybrid (':kvN': Ulysses over cp/N, KV gather over N)."""
+    assert Layout.parse("tp2xcp4:kv") == Layout(tp=2, cp=4, cp_kv=4)
+    assert Layout.parse({"cp": 8, "cp_kv": 2}) == Layout.parse("cp8:kv2") == Layout(cp=8, cp_kv=2)
+    for name, kind, ulysses in (("cp4", "ulysses", 4), ("cp4:kv", "kv", 1), ("cp8:kv2", "hybrid", 4)):
+        lay = Layout.parse(name)
+        assert (lay.name, lay.cp_kind, lay.cp_ulysses) == (name, kind, ulysses)
+    assert Layout(cp=4) != Layout(cp=4, cp_kv=4)  # two layouts; both may sit in one mesh
+    mesh = MeshShape.for_layouts(["dp8", "cp8:kv2", "cp8:kv", "tp2xcp4"], 8)
+    assert mesh.sizes == (2, 2, 2)  # cp8:kv2 needs a boundary at its Ulysses part (4)
+    hybrid = Layout.parse("cp8:kv2")
+    assert (list(mesh.cp_ulysses_dims(hybrid)), list(mesh.cp_kv_dims(hybrid))) == ([0, 1], [2])
+    for rank in range(8):  # cp index = Ulysses index * cp_kv + KV index (nested shard order)
+        u = mesh.shard_index(rank, mesh.cp_ulysses_dims(hybrid))
+        assert mesh.rank_coords(hybrid, rank)[2] == u * 2 + mesh.shard_index(rank, mesh.cp_kv_dims(hybrid))
+
+
 @pytest.mark.parametrize(
     "bad, match",
     [
@@ -35,6 +52,12 @@ def test_layout_parse_and_name():
         (lambda: parse_layouts(["dp4", "dp4"], 4), "dp4 is listed twice"),
         (lambda: parse_layouts("dp4", 4), "expected a list of layouts"),
         (lambda: MeshShape.for_layouts(["tp2xcp3", "tp3xcp2"], 6), "do not nest"),
+        (lambda: MeshShape.for_layouts(["cp6:kv2", "tp2xcp3"], 6), "Ulysses part of cp"),
+        (lambda: Layout.parse("tp4:kv"), "no cp > 1"),
+        (lambda: Layout.parse("cp4:kv3"), "cp_kv=3 must divide cp=4"),
+        (lambda: Layout.parse("cp4:ring"), "cannot parse layout 'cp4:ring'"),
+        (lambda: Layout(cp=2, cp_kv=0), "cp_kv must be a positive int, got 0"),
+        (lambda: Layout.parse({"cp": 2, "cp_kind": "kv"}), "unknown keys \\['cp_kind'\\]"),
     ],
 )
 def test_bad_layouts_name_the_value(bad, match):

@@ -24,6 +24,7 @@ from lightning_hotspa.engine.switch import SwitchEngine, build_home_parameters
 from lightning_hotspa.layout import Layout, LayoutError, LayoutGroups, RankGroup, WorldMesh
 from lightning_hotspa.models import Llama, LlamaConfig, llama_tp_plan, param_roles
 from lightning_hotspa.models.attention import sdpa_attention
+from lightning_hotspa.parallel import kv_gather
 from lightning_hotspa.parallel.attention import ParallelCoreAttention, kv_head_range
 from lightning_hotspa.parallel.collectives import (
     all_to_all_heads_to_tokens,
@@ -41,7 +42,9 @@ from lightning_hotspa.parallel.tensor_parallel import (
 from lightning_hotspa.placements import build_shardings
 from lightning_hotspa.plan import Stage, StepPlan, pack_micro_batch, slice_plan
 
-LAYOUTS = ["dp4", "dp2xtp2", "tp4", "dp2xcp2", "tp2xcp2", "cp4"]
+# Ulysses (cp4), all-gather-KV (":kv", the tiny Llama's 2 kv heads are fewer than cp=4) and the
+# hybrid (cp4:kv2: Ulysses over 2, KV gather over 2)
+LAYOUTS = ["dp4", "dp2xtp2", "tp4", "dp2xcp2", "tp2xcp2", "cp4", "cp4:kv", "tp2xcp2:kv", "cp4:kv2"]
 DOC_LENGTHS = [45, 7, 130, 19, 64, 3, 88, 33]  # odd lengths, one shorter than 2*cp, one long
 TOLERANCE = 1e-5
 TINY = LlamaConfig.preset("tiny")
@@ -159,7 +162,7 @@ def _stage(layout: str, doc_ids: list[int], checkpointing: bool = False) -> Stag
 def _cases(layouts: list[str]) -> dict[str, tuple[Stage, ...]]:
     everything = list(range(len(DOC_LENGTHS)))
     cases = {name: (_stage(name, everything),) for name in layouts}
-    for name in ("dp2xtp2", "tp2xcp2", "cp4"):
+    for name in ("dp2xtp2", "tp2xcp2", "cp4", "cp4:kv2"):
         if name in layouts:
             cases[name + "+ac"] = (_stage(name, everything, checkpointing=True),)
     if len(layouts) > 1:  # one step over all layouts: each stage a share of the documents
@@ -184,6 +187,7 @@ def _fingerprint(module: nn.Module) -> list[tuple]:
 def run_equivalence(model_key: str, layouts: list[str], tolerance_probe: bool = False) -> dict:
     """On every rank: each case's loss and max per-tensor gradient error vs single process."""
     build, plan_fn, vocab = MODELS[model_key]
+    kv_gather.BLOCK_ELEMENTS = 512  # a few query rows per SDPA call: the bounded-memory blocking runs
     docs = _docs(vocab)
     ref_loss, init, ref_grads = _reference(build, docs)
     world = WorldMesh(layouts)
@@ -282,7 +286,7 @@ def equivalence(ranks):
 def test_every_layout_matches_single_process(equivalence, model_key):
     per_rank = equivalence[model_key]
     cases = per_rank[0]["cases"]
-    assert set(cases) >= set(LAYOUTS) | {"multi-stage", "dp2xtp2+ac", "tp2xcp2+ac", "cp4+ac"}
+    assert set(cases) >= set(LAYOUTS) | {"multi-stage", "dp2xtp2+ac", "tp2xcp2+ac", "cp4+ac", "cp4:kv2+ac"}
     for rank_result in per_rank:
         for case, r in rank_result["cases"].items():
             assert r["loss_err"] <= TOLERANCE, (model_key, case, r)

@@ -47,11 +47,12 @@ W4_SAME_TP = ["dp4", "dp2xcp2", "dp2xtp2", "tp2xcp2"]  # two pairs that share gr
 
 
 def planner4(**kw) -> CostModelPlanner:
+    kw.setdefault("static_margin", 0.0)  # solver-quality tests: no guard margin (static_guard.py)
     return CostModelPlanner(W4, model="artifact-llama7b", hardware="A800-80G", **kw)
 
 
 def planner8(**kw) -> CostModelPlanner:
-    return CostModelPlanner(W8, model="artifact-llama7b", hardware="A800-80G", **kw)
+    return CostModelPlanner(W8, model="artifact-llama7b", hardware="A800-80G", **{"static_margin": 0.0, **kw})
 
 
 def lognormal(seed: int, n: int, cap: int, mu: float = 7.5, sigma: float = 1.3) -> np.ndarray:
@@ -307,7 +308,7 @@ def brute_force(planner: CostModelPlanner, lengths: np.ndarray) -> float:
                                           (6, 9, 8), (0, 7, "4-same-tp"), (3, 8, "4-same-tp")])
 def test_exact_on_tiny_instances_equals_brute_force(seed: int, n: int, world) -> None:
     if world == "4-same-tp":
-        p = CostModelPlanner(W4_SAME_TP, model="artifact-llama7b", hardware="A800-80G")
+        p = CostModelPlanner(W4_SAME_TP, model="artifact-llama7b", hardware="A800-80G", static_margin=0.0)
     else:
         p = planner4() if world == 4 else CostModelPlanner(["dp8", "dp4xtp2", "dp2xtp2xcp2"], model="artifact-llama7b",
                                                            hardware="A800-80G")
@@ -321,7 +322,7 @@ def test_exact_on_tiny_instances_equals_brute_force(seed: int, n: int, world) ->
 
 
 def test_predict_charges_one_gradient_reduction_per_run_of_same_tp_stages() -> None:
-    p = CostModelPlanner(W4_SAME_TP, model="artifact-llama7b", hardware="A800-80G")
+    p = CostModelPlanner(W4_SAME_TP, model="artifact-llama7b", hardware="A800-80G", static_margin=0.0)
     lengths = [4000, 3000, 900, 800, 700, 600]
 
     def plan(*names):  # two documents per stage, one micro-batch each, dealt over the dp groups
@@ -363,7 +364,7 @@ def test_milp_charges_shared_gradient_reductions_once() -> None:
     pytest.importorskip("highspy")
     from lightning_hotspa.tools.milp import solve_milp
 
-    p = CostModelPlanner(W4_SAME_TP, model="artifact-llama7b", hardware="A800-80G")
+    p = CostModelPlanner(W4_SAME_TP, model="artifact-llama7b", hardware="A800-80G", static_margin=0.0)
     for seed, n in ((0, 7), (3, 8)):
         lengths = lognormal(seed, n, 16384, mu=8.0, sigma=1.2)
         objective, stages = p.solve(lengths)
@@ -489,3 +490,49 @@ def test_simulator_compares_on_the_same_batches() -> None:
     assert cell.speedup_static > 0.9 and math.isfinite(cell.speedup_rule)
     assert cell.rule_artifact_packing_s["c1"] >= cell.rule_s["c1"] * 0.99  # padded rows cost more
     assert dataclasses.asdict(cell)["model"] == "llama7b"
+
+
+
+# ----------------------------------------------------------------------------------- never worse than static
+GUARD_LAYOUTS = ["dp8", "dp4xtp2", "dp2xtp2xcp2", "tp2xcp4"]
+
+
+def test_guard_switches_only_for_a_gain_above_the_margin():
+    """Same documents, same candidates: with the default margin (the measured held-out error) a
+    small predicted gain runs the best single layout; with margin 0 the multi-layout plan runs.
+    Either way the plan is never predicted slower than any single candidate layout."""
+    from lightning_hotspa.planner.static_guard import DEFAULT_STATIC_MARGIN
+
+    lengths = lognormal(12, 96, 32768, mu=8.0, sigma=1.6)
+    lengths[0] = 30000
+    guarded = CostModelPlanner(GUARD_LAYOUTS, model="llama7b", hardware="A800-80G")
+    trusting = CostModelPlanner(GUARD_LAYOUTS, model="llama7b", hardware="A800-80G", static_margin=0.0)
+    assert guarded.static_margin == DEFAULT_STATIC_MARGIN
+    plan = guarded.plan(3, lengths)
+    free = trusting.plan(3, lengths)
+    d, f = guarded.last_decision, trusting.last_decision
+    assert 0 < f.predicted_gain and 0 < d.predicted_gain < DEFAULT_STATIC_MARGIN  # a gain it cannot vouch for
+    assert len({s.layout for s in free.stages}) > 1 and not f.fell_back
+    assert d.fell_back and [s.layout.name for s in plan.stages] == [d.static_layout]
+    notes = dict(plan.notes)  # what the callback logs as hotspa/planner/*
+    assert notes["static_fallback"] == 1.0 and notes["static_margin"] == DEFAULT_STATIC_MARGIN
+    assert notes["predicted_gain_over_static"] == pytest.approx(d.predicted_gain)
+    for lay in GUARD_LAYOUTS:  # never predicted slower than a static candidate
+        single = CostModelPlanner([lay], model="llama7b", hardware="A800-80G")
+        if single.longest_document() >= lengths.max():
+            static_s = single.solve(lengths)[0]
+            assert guarded.predict(plan).seconds <= static_s * (1 + 1e-9)
+            assert trusting.predict(free).seconds <= static_s * (1 + 1e-9)
+
+
+def test_guard_keeps_a_large_gain_and_rejects_a_bad_margin():
+    # one document that needs activation checkpointing in any layout: a static layout checkpoints
+    # everything, the multi-layout plan only that document (predicted ~1.3x)
+    lengths = np.concatenate([np.full(400, 2000), [100000]])
+    p = CostModelPlanner(GUARD_LAYOUTS, model="llama7b", hardware="A800-80G")
+    plan = p.plan(0, lengths)
+    assert p.last_decision.predicted_gain > p.static_margin and not p.last_decision.fell_back
+    assert len(plan.stages) > 1 and dict(plan.notes)["static_fallback"] == 0.0
+    for bad in (-0.1, "0.1", True):
+        with pytest.raises(ValueError, match="static_margin must be a number"):
+            CostModelPlanner(GUARD_LAYOUTS, model="llama7b", hardware="A800-80G", static_margin=bad)

@@ -67,7 +67,7 @@ def _reference_grads(weights, plan, dtype):
     return float(loss), {n: p.grad for n, p in model.named_parameters()}
 
 
-def fit_and_compare(layout_names, steps=3, precision="32-true"):
+def fit_and_compare(layout_names, steps=3, precision="32-true", stage_orders=None):
     """3 optimizer steps of mixed plans (every layout a stage, uneven dp groups, stage orders of
     :data:`STAGE_ORDERS`) under a real Trainer.
 
@@ -77,7 +77,8 @@ def fit_and_compare(layout_names, steps=3, precision="32-true"):
     """
     dtype = torch.float64 if precision == "64-true" else torch.float32
     layouts = [Layout.parse(x) for x in layout_names]
-    plans = [mixed_plan(s, LENGTHS[s % len(LENGTHS)], [Layout.parse(x) for x in STAGE_ORDERS[s % len(STAGE_ORDERS)]])
+    orders = stage_orders or STAGE_ORDERS
+    plans = [mixed_plan(s, LENGTHS[s % len(LENGTHS)], [Layout.parse(x) for x in orders[s % len(orders)]])
              for s in range(steps)]
     batches = rank_plans(plans, layouts, dist.get_rank())
     recorder = _Recorder()
@@ -126,6 +127,23 @@ def test_mixed_plans_over_every_layout_match_single_process(ranks, precision, gr
     assert max(result["losses"]) <= loss_tol, result["losses"]
     assert _worst(result["weights"])[1] <= weight_tol, _worst(result["weights"])
     _check_one_reduction_per_tp_run(result["reductions"])
+
+
+# all-gather-KV cp ("cp4:kv": the tiny Llama's 2 kv heads are fewer than cp) and the hybrid
+# ("cp4:kv2": Ulysses over 2 ranks, KV gather over 2) next to Ulysses and plain dp
+KV_LAYOUTS = ["dp4", "cp4:kv", "tp2xcp2:kv", "cp4:kv2", "cp4"]
+KV_ORDERS = [KV_LAYOUTS, ["cp4:kv2", "tp2xcp2:kv", "dp4", "cp4", "cp4:kv"]]
+
+
+@pytest.mark.slow
+def test_all_gather_kv_and_hybrid_cp_match_single_process(ranks):
+    """The core invariant for the new cp kinds: 3 AdamW steps of mixed plans, fp32."""
+    result = ranks(4).run(fit_and_compare, KV_LAYOUTS, 3, "32-true", KV_ORDERS)[0]
+    assert result["global_step"] == 3
+    for step, errors in enumerate(result["grads"]):
+        assert _worst(errors)[1] <= 1e-5, (step, _worst(errors))
+    assert max(result["losses"]) <= 1e-5, result["losses"]
+    assert _worst(result["weights"])[1] <= 1e-4, _worst(result["weights"])
 
 
 def _check_one_reduction_per_tp_run(steps):

@@ -179,7 +179,7 @@ class HotSPaMonitor(L.Callback):
                                        plan=dict(plan_stats[r.order]) if r.order < len(plan_stats) else {})
                    for r in (result.records if result is not None else ())]
         step_s = result.step_s if result is not None and records else None
-        self._log_step(pl_module, records, step_s, loss)
+        self._log_step(pl_module, records, step_s, loss, batch.extras.get("planner"))
         self.summary.add(step, records, step_s)
         if self._due(self.table_every, trainer):
             self._log_table(trainer, step, records)
@@ -202,8 +202,8 @@ class HotSPaMonitor(L.Callback):
             return None
 
     def _log_step(self, pl_module: L.LightningModule, records: Sequence[StageRecord], step_s: float | None,
-                  loss: float | None) -> None:
-        out = monitor_metrics(records, step_s, loss, self.summary.peak_flops_total)
+                  loss: float | None, planner_notes: Mapping[str, float] | None) -> None:
+        out = monitor_metrics(records, step_s, loss, self.summary.peak_flops_total, planner_notes)
         if out:
             pl_module.log_dict(out, on_step=True, on_epoch=False, rank_zero_only=True, batch_size=1)
 

@@ -12,7 +12,7 @@ monitor adds :func:`monitor_metrics` (what needs the model or the cost model): `
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from ..engine.records import StageRecord
 
@@ -44,9 +44,11 @@ def step_metrics(records: Sequence[StageRecord]) -> dict[str, float]:
 
 
 def monitor_metrics(records: Sequence[StageRecord], step_s: float | None, loss: float | None,
-                    peak_flops_total: float | None) -> dict[str, float]:
-    """The monitor's metrics of one step's records, with ``flops`` / ``predicted_s`` filled in."""
-    out: dict[str, float] = {}
+                    peak_flops_total: float | None,
+                    planner_notes: Mapping[str, float] | None = None) -> dict[str, float]:
+    """The monitor's metrics of one step's records, with ``flops`` / ``predicted_s`` filled in, and the
+    planner's notes on the step (``hotspa/planner/*``: e.g. the never-worse-than-static guard)."""
+    out: dict[str, float] = {f"hotspa/planner/{k}": float(v) for k, v in (planner_notes or {}).items()}
     if loss is not None:
         out["train/step_loss"] = loss
     for r in records:

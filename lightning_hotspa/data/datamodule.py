@@ -173,6 +173,7 @@ class StepPlanDataset(Dataset[RankPlan]):
             "num_tokens": plan.num_tokens,
             "rank": self.rank,
             "global_plan": plan,  # the plan every rank ran (the monitor's FLOPs and predictions)
+            "planner": dict(plan.notes),  # e.g. the never-worse-than-static guard's decision
             **stats.as_dict(),
         }
         if self.planner.profiled:  # which coefficients planned it, and what it planned

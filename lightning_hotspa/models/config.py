@@ -156,9 +156,10 @@ PRESETS: dict[str, LlamaConfig] = {
     "llama7b": _llama(LLAMA2_VOCAB, 4096, 32, 32, 32, 11008),
     "llama13b": _llama(LLAMA2_VOCAB, 5120, 40, 40, 40, 13824),
     "llama30b": _llama(LLAMA2_VOCAB, 6656, 60, 64, 64, 17920),
-    # Llama-3-8B's shape (GQA 32/8, RoPE theta 500000) with its 128256-id vocabulary.
-    "llama3-8b": _llama(LLAMA3_VOCAB, 4096, 32, 32, 8, 14336, rope_theta=500000.0),
-    "llama3-70b": _llama(LLAMA3_VOCAB, 8192, 80, 64, 8, 28672, rope_theta=500000.0),
+    # Llama 3 / 3.1 shapes ("The Llama 3 Herd of Models", table 3; 128K context for 3.1): GQA 8 kv heads,
+    # RoPE theta 500000, the 128256-id vocabulary; the long-context simulator grid prices them to 512K.
+    "llama3-8b": _llama(LLAMA3_VOCAB, 4096, 32, 32, 8, 14336, rope_theta=500000.0, max_seq_len=131072),
+    "llama3-70b": _llama(LLAMA3_VOCAB, 8192, 80, 64, 8, 28672, rope_theta=500000.0, max_seq_len=131072),
     # The HotSPa artifact's models exactly (vocabulary 30592): for comparisons with its numbers.
     "artifact-llama7b": _llama(ARTIFACT_VOCAB, 4096, 32, 32, 32, 11008),
     "artifact-llama13b": _llama(ARTIFACT_VOCAB, 5120, 40, 40, 40, 13824),

@@ -15,6 +15,7 @@ from __future__ import annotations
 from torch import Tensor, nn
 
 from ..layout import LayoutError, LayoutGroups
+from .kv_gather import kv_gather_attention
 from .state import ParallelState
 from .ulysses import ulysses_attention
 
@@ -61,6 +62,9 @@ class ParallelCoreAttention:
         if self.select_kv and tp > 1:
             start, stop = kv_head_range(*self.heads, tp, groups.tp.index)
             k, v = k[:, start:stop], v[:, start:stop]
+        if self.context_parallel and groups.cp.size > 1 and groups.layout.cp_kv > 1:
+            # its own bottom-right-causal SDPA blocks: the inner backend's kernel is not used
+            return kv_gather_attention(q, k, v, cu_seqlens, groups, self.state.micro_batch, self.owner)
         if self.context_parallel and groups.cp.size > 1:
             return ulysses_attention(self.inner, q, k, v, cu_seqlens, max_seqlen, groups.cp,
                                      self.state.micro_batch, self.owner)
@@ -89,9 +93,13 @@ class ParallelCoreAttention:
         elif kv_heads % tp:
             raise LayoutError(f"layout {layout}: tp={tp} does not divide the {kv_heads} kv heads of "
                               f"{self.owner}; give its kv projections the role 'replicated_partial'")
-        if self.context_parallel and (q_heads // tp) % cp:
-            raise LayoutError(f"layout {layout}: cp={cp} does not divide the {q_heads // tp} query heads each "
-                              f"tp rank of {self.owner} holds ({q_heads} heads / tp={tp}); Ulysses scatters heads")
+        scattered = layout.cp_ulysses  # Ulysses' share of cp scatters heads; all-gather-KV splits none
+        if self.context_parallel and (q_heads // tp) % scattered:
+            part = f"cp={cp}" if layout.cp_kv == 1 else f"the Ulysses part of cp ({scattered} = cp / cp_kv)"
+            hint = "; all-gather-KV ('cp..:kv') does not split heads" if layout.cp_kv == 1 else ""
+            raise LayoutError(f"layout {layout}: {part} does not divide the {q_heads // tp} query heads each "
+                              f"tp rank of {self.owner} holds ({q_heads} heads / tp={tp}); Ulysses scatters "
+                              f"heads{hint}")
 
 
 def ensure_parallel_attention(module: nn.Module, name: str, state: ParallelState) -> ParallelCoreAttention:

@@ -31,6 +31,8 @@ __all__ = [
     "all_to_all_heads_to_tokens",
     "all_to_all_tokens_to_heads",
     "permute_rows",
+    "all_gather_rows",
+    "reduce_scatter_rows",
 ]
 
 
@@ -191,3 +193,31 @@ def all_to_all_tokens_to_heads(y: Tensor, group: RankGroup) -> Tensor:
 def permute_rows(x: Tensor, perm: Tensor, inverse: Tensor) -> Tensor:
     """Rows of ``x`` in the order ``perm``; ``inverse`` must be its inverse permutation."""
     return _PermuteRows.apply(x, perm, inverse)
+
+
+def all_gather_rows(x: Tensor, group: RankGroup) -> Tensor:
+    """[T, ...] -> [n*T, ...]: every member's rows, member s at rows s*T (shard order); no autograd
+    (the all-gather-KV attention re-gathers in its own backward)."""
+    n = group.size
+    flat = x.contiguous()
+    buffer = flat.new_empty((n * flat.shape[0], *flat.shape[1:]))
+    dist.all_gather_into_tensor(buffer, flat, group=group.group)
+    if not group.in_shard_order:
+        buffer = buffer.view(n, *flat.shape)[list(group.slot_of_shard)].reshape(buffer.shape)
+    return buffer
+
+
+def reduce_scatter_rows(x: Tensor, group: RankGroup) -> Tensor:
+    """[n*T, ...] -> [T, ...]: the sum over members of their rows block ``index`` (the backward of
+    :func:`all_gather_rows`). gloo has no reduce-scatter, so it is an all-to-all plus a local sum,
+    which moves the same ``(n-1)/n`` of the buffer per rank; NCCL groups use the native one."""
+    n = group.size
+    tokens = x.shape[0] // n
+    if group.group is not None and dist.get_backend(group.group) != "gloo":
+        send = x.reshape(n, tokens, *x.shape[1:])
+        if not group.in_shard_order:
+            send = send[_shard_of_slot(group)]
+        out = x.new_empty((tokens, *x.shape[1:]))
+        dist.reduce_scatter_tensor(out, send.reshape(x.shape).contiguous(), group=group.group)
+        return out
+    return _exchange(x.reshape(n, tokens, *x.shape[1:]), group).sum(0)

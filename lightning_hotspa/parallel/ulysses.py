@@ -29,7 +29,7 @@ from ..layout import LayoutError, RankGroup
 from ..plan import MicroBatch
 from .collectives import all_to_all_heads_to_tokens, all_to_all_tokens_to_heads, permute_rows
 
-__all__ = ["RowOrder", "row_order", "ulysses_attention"]
+__all__ = ["RowOrder", "check_micro_batch", "exchange_qkv", "row_order", "ulysses_attention"]
 
 
 @dataclass(frozen=True)
@@ -88,7 +88,7 @@ def row_order(cu_seqlens: Tensor, cp: int, where: str = "context parallel") -> R
     return order
 
 
-def _check_micro_batch(mb: MicroBatch | None, cu_seqlens: Tensor, tokens: int, group: RankGroup, where: str) -> None:
+def check_micro_batch(mb: MicroBatch | None, cu_seqlens: Tensor, tokens: int, group: RankGroup, where: str) -> None:
     if mb is None:
         return
     if mb.cp_size != group.size or mb.cp_rank != group.index:
@@ -114,22 +114,35 @@ def ulysses_attention(
     """``inner`` run on the whole rows of the cp group; q [T, h, d], k / v [T, hkv, d] local."""
     del max_seqlen  # the whole rows' maximum is derived from cu_seqlens
     cp, tokens = group.size, q.shape[0]
-    q_heads, kv_heads = q.shape[1], k.shape[1]
+    q_heads = q.shape[1]
     if q_heads % cp:
         raise LayoutError(f"{where}: cp={cp} does not divide the {q_heads} local query heads")
-    _check_micro_batch(micro_batch, cu_seqlens, tokens, group, where)
+    check_micro_batch(micro_batch, cu_seqlens, tokens, group, where)
     order = row_order(cu_seqlens, cp, where)
-    if kv_heads % cp:  # repeat each kv head just enough that cp divides them (GQA groups stay intact)
+    qf, kf, vf = exchange_qkv(q, k, v, group, order)
+    out = inner(qf, kf, vf, order.cu_seqlens, order.max_seqlen)
+    return all_to_all_tokens_to_heads(permute_rows(out, order.inverse, order.perm), group)
+
+
+def exchange_qkv(q: Tensor, k: Tensor, v: Tensor, group: RankGroup,
+                 order: RowOrder | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """The Ulysses exchange: ``1/n`` of the heads, every member's rows (member-major, or permuted by
+    ``order``). kv heads are repeated just enough that ``n`` divides them (GQA groups stay intact);
+    the caller has checked that ``n`` divides the query heads."""
+    cp, tokens = group.size, q.shape[0]
+    q_heads, kv_heads = q.shape[1], k.shape[1]
+    if kv_heads % cp:
         repeat = cp // math.gcd(kv_heads, cp)
         k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
         kv_heads *= repeat
+
+    def gather(t: Tensor) -> Tensor:
+        t = all_to_all_heads_to_tokens(t, group)
+        return t if order is None else permute_rows(t, order.perm, order.inverse)
+
     if k.shape[2] == q.shape[2] == v.shape[2]:  # one exchange for q, k and v
         parts = [t.reshape(tokens, cp, t.shape[1] // cp, t.shape[2]) for t in (q, k, v)]
         fused = torch.cat(parts, dim=2).reshape(tokens, q_heads + 2 * kv_heads, q.shape[2])
-        full = permute_rows(all_to_all_heads_to_tokens(fused, group), order.perm, order.inverse)
-        qf, kf, vf = full.split([q_heads // cp, kv_heads // cp, kv_heads // cp], dim=1)
-    else:
-        qf, kf, vf = (permute_rows(all_to_all_heads_to_tokens(t, group), order.perm, order.inverse)
-                      for t in (q, k, v))
-    out = inner(qf, kf, vf, order.cu_seqlens, order.max_seqlen)
-    return all_to_all_tokens_to_heads(permute_rows(out, order.inverse, order.perm), group)
+        qf, kf, vf = gather(fused).split([q_heads // cp, kv_heads // cp, kv_heads // cp], dim=1)
+        return qf, kf, vf
+    return gather(q), gather(k), gather(v)

@@ -2,7 +2,8 @@
 
 1. **Enumerate** every ``dp x tp x cp`` of the world the model can split (heads over tp*cp, kv heads
    over tp, ffn and vocab over tp), with tp inside one node, whose weights and optimizer state leave
-   room for activations.
+   room for activations; each cp > 1 in up to three kinds (:func:`cp_kinds`): Ulysses, all-gather-KV
+   (``:kv``) and, when tp*cp crosses a node, the hybrid with Ulysses filling the node.
 2. **Prune dominated** layouts: B dominates A when B holds every document A holds and costs no more
    world-seconds per document at every reference length (the throughput view the solver starts from).
 3. **Choose 2-4** that can share ONE world mesh (tp and tp*cp sizes nest:
@@ -31,27 +32,42 @@ from .cost_model import AnalyticCostModel, CostModelError, OptionCost
 from .hardware import HardwareProfile
 from .solver import CostModelPlanner
 
-__all__ = ["auto_layouts", "auto_planner", "enumerate_layouts", "layout_rates", "prune_dominated"]
+__all__ = ["auto_layouts", "auto_planner", "cp_kinds", "enumerate_layouts", "layout_rates", "prune_dominated"]
 
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def enumerate_layouts(world_size: int, cost_model: AnalyticCostModel) -> list[Layout]:
-    """Every layout of ``world_size`` the model can split and whose weights fit (any checkpointing)."""
+def cp_kinds(tp: int, cp: int, devices_per_node: int) -> list[int]:
+    """The ``cp_kv`` values offered for a tp x cp group: 1 (Ulysses), ``cp`` (all-gather-KV) and, when
+    the group crosses a node, the hybrid whose Ulysses part is the largest that stays in the node."""
+    if cp == 1:
+        return [1]
+    kinds = [1, cp]
+    inside = [u for u in _divisors(cp) if 1 < u < cp and tp * u <= devices_per_node]
+    if tp * cp > devices_per_node and inside:
+        kinds.append(cp // max(inside))
+    return kinds
+
+
+def enumerate_layouts(world_size: int, cost_model: AnalyticCostModel, cp_kind: bool = True) -> list[Layout]:
+    """Every layout of ``world_size`` the model can split and whose weights fit (any checkpointing);
+    ``cp_kind=False``: Ulysses context parallelism only (the runtime's only kind before all-gather-KV)."""
     out = []
+    per_node = cost_model.hardware.devices_per_node
     for tp in _divisors(world_size):
-        if tp > cost_model.hardware.devices_per_node:
+        if tp > per_node:
             continue
         for cp in _divisors(world_size // tp):
-            lay = Layout(dp=world_size // (tp * cp), tp=tp, cp=cp)
-            try:
-                cost_model.check(lay)
-            except CostModelError:
-                continue
-            if cost_model.capacity(lay, True) >= 2 * cp:
-                out.append(lay)
+            for cp_kv in (cp_kinds(tp, cp, per_node) if cp_kind else [1]):
+                lay = Layout(dp=world_size // (tp * cp), tp=tp, cp=cp, cp_kv=cp_kv)
+                try:
+                    cost_model.check(lay)
+                except CostModelError:
+                    continue
+                if cost_model.capacity(lay, True) >= 2 * cp:
+                    out.append(lay)
     return out
 
 
@@ -102,8 +118,13 @@ def auto_layouts(
     min_layouts: int = 2,
     tolerance: float = 0.01,
     refine: int = 6,
+    static_batches: Sequence[Sequence[int]] | None = None,
 ) -> tuple[Layout, ...]:
-    """2-4 candidate layouts (fewer only if fewer exist); see the module docstring."""
+    """2-4 candidate layouts (fewer only if fewer exist); see the module docstring.
+
+    ``static_batches``: sample global batches on which the best static layout is picked (every set
+    considered then contains it, the guard's fallback); default ``[lengths]``. Several batches make
+    that pick robust where one batch holds few long documents."""
     cm = AnalyticCostModel(model, hardware, world_size)
     check_int(context, "context", error=LayoutError)
     layouts = enumerate_layouts(world_size, cm)
@@ -118,6 +139,12 @@ def auto_layouts(
     rates = layout_rates(cm, layouts, ref)
     fixed = [cm.grad_reduce_seconds(lay) + cm.switch_seconds(None, lay) for lay in layouts]
     keep = prune_dominated(layouts, rates, fixed)
+    star = None
+    if lengths is not None and refine > 0:  # the best static layout on the sample batches (the
+        batches = [np.asarray(b, dtype=np.int64) for b in (static_batches or [lengths])]  # relaxed
+        star = _best_static(cm, layouts, batches, context)  # rates above may call it dominated:
+        if star is not None and star not in keep:  # they pick checkpointing per document, a real
+            keep.append(star)  # stage has one setting)
     holds_context = [i for i in keep if np.isfinite(rates[i, ref == context]).all()]
     if not holds_context:
         longest = max(layouts, key=lambda lay: max(o.max_doc_length for o in _options(cm, lay)))
@@ -125,6 +152,7 @@ def auto_layouts(
         raise LayoutError(f"no layout of {world_size} x {cm.hardware.name} holds a {context}-token document "
                           f"(largest: {cap} tokens in {longest}); lower the context or add devices")
     scored: list[tuple[float, int, tuple[int, ...]]] = []
+    switch_cost: dict[tuple[int, ...], float] = {}
     for size in range(1, max_layouts + 1):
         for subset in itertools.combinations(keep, size):
             if not any(i in holds_context for i in subset):
@@ -139,12 +167,18 @@ def auto_layouts(
             winner = np.argmin(sub, axis=0)
             used = sorted({subset[int(w)] for w in winner})
             score = float(sub.min(axis=0).sum()) + sum(cm.grad_reduce_seconds(layouts[i]) for i in used)
-            score += min(cm.switch_sequence_seconds(p) for p in itertools.permutations([layouts[i] for i in used]))
+            key = tuple(used)
+            if key not in switch_cost:  # the same used set recurs across many subsets
+                switch_cost[key] = min(cm.switch_sequence_seconds(p)
+                                       for p in itertools.permutations([layouts[i] for i in used]))
+            score += switch_cost[key]
             scored.append((score, size, subset))
     if not scored:
         raise LayoutError(f"no set of layouts of {world_size} ranks shares one mesh and holds {context} tokens")
     if lengths is not None and refine > 0:
-        scored = _refine(cm, layouts, keep, scored, np.asarray(lengths, dtype=np.int64), refine)
+        scored = _refine(cm, layouts, scored, np.asarray(lengths, dtype=np.int64), refine, star)
+        if star is not None:  # never worse than static by design: the set holds the best static
+            scored = [s for s in scored if star in s[2]] or scored  # layout, the guard's fallback
     top = min(s for s, _, _ in scored)
     floor = min(min_layouts, len(keep))
     eligible = [s for s in scored if s[1] >= floor and s[0] <= top * (1 + tolerance)]
@@ -156,24 +190,57 @@ def auto_layouts(
     return tuple(sorted(chosen, key=lambda lay: (lay.tp * lay.cp, lay.tp)))
 
 
-def _refine(cm: AnalyticCostModel, layouts: Sequence[Layout], keep: Sequence[int],
-            scored: list[tuple[float, int, tuple[int, ...]]], sample: np.ndarray, k: int,
+def _best_static(cm: AnalyticCostModel, layouts: Sequence[Layout], batches: Sequence[np.ndarray],
+                 context: int) -> int | None:
+    """Index of the layout that is fastest over ``batches`` as the only layout, among those holding a
+    ``context``-token document (the static baseline must hold any batch); None if none does.
+
+    Each batch is first priced by a bound of the single-layout plan (cheap, so many batches can be
+    used): the larger of the mean dp group's work (perfect fill and balance) and the longest document
+    on one dp group, plus the stage's gradient reduction, with the better checkpointing per batch;
+    the 4 best by that bound are then planned for real on the first 4 batches."""
+    bounds: list[tuple[float, int]] = []
+    for i, lay in enumerate(layouts):
+        opts = _options(cm, lay)
+        if not opts or max(o.max_doc_length for o in opts) < context:
+            continue
+        total = 0.0
+        for lengths in batches:
+            step = np.inf
+            for o in opts:
+                if o.max_doc_length < int(lengths.max()):
+                    continue
+                padded = o.padded(lengths)
+                secs = o.doc_seconds(padded) + o.per_micro_batch * padded / o.capacity
+                step = min(step, max(float(secs.sum()) / lay.dp, float(secs.max())) + o.stage_fixed)
+            total += step
+        if np.isfinite(total):
+            bounds.append((total, i))
+    if not bounds:
+        return None
+    from .solver import CostModelPlanner
+
+    # the bound ranks the layouts; the real solver decides among the closest few on a few batches
+    real = []
+    for _, i in sorted(bounds)[:4]:
+        planner = CostModelPlanner([layouts[i]], model=cm.model, hardware=cm.hardware)
+        real.append((sum(planner.solve(b)[0] for b in batches[:4]), i))
+    return min(real)[1]
+
+
+def _refine(cm: AnalyticCostModel, layouts: Sequence[Layout],
+            scored: list[tuple[float, int, tuple[int, ...]]], sample: np.ndarray, k: int, star: int | None,
             ) -> list[tuple[float, int, tuple[int, ...]]]:
     """Re-scores the most promising sets by planning ``sample`` with the real solver.
 
-    The pool: the ``k`` best sets by relaxed score, and the ``k`` best that contain the best static
-    layout on the sample (a set containing it can always fall back to it, so the choice is never
-    predicted slower than the best static layout among the candidates on this sample).
+    The pool: the ``k`` best sets by relaxed score, and the ``k`` best that contain ``star``, the
+    best static layout on the sample (a set containing it can always fall back to it, so the
+    choice is never predicted slower than the best static layout on this sample).
     """
     def real(subset: tuple[int, ...]) -> float:
         planner = CostModelPlanner([layouts[i] for i in subset], model=cm.model, hardware=cm.hardware)
         return planner.solve(sample)[0]
 
-    longest = int(sample.max())
-    holders = [i for i in keep
-               if max(cm.option(layouts[i], ac).max_doc_length for ac in (False, True)) >= longest]
-    statics = {i: real((i,)) for i in holders}
-    star = min(statics, key=lambda i: (statics[i], i)) if statics else None
     ranked = sorted(scored)
     pool = ranked[:k] + ([s for s in ranked if star in s[2]][:k] if star is not None else [])
     out, seen = [], set()
@@ -181,7 +248,7 @@ def _refine(cm: AnalyticCostModel, layouts: Sequence[Layout], keep: Sequence[int
         if subset in seen:
             continue
         seen.add(subset)
-        out.append((statics[subset[0]] if size == 1 and subset[0] in statics else real(subset), size, subset))
+        out.append((real(subset), size, subset))
     return out
 
 

@@ -28,6 +28,11 @@ rows); the cost is padding (``s`` rounded up to ``2*cp``) and communication:
 * Local shapes are smaller than the unsharded ones, so a rank's kernels may run below the
   unsharded efficiency: compute divides by ``tp*cp * hardware.shard_efficiency(tp, cp)`` (a
   measured per-degree curve, recipes/gpu_check.py part (c); 1.0 when the profile has none).
+* CP all-gather-KV (``cp_kv``, :mod:`~lightning_hotspa.parallel.kv_gather`; the hybrid runs Ulysses
+  over ``u = cp / cp_kv`` ranks first, priced as above with ``u``): per layer an all-gather of K and V
+  over the ``cp_kv`` group forward, a re-gather and a reduce-scatter of dK / dV backward (+ a gather
+  with checkpointing); each moves ``(cp_kv-1)`` local K/V slices of ``s/cp`` tokens x ``2 kv_width/tp``.
+  The gathered K/V are not saved, so backward recomputes the attention forward: attention FLOPs x 4/3.
 * Activation checkpointing recomputes each layer's forward: +1/3 of the layers' training FLOPs.
 * dp: one reduce-scatter of the stage's fp32 gradients per run of same-tp stages (docs/DESIGN.md §4, "Gradients live in the engine's store").
 * Switches (switch.py): a move from tp ``s`` to tp ``t < s`` all-gathers ``1/t - 1/s`` of the bf16
@@ -93,16 +98,23 @@ class Parallelism:
     tp: int = 1
     cp: int = 1
     pp: int = 1
+    cp_kv: int = 1  # the all-gather-KV part of cp (Layout.cp_kv); 1: Ulysses
 
     def __post_init__(self) -> None:
-        for f in ("dp", "tp", "cp", "pp"):
+        for f in ("dp", "tp", "cp", "pp", "cp_kv"):
             check_int(getattr(self, f), f"Parallelism.{f}", error=CostModelError)
+        if self.cp % self.cp_kv:
+            raise CostModelError(f"Parallelism.cp_kv={self.cp_kv} must divide cp={self.cp}")
 
     @classmethod
     def of(cls, layout: Layout | Parallelism) -> Parallelism:
         if isinstance(layout, Parallelism):
             return layout
-        return cls(layout.dp, layout.tp, layout.cp, 1)
+        return cls(layout.dp, layout.tp, layout.cp, 1, layout.cp_kv)
+
+    @property
+    def cp_ulysses(self) -> int:
+        return self.cp // self.cp_kv
 
     @property
     def world_size(self) -> int:
@@ -117,7 +129,10 @@ class Parallelism:
     def name(self) -> str:
         parts = [f"{k}{v}" for k, v in (("dp", self.dp), ("tp", self.tp), ("cp", self.cp), ("pp", self.pp))
                  if v > 1]
-        return "x".join(parts) or "dp1"
+        base = "x".join(parts) or "dp1"
+        if self.cp_kv == 1:
+            return base
+        return base + (":kv" if self.cp_kv == self.cp else f":kv{self.cp_kv}")
 
     def __str__(self) -> str:
         return self.name
@@ -125,7 +140,12 @@ class Parallelism:
     def layout(self) -> Layout:
         if self.pp != 1:
             raise CostModelError(f"{self} has pipeline parallelism, which the runtime does not run (simulation only)")
-        return Layout(self.dp, self.tp, self.cp)
+        return Layout(self.dp, self.tp, self.cp, self.cp_kv)
+
+
+def _shards(par: Parallelism | Layout) -> int:
+    """``Parallelism.of(par).shards`` without building one (switch pricing runs in tight loops)."""
+    return par.tp * getattr(par, "pp", 1)
 
 
 def shares_gradients(a: Parallelism | Layout, b: Parallelism | Layout) -> bool:
@@ -244,9 +264,10 @@ class AnalyticCostModel:
         m = self.model
         if par.world_size != self.world_size:
             raise CostModelError(f"{par} covers {par.world_size} devices, the world has {self.world_size}")
-        if m.n_heads % (par.tp * par.cp):
-            raise CostModelError(f"{par}: tp*cp={par.tp * par.cp} does not divide the model's {m.n_heads} "
-                                 f"attention heads (tp splits heads, Ulysses cp scatters them)")
+        if m.n_heads % (par.tp * par.cp_ulysses):
+            raise CostModelError(f"{par}: tp*cp={par.tp * par.cp_ulysses} (the Ulysses part of cp) does not divide "
+                                 f"the model's {m.n_heads} attention heads (tp splits heads, Ulysses cp scatters "
+                                 f"them; all-gather-KV cp, ':kv', does not)")
         if m.n_kv_heads % par.tp and par.tp % m.n_kv_heads:
             raise CostModelError(f"{par}: tp={par.tp} and the model's {m.n_kv_heads} kv heads do not nest")
         if m.n_layers % par.pp:
@@ -362,13 +383,26 @@ class AnalyticCostModel:
             bw, lat = hw.bandwidth(par.tp), hw.latency(par.tp)
             b += calls * 2.0 * (par.tp - 1) / par.tp * m.hidden * self.param_bytes / par.cp / bw
             d += calls * lat
-        if par.cp > 1:
-            span = par.tp * par.cp
+        # ---- context parallelism (w15: Ulysses part, then all-gather-KV part) ----
+        u, g = par.cp_ulysses, par.cp_kv
+        if u > 1:
+            span = par.tp * u
             bw, lat = hw.bandwidth(span), hw.latency(span)
             per_token = (2 * self.attn_width + 2 * self.kv_width) / par.tp * self.param_bytes / par.cp
             rounds = 2 + (1 if ac else 0)  # forward, backward, recomputed forward
-            b += rounds * layers * (par.cp - 1) / par.cp * per_token / bw
+            b += rounds * layers * (u - 1) / u * per_token / bw
             d += rounds * 2 * layers * lat
+        if g > 1:
+            span = par.tp * par.cp
+            bw, lat = hw.bandwidth(span), hw.latency(span)
+            per_token = 2 * self.kv_width / par.tp * self.param_bytes / par.cp  # local K and V per token
+            rounds = 3 + (1 if ac else 0)  # gather, re-gather + reduce-scatter backward, recompute
+            b += rounds * layers * (g - 1) * per_token / bw
+            d += rounds * layers * lat
+            recompute_attn = 1.0 / 3.0  # backward recomputes the attention forward (K/V not saved)
+            a += attn * recompute_attn / recompute
+            b += attn * recompute_attn / recompute
+        # ---- end context parallelism ----
         if par.pp > 1:  # activations across each stage boundary, forward and backward
             bw = hw.bandwidth(self.world_size)
             b += 2.0 * m.hidden * self.param_bytes / (par.tp * par.cp) / bw
@@ -395,15 +429,15 @@ class AnalyticCostModel:
     # ------------------------------------------------------------------ switches
     def switch_bytes(self, source: Parallelism | Layout | None, target: Parallelism | Layout) -> float:
         """Bytes each rank receives to hold ``target``'s working weights (``source`` None: home)."""
-        dst = Parallelism.of(target).shards
-        src = self.world_size if source is None else Parallelism.of(source).shards
+        dst = _shards(target)
+        src = self.world_size if source is None else _shards(source)
         return self.params * self.param_bytes * max(0.0, 1.0 / dst - 1.0 / src)
 
     def switch_seconds(self, source: Parallelism | Layout | None, target: Parallelism | Layout) -> float:
         nbytes = self.switch_bytes(source, target)
         if nbytes <= 0:
             return 0.0
-        span = self.world_size if source is None else Parallelism.of(source).shards
+        span = self.world_size if source is None else _shards(source)
         hw = self.hardware
         return nbytes / hw.bandwidth(span) + hw.latency(span)
 

@@ -57,6 +57,7 @@ from .hardware import HardwareProfile
 from .packing import DocumentTooLongError, pack_layout
 from .predict import StepPrediction, predict_stages
 from .schedule import CoefficientSchedule, ScheduleEntry
+from .static_guard import DEFAULT_STATIC_MARGIN, GuardDecision, check_margin, guard
 
 __all__ = ["CostModelPlanner"]
 
@@ -88,6 +89,9 @@ class CostModelPlanner(PlannerBase):
         plan_lag: a refit at step ``r`` changes the plans of steps ``>= r + plan_lag`` (>= 2 when
             Lightning's loop prefetches one batch; more if a main-process loader plans further ahead).
         exact_max_docs: exact dynamic programming up to this many documents.
+        static_margin: run a multi-layout plan only if the best single-layout plan of the same
+            documents is predicted slower by more than this fraction (:mod:`.static_guard`; default
+            the profiled cost model's measured held-out error); 0 trusts every predicted gain.
     """
 
     def __init__(
@@ -103,8 +107,11 @@ class CostModelPlanner(PlannerBase):
         refit_every: int = 10,
         plan_lag: int = 2,
         exact_max_docs: int = 10,
+        static_margin: float = DEFAULT_STATIC_MARGIN,
     ) -> None:
         name = type(self).__name__
+        self.static_margin = check_margin(static_margin, name)
+        self.last_decision: GuardDecision | None = None  # the guard's view of the last solve
         if isinstance(layouts, str) and layouts == "auto":
             raise PlanError(f"{name}(layouts='auto'): choose the candidates with "
                             f"planner.candidates.auto_planner(world_size, context, model=..., hardware=...)")
@@ -252,6 +259,11 @@ class CostModelPlanner(PlannerBase):
         default the newest coefficients."""
         lengths = self._check_lengths(doc_lengths)
         option_list = list(self._option_list if options is None else options)
+        multi = self._solve_over(lengths, option_list)
+        chosen, self.last_decision = guard(lengths, option_list, multi, self.static_margin, self._solve_over)
+        return chosen
+
+    def _solve_over(self, lengths: np.ndarray, option_list: list[OptionCost]) -> tuple[float, list]:
         if lengths.size <= self.exact_max_docs:
             sol = solve_exact(lengths, option_list, self.stage_order)
             return sol.objective, [(o, g) for o, g in sol.stages]
@@ -295,7 +307,8 @@ class CostModelPlanner(PlannerBase):
             label = f"{int(lengths[ids].min())}-{int(lengths[ids].max())}"
             mbs = tuple(tuple(tuple(sorted(mb)) for mb in sorted(g, key=lambda mb: (-len(mb), mb))) for g in groups)
             out.append(Stage(opt.parallelism.layout(), mbs, opt.activation_checkpointing, label))
-        return StepPlan(int(step), tuple(int(n) for n in lengths.tolist()), tuple(out))
+        notes = self.last_decision.notes() if self.last_decision is not None else ()
+        return StepPlan(int(step), tuple(int(n) for n in lengths.tolist()), tuple(out), notes=notes)
 
     def predict(self, plan: StepPlan) -> StepPrediction:
         """Predicted seconds of any plan over these layouts (another planner's too)."""

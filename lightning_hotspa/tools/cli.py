@@ -154,6 +154,8 @@ def _cmd_plan(args: argparse.Namespace) -> dict[str, Any]:
 
 # ------------------------------------------------------------------------------------------ simulate
 def _cmd_simulate(args: argparse.Namespace) -> dict[str, Any]:
+    if args.grid != "paper":
+        return _cmd_long_grid(args)
     from .simulate import GRID, simulate_grid
 
     grid = dict(GRID)
@@ -180,6 +182,18 @@ def _cmd_simulate(args: argparse.Namespace) -> dict[str, Any]:
           f"artifact's padded-row packing")
     return {"command": "simulate", **{k: v for k, v in result.items() if k != "cells"},
             "cells": [c.as_dict() for c in cells]}
+
+
+def _cmd_long_grid(args: argparse.Namespace) -> dict[str, Any]:
+    from ..planner.static_guard import DEFAULT_STATIC_MARGIN
+    from .long_grid import LONG_GRID, SMOKE_GRID, long_grid, print_long_grid
+
+    margin = DEFAULT_STATIC_MARGIN if args.margin is None else args.margin
+    if not 0 <= margin < 10:
+        raise CliError(f"--margin must be in [0, 10), got {margin}")
+    result = long_grid(LONG_GRID if args.grid == "long" else SMOKE_GRID, args.batches, args.seed, margin)
+    print_long_grid(result)
+    return {"command": "simulate", **result}
 
 
 # ------------------------------------------------------------------------------------------ calibrate
@@ -385,6 +399,10 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--sequences", type=_positive, default=512, help="documents per global batch")
     sim.add_argument("--contexts", type=_tokens, nargs="+", default=None)
     sim.add_argument("--seed", type=int, default=0)
+    sim.add_argument("--grid", choices=("paper", "long", "smoke"), default="paper", help="paper: 7B-30B, 8K-32K; "
+                     "long: Llama 3 8B/70B, 7B/13B, 32K-512K, 8-1024 H100/H200 (tools/long_grid.py); smoke: 1 cell")
+    sim.add_argument("--margin", type=float, default=None,
+                     help="--grid long/smoke: the planner's static_margin (default: its own, 0.147)")
     sim.add_argument("--json", action="store_true")
     cal = sub.add_parser("calibrate", help="measure the cpu-gloo profile on local gloo ranks")
     cal.add_argument("--ranks", type=_positive, default=4)

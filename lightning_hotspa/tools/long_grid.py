@@ -1,0 +1,226 @@
+"""The long-context grid (``hotspa simulate --grid long``): where switching should win, if anywhere.
+
+Cells: (model, GPUs, context) settings x length mixes x hardware. Per cell, on the same sampled
+global batches and one cost model (:mod:`..planner.cost_model`):
+
+* **ours**: :class:`CostModelPlanner` over automatic candidates (every CP kind the runtime has:
+  Ulysses, all-gather-KV, the hybrid), with its never-worse-than-static guard (``margin``);
+* **static**: the best single layout that holds the longest document, same solver, so the same
+  packing and balancing, every CP kind available to it;
+* **oracle**: every document in its cheapest feasible layout of ALL layouts (any mix, no mesh
+  constraint, checkpointing per document), free switches, perfect dp balance and micro-batch fill,
+  one gradient reduction; feasible = it finishes within the step on one dp group
+  (:func:`oracle_seconds`);
+* **megatron rows**: the documents concatenated into context-length rows with row-wide causal
+  attention (Megatron-LM's default without a document mask: every row costs a full-context
+  attention), in the best layout for such rows, no switching;
+* **artifact rule**: the paper's hand-set rule where it defines one (only <= 32K settings).
+
+Nothing here is tuned to a target: the hardware profiles are frozen (``planner/hardware.py``, see
+BENCHMARKS.md), and the only option the runtime lacks (sharded working copies) is not offered.
+Batches hold ``max(tokens_per_gpu * GPUs, 2 * context)`` tokens, documents longer than the context
+cut into context-sized chunks (as the DataModule does).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import numpy as np
+
+from ..layout import LayoutError
+from ..planner.candidates import auto_layouts, enumerate_layouts, layout_rates
+from ..planner.cost_model import AnalyticCostModel, Parallelism
+from ..planner.solver import CostModelPlanner
+from ..planner.static_guard import DEFAULT_STATIC_MARGIN
+from .artifact_rule import RuleNotFoundError, artifact_rule
+from .simulate import geometric_mean, rule_seconds, static_seconds
+
+__all__ = ["LONG_GRID", "SMOKE_GRID", "long_cell", "long_grid", "print_long_grid", "token_batch"]
+
+#: (model, GPUs, context) settings; GPUs in nodes of 8.
+LONG_GRID: dict[str, Any] = {
+    "settings": [("llama7b", 8, 32768), ("llama7b", 32, 131072), ("llama13b", 16, 65536), ("llama13b", 64, 262144),
+                 ("llama3-8b", 8, 32768), ("llama3-8b", 32, 131072), ("llama3-8b", 128, 524288),
+                 ("llama3-70b", 64, 131072), ("llama3-70b", 256, 262144), ("llama3-70b", 1024, 524288)],
+    "data": ["commoncrawl", "github", "sft-longtail"],
+    "hardware": ["H100", "H200"],
+}
+SMOKE_GRID: dict[str, Any] = {"settings": [("llama3-8b", 16, 65536)], "data": ["github"], "hardware": ["H100"]}
+
+#: Length mixes. ``sft-longtail`` is SYNTHETIC (an assumption, not a measurement): 95 % chat-like
+#: samples around 1K tokens, 5 % long-context samples around 48K with a wide spread.
+DATA: dict[str, dict[str, Any]] = {
+    "commoncrawl": {"kind": "commoncrawl"},
+    "github": {"kind": "github", "scale": 1 / 3.5},  # byte-token fit scaled to BPE (data/lengths.py)
+    "sft-longtail": {"kind": "bimodal", "params": {"short_mu": math.log(1024), "short_sigma": 0.9,
+                                                   "long_mu": math.log(49152), "long_sigma": 1.0,
+                                                   "long_fraction": 0.05}},
+}
+TOKENS_PER_GPU = 16384
+
+
+def token_batch(data: str, context: int, tokens: int, seed: int) -> np.ndarray:
+    """One global batch of about ``tokens`` tokens: documents drawn in order, cut at the context."""
+    from ..data.lengths import LengthGenerator
+
+    if data not in DATA:
+        raise ValueError(f"unknown length mix {data!r}; known: {sorted(DATA)}")
+    gen = LengthGenerator(seed=seed, **DATA[data])
+    n = 256
+    while True:
+        raw = gen.lengths(n)
+        pieces = np.concatenate([np.full(int(x) // context, context) if x >= context else np.zeros(0, np.int64)
+                                 for x in raw] + [raw % context])
+        pieces = pieces[pieces > 0]
+        cum = np.cumsum(pieces)
+        if cum[-1] >= tokens:
+            return pieces[: int(np.searchsorted(cum, tokens)) + 1].astype(np.int64)
+        n *= 2
+
+
+def oracle_seconds(cm: AnalyticCostModel, lengths: np.ndarray) -> float:
+    """The smallest step time ``T`` such that every document can go to a layout of ALL layouts (any
+    mix, no mesh constraint, checkpointing per document) in which it finishes within ``T`` on one dp
+    group, and the documents' work, perfectly balanced over dp groups and micro-batches, plus one
+    gradient reduction (the cheapest) fits in ``T``. Free switches. (Without the first condition a
+    512K document would be "spread" over dp groups it cannot be split across.)"""
+    layouts = enumerate_layouts(cm.world_size, cm)
+    rates = layout_rates(cm, layouts, lengths)  # [layout, doc] seconds / dp: perfectly balanced work
+    alone = rates * np.array([lay.dp for lay in layouts], dtype=np.float64)[:, None]  # on one dp group
+    reduce = min(cm.grad_reduce_seconds(lay) for lay in layouts)
+
+    def work(limit: float) -> float:
+        return float(np.where(alone <= limit, rates, np.inf).min(axis=0).sum()) + reduce
+
+    lo, hi = float(np.min(alone, axis=0).max()), max(work(math.inf), float(np.min(alone, axis=0).max()))
+    if not math.isfinite(lo):
+        return math.inf
+    hi = max(hi, work(lo))
+    if work(lo) <= lo:
+        return lo
+    for _ in range(60):  # work(T) falls as T grows: bisect for the smallest T with work(T) <= T
+        mid = 0.5 * (lo + hi)
+        lo, hi = (lo, mid) if work(mid) <= mid else (mid, hi)
+    return hi
+
+
+def megatron_rows_seconds(cm: AnalyticCostModel, lengths: np.ndarray, context: int) -> tuple[float, str]:
+    """Concatenated context-length rows, row-wide causal attention, the best static layout for them."""
+    rows = int(math.ceil(lengths.sum() / context))
+    best, name = math.inf, ""
+    for lay in enumerate_layouts(cm.world_size, cm):
+        for ac in (False, True):
+            opt = cm.option(lay, ac)
+            if opt.max_doc_length < context:
+                continue
+            per_row = float(opt.doc_seconds(opt.padded([context]))[0])
+            rows_per_mb = max(1, opt.capacity // int(opt.padded([context])[0]))
+            mine = math.ceil(rows / lay.dp)
+            secs = opt.group_seconds(mine * per_row, math.ceil(mine / rows_per_mb))
+            secs += opt.stage_fixed + cm.switch_seconds(None, lay)
+            if secs < best:
+                best, name = secs, opt.label
+            break  # no checkpointing when the rows fit without it
+    return best, name
+
+
+def long_cell(model: str, gpus: int, context: int, data: str, hardware: str, batches: int = 2, seed: int = 0,
+              margin: float = DEFAULT_STATIC_MARGIN) -> dict[str, Any]:
+    """One cell; ``feasible`` False (with ``reason``) when no layout holds the context."""
+    cm = AnalyticCostModel(model, hardware, gpus)
+    tokens = max(TOKENS_PER_GPU * gpus, 2 * context)
+    out: dict[str, Any] = {"model": model, "gpus": gpus, "context": context, "data": data, "hardware": hardware,
+                           "tokens_per_step": tokens}
+    # candidates chosen on other data: 3 batches in one for scoring sets, 16 more to pick the best
+    # static layout (every set then holds it: the guard's fallback) robustly
+    sample = np.concatenate([token_batch(data, context, tokens, seed + 7919 + i) for i in range(3)])
+    try:
+        static_sample = [token_batch(data, context, tokens, seed + 104729 + i) for i in range(16)]
+        layouts = auto_layouts(gpus, cm.model, cm.hardware, context, lengths=sample, static_batches=static_sample)
+    except LayoutError as err:
+        return {**out, "feasible": False, "reason": str(err)}
+    planner = CostModelPlanner(layouts, model=cm.model, hardware=cm.hardware, static_margin=margin)
+    statics = [Parallelism.of(lay) for lay in enumerate_layouts(gpus, cm)
+               if max(cm.option(lay, ac).max_doc_length for ac in (False, True)) >= context]
+    sums = {"ours": 0.0, "oracle": 0.0, "rows": 0.0, "rule": 0.0}
+    static_totals = {p: 0.0 for p in statics}
+    planners: dict[Parallelism, CostModelPlanner] = {}
+    fallbacks, rows_layout, has_rule = 0, "", True
+    for b in range(batches):
+        lengths = token_batch(data, context, tokens, seed + b)
+        sums["ours"] += planner.solve(lengths)[0]
+        fallbacks += bool(planner.last_decision and planner.last_decision.fell_back)
+        for p in statics:
+            static_totals[p] += static_seconds(cm, p, lengths, planners)
+        sums["oracle"] += oracle_seconds(cm, lengths)
+        secs, rows_layout = megatron_rows_seconds(cm, lengths, context)
+        sums["rows"] += secs
+        try:
+            sums["rule"] += min(rule_seconds(cm, artifact_rule(model, gpus, context, c), lengths)[0]
+                                for c in ("c1", "c2"))
+        except RuleNotFoundError:
+            has_rule = False
+    best = min(statics, key=lambda p: (static_totals[p], p.name))
+    ulysses = [p for p in statics if p.cp_kv == 1]
+    best_u = min(ulysses, key=lambda p: (static_totals[p], p.name)) if ulysses else None
+    static_s = static_totals[best]
+    ours_x, oracle_x = static_s / sums["ours"], static_s / sums["oracle"]
+    return {**out, "feasible": True, "layouts": [x.name for x in layouts], "best_static": best.name,
+            "ours_s": sums["ours"] / batches, "static_s": static_s / batches, "oracle_s": sums["oracle"] / batches,
+            "megatron_rows_s": sums["rows"] / batches, "megatron_rows_layout": rows_layout,
+            "best_static_ulysses_only": best_u.name if best_u else "",
+            "static_ulysses_only_s": static_totals[best_u] / batches if best_u else math.inf,
+            "artifact_rule_s": sums["rule"] / batches if has_rule else None,
+            "ours_over_static": ours_x, "oracle_over_static": oracle_x,
+            "ours_over_megatron_rows": sums["rows"] / sums["ours"],
+            "captured": (ours_x - 1) / (oracle_x - 1) if oracle_x > 1.01 else None,
+            "static_fallback_batches": fallbacks, "batches": batches}
+
+
+def long_grid(grid: dict[str, Any] | None = None, batches: int = 2, seed: int = 0,
+              margin: float = DEFAULT_STATIC_MARGIN) -> dict[str, Any]:
+    """Every cell and the headline: geomean over cells, share of the oracle's headroom captured."""
+    grid = grid or LONG_GRID
+    start = time.perf_counter()
+    cells = [long_cell(m, g, c, d, hw, batches, seed, margin)
+             for hw in grid["hardware"] for m, g, c in grid["settings"] for d in grid["data"]]
+    ok = [c for c in cells if c["feasible"]]
+    big = [c["ours_over_static"] for c in ok if c["oracle_over_static"] >= 1.4]
+    captured = [c["captured"] for c in ok if c["captured"] is not None]
+    return {"grid": "long", "margin": margin, "batches_per_cell": batches, "cells": cells,
+            "geomean_ours_over_static": geometric_mean([c["ours_over_static"] for c in ok]),
+            "geomean_oracle_over_static": geometric_mean([c["oracle_over_static"] for c in ok]),
+            "geomean_where_oracle_ge_1_4": geometric_mean(big) if big else None,
+            "cells_where_oracle_ge_1_4": len(big),
+            "min_captured": min(captured) if captured else None,
+            "mean_captured": float(np.mean(captured)) if captured else None,
+            "cells_with_headroom": len(captured), "infeasible_cells": len(cells) - len(ok),
+            "seconds": time.perf_counter() - start}
+
+
+def print_long_grid(result: dict[str, Any]) -> None:
+    """The grid as a markdown table and the headline (what ``hotspa simulate --grid long`` prints)."""
+    print(f"Long-context grid: predicted step seconds, {result['batches_per_cell']} batches per cell, "
+          f"guard margin {result['margin']:.3f}\n")
+    print("| hw | model | GPUs | context | data | our layouts | best static | ours x | oracle x | captured "
+          "| x Megatron rows | x artifact rule |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for c in result["cells"]:
+        if not c["feasible"]:
+            print(f"| {c['hardware']} | {c['model']} | {c['gpus']} | {c['context'] // 1024}K | {c['data']} | "
+                  f"infeasible: {c['reason']} |")
+            continue
+        cap = "-" if c["captured"] is None else f"{c['captured']:.2f}"
+        rule = "-" if c["artifact_rule_s"] is None else f"{c['artifact_rule_s'] / c['ours_s']:.3f}"
+        print(f"| {c['hardware']} | {c['model']} | {c['gpus']} | {c['context'] // 1024}K | {c['data']} | "
+              f"{', '.join(c['layouts'])} | {c['best_static']} | {c['ours_over_static']:.3f} | "
+              f"{c['oracle_over_static']:.3f} | {cap} | {c['ours_over_megatron_rows']:.2f} | {rule} |")
+    g14 = result["geomean_where_oracle_ge_1_4"]
+    print(f"\ngeomean over cells: ours {result['geomean_ours_over_static']:.3f}x, oracle "
+          f"{result['geomean_oracle_over_static']:.3f}x over the best static layout; where the oracle >= 1.4x "
+          f"({result['cells_where_oracle_ge_1_4']} cells): {'-' if g14 is None else f'{g14:.3f}x'}; captured "
+          f"headroom min {result['min_captured']}, mean {result['mean_captured']} over "
+          f"{result['cells_with_headroom']} cells with oracle > 1.01x ({result['seconds']:.0f} s)")

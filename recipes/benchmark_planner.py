@@ -1,0 +1,65 @@
+"""Planner time for 512 documents, with the never-worse-than-static guard (issue 15 target: <= 50 ms).
+
+For each candidate set (the paper's 8-GPU set and larger long-context sets with all-gather-KV and
+hybrid layouts) it times ``CostModelPlanner.plan`` (guarded: the multi-layout solve plus one solve
+per single layout) and the unguarded multi-layout solve alone, median of ``--repeats`` after one
+warm-up, on the same 512 documents. Prints one JSON line last.
+
+    python recipes/benchmark_planner.py --repeats 7
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+from lightning_hotspa.planner.solver import CostModelPlanner
+from lightning_hotspa.tools.long_grid import token_batch
+
+SETS = {
+    "paper_llama7b_8xA800": ("llama7b", "A800-80G", 32768, "github",
+                             ["dp8", "dp4xtp2", "dp2xtp2xcp2", "tp2xcp4"]),
+    "llama3-8b_64xH100_kv": ("llama3-8b", "H100", 262144, "sft-longtail",
+                             ["dp16xtp4", "dp4xtp4xcp4:kv", "dp2xtp4xcp8:kv4", "tp4xcp16:kv8"]),
+    "llama3-70b_256xH100_kv": ("llama3-70b", "H100", 262144, "sft-longtail",
+                               ["dp32xtp8", "dp8xtp8xcp4", "dp4xtp8xcp8:kv", "dp2xtp8xcp16:kv16"]),
+}
+
+
+def _median_ms(fn, repeats: int) -> float:
+    fn()
+    samples = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        samples.append(1e3 * (time.perf_counter() - t0))
+    return statistics.median(samples)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--documents", type=int, default=512)
+    args = parser.parse_args()
+    out: dict[str, object] = {"documents": args.documents, "repeats": args.repeats}
+    for name, (model, hardware, context, data, layouts) in SETS.items():
+        tokens = 2**20
+        while (lengths := token_batch(data, context, tokens, 0)).size < args.documents:
+            tokens *= 2
+        lengths = lengths[: args.documents]
+        planner = CostModelPlanner(layouts, model=model, hardware=hardware)
+        guarded = _median_ms(lambda p=planner, x=lengths: p.plan(0, x), args.repeats)
+        options = planner._option_list
+        multi = _median_ms(lambda p=planner, x=lengths, o=options: p._solve_over(x, list(o)), args.repeats)
+        out[name] = {"guarded_plan_ms": guarded, "unguarded_solve_ms": multi, "layouts": layouts,
+                     "fell_back": bool(planner.last_decision and planner.last_decision.fell_back)}
+        print(f"{name}: plan {guarded:.1f} ms with the guard, {multi:.1f} ms multi-layout solve alone")
+    out["max_guarded_plan_ms"] = max(v["guarded_plan_ms"] for k, v in out.items() if isinstance(v, dict))
+    out["target_50ms_met"] = out["max_guarded_plan_ms"] <= 50
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()

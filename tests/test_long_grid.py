@@ -1,0 +1,58 @@
+"""The long-context grid's invariants, the frozen hardware profiles it prices, and how the cost
+model prices the context-parallel kinds."""
+
+import pytest
+
+from lightning_hotspa.layout import Layout
+from lightning_hotspa.planner.cost_model import AnalyticCostModel, CostModelError
+from lightning_hotspa.planner.hardware import PROFILES
+from lightning_hotspa.tools.long_grid import SMOKE_GRID, long_grid
+
+# Frozen before the long grid was first run (issue 15): the simulator must not be tuned to its own
+# targets. Changing a number here needs a before/after table in BENCHMARKS.md.
+FROZEN = {
+    "H100": dict(peak_flops=989e12, dense_efficiency=0.55, attention_efficiency=0.40, memory_bytes=80 * 2**30,
+                 intra_node_bw=360e9, inter_node_bw=45e9, devices_per_node=8),
+    "H200": dict(peak_flops=989e12, dense_efficiency=0.55, attention_efficiency=0.40, memory_bytes=141e9,
+                 intra_node_bw=360e9, inter_node_bw=45e9, devices_per_node=8),
+}
+
+
+@pytest.mark.parametrize("name", sorted(FROZEN))
+def test_hardware_profiles_are_frozen(name):
+    profile = PROFILES[name]
+    assert {k: getattr(profile, k) for k in FROZEN[name]} == FROZEN[name]
+
+
+def test_smoke_grid_cells_respect_the_oracle_bound():
+    result = long_grid(SMOKE_GRID, batches=1)
+    for key in ("cells", "geomean_where_oracle_ge_1_4", "min_captured", "seconds"):
+        assert key in result
+    (cell,) = result["cells"]
+    assert cell["feasible"]
+    for key in ("model", "gpus", "context", "data", "ours_over_static", "oracle_over_static", "captured"):
+        assert key in cell
+    # the oracle relaxes every constraint a real plan has: it is never slower than ours or static
+    assert cell["oracle_over_static"] >= max(1.0, cell["ours_over_static"]) - 1e-9
+    assert cell["megatron_rows_s"] >= cell["oracle_s"]
+
+
+def test_cost_model_prices_all_gather_kv_against_ulysses():
+    """KV gather recomputes attention; per rank it receives (cp-1)/cp of the sequence's K/V three
+    times (gather, re-gather, reduce-scatter) where Ulysses moves (cp-1)/cp of s/cp x (2 h + 2 kv)
+    twice: with 8 kv heads of 32 KV moves fewer bytes only for small cp (here 2, not 16), so at
+    cp16 the hybrid (Ulysses inside the node) beats pure KV. cp beyond the heads: KV part only."""
+    cm = AnalyticCostModel("llama3-8b", "H100", 64)
+    ulysses = cm.option(Layout(dp=2, tp=2, cp=16), False)
+    kv = cm.option(Layout(dp=2, tp=2, cp=16, cp_kv=16), False)
+    hybrid = cm.option(Layout(dp=2, tp=2, cp=16, cp_kv=4), False)
+    assert kv.quadratic > ulysses.quadratic  # attention recomputed in backward (K/V not saved)
+    assert hybrid.linear < kv.linear and ulysses.linear < kv.linear
+    small_u, small_kv = (cm.option(Layout(dp=4, tp=8, cp=2, cp_kv=k), False) for k in (1, 2))  # crosses nodes
+    comm_u = small_u.linear - small_u.quadratic  # linear = attention (== quadratic) + dense + comm
+    comm_kv = small_kv.linear - small_kv.quadratic
+    assert comm_kv < comm_u  # cp=2: the KV gather moves fewer bytes
+    cm70 = AnalyticCostModel("llama3-70b", "H100", 128)
+    cm70.check(Layout(tp=8, cp=16, cp_kv=16))  # 64 heads: tp8 x cp16 only works without Ulysses
+    with pytest.raises(CostModelError, match="Ulysses part of cp"):
+        cm70.check(Layout(tp=8, cp=16))
