@@ -128,7 +128,7 @@ def summarize(data: dict[str, Any]) -> dict[str, Any]:
             t = train["timings"]
             out["timers"]["strategy_steps"] = {
                 "device_s": [x["device_s"] for x in t], "host_s": [x["host_s"] for x in t],
-                "strategy_stage_host_s": [x["strategy_stage_host_s"] for x in t]}
+                "strategy_stage_s": [x["strategy_stage_s"] for x in t]}
     update = data.get("profile_update") or {}
     out["profile_update_set"] = (update.get("file") or {}).get("set")
     out["profile_update_check"] = update.get("check")

@@ -18,8 +18,9 @@ size, so a near-zero gradient whose sign flips under rounding moves its weight t
 is why the update error (reported, not judged) is much larger than the loss error.
 
 It also times each step two ways for part (e): CUDA events from ``on_train_batch_start`` to
-``on_before_optimizer_step``, against the host clock over the same span and the strategy's own host
-stage timers (``strategy.last_stage_stats``: switch + compute + reduce).
+``on_before_optimizer_step``, against the host clock over the same span and the strategy's own stage
+timers (``strategy.last_step.stages``: switch + compute + reduce, device time through the
+StepRunner's timing seam: CUDA events on a GPU).
 """
 
 from __future__ import annotations
@@ -82,12 +83,11 @@ def _recorder(compare_steps: int, budget: Budget, reserve_s: float, device: torc
 
         def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
             end_event, end_host = timer.mark(), time.perf_counter()
-            stats = getattr(trainer.strategy, "last_stage_stats", None) or []
-            stage_sum = sum(getattr(s, "switch_s", 0.0) + getattr(s, "compute_s", 0.0) + getattr(s, "reduce_s", 0.0)
-                            for s in stats)
+            last = trainer.strategy.last_step  # the StepRunner's result: this rank's stage stats
+            stage_sum = sum(s.switch_s + s.compute_s + s.reduce_s for s in (last.stages if last else ()))
             # events are read after fit (reading one waits for it: no extra sync inside the run)
             self.timings.append({"events": (self._start[0], end_event),
-                                 "host_s": end_host - self._start[1], "strategy_stage_host_s": stage_sum})
+                                 "host_s": end_host - self._start[1], "strategy_stage_s": stage_sum})
 
         def device_timings(self) -> list[dict[str, float]]:
             return [{"device_s": timer.seconds(*t["events"]),

@@ -23,8 +23,11 @@ def bench():
 
 def _counted_flops_per_token(config: LlamaConfig, length: int) -> float:
     """Forward + backward FLOPs per token as torch's FlopCounterMode counts them on the real model,
-    with the attention matmuls (``bmm`` on CPU) halved: the attention is causal."""
+    with the attention matmuls (``bmm`` on CPU) halved: the attention is causal. SDPA runs its math
+    kernel here: the counter has no formula for the CPU flash kernel the model takes by default
+    (it would count no attention at all)."""
     import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.utils.flop_counter import FlopCounterMode
 
     from lightning_hotspa.models import build_llama
@@ -32,7 +35,7 @@ def _counted_flops_per_token(config: LlamaConfig, length: int) -> float:
 
     model = build_llama(config, seed=0)
     mb = pack_micro_batch([torch.randint(0, config.vocab_size, (length,))])
-    with FlopCounterMode(display=False) as counter:
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
         model(mb.input_ids, mb.position_ids, mb.cu_seqlens, mb.max_seqlen).float().sum().backward()
     ops = {str(k): v for k, v in counter.get_flop_counts()["Global"].items()}
     return (counter.get_total_flops() - ops.get("aten.bmm", 0) / 2) / length

@@ -42,7 +42,7 @@ rows); the cost is padding (``s`` rounded up to ``2*cp``) and communication:
 * pp (simulation of the artifact's (dp, tp, pp) layouts only): each rank runs ``L/pp`` layers, a dp
   group's ``m`` micro-batches take ``sum/pp * (m + pp - 1)/m`` (1F1B bubble).
 
-Memory per rank (:meth:`AnalyticCostModel.memory`, checked against the real step by ``hotspa memory``):
+Memory per rank (:mod:`.memory_model`, :meth:`AnalyticCostModel.memory`, checked against the real step by ``hotspa memory``):
 home state over the world (fp32 weights, Adam m and v, fp32 gradient store: 16 B per parameter /
 world), bf16 working weights and their fp32 main-grad accumulators (6 B / (tp*pp) for the tp-split
 parameters, norms in full), and activations per token as the runtime saves them (norms and residual
@@ -63,7 +63,9 @@ from ..checks import check_int
 from ..layout import Layout
 from ..models.config import LlamaConfig
 from .hardware import HardwareProfile, get_profile
+from .memory_model import MemoryModel, MemoryUse
 from .packing import cp_padded_lengths, max_doc_length
+from .parallelism import CostModelError, Parallelism, _shards, resolve_model, shares_gradients
 
 __all__ = [
     "AnalyticCostModel",
@@ -74,85 +76,6 @@ __all__ = [
     "resolve_model",
     "shares_gradients",
 ]
-
-
-class CostModelError(ValueError):
-    """A model / world / layout combination the cost model cannot price; the message names it."""
-
-
-def resolve_model(model: LlamaConfig | str) -> LlamaConfig:
-    """A :class:`LlamaConfig` or a preset name (``llama7b``, ``llama13b``, ``llama30b``, ...)."""
-    if isinstance(model, LlamaConfig):
-        return model
-    try:
-        return LlamaConfig.preset(str(model))
-    except ValueError as err:
-        raise CostModelError(str(err)) from None
-
-
-@dataclass(frozen=True)
-class Parallelism:
-    """Degrees of one parallel strategy; ``pp`` > 1 only for simulating pipeline-parallel baselines."""
-
-    dp: int = 1
-    tp: int = 1
-    cp: int = 1
-    pp: int = 1
-    cp_kv: int = 1  # the all-gather-KV part of cp (Layout.cp_kv); 1: Ulysses
-
-    def __post_init__(self) -> None:
-        for f in ("dp", "tp", "cp", "pp", "cp_kv"):
-            check_int(getattr(self, f), f"Parallelism.{f}", error=CostModelError)
-        if self.cp % self.cp_kv:
-            raise CostModelError(f"Parallelism.cp_kv={self.cp_kv} must divide cp={self.cp}")
-
-    @classmethod
-    def of(cls, layout: Layout | Parallelism) -> Parallelism:
-        if isinstance(layout, Parallelism):
-            return layout
-        return cls(layout.dp, layout.tp, layout.cp, 1, layout.cp_kv)
-
-    @property
-    def cp_ulysses(self) -> int:
-        return self.cp // self.cp_kv
-
-    @property
-    def world_size(self) -> int:
-        return self.dp * self.tp * self.cp * self.pp
-
-    @property
-    def shards(self) -> int:
-        """How many ways the working weights are split (a rank holds 1/shards of them)."""
-        return self.tp * self.pp
-
-    @property
-    def name(self) -> str:
-        parts = [f"{k}{v}" for k, v in (("dp", self.dp), ("tp", self.tp), ("cp", self.cp), ("pp", self.pp))
-                 if v > 1]
-        base = "x".join(parts) or "dp1"
-        if self.cp_kv == 1:
-            return base
-        return base + (":kv" if self.cp_kv == self.cp else f":kv{self.cp_kv}")
-
-    def __str__(self) -> str:
-        return self.name
-
-    def layout(self) -> Layout:
-        if self.pp != 1:
-            raise CostModelError(f"{self} has pipeline parallelism, which the runtime does not run (simulation only)")
-        return Layout(self.dp, self.tp, self.cp, self.cp_kv)
-
-
-def _shards(par: Parallelism | Layout) -> int:
-    """``Parallelism.of(par).shards`` without building one (switch pricing runs in tight loops)."""
-    return par.tp * getattr(par, "pp", 1)
-
-
-def shares_gradients(a: Parallelism | Layout, b: Parallelism | Layout) -> bool:
-    """Stages in ``a`` then ``b`` share working shards and gradient states (same tp, and pp), so the
-    runtime reduces once after both (``SwitchEngine.shares_gradients``); their ``stage_fixed`` agree."""
-    a, b = Parallelism.of(a), Parallelism.of(b)
-    return (a.tp, a.pp) == (b.tp, b.pp)
 
 
 @dataclass(frozen=True)
@@ -211,21 +134,7 @@ class OptionCost:
                                    per_document=self.per_document if per_document is None else float(per_document))
 
 
-@dataclass(frozen=True)
-class MemoryUse:
-    """Bytes per rank of one option."""
-
-    home: float
-    working: float
-    activation_per_token: float  # per token of the micro-batch (already divided by tp*cp)
-    usable: float
-
-    @property
-    def free_for_activations(self) -> float:
-        return self.usable - self.home - self.working
-
-
-class AnalyticCostModel:
+class AnalyticCostModel(MemoryModel):
     """Prices options, stages and switches of ``model`` on ``world_size`` devices of ``hardware``.
 
     ``grad_bytes``: bytes per gradient element in the stage reduction (fp32: our runtime sums in
@@ -276,94 +185,6 @@ class AnalyticCostModel:
             raise CostModelError(f"{par}: tp={par.tp} does not divide ffn {m.ffn_hidden} / vocab "
                                  f"{m.padded_vocab_size}")
         return par
-
-    # ------------------------------------------------------------------ memory (issue 19)
-    # What our runtime holds per rank, term by term; checked against the real code path under
-    # FakeTensorMode + MemTracker by ``hotspa memory`` (tools/memory.py). TP here has no sequence
-    # parallelism: norms and the residual stream are full on every tp rank (divided by cp only).
-    def _param_split(self, tp: int) -> tuple[float, float]:
-        """(parameters split by tp, parameters every tp rank holds in full) of the model."""
-        m = self.model
-        norms = (2 * m.n_layers + 1) * m.hidden
-        kv = 2 * m.n_layers * m.hidden * self.kv_width
-        full = norms + (kv if m.n_kv_heads % tp else 0)  # kv heads fewer than tp: replicated_partial
-        return self.params - full, full
-
-    def activation_bytes_per_token(self, activation_checkpointing: bool, tp: int = 1, cp: int = 1) -> float:
-        """Bytes one token of a micro-batch adds to the peak of one rank in a tp x cp group: the
-        tensors autograd saves (module docstring of models/llama.py; attention per
-        ``attention_backend``) plus the loss head's transients at the forward/backward turn."""
-        m = self.model
-        h, f, hd, wb = m.hidden, m.ffn_hidden, m.head_dim, self.param_bytes
-        a = self.attn_width
-        kv = a if m.n_heads != m.n_kv_heads else self.kv_width  # GQA: SDPA saves the repeated k, v
-        norm = 4.0 * h + 2.0 * wb * h  # fp32 input copy, normed, weighted output (saved by the linears)
-        replicated = 2 * norm
-        attention = wb * (3 * a + 2 * kv) + self._attention_state_bytes()  # q, k, v, out, wo input
-        sharded = attention + 4.0 * wb * f  # SwiGLU: w1 out, silu, w3 out, product
-        layer = replicated / cp + sharded / (tp * cp)
-        rope = 2.0 * wb * hd / cp  # cos, sin tables shared by the layers
-        v = m.padded_vocab_size / tp
-        # loss head: final norm; logits (working dtype), fp32 logits/softmax and their gradients
-        head = norm / cp + (12.0 if tp == 1 else 10.0) * v / cp
-        if activation_checkpointing:  # each layer's input, plus one layer recomputed
-            return m.n_layers * wb * h / cp + layer + rope + head
-        return m.n_layers * layer + rope + head
-
-    def _attention_state_bytes(self) -> float:
-        """Per token per layer beyond q, k, v and out: flash kernels keep an fp32 log-sum-exp per
-        head; the quadratic math fallback is :meth:`attention_quadratic_bytes`."""
-        return 4.0 * self.model.n_heads if self.attention_backend == "flash" else 0.0
-
-    def attention_quadratic_bytes(self, par: Parallelism | Layout) -> float:
-        """Bytes per rank per (document length)^2: zero for flash kernels (flash_varlen, torch_varlen,
-        CPU SDPA with 4-D inputs); the math kernel saves each layer's softmax [h/tp, s, s] in the
-        working dtype (split by cp under Ulysses) and holds fp32 scores and their gradient in the
-        layer being differentiated."""
-        if self.attention_backend == "flash":
-            return 0.0
-        par = Parallelism.of(par)
-        heads = self.model.n_heads / (par.tp * par.cp)
-        return heads * (self.model.n_layers * self.param_bytes + 2 * 4.0)
-
-    def memory(self, par: Parallelism | Layout, activation_checkpointing: bool) -> MemoryUse:
-        """Home: fp32 weights, AdamW m and v, fp32 gradient store (16 B / parameter / world).
-        Working: weights in the working dtype plus their gradient accumulators (``grad_accum_bytes``:
-        fp32 main grads by default, +4 B per working parameter) over the layout's tp (and pp), and
-        the largest gradient in the working dtype before its accumulation hook folds it in."""
-        par = Parallelism.of(par)
-        hw = self.hardware
-        home = self.params * 16.0 / self.world_size
-        split, full = self._param_split(par.tp)
-        per_rank = split / par.shards + full / par.pp
-        largest = self.model.padded_vocab_size * self.model.hidden / par.tp  # the LM head
-        working = per_rank * (self.param_bytes + self.grad_accum_bytes) + \
-            (largest * self.param_bytes if self.grad_accum_bytes != self.param_bytes else 0.0)
-        act = self.activation_bytes_per_token(activation_checkpointing, par.tp, par.cp)
-        usable = hw.memory_bytes * hw.memory_usable_fraction - hw.memory_reserved_bytes
-        return MemoryUse(home, working, act, usable)
-
-    def peak_bytes(self, par: Parallelism | Layout, activation_checkpointing: bool, tokens: int) -> float:
-        """Predicted peak bytes per rank with a micro-batch of ``tokens`` (no reserve: compare with
-        the memory estimator, ``hotspa memory``)."""
-        mem = self.memory(par, activation_checkpointing)
-        quadratic = self.attention_quadratic_bytes(par) * float(tokens) ** 2  # one document: the worst
-        return mem.home + mem.working + mem.activation_per_token * tokens + quadratic
-
-    def capacity(self, par: Parallelism | Layout, activation_checkpointing: bool) -> int:
-        """Most tokens one micro-batch may hold (0: the weights alone do not fit)."""
-        mem = self.memory(par, activation_checkpointing)
-        free = mem.free_for_activations
-        if free <= 0:
-            return 0
-        q, b = self.attention_quadratic_bytes(par), mem.activation_per_token
-        tokens = int(free // b) if q == 0 else int((-b + (b * b + 4 * q * free) ** 0.5) / (2 * q))
-        q = self.capacity_multiple
-        return (tokens // q) * q if tokens >= q else tokens
-
-    def activation_ratio(self) -> float:
-        """Capacity gain of checkpointing: activations per token without / with it."""
-        return self.activation_bytes_per_token(False) / self.activation_bytes_per_token(True)
 
     # ------------------------------------------------------------------ time
     def _coefficients(self, par: Parallelism, ac: bool) -> tuple[float, float, float]:

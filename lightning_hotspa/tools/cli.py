@@ -421,33 +421,20 @@ def build_parser() -> argparse.ArgumentParser:
     chk.add_argument("--clock", default="cpu", help="cpu (each rank's CPU seconds: see CLOCKS) or wall")
     chk.add_argument("--rows-out", default=None, help="save the raw observation rows (np.savetxt) here")
     chk.add_argument("--json", action="store_true")
-    exp = sub.add_parser("export", help="one of our DCP checkpoints as a Hugging Face folder (config.json + safetensors)")
-    exp.add_argument("checkpoint_dir")
-    exp.add_argument("out_dir")
-    exp.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"], help="default: as stored")
-    from .memory import add_parser as add_memory_parser
+    from . import export, memory
 
-    add_memory_parser(sub)
+    export.add_parser(sub)
+    memory.add_parser(sub)
     return parser
-
-
-def _cmd_export(args: argparse.Namespace) -> dict:
-    import torch
-
-    from ..adapter.hf_export import export_hf
-
-    names = export_hf(args.checkpoint_dir, args.out_dir, getattr(torch, args.dtype) if args.dtype else None)
-    print(f"wrote {len(names)} tensors and config.json to {args.out_dir}")
-    return {"out_dir": args.out_dir, "tensors": len(names)}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``hotspa`` console script; returns the exit code."""
     args = build_parser().parse_args(argv)
-    from .memory import run as _cmd_memory
+    from . import export, memory
 
     commands = {"plan": _cmd_plan, "simulate": _cmd_simulate, "calibrate": _cmd_calibrate,
-                "check-calibration": _cmd_check_calibration, "export": _cmd_export, "memory": _cmd_memory}
+                "check-calibration": _cmd_check_calibration, "export": export.run, "memory": memory.run}
     try:
         result = commands[args.command](args)
     except (CliError, ValueError, KeyError, OSError) as err:

@@ -1,0 +1,126 @@
+"""The memory half of the analytic cost model: bytes per rank of an option, and its token capacity.
+
+What our runtime holds per rank, term by term (the cost model's module docstring lists them); checked
+against the real code path under FakeTensorMode + the fake process group by ``hotspa memory``
+(tools/memory.py). A mixin of :class:`~.cost_model.AnalyticCostModel`, which sets ``model``,
+``hardware``, ``world_size``, ``params``, ``param_bytes``, ``grad_accum_bytes``,
+``attention_backend``, ``attn_width``, ``kv_width`` and ``capacity_multiple``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ..layout import Layout
+from .parallelism import Parallelism
+
+__all__ = ["MemoryModel", "MemoryUse"]
+
+
+@dataclass(frozen=True)
+class MemoryUse:
+    """Bytes per rank of one option."""
+
+    home: float
+    working: float
+    activation_per_token: float  # per token of the micro-batch (already divided by tp*cp)
+    usable: float
+
+    @property
+    def free_for_activations(self) -> float:
+        return self.usable - self.home - self.working
+
+
+class MemoryModel:
+    """Memory per rank of ``self.model`` on ``self.world_size`` devices of ``self.hardware``."""
+
+    model: Any
+    hardware: Any
+
+    # What our runtime holds per rank, term by term; checked against the real code path under
+    # FakeTensorMode + MemTracker by ``hotspa memory`` (tools/memory.py). TP here has no sequence
+    # parallelism: norms and the residual stream are full on every tp rank (divided by cp only).
+    def _param_split(self, tp: int) -> tuple[float, float]:
+        """(parameters split by tp, parameters every tp rank holds in full) of the model."""
+        m = self.model
+        norms = (2 * m.n_layers + 1) * m.hidden
+        kv = 2 * m.n_layers * m.hidden * self.kv_width
+        full = norms + (kv if m.n_kv_heads % tp else 0)  # kv heads fewer than tp: replicated_partial
+        return self.params - full, full
+
+    def activation_bytes_per_token(self, activation_checkpointing: bool, tp: int = 1, cp: int = 1) -> float:
+        """Bytes one token of a micro-batch adds to the peak of one rank in a tp x cp group: the
+        tensors autograd saves (module docstring of models/llama.py; attention per
+        ``attention_backend``) plus the loss head's transients at the forward/backward turn."""
+        m = self.model
+        h, f, hd, wb = m.hidden, m.ffn_hidden, m.head_dim, self.param_bytes
+        a = self.attn_width
+        kv = a if m.n_heads != m.n_kv_heads else self.kv_width  # GQA: SDPA saves the repeated k, v
+        norm = 4.0 * h + 2.0 * wb * h  # fp32 input copy, normed, weighted output (saved by the linears)
+        replicated = 2 * norm
+        attention = wb * (3 * a + 2 * kv) + self._attention_state_bytes()  # q, k, v, out, wo input
+        sharded = attention + 4.0 * wb * f  # SwiGLU: w1 out, silu, w3 out, product
+        layer = replicated / cp + sharded / (tp * cp)
+        rope = 2.0 * wb * hd / cp  # cos, sin tables shared by the layers
+        v = m.padded_vocab_size / tp
+        # loss head: final norm; logits (working dtype), fp32 logits/softmax and their gradients
+        head = norm / cp + (12.0 if tp == 1 else 10.0) * v / cp
+        if activation_checkpointing:  # each layer's input, plus one layer recomputed
+            return m.n_layers * wb * h / cp + layer + rope + head
+        return m.n_layers * layer + rope + head
+
+    def _attention_state_bytes(self) -> float:
+        """Per token per layer beyond q, k, v and out: flash kernels keep an fp32 log-sum-exp per
+        head; the quadratic math fallback is :meth:`attention_quadratic_bytes`."""
+        return 4.0 * self.model.n_heads if self.attention_backend == "flash" else 0.0
+
+    def attention_quadratic_bytes(self, par: Parallelism | Layout) -> float:
+        """Bytes per rank per (document length)^2: zero for flash kernels (flash_varlen, torch_varlen,
+        CPU SDPA with 4-D inputs); the math kernel saves each layer's softmax [h/tp, s, s] in the
+        working dtype (split by cp under Ulysses) and holds fp32 scores and their gradient in the
+        layer being differentiated."""
+        if self.attention_backend == "flash":
+            return 0.0
+        par = Parallelism.of(par)
+        heads = self.model.n_heads / (par.tp * par.cp)
+        return heads * (self.model.n_layers * self.param_bytes + 2 * 4.0)
+
+    def memory(self, par: Parallelism | Layout, activation_checkpointing: bool) -> MemoryUse:
+        """Home: fp32 weights, AdamW m and v, fp32 gradient store (16 B / parameter / world).
+        Working: weights in the working dtype plus their gradient accumulators (``grad_accum_bytes``:
+        fp32 main grads by default, +4 B per working parameter) over the layout's tp (and pp), and
+        the largest gradient in the working dtype before its accumulation hook folds it in."""
+        par = Parallelism.of(par)
+        hw = self.hardware
+        home = self.params * 16.0 / self.world_size
+        split, full = self._param_split(par.tp)
+        per_rank = split / par.shards + full / par.pp
+        largest = self.model.padded_vocab_size * self.model.hidden / par.tp  # the LM head
+        working = per_rank * (self.param_bytes + self.grad_accum_bytes) + \
+            (largest * self.param_bytes if self.grad_accum_bytes != self.param_bytes else 0.0)
+        act = self.activation_bytes_per_token(activation_checkpointing, par.tp, par.cp)
+        usable = hw.memory_bytes * hw.memory_usable_fraction - hw.memory_reserved_bytes
+        return MemoryUse(home, working, act, usable)
+
+    def peak_bytes(self, par: Parallelism | Layout, activation_checkpointing: bool, tokens: int) -> float:
+        """Predicted peak bytes per rank with a micro-batch of ``tokens`` (no reserve: compare with
+        the memory estimator, ``hotspa memory``)."""
+        mem = self.memory(par, activation_checkpointing)
+        quadratic = self.attention_quadratic_bytes(par) * float(tokens) ** 2  # one document: the worst
+        return mem.home + mem.working + mem.activation_per_token * tokens + quadratic
+
+    def capacity(self, par: Parallelism | Layout, activation_checkpointing: bool) -> int:
+        """Most tokens one micro-batch may hold (0: the weights alone do not fit)."""
+        mem = self.memory(par, activation_checkpointing)
+        free = mem.free_for_activations
+        if free <= 0:
+            return 0
+        q, b = self.attention_quadratic_bytes(par), mem.activation_per_token
+        tokens = int(free // b) if q == 0 else int((-b + (b * b + 4 * q * free) ** 0.5) / (2 * q))
+        q = self.capacity_multiple
+        return (tokens // q) * q if tokens >= q else tokens
+
+    def activation_ratio(self) -> float:
+        """Capacity gain of checkpointing: activations per token without / with it."""
+        return self.activation_bytes_per_token(False) / self.activation_bytes_per_token(True)

@@ -1,0 +1,92 @@
+"""The degrees the cost model prices: :class:`Parallelism` (a runtime :class:`Layout`, or a pipeline-
+parallel layout the simulator prices for the artifact's baselines) and the errors naming what a model
+cannot run."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..checks import check_int
+from ..layout import Layout
+from ..models.config import LlamaConfig
+
+__all__ = ["CostModelError", "Parallelism", "resolve_model", "shares_gradients"]
+
+
+class CostModelError(ValueError):
+    """A model / world / layout combination the cost model cannot price; the message names it."""
+
+
+def resolve_model(model: LlamaConfig | str) -> LlamaConfig:
+    """A :class:`LlamaConfig` or a preset name (``llama7b``, ``llama13b``, ``llama30b``, ...)."""
+    if isinstance(model, LlamaConfig):
+        return model
+    try:
+        return LlamaConfig.preset(str(model))
+    except ValueError as err:
+        raise CostModelError(str(err)) from None
+
+
+@dataclass(frozen=True)
+class Parallelism:
+    """Degrees of one parallel strategy; ``pp`` > 1 only for simulating pipeline-parallel baselines."""
+
+    dp: int = 1
+    tp: int = 1
+    cp: int = 1
+    pp: int = 1
+    cp_kv: int = 1  # the all-gather-KV part of cp (Layout.cp_kv); 1: Ulysses
+
+    def __post_init__(self) -> None:
+        for f in ("dp", "tp", "cp", "pp", "cp_kv"):
+            check_int(getattr(self, f), f"Parallelism.{f}", error=CostModelError)
+        if self.cp % self.cp_kv:
+            raise CostModelError(f"Parallelism.cp_kv={self.cp_kv} must divide cp={self.cp}")
+
+    @classmethod
+    def of(cls, layout: Layout | Parallelism) -> Parallelism:
+        if isinstance(layout, Parallelism):
+            return layout
+        return cls(layout.dp, layout.tp, layout.cp, 1, layout.cp_kv)
+
+    @property
+    def cp_ulysses(self) -> int:
+        return self.cp // self.cp_kv
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.cp * self.pp
+
+    @property
+    def shards(self) -> int:
+        """How many ways the working weights are split (a rank holds 1/shards of them)."""
+        return self.tp * self.pp
+
+    @property
+    def name(self) -> str:
+        parts = [f"{k}{v}" for k, v in (("dp", self.dp), ("tp", self.tp), ("cp", self.cp), ("pp", self.pp))
+                 if v > 1]
+        base = "x".join(parts) or "dp1"
+        if self.cp_kv == 1:
+            return base
+        return base + (":kv" if self.cp_kv == self.cp else f":kv{self.cp_kv}")
+
+    def __str__(self) -> str:
+        return self.name
+
+    def layout(self) -> Layout:
+        if self.pp != 1:
+            raise CostModelError(f"{self} has pipeline parallelism, which the runtime does not run (simulation only)")
+        return Layout(self.dp, self.tp, self.cp, self.cp_kv)
+
+
+def _shards(par: Parallelism | Layout) -> int:
+    """``Parallelism.of(par).shards`` without building one (switch pricing runs in tight loops)."""
+    return par.tp * getattr(par, "pp", 1)
+
+
+def shares_gradients(a: Parallelism | Layout, b: Parallelism | Layout) -> bool:
+    """Stages in ``a`` then ``b`` share working shards and gradient states (same tp, and pp), so the
+    runtime reduces once after both (``SwitchEngine.shares_gradients``); their ``stage_fixed`` agree."""
+    a, b = Parallelism.of(a), Parallelism.of(b)
+    return (a.tp, a.pp) == (b.tp, b.pp)
