@@ -31,6 +31,7 @@ from .checks import check_int
 __all__ = [
     "Layout",
     "LayoutError",
+    "layout_name",
     "MeshShape",
     "RankGroup",
     "LayoutGroups",
@@ -46,6 +47,16 @@ class LayoutError(ValueError):
 _LAYOUT_RE = re.compile(r"^(?:(dp|tp|cp)(\d+))(?:\s*[x×*]\s*(dp|tp|cp)(\d+))*(?::kv(\d+)?)?$")
 _PART_RE = re.compile(r"(dp|tp|cp)(\d+)")
 _KV_RE = re.compile(r":kv(\d+)?$")
+
+
+def layout_name(dp: int, tp: int, cp: int, cp_kv: int = 1, pp: int = 1) -> str:
+    """``"dp2xtp2"``, ``"tp2xcp4:kv"``, ``"cp8:kv2"``: the degrees above 1, then the all-gather-KV
+    part of cp (``pp`` only for the simulator's pipeline-parallel baselines)."""
+    parts = [f"{k}{v}" for k, v in (("dp", dp), ("tp", tp), ("cp", cp), ("pp", pp)) if v > 1]
+    base = "x".join(parts) or "dp1"
+    if cp_kv == 1:
+        return base
+    return base + (":kv" if cp_kv == cp else f":kv{cp_kv}")
 
 
 @dataclass(frozen=True)
@@ -88,11 +99,7 @@ class Layout:
 
     @property
     def name(self) -> str:
-        parts = [f"{k}{v}" for k, v in (("dp", self.dp), ("tp", self.tp), ("cp", self.cp)) if v > 1]
-        base = "x".join(parts) or "dp1"
-        if self.cp_kv == 1:
-            return base
-        return base + (":kv" if self.cp_kv == self.cp else f":kv{self.cp_kv}")
+        return layout_name(self.dp, self.tp, self.cp, self.cp_kv)
 
     def __str__(self) -> str:
         return self.name

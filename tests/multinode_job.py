@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import socket
 import sys
 import time
 from pathlib import Path
@@ -25,6 +23,8 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 from lightning.pytorch.callbacks import Callback  # noqa: E402
+
+from lightning_hotspa.testing.forked_ranks import free_port, run_forked_ranks  # noqa: E402
 
 
 class Recorder(Callback):
@@ -96,38 +96,9 @@ def launch(job: dict) -> None:
     out = Path(job["out"])
     out.mkdir(parents=True, exist_ok=True)
     world = job["nodes"] * job["per_node"]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    start = time.time()
-    pids = {}
-    for rank in range(world):
-        pid = os.fork()
-        if pid == 0:
-            code = 0
-            try:
-                rank_main(job, rank, port)
-            except BaseException:  # noqa: BLE001 - printed for the test; the exit code says it failed
-                import traceback
-
-                traceback.print_exc()
-                code = 1
-            finally:
-                sys.stdout.flush()
-                sys.stderr.flush()
-            os._exit(code)
-        pids[pid] = rank
-    codes = {}
-    while pids and time.time() - start < job.get("deadline", 240):
-        pid, status = os.waitpid(-1, os.WNOHANG)
-        if pid == 0:
-            time.sleep(0.05)
-            continue
-        codes[pids.pop(pid)] = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
-    hung = sorted(pids.values())
-    for pid in pids:
-        os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
+    port, start = free_port(), time.time()
+    ended = run_forked_ranks(world, lambda rank: rank_main(job, rank, port), job.get("deadline", 240))
+    codes, hung = ended.codes, ended.hung
     (out / "job.json").write_text(json.dumps({"exit_codes": codes, "hung": hung, "wall_s": time.time() - start}))
 
 

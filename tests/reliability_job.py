@@ -39,6 +39,7 @@ from lightning_hotspa.adapter.checkpoint import latest_checkpoint  # noqa: E402
 from lightning_hotspa.data import HotSPaDataModule  # noqa: E402
 from lightning_hotspa.data.sources import SyntheticSource  # noqa: E402
 from lightning_hotspa.models import LlamaLM  # noqa: E402
+from lightning_hotspa.testing.forked_ranks import free_port, run_forked_ranks  # noqa: E402
 
 WORLD = 4
 T0 = 0.0
@@ -174,41 +175,11 @@ def launch(job: dict, timeout_s: float, deadline_s: float) -> None:
     timeout_s = job.get("timeout", timeout_s)
     args = argparse.Namespace(out=str(out), ckpt_dir=job["ckpt"], every=job.get("every", 2),
                               resume=job.get("resume", False), kill=job.get("kill"), timeout=timeout_s,
-                              port=_free_port())
+                              port=free_port())
     hanging = 1 if str(job.get("kill")).startswith("hang") else None
     start = time.time()
-    pids = {}
-    for rank in range(WORLD):
-        pid = os.fork()
-        if pid == 0:
-            code = 0
-            try:
-                rank_main(rank, args)
-            except BaseException:  # noqa: BLE001 - printed for the test; the exit code says it failed
-                import traceback
-
-                traceback.print_exc()
-                code = 1
-            finally:
-                sys.stdout.flush()
-                sys.stderr.flush()
-            os._exit(code)
-        pids[pid] = rank
-    codes, times = {}, {}
-    while pids and time.time() - start < deadline_s:
-        pid, status = os.waitpid(-1, os.WNOHANG)
-        if pid == 0:
-            if hanging is not None and list(pids.values()) == [hanging]:
-                os.kill(next(iter(pids)), signal.SIGKILL)  # the others are gone: end the silent one
-            time.sleep(0.05)
-            continue
-        rank = pids.pop(pid)
-        codes[rank] = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
-        times[rank] = time.time()
-    hung = sorted(pids.values())
-    for pid in pids:
-        os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
+    ended = run_forked_ranks(WORLD, lambda rank: rank_main(rank, args), deadline_s, end_if_alone=hanging)
+    codes, times, hung = ended.codes, ended.times, ended.hung
     kill_file = out / "kill.json"
     kill = json.loads(kill_file.read_text()) if kill_file.exists() else None
     ckpt = Path(job["ckpt"])
@@ -216,14 +187,6 @@ def launch(job: dict, timeout_s: float, deadline_s: float) -> None:
               "wall_s": time.time() - start, "checkpoints": sorted(os.listdir(ckpt)) if ckpt.is_dir() else [],
               "tmp_contents": sorted(n for d in ckpt.glob("*.tmp") for n in os.listdir(d)) if ckpt.is_dir() else []}
     (out / "job.json").write_text(json.dumps(report))
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main() -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..checks import check_int
-from ..layout import Layout
+from ..layout import Layout, layout_name
 from ..models.config import LlamaConfig
 
 __all__ = ["CostModelError", "Parallelism", "resolve_model", "shares_gradients"]
@@ -64,12 +64,7 @@ class Parallelism:
 
     @property
     def name(self) -> str:
-        parts = [f"{k}{v}" for k, v in (("dp", self.dp), ("tp", self.tp), ("cp", self.cp), ("pp", self.pp))
-                 if v > 1]
-        base = "x".join(parts) or "dp1"
-        if self.cp_kv == 1:
-            return base
-        return base + (":kv" if self.cp_kv == self.cp else f":kv{self.cp_kv}")
+        return layout_name(self.dp, self.tp, self.cp, self.cp_kv, self.pp)
 
     def __str__(self) -> str:
         return self.name
