@@ -53,7 +53,10 @@ def candidate_layouts(cm: AnalyticCostModel) -> list[Layout]:
 
 
 class _Wrapped(torch.nn.Module):
-    """The Llama decoder with its loss as ``loss_fn`` (the vocab-parallel loss contract)."""
+    """The Llama decoder with its loss as ``loss_fn``, opted into the vocab-parallel loss as
+    ``LlamaLM`` is (without the opt-in, tp layouts gather full-vocabulary logits: +2.2 GiB at 7B)."""
+
+    vocab_parallel_loss = True
 
     def __init__(self, config: LlamaConfig) -> None:
         from ..models import Llama, token_mean_cross_entropy
