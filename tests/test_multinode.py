@@ -249,11 +249,16 @@ def test_a_killed_node_makes_the_other_fail_fast_with_a_collective_error(chain):
     assert run["survivor_rc"] != 0
     assert "CollectiveError: a collective failed" in survivor and "global step 2" in survivor, survivor[-3000:]
     assert "another rank has probably died" in survivor
-    # the survivors (ranks 0 and 1: node 0) raised it themselves, mid-step, within the timeout
+    # the survivors (ranks 0 and 1: node 0) raised it themselves, within the timeout, naming where
+    # they were: inside step 3, or (the kill follows the commit markers at once) still in the barrier
+    # that ends step 2's checkpoint save
     assert sorted(run["errors"]) == [0, 1], run["errors"]
     for rank, error in run["errors"].items():
-        assert error.startswith(f"CollectiveError: a collective failed at rank {rank}, global step 2"), error
-        assert re.search(r"stage \d+/\d+ \(layout \w+", error), error  # inside step 3, not in a save
+        mid_step = error.startswith(f"CollectiveError: a collective failed at rank {rank}, global step 2") \
+            and re.search(r"stage \d+/\d+ \(layout \w+", error)
+        in_save = error.startswith("CollectiveError: a collective failed in barrier 'Trainer.save_checkpoint' "
+                                   f"at rank {rank}, global step 2, phase checkpoint save")
+        assert mid_step or in_save, error
         assert run["error_after_kill_s"][rank] < PG_TIMEOUT_S, run["error_after_kill_s"]
     assert run["survivor_exit_s"] < PG_TIMEOUT_S + 30  # and its torchrun ended (no hang)
 
