@@ -44,19 +44,21 @@ class LayoutError(ValueError):
     """A layout or a set of layouts that cannot be used; the message names the offending value."""
 
 
-_LAYOUT_RE = re.compile(r"^(?:(dp|tp|cp)(\d+))(?:\s*[x×*]\s*(dp|tp|cp)(\d+))*(?::kv(\d+)?)?$")
+_LAYOUT_RE = re.compile(r"^(?:(dp|tp|cp)(\d+))(?:\s*[x×*]\s*(dp|tp|cp)(\d+))*(?::kv(\d+)?)?(?::fsdp)?$")
 _PART_RE = re.compile(r"(dp|tp|cp)(\d+)")
 _KV_RE = re.compile(r":kv(\d+)?$")
+_FSDP_SUFFIX = ":fsdp"
 
 
-def layout_name(dp: int, tp: int, cp: int, cp_kv: int = 1, pp: int = 1) -> str:
-    """``"dp2xtp2"``, ``"tp2xcp4:kv"``, ``"cp8:kv2"``: the degrees above 1, then the all-gather-KV
-    part of cp (``pp`` only for the simulator's pipeline-parallel baselines)."""
+def layout_name(dp: int, tp: int, cp: int, cp_kv: int = 1, pp: int = 1, fsdp: bool = False) -> str:
+    """``"dp2xtp2"``, ``"tp2xcp4:kv"``, ``"cp8:kv2"``, ``"dp8xtp4:fsdp"``: the degrees above 1, then
+    the all-gather-KV part of cp, then the sharded working copy (``pp`` only for the simulator's
+    pipeline-parallel baselines)."""
     parts = [f"{k}{v}" for k, v in (("dp", dp), ("tp", tp), ("cp", cp), ("pp", pp)) if v > 1]
     base = "x".join(parts) or "dp1"
-    if cp_kv == 1:
-        return base
-    return base + (":kv" if cp_kv == cp else f":kv{cp_kv}")
+    if cp_kv != 1:
+        base += ":kv" if cp_kv == cp else f":kv{cp_kv}"
+    return base + (_FSDP_SUFFIX if fsdp else "")
 
 
 @dataclass(frozen=True)
@@ -67,16 +69,26 @@ class Layout:
     1 (default) is Ulysses over all ``cp`` ranks; ``cp_kv == cp`` is all-gather-KV over all of them
     (name suffix ``:kv``); in between is the hybrid, Ulysses over the ``cp // cp_kv`` most local cp
     ranks (inside a node) and all-gather-KV over ``cp_kv`` groups of them (``:kv<cp_kv>``).
+
+    ``fsdp`` (name suffix ``:fsdp``): the working copy is also sharded over the layout's dp and cp
+    ranks (ZeRO-3 / FSDP inside the layout) and gathered layer by layer; False: each tp shard of the
+    working copy is replicated over dp and cp (more memory, no per-layer traffic).
     """
 
     dp: int = 1
     tp: int = 1
     cp: int = 1
     cp_kv: int = 1
+    fsdp: bool = False
 
     def __post_init__(self) -> None:
         for field in ("dp", "tp", "cp", "cp_kv"):
             check_int(getattr(self, field), f"Layout.{field}", error=LayoutError)
+        if not isinstance(self.fsdp, bool):
+            raise LayoutError(f"Layout.fsdp must be True or False, got {self.fsdp!r}")
+        if self.fsdp and self.dp * self.cp == 1:
+            raise LayoutError(f"layout {self.name}: fsdp shards the working copy over the dp and cp ranks, but "
+                              f"dp = cp = 1")
         if self.cp % self.cp_kv:
             raise LayoutError(f"Layout.cp_kv={self.cp_kv} must divide cp={self.cp} (the all-gather-KV part of "
                               f"context parallelism is a factor of it)")
@@ -98,29 +110,38 @@ class Layout:
         return "kv" if self.cp_kv == self.cp else "hybrid"
 
     @property
+    def degrees(self) -> Layout:
+        """The same degrees and cp kind with a replicated working copy (what the mesh depends on)."""
+        return Layout(self.dp, self.tp, self.cp, self.cp_kv) if self.fsdp else self
+
+    @property
     def name(self) -> str:
-        return layout_name(self.dp, self.tp, self.cp, self.cp_kv)
+        return layout_name(self.dp, self.tp, self.cp, self.cp_kv, fsdp=self.fsdp)
 
     def __str__(self) -> str:
         return self.name
 
     @classmethod
     def parse(cls, spec: Layout | str | Mapping[str, int]) -> Layout:
-        """Accepts a Layout, a mapping ``{"dp": 2, "tp": 2}`` (``"cp_kv"`` too) or a name like
-        ``"dp2xtp2"``, ``"tp2xcp4:kv"`` (all-gather-KV) or ``"cp8:kv2"`` (hybrid: Ulysses over 4,
-        all-gather-KV over 2)."""
+        """Accepts a Layout, a mapping ``{"dp": 2, "tp": 2}`` (``"cp_kv"`` and ``"fsdp"`` too) or a
+        name like ``"dp2xtp2"``, ``"tp2xcp4:kv"`` (all-gather-KV), ``"cp8:kv2"`` (hybrid: Ulysses
+        over 4, all-gather-KV over 2) or ``"dp8xtp4:fsdp"`` (sharded working copy)."""
         if isinstance(spec, Layout):
             return spec
         if isinstance(spec, Mapping):
-            unknown = set(spec) - {"dp", "tp", "cp", "cp_kv"}
+            unknown = set(spec) - {"dp", "tp", "cp", "cp_kv", "fsdp"}
             if unknown:
-                raise LayoutError(f"layout {dict(spec)!r} has unknown keys {sorted(unknown)}; use dp, tp, cp, cp_kv")
+                raise LayoutError(f"layout {dict(spec)!r} has unknown keys {sorted(unknown)}; use dp, tp, cp, "
+                                  f"cp_kv, fsdp")
             return cls(**{k: spec[k] for k in spec})
         if isinstance(spec, str):
             text = spec.strip().lower()
             if not _LAYOUT_RE.match(text):
                 raise LayoutError(f"cannot parse layout {spec!r}; expected e.g. 'dp2xtp2', 'tp2xcp2', "
-                                  f"'tp2xcp4:kv' or 'cp8:kv2'")
+                                  f"'tp2xcp4:kv', 'cp8:kv2' or 'dp4:fsdp'")
+            fsdp = text.endswith(_FSDP_SUFFIX)
+            if fsdp:
+                text = text[: -len(_FSDP_SUFFIX)]
             kv = _KV_RE.search(text)
             base = text[:kv.start()] if kv else text
             degrees: dict[str, int] = {}
@@ -134,7 +155,7 @@ class Layout:
                     raise LayoutError(f"layout {spec!r}: ':kv' names a kind of context parallelism, but the "
                                       f"layout has no cp > 1")
                 degrees["cp_kv"] = int(kv.group(1)) if kv.group(1) else cp
-            return cls(**degrees)
+            return cls(**degrees, fsdp=fsdp)
         raise LayoutError(f"cannot interpret {spec!r} (type {type(spec).__name__}) as a layout")
 
 

@@ -37,6 +37,16 @@ def test_cp_kinds_parse_name_and_nest():
         assert mesh.rank_coords(hybrid, rank)[2] == u * 2 + mesh.shard_index(rank, mesh.cp_kv_dims(hybrid))
 
 
+def test_fsdp_suffix_names_a_sharded_working_copy():
+    """':fsdp' (after any ':kv'): the same degrees and mesh, another layout."""
+    assert Layout.parse("dp2xtp2:fsdp") == Layout(dp=2, tp=2, fsdp=True)
+    assert Layout.parse("dp2xcp2:kv:fsdp") == Layout(dp=2, cp=2, cp_kv=2, fsdp=True)
+    assert Layout.parse({"dp": 4, "fsdp": True}).name == "dp4:fsdp"
+    assert Layout(dp=2, cp=2, cp_kv=2, fsdp=True).name == "dp2xcp2:kv:fsdp"
+    assert Layout.parse("dp4:fsdp") != Layout.parse("dp4") and Layout.parse("dp4:fsdp").degrees == Layout(dp=4)
+    assert MeshShape.for_layouts(["dp4", "dp4:fsdp", "dp2xtp2:fsdp"], 4).sizes == (2, 2)
+
+
 @pytest.mark.parametrize(
     "bad, match",
     [
@@ -58,6 +68,9 @@ def test_cp_kinds_parse_name_and_nest():
         (lambda: Layout.parse("cp4:ring"), "cannot parse layout 'cp4:ring'"),
         (lambda: Layout(cp=2, cp_kv=0), "cp_kv must be a positive int, got 0"),
         (lambda: Layout.parse({"cp": 2, "cp_kind": "kv"}), "unknown keys \\['cp_kind'\\]"),
+        (lambda: Layout.parse("tp4:fsdp"), "tp4:fsdp: fsdp shards the working copy .* dp = cp = 1"),
+        (lambda: Layout.parse("dp4:fsdp:kv"), "cannot parse layout 'dp4:fsdp:kv'"),
+        (lambda: Layout(dp=4, fsdp=1), "fsdp must be True or False, got 1"),
     ],
 )
 def test_bad_layouts_name_the_value(bad, match):

@@ -36,10 +36,13 @@ class Parallelism:
     cp: int = 1
     pp: int = 1
     cp_kv: int = 1  # the all-gather-KV part of cp (Layout.cp_kv); 1: Ulysses
+    fsdp: bool = False  # working copy sharded over dp and cp, gathered per layer (Layout.fsdp)
 
     def __post_init__(self) -> None:
         for f in ("dp", "tp", "cp", "pp", "cp_kv"):
             check_int(getattr(self, f), f"Parallelism.{f}", error=CostModelError)
+        if not isinstance(self.fsdp, bool):
+            raise CostModelError(f"Parallelism.fsdp must be True or False, got {self.fsdp!r}")
         if self.cp % self.cp_kv:
             raise CostModelError(f"Parallelism.cp_kv={self.cp_kv} must divide cp={self.cp}")
 
@@ -47,7 +50,7 @@ class Parallelism:
     def of(cls, layout: Layout | Parallelism) -> Parallelism:
         if isinstance(layout, Parallelism):
             return layout
-        return cls(layout.dp, layout.tp, layout.cp, 1, layout.cp_kv)
+        return cls(layout.dp, layout.tp, layout.cp, 1, layout.cp_kv, layout.fsdp)
 
     @property
     def cp_ulysses(self) -> int:
@@ -64,7 +67,7 @@ class Parallelism:
 
     @property
     def name(self) -> str:
-        return layout_name(self.dp, self.tp, self.cp, self.cp_kv, self.pp)
+        return layout_name(self.dp, self.tp, self.cp, self.cp_kv, self.pp, self.fsdp)
 
     def __str__(self) -> str:
         return self.name
@@ -72,7 +75,7 @@ class Parallelism:
     def layout(self) -> Layout:
         if self.pp != 1:
             raise CostModelError(f"{self} has pipeline parallelism, which the runtime does not run (simulation only)")
-        return Layout(self.dp, self.tp, self.cp, self.cp_kv)
+        return Layout(self.dp, self.tp, self.cp, self.cp_kv, self.fsdp)
 
 
 def _shards(par: Parallelism | Layout) -> int:
