@@ -400,8 +400,11 @@ def summarize(name: str, raw: dict[str, Any], args: argparse.Namespace) -> dict[
     steps = range(w, w + args.steps)
     measured_tokens = sum(tokens[s] for s in steps)
 
+    def repeat_tokens_per_s(cfg: str) -> list[float]:
+        return [measured_tokens / sum(r[s]["step_s"] for s in steps) for r in runs[cfg]]
+
     def tokens_per_s(cfg: str) -> float:
-        return statistics.median(measured_tokens / sum(r[s]["step_s"] for s in steps) for r in runs[cfg])
+        return statistics.median(repeat_tokens_per_s(cfg))
 
     def cpu_per_step(cfg: str) -> float:
         return statistics.median(sum(r[s]["cpu_s"] for s in steps) / len(steps) for r in runs[cfg])
@@ -446,6 +449,8 @@ def summarize(name: str, raw: dict[str, Any], args: argparse.Namespace) -> dict[
         "best_static_tokens_per_s": statics[best]["tokens_per_s"],
         "best_static_layout": best.removeprefix("static/"),
         "speedup": hot["tokens_per_s"] / statics[best]["tokens_per_s"],
+        # the spread: repeat i's hotspa over repeat i's best static (same position in the rotation)
+        "speedup_per_repeat": [a / b for a, b in zip(repeat_tokens_per_s("hotspa"), repeat_tokens_per_s(best))],
         "ideal_speedup": sum(static_steps) / sum(ideal_steps),
         "threshold_rule_speedup": per_config["rule"]["tokens_per_s"] / statics[best]["tokens_per_s"],
         "switch_fraction": sum(hot["switch_s"]) / hot_s,

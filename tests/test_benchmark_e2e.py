@@ -90,6 +90,7 @@ def test_summary_arithmetic(e2e) -> None:
     assert out["best_static_layout"] == "tp4"
     assert out["hotspa_tokens_per_s"] == pytest.approx(800 / 5.0)
     assert out["speedup"] == pytest.approx(8.0 / 5.0)
+    assert out["speedup_per_repeat"] == pytest.approx([8.0 / 5.0])
     # ideal: 8 - 7 (static work) + 1 (band 0 in dp4) + 2.5 (band 1 in tp4) = 4.5
     assert out["ideal_speedup"] == pytest.approx(8.0 / 4.5)
     assert out["threshold_rule_speedup"] == pytest.approx(8.0 / 6.0)
