@@ -146,6 +146,23 @@ def test_all_gather_kv_and_hybrid_cp_match_single_process(ranks):
     assert _worst(result["weights"])[1] <= 1e-4, _worst(result["weights"])
 
 
+# sharded working copies (":fsdp") over every cp kind, next to replicated ones of the same tp degree
+# (dp4 vs dp4:fsdp: no gradient sharing) and of other tp degrees; "cp4:kv2:fsdp": the tiny Llama's
+# 2 kv heads are fewer than cp. deal() gives dp groups uneven micro-batch counts: idle rounds run.
+FSDP_LAYOUTS = ["dp4:fsdp", "dp2xtp2", "tp2xcp2:kv:fsdp", "cp4:kv2:fsdp", "dp2xcp2:fsdp", "dp4"]
+FSDP_ORDERS = [FSDP_LAYOUTS, ["dp2xcp2:fsdp", "dp4:fsdp", "cp4:kv2:fsdp", "dp2xtp2", "dp4", "tp2xcp2:kv:fsdp"]]
+
+
+def test_sharded_working_copies_match_single_process(ranks):
+    """The core invariant for fsdp layouts: 3 AdamW steps of mixed plans, fp32."""
+    result = ranks(4).run(fit_and_compare, FSDP_LAYOUTS, 3, "32-true", FSDP_ORDERS)[0]
+    assert result["global_step"] == 3
+    for step, errors in enumerate(result["grads"]):
+        assert _worst(errors)[1] <= 1e-5, (step, _worst(errors))
+    assert max(result["losses"]) <= 1e-5, result["losses"]
+    assert _worst(result["weights"])[1] <= 1e-4, _worst(result["weights"])
+
+
 def _check_one_reduction_per_tp_run(steps):
     """Step 0 reduces at every stage (no two neighbours share tp): each layout's own reduction.
     Later steps carry gradients through runs of same-tp stages: 0 collectives until the run's last

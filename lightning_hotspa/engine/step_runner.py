@@ -27,7 +27,8 @@ from torch import Tensor
 
 from ..layout import Layout
 from ..parallel.model import ParallelModel
-from ..plan import MicroBatch, RankPlan
+from ..plan import MicroBatch, RankPlan, idle_micro_batch
+from .fsdp import ShardedUnits
 from .records import StageStats, StepResult, gather_step
 from .switch import GradReport, SwitchEngine, SwitchReport
 from .timing import Clock, clock_for, cpu_seconds
@@ -100,6 +101,13 @@ class StepRunner:
         self.clock = clock if clock is not None else clock_for(self.device)
         self.cpu_clock = cpu_clock
         self.overlap, self.share_gradients = overlap, share_gradients
+        #: the model's fsdp units, when some layout shards its working copy (:mod:`.fsdp`)
+        self.units = ShardedUnits(engine, parallel.module) if any(x.fsdp for x in engine.world.layouts) else None
+
+    def _idle(self, layout: Layout) -> MicroBatch:
+        """The micro-batch of an idle round (fsdp stages: fewer micro-batches than the busiest group)."""
+        cp_rank = self.engine.world.shape.rank_coords(layout, self.engine.world.rank)[2]
+        return idle_micro_batch(layout.cp, cp_rank).to(self.device)
 
     def switch_to(self, layout: Layout, keep_grads: bool = False) -> SwitchReport:
         """Working params of ``layout``: from home at the start of a step, else from the active layout."""
@@ -129,16 +137,24 @@ class StepRunner:
                 parallel.activate(stage.layout, engine.working, ac)
                 hooks.before_compute(stage)
                 t1, c1 = clock.mark(), self.cpu_clock()
-                for i, mb in enumerate(stage.micro_batches):
-                    hooks.enter_micro_batch(mb)
+                real = len(stage.micro_batches)
+                rounds = max(real, getattr(stage, "num_rounds", real))
+                for i in range(rounds):
+                    mb = stage.micro_batches[i] if i < real else self._idle(stage.layout)
+                    if i < real:
+                        hooks.enter_micro_batch(mb)
                     with parallel.micro_batch(mb if isinstance(mb, MicroBatch) else None), hooks.compute_context():
                         loss = loss_fn(mb)
-                    hooks.record_loss(loss, mb)
-                    scaled = loss * loss_weight(mb, plan, stage.layout)
-                    if self.overlap and i == len(stage.micro_batches) - 1 and not carry:
+                    if i < real:
+                        hooks.record_loss(loss, mb)
+                    scaled = loss * (loss_weight(mb, plan, stage.layout) if i < real else 0.0)
+                    if self.overlap and i == rounds - 1 and not carry:
                         engine.overlap_next_backward()  # reduce buckets while the last backward runs
-                    hooks.backward(scaled)
-                    loss_sum += scaled.detach().double() / stage.layout.tp  # tp ranks hold copies
+                    if i < real:
+                        hooks.backward(scaled)
+                        loss_sum += scaled.detach().double() / stage.layout.tp  # tp ranks hold copies
+                    else:  # an idle round: its collectives only (zero gradients)
+                        scaled.backward()
                 t2, cpu_s = clock.mark(), self.cpu_clock() - c1
                 if carry:  # same tp next: keep accumulating, the run's last stage reduces once
                     grad_report = GradReport(stage.layout.name, 0, 0, 0.0)
@@ -176,6 +192,8 @@ class StepRunner:
                 for mb in stage.micro_batches:
                     with self.parallel.micro_batch(mb if isinstance(mb, MicroBatch) else None), context():
                         output = fn(mb)
+                for _ in range(getattr(stage, "num_rounds", 0) - len(stage.micro_batches)):
+                    self.units.idle_forward()  # fsdp: the busier dp groups' gathers
         finally:
             self.parallel.restore(self.engine.home)
             self.engine.release()
