@@ -186,6 +186,97 @@ def test_reduction_options_give_the_same_gradients(ranks) -> None:
         assert any(g.abs().sum() > 0 for g in reference.values())
 
 
+def _uneven_plan(world, layout_names, rounds=3):
+    """One stage per layout; dp group 0 gets ``rounds`` micro-batches, the others one (idle rounds)."""
+    lengths, stages, doc = [], [], 0
+    for name in layout_names:
+        lay = Layout.parse(name)
+        groups = []
+        for g in range(lay.dp):
+            mbs = []
+            for _ in range(rounds if g == 0 else 1):
+                mbs.append((doc,))
+                lengths.append(10 + 3 * doc)
+                doc += 1
+            groups.append(tuple(mbs))
+        stages.append(Stage(lay, tuple(groups), label=name))
+    g = torch.Generator().manual_seed(7)
+    docs = [torch.randint(0, 32, (n,), generator=g) for n in lengths]
+    return slice_plan(StepPlan(0, tuple(lengths), tuple(stages)), docs, world.shape, world.rank)
+
+
+class _StageTraffic(StepHooks):
+    """Every collective of each stage's micro-batches (forward and backward), by layout."""
+
+    def __init__(self) -> None:
+        self.logs, self._open = {}, None
+
+    def before_compute(self, stage) -> None:
+        from lightning_hotspa.testing.comm_bytes import count_collective_bytes
+
+        self._open = count_collective_bytes()
+        self.logs[stage.layout.name] = self._open.__enter__()
+
+    def enter_phase(self, phase) -> None:
+        if self._open is not None:
+            self._open.__exit__(None, None, None)
+            self._open = None
+
+
+def run_fsdp_traffic() -> dict:
+    layouts = ["dp4:fsdp", "dp4", "dp2xcp2:kv:fsdp"]
+    module, world, home, parallel, engine = _setup(layouts, TinyLlama())
+    runner = StepRunner(engine, parallel, overlap=False, share_gradients=False)  # no reductions in compute
+    traffic, units = _StageTraffic(), runner.units
+    before = {}
+    original = traffic.before_compute
+
+    def before_compute(stage):
+        before[stage.layout.name] = dict(units.bytes), dict(units.collectives)
+        original(stage)
+
+    def enter_phase(phase):
+        if traffic._open is not None:
+            name = next(reversed(traffic.logs))
+            nbytes, calls = before[name]
+            before[name] = ({k: units.bytes[k] - nbytes[k] for k in units.bytes},
+                            {k: units.collectives[k] - calls[k] for k in calls})
+        _StageTraffic.enter_phase(traffic, phase)
+
+    traffic.before_compute, traffic.enter_phase = before_compute, enter_phase
+    result = runner.run(_uneven_plan(world, layouts), module, traffic)
+    out = {"units": len(units.units)}
+    for stage in result.stages:
+        name, log = stage.layout, traffic.logs[stage.layout]
+        out[name] = {"log_bytes": log.bytes_received, "log_calls": [c for c, _ in log.calls],
+                     "fsdp_bytes": before[name][0], "fsdp_calls": before[name][1],
+                     "switch_bytes": stage.switch_bytes, "reduce_bytes": stage.reduce_bytes}
+    return out
+
+
+def test_fsdp_stage_gathers_once_per_unit_and_round_and_counts_its_bytes(ranks) -> None:
+    """dp4:fsdp with uneven dp groups (3 rounds: ranks of group 0 compute 3 micro-batches, the others
+    1 plus 2 idle rounds): per round, one fused all-gather per unit in forward, one per re-gathered
+    unit in backward, one reduce-scatter per unit; the engine's byte counts equal the wrapped
+    collectives'; the replicated dp4 stage moves no parameter bytes inside its micro-batches."""
+    results = ranks(4).run(run_fsdp_traffic)
+    for r in results:
+        units, sharded, replicated = r["units"], r["dp4:fsdp"], r["dp4"]
+        assert units == 4  # embedding, 2 blocks, head (the tiny Llama)
+        rounds = 3
+        calls = sharded["fsdp_calls"]
+        assert calls["forward"] == units * rounds and calls["reduce_scatter"] == units * rounds, calls
+        assert calls["backward"] == (units - 1) * rounds, calls  # the embedding's backward needs no weight
+        assert sharded["log_calls"].count("all_gather_into_tensor") == calls["forward"] + calls["backward"]
+        assert sum(sharded["fsdp_bytes"].values()) == sharded["log_bytes"], sharded
+        # at the stage end only the final norm reduces (outside every unit: a reduce-scatter of its
+        # 64 fp32 over 4 ranks, 3/4 of it received); the replicated dp4 reduces everything there
+        assert sharded["reduce_bytes"] == 64 * 4 * 3 // 4 < replicated["reduce_bytes"], sharded["reduce_bytes"]
+        assert replicated["log_bytes"] == 0 and replicated["fsdp_bytes"] == dict.fromkeys(sharded["fsdp_bytes"], 0)
+        kv = r["dp2xcp2:kv:fsdp"]  # its KV gathers come on top of the units' traffic
+        assert kv["log_bytes"] > sum(kv["fsdp_bytes"].values()) > 0
+
+
 # ------------------------------------------------------------------ typed seams
 def test_the_one_planner_check_names_what_is_missing() -> None:
     from lightning_hotspa.planner.base import Planner, PlannerBase, check_planner
