@@ -277,6 +277,41 @@ def test_fsdp_stage_gathers_once_per_unit_and_round_and_counts_its_bytes(ranks) 
         assert kv["log_bytes"] > sum(kv["fsdp_bytes"].values()) > 0
 
 
+class _TiedBlocks(nn.Module):
+    """Two blocks in a ModuleList (the default units) that share one weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(8, 8), nn.Linear(8, 8)])
+        self.blocks[1].weight = self.blocks[0].weight
+
+    def forward(self, mb) -> torch.Tensor:
+        return self.blocks[1](self.blocks[0](torch.ones(2, 8))).sum()
+
+
+def test_fsdp_layouts_refuse_what_they_cannot_shard() -> None:
+    from lightning_hotspa.engine.fsdp import ShardedUnits
+    from lightning_hotspa.layout import LayoutError
+    from lightning_hotspa.testing.fake_world import FakeWorld
+
+    with FakeWorld(4):  # collectives are no-ops: only the checks run
+        module, world, home, parallel, engine = _setup(["dp4:fsdp", "dp4"])  # TinyLM: no blocks
+        with pytest.raises(LayoutError, match=r"\['dp4:fsdp'\] shard the working copy per unit, but TinyLM has no units"):
+            StepRunner(engine, parallel)
+        with pytest.raises(LayoutError, match="layout dp4:fsdp shards the working copy per unit, but no fsdp units"):
+            engine.materialize("dp4:fsdp")
+        with pytest.raises(LayoutError, match=r"fsdp units name parameters \['nope'\]"):
+            engine.set_fsdp_units({"nope"})
+        with pytest.raises(LayoutError, match="fsdp unit 'missing' is not a submodule of TinyLM"):
+            ShardedUnits(engine, module, ["missing"])
+        tied, _, _, _, engine = _setup(["dp4:fsdp"], _TiedBlocks())
+        tied.blocks[1].weight = tied.blocks[0].weight  # installing the home params untied them: tie again
+        with pytest.raises(LayoutError, match=r"'blocks.1': parameter blocks.1.weight is shared \(also 'blocks.0.weight'\)"):
+            ShardedUnits(engine, tied)
+    with pytest.raises(LayoutError, match="fsdp shards the working copy over the dp and cp ranks, but dp = cp = 1"):
+        Layout.parse("tp4:fsdp")
+
+
 # ------------------------------------------------------------------ typed seams
 def test_the_one_planner_check_names_what_is_missing() -> None:
     from lightning_hotspa.planner.base import Planner, PlannerBase, check_planner

@@ -229,9 +229,10 @@ class ShardedUnits:
                     if p is None:
                         continue
                     name = canonical.get(id(p))
-                    if name != f"{owner_path}.{leaf}" or name in taken:
+                    if name != f"{owner_path}.{leaf}" or name in taken or name not in engine.shardings:
                         raise LayoutError(f"fsdp unit {path!r}: parameter {owner_path}.{leaf} is shared "
-                                          f"(also {name!r}); a shared parameter cannot be sharded per unit")
+                                          f"(also {name!r}) or not one the engine holds; a shared parameter "
+                                          f"cannot be sharded per unit")
                     taken[name] = path
                     names.append(name)
                     slots[name] = (owner, leaf)
