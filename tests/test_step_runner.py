@@ -226,7 +226,8 @@ class _StageTraffic(StepHooks):
 def run_fsdp_traffic() -> dict:
     layouts = ["dp4:fsdp", "dp4", "dp2xcp2:kv:fsdp"]
     module, world, home, parallel, engine = _setup(layouts, TinyLlama())
-    runner = StepRunner(engine, parallel, overlap=False, share_gradients=False)  # no reductions in compute
+    runner = StepRunner(engine, parallel, overlap=False, share_gradients=False,  # no reductions in compute
+                        activation_checkpointing=lambda layout: layout.cp > 1)
     traffic, units = _StageTraffic(), runner.units
     before = {}
     original = traffic.before_compute
@@ -258,7 +259,8 @@ def test_fsdp_stage_gathers_once_per_unit_and_round_and_counts_its_bytes(ranks) 
     """dp4:fsdp with uneven dp groups (3 rounds: ranks of group 0 compute 3 micro-batches, the others
     1 plus 2 idle rounds): per round, one fused all-gather per unit in forward, one per re-gathered
     unit in backward, one reduce-scatter per unit; the engine's byte counts equal the wrapped
-    collectives'; the replicated dp4 stage moves no parameter bytes inside its micro-batches."""
+    collectives'; the replicated dp4 stage moves no parameter bytes inside its micro-batches; under
+    activation checkpointing the recomputation re-gathers the blocks."""
     results = ranks(4).run(run_fsdp_traffic)
     for r in results:
         units, sharded, replicated = r["units"], r["dp4:fsdp"], r["dp4"]
@@ -275,6 +277,10 @@ def test_fsdp_stage_gathers_once_per_unit_and_round_and_counts_its_bytes(ranks) 
         assert replicated["log_bytes"] == 0 and replicated["fsdp_bytes"] == dict.fromkeys(sharded["fsdp_bytes"], 0)
         kv = r["dp2xcp2:kv:fsdp"]  # its KV gathers come on top of the units' traffic
         assert kv["log_bytes"] > sum(kv["fsdp_bytes"].values()) > 0
+        # activation checkpointing: the blocks' recomputation gathers them again, inside its forward
+        blocks = units - 2
+        assert kv["fsdp_calls"] == {"forward": (units + blocks) * 3, "backward": 3,  # the head only
+                                    "reduce_scatter": units * 3}, kv["fsdp_calls"]
 
 
 class _TiedBlocks(nn.Module):
