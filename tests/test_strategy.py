@@ -153,16 +153,21 @@ FSDP_LAYOUTS = ["dp4:fsdp", "dp2xtp2", "tp2xcp2:kv:fsdp", "cp4:kv2:fsdp", "dp2xc
 FSDP_ORDERS = [FSDP_LAYOUTS, ["dp2xcp2:fsdp", "dp4:fsdp", "cp4:kv2:fsdp", "dp2xtp2", "dp4", "tp2xcp2:kv:fsdp"]]
 
 
-def test_sharded_working_copies_match_single_process(ranks):
-    """The core invariant for fsdp layouts: 3 AdamW steps of mixed plans, fp32; two of the fsdp
-    layouts recompute activations (the recomputation gathers each block again)."""
-    result = ranks(4).run(fit_and_compare, FSDP_LAYOUTS, 3, "32-true", FSDP_ORDERS,
+@pytest.mark.parametrize("precision, grad_tol, loss_tol, weight_tol", [
+    ("32-true", 1e-5, 1e-5, 1e-4),
+    # bf16 gathers and compute, fp32 reduce-scatters into fp32 main grads
+    pytest.param("bf16-mixed", 5e-2, 1e-2, 5e-2, marks=pytest.mark.slow),
+])
+def test_sharded_working_copies_match_single_process(ranks, precision, grad_tol, loss_tol, weight_tol):
+    """The core invariant for fsdp layouts: 3 AdamW steps of mixed plans; two of the fsdp layouts
+    recompute activations (the recomputation gathers each block again)."""
+    result = ranks(4).run(fit_and_compare, FSDP_LAYOUTS, 3, precision, FSDP_ORDERS,
                           activation_checkpointing=["tp2xcp2:kv:fsdp", "dp2xcp2:fsdp"])[0]
     assert result["global_step"] == 3
     for step, errors in enumerate(result["grads"]):
-        assert _worst(errors)[1] <= 1e-5, (step, _worst(errors))
-    assert max(result["losses"]) <= 1e-5, result["losses"]
-    assert _worst(result["weights"])[1] <= 1e-4, _worst(result["weights"])
+        assert _worst(errors)[1] <= grad_tol, (step, _worst(errors))
+    assert max(result["losses"]) <= loss_tol, result["losses"]
+    assert _worst(result["weights"])[1] <= weight_tol, _worst(result["weights"])
 
 
 def _check_one_reduction_per_tp_run(steps):
