@@ -245,8 +245,13 @@ def run_fsdp_traffic() -> dict:
         _StageTraffic.enter_phase(traffic, phase)
 
     traffic.before_compute, traffic.enter_phase = before_compute, enter_phase
-    result = runner.run(_uneven_plan(world, layouts), module, traffic)
+    plan = _uneven_plan(world, layouts)
+    result = runner.run(plan, module, traffic)
     out = {"units": len(units.units)}
+    start = units.collectives["forward"]
+    with torch.no_grad():
+        runner.run_forward(plan, module)  # evaluation: idle rounds only gather
+    out["eval_gathers"] = units.collectives["forward"] - start
     for stage in result.stages:
         name, log = stage.layout, traffic.logs[stage.layout]
         out[name] = {"log_bytes": log.bytes_received, "log_calls": [c for c, _ in log.calls],
@@ -260,7 +265,8 @@ def test_fsdp_stage_gathers_once_per_unit_and_round_and_counts_its_bytes(ranks) 
     1 plus 2 idle rounds): per round, one fused all-gather per unit in forward, one per re-gathered
     unit in backward, one reduce-scatter per unit; the engine's byte counts equal the wrapped
     collectives'; the replicated dp4 stage moves no parameter bytes inside its micro-batches; under
-    activation checkpointing the recomputation re-gathers the blocks."""
+    activation checkpointing the recomputation re-gathers the blocks; evaluation's idle rounds gather
+    as the busy ranks' forwards do."""
     results = ranks(4).run(run_fsdp_traffic)
     for r in results:
         units, sharded, replicated = r["units"], r["dp4:fsdp"], r["dp4"]
@@ -275,6 +281,7 @@ def test_fsdp_stage_gathers_once_per_unit_and_round_and_counts_its_bytes(ranks) 
         # 64 fp32 over 4 ranks, 3/4 of it received); the replicated dp4 reduces everything there
         assert sharded["reduce_bytes"] == 64 * 4 * 3 // 4 < replicated["reduce_bytes"], sharded["reduce_bytes"]
         assert replicated["log_bytes"] == 0 and replicated["fsdp_bytes"] == dict.fromkeys(sharded["fsdp_bytes"], 0)
+        assert r["eval_gathers"] == 2 * units * rounds  # both fsdp stages, busy or idle alike
         kv = r["dp2xcp2:kv:fsdp"]  # its KV gathers come on top of the units' traffic
         assert kv["log_bytes"] > sum(kv["fsdp_bytes"].values()) > 0
         # activation checkpointing: the blocks' recomputation gathers them again, inside its forward
