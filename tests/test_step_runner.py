@@ -302,6 +302,28 @@ class _TiedBlocks(nn.Module):
         return self.blocks[1](self.blocks[0](torch.ones(2, 8))).sum()
 
 
+def test_fsdp_working_copies_sit_at_home_and_share_gradients_with_fsdp_peers_only() -> None:
+    from lightning_hotspa.testing.fake_world import FakeWorld
+
+    layouts = ["dp4:fsdp", "dp2xcp2:fsdp", "dp4", "dp2xtp2:fsdp", "dp2xtp2"]
+    with FakeWorld(4):
+        module, world, home, parallel, engine = _setup(layouts, TinyLlama())
+        StepRunner(engine, parallel)  # registers the units: every parameter but the final norm
+        assert engine.fsdp_names == set(home) - {"model.norm.weight"}
+        engine.materialize("dp2xtp2:fsdp")
+        for name, w in engine.working.items():
+            sharding = engine.shardings[name]
+            tp_replicated = sharding.role.tp_grad == "replicate"
+            want = sharding.layout_prefix(Layout.parse("dp2xtp2")) if name == "model.norm.weight" or \
+                tp_replicated else sharding.home_prefix
+            assert tuple(w.shape) == sharding.local_shape(want), name
+        engine.release()
+        assert engine.shares_gradients("dp4:fsdp", "dp2xcp2:fsdp")
+        assert not engine.shares_gradients("dp4:fsdp", "dp4")
+        assert not engine.shares_gradients("dp2xtp2:fsdp", "dp2xtp2")
+        assert not engine.shares_gradients("dp2xtp2:fsdp", "dp4:fsdp")
+
+
 def test_fsdp_layouts_refuse_what_they_cannot_shard() -> None:
     from lightning_hotspa.engine.fsdp import ShardedUnits
     from lightning_hotspa.layout import LayoutError
