@@ -233,15 +233,16 @@ def run_fsdp_traffic() -> dict:
     original = traffic.before_compute
 
     def before_compute(stage):
-        before[stage.layout.name] = dict(units.bytes), dict(units.collectives)
+        before[stage.layout.name] = dict(units.bytes), dict(units.collectives, prefetch=units.prefetches)
         original(stage)
 
     def enter_phase(phase):
         if traffic._open is not None:
             name = next(reversed(traffic.logs))
             nbytes, calls = before[name]
+            now = dict(units.collectives, prefetch=units.prefetches)
             before[name] = ({k: units.bytes[k] - nbytes[k] for k in units.bytes},
-                            {k: units.collectives[k] - calls[k] for k in calls})
+                            {k: now[k] - calls[k] for k in calls})
         _StageTraffic.enter_phase(traffic, phase)
 
     traffic.before_compute, traffic.enter_phase = before_compute, enter_phase
@@ -262,7 +263,8 @@ def run_fsdp_traffic() -> dict:
 
 def test_fsdp_stage_gathers_once_per_unit_and_round_and_counts_its_bytes(ranks) -> None:
     """dp4:fsdp with uneven dp groups (3 rounds: ranks of group 0 compute 3 micro-batches, the others
-    1 plus 2 idle rounds): per round, one fused all-gather per unit in forward, one per re-gathered
+    1 plus 2 idle rounds): per round, one fused all-gather per unit in forward (all but the first
+    prefetched by the previous unit's forward), one per re-gathered
     unit in backward, one reduce-scatter per unit; the engine's byte counts equal the wrapped
     collectives'; the replicated dp4 stage moves no parameter bytes inside its micro-batches; under
     activation checkpointing the recomputation re-gathers the blocks; evaluation's idle rounds gather
@@ -275,6 +277,7 @@ def test_fsdp_stage_gathers_once_per_unit_and_round_and_counts_its_bytes(ranks) 
         calls = sharded["fsdp_calls"]
         assert calls["forward"] == units * rounds and calls["reduce_scatter"] == units * rounds, calls
         assert calls["backward"] == (units - 1) * rounds, calls  # the embedding's backward needs no weight
+        assert calls["prefetch"] == (units - 1) * rounds, calls  # each unit's forward starts the next's gather
         assert sharded["log_calls"].count("all_gather_into_tensor") == calls["forward"] + calls["backward"]
         assert sum(sharded["fsdp_bytes"].values()) == sharded["log_bytes"], sharded
         # at the stage end only the final norm reduces (outside every unit: a reduce-scatter of its
@@ -287,7 +290,7 @@ def test_fsdp_stage_gathers_once_per_unit_and_round_and_counts_its_bytes(ranks) 
         # activation checkpointing: the blocks' recomputation gathers them again, inside its forward
         blocks = units - 2
         assert kv["fsdp_calls"] == {"forward": (units + blocks) * 3, "backward": 3,  # the head only
-                                    "reduce_scatter": units * 3}, kv["fsdp_calls"]
+                                    "reduce_scatter": units * 3, "prefetch": (units - 1) * 3}, kv["fsdp_calls"]
 
 
 class _TiedBlocks(nn.Module):

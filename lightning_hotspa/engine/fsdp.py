@@ -19,7 +19,9 @@ embedding, the LM head) this module
   sharded size (:meth:`GradientReduction.add_main_grad`); the stage-end reduction then only
   all-reduces over the dims home replicates, if any, and stores.
 
-Not built: prefetching the next unit's gather, keeping the gathered weights for backward.
+Within :meth:`ShardedUnits.forward_prefetch` (the step runner wraps each micro-batch's forward in
+it) a unit's forward starts the NEXT unit's all-gather asynchronously (declaration order is call
+order); backward re-gathers are not prefetched. Not built: keeping the gathered weights for backward.
 
 A dp group with fewer micro-batches than the busiest runs idle rounds (``RankStage.rounds``) so the
 gathers, which span dp groups, line up; evaluation does the same with :meth:`ShardedUnits.idle_forward`,
@@ -28,7 +30,8 @@ which assumes units are called once each, in declaration order.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,24 +57,34 @@ def find_fsdp_units(module: nn.Module) -> list[str]:
             if isinstance(sub, nn.ModuleList) for child, _ in sub.named_children()]
 
 
-def _gather_owned(pieces: Sequence[Tensor], dims: Sequence[int], group: RankGroup) -> list[Tensor]:
-    """All-gather several shards in one buffer; each result is a fresh tensor of its own (not a view
-    of the buffer: the saved-tensor hooks recognise weights by their base tensor) in shard order."""
-    moved = [p.movedim(d, 0) for p, d in zip(pieces, dims)]
-    flat = torch.cat([m.reshape(-1) for m in moved])
-    buffer = flat.new_empty(group.size * flat.numel())
-    dist.all_gather_into_tensor(buffer, flat, group=group.group)
-    rows = buffer.view(group.size, flat.numel())
-    results, offset = [], 0
-    for m, d in zip(moved, dims):
-        n = m.numel()
-        out = m.new_empty((group.size * m.shape[0], *m.shape[1:]))
-        dst = out.view(group.size, n)
-        for shard, slot in enumerate(group.slot_of_shard):
-            dst[shard].copy_(rows[slot, offset:offset + n])
-        results.append(out if d == 0 else out.movedim(0, d).contiguous())
-        offset += n
-    return results
+class _Gather:
+    """One fused all-gather of several shards, started (asynchronously for a prefetch); ``finish``
+    waits and returns each result as a fresh tensor of its own (not a view of the buffer: the
+    saved-tensor hooks recognise weights by their base tensor), in shard order."""
+
+    def __init__(self, pieces: Sequence[Tensor], dims: Sequence[int], group: RankGroup, async_op: bool) -> None:
+        self.moved = [p.movedim(d, 0) for p, d in zip(pieces, dims)]
+        self.dims, self.group = list(dims), group
+        flat = torch.cat([m.reshape(-1) for m in self.moved])
+        self.buffer = flat.new_empty(group.size * flat.numel())
+        self.work = dist.all_gather_into_tensor(self.buffer, flat, group=group.group, async_op=async_op)
+        self.width = flat.numel()
+
+    def finish(self) -> list[Tensor]:
+        if self.work is not None:
+            self.work.wait()
+        rows, group = self.buffer.view(self.group.size, self.width), self.group
+        results, offset = [], 0
+        for m, d in zip(self.moved, self.dims):
+            n = m.numel()
+            out = m.new_empty((group.size * m.shape[0], *m.shape[1:]))
+            dst = out.view(group.size, n)
+            for shard, slot in enumerate(group.slot_of_shard):
+                dst[shard].copy_(rows[slot, offset:offset + n])
+            results.append(out if d == 0 else out.movedim(0, d).contiguous())
+            offset += n
+        self.work = self.buffer = self.moved = None
+        return results
 
 
 @dataclass(frozen=True)
@@ -112,6 +125,7 @@ class _Unit:
         self.live_ids: dict[int, str] = {}
         self.cache: dict[str, Tensor] | None = None  # re-gathered in backward
         self.hooks_ctx: Any = None
+        self.prefetched: dict[tuple[int, int], _Gather] | None = None  # started by the previous unit
 
     # -------------------------------------------------------------- collectives
     def _ranges(self, names: Sequence[str], layout: Layout) -> dict[tuple[int, int], list[int]]:
@@ -121,18 +135,46 @@ class _Unit:
             out.setdefault((sh.layout_prefix(layout), sh.home_prefix), []).append(i)
         return out
 
-    def gather(self, names: Sequence[str], shards: Sequence[Tensor], phase: str) -> list[Tensor]:
-        engine = self.owner.engine
-        results: list[Tensor | None] = [None] * len(names)
-        for (lo, hi), idx in self._ranges(names, engine.active).items():
-            group = engine.world.group(range(lo, hi))
+    def _start(self, names: Sequence[str], shards: Sequence[Tensor], phase: str,
+               async_op: bool) -> dict[tuple[int, int], _Gather]:
+        engine, out = self.owner.engine, {}
+        for key, idx in self._ranges(names, engine.active).items():
+            group = engine.world.group(range(*key))
             pieces = [shards[i].detach() for i in idx]
-            outs = _gather_owned(pieces, [engine.shardings[names[i]].dim for i in idx], group)
-            for i, g in zip(idx, outs):
+            out[key] = _Gather(pieces, [engine.shardings[names[i]].dim for i in idx], group, async_op)
+            engine._label("temporaries", out[key].buffer)
+            self.owner.count(phase, sum(p.numel() * p.element_size() for p in pieces) * (group.size - 1))
+        return out
+
+    def gather(self, names: Sequence[str], shards: Sequence[Tensor], phase: str) -> list[Tensor]:
+        """The unit's gathered tensors: the prefetched ones in forward if the previous unit started
+        them (same layout and shards: both happen inside one forward), else gathered now."""
+        engine = self.owner.engine
+        started = None
+        if phase == "forward" and self.prefetched is not None:
+            started, self.prefetched = self.prefetched, None
+        if started is None:
+            started = self._start(names, shards, phase, async_op=False)
+        results: list[Tensor | None] = [None] * len(names)
+        for key, idx in self._ranges(names, engine.active).items():
+            for i, g in zip(idx, started[key].finish()):
                 results[i] = g
                 engine._label("params", g)
-            self.owner.count(phase, sum(p.numel() * p.element_size() for p in pieces) * (group.size - 1))
         return results
+
+    def prefetch(self) -> None:
+        """Starts this unit's forward gather now, asynchronously (the previous unit is running)."""
+        names = self.gathered_names()
+        if names and self.prefetched is None:
+            self.prefetched = self._start(names, [self.owner.engine.working[n] for n in names], "forward",
+                                          async_op=True)
+            self.owner.prefetches += 1
+
+    def drop_prefetch(self) -> None:
+        if self.prefetched is not None:
+            for started in self.prefetched.values():
+                started.finish()
+            self.prefetched = None
 
     def reduce_scatter(self, names: Sequence[str], grads: Sequence[Tensor]) -> None:
         engine = self.owner.engine
@@ -170,6 +212,9 @@ class _Unit:
             owner._parameters[leaf] = t
         self.live = dict(zip(names, outs))
         self.live_ids = {id(t): n for n, t in self.live.items()}
+        following = self.owner.next_unit.get(self)
+        if self.owner.prefetching and following is not None:
+            following.prefetch()
         if torch.is_grad_enabled() and not outer_saved_tensor_hooks():
             self.hooks_ctx = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
             self.hooks_ctx.__enter__()
@@ -240,6 +285,8 @@ class ShardedUnits:
             sub.register_forward_pre_hook(unit.pre_forward)
             sub.register_forward_hook(unit.post_forward, always_call=True)
             self.units.append(unit)
+        self.next_unit = dict(zip(self.units, self.units[1:]))  # declaration order: call order
+        self.prefetching, self.prefetches = False, 0
         self.bytes = {"forward": 0, "backward": 0, "reduce_scatter": 0}
         self.collectives = {"forward": 0, "backward": 0, "reduce_scatter": 0}
         engine.set_fsdp_units(set(taken))
@@ -247,6 +294,18 @@ class ShardedUnits:
     def count(self, phase: str, nbytes: int) -> None:
         self.bytes[phase] += nbytes
         self.collectives[phase] += 1
+
+    @contextlib.contextmanager
+    def forward_prefetch(self) -> Iterator[None]:
+        """Within the block (a micro-batch's forward, never backward or its recomputation), each
+        unit's forward starts the next unit's gather; what no unit used is finished and dropped."""
+        self.prefetching = True
+        try:
+            yield
+        finally:
+            self.prefetching = False
+            for unit in self.units:
+                unit.drop_prefetch()
 
     def idle_forward(self) -> None:
         """The gathers of one forward without computing (an idle evaluation round)."""

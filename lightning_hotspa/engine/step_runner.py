@@ -104,6 +104,10 @@ class StepRunner:
         #: the model's fsdp units, when some layout shards its working copy (:mod:`.fsdp`)
         self.units = ShardedUnits(engine, parallel.module) if any(x.fsdp for x in engine.world.layouts) else None
 
+    def _prefetch(self) -> contextlib.AbstractContextManager:
+        """A forward's context: fsdp units prefetch the next unit's gather (:mod:`.fsdp`)."""
+        return self.units.forward_prefetch() if self.units is not None else contextlib.nullcontext()
+
     def _idle(self, layout: Layout) -> MicroBatch:
         """The micro-batch of an idle round (fsdp stages: fewer micro-batches than the busiest group)."""
         cp_rank = self.engine.world.shape.rank_coords(layout, self.engine.world.rank)[2]
@@ -143,7 +147,8 @@ class StepRunner:
                     mb = stage.micro_batches[i] if i < real else self._idle(stage.layout)
                     if i < real:
                         hooks.enter_micro_batch(mb)
-                    with parallel.micro_batch(mb if isinstance(mb, MicroBatch) else None), hooks.compute_context():
+                    with parallel.micro_batch(mb if isinstance(mb, MicroBatch) else None), hooks.compute_context(), \
+                            self._prefetch():
                         loss = loss_fn(mb)
                     if i < real:
                         hooks.record_loss(loss, mb)
@@ -190,7 +195,8 @@ class StepRunner:
                 self.switch_to(stage.layout)
                 self.parallel.activate(stage.layout, self.engine.working)
                 for mb in stage.micro_batches:
-                    with self.parallel.micro_batch(mb if isinstance(mb, MicroBatch) else None), context():
+                    with self.parallel.micro_batch(mb if isinstance(mb, MicroBatch) else None), context(), \
+                            self._prefetch():
                         output = fn(mb)
                 for _ in range(getattr(stage, "num_rounds", 0) - len(stage.micro_batches)):
                     self.units.idle_forward()  # fsdp: the busier dp groups' gathers

@@ -16,6 +16,7 @@ hardware profile's reserve (a fixed GiB plus a usable fraction); ``fits`` uses i
 from __future__ import annotations
 
 import argparse
+import contextlib
 import time
 import weakref
 from collections.abc import Sequence
@@ -123,8 +124,7 @@ def estimate_layout(config: LlamaConfig, world_size: int, layout: Layout | str, 
                 engine = SwitchEngine(world, shardings, home, working_dtype=working_dtype,
                                       bucket_bytes=bucket_bytes, grad_accum_dtype=grad_accum_dtype,
                                       max_buckets_in_flight=max_buckets_in_flight)
-                if layout.fsdp:
-                    ShardedUnits(engine, module)  # per-unit gathers around the blocks (engine/fsdp.py)
+                units = ShardedUnits(engine, module) if layout.fsdp else None  # per-unit gathers (engine/fsdp.py)
                 with MemoryTracker() as mem:
                     for p in home.values():
                         mem.label("params", p)
@@ -134,7 +134,7 @@ def estimate_layout(config: LlamaConfig, world_size: int, layout: Layout | str, 
                     engine.materialize(layout)
                     _as_if_mid_step(engine, home)
                     parallel.activate(layout, engine.working, activation_checkpointing)
-                    with parallel.micro_batch(mb):
+                    with parallel.micro_batch(mb), units.forward_prefetch() if units else contextlib.nullcontext():
                         loss = module(mb)
                     if overlap:  # as the strategy does before a stage's last backward
                         engine.overlap_next_backward()
