@@ -257,7 +257,8 @@ def run_fsdp_traffic() -> dict:
         name, log = stage.layout, traffic.logs[stage.layout]
         out[name] = {"log_bytes": log.bytes_received, "log_calls": [c for c, _ in log.calls],
                      "fsdp_bytes": before[name][0], "fsdp_calls": before[name][1],
-                     "switch_bytes": stage.switch_bytes, "reduce_bytes": stage.reduce_bytes}
+                     "switch_bytes": stage.switch_bytes, "reduce_bytes": stage.reduce_bytes,
+                     "stage_fsdp_bytes": stage.fsdp_bytes}
     return out
 
 
@@ -279,7 +280,7 @@ def test_fsdp_stage_gathers_once_per_unit_and_round_and_counts_its_bytes(ranks) 
         assert calls["backward"] == (units - 1) * rounds, calls  # the embedding's backward needs no weight
         assert calls["prefetch"] == (units - 1) * rounds, calls  # each unit's forward starts the next's gather
         assert sharded["log_calls"].count("all_gather_into_tensor") == calls["forward"] + calls["backward"]
-        assert sum(sharded["fsdp_bytes"].values()) == sharded["log_bytes"], sharded
+        assert sum(sharded["fsdp_bytes"].values()) == sharded["log_bytes"] == sharded["stage_fsdp_bytes"], sharded
         # at the stage end only the final norm reduces (outside every unit: a reduce-scatter of its
         # 64 fp32 over 4 ranks, 3/4 of it received); the replicated dp4 reduces everything there
         assert sharded["reduce_bytes"] == 64 * 4 * 3 // 4 < replicated["reduce_bytes"], sharded["reduce_bytes"]

@@ -108,6 +108,9 @@ class StepRunner:
         """A forward's context: fsdp units prefetch the next unit's gather (:mod:`.fsdp`)."""
         return self.units.forward_prefetch() if self.units is not None else contextlib.nullcontext()
 
+    def _fsdp_bytes(self) -> int:
+        return sum(self.units.bytes.values()) if self.units is not None else 0
+
     def _idle(self, layout: Layout) -> MicroBatch:
         """The micro-batch of an idle round (fsdp stages: fewer micro-batches than the busiest group)."""
         cp_rank = self.engine.world.shape.rank_coords(layout, self.engine.world.rank)[2]
@@ -141,6 +144,7 @@ class StepRunner:
                 parallel.activate(stage.layout, engine.working, ac)
                 hooks.before_compute(stage)
                 t1, c1 = clock.mark(), self.cpu_clock()
+                fsdp_start = self._fsdp_bytes()
                 real = len(stage.micro_batches)
                 rounds = max(real, getattr(stage, "num_rounds", real))
                 for i in range(rounds):
@@ -161,21 +165,23 @@ class StepRunner:
                     else:  # an idle round: its collectives only (zero gradients)
                         scaled.backward()
                 t2, cpu_s = clock.mark(), self.cpu_clock() - c1
+                fsdp_end = self._fsdp_bytes()
                 if carry:  # same tp next: keep accumulating, the run's last stage reduces once
                     grad_report = GradReport(stage.layout.name, 0, 0, 0.0)
                 else:
                     hooks.enter_phase("reduce")
                     grad_report = engine.reduce_gradients()
                 marks.append((t0, t1, t2, t2 if carry else clock.mark()))
-                parts.append((report, grad_report, cpu_s, ac))
+                parts.append((report, grad_report, cpu_s, ac, fsdp_end - fsdp_start))
         finally:
             parallel.restore(engine.home)
             engine.release()
         stats = []
-        for stage, (t0, t1, t2, t3), (report, grad_report, cpu_s, ac) in zip(plan.stages, marks, parts):
+        for stage, (t0, t1, t2, t3), (report, grad_report, cpu_s, ac, fsdp) in zip(plan.stages, marks, parts):
             stats.append(StageStats.measure(
                 stage, report, grad_report, switch_s=clock.seconds(t0, t1), compute_s=clock.seconds(t1, t2),
-                reduce_s=clock.seconds(t2, t3), compute_cpu_s=cpu_s, activation_checkpointing=ac))
+                reduce_s=clock.seconds(t2, t3), compute_cpu_s=cpu_s, activation_checkpointing=ac,
+                fsdp_bytes=fsdp))
         hooks.enter_phase("metrics")  # the one small collective of the step
         loss, records, table = gather_step(loss_sum, stats, self.device, plan.step)
         finite = bool(torch.isfinite(loss))
