@@ -35,12 +35,12 @@ class TinyLM(nn.Module):
 
 
 class TinyLlama(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, **overrides) -> None:
         from lightning_hotspa.models import Llama, LlamaConfig
 
         super().__init__()
         torch.manual_seed(0)
-        self.config = LlamaConfig.preset("tiny")
+        self.config = LlamaConfig.preset("tiny", **overrides)
         self.model = Llama(self.config)
 
     def forward(self, mb) -> torch.Tensor:
@@ -260,6 +260,30 @@ def run_fsdp_traffic() -> dict:
                      "switch_bytes": stage.switch_bytes, "reduce_bytes": stage.reduce_bytes,
                      "stage_fsdp_bytes": stage.fsdp_bytes}
     return out
+
+
+def run_odd_dims() -> tuple:
+    """The same plan with sharded and with replicated working copies; ffn_hidden 178 splits over 2
+    of the 4 ranks only, so home replicates those weights on one mesh dim (summed at the stage end)."""
+    layouts = ["dp4:fsdp", "dp2xcp2:fsdp", "dp4", "dp2xcp2"]
+    module, world, home, parallel, engine = _setup(layouts, TinyLlama(ffn_hidden=178))
+    runner, grads = StepRunner(engine, parallel), []
+    for names in (layouts[:2], layouts[2:]):
+        runner.run(_uneven_plan(world, names), module)
+        engine.assign_home_grads()
+        grads.append({n: p.grad.full_tensor() for n, p in home.items()})
+        engine.clear_grad_store()
+    homes = {n: engine.shardings[n].home_prefix for n in ("model.layers.0.feed_forward.w1.weight",
+                                                          "model.layers.0.attention.wq.weight")}
+    return grads, homes
+
+
+def test_fsdp_with_dims_home_cannot_split_equals_replicated(ranks) -> None:
+    (sharded, replicated), homes = ranks(4).run(run_odd_dims)[0]
+    assert homes == {"model.layers.0.feed_forward.w1.weight": 1, "model.layers.0.attention.wq.weight": 2}
+    for name, g in replicated.items():
+        err = float((sharded[name] - g).norm() / g.norm())
+        assert err <= 1e-6, (name, err)
 
 
 def test_fsdp_stage_gathers_once_per_unit_and_round_and_counts_its_bytes(ranks) -> None:
