@@ -30,6 +30,7 @@ __all__ = [
     "RankStage",
     "RankPlan",
     "pack_micro_batch",
+    "idle_micro_batch",
     "slice_plan",
     "single_stage_plan",
 ]
@@ -257,14 +258,23 @@ class StepPlan:
 
 @dataclass(frozen=True)
 class RankStage:
+    """One rank's micro-batches of a stage. ``rounds``: forward/backward rounds this rank runs, at
+    least its micro-batches; in an fsdp layout every dp group runs as many as the busiest one (the
+    per-unit gathers span dp groups), the extra ones on :func:`idle_micro_batch`."""
+
     layout: Layout
     micro_batches: tuple[MicroBatch, ...]
     activation_checkpointing: bool = False
     label: str = ""
+    rounds: int = 0
+
+    @property
+    def num_rounds(self) -> int:
+        return max(self.rounds, len(self.micro_batches))
 
     def map_tensors(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> RankStage:
         mbs = tuple(m.map_tensors(fn) for m in self.micro_batches)
-        return RankStage(self.layout, mbs, self.activation_checkpointing, self.label)
+        return RankStage(self.layout, mbs, self.activation_checkpointing, self.label, self.rounds)
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> RankStage:
         return self.map_tensors(lambda t: t.to(device, non_blocking=non_blocking))
@@ -312,8 +322,15 @@ def slice_plan(plan: StepPlan, docs: Sequence[torch.Tensor], mesh: MeshShape, ra
         dp_rank, _, cp_rank = mesh.rank_coords(stage.layout, rank)
         mbs = tuple(pack_micro_batch([docs[i] for i in ids], stage.layout.cp, cp_rank, ids)
                     for ids in stage.micro_batches[dp_rank])
-        stages.append(RankStage(stage.layout, mbs, stage.activation_checkpointing, stage.label))
+        rounds = max(len(g) for g in stage.micro_batches) if stage.layout.fsdp else 0
+        stages.append(RankStage(stage.layout, mbs, stage.activation_checkpointing, stage.label, rounds))
     return RankPlan(plan.step, tuple(stages), plan.global_target_tokens)
+
+
+def idle_micro_batch(cp_size: int = 1, cp_rank: int = 0) -> MicroBatch:
+    """A one-token document without targets: what a dp group with fewer micro-batches than the
+    busiest computes (loss weight 0) so that an fsdp stage's per-unit collectives line up."""
+    return pack_micro_batch([torch.zeros(1, dtype=torch.long)], cp_size, cp_rank)
 
 
 def single_stage_plan(step: int, doc_lengths: Sequence[int], layout: Layout) -> StepPlan:

@@ -147,3 +147,21 @@ def test_memory_cli_names_bad_rows(capsys: pytest.CaptureFixture[str]) -> None:
     assert "'llama7b:x' must look like llama7b:8" in capsys.readouterr().err
     assert main(["memory", "--rows", "llama99b:8"]) == 2
     assert "llama99b" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("activation_checkpointing", [False, True])
+def test_fsdp_layout_holds_a_quarter_of_the_working_copy_plus_one_unit(activation_checkpointing: bool) -> None:
+    """dp4:fsdp through the estimator's real step (fake world, 4 ranks): the live working params
+    (shards plus the gathered unit) peak at ~1/4 of dp4's replicated copy plus a block or two, since
+    each unit's gathered tensors are freed after its forward and re-gathered in backward."""
+    tokens = 128
+    full = estimate_layout(SMALLISH, 4, "dp4", tokens, activation_checkpointing=activation_checkpointing)
+    sharded = estimate_layout(SMALLISH, 4, "dp4:fsdp", tokens, activation_checkpointing=activation_checkpointing)
+    replicated = full["working_params_peak"]
+    assert replicated == SMALLISH.num_params() * 2  # bf16, every parameter once
+    block = sum(p.numel() for p in Llama(SMALLISH).layers[0].parameters()) * 2
+    head = SMALLISH.padded_vocab_size * SMALLISH.hidden * 2
+    peak = sharded["working_params_peak"]
+    assert replicated / 4 < peak <= replicated / 4 + 2 * max(block, head), (peak, replicated, block, head)
+    assert peak < replicated / 2  # the check tells freed units from kept ones (4 blocks + 2 vocab units)
+    assert sharded["peak"]["grads"] < full["peak"]["grads"]  # fp32 main grads at the sharded size

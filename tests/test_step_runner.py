@@ -35,12 +35,12 @@ class TinyLM(nn.Module):
 
 
 class TinyLlama(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, **overrides) -> None:
         from lightning_hotspa.models import Llama, LlamaConfig
 
         super().__init__()
         torch.manual_seed(0)
-        self.config = LlamaConfig.preset("tiny")
+        self.config = LlamaConfig.preset("tiny", **overrides)
         self.model = Llama(self.config)
 
     def forward(self, mb) -> torch.Tensor:
@@ -184,6 +184,195 @@ def test_reduction_options_give_the_same_gradients(ranks) -> None:
             for name, g in reference.items():
                 assert torch.allclose(other[name], g, rtol=1e-6, atol=1e-7), name
         assert any(g.abs().sum() > 0 for g in reference.values())
+
+
+def _uneven_plan(world, layout_names, rounds=3):
+    """One stage per layout; dp group 0 gets ``rounds`` micro-batches, the others one (idle rounds)."""
+    lengths, stages, doc = [], [], 0
+    for name in layout_names:
+        lay = Layout.parse(name)
+        groups = []
+        for g in range(lay.dp):
+            mbs = []
+            for _ in range(rounds if g == 0 else 1):
+                mbs.append((doc,))
+                lengths.append(10 + 3 * doc)
+                doc += 1
+            groups.append(tuple(mbs))
+        stages.append(Stage(lay, tuple(groups), label=name))
+    g = torch.Generator().manual_seed(7)
+    docs = [torch.randint(0, 32, (n,), generator=g) for n in lengths]
+    return slice_plan(StepPlan(0, tuple(lengths), tuple(stages)), docs, world.shape, world.rank)
+
+
+class _StageTraffic(StepHooks):
+    """Every collective of each stage's micro-batches (forward and backward), by layout."""
+
+    def __init__(self) -> None:
+        self.logs, self._open = {}, None
+
+    def before_compute(self, stage) -> None:
+        from lightning_hotspa.testing.comm_bytes import count_collective_bytes
+
+        self._open = count_collective_bytes()
+        self.logs[stage.layout.name] = self._open.__enter__()
+
+    def enter_phase(self, phase) -> None:
+        if self._open is not None:
+            self._open.__exit__(None, None, None)
+            self._open = None
+
+
+def run_fsdp_traffic() -> dict:
+    layouts = ["dp4:fsdp", "dp4", "dp2xcp2:kv:fsdp"]
+    module, world, home, parallel, engine = _setup(layouts, TinyLlama())
+    runner = StepRunner(engine, parallel, overlap=False, share_gradients=False,  # no reductions in compute
+                        activation_checkpointing=lambda layout: layout.cp > 1)
+    traffic, units = _StageTraffic(), runner.units
+    before = {}
+    original = traffic.before_compute
+
+    def before_compute(stage):
+        before[stage.layout.name] = dict(units.bytes), dict(units.collectives, prefetch=units.prefetches)
+        original(stage)
+
+    def enter_phase(phase):
+        if traffic._open is not None:
+            name = next(reversed(traffic.logs))
+            nbytes, calls = before[name]
+            now = dict(units.collectives, prefetch=units.prefetches)
+            before[name] = ({k: units.bytes[k] - nbytes[k] for k in units.bytes},
+                            {k: now[k] - calls[k] for k in calls})
+        _StageTraffic.enter_phase(traffic, phase)
+
+    traffic.before_compute, traffic.enter_phase = before_compute, enter_phase
+    plan = _uneven_plan(world, layouts)
+    result = runner.run(plan, module, traffic)
+    out = {"units": len(units.units)}
+    start = units.collectives["forward"]
+    with torch.no_grad():
+        runner.run_forward(plan, module)  # evaluation: idle rounds only gather
+    out["eval_gathers"] = units.collectives["forward"] - start
+    for stage in result.stages:
+        name, log = stage.layout, traffic.logs[stage.layout]
+        out[name] = {"log_bytes": log.bytes_received, "log_calls": [c for c, _ in log.calls],
+                     "fsdp_bytes": before[name][0], "fsdp_calls": before[name][1],
+                     "switch_bytes": stage.switch_bytes, "reduce_bytes": stage.reduce_bytes,
+                     "stage_fsdp_bytes": stage.fsdp_bytes}
+    return out
+
+
+def run_odd_dims() -> tuple:
+    """The same plan with sharded and with replicated working copies; ffn_hidden 178 splits over 2
+    of the 4 ranks only, so home replicates those weights on one mesh dim (summed at the stage end)."""
+    layouts = ["dp4:fsdp", "dp2xcp2:fsdp", "dp4", "dp2xcp2"]
+    module, world, home, parallel, engine = _setup(layouts, TinyLlama(ffn_hidden=178))
+    runner, grads = StepRunner(engine, parallel), []
+    for names in (layouts[:2], layouts[2:]):
+        runner.run(_uneven_plan(world, names), module)
+        engine.assign_home_grads()
+        grads.append({n: p.grad.full_tensor() for n, p in home.items()})
+        engine.clear_grad_store()
+    homes = {n: engine.shardings[n].home_prefix for n in ("model.layers.0.feed_forward.w1.weight",
+                                                          "model.layers.0.attention.wq.weight")}
+    return grads, homes
+
+
+def test_fsdp_with_dims_home_cannot_split_equals_replicated(ranks) -> None:
+    (sharded, replicated), homes = ranks(4).run(run_odd_dims)[0]
+    assert homes == {"model.layers.0.feed_forward.w1.weight": 1, "model.layers.0.attention.wq.weight": 2}
+    for name, g in replicated.items():
+        err = float((sharded[name] - g).norm() / g.norm())
+        assert err <= 1e-6, (name, err)
+
+
+def test_fsdp_stage_gathers_once_per_unit_and_round_and_counts_its_bytes(ranks) -> None:
+    """dp4:fsdp with uneven dp groups (3 rounds: ranks of group 0 compute 3 micro-batches, the others
+    1 plus 2 idle rounds): per round, one fused all-gather per unit in forward (all but the first
+    prefetched by the previous unit's forward), one per re-gathered
+    unit in backward, one reduce-scatter per unit; the engine's byte counts equal the wrapped
+    collectives'; the replicated dp4 stage moves no parameter bytes inside its micro-batches; under
+    activation checkpointing the recomputation re-gathers the blocks; evaluation's idle rounds gather
+    as the busy ranks' forwards do."""
+    results = ranks(4).run(run_fsdp_traffic)
+    for r in results:
+        units, sharded, replicated = r["units"], r["dp4:fsdp"], r["dp4"]
+        assert units == 4  # embedding, 2 blocks, head (the tiny Llama)
+        rounds = 3
+        calls = sharded["fsdp_calls"]
+        assert calls["forward"] == units * rounds and calls["reduce_scatter"] == units * rounds, calls
+        assert calls["backward"] == (units - 1) * rounds, calls  # the embedding's backward needs no weight
+        assert calls["prefetch"] == (units - 1) * rounds, calls  # each unit's forward starts the next's gather
+        assert sharded["log_calls"].count("all_gather_into_tensor") == calls["forward"] + calls["backward"]
+        assert sum(sharded["fsdp_bytes"].values()) == sharded["log_bytes"] == sharded["stage_fsdp_bytes"], sharded
+        # at the stage end only the final norm reduces (outside every unit: a reduce-scatter of its
+        # 64 fp32 over 4 ranks, 3/4 of it received); the replicated dp4 reduces everything there
+        assert sharded["reduce_bytes"] == 64 * 4 * 3 // 4 < replicated["reduce_bytes"], sharded["reduce_bytes"]
+        assert replicated["log_bytes"] == 0 and replicated["fsdp_bytes"] == dict.fromkeys(sharded["fsdp_bytes"], 0)
+        assert r["eval_gathers"] == 2 * units * rounds  # both fsdp stages, busy or idle alike
+        kv = r["dp2xcp2:kv:fsdp"]  # its KV gathers come on top of the units' traffic
+        assert kv["log_bytes"] > sum(kv["fsdp_bytes"].values()) > 0
+        # activation checkpointing: the blocks' recomputation gathers them again, inside its forward
+        blocks = units - 2
+        assert kv["fsdp_calls"] == {"forward": (units + blocks) * 3, "backward": 3,  # the head only
+                                    "reduce_scatter": units * 3, "prefetch": (units - 1) * 3}, kv["fsdp_calls"]
+
+
+class _TiedBlocks(nn.Module):
+    """Two blocks in a ModuleList (the default units) that share one weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(8, 8), nn.Linear(8, 8)])
+        self.blocks[1].weight = self.blocks[0].weight
+
+    def forward(self, mb) -> torch.Tensor:
+        return self.blocks[1](self.blocks[0](torch.ones(2, 8))).sum()
+
+
+def test_fsdp_working_copies_sit_at_home_and_share_gradients_with_fsdp_peers_only() -> None:
+    from lightning_hotspa.testing.fake_world import FakeWorld
+
+    layouts = ["dp4:fsdp", "dp2xcp2:fsdp", "dp4", "dp2xtp2:fsdp", "dp2xtp2"]
+    with FakeWorld(4):
+        module, world, home, parallel, engine = _setup(layouts, TinyLlama())
+        StepRunner(engine, parallel)  # registers the units: every parameter but the final norm
+        assert engine.fsdp_names == set(home) - {"model.norm.weight"}
+        engine.materialize("dp2xtp2:fsdp")
+        for name, w in engine.working.items():
+            sharding = engine.shardings[name]
+            tp_replicated = sharding.role.tp_grad == "replicate"
+            want = sharding.layout_prefix(Layout.parse("dp2xtp2")) if name == "model.norm.weight" or \
+                tp_replicated else sharding.home_prefix
+            assert tuple(w.shape) == sharding.local_shape(want), name
+        engine.release()
+        assert engine.shares_gradients("dp4:fsdp", "dp2xcp2:fsdp")
+        assert not engine.shares_gradients("dp4:fsdp", "dp4")
+        assert not engine.shares_gradients("dp2xtp2:fsdp", "dp2xtp2")
+        assert not engine.shares_gradients("dp2xtp2:fsdp", "dp4:fsdp")
+
+
+def test_fsdp_layouts_refuse_what_they_cannot_shard() -> None:
+    from lightning_hotspa.engine.fsdp import ShardedUnits
+    from lightning_hotspa.layout import LayoutError
+    from lightning_hotspa.testing.fake_world import FakeWorld
+
+    with FakeWorld(4):  # collectives are no-ops: only the checks run
+        module, world, home, parallel, engine = _setup(["dp4:fsdp", "dp4"])  # TinyLM: no blocks
+        with pytest.raises(LayoutError, match=r"\['dp4:fsdp'\] shard the working copy per unit, but TinyLM has no units"):
+            StepRunner(engine, parallel)
+        with pytest.raises(LayoutError, match="layout dp4:fsdp shards the working copy per unit, but no fsdp units"):
+            engine.materialize("dp4:fsdp")
+        with pytest.raises(LayoutError, match=r"fsdp units name parameters \['nope'\]"):
+            engine.set_fsdp_units({"nope"})
+        with pytest.raises(LayoutError, match="fsdp unit 'missing' is not a submodule of TinyLM"):
+            ShardedUnits(engine, module, ["missing"])
+        tied, _, _, _, engine = _setup(["dp4:fsdp"], _TiedBlocks())
+        tied.blocks[1].weight = tied.blocks[0].weight  # installing the home params untied them: tie again
+        with pytest.raises(LayoutError, match=r"'blocks.1': parameter blocks.1.weight is shared \(also 'blocks.0.weight'\)"):
+            ShardedUnits(engine, tied)
+    with pytest.raises(LayoutError, match="fsdp shards the working copy over the dp and cp ranks, but dp = cp = 1"):
+        Layout.parse("tp4:fsdp")
 
 
 # ------------------------------------------------------------------ typed seams

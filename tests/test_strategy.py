@@ -67,7 +67,7 @@ def _reference_grads(weights, plan, dtype):
     return float(loss), {n: p.grad for n, p in model.named_parameters()}
 
 
-def fit_and_compare(layout_names, steps=3, precision="32-true", stage_orders=None):
+def fit_and_compare(layout_names, steps=3, precision="32-true", stage_orders=None, **strategy_kwargs):
     """3 optimizer steps of mixed plans (every layout a stage, uneven dp groups, stage orders of
     :data:`STAGE_ORDERS`) under a real Trainer.
 
@@ -83,7 +83,7 @@ def fit_and_compare(layout_names, steps=3, precision="32-true", stage_orders=Non
     batches = rank_plans(plans, layouts, dist.get_rank())
     recorder = _Recorder()
     with lightning_rank_env():
-        trainer = L.Trainer(accelerator="cpu", devices=dist.get_world_size(), strategy=HotSPaStrategy(layout_names),
+        trainer = L.Trainer(accelerator="cpu", devices=dist.get_world_size(), strategy=HotSPaStrategy(layout_names, **strategy_kwargs),
                             max_steps=steps, precision=precision, logger=False, enable_checkpointing=False,
                             enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
                             callbacks=[recorder])
@@ -144,6 +144,30 @@ def test_all_gather_kv_and_hybrid_cp_match_single_process(ranks):
         assert _worst(errors)[1] <= 1e-5, (step, _worst(errors))
     assert max(result["losses"]) <= 1e-5, result["losses"]
     assert _worst(result["weights"])[1] <= 1e-4, _worst(result["weights"])
+
+
+# sharded working copies (":fsdp") over every cp kind, next to replicated ones of the same tp degree
+# (dp4 vs dp4:fsdp: no gradient sharing) and of other tp degrees; "cp4:kv2:fsdp": the tiny Llama's
+# 2 kv heads are fewer than cp. deal() gives dp groups uneven micro-batch counts: idle rounds run.
+FSDP_LAYOUTS = ["dp4:fsdp", "dp2xtp2", "tp2xcp2:kv:fsdp", "cp4:kv2:fsdp", "dp2xcp2:fsdp", "dp4"]
+FSDP_ORDERS = [FSDP_LAYOUTS, ["dp2xcp2:fsdp", "dp4:fsdp", "cp4:kv2:fsdp", "dp2xtp2", "dp4", "tp2xcp2:kv:fsdp"]]
+
+
+@pytest.mark.parametrize("precision, grad_tol, loss_tol, weight_tol", [
+    ("32-true", 1e-5, 1e-5, 1e-4),
+    # bf16 gathers and compute, fp32 reduce-scatters into fp32 main grads
+    pytest.param("bf16-mixed", 5e-2, 1e-2, 5e-2, marks=pytest.mark.slow),
+])
+def test_sharded_working_copies_match_single_process(ranks, precision, grad_tol, loss_tol, weight_tol):
+    """The core invariant for fsdp layouts: 3 AdamW steps of mixed plans; two of the fsdp layouts
+    recompute activations (the recomputation gathers each block again)."""
+    result = ranks(4).run(fit_and_compare, FSDP_LAYOUTS, 3, precision, FSDP_ORDERS,
+                          activation_checkpointing=["tp2xcp2:kv:fsdp", "dp2xcp2:fsdp"])[0]
+    assert result["global_step"] == 3
+    for step, errors in enumerate(result["grads"]):
+        assert _worst(errors)[1] <= grad_tol, (step, _worst(errors))
+    assert max(result["losses"]) <= loss_tol, result["losses"]
+    assert _worst(result["weights"])[1] <= weight_tol, _worst(result["weights"])
 
 
 def _check_one_reduction_per_tp_run(steps):

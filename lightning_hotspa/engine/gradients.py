@@ -171,6 +171,8 @@ class GradientReduction:
     grad_accum_dtype: torch.dtype | None
     max_buckets_in_flight: int
     _label: Callable[[str, torch.Tensor], None]
+    _grad_states: Callable[[str, Layout], list[str]]
+    fsdp_gathered: Callable[[str, Layout], bool]
 
     def _init_gradients(self, grad_accum_dtype: torch.dtype | None, max_buckets_in_flight: int) -> None:
         if max_buckets_in_flight < 1:
@@ -217,6 +219,18 @@ class GradientReduction:
             acc.add_(g.detach())
         p.grad = None
 
+    def add_main_grad(self, name: str, grad: torch.Tensor) -> None:
+        """Adds an already reduced gradient shard of working param ``name`` (an fsdp unit's
+        reduce-scatter, :mod:`.fsdp`) into its accumulator, and tells an overlapped reduction."""
+        acc = self.main_grads.get(name)
+        if acc is None:
+            self.main_grads[name] = grad
+            self._label("grads", grad)
+        else:
+            acc.add_(grad)
+        if self._overlap is not None:
+            self._grad_ready(name)
+
     def _drop_accumulation(self) -> None:
         for handle in self._accum_hooks.values():
             handle.remove()
@@ -235,7 +249,7 @@ class GradientReduction:
             open_: dict[tuple[tuple[int, ...], tuple[int, ...]], tuple[_GradBucket, int]] = {}
             for name in reversed(list(self.shardings)):
                 sharding = self.shardings[name]
-                states, home = sharding.grad_states(layout), sharding.home_prefix
+                states, home = self._grad_states(name, layout), sharding.home_prefix
                 rep = [d for d in range(home) if states[d] == "replicate"]
                 key = (tuple(d for d in range(home) if states[d] == "partial"),
                        tuple(d for d in range(home, len(states)) if states[d] == "partial"))
@@ -268,7 +282,9 @@ class GradientReduction:
         plan = self._reduce_plan(self.active)
         overlap = _Overlap([len(b.names) for b in plan.buckets])
         for name, w in self.working.items():
-            if w.requires_grad:  # registered after the accumulation hook, so it runs after it
+            # registered after the accumulation hook, so it runs after it; an fsdp-gathered shard gets
+            # no .grad (its unit's reduce-scatter calls add_main_grad, which reports it ready)
+            if w.requires_grad and not self.fsdp_gathered(name, self.active):
                 overlap.handles.append(w.register_post_accumulate_grad_hook(
                     lambda _, name=name: self._grad_ready(name)))
         self._overlap = overlap

@@ -53,11 +53,14 @@ class StageStats:
     reduce_collectives: int = 0
     compute_cpu_s: float = 0.0
     activation_checkpointing: bool = False  # what the stage ran with
+    #: fsdp layouts: bytes this rank received in its units' gathers (forward, backward re-gathers)
+    #: and reduce-scatters during the stage's micro-batches (``engine/fsdp.py``); 0 otherwise
+    fsdp_bytes: int = 0
 
     @classmethod
     def measure(cls, stage: RankStage, switch_report: Any, grad_report: Any, *, switch_s: float,
                 compute_s: float, reduce_s: float, compute_cpu_s: float = 0.0,
-                activation_checkpointing: bool = False) -> StageStats:
+                activation_checkpointing: bool = False, fsdp_bytes: int = 0) -> StageStats:
         mbs = [m for m in stage.micro_batches if hasattr(m, "num_tokens")]
         sum_sq = sum_len = 0.0
         if mbs:  # a local document of a cp rank is 1/cp of its padded row; one host copy per stage
@@ -69,7 +72,8 @@ class StageStats:
                    switch_bytes=switch_report.bytes_received, switch_s=switch_s, compute_s=compute_s,
                    reduce_s=reduce_s, sum_sq=sum_sq, sum_len=sum_len,
                    reduce_bytes=grad_report.bytes_received, reduce_collectives=grad_report.collectives,
-                   compute_cpu_s=compute_cpu_s, activation_checkpointing=activation_checkpointing)
+                   compute_cpu_s=compute_cpu_s, activation_checkpointing=activation_checkpointing,
+                   fsdp_bytes=fsdp_bytes)
 
 
 @dataclass(frozen=True)

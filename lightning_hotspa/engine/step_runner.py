@@ -27,7 +27,8 @@ from torch import Tensor
 
 from ..layout import Layout
 from ..parallel.model import ParallelModel
-from ..plan import MicroBatch, RankPlan
+from ..plan import MicroBatch, RankPlan, idle_micro_batch
+from .fsdp import ShardedUnits
 from .records import StageStats, StepResult, gather_step
 from .switch import GradReport, SwitchEngine, SwitchReport
 from .timing import Clock, clock_for, cpu_seconds
@@ -100,6 +101,20 @@ class StepRunner:
         self.clock = clock if clock is not None else clock_for(self.device)
         self.cpu_clock = cpu_clock
         self.overlap, self.share_gradients = overlap, share_gradients
+        #: the model's fsdp units, when some layout shards its working copy (:mod:`.fsdp`)
+        self.units = ShardedUnits(engine, parallel.module) if any(x.fsdp for x in engine.world.layouts) else None
+
+    def _prefetch(self) -> contextlib.AbstractContextManager:
+        """A forward's context: fsdp units prefetch the next unit's gather (:mod:`.fsdp`)."""
+        return self.units.forward_prefetch() if self.units is not None else contextlib.nullcontext()
+
+    def _fsdp_bytes(self) -> int:
+        return sum(self.units.bytes.values()) if self.units is not None else 0
+
+    def _idle(self, layout: Layout) -> MicroBatch:
+        """The micro-batch of an idle round (fsdp stages: fewer micro-batches than the busiest group)."""
+        cp_rank = self.engine.world.shape.rank_coords(layout, self.engine.world.rank)[2]
+        return idle_micro_batch(layout.cp, cp_rank).to(self.device)
 
     def switch_to(self, layout: Layout, keep_grads: bool = False) -> SwitchReport:
         """Working params of ``layout``: from home at the start of a step, else from the active layout."""
@@ -129,32 +144,44 @@ class StepRunner:
                 parallel.activate(stage.layout, engine.working, ac)
                 hooks.before_compute(stage)
                 t1, c1 = clock.mark(), self.cpu_clock()
-                for i, mb in enumerate(stage.micro_batches):
-                    hooks.enter_micro_batch(mb)
-                    with parallel.micro_batch(mb if isinstance(mb, MicroBatch) else None), hooks.compute_context():
+                fsdp_start = self._fsdp_bytes()
+                real = len(stage.micro_batches)
+                rounds = max(real, getattr(stage, "num_rounds", real))
+                for i in range(rounds):
+                    mb = stage.micro_batches[i] if i < real else self._idle(stage.layout)
+                    if i < real:
+                        hooks.enter_micro_batch(mb)
+                    with parallel.micro_batch(mb if isinstance(mb, MicroBatch) else None), hooks.compute_context(), \
+                            self._prefetch():
                         loss = loss_fn(mb)
-                    hooks.record_loss(loss, mb)
-                    scaled = loss * loss_weight(mb, plan, stage.layout)
-                    if self.overlap and i == len(stage.micro_batches) - 1 and not carry:
+                    if i < real:
+                        hooks.record_loss(loss, mb)
+                    scaled = loss * (loss_weight(mb, plan, stage.layout) if i < real else 0.0)
+                    if self.overlap and i == rounds - 1 and not carry:
                         engine.overlap_next_backward()  # reduce buckets while the last backward runs
-                    hooks.backward(scaled)
-                    loss_sum += scaled.detach().double() / stage.layout.tp  # tp ranks hold copies
+                    if i < real:
+                        hooks.backward(scaled)
+                        loss_sum += scaled.detach().double() / stage.layout.tp  # tp ranks hold copies
+                    else:  # an idle round: its collectives only (zero gradients)
+                        scaled.backward()
                 t2, cpu_s = clock.mark(), self.cpu_clock() - c1
+                fsdp_end = self._fsdp_bytes()
                 if carry:  # same tp next: keep accumulating, the run's last stage reduces once
                     grad_report = GradReport(stage.layout.name, 0, 0, 0.0)
                 else:
                     hooks.enter_phase("reduce")
                     grad_report = engine.reduce_gradients()
                 marks.append((t0, t1, t2, t2 if carry else clock.mark()))
-                parts.append((report, grad_report, cpu_s, ac))
+                parts.append((report, grad_report, cpu_s, ac, fsdp_end - fsdp_start))
         finally:
             parallel.restore(engine.home)
             engine.release()
         stats = []
-        for stage, (t0, t1, t2, t3), (report, grad_report, cpu_s, ac) in zip(plan.stages, marks, parts):
+        for stage, (t0, t1, t2, t3), (report, grad_report, cpu_s, ac, fsdp) in zip(plan.stages, marks, parts):
             stats.append(StageStats.measure(
                 stage, report, grad_report, switch_s=clock.seconds(t0, t1), compute_s=clock.seconds(t1, t2),
-                reduce_s=clock.seconds(t2, t3), compute_cpu_s=cpu_s, activation_checkpointing=ac))
+                reduce_s=clock.seconds(t2, t3), compute_cpu_s=cpu_s, activation_checkpointing=ac,
+                fsdp_bytes=fsdp))
         hooks.enter_phase("metrics")  # the one small collective of the step
         loss, records, table = gather_step(loss_sum, stats, self.device, plan.step)
         finite = bool(torch.isfinite(loss))
@@ -174,8 +201,11 @@ class StepRunner:
                 self.switch_to(stage.layout)
                 self.parallel.activate(stage.layout, self.engine.working)
                 for mb in stage.micro_batches:
-                    with self.parallel.micro_batch(mb if isinstance(mb, MicroBatch) else None), context():
+                    with self.parallel.micro_batch(mb if isinstance(mb, MicroBatch) else None), context(), \
+                            self._prefetch():
                         output = fn(mb)
+                for _ in range(getattr(stage, "num_rounds", 0) - len(stage.micro_batches)):
+                    self.units.idle_forward()  # fsdp: the busier dp groups' gathers
         finally:
             self.parallel.restore(self.engine.home)
             self.engine.release()

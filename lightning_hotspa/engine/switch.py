@@ -17,6 +17,13 @@ shard and gradient states (:meth:`SwitchEngine.shares_gradients`), so a switch b
 the working gradients (``switch(layout, keep_grads=True)``) and a run of such stages reduces once.
 Lightning zeroes ``.grad`` between ``training_step`` and ``backward``, so the store is handed to the
 home params only on request (docs/DESIGN.md §7, trap "Lightning's closure order").
+
+A layout with ``fsdp=True`` holds the working copy of every parameter of the model's fsdp units
+(:mod:`.fsdp`) at its HOME prefix (sharded over the layout's dp and cp ranks too), so switches to and
+from it are the same slices and all-gathers; :mod:`.fsdp` gathers each unit to the layout prefix
+around its forward and reduce-scatters its gradient in backward. Exceptions stay at the layout
+prefix: parameters outside every unit, those the home cannot split further, and ``replicated``
+ones under tp > 1 (their gradient is a copy per tp rank, not a partial sum to scatter).
 """
 
 from __future__ import annotations
@@ -104,6 +111,8 @@ class SwitchEngine(GradientReduction):
         self.active: Layout | None = None
         self.working: dict[str, torch.Tensor] = {}
         self._move_plans: dict[tuple[str, str], _MovePlan] = {}
+        #: parameters inside the model's fsdp units (:meth:`set_fsdp_units`)
+        self.fsdp_names: frozenset[str] = frozenset()
         self._init_gradients(grad_accum_dtype, max_buckets_in_flight)
         #: ``(category, tensor)`` for each buffer the engine allocates ("params", "grads",
         #: "temporaries"): how the memory estimator files them (None: nobody listens)
@@ -118,9 +127,40 @@ class SwitchEngine(GradientReduction):
         p = self.home[name]
         return p.to_local() if isinstance(p, DTensor) else p
 
+    def set_fsdp_units(self, names: set[str] | frozenset[str]) -> None:
+        """The parameters an fsdp layout shards (those of the model's fsdp units, :mod:`.fsdp`)."""
+        unknown = sorted(set(names) - set(self.shardings))
+        if unknown:
+            raise LayoutError(f"fsdp units name parameters {unknown[:5]} the engine does not hold")
+        self.fsdp_names = frozenset(names)
+        self._move_plans.clear()
+        self._reduce_plans.clear()
+
+    def fsdp_gathered(self, name: str, layout: Layout) -> bool:
+        """True if ``name``'s working copy in ``layout`` is sharded beyond the layout prefix (held at
+        home and gathered per unit around its forward)."""
+        if not layout.fsdp or name not in self.fsdp_names:
+            return False
+        sharding = self.shardings[name]
+        if sharding.role.tp_grad == "replicate" and layout.tp > 1:
+            return False  # its tp ranks' gradients are copies: a reduce-scatter over them would add them
+        return sharding.home_prefix > sharding.layout_prefix(layout)
+
     def _prefix(self, name: str, key: str) -> int:
         sharding = self.shardings[name]
-        return sharding.home_prefix if key == HOME else sharding.layout_prefix(self._layout(key))
+        if key == HOME:
+            return sharding.home_prefix
+        layout = self._layout(key)
+        return sharding.home_prefix if self.fsdp_gathered(name, layout) else sharding.layout_prefix(layout)
+
+    def _grad_states(self, name: str, layout: Layout) -> list[str]:
+        """Per mesh dim, what ``name``'s working gradient in ``layout`` is. An fsdp-gathered one was
+        reduce-scattered to its home shard in backward: only the dims home replicates are partial."""
+        sharding = self.shardings[name]
+        if self.fsdp_gathered(name, layout):
+            home = sharding.home_prefix
+            return ["shard"] * home + ["partial"] * (sharding.mesh.ndim - home)
+        return sharding.grad_states(layout)
 
     def _layout(self, key: str) -> Layout:
         for layout in self.world.layouts:
@@ -154,6 +194,9 @@ class SwitchEngine(GradientReduction):
             raise LayoutError(f"cannot keep the working gradients from {source} to {target}: their tp degrees "
                               f"differ, so the parameters' working shards or gradient states differ; call "
                               f"reduce_gradients() before switching")
+        if self._layout(target).fsdp and not self.fsdp_names:
+            raise LayoutError(f"layout {target} shards the working copy per unit, but no fsdp units were "
+                              f"registered (set_fsdp_units; the StepRunner does it from the model)")
         start = time.perf_counter()
         plan = self._move_plan(source, target)
         dtype = self.working_dtype
@@ -252,10 +295,11 @@ class SwitchEngine(GradientReduction):
     def shares_gradients(self, a: Layout | str, b: Layout | str) -> bool:
         """True if every parameter has the same working shard and gradient states in ``a`` and
         ``b`` (same tp degree: tp dims are a mesh prefix), so one reduction after stages in both
-        equals one after each: the working gradients of both are partial sums of the same kind."""
+        equals one after each: the working gradients of both are partial sums of the same kind. Two
+        fsdp layouts of one tp degree share; an fsdp and a replicated layout do not (other shards)."""
         la, lb = self._layout(Layout.parse(a).name), self._layout(Layout.parse(b).name)
-        return all(sh.layout_prefix(la) == sh.layout_prefix(lb) and sh.grad_states(la) == sh.grad_states(lb)
-                   for sh in self.shardings.values())
+        return all(self._prefix(n, la.name) == self._prefix(n, lb.name)
+                   and self._grad_states(n, la) == self._grad_states(n, lb) for n in self.shardings)
 
     def release(self) -> None:
         """Drops the working params (e.g. after the optimizer step, which makes them stale) and any

@@ -130,8 +130,8 @@ class LlamaLM(L.LightningModule):
 
     def training_step(self, batch: PackedBatch, batch_idx: int = 0) -> Tensor:
         loss = self._loss(batch)
-        self.log("train/loss", loss.detach(), prog_bar=True,
-                 batch_size=max(int(batch.num_target_tokens), 1))
+        if batch.num_target_tokens:  # a slice without targets (an fsdp idle round) has no loss to log
+            self.log("train/loss", loss.detach(), prog_bar=True, batch_size=int(batch.num_target_tokens))
         return loss
 
     def validation_step(self, batch: PackedBatch, batch_idx: int = 0) -> Tensor:

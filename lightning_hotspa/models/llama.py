@@ -118,6 +118,14 @@ class Llama(nn.Module):
         """Recompute each block in backward instead of keeping its activations (runtime switch)."""
         self.activation_checkpointing = bool(enabled)
 
+    def fsdp_units(self) -> list[str]:
+        """The submodules a sharded working copy gathers one at a time, in call order (each
+        transformer block; the embedding and the head unless tied: the tied head reads the
+        embedding's weight outside its module, so it stays unsharded within the layout)."""
+        untied = not self.config.tie_embeddings
+        return (["tok_embeddings"] if untied else []) + [f"layers.{i}" for i in range(len(self.layers))] + (
+            ["output"] if untied else [])
+
     def set_attention_backend(self, backend: str | CoreAttention) -> None:
         """Use one core attention (a backend name or a callable) in every layer."""
         fn = select_attention_backend(backend) if isinstance(backend, str) else backend

@@ -57,6 +57,10 @@ def host_reads_real() -> Iterator[None]:
         yield
 
 
+def _is_meta(device: object) -> bool:
+    return getattr(device, "type", device) == "meta"
+
+
 class MemoryTracker:
     """``MemTracker`` with the engine's own buffers labelled (:meth:`label`), peak bytes by category."""
 
@@ -66,6 +70,14 @@ class MemoryTracker:
         self.tracker = MemTracker()
         self.tracker._update_peak_stats = self._update_peak  # per-op: the global peak only (module-wise
         # snapshots cost O(modules) deep copies per op: minutes for a 70B model, and are not reported)
+        original = self.tracker._track_module_params_and_buffers
+
+        def track_params(module: torch.nn.Module, install_grad_hooks: bool = True) -> tuple[int, int]:
+            # an fsdp unit's gathered weights are autograd outputs, not leaves: no grad hooks on them
+            leaves = all(p.grad_fn is None for p in module.parameters())
+            return original(module, install_grad_hooks=install_grad_hooks and leaves)
+
+        self.tracker._track_module_params_and_buffers = track_params
         self._types = {"params": _MemRefType.PARAM, "grads": _MemRefType.GRAD, "optimizer": _MemRefType.OPT,
                        "activations": _MemRefType.ACT, "temporaries": _MemRefType.TEMP}
         self._fold = {_MemRefType.PARAM: "params", _MemRefType.BUFFER: "params", _MemRefType.GRAD: "grads",
@@ -75,6 +87,8 @@ class MemoryTracker:
     def _update_peak(self, peak_state: object) -> None:
         t = self.tracker
         for dev, snap in t._curr_mem_snap.items():
+            if _is_meta(dev):
+                continue
             if t._peak_mem.get(dev, 0) < snap["Total"]:
                 t._peak_mem[dev] = snap["Total"]
                 t._peak_mem_snap[dev] = dict(snap)
@@ -97,7 +111,9 @@ class MemoryTracker:
 
     def _folded(self, kind: str) -> dict[str, int]:
         out = dict.fromkeys(CATEGORIES, 0)
-        for snap in self.tracker.get_tracker_snapshot(kind).values():
+        for dev, snap in self.tracker.get_tracker_snapshot(kind).items():
+            if _is_meta(dev):  # shape-only stand-ins (an fsdp unit's weights outside its forward)
+                continue
             for key, nbytes in snap.items():
                 if key in self._fold:
                     out[self._fold[key]] += int(nbytes)

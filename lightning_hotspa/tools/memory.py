@@ -16,7 +16,9 @@ hardware profile's reserve (a fixed GiB plus a usable fraction); ``fits`` uses i
 from __future__ import annotations
 
 import argparse
+import contextlib
 import time
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -86,6 +88,7 @@ def estimate_layout(config: LlamaConfig, world_size: int, layout: Layout | str, 
     """Peak bytes of rank 0 by category for one training step in ``layout``; also the peak of the
     gradient-reduction phase alone (``reduce_peak``, ``reduce_start``: bytes when it began).
     ``overlap``: reduce buckets during the backward (the strategy's way) or all after it."""
+    from ..engine.fsdp import ShardedUnits
     from ..engine.home import build_home_parameters
     from ..engine.switch import SwitchEngine
     from ..host import set_host_reads
@@ -121,15 +124,17 @@ def estimate_layout(config: LlamaConfig, world_size: int, layout: Layout | str, 
                 engine = SwitchEngine(world, shardings, home, working_dtype=working_dtype,
                                       bucket_bytes=bucket_bytes, grad_accum_dtype=grad_accum_dtype,
                                       max_buckets_in_flight=max_buckets_in_flight)
+                units = ShardedUnits(engine, module) if layout.fsdp else None  # per-unit gathers (engine/fsdp.py)
                 with MemoryTracker() as mem:
                     for p in home.values():
                         mem.label("params", p)
                     mem.track(optimizer)
-                    engine.on_buffer = mem.label
+                    working = _LiveBytes()
+                    engine.on_buffer = working.labeller(mem.label)
                     engine.materialize(layout)
                     _as_if_mid_step(engine, home)
                     parallel.activate(layout, engine.working, activation_checkpointing)
-                    with parallel.micro_batch(mb):
+                    with parallel.micro_batch(mb), units.forward_prefetch() if units else contextlib.nullcontext():
                         loss = module(mb)
                     if overlap:  # as the strategy does before a stage's last backward
                         engine.overlap_next_backward()
@@ -151,7 +156,29 @@ def estimate_layout(config: LlamaConfig, world_size: int, layout: Layout | str, 
         finally:
             set_host_reads(previous)
     return {"peak": peak, "peak_bytes": sum(peak.values()), "reduce_peak": reduce_peak,
-            "reduce_start": reduce_start, "seconds": time.perf_counter() - start}
+            "reduce_start": reduce_start, "working_params_peak": working.peak,
+            "seconds": time.perf_counter() - start}
+
+
+class _LiveBytes:
+    """Peak bytes of the engine's live working params (working copies and an fsdp unit's gathered
+    tensors), each counted from its allocation until the tensor object dies."""
+
+    def __init__(self) -> None:
+        self.now = self.peak = 0
+
+    def labeller(self, inner: Any) -> Any:
+        def label(category: str, tensor: torch.Tensor) -> None:
+            inner(category, tensor)
+            if category == "params":
+                nbytes = tensor.numel() * tensor.element_size()
+                self.now += nbytes
+                self.peak = max(self.peak, self.now)
+                weakref.finalize(tensor, self._release, nbytes)
+        return label
+
+    def _release(self, nbytes: int) -> None:
+        self.now -= nbytes
 
 
 def _as_if_mid_step(engine: Any, home: dict[str, torch.Tensor]) -> None:

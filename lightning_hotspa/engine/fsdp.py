@@ -1,0 +1,316 @@
+"""Working copies sharded inside a layout (ZeRO-3 / FSDP semantics), gathered unit by unit.
+
+In a layout with ``fsdp=True`` the switch engine holds each parameter of the model's fsdp units at
+its home prefix (:meth:`SwitchEngine.fsdp_gathered`): sharded over the layout's dp and cp ranks as
+well, torchtitan's ``dp_shard_cp`` choice. Around each unit's forward (a transformer block, the
+embedding, the LM head) this module
+
+* gathers the unit's shards to the layout prefix: ONE fused all-gather per mesh-dim range
+  ``[layout prefix, home prefix)`` (one per unit for the usual case, where every parameter of the
+  unit has the same range) inside an autograd function, and installs the gathered tensors in the
+  unit's modules;
+* after the forward puts shape-only ``meta`` placeholders there, so nothing keeps the gathered
+  tensors alive: inside the unit's forward saved-tensor hooks pack every saved weight (or view of
+  one) as a handle, and the first unpack in backward gathers the unit again (re-gather, not keep);
+  under activation checkpointing (whose own hooks own the saved tensors) ours stay out and the
+  recomputation gathers again;
+* in backward, the autograd function receives the unit's full gradients and reduce-scatters them
+  in fp32 (the reduce dtype) over the same dims straight into the engine's accumulators at the
+  sharded size (:meth:`GradientReduction.add_main_grad`); the stage-end reduction then only
+  all-reduces over the dims home replicates, if any, and stores.
+
+Within :meth:`ShardedUnits.forward_prefetch` (the step runner wraps each micro-batch's forward in
+it) a unit's forward starts the NEXT unit's all-gather asynchronously (declaration order is call
+order); backward re-gathers are not prefetched. Not built: keeping the gathered weights for backward.
+
+A dp group with fewer micro-batches than the busiest runs idle rounds (``RankStage.rounds``) so the
+gathers, which span dp groups, line up; evaluation does the same with :meth:`ShardedUnits.idle_forward`,
+which assumes units are called once each, in declaration order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from ..layout import Layout, LayoutError, RankGroup
+from ..torch_compat import outer_saved_tensor_hooks
+from .gradients import _reduce_scatter_start, reduce_dtype
+
+__all__ = ["ShardedUnits", "find_fsdp_units"]
+
+
+def find_fsdp_units(module: nn.Module) -> list[str]:
+    """Names of the units of ``module``: what a submodule's ``fsdp_units()`` declares (names relative
+    to it, in call order), else every child of every ``nn.ModuleList``."""
+    for path, sub in module.named_modules():
+        declare = getattr(sub, "fsdp_units", None)
+        if callable(declare):
+            return [f"{path}.{u}" if path else u for u in declare()]
+    return [f"{path}.{child}" if path else child for path, sub in module.named_modules()
+            if isinstance(sub, nn.ModuleList) for child, _ in sub.named_children()]
+
+
+class _Gather:
+    """One fused all-gather of several shards, started (asynchronously for a prefetch); ``finish``
+    waits and returns each result as a fresh tensor of its own (not a view of the buffer: the
+    saved-tensor hooks recognise weights by their base tensor), in shard order."""
+
+    def __init__(self, pieces: Sequence[Tensor], dims: Sequence[int], group: RankGroup, async_op: bool) -> None:
+        self.moved = [p.movedim(d, 0) for p, d in zip(pieces, dims)]
+        self.dims, self.group = list(dims), group
+        flat = torch.cat([m.reshape(-1) for m in self.moved])
+        self.buffer = flat.new_empty(group.size * flat.numel())
+        self.work = dist.all_gather_into_tensor(self.buffer, flat, group=group.group, async_op=async_op)
+        self.width = flat.numel()
+
+    def finish(self) -> list[Tensor]:
+        if self.work is not None:
+            self.work.wait()
+        rows, group = self.buffer.view(self.group.size, self.width), self.group
+        results, offset = [], 0
+        for m, d in zip(self.moved, self.dims):
+            n = m.numel()
+            out = m.new_empty((group.size * m.shape[0], *m.shape[1:]))
+            dst = out.view(group.size, n)
+            for shard, slot in enumerate(group.slot_of_shard):
+                dst[shard].copy_(rows[slot, offset:offset + n])
+            results.append(out if d == 0 else out.movedim(0, d).contiguous())
+            offset += n
+        self.work = self.buffer = self.moved = None
+        return results
+
+
+@dataclass(frozen=True)
+class _Saved:
+    """A weight (or a view of one) a unit's forward saved for backward: re-gathered on unpack."""
+
+    name: str
+    whole: bool
+    size: torch.Size
+    stride: tuple[int, ...]
+    offset: int
+
+
+class _GatherUnit(torch.autograd.Function):
+    """Forward: the unit's shards -> gathered tensors. Backward: their gradients reduce-scattered
+    into the engine's accumulators (the shards get no ``.grad``: the engine owns the sum)."""
+
+    @staticmethod
+    def forward(ctx: Any, unit: _Unit, names: tuple[str, ...], *shards: Tensor) -> tuple[Tensor, ...]:
+        ctx.unit, ctx.names = unit, names
+        return tuple(unit.gather(names, shards, "forward"))
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor) -> tuple[None, ...]:
+        unit = ctx.unit
+        unit.cache = None  # the re-gathered weights are used up: free them
+        unit.reduce_scatter(ctx.names, grads)
+        return (None, None) + (None,) * len(grads)
+
+
+class _Unit:
+    """One unit's hooks and state."""
+
+    def __init__(self, owner: ShardedUnits, path: str, module: nn.Module, names: list[str],
+                 slots: dict[str, tuple[nn.Module, str]]) -> None:
+        self.owner, self.path, self.module, self.names, self.slots = owner, path, module, names, slots
+        self.live: dict[str, Tensor] = {}  # gathered tensors installed for the running forward
+        self.live_ids: dict[int, str] = {}
+        self.cache: dict[str, Tensor] | None = None  # re-gathered in backward
+        self.hooks_ctx: Any = None
+        self.prefetched: dict[tuple[int, int], _Gather] | None = None  # started by the previous unit
+
+    # -------------------------------------------------------------- collectives
+    def _ranges(self, names: Sequence[str], layout: Layout) -> dict[tuple[int, int], list[int]]:
+        engine, out = self.owner.engine, {}
+        for i, n in enumerate(names):
+            sh = engine.shardings[n]
+            out.setdefault((sh.layout_prefix(layout), sh.home_prefix), []).append(i)
+        return out
+
+    def _start(self, names: Sequence[str], shards: Sequence[Tensor], phase: str,
+               async_op: bool) -> dict[tuple[int, int], _Gather]:
+        engine, out = self.owner.engine, {}
+        for key, idx in self._ranges(names, engine.active).items():
+            group = engine.world.group(range(*key))
+            pieces = [shards[i].detach() for i in idx]
+            out[key] = _Gather(pieces, [engine.shardings[names[i]].dim for i in idx], group, async_op)
+            engine._label("temporaries", out[key].buffer)
+            self.owner.count(phase, sum(p.numel() * p.element_size() for p in pieces) * (group.size - 1))
+        return out
+
+    def gather(self, names: Sequence[str], shards: Sequence[Tensor], phase: str) -> list[Tensor]:
+        """The unit's gathered tensors: the prefetched ones in forward if the previous unit started
+        them (same layout and shards: both happen inside one forward), else gathered now."""
+        engine = self.owner.engine
+        started = None
+        if phase == "forward" and self.prefetched is not None:
+            started, self.prefetched = self.prefetched, None
+        if started is None:
+            started = self._start(names, shards, phase, async_op=False)
+        results: list[Tensor | None] = [None] * len(names)
+        for key, idx in self._ranges(names, engine.active).items():
+            for i, g in zip(idx, started[key].finish()):
+                results[i] = g
+                engine._label("params", g)
+        return results
+
+    def prefetch(self) -> None:
+        """Starts this unit's forward gather now, asynchronously (the previous unit is running)."""
+        names = self.gathered_names()
+        if names and self.prefetched is None:
+            self.prefetched = self._start(names, [self.owner.engine.working[n] for n in names], "forward",
+                                          async_op=True)
+            self.owner.prefetches += 1
+
+    def drop_prefetch(self) -> None:
+        if self.prefetched is not None:
+            for started in self.prefetched.values():
+                started.finish()
+            self.prefetched = None
+
+    def reduce_scatter(self, names: Sequence[str], grads: Sequence[Tensor]) -> None:
+        engine = self.owner.engine
+        for (lo, hi), idx in self._ranges(names, engine.active).items():
+            group = engine.world.group(range(lo, hi))
+            local = [grads[i] for i in idx]
+            dtype = reduce_dtype(local[0].dtype)
+            pending = _reduce_scatter_start(local, [engine.shardings[names[i]].dim for i in idx], group, dtype)
+            engine._label("temporaries", pending.buffer)
+            nbytes = sum(g.numel() for g in local) * dtype.itemsize * (group.size - 1) // group.size
+            self.owner.count("reduce_scatter", nbytes)
+            for i, g in zip(idx, pending.result()):
+                engine.add_main_grad(names[i], g)
+
+    # -------------------------------------------------------------- module hooks
+    def gathered_names(self) -> list[str]:
+        engine, layout = self.owner.engine, self.owner.engine.active
+        if layout is None or not layout.fsdp:
+            return []
+        return [n for n in self.names if engine.fsdp_gathered(n, layout)]
+
+    def pre_forward(self, module: nn.Module, args: Any) -> None:
+        names = self.gathered_names()
+        if not names:
+            return
+        engine = self.owner.engine
+        shards = [engine.working[n] for n in names]
+        if torch.is_grad_enabled():
+            outs = _GatherUnit.apply(self, tuple(names), *shards)
+        else:
+            outs = self.gather(names, shards, "forward")
+        outs = (outs,) if isinstance(outs, Tensor) else outs
+        for name, t in zip(names, outs):
+            owner, leaf = self.slots[name]
+            owner._parameters[leaf] = t
+        self.live = dict(zip(names, outs))
+        self.live_ids = {id(t): n for n, t in self.live.items()}
+        following = self.owner.next_unit.get(self)
+        if self.owner.prefetching and following is not None:
+            following.prefetch()
+        if torch.is_grad_enabled() and not outer_saved_tensor_hooks():
+            self.hooks_ctx = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+            self.hooks_ctx.__enter__()
+
+    def post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self.hooks_ctx is not None:
+            self.hooks_ctx.__exit__(None, None, None)
+            self.hooks_ctx = None
+        for name, t in self.live.items():  # shape-only stand-ins: nothing keeps the gathered copy
+            owner, leaf = self.slots[name]
+            owner._parameters[leaf] = torch.empty(t.shape, dtype=t.dtype, device="meta")
+        self.live, self.live_ids = {}, {}
+
+    def pack(self, t: Tensor) -> Any:
+        base = t._base if t._base is not None else t
+        name = self.live_ids.get(id(base))
+        if name is None or self.live[name] is not base:
+            return t
+        return _Saved(name, t is base, t.size(), t.stride(), t.storage_offset())
+
+    def unpack(self, saved: Any) -> Tensor:
+        if not isinstance(saved, _Saved):
+            return saved
+        if self.cache is None:
+            names = self.gathered_names()
+            with torch.no_grad():
+                full = self.gather(names, [self.owner.engine.working[n] for n in names], "backward")
+            self.cache = dict(zip(names, full))
+        full = self.cache[saved.name]
+        return full if saved.whole else full.as_strided(saved.size, saved.stride, saved.offset)
+
+
+class ShardedUnits:
+    """The fsdp units of ``module`` (names from :func:`find_fsdp_units` unless given), their hooks
+    installed once; tells ``engine`` which parameters fsdp layouts shard. ``bytes`` counts what this
+    rank received per phase (``forward`` / ``backward`` gathers, ``reduce_scatter``)."""
+
+    def __init__(self, engine: Any, module: nn.Module, units: Sequence[str] | None = None) -> None:
+        self.engine = engine
+        paths = list(find_fsdp_units(module) if units is None else units)
+        fsdp_layouts = [str(x) for x in engine.world.layouts if x.fsdp]
+        if not paths:
+            raise LayoutError(f"layouts {fsdp_layouts} shard the working copy per unit, but "
+                              f"{type(module).__name__} has no units: give a submodule fsdp_units() "
+                              f"(module names in call order) or hold its blocks in an nn.ModuleList")
+        canonical = {id(p): n for n, p in module.named_parameters()}
+        self.units: list[_Unit] = []
+        taken: dict[str, str] = {}
+        for path in paths:
+            try:
+                sub = module.get_submodule(path)
+            except AttributeError as err:
+                raise LayoutError(f"fsdp unit {path!r} is not a submodule of {type(module).__name__}") from err
+            names, slots = [], {}
+            for owner_path, owner in sub.named_modules(prefix=path):
+                for leaf, p in owner._parameters.items():
+                    if p is None:
+                        continue
+                    name = canonical.get(id(p))
+                    if name != f"{owner_path}.{leaf}" or name in taken or name not in engine.shardings:
+                        raise LayoutError(f"fsdp unit {path!r}: parameter {owner_path}.{leaf} is shared "
+                                          f"(also {name!r}) or not one the engine holds; a shared parameter "
+                                          f"cannot be sharded per unit")
+                    taken[name] = path
+                    names.append(name)
+                    slots[name] = (owner, leaf)
+            unit = _Unit(self, path, sub, names, slots)
+            sub.register_forward_pre_hook(unit.pre_forward)
+            sub.register_forward_hook(unit.post_forward, always_call=True)
+            self.units.append(unit)
+        self.next_unit = dict(zip(self.units, self.units[1:]))  # declaration order: call order
+        self.prefetching, self.prefetches = False, 0
+        self.bytes = {"forward": 0, "backward": 0, "reduce_scatter": 0}
+        self.collectives = {"forward": 0, "backward": 0, "reduce_scatter": 0}
+        engine.set_fsdp_units(set(taken))
+
+    def count(self, phase: str, nbytes: int) -> None:
+        self.bytes[phase] += nbytes
+        self.collectives[phase] += 1
+
+    @contextlib.contextmanager
+    def forward_prefetch(self) -> Iterator[None]:
+        """Within the block (a micro-batch's forward, never backward or its recomputation), each
+        unit's forward starts the next unit's gather; what no unit used is finished and dropped."""
+        self.prefetching = True
+        try:
+            yield
+        finally:
+            self.prefetching = False
+            for unit in self.units:
+                unit.drop_prefetch()
+
+    def idle_forward(self) -> None:
+        """The gathers of one forward without computing (an idle evaluation round)."""
+        with torch.no_grad():
+            for unit in self.units:
+                names = unit.gathered_names()
+                if names:
+                    unit.gather(names, [self.engine.working[n] for n in names], "forward")
