@@ -3,9 +3,12 @@
 1. **Enumerate** every ``dp x tp x cp`` of the world the model can split (heads over tp*cp, kv heads
    over tp, ffn and vocab over tp), with tp inside one node, whose weights and optimizer state leave
    room for activations; each cp > 1 in up to three kinds (:func:`cp_kinds`): Ulysses, all-gather-KV
-   (``:kv``) and, when tp*cp crosses a node, the hybrid with Ulysses filling the node.
+   (``:kv``) and, when tp*cp crosses a node, the hybrid with Ulysses filling the node; each with a
+   replicated and a sharded (``:fsdp``) working copy.
 2. **Prune dominated** layouts: B dominates A when B holds every document A holds and costs no more
-   world-seconds per document at every reference length (the throughput view the solver starts from).
+   world-seconds per document at every reference length (the throughput view the solver starts from)
+   and no more per step: this is where a degree set keeps its replicated or its sharded working copy
+   (or both: the sharded one holds longer documents, the replicated one is cheaper per micro-batch).
 3. **Choose 2-4** that can share ONE world mesh (tp and tp*cp sizes nest:
    :meth:`MeshShape.for_layouts`) and hold the context, minimizing a relaxed step time of reference
    documents: each document in its cheapest layout, plus each used layout's gradient reduction and
@@ -51,23 +54,28 @@ def cp_kinds(tp: int, cp: int, devices_per_node: int) -> list[int]:
     return kinds
 
 
-def enumerate_layouts(world_size: int, cost_model: AnalyticCostModel, cp_kind: bool = True) -> list[Layout]:
+def enumerate_layouts(world_size: int, cost_model: AnalyticCostModel, cp_kind: bool = True,
+                      fsdp: bool = True) -> list[Layout]:
     """Every layout of ``world_size`` the model can split and whose weights fit (any checkpointing);
-    ``cp_kind=False``: Ulysses context parallelism only (the runtime's only kind before all-gather-KV)."""
+    ``cp_kind=False``: Ulysses context parallelism only (the runtime's only kind before all-gather-KV);
+    ``fsdp``: each degree set (dp*cp > 1) also with a sharded working copy (``:fsdp``), listed
+    right after its replicated twin (which is left out where only the sharded one fits)."""
     out = []
     per_node = cost_model.hardware.devices_per_node
     for tp in _divisors(world_size):
         if tp > per_node:
             continue
         for cp in _divisors(world_size // tp):
+            dp = world_size // (tp * cp)
             for cp_kv in (cp_kinds(tp, cp, per_node) if cp_kind else [1]):
-                lay = Layout(dp=world_size // (tp * cp), tp=tp, cp=cp, cp_kv=cp_kv)
-                try:
-                    cost_model.check(lay)
-                except CostModelError:
-                    continue
-                if cost_model.capacity(lay, True) >= 2 * cp:
-                    out.append(lay)
+                for sharded in ((False, True) if fsdp and dp * cp > 1 else (False,)):
+                    lay = Layout(dp=dp, tp=tp, cp=cp, cp_kv=cp_kv, fsdp=sharded)
+                    try:
+                        cost_model.check(lay)
+                    except CostModelError:
+                        continue
+                    if cost_model.capacity(lay, True) >= 2 * cp:
+                        out.append(lay)
     return out
 
 

@@ -3,8 +3,8 @@
 What our runtime holds per rank, term by term (the cost model's module docstring lists them); checked
 against the real code path under FakeTensorMode + the fake process group by ``hotspa memory``
 (tools/memory.py). A mixin of :class:`~.cost_model.AnalyticCostModel`, which sets ``model``,
-``hardware``, ``world_size``, ``params``, ``param_bytes``, ``grad_accum_bytes``,
-``attention_backend``, ``attn_width``, ``kv_width`` and ``capacity_multiple``.
+``hardware``, ``world_size``, ``params``, ``layer_params``, ``param_bytes``, ``grad_bytes``,
+``grad_accum_bytes``, ``attention_backend``, ``attn_width``, ``kv_width`` and ``capacity_multiple``.
 """
 
 from __future__ import annotations
@@ -86,19 +86,38 @@ class MemoryModel:
         heads = self.model.n_heads / (par.tp * par.cp)
         return heads * (self.model.n_layers * self.param_bytes + 2 * 4.0)
 
+    def largest_gathered_unit(self, tp: int) -> float:
+        """Parameters per tp rank of the largest unit a sharded working copy gathers at once: one
+        transformer block, the embedding or the LM head (+ final norm)."""
+        m = self.model
+        kv = 2 * m.hidden * self.kv_width
+        block = self.layer_params - 2 * m.hidden - (kv if m.n_kv_heads % tp else 0)  # tp-split part
+        block = block / tp + 2 * m.hidden + (kv if m.n_kv_heads % tp else 0)
+        return max(block, m.padded_vocab_size * m.hidden / tp + m.hidden)
+
     def memory(self, par: Parallelism | Layout, activation_checkpointing: bool) -> MemoryUse:
         """Home: fp32 weights, AdamW m and v, fp32 gradient store (16 B / parameter / world).
         Working: weights in the working dtype plus their gradient accumulators (``grad_accum_bytes``:
         fp32 main grads by default, +4 B per working parameter) over the layout's tp (and pp), and
-        the largest gradient in the working dtype before its accumulation hook folds it in."""
+        the largest gradient in the working dtype before its accumulation hook folds it in.
+
+        A sharded working copy (``fsdp``): weights and main grads over tp x dp x cp (the home shard
+        in the working dtype, main grads at the sharded size), plus two gathered units (the current
+        and the prefetched one, :meth:`largest_gathered_unit`) and the current unit's gradient in the
+        working dtype and in fp32 for its reduce-scatter (``grad_bytes``)."""
         par = Parallelism.of(par)
         hw = self.hardware
         home = self.params * 16.0 / self.world_size
         split, full = self._param_split(par.tp)
         per_rank = split / par.shards + full / par.pp
-        largest = self.model.padded_vocab_size * self.model.hidden / par.tp  # the LM head
-        working = per_rank * (self.param_bytes + self.grad_accum_bytes) + \
-            (largest * self.param_bytes if self.grad_accum_bytes != self.param_bytes else 0.0)
+        if par.fsdp:
+            unit = self.largest_gathered_unit(par.tp)
+            working = per_rank / (par.dp * par.cp) * (self.param_bytes + self.grad_accum_bytes) + \
+                unit * (3 * self.param_bytes + self.grad_bytes)
+        else:
+            largest = self.model.padded_vocab_size * self.model.hidden / par.tp  # the LM head
+            working = per_rank * (self.param_bytes + self.grad_accum_bytes) + \
+                (largest * self.param_bytes if self.grad_accum_bytes != self.param_bytes else 0.0)
         act = self.activation_bytes_per_token(activation_checkpointing, par.tp, par.cp)
         usable = hw.memory_bytes * hw.memory_usable_fraction - hw.memory_reserved_bytes
         return MemoryUse(home, working, act, usable)

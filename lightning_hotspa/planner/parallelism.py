@@ -85,6 +85,8 @@ def _shards(par: Parallelism | Layout) -> int:
 
 def shares_gradients(a: Parallelism | Layout, b: Parallelism | Layout) -> bool:
     """Stages in ``a`` then ``b`` share working shards and gradient states (same tp, and pp), so the
-    runtime reduces once after both (``SwitchEngine.shares_gradients``); their ``stage_fixed`` agree."""
+    runtime reduces once after both (``SwitchEngine.shares_gradients``); their ``stage_fixed`` agree.
+    Never with a sharded working copy (``fsdp``): it reduce-scatters every micro-batch into main
+    grads at the sharded size, so nothing carries over into or out of its stage."""
     a, b = Parallelism.of(a), Parallelism.of(b)
-    return (a.tp, a.pp) == (b.tp, b.pp)
+    return (a.tp, a.pp) == (b.tp, b.pp) and not (a.fsdp or b.fsdp)
