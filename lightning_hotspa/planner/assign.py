@@ -5,8 +5,9 @@ The objective is the one :mod:`.exact` minimizes; the method trades exactness fo
 1. **Combinations.** A plan uses at most one option per layout; every combination of "unused /
    without / with checkpointing" per layout that can hold every document is screened (checkpointing
    variants that hold nothing more than the plain option are skipped: they only add recompute).
-2. **Relaxed stage time** ``max(W/dp, M) + F``: ``W`` the stage's total seconds, ``M`` its costliest
-   single document (one dp group must run it): a lower bound on the balanced stage.
+2. **Relaxed stage time** ``max(W/dp, M) + F``: ``W`` the stage's total seconds (with at least one
+   micro-batch per dp group that gets a document), ``M`` its costliest single document (one dp group
+   must run it): a lower bound on the balanced stage.
 3. **Throughput assignment.** Each document goes to the option with the least world-seconds
    ``cost/dp`` (+ its share of micro-batch overhead): separable, and right whenever stages balance.
 4. **Fill.** A stage whose time is set by one long document (``M > W/dp``) leaves dp groups idle;
@@ -67,7 +68,10 @@ def _stage_stats(choice: np.ndarray, t: _Tables) -> tuple[np.ndarray, np.ndarray
     cs = t.cost[choice, cols]
     count = np.bincount(choice, minlength=k)
     w = np.bincount(choice, cs, minlength=k)
-    w += t.d * np.ceil(np.bincount(choice, t.padded[choice, cols], minlength=k) / t.cap)
+    # micro-batches: enough for the tokens, and at least one per dp group LPT gives a document (it
+    # spreads the first dp documents over distinct groups; matters when ``d`` is large, e.g. :fsdp)
+    tokens = np.bincount(choice, t.padded[choice, cols], minlength=k)
+    w += t.d * np.maximum(np.ceil(tokens / t.cap), np.minimum(count, t.dp))
     m = np.zeros(k)
     np.maximum.at(m, choice, cs)
     m = np.where(count > 0, m + t.d, 0.0)

@@ -1,0 +1,129 @@
+"""How the planner prices and places sharded working copies (``:fsdp``, issue 15 item 2): the time
+and memory terms of the cost model, the candidates, and the solver's choice. Single process, fast."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from lightning_hotspa.layout import Layout, MeshShape
+from lightning_hotspa.planner.candidates import auto_layouts, enumerate_layouts
+from lightning_hotspa.planner.cost_model import AnalyticCostModel, CostModelError, Parallelism, shares_gradients
+from lightning_hotspa.planner.packing import DocumentTooLongError
+from lightning_hotspa.planner.solver import CostModelPlanner
+
+GiB = 2**30
+
+
+def test_sharded_working_copy_memory_70b():
+    """70B on 64 H100: dp8xtp8 holds a bf16 tp shard + fp32 main grads (~6 B x 70B / 8 = ~49 GiB);
+    :fsdp divides both by dp*cp = 8 and adds two gathered units + the current unit's gradient (bf16
+    and its fp32 copy): 10 B per parameter of the largest unit (the LM head, 128256 x 8192 / 8)."""
+    cm = AnalyticCostModel("llama3-70b", "H100", 64)
+    rep, sh = cm.memory(Layout.parse("dp8xtp8"), True), cm.memory(Layout.parse("dp8xtp8:fsdp"), True)
+    assert rep.home == sh.home and rep.activation_per_token == sh.activation_per_token
+    split, full = cm._param_split(8)
+    unit = cm.largest_gathered_unit(8)
+    assert unit == pytest.approx(128256 * 8192 / 8 + 8192)
+    assert sh.working == pytest.approx((split / 8 + full) / 8 * 6 + unit * 10)
+    assert rep.working > 45 * GiB and sh.working < rep.working / 6
+    assert cm.capacity(Layout.parse("dp8xtp8:fsdp"), True) > 8 * cm.capacity(Layout.parse("dp8xtp8"), True)
+
+
+def test_per_micro_batch_exchange_grows_with_dp_cp_and_crosses_nodes():
+    """Per micro-batch: the tp shard gathered in bf16 twice (forward, backward) and its gradient
+    reduce-scattered in fp32, (g-1)/g of it over the dp*cp group's bus bandwidth (+3 latencies per
+    unit); the group strides over the world, so 16 GPUs are inter-node and 8 are not."""
+    for world, bw in ((8, 360e9), (16, 45e9), (32, 45e9)):
+        cm = AnalyticCostModel("llama7b", "H100", world)
+        split, full = cm._param_split(2)
+        g = world // 2
+        expect = (g - 1) / g * (split / 2 + full) * (2 + 2 + 4) / bw + 3 * (32 + 2) * cm.hardware.latency(world)
+        lay = Layout(dp=g // 2, tp=2, cp=2, fsdp=True)
+        assert cm.fsdp_exchange_seconds(lay) == pytest.approx(expect)
+        assert cm.fsdp_exchange_seconds(lay.degrees) == 0.0
+    cm = AnalyticCostModel("llama7b", "H100", 32)
+    assert cm.fsdp_exchange_seconds(Layout.parse("dp16xtp2:fsdp")) > cm.fsdp_exchange_seconds(
+        Layout.parse("dp8xtp2xcp2:fsdp")) * 0.999 > cm.fsdp_exchange_seconds(Layout.parse("dp4xtp8:fsdp"))
+
+
+@pytest.mark.parametrize("hardware, hidden", [("H100", True), ("cpu-gloo", False)])
+def test_exchange_hides_behind_gemms_on_gpus_not_on_cpu_gloo(hardware, hidden):
+    """A micro-batch of T tokens exposes max(0, C - overlap * k * T) (k: GEMM seconds per token):
+    priced by its chord, exact at T = 0 (all of C) and at T = capacity. On cpu-gloo nothing hides."""
+    model, world, lay = ("llama7b", 8, "dp4xtp2") if hardware == "H100" else ("small", 4, "dp2xtp2")
+    cm = AnalyticCostModel(model, hardware, world)
+    rep_lay, sh_lay = Layout.parse(lay), Layout.parse(lay + ":fsdp")
+    exchange = cm.fsdp_exchange_seconds(sh_lay)
+    assert exchange > 0
+    for ac in (False, True):
+        sh = cm.option(sh_lay, ac)
+        rep = cm.option(rep_lay, ac, capacity=sh.capacity)  # same degrees, priced at the same capacity
+        assert sh.quadratic == rep.quadratic and sh.stage_fixed == 0.0 < rep.stage_fixed
+        assert sh.per_micro_batch == pytest.approx(rep.per_micro_batch + exchange)  # empty micro-batch
+        full = sh.capacity
+        gemm = cm._dense_seconds_per_token(Parallelism.of(sh_lay), ac) * full
+        exposed = (sh.linear * full + sh.per_micro_batch) - (rep.linear * full + rep.per_micro_batch)
+        if hidden:
+            assert exposed == pytest.approx(max(0.0, exchange - gemm), abs=1e-9)
+            assert gemm > exchange  # 7B on one node: a full micro-batch hides the gathers
+        else:
+            assert exposed == pytest.approx(exchange) and sh.linear == rep.linear
+
+
+def test_switches_and_stage_ends_of_a_sharded_copy():
+    """Into :fsdp (from home or any layout) is a local slice; out of it gathers like out of home;
+    no stage-end reduction, and no gradient sharing with a neighbour stage."""
+    cm = AnalyticCostModel("llama3-70b", "H100", 64)
+    sh, rep = Layout.parse("dp8xtp8:fsdp"), Layout.parse("dp8xtp8")
+    assert cm.switch_bytes(None, sh) == 0 == cm.switch_bytes(rep, sh) == cm.switch_seconds(rep, sh)
+    assert cm.switch_bytes(sh, rep) == cm.switch_bytes(None, rep) > 0
+    assert cm.switch_seconds(sh, rep) == cm.switch_seconds(None, rep)
+    assert cm.grad_reduce_seconds(sh) == 0.0 < cm.grad_reduce_seconds(rep)
+    assert not shares_gradients(rep, sh) and not shares_gradients(sh, Layout.parse("dp2xtp8xcp4:fsdp"))
+    assert shares_gradients(rep, Layout.parse("dp2xtp8xcp4"))
+    with pytest.raises(CostModelError, match="fsdp.*dp\\*cp > 1"):
+        cm.check(Parallelism(tp=8, pp=8, fsdp=True))
+
+
+def test_candidates_offer_both_copies_and_mix_them_in_one_mesh():
+    """70B on 64 H100: without :fsdp no layout with tp < 4 fits; with it, every degree set that
+    fits has both variants next to each other, and dominance keeps what wins per layout."""
+    cm = AnalyticCostModel("llama3-70b", "H100", 64)
+    replicated_only = enumerate_layouts(64, cm, fsdp=False)
+    both = enumerate_layouts(64, cm)
+    assert all(lay.tp >= 8 for lay in replicated_only) and Layout.parse("dp64:fsdp") in both
+    assert set(replicated_only) <= set(both)
+    assert {lay.degrees for lay in both if lay.fsdp} >= set(replicated_only)
+    assert MeshShape.for_layouts(["dp16xtp4", "dp16xtp4:fsdp", "dp2xtp8xcp4:kv"], 64).world_size == 64
+    planner = CostModelPlanner(["dp8xtp8", "dp8xtp8:fsdp"], model="llama3-70b", hardware="H100")
+    assert [lay.name for lay in planner.layouts] == ["dp8xtp8", "dp8xtp8:fsdp"]
+
+
+def test_planner_shards_where_the_replicated_copy_does_not_fit():
+    """70B on 64 H100: dp8xtp8 holds at most ~2K tokens per document (weights + main grads take
+    ~49 GiB); a 16K document fits only the sharded copy, and the planner puts it there."""
+    lengths = [16384] + [512] * 40
+    with pytest.raises(DocumentTooLongError):
+        CostModelPlanner(["dp8xtp8"], model="llama3-70b", hardware="H100").plan(0, lengths)
+    plan = CostModelPlanner(["dp8xtp8", "dp8xtp8:fsdp"], model="llama3-70b", hardware="H100").plan(0, lengths)
+    where = {d: s.layout.name for s in plan.stages for g in s.micro_batches for mb in g for d in mb}
+    assert where[0] == "dp8xtp8:fsdp" and plan.num_tokens == sum(lengths)
+
+
+def test_planner_keeps_the_replicated_copy_where_both_fit_and_sharding_is_slower():
+    """On cpu-gloo the per-micro-batch exchange hides behind nothing: with documents both copies
+    hold, the plan stays replicated, and the sharded-only plan is predicted slower."""
+    lengths = [700, 300, 1200, 90, 450, 800] * 4
+    both = CostModelPlanner(["dp4", "dp4:fsdp"], model="small", hardware="cpu-gloo", static_margin=0.0)
+    plan = both.plan(0, lengths)
+    assert {s.layout.name for s in plan.stages} == {"dp4"}
+    sharded = CostModelPlanner(["dp4:fsdp"], model="small", hardware="cpu-gloo").solve(np.asarray(lengths))[0]
+    replicated = CostModelPlanner(["dp4"], model="small", hardware="cpu-gloo").solve(np.asarray(lengths))[0]
+    assert replicated < sharded
+
+
+def test_auto_layouts_for_70b_on_64_gpus_hold_128k_and_may_shard():
+    lays = auto_layouts(64, "llama3-70b", "H100", 131072)
+    assert any(lay.fsdp for lay in lays)
+    assert CostModelPlanner(lays, model="llama3-70b", hardware="H100").longest_document() >= 131072
