@@ -73,14 +73,15 @@ def test_exchange_hides_behind_gemms_on_gpus_not_on_cpu_gloo(hardware, hidden):
 
 def test_switches_and_stage_ends_of_a_sharded_copy():
     """Into :fsdp (from home or any layout) is a local slice; out of it gathers like out of home;
-    no stage-end reduction, and no gradient sharing with a neighbour stage."""
+    no stage-end reduction; gradients shared only with a stage of the same tp AND the same kind of
+    copy (as the runtime's SwitchEngine.shares_gradients)."""
     cm = AnalyticCostModel("llama3-70b", "H100", 64)
     sh, rep = Layout.parse("dp8xtp8:fsdp"), Layout.parse("dp8xtp8")
     assert cm.switch_bytes(None, sh) == 0 == cm.switch_bytes(rep, sh) == cm.switch_seconds(rep, sh)
     assert cm.switch_bytes(sh, rep) == cm.switch_bytes(None, rep) > 0
     assert cm.switch_seconds(sh, rep) == cm.switch_seconds(None, rep)
     assert cm.grad_reduce_seconds(sh) == 0.0 < cm.grad_reduce_seconds(rep)
-    assert not shares_gradients(rep, sh) and not shares_gradients(sh, Layout.parse("dp2xtp8xcp4:fsdp"))
+    assert not shares_gradients(rep, sh) and shares_gradients(sh, Layout.parse("dp2xtp8xcp4:fsdp"))
     assert shares_gradients(rep, Layout.parse("dp2xtp8xcp4"))
     with pytest.raises(CostModelError, match="fsdp.*dp\\*cp > 1"):
         cm.check(Parallelism(tp=8, pp=8, fsdp=True))
@@ -127,3 +128,29 @@ def test_auto_layouts_for_70b_on_64_gpus_hold_128k_and_may_shard():
     lays = auto_layouts(64, "llama3-70b", "H100", 131072)
     assert any(lay.fsdp for lay in lays)
     assert CostModelPlanner(lays, model="llama3-70b", hardware="H100").longest_document() >= 131072
+
+
+def test_sharded_stages_run_in_lockstep_rounds():
+    """The per-unit collectives span the dp groups: an fsdp stage costs the sum over rounds of the
+    slowest group's micro-batch, a group with fewer micro-batches idling at ``per_micro_batch`` per
+    round (the runtime's idle rounds); the plan lists each group's costliest micro-batch first, and
+    its prediction is what the solver optimized."""
+    cm = AnalyticCostModel("llama3-70b", "H100", 64)
+    sh = cm.option(Layout.parse("dp8xtp8:fsdp"), True)
+    rep = cm.option(Layout.parse("dp8xtp8"), True)
+    secs = np.array([4.0, 1.0, 1.0, 1.0, 3.0])
+    groups = [[(0,), (1,), (2,)], [(3,), (4,)]] + [[]] * 6
+    d = sh.per_micro_batch
+    assert sh.stage_seconds(secs, groups) == pytest.approx((4 + d) + (1 + d) + (1 + d))  # [4,1,1] vs [3,1]
+    assert sh.stage_seconds(secs, [[(1,), (0,)], [(4,)]], in_order=True) == pytest.approx((3 + d) + (4 + d))
+    r = rep.per_micro_batch
+    assert rep.stage_seconds(secs, groups) == pytest.approx(6 + 3 * r)  # slowest group only
+    lengths = [6000] * 3 + [20000] + [300] * 30
+    planner = CostModelPlanner(["dp8xtp8:fsdp"], model="llama3-70b", hardware="H100")
+    plan = planner.plan(0, lengths)
+    doc = planner.option(Layout.parse("dp8xtp8:fsdp"), plan.stages[0].activation_checkpointing)
+    cost = doc.doc_seconds(doc.padded(lengths))
+    for g in plan.stages[0].micro_batches:
+        order = [float(cost[list(mb)].sum()) for mb in g]
+        assert order == sorted(order, reverse=True)
+    assert planner.predict(plan).seconds == pytest.approx(planner.solve(lengths)[0])

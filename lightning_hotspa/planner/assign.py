@@ -129,13 +129,9 @@ def pack_lpt(padded: np.ndarray, balance: np.ndarray, capacity: int, groups: int
 
 
 def evaluate_groups(opt: OptionCost, doc_seconds: np.ndarray, groups: Sequence[Sequence[Sequence[int]]]) -> float:
-    """Stage seconds (slowest dp group, plus the stage's fixed cost) of packed groups."""
-    worst = 0.0
-    for g in groups:
-        if g:
-            total = float(doc_seconds[[d for mb in g for d in mb]].sum())
-            worst = max(worst, opt.group_seconds(total, len(g)))
-    return worst + opt.stage_fixed
+    """Stage seconds (slowest dp group, or lockstep rounds under fsdp: :meth:`OptionCost.stage_seconds`,
+    plus the stage's fixed cost) of packed groups."""
+    return opt.stage_seconds(doc_seconds, groups) + opt.stage_fixed
 
 
 def _realize(choice: np.ndarray, combo: Sequence[int], options: Sequence[OptionCost], t: _Tables,

@@ -127,6 +127,26 @@ class OptionCost:
             return 0.0
         return (doc_seconds_sum + self.per_micro_batch * micro_batches) * self.pipeline_factor(micro_batches)
 
+    def stage_seconds(self, doc_seconds: np.ndarray, groups: Sequence[Sequence[Sequence[int]]],
+                      in_order: bool = False) -> float:
+        """The stage's compute seconds: its slowest dp group. With a sharded working copy (``fsdp``)
+        every unit's gathers and reduce-scatter span the dp groups, so the groups run in lockstep
+        rounds (the runtime gives a group with fewer micro-batches idle rounds, each costing
+        ``per_micro_batch``): the sum over rounds of the round's slowest micro-batch, each group's
+        micro-batches in descending cost (the order the solver emits) unless ``in_order``."""
+        doc_seconds = np.asarray(doc_seconds, dtype=np.float64)
+        busy = [g for g in groups if g]
+        if not busy:
+            return 0.0
+        if not self.parallelism.fsdp or len(groups) == 1:
+            return max(self.group_seconds(float(sum(doc_seconds[list(mb)].sum() for mb in g)), len(g)) for g in busy)
+        rounds = max(len(g) for g in groups)
+        table = np.full((len(groups), rounds), self.per_micro_batch)
+        for k, g in enumerate(groups):
+            secs = [float(doc_seconds[list(mb)].sum()) + self.per_micro_batch for mb in g]
+            table[k, :len(secs)] = secs if in_order else sorted(secs, reverse=True)
+        return float(table.max(axis=0).sum())
+
     def with_coefficients(self, quadratic: float, linear: float, per_micro_batch: float,
                           per_document: float | None = None) -> OptionCost:
         return dataclasses.replace(self, quadratic=float(quadratic), linear=float(linear),

@@ -86,7 +86,8 @@ def _shards(par: Parallelism | Layout) -> int:
 def shares_gradients(a: Parallelism | Layout, b: Parallelism | Layout) -> bool:
     """Stages in ``a`` then ``b`` share working shards and gradient states (same tp, and pp), so the
     runtime reduces once after both (``SwitchEngine.shares_gradients``); their ``stage_fixed`` agree.
-    Never with a sharded working copy (``fsdp``): it reduce-scatters every micro-batch into main
-    grads at the sharded size, so nothing carries over into or out of its stage."""
+    A sharded working copy (``fsdp``) keeps its gradients at the home shard (reduce-scattered every
+    micro-batch), a replicated one at the tp shard: they share only with their own kind, as in the
+    runtime (an fsdp stage's ``stage_fixed`` is 0, so sharing only matters for the replicated)."""
     a, b = Parallelism.of(a), Parallelism.of(b)
-    return (a.tp, a.pp) == (b.tp, b.pp) and not (a.fsdp or b.fsdp)
+    return (a.tp, a.pp, a.fsdp) == (b.tp, b.pp, b.fsdp)
