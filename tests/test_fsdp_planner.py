@@ -145,12 +145,17 @@ def test_sharded_stages_run_in_lockstep_rounds():
     assert sh.stage_seconds(secs, [[(1,), (0,)], [(4,)]], in_order=True) == pytest.approx((3 + d) + (4 + d))
     r = rep.per_micro_batch
     assert rep.stage_seconds(secs, groups) == pytest.approx(6 + 3 * r)  # slowest group only
-    lengths = [6000] * 3 + [20000] + [300] * 30
-    planner = CostModelPlanner(["dp8xtp8:fsdp"], model="llama3-70b", hardware="H100")
+    lengths = [3400] * 5 + [1100] * 60  # without checkpointing a micro-batch holds 3456 tokens
+    planner = CostModelPlanner(["dp8xtp8:fsdp"], model="llama3-70b", hardware="H100", activation_checkpointing=False)
     plan = planner.plan(0, lengths)
-    doc = planner.option(Layout.parse("dp8xtp8:fsdp"), plan.stages[0].activation_checkpointing)
+    doc = planner.option(Layout.parse("dp8xtp8:fsdp"), False)
     cost = doc.doc_seconds(doc.padded(lengths))
-    for g in plan.stages[0].micro_batches:
+    groups = plan.stages[0].micro_batches
+    assert len({len(g) for g in groups}) > 1  # uneven groups: idle rounds
+    for g in groups:
         order = [float(cost[list(mb)].sum()) for mb in g]
         assert order == sorted(order, reverse=True)
-    assert planner.predict(plan).seconds == pytest.approx(planner.solve(lengths)[0])
+    pred = planner.predict(plan)
+    assert pred.seconds == pytest.approx(planner.solve(lengths)[0])
+    slowest = max(doc.group_seconds(float(sum(cost[list(mb)].sum() for mb in g)), len(g)) for g in groups)
+    assert pred.stages[0].compute_seconds > slowest + 1e-3  # lockstep rounds cost more than the slowest group
