@@ -8,7 +8,12 @@ import pytest
 
 from lightning_hotspa.layout import Layout, MeshShape
 from lightning_hotspa.planner.candidates import auto_layouts, enumerate_layouts
-from lightning_hotspa.planner.cost_model import AnalyticCostModel, CostModelError, Parallelism, shares_gradients
+from lightning_hotspa.planner.cost_model import (
+    AnalyticCostModel,
+    CostModelError,
+    Parallelism,
+    shares_gradients,
+)
 from lightning_hotspa.planner.packing import DocumentTooLongError
 from lightning_hotspa.planner.solver import CostModelPlanner
 
@@ -31,14 +36,16 @@ def test_sharded_working_copy_memory_70b():
 
 
 def test_per_micro_batch_exchange_grows_with_dp_cp_and_crosses_nodes():
-    """Per micro-batch: the tp shard gathered in bf16 twice (forward, backward) and its gradient
-    reduce-scattered in fp32, (g-1)/g of it over the dp*cp group's bus bandwidth (+3 latencies per
-    unit); the group strides over the world, so 16 GPUs are inter-node and 8 are not."""
+    """Per micro-batch: the tp shard gathered in bf16 twice (forward, backward; the embedding once)
+    and its gradient reduce-scattered in fp32, (g-1)/g of it over the dp*cp group's bus bandwidth
+    (+ a latency per collective); the group strides over the world: 16 GPUs are inter-node, 8 not."""
     for world, bw in ((8, 360e9), (16, 45e9), (32, 45e9)):
         cm = AnalyticCostModel("llama7b", "H100", world)
         split, full = cm._param_split(2)
         g = world // 2
-        expect = (g - 1) / g * (split / 2 + full) * (2 + 2 + 4) / bw + 3 * (32 + 2) * cm.hardware.latency(world)
+        embedding = 32000 * 4096 / 2  # gathered in forward only
+        expect = ((g - 1) / g * ((split / 2 + full) * (2 + 2 + 4) - 2 * embedding) / bw
+                  + (3 * (32 + 2) - 1) * cm.hardware.latency(world))
         lay = Layout(dp=g // 2, tp=2, cp=2, fsdp=True)
         assert cm.fsdp_exchange_seconds(lay) == pytest.approx(expect)
         assert cm.fsdp_exchange_seconds(lay.degrees) == 0.0

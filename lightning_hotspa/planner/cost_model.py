@@ -260,7 +260,8 @@ class AnalyticCostModel(MemoryModel):
     def fsdp_exchange_seconds(self, par: Parallelism | Layout) -> float:
         """Seconds per micro-batch of a sharded working copy's (``:fsdp``) traffic, before overlap:
         per gathered unit (each block, the embedding, the head) an all-gather of its tp shard in the
-        working dtype over the layout's dp*cp ranks in forward and again in backward (with
+        working dtype over the layout's dp*cp ranks in forward and again in backward (not the
+        embedding's: its backward needs no weight; with
         checkpointing ONE backward gather serves recompute and backward: an ASSUMPTION, the runtime
         keeps the block gathered through both), and a reduce-scatter of its gradient in fp32
         (``grad_bytes``). The dp*cp ranks of one tp shard stride over the whole world (tp innermost),
@@ -270,9 +271,10 @@ class AnalyticCostModel(MemoryModel):
         if not par.fsdp or g == 1:
             return 0.0
         split, full = self._param_split(par.tp)
-        nbytes = (split / par.tp + full) * (2 * self.param_bytes + self.grad_bytes)
-        hw, units = self.hardware, self.model.n_layers + 2
-        return (g - 1) / g * nbytes / hw.bandwidth(self.world_size) + 3 * units * hw.latency(self.world_size)
+        embedding = self.model.padded_vocab_size * self.model.hidden / par.tp  # its backward needs no weight
+        nbytes = (split / par.tp + full) * (2 * self.param_bytes + self.grad_bytes) - embedding * self.param_bytes
+        hw, calls = self.hardware, 3 * (self.model.n_layers + 2) - 1
+        return (g - 1) / g * nbytes / hw.bandwidth(self.world_size) + calls * hw.latency(self.world_size)
 
     def _fsdp_exposed(self, par: Parallelism, ac: bool, capacity: int, b: float, d: float) -> tuple[float, float]:
         """(linear, per_micro_batch) with the exposed part of the per-layer traffic ``C``: each layer's
