@@ -39,13 +39,18 @@ rows); the cost is padding (``s`` rounded up to ``2*cp``) and communication:
   weights over a group spanning ``s`` consecutive ranks; ``t >= s`` is a local slice (free). Home is
   sharded over the whole world. Group spans decide intra- (NVLink) vs inter-node bandwidth, nodes of
   ``devices_per_node``; the mesh puts tp on the most local dims, then cp, then dp.
+* Sharded working copy (``fsdp``, :meth:`AnalyticCostModel.fsdp_exchange_seconds`): per micro-batch
+  every unit gathered twice in the working dtype and reduce-scattered once in fp32 over the dp*cp
+  ranks; its exposed part (GEMMs hide it per ``hardware.layer_comm_overlap``) goes into ``linear``
+  and ``per_micro_batch``; no stage-end reduction (``stage_fixed`` 0); switches into it are local;
+  its dp groups run in lockstep rounds (:meth:`OptionCost.stage_seconds`).
 * pp (simulation of the artifact's (dp, tp, pp) layouts only): each rank runs ``L/pp`` layers, a dp
   group's ``m`` micro-batches take ``sum/pp * (m + pp - 1)/m`` (1F1B bubble).
 
 Memory per rank (:mod:`.memory_model`, :meth:`AnalyticCostModel.memory`, checked against the real step by ``hotspa memory``):
 home state over the world (fp32 weights, Adam m and v, fp32 gradient store: 16 B per parameter /
 world), bf16 working weights and their fp32 main-grad accumulators (6 B / (tp*pp) for the tp-split
-parameters, norms in full), and activations per token as the runtime saves them (norms and residual
+parameters, norms in full; ``fsdp``: / (tp*dp*cp), plus gathered units), and activations per token as the runtime saves them (norms and residual
 stream full on every tp rank: no sequence parallelism; attention per ``attention_backend``; SwiGLU;
 the loss head's fp32 logits) over cp: without checkpointing every layer's saved tensors, with it only
 each layer's input plus one layer being recomputed. What is left decides the option's token capacity.
