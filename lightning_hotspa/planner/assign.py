@@ -12,8 +12,9 @@ The objective is the one :mod:`.exact` minimizes; the method trades exactness fo
    ``cost/dp`` (+ its share of micro-batch overhead): separable, and right whenever stages balance.
 4. **Fill.** A stage whose time is set by one long document (``M > W/dp``) leaves dp groups idle;
    short documents move in from balanced stages, best (seconds saved / idle seconds used) first.
-5. **Realize** the best few combinations: pack each stage (cost-balanced LPT over dp groups, first
-   fit into micro-batches), evaluate exactly, keep the best.
+5. **Realize** the best few combinations and the best single-layout plan of each layout: pack each
+   stage (cost-balanced LPT over dp groups, first fit into micro-batches), evaluate exactly, keep
+   the best.
 
 All array work is numpy; ties break by index, so plans are deterministic.
 """
@@ -183,7 +184,7 @@ def solve_heuristic(
     """(predicted seconds, stages in order) of a good plan; see the module docstring.
 
     Every combination is scored with the throughput assignment; the best ``fill`` are re-scored
-    after filling idle dp groups; the best ``realize`` (and the best single layout) are packed.
+    after filling idle dp groups; the best ``realize`` (and each layout's best single) are packed.
     """
     t = _tables(lengths, options)
     first: list[tuple[float, int, tuple[int, ...], np.ndarray]] = []
@@ -201,9 +202,11 @@ def solve_heuristic(
         scored.append((score, len(scored), used2, filled))
     scored.sort(key=lambda s: (s[0], s[1]))
     picks = scored[:realize]
-    single = next((s for s in scored if len(s[2]) == 1), None)
-    if single is not None and all(single[1] != p[1] for p in picks):
-        picks.append(single)
+    singles: dict[Layout, tuple] = {}  # the best single-option plan of each layout: the relaxed
+    for s in scored:  # score misses lockstep rounds (:fsdp) and packing, so realize one per layout
+        if len(s[2]) == 1:
+            singles.setdefault(options[s[2][0]].parallelism.layout(), s)
+    picks += [s for s in singles.values() if all(s[1] != p[1] for p in picks)]
     best: tuple[float, list[tuple[OptionCost, StageGroups]]] | None = None
     for _, _, used, ch in picks:
         total, groups = _realize(ch, used, options, t)

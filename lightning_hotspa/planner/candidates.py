@@ -206,7 +206,7 @@ def _best_static(cm: AnalyticCostModel, layouts: Sequence[Layout], batches: Sequ
     Each batch is first priced by a bound of the single-layout plan (cheap, so many batches can be
     used): the larger of the mean dp group's work (perfect fill and balance) and the longest document
     on one dp group, plus the stage's gradient reduction, with the better checkpointing per batch;
-    the 4 best by that bound are then planned for real on the first 4 batches."""
+    the 8 best by that bound are then planned for real on the first 4 batches."""
     bounds: list[tuple[float, int]] = []
     for i, lay in enumerate(layouts):
         opts = _options(cm, lay)
@@ -219,8 +219,11 @@ def _best_static(cm: AnalyticCostModel, layouts: Sequence[Layout], batches: Sequ
                 if o.max_doc_length < int(lengths.max()):
                     continue
                 padded = o.padded(lengths)
-                secs = o.doc_seconds(padded) + o.per_micro_batch * padded / o.capacity
-                step = min(step, max(float(secs.sum()) / lay.dp, float(secs.max())) + o.stage_fixed)
+                secs = o.doc_seconds(padded)
+                # micro-batches: enough for the tokens, and one per dp group (matters for :fsdp's large d)
+                mbs = max(float(padded.sum()) / o.capacity, min(lay.dp, padded.size))
+                work = float(secs.sum()) + o.per_micro_batch * mbs
+                step = min(step, max(work / lay.dp, float(secs.max()) + o.per_micro_batch) + o.stage_fixed)
             total += step
         if np.isfinite(total):
             bounds.append((total, i))
@@ -230,7 +233,7 @@ def _best_static(cm: AnalyticCostModel, layouts: Sequence[Layout], batches: Sequ
 
     # the bound ranks the layouts; the real solver decides among the closest few on a few batches
     real = []
-    for _, i in sorted(bounds)[:4]:
+    for _, i in sorted(bounds)[:8]:  # 8: every degree set comes in two working copies
         planner = CostModelPlanner([layouts[i]], model=cm.model, hardware=cm.hardware)
         real.append((sum(planner.solve(b)[0] for b in batches[:4]), i))
     return min(real)[1]
