@@ -166,3 +166,15 @@ def test_sharded_stages_run_in_lockstep_rounds():
     assert pred.seconds == pytest.approx(planner.solve(lengths)[0])
     slowest = max(doc.group_seconds(float(sum(cost[list(mb)].sum() for mb in g)), len(g)) for g in groups)
     assert pred.stages[0].compute_seconds > slowest + 1e-3  # lockstep rounds cost more than the slowest group
+
+
+def test_set_plans_no_slower_than_its_best_single_layout():
+    """The heuristic realizes each layout's best single plan (its relaxed score misses lockstep
+    rounds): 70B on 64 H100, long GitHub-like documents, all-fsdp candidates."""
+    from lightning_hotspa.tools.long_grid import token_batch
+
+    layouts = ["dp64:fsdp", "dp8xcp8:fsdp", "dp4xcp16:fsdp", "tp2xcp32:fsdp"]
+    lengths = token_batch("github", 131072, 64 * 16384, 0)
+    ours = CostModelPlanner(layouts, model="llama3-70b", hardware="H100").solve(lengths)[0]
+    singles = [CostModelPlanner([x], model="llama3-70b", hardware="H100").solve(lengths)[0] for x in layouts]
+    assert ours <= min(singles) * (1 + 1e-9)
