@@ -22,16 +22,24 @@ GiB = 2**30
 
 def test_sharded_working_copy_memory_70b():
     """70B on 64 H100: dp8xtp8 holds a bf16 tp shard + fp32 main grads (~6 B x 70B / 8 = ~49 GiB);
-    :fsdp divides both by dp*cp = 8 and adds two gathered units + the current unit's gradient (bf16
-    and its fp32 copy): 10 B per parameter of the largest unit (the LM head, 128256 x 8192 / 8)."""
+    :fsdp divides both by dp*cp = 8; its transient is two gathered units + the current unit's
+    gradient (bf16 and its fp32 copy): 10 B per parameter of the largest unit (the LM head,
+    128256 x 8192 / 8), held at a different moment than the loss head's logits (measured)."""
     cm = AnalyticCostModel("llama3-70b", "H100", 64)
     rep, sh = cm.memory(Layout.parse("dp8xtp8"), True), cm.memory(Layout.parse("dp8xtp8:fsdp"), True)
     assert rep.home == sh.home and rep.activation_per_token == sh.activation_per_token
     split, full = cm._param_split(8)
     unit = cm.largest_gathered_unit(8)
     assert unit == pytest.approx(128256 * 8192 / 8 + 8192)
-    assert sh.working == pytest.approx((split / 8 + full) / 8 * 6 + unit * 10)
-    assert rep.working > 45 * GiB and sh.working < rep.working / 6
+    assert sh.working == pytest.approx((split / 8 + full) / 8 * 6) and sh.transient == pytest.approx(unit * 10)
+    assert rep.working > 45 * GiB and sh.working + sh.transient < rep.working / 6
+    # the unit's transient and the loss head's logits (10 B x vocab / tp per token) do not coincide
+    logits = 10 * 128256 / 8
+    for tokens in (256, 4096):
+        base = sh.home + sh.working + (sh.activation_per_token - logits) * tokens
+        peak = cm.peak_bytes(Layout.parse("dp8xtp8:fsdp"), True, tokens)
+        assert peak == pytest.approx(base + max(logits * tokens, unit * 10))
+        assert peak <= sh.usable or tokens > cm.capacity(Layout.parse("dp8xtp8:fsdp"), True)
     assert cm.capacity(Layout.parse("dp8xtp8:fsdp"), True) > 8 * cm.capacity(Layout.parse("dp8xtp8"), True)
 
 
