@@ -1,7 +1,7 @@
 """Planner time for 512 documents, with the never-worse-than-static guard (issue 15 target: <= 50 ms).
 
-For each candidate set (the paper's 8-GPU set and larger long-context sets with all-gather-KV and
-hybrid layouts) it times ``CostModelPlanner.plan`` (guarded: the multi-layout solve plus one solve
+For each candidate set (the paper's 8-GPU set, larger long-context sets with all-gather-KV and
+hybrid layouts, and sets with sharded working copies) it times ``CostModelPlanner.plan`` (guarded: the multi-layout solve plus one solve
 per single layout) and the unguarded multi-layout solve alone, median of ``--repeats`` after one
 warm-up, on the same 512 documents. Prints one JSON line last.
 
@@ -25,6 +25,12 @@ SETS = {
                              ["dp16xtp4", "dp4xtp4xcp4:kv", "dp2xtp4xcp8:kv4", "tp4xcp16:kv8"]),
     "llama3-70b_256xH100_kv": ("llama3-70b", "H100", 262144, "sft-longtail",
                                ["dp32xtp8", "dp8xtp8xcp4", "dp4xtp8xcp8:kv", "dp2xtp8xcp16:kv16"]),
+    # sharded working copies (:fsdp) next to replicated ones of the same degrees, and the set
+    # auto_layouts chooses for 70B on 64 H100 at 128K (all sharded)
+    "llama3-70b_64xH100_fsdp_mixed": ("llama3-70b", "H100", 131072, "commoncrawl",
+                                      ["dp8xtp8", "dp8xtp8:fsdp", "dp2xtp8xcp4", "dp2xtp8xcp4:kv:fsdp"]),
+    "llama3-70b_64xH100_fsdp_auto": ("llama3-70b", "H100", 131072, "commoncrawl",
+                                     ["dp64:fsdp", "dp32xtp2:fsdp", "dp4xcp16:fsdp", "dp4xtp2xcp8:kv2:fsdp"]),
 }
 
 
@@ -45,15 +51,16 @@ def main() -> None:
     args = parser.parse_args()
     out: dict[str, object] = {"documents": args.documents, "repeats": args.repeats}
     for name, (model, hardware, context, data, layouts) in SETS.items():
+        planner = CostModelPlanner(layouts, model=model, hardware=hardware)
+        context = min(context, planner.longest_document())  # the set's reach under today's memory model
         tokens = 2**20
         while (lengths := token_batch(data, context, tokens, 0)).size < args.documents:
             tokens *= 2
         lengths = lengths[: args.documents]
-        planner = CostModelPlanner(layouts, model=model, hardware=hardware)
         guarded = _median_ms(lambda p=planner, x=lengths: p.plan(0, x), args.repeats)
         options = planner._option_list
         multi = _median_ms(lambda p=planner, x=lengths, o=options: p._solve_over(x, list(o)), args.repeats)
-        out[name] = {"guarded_plan_ms": guarded, "unguarded_solve_ms": multi, "layouts": layouts,
+        out[name] = {"guarded_plan_ms": guarded, "unguarded_solve_ms": multi, "layouts": layouts, "context": context,
                      "fell_back": bool(planner.last_decision and planner.last_decision.fell_back)}
         print(f"{name}: plan {guarded:.1f} ms with the guard, {multi:.1f} ms multi-layout solve alone")
     out["max_guarded_plan_ms"] = max(v["guarded_plan_ms"] for k, v in out.items() if isinstance(v, dict))

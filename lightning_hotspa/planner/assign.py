@@ -5,14 +5,16 @@ The objective is the one :mod:`.exact` minimizes; the method trades exactness fo
 1. **Combinations.** A plan uses at most one option per layout; every combination of "unused /
    without / with checkpointing" per layout that can hold every document is screened (checkpointing
    variants that hold nothing more than the plain option are skipped: they only add recompute).
-2. **Relaxed stage time** ``max(W/dp, M) + F``: ``W`` the stage's total seconds, ``M`` its costliest
-   single document (one dp group must run it): a lower bound on the balanced stage.
+2. **Relaxed stage time** ``max(W/dp, M) + F``: ``W`` the stage's total seconds (with at least one
+   micro-batch per dp group that gets a document), ``M`` its costliest single document (one dp group
+   must run it): a lower bound on the balanced stage.
 3. **Throughput assignment.** Each document goes to the option with the least world-seconds
    ``cost/dp`` (+ its share of micro-batch overhead): separable, and right whenever stages balance.
 4. **Fill.** A stage whose time is set by one long document (``M > W/dp``) leaves dp groups idle;
    short documents move in from balanced stages, best (seconds saved / idle seconds used) first.
-5. **Realize** the best few combinations: pack each stage (cost-balanced LPT over dp groups, first
-   fit into micro-batches), evaluate exactly, keep the best.
+5. **Realize** the best few combinations and the best single-layout plan of each layout: pack each
+   stage (cost-balanced LPT over dp groups, first fit into micro-batches), evaluate exactly, keep
+   the best.
 
 All array work is numpy; ties break by index, so plans are deterministic.
 """
@@ -67,7 +69,10 @@ def _stage_stats(choice: np.ndarray, t: _Tables) -> tuple[np.ndarray, np.ndarray
     cs = t.cost[choice, cols]
     count = np.bincount(choice, minlength=k)
     w = np.bincount(choice, cs, minlength=k)
-    w += t.d * np.ceil(np.bincount(choice, t.padded[choice, cols], minlength=k) / t.cap)
+    # micro-batches: enough for the tokens, and at least one per dp group LPT gives a document (it
+    # spreads the first dp documents over distinct groups; matters when ``d`` is large, e.g. :fsdp)
+    tokens = np.bincount(choice, t.padded[choice, cols], minlength=k)
+    w += t.d * np.maximum(np.ceil(tokens / t.cap), np.minimum(count, t.dp))
     m = np.zeros(k)
     np.maximum.at(m, choice, cs)
     m = np.where(count > 0, m + t.d, 0.0)
@@ -125,13 +130,9 @@ def pack_lpt(padded: np.ndarray, balance: np.ndarray, capacity: int, groups: int
 
 
 def evaluate_groups(opt: OptionCost, doc_seconds: np.ndarray, groups: Sequence[Sequence[Sequence[int]]]) -> float:
-    """Stage seconds (slowest dp group, plus the stage's fixed cost) of packed groups."""
-    worst = 0.0
-    for g in groups:
-        if g:
-            total = float(doc_seconds[[d for mb in g for d in mb]].sum())
-            worst = max(worst, opt.group_seconds(total, len(g)))
-    return worst + opt.stage_fixed
+    """Stage seconds (slowest dp group, or lockstep rounds under fsdp: :meth:`OptionCost.stage_seconds`,
+    plus the stage's fixed cost) of packed groups."""
+    return opt.stage_seconds(doc_seconds, groups) + opt.stage_fixed
 
 
 def _realize(choice: np.ndarray, combo: Sequence[int], options: Sequence[OptionCost], t: _Tables,
@@ -183,7 +184,7 @@ def solve_heuristic(
     """(predicted seconds, stages in order) of a good plan; see the module docstring.
 
     Every combination is scored with the throughput assignment; the best ``fill`` are re-scored
-    after filling idle dp groups; the best ``realize`` (and the best single layout) are packed.
+    after filling idle dp groups; the best ``realize`` (and each layout's best single) are packed.
     """
     t = _tables(lengths, options)
     first: list[tuple[float, int, tuple[int, ...], np.ndarray]] = []
@@ -201,9 +202,11 @@ def solve_heuristic(
         scored.append((score, len(scored), used2, filled))
     scored.sort(key=lambda s: (s[0], s[1]))
     picks = scored[:realize]
-    single = next((s for s in scored if len(s[2]) == 1), None)
-    if single is not None and all(single[1] != p[1] for p in picks):
-        picks.append(single)
+    singles: dict[Layout, tuple] = {}  # the best single-option plan of each layout: the relaxed
+    for s in scored:  # score misses lockstep rounds (:fsdp) and packing, so realize one per layout
+        if len(s[2]) == 1:
+            singles.setdefault(options[s[2][0]].parallelism.layout(), s)
+    picks += [s for s in singles.values() if all(s[1] != p[1] for p in picks)]
     best: tuple[float, list[tuple[OptionCost, StageGroups]]] | None = None
     for _, _, used, ch in picks:
         total, groups = _realize(ch, used, options, t)

@@ -3,9 +3,12 @@
 1. **Enumerate** every ``dp x tp x cp`` of the world the model can split (heads over tp*cp, kv heads
    over tp, ffn and vocab over tp), with tp inside one node, whose weights and optimizer state leave
    room for activations; each cp > 1 in up to three kinds (:func:`cp_kinds`): Ulysses, all-gather-KV
-   (``:kv``) and, when tp*cp crosses a node, the hybrid with Ulysses filling the node.
+   (``:kv``) and, when tp*cp crosses a node, the hybrid with Ulysses filling the node; each with a
+   replicated and a sharded (``:fsdp``) working copy.
 2. **Prune dominated** layouts: B dominates A when B holds every document A holds and costs no more
-   world-seconds per document at every reference length (the throughput view the solver starts from).
+   world-seconds per document at every reference length (the throughput view the solver starts from)
+   and no more per step: this is where a degree set keeps its replicated or its sharded working copy
+   (or both: the sharded one holds longer documents, the replicated one is cheaper per micro-batch).
 3. **Choose 2-4** that can share ONE world mesh (tp and tp*cp sizes nest:
    :meth:`MeshShape.for_layouts`) and hold the context, minimizing a relaxed step time of reference
    documents: each document in its cheapest layout, plus each used layout's gradient reduction and
@@ -51,23 +54,28 @@ def cp_kinds(tp: int, cp: int, devices_per_node: int) -> list[int]:
     return kinds
 
 
-def enumerate_layouts(world_size: int, cost_model: AnalyticCostModel, cp_kind: bool = True) -> list[Layout]:
+def enumerate_layouts(world_size: int, cost_model: AnalyticCostModel, cp_kind: bool = True,
+                      fsdp: bool = True) -> list[Layout]:
     """Every layout of ``world_size`` the model can split and whose weights fit (any checkpointing);
-    ``cp_kind=False``: Ulysses context parallelism only (the runtime's only kind before all-gather-KV)."""
+    ``cp_kind=False``: Ulysses context parallelism only (the runtime's only kind before all-gather-KV);
+    ``fsdp``: each degree set (dp*cp > 1) also with a sharded working copy (``:fsdp``), listed
+    right after its replicated twin (which is left out where only the sharded one fits)."""
     out = []
     per_node = cost_model.hardware.devices_per_node
     for tp in _divisors(world_size):
         if tp > per_node:
             continue
         for cp in _divisors(world_size // tp):
+            dp = world_size // (tp * cp)
             for cp_kv in (cp_kinds(tp, cp, per_node) if cp_kind else [1]):
-                lay = Layout(dp=world_size // (tp * cp), tp=tp, cp=cp, cp_kv=cp_kv)
-                try:
-                    cost_model.check(lay)
-                except CostModelError:
-                    continue
-                if cost_model.capacity(lay, True) >= 2 * cp:
-                    out.append(lay)
+                for sharded in ((False, True) if fsdp and dp * cp > 1 else (False,)):
+                    lay = Layout(dp=dp, tp=tp, cp=cp, cp_kv=cp_kv, fsdp=sharded)
+                    try:
+                        cost_model.check(lay)
+                    except CostModelError:
+                        continue
+                    if cost_model.capacity(lay, True) >= 2 * cp:
+                        out.append(lay)
     return out
 
 
@@ -198,7 +206,7 @@ def _best_static(cm: AnalyticCostModel, layouts: Sequence[Layout], batches: Sequ
     Each batch is first priced by a bound of the single-layout plan (cheap, so many batches can be
     used): the larger of the mean dp group's work (perfect fill and balance) and the longest document
     on one dp group, plus the stage's gradient reduction, with the better checkpointing per batch;
-    the 4 best by that bound are then planned for real on the first 4 batches."""
+    the 8 best by that bound are then planned for real on the first 4 batches."""
     bounds: list[tuple[float, int]] = []
     for i, lay in enumerate(layouts):
         opts = _options(cm, lay)
@@ -211,8 +219,11 @@ def _best_static(cm: AnalyticCostModel, layouts: Sequence[Layout], batches: Sequ
                 if o.max_doc_length < int(lengths.max()):
                     continue
                 padded = o.padded(lengths)
-                secs = o.doc_seconds(padded) + o.per_micro_batch * padded / o.capacity
-                step = min(step, max(float(secs.sum()) / lay.dp, float(secs.max())) + o.stage_fixed)
+                secs = o.doc_seconds(padded)
+                # micro-batches: enough for the tokens, and one per dp group (matters for :fsdp's large d)
+                mbs = max(float(padded.sum()) / o.capacity, min(lay.dp, padded.size))
+                work = float(secs.sum()) + o.per_micro_batch * mbs
+                step = min(step, max(work / lay.dp, float(secs.max()) + o.per_micro_batch) + o.stage_fixed)
             total += step
         if np.isfinite(total):
             bounds.append((total, i))
@@ -222,7 +233,7 @@ def _best_static(cm: AnalyticCostModel, layouts: Sequence[Layout], batches: Sequ
 
     # the bound ranks the layouts; the real solver decides among the closest few on a few batches
     real = []
-    for _, i in sorted(bounds)[:4]:
+    for _, i in sorted(bounds)[:8]:  # 8: every degree set comes in two working copies
         planner = CostModelPlanner([layouts[i]], model=cm.model, hardware=cm.hardware)
         real.append((sum(planner.solve(b)[0] for b in batches[:4]), i))
     return min(real)[1]

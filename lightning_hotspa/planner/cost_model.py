@@ -39,13 +39,18 @@ rows); the cost is padding (``s`` rounded up to ``2*cp``) and communication:
   weights over a group spanning ``s`` consecutive ranks; ``t >= s`` is a local slice (free). Home is
   sharded over the whole world. Group spans decide intra- (NVLink) vs inter-node bandwidth, nodes of
   ``devices_per_node``; the mesh puts tp on the most local dims, then cp, then dp.
+* Sharded working copy (``fsdp``, :meth:`AnalyticCostModel.fsdp_exchange_seconds`): per micro-batch
+  every unit gathered twice in the working dtype and reduce-scattered once in fp32 over the dp*cp
+  ranks; its exposed part (GEMMs hide it per ``hardware.layer_comm_overlap``) goes into ``linear``
+  and ``per_micro_batch``; no stage-end reduction (``stage_fixed`` 0); switches into it are local;
+  its dp groups run in lockstep rounds (:meth:`OptionCost.stage_seconds`).
 * pp (simulation of the artifact's (dp, tp, pp) layouts only): each rank runs ``L/pp`` layers, a dp
   group's ``m`` micro-batches take ``sum/pp * (m + pp - 1)/m`` (1F1B bubble).
 
 Memory per rank (:mod:`.memory_model`, :meth:`AnalyticCostModel.memory`, checked against the real step by ``hotspa memory``):
 home state over the world (fp32 weights, Adam m and v, fp32 gradient store: 16 B per parameter /
 world), bf16 working weights and their fp32 main-grad accumulators (6 B / (tp*pp) for the tp-split
-parameters, norms in full), and activations per token as the runtime saves them (norms and residual
+parameters, norms in full; ``fsdp``: / (tp*dp*cp), plus gathered units), and activations per token as the runtime saves them (norms and residual
 stream full on every tp rank: no sequence parallelism; attention per ``attention_backend``; SwiGLU;
 the loss head's fp32 logits) over cp: without checkpointing every layer's saved tensors, with it only
 each layer's input plus one layer being recomputed. What is left decides the option's token capacity.
@@ -127,6 +132,26 @@ class OptionCost:
             return 0.0
         return (doc_seconds_sum + self.per_micro_batch * micro_batches) * self.pipeline_factor(micro_batches)
 
+    def stage_seconds(self, doc_seconds: np.ndarray, groups: Sequence[Sequence[Sequence[int]]],
+                      in_order: bool = False) -> float:
+        """The stage's compute seconds: its slowest dp group. With a sharded working copy (``fsdp``)
+        every unit's gathers and reduce-scatter span the dp groups, so the groups run in lockstep
+        rounds (the runtime gives a group with fewer micro-batches idle rounds, each costing
+        ``per_micro_batch``): the sum over rounds of the round's slowest micro-batch, each group's
+        micro-batches in descending cost (the order the solver emits) unless ``in_order``."""
+        doc_seconds = np.asarray(doc_seconds, dtype=np.float64)
+        busy = [g for g in groups if g]
+        if not busy:
+            return 0.0
+        if not self.parallelism.fsdp or len(groups) == 1:
+            return max(self.group_seconds(float(sum(doc_seconds[list(mb)].sum() for mb in g)), len(g)) for g in busy)
+        rounds = max(len(g) for g in groups)
+        table = np.full((len(groups), rounds), self.per_micro_batch)
+        for k, g in enumerate(groups):
+            secs = [float(doc_seconds[list(mb)].sum()) + self.per_micro_batch for mb in g]
+            table[k, :len(secs)] = secs if in_order else sorted(secs, reverse=True)
+        return float(table.max(axis=0).sum())
+
     def with_coefficients(self, quadratic: float, linear: float, per_micro_batch: float,
                           per_document: float | None = None) -> OptionCost:
         return dataclasses.replace(self, quadratic=float(quadratic), linear=float(linear),
@@ -179,6 +204,8 @@ class AnalyticCostModel(MemoryModel):
                                  f"them; all-gather-KV cp, ':kv', does not)")
         if m.n_kv_heads % par.tp and par.tp % m.n_kv_heads:
             raise CostModelError(f"{par}: tp={par.tp} and the model's {m.n_kv_heads} kv heads do not nest")
+        if par.fsdp and (par.pp > 1 or par.dp * par.cp == 1):
+            raise CostModelError(f"{par}: a sharded working copy (fsdp) needs dp*cp > 1 and no pp")
         if m.n_layers % par.pp:
             raise CostModelError(f"{par}: pp={par.pp} does not divide the model's {m.n_layers} layers")
         if (m.ffn_hidden % par.tp) or (m.padded_vocab_size % par.tp):
@@ -195,9 +222,7 @@ class AnalyticCostModel(MemoryModel):
         recompute = 1.0 + (1.0 / 3.0 if ac else 0.0)
         # compute: attention 6*L*H*hd*s*(s+1) (models/config.py), dense 6*P*s (+2*P_layers*s recompute)
         attn = 6.0 * m.n_layers * self.attn_width * recompute / (div * hw.peak_flops * hw.attention_efficiency)
-        dense_flops = 6.0 * self.dense_params + (2.0 * self.layer_params * m.n_layers if ac else 0.0)
-        dense = dense_flops / (div * hw.peak_flops * hw.dense_efficiency)
-        a, b = attn, attn + dense
+        a, b = attn, attn + self._dense_seconds_per_token(par, ac)
         d = layers * hw.layer_overhead_s * recompute
         if par.tp > 1:
             calls = (4 + (2 if ac else 0)) * layers + 1  # + the vocab-parallel embedding
@@ -230,11 +255,51 @@ class AnalyticCostModel(MemoryModel):
             d += 2.0 * hw.latency(self.world_size)
         return a, b, d
 
-    def grad_reduce_seconds(self, par: Parallelism | Layout) -> float:
-        """The stage's reduce-scatter of fp32 gradients over the ranks sharing a weight shard."""
+    def _dense_seconds_per_token(self, par: Parallelism, ac: bool) -> float:
+        """GEMM seconds per token of a micro-batch on one rank (recompute included with ``ac``)."""
+        m, hw = self.model, self.hardware
+        div = par.tp * par.cp * par.pp * hw.shard_efficiency(par.tp, par.cp)
+        dense_flops = 6.0 * self.dense_params + (2.0 * self.layer_params * m.n_layers if ac else 0.0)
+        return dense_flops / (div * hw.peak_flops * hw.dense_efficiency)
+
+    def fsdp_exchange_seconds(self, par: Parallelism | Layout) -> float:
+        """Seconds per micro-batch of a sharded working copy's (``:fsdp``) traffic, before overlap:
+        per gathered unit (each block, the embedding, the head) an all-gather of its tp shard in the
+        working dtype over the layout's dp*cp ranks in forward and again in backward (not the
+        embedding's: its backward needs no weight; with
+        checkpointing ONE backward gather serves recompute and backward: an ASSUMPTION, the runtime
+        keeps the block gathered through both), and a reduce-scatter of its gradient in fp32
+        (``grad_bytes``). The dp*cp ranks of one tp shard stride over the whole world (tp innermost),
+        so the group's bandwidth is that of the world: inter-node once the world spans nodes."""
         par = Parallelism.of(par)
         g = par.dp * par.cp
-        if g == 1:
+        if not par.fsdp or g == 1:
+            return 0.0
+        split, full = self._param_split(par.tp)
+        embedding = self.model.padded_vocab_size * self.model.hidden / par.tp  # its backward needs no weight
+        nbytes = (split / par.tp + full) * (2 * self.param_bytes + self.grad_bytes) - embedding * self.param_bytes
+        hw, calls = self.hardware, 3 * (self.model.n_layers + 2) - 1
+        return (g - 1) / g * nbytes / hw.bandwidth(self.world_size) + calls * hw.latency(self.world_size)
+
+    def _fsdp_exposed(self, par: Parallelism, ac: bool, capacity: int, b: float, d: float) -> tuple[float, float]:
+        """(linear, per_micro_batch) with the exposed part of the per-layer traffic ``C``: each layer's
+        exchange overlaps its compute (``hardware.layer_comm_overlap`` of its GEMM time), so a
+        micro-batch of ``T`` tokens exposes ``max(0, C - overlap * k * T)``. That is convex in ``T``;
+        priced by its chord over ``[0, capacity]`` (exact for empty and full micro-batches, an upper
+        bound between): ``C`` per micro-batch minus ``min(C, overlap * k * capacity) / capacity`` per
+        token. On cpu-gloo (overlap 0) all of ``C`` is paid."""
+        exchange = self.fsdp_exchange_seconds(par)
+        hide = self.hardware.layer_comm_overlap * self._dense_seconds_per_token(par, ac)
+        credit = min(exchange, hide * capacity) / capacity if capacity > 0 else 0.0
+        return b - credit, d + exchange
+
+    def grad_reduce_seconds(self, par: Parallelism | Layout) -> float:
+        """The stage's reduce-scatter of fp32 gradients over the ranks sharing a weight shard. A
+        sharded working copy (``:fsdp``) reduce-scatters every block's gradient each micro-batch
+        (:meth:`fsdp_exchange_seconds`): its stage end only folds the local shard into the store."""
+        par = Parallelism.of(par)
+        g = par.dp * par.cp
+        if g == 1 or par.fsdp:
             return 0.0
         nbytes = self.params / par.shards * self.grad_bytes
         hw = self.hardware
@@ -245,20 +310,28 @@ class AnalyticCostModel(MemoryModel):
         par = self.check(par)
         a, b, d = self._coefficients(par, activation_checkpointing)
         cap = self.capacity(par, activation_checkpointing) if capacity is None else int(capacity)
+        if par.fsdp:
+            b, d = self._fsdp_exposed(par, activation_checkpointing, cap, b, d)
         return OptionCost(par, bool(activation_checkpointing), cap, a, b, d, self.grad_reduce_seconds(par))
 
     # ------------------------------------------------------------------ switches
+    def _working_shards(self, par: Parallelism | Layout | None) -> int:
+        """How many ways a rank's working copy splits the weights: home and ``:fsdp`` copies over
+        the whole world (an fsdp working copy is the home shard in the working dtype)."""
+        return self.world_size if par is None or par.fsdp else _shards(par)
+
     def switch_bytes(self, source: Parallelism | Layout | None, target: Parallelism | Layout) -> float:
-        """Bytes each rank receives to hold ``target``'s working weights (``source`` None: home)."""
-        dst = _shards(target)
-        src = self.world_size if source is None else _shards(source)
+        """Bytes each rank receives to hold ``target``'s working weights (``source`` None: home). Into
+        a sharded working copy (``:fsdp``) it is a local slice (+ cast): 0 bytes."""
+        dst = self._working_shards(target)
+        src = self._working_shards(source)
         return self.params * self.param_bytes * max(0.0, 1.0 / dst - 1.0 / src)
 
     def switch_seconds(self, source: Parallelism | Layout | None, target: Parallelism | Layout) -> float:
         nbytes = self.switch_bytes(source, target)
         if nbytes <= 0:
             return 0.0
-        span = self.world_size if source is None else _shards(source)
+        span = self._working_shards(source)
         hw = self.hardware
         return nbytes / hw.bandwidth(span) + hw.latency(span)
 

@@ -49,6 +49,11 @@ class HardwareProfile:
     intra_node_latency_s: float = 10e-6  # per collective call
     inter_node_latency_s: float = 25e-6
     layer_overhead_s: float = 30e-6  # per layer and micro-batch (launches, small kernels), exposed part
+    # Fraction of a layer's compute behind which its per-layer collectives on a side stream hide (the
+    # all-gathers and reduce-scatters of a sharded working copy, ``:fsdp``). 1.0 ASSUMED on GPUs
+    # (NCCL on its own CUDA stream, the next layer prefetched, as FSDP2 does); 0.0 on cpu-gloo (the
+    # ranks' collectives and compute share the same few cores: nothing hides).
+    layer_comm_overlap: float = 1.0
     source: str = ""
     # Per-degree efficiency of a rank's local (sharded) compute against 1/degree of the unsharded
     # compute, as ((degree, efficiency), ...) pairs, measured by recipes/gpu_check.py part (c).
@@ -69,6 +74,9 @@ class HardwareProfile:
                   "inter_node_bw", "devices_per_node"):
             if not getattr(self, f) > 0:
                 raise ValueError(f"HardwareProfile {self.name!r}: {f} must be > 0")
+        if self.layer_comm_overlap > 1:
+            raise ValueError(f"HardwareProfile {self.name!r}: layer_comm_overlap must be in [0, 1], got "
+                             f"{self.layer_comm_overlap!r}")
 
     def shard_efficiency(self, tp: int = 1, cp: int = 1) -> float:
         """Fraction of ideal speed-up a rank's local compute reaches at these degrees: the product of
@@ -159,6 +167,7 @@ PROFILES: dict[str, HardwareProfile] = {
         memory_bytes=5 * GiB, memory_usable_fraction=0.9, memory_reserved_bytes=0.5 * GiB,
         devices_per_node=64, intra_node_bw=3.0e8, inter_node_bw=3.0e8,
         intra_node_latency_s=5.8e-3, inter_node_latency_s=5.8e-3, layer_overhead_s=1.0e-3,
+        layer_comm_overlap=0.0,
         source="measured on the development machine, see CPU_GLOO_CALIBRATION; memory_bytes is 1/4 of "
         "its 23 GiB RAM (4 ranks); attention_efficiency and layer_overhead_s are ASSUMED starting points",
     ),

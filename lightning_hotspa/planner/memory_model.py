@@ -3,8 +3,8 @@
 What our runtime holds per rank, term by term (the cost model's module docstring lists them); checked
 against the real code path under FakeTensorMode + the fake process group by ``hotspa memory``
 (tools/memory.py). A mixin of :class:`~.cost_model.AnalyticCostModel`, which sets ``model``,
-``hardware``, ``world_size``, ``params``, ``param_bytes``, ``grad_accum_bytes``,
-``attention_backend``, ``attn_width``, ``kv_width`` and ``capacity_multiple``.
+``hardware``, ``world_size``, ``params``, ``layer_params``, ``param_bytes``, ``grad_bytes``,
+``grad_accum_bytes``, ``attention_backend``, ``attn_width``, ``kv_width`` and ``capacity_multiple``.
 """
 
 from __future__ import annotations
@@ -26,10 +26,20 @@ class MemoryUse:
     working: float
     activation_per_token: float  # per token of the micro-batch (already divided by tp*cp)
     usable: float
+    # An fsdp unit's gathered weights and gradient (bytes): live while a unit runs backward, which
+    # is not while the loss head's logits transients (``head_per_token``, part of the activations)
+    # are: the peak holds the larger of the two.
+    transient: float = 0.0
+    head_per_token: float = 0.0
 
     @property
     def free_for_activations(self) -> float:
         return self.usable - self.home - self.working
+
+    def peak(self, tokens: float, quadratic: float = 0.0) -> float:
+        """Bytes with a micro-batch of ``tokens`` (``quadratic``: the attention's s^2 bytes)."""
+        extra = max(0.0, self.transient - self.head_per_token * tokens)
+        return self.home + self.working + self.activation_per_token * tokens + quadratic + extra
 
 
 class MemoryModel:
@@ -63,12 +73,16 @@ class MemoryModel:
         sharded = attention + 4.0 * wb * f  # SwiGLU: w1 out, silu, w3 out, product
         layer = replicated / cp + sharded / (tp * cp)
         rope = 2.0 * wb * hd / cp  # cos, sin tables shared by the layers
-        v = m.padded_vocab_size / tp
         # loss head: final norm; logits (working dtype), fp32 logits/softmax and their gradients
-        head = norm / cp + (12.0 if tp == 1 else 10.0) * v / cp
+        head = norm / cp + self.logits_bytes_per_token(tp, cp)
         if activation_checkpointing:  # each layer's input, plus one layer recomputed
             return m.n_layers * wb * h / cp + layer + rope + head
         return m.n_layers * layer + rope + head
+
+    def logits_bytes_per_token(self, tp: int = 1, cp: int = 1) -> float:
+        """The loss head's transients per token (logits in the working dtype, fp32 logits / softmax
+        and their gradients; the vocab-parallel loss under tp keeps one fp32 copy fewer)."""
+        return (12.0 if tp == 1 else 10.0) * self.model.padded_vocab_size / tp / cp
 
     def _attention_state_bytes(self) -> float:
         """Per token per layer beyond q, k, v and out: flash kernels keep an fp32 log-sum-exp per
@@ -86,21 +100,41 @@ class MemoryModel:
         heads = self.model.n_heads / (par.tp * par.cp)
         return heads * (self.model.n_layers * self.param_bytes + 2 * 4.0)
 
+    def largest_gathered_unit(self, tp: int) -> float:
+        """Parameters per tp rank of the largest unit a sharded working copy gathers at once: one
+        transformer block, the embedding or the LM head (+ final norm)."""
+        m = self.model
+        kv = 2 * m.hidden * self.kv_width
+        block = self.layer_params - 2 * m.hidden - (kv if m.n_kv_heads % tp else 0)  # tp-split part
+        block = block / tp + 2 * m.hidden + (kv if m.n_kv_heads % tp else 0)
+        return max(block, m.padded_vocab_size * m.hidden / tp + m.hidden)
+
     def memory(self, par: Parallelism | Layout, activation_checkpointing: bool) -> MemoryUse:
         """Home: fp32 weights, AdamW m and v, fp32 gradient store (16 B / parameter / world).
         Working: weights in the working dtype plus their gradient accumulators (``grad_accum_bytes``:
         fp32 main grads by default, +4 B per working parameter) over the layout's tp (and pp), and
-        the largest gradient in the working dtype before its accumulation hook folds it in."""
+        the largest gradient in the working dtype before its accumulation hook folds it in.
+
+        A sharded working copy (``fsdp``): weights and main grads over tp x dp x cp (the home shard
+        in the working dtype, main grads at the sharded size); its ``transient``: two gathered
+        units (the current and the prefetched one, :meth:`largest_gathered_unit`) and the current
+        unit's gradient in the working dtype and in fp32 for its reduce-scatter (``grad_bytes``).
+        Measured (``hotspa memory``, BENCHMARKS.md): the peak holds the larger of that and the loss
+        head's logits transients, not both."""
         par = Parallelism.of(par)
         hw = self.hardware
         home = self.params * 16.0 / self.world_size
         split, full = self._param_split(par.tp)
         per_rank = split / par.shards + full / par.pp
+        act = self.activation_bytes_per_token(activation_checkpointing, par.tp, par.cp)
+        usable = hw.memory_bytes * hw.memory_usable_fraction - hw.memory_reserved_bytes
+        if par.fsdp:
+            working = per_rank / (par.dp * par.cp) * (self.param_bytes + self.grad_accum_bytes)
+            transient = self.largest_gathered_unit(par.tp) * (3 * self.param_bytes + self.grad_bytes)
+            return MemoryUse(home, working, act, usable, transient, self.logits_bytes_per_token(par.tp, par.cp))
         largest = self.model.padded_vocab_size * self.model.hidden / par.tp  # the LM head
         working = per_rank * (self.param_bytes + self.grad_accum_bytes) + \
             (largest * self.param_bytes if self.grad_accum_bytes != self.param_bytes else 0.0)
-        act = self.activation_bytes_per_token(activation_checkpointing, par.tp, par.cp)
-        usable = hw.memory_bytes * hw.memory_usable_fraction - hw.memory_reserved_bytes
         return MemoryUse(home, working, act, usable)
 
     def peak_bytes(self, par: Parallelism | Layout, activation_checkpointing: bool, tokens: int) -> float:
@@ -108,19 +142,30 @@ class MemoryModel:
         the memory estimator, ``hotspa memory``)."""
         mem = self.memory(par, activation_checkpointing)
         quadratic = self.attention_quadratic_bytes(par) * float(tokens) ** 2  # one document: the worst
-        return mem.home + mem.working + mem.activation_per_token * tokens + quadratic
+        return mem.peak(tokens, quadratic)
 
     def capacity(self, par: Parallelism | Layout, activation_checkpointing: bool) -> int:
         """Most tokens one micro-batch may hold (0: the weights alone do not fit)."""
         mem = self.memory(par, activation_checkpointing)
+        q = self.attention_quadratic_bytes(par)
         free = mem.free_for_activations
-        if free <= 0:
+        # the peak is the larger of (activations) and (activations without the logits + transient)
+        tokens = min(_most_tokens(free, mem.activation_per_token, q),
+                     _most_tokens(free - mem.transient, mem.activation_per_token - mem.head_per_token, q))
+        if tokens <= 0:
             return 0
-        q, b = self.attention_quadratic_bytes(par), mem.activation_per_token
-        tokens = int(free // b) if q == 0 else int((-b + (b * b + 4 * q * free) ** 0.5) / (2 * q))
         q = self.capacity_multiple
         return (tokens // q) * q if tokens >= q else tokens
 
     def activation_ratio(self) -> float:
         """Capacity gain of checkpointing: activations per token without / with it."""
         return self.activation_bytes_per_token(False) / self.activation_bytes_per_token(True)
+
+
+def _most_tokens(free: float, per_token: float, quadratic: float) -> int:
+    """Largest ``T`` with ``per_token * T + quadratic * T^2 <= free`` (0 when ``free <= 0``)."""
+    if free <= 0:
+        return 0
+    if quadratic == 0:
+        return int(free // per_token)
+    return int((-per_token + (per_token * per_token + 4 * quadratic * free) ** 0.5) / (2 * quadratic))

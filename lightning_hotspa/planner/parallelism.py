@@ -85,6 +85,9 @@ def _shards(par: Parallelism | Layout) -> int:
 
 def shares_gradients(a: Parallelism | Layout, b: Parallelism | Layout) -> bool:
     """Stages in ``a`` then ``b`` share working shards and gradient states (same tp, and pp), so the
-    runtime reduces once after both (``SwitchEngine.shares_gradients``); their ``stage_fixed`` agree."""
+    runtime reduces once after both (``SwitchEngine.shares_gradients``); their ``stage_fixed`` agree.
+    A sharded working copy (``fsdp``) keeps its gradients at the home shard (reduce-scattered every
+    micro-batch), a replicated one at the tp shard: they share only with their own kind, as in the
+    runtime (an fsdp stage's ``stage_fixed`` is 0, so sharing only matters for the replicated)."""
     a, b = Parallelism.of(a), Parallelism.of(b)
-    return (a.tp, a.pp) == (b.tp, b.pp)
+    return (a.tp, a.pp, a.fsdp) == (b.tp, b.pp, b.fsdp)

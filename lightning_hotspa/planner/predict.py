@@ -99,6 +99,8 @@ def predict_stages(stages: Sequence[tuple[OptionCost, Groups]], lengths: Sequenc
             total = sum(float(secs[list(mb)].sum()) for mb in g)
             group_seconds.append(opt.group_seconds(total, len(g)))
         par = opt.parallelism
+        if par.fsdp and len(groups) > 1:  # lockstep rounds, in the plan's order: all groups end together
+            group_seconds = [opt.stage_seconds(secs, groups, in_order=True)] * len(groups)
         out.append(StagePrediction(
             layout=par.name, activation_checkpointing=opt.activation_checkpointing, documents=int(ids.size),
             tokens=int(arr[ids].sum()) if ids.size else 0, micro_batches=sum(len(g) for g in groups),

@@ -266,7 +266,11 @@ class CostModelPlanner(PlannerBase):
     def _solve_over(self, lengths: np.ndarray, option_list: list[OptionCost]) -> tuple[float, list]:
         if lengths.size <= self.exact_max_docs:
             sol = solve_exact(lengths, option_list, self.stage_order)
-            return sol.objective, [(o, g) for o, g in sol.stages]
+            # the DP's stage is the slowest dp group; an fsdp stage runs in lockstep rounds (priced here)
+            total = sol.objective + sum(evaluate_groups(o, o.doc_seconds(o.padded(lengths)), g)
+                                        - _slowest_group(o, lengths, g) - o.stage_fixed
+                                        for o, g in sol.stages if o.parallelism.fsdp)
+            return total, [(o, g) for o, g in sol.stages]
         total, stages = solve_heuristic(lengths, option_list, self.stage_order)
         return self._polish(lengths, total, stages)
 
@@ -305,7 +309,12 @@ class CostModelPlanner(PlannerBase):
         for opt, groups in stages:
             ids = [d for g in groups for mb in g for d in mb]
             label = f"{int(lengths[ids].min())}-{int(lengths[ids].max())}"
-            mbs = tuple(tuple(tuple(sorted(mb)) for mb in sorted(g, key=lambda mb: (-len(mb), mb))) for g in groups)
+            if opt.parallelism.fsdp:  # lockstep rounds: costliest micro-batches first in every group
+                secs = opt.doc_seconds(opt.padded(lengths))
+                key = lambda mb, s=secs: (-float(s[list(mb)].sum()), -len(mb), tuple(sorted(mb)))  # noqa: E731
+            else:
+                key = lambda mb: (-len(mb), mb)  # noqa: E731
+            mbs = tuple(tuple(tuple(sorted(mb)) for mb in sorted(g, key=key)) for g in groups)
             out.append(Stage(opt.parallelism.layout(), mbs, opt.activation_checkpointing, label))
         notes = self.last_decision.notes() if self.last_decision is not None else ()
         return StepPlan(int(step), tuple(int(n) for n in lengths.tolist()), tuple(out), notes=notes)
@@ -371,6 +380,12 @@ class CostModelPlanner(PlannerBase):
     def __repr__(self) -> str:
         opts = ", ".join(f"{o.label}:{o.capacity}" for o in self._option_list)
         return f"{type(self).__name__}({self.cost_model.model.n_layers}L on {self.cost_model.hardware.name}; {opts})"
+
+
+def _slowest_group(opt: OptionCost, lengths: np.ndarray, groups: Sequence) -> float:
+    secs = opt.doc_seconds(opt.padded(lengths))
+    return max((opt.group_seconds(float(sum(secs[list(mb)].sum() for mb in g)), len(g)) for g in groups if g),
+               default=0.0)
 
 
 def _in_loader_worker() -> bool:

@@ -17,7 +17,8 @@ global batches and one cost model (:mod:`..planner.cost_model`):
 * **artifact rule**: the paper's hand-set rule where it defines one (only <= 32K settings).
 
 Nothing here is tuned to a target: the hardware profiles are frozen (``planner/hardware.py``, see
-BENCHMARKS.md), and the only option the runtime lacks (sharded working copies) is not offered.
+BENCHMARKS.md). Every layout comes with a replicated and a sharded (``:fsdp``) working copy
+(:func:`~..planner.candidates.enumerate_layouts`), for ours, static and the oracle alike.
 Batches hold ``max(tokens_per_gpu * GPUs, 2 * context)`` tokens, documents longer than the context
 cut into context-sized chunks (as the DataModule does).
 """
