@@ -2,9 +2,12 @@
 
 The objective is the one :mod:`.exact` minimizes; the method trades exactness for speed:
 
-1. **Combinations.** A plan uses at most one option per layout; every combination of "unused /
-   without / with checkpointing" per layout that can hold every document is screened (checkpointing
-   variants that hold nothing more than the plain option are skipped: they only add recompute).
+1. **Combinations.** Per layout "unused / without / with checkpointing / both": every combination
+   that can hold every document is screened (checkpointing variants that hold nothing more than the
+   plain option are skipped: they only add recompute). "Both" runs two stages of one layout, the
+   documents that need checkpointing in one, the others without it in the next: no switch between
+   them (same working copy) and one gradient reduction (same tp), while a single checkpointed stage
+   would recompute every document's forward because one long document needs it.
 2. **Relaxed stage time** ``max(W/dp, M) + F``: ``W`` the stage's total seconds, ``M`` its costliest
    single document (one dp group must run it): a lower bound on the balanced stage.
 3. **Throughput assignment.** Each document goes to the option with the least world-seconds
@@ -74,12 +77,27 @@ def _stage_stats(choice: np.ndarray, t: _Tables) -> tuple[np.ndarray, np.ndarray
     return np.maximum(w / t.dp, m), w, m, count
 
 
+def _distinct_layouts(used: Sequence[int], options: Sequence[OptionCost]) -> tuple[tuple[Layout, ...], list[int]]:
+    """The layouts of ``used`` options once each, and the options that repeat a layout (the second
+    stage of a layout run with and without checkpointing: no switch into it, no own reduction)."""
+    layouts: list[Layout] = []
+    repeats = []
+    for j in used:
+        lay = options[j].parallelism.layout()
+        if lay in layouts:
+            repeats.append(j)
+        else:
+            layouts.append(lay)
+    return tuple(layouts), repeats
+
+
 def _relaxed(choice: np.ndarray, t: _Tables, options: Sequence[OptionCost],
              switch_cost: Callable[[tuple[Layout, ...]], tuple[float, tuple[Layout, ...]]]) -> tuple[float, tuple[int, ...]]:
     stage, _, _, count = _stage_stats(choice, t)
     used = tuple(int(j) for j in np.flatnonzero(count))
-    total = float(stage[list(used)].sum() + t.fixed[list(used)].sum())
-    return total + switch_cost(tuple(options[j].parallelism.layout() for j in used))[0], used
+    layouts, repeats = _distinct_layouts(used, options)
+    total = float(stage[list(used)].sum() + t.fixed[list(used)].sum() - t.fixed[repeats].sum())
+    return total + switch_cost(layouts)[0], used
 
 
 def _fill(choice: np.ndarray, combo: Sequence[int], t: _Tables, fraction: float = 0.9) -> np.ndarray:
@@ -100,6 +118,34 @@ def _fill(choice: np.ndarray, combo: Sequence[int], t: _Tables, fraction: float 
         take = cand[order][np.cumsum(used[order]) <= slack]
         choice[take] = j
     return choice
+
+
+def _threshold(combo: Sequence[int], t: _Tables, iterations: int = 40) -> np.ndarray:
+    """The oracle's assignment (tools/oracles.py) inside one combination: every document to its
+    least world-seconds option among those where it alone takes at most ``T`` on one dp group, for
+    the smallest ``T`` at which the balanced work fits in ``T``. Where the throughput assignment
+    sends a long document to a wide-dp option (one group busy, the others idle), this keeps it in
+    an option with fewer, larger groups."""
+    rows = list(combo)
+    rate = t.rate[rows]
+    alone = t.cost[rows] + t.d[rows][:, None]
+    cols = np.arange(rate.shape[1])
+
+    def pick(limit: float) -> tuple[np.ndarray, float]:
+        masked = np.where(alone <= limit, rate, INF)
+        best = masked.argmin(axis=0)
+        return best, float(masked[best, cols].sum())
+
+    lo = float(alone.min(axis=0).max())
+    best, work = pick(INF)
+    hi = max(lo, work)
+    if pick(lo)[1] <= lo:
+        hi = lo
+    else:
+        for _ in range(iterations):  # work(T) falls as T grows: the smallest T with work(T) <= T
+            mid = 0.5 * (lo + hi)
+            lo, hi = (lo, mid) if pick(mid)[1] <= mid else (mid, hi)
+    return np.asarray(rows)[pick(hi)[0]]
 
 
 def pack_lpt(padded: np.ndarray, balance: np.ndarray, capacity: int, groups: int) -> list[list[list[int]]]:
@@ -152,22 +198,25 @@ def _realize(choice: np.ndarray, combo: Sequence[int], options: Sequence[OptionC
     return total, out
 
 
-def _combinations(options: Sequence[OptionCost], t: _Tables) -> list[tuple[int, ...]]:
+def _combinations(options: Sequence[OptionCost], t: _Tables, split: bool = True) -> list[tuple[int, ...]]:
     by_layout: dict[Layout, list[int]] = {}
     for j, o in enumerate(options):
         by_layout.setdefault(o.parallelism.layout(), []).append(j)
     fits = np.isfinite(t.cost)
-    choices = []
+    choices: list[list[tuple[int, ...]]] = []
     for js in by_layout.values():
         keep = list(js)
         plain = [j for j in js if not options[j].activation_checkpointing]
         for j in js:
             if options[j].activation_checkpointing and plain and not np.any(fits[j] & ~fits[plain[0]]):
                 keep.remove(j)  # holds nothing the plain option does not: pure recompute cost
-        choices.append([None] + keep)
+        picks = [()] + [(j,) for j in keep]
+        if split and len(keep) == 2:  # both: the documents that need checkpointing get their own stage
+            picks.append(tuple(keep))
+        choices.append(picks)
     combos = []
     for pick in itertools.product(*choices):
-        combo = tuple(j for j in pick if j is not None)
+        combo = tuple(j for part in pick for j in part)
         if combo and bool(np.all(fits[list(combo)].any(axis=0))):
             combos.append(combo)
     return combos
@@ -179,15 +228,17 @@ def solve_heuristic(
     switch_cost: Callable[[tuple[Layout, ...]], tuple[float, tuple[Layout, ...]]],
     fill: int = 8,
     realize: int = 2,
+    split_checkpointing: bool = True,
 ) -> tuple[float, list[tuple[OptionCost, StageGroups]]]:
     """(predicted seconds, stages in order) of a good plan; see the module docstring.
 
     Every combination is scored with the throughput assignment; the best ``fill`` are re-scored
     after filling idle dp groups; the best ``realize`` (and the best single layout) are packed.
+    ``split_checkpointing``: False allows one option per layout (one stage per layout).
     """
     t = _tables(lengths, options)
     first: list[tuple[float, int, tuple[int, ...], np.ndarray]] = []
-    for combo in _combinations(options, t):
+    for combo in _combinations(options, t, split_checkpointing):
         choice = np.asarray(combo)[np.argmin(t.rate[list(combo)], axis=0)]
         score, used = _relaxed(choice, t, options, switch_cost)
         first.append((score, len(first), used, choice))
@@ -196,21 +247,26 @@ def solve_heuristic(
     first.sort(key=lambda s: (s[0], s[1]))
     scored = list(first)
     for _, _, used, choice in first[:fill]:
-        filled = _fill(choice, used, t)
-        score, used2 = _relaxed(filled, t, options, switch_cost)
-        scored.append((score, len(scored), used2, filled))
+        for cand in (choice, _threshold(used, t)):
+            filled = _fill(cand, used, t)
+            score, used2 = _relaxed(filled, t, options, switch_cost)
+            scored.append((score, len(scored), used2, filled))
     scored.sort(key=lambda s: (s[0], s[1]))
     picks = scored[:realize]
-    single = next((s for s in scored if len(s[2]) == 1), None)
+    single = next((s for s in scored if len(_distinct_layouts(s[2], options)[0]) == 1), None)
     if single is not None and all(single[1] != p[1] for p in picks):
         picks.append(single)
     best: tuple[float, list[tuple[OptionCost, StageGroups]]] | None = None
     for _, _, used, ch in picks:
         total, groups = _realize(ch, used, options, t)
-        seconds, order = switch_cost(tuple(options[j].parallelism.layout() for j in used))
-        total += seconds
+        layouts, repeats = _distinct_layouts(used, options)
+        seconds, order = switch_cost(layouts)
+        total += seconds - float(t.fixed[[j for j in repeats if j in groups]].sum())
         if best is None or total < best[0]:
-            by_layout = {options[j].parallelism.layout(): j for j in used}
-            best = (total, [(options[by_layout[lay]], groups[by_layout[lay]]) for lay in order])
+            by_layout: dict[Layout, list[int]] = {}
+            for j in used:  # a layout's two stages (with and without checkpointing) run back to back
+                if j in groups:
+                    by_layout.setdefault(options[j].parallelism.layout(), []).append(j)
+            best = (total, [(options[j], groups[j]) for lay in order for j in by_layout.get(lay, [])])
     assert best is not None
     return best

@@ -1,0 +1,111 @@
+"""The long grid's oracles, and where their headroom lives (``hotspa simulate --grid long --breakdown``).
+
+The grid's oracle (:func:`.long_grid.oracle_seconds`) relaxes several things at once. This module
+tightens them one at a time, each step a lower bound of every real plan that has the next
+constraint, so the gaps between the steps say which relaxation holds the headroom:
+
+1. ``oracle``: every document in its cheapest layout of ALL layouts, checkpointing per document,
+   perfect balance and fill, free switches, ONE gradient reduction (the cheapest of any layout);
+2. ``reductions``: the same, but every tp degree the documents use pays its own gradient
+   reduction (a real plan reduces once per run of same-tp stages, :func:`shares_gradients`: a tp1
+   stage's replicated gradients cost what a tp1 reduction costs, whatever else runs);
+3. ``switches``: plus the cheapest order of switches between the tp degrees used;
+4. ``candidates``: only the planner's 2-4 candidate layouts (one mesh; chosen on sample batches);
+5. then the real plans: ours with margin 0 (real packing, the solver), ours with the guard.
+
+Every step is a minimum over the subsets of tp degrees (at most 4 of them: 15 subsets), each an
+oracle of one rate table: cheap next to the solver.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from ..layout import Layout
+from ..planner.candidates import enumerate_layouts, layout_rates
+from ..planner.cost_model import AnalyticCostModel
+
+__all__ = ["LADDER", "charged_oracle", "oracle_from_rates", "oracle_ladder", "print_breakdown"]
+
+#: The steps of the ladder, loosest first (keys of :func:`oracle_ladder`).
+LADDER = ("oracle", "reductions", "switches", "candidates")
+
+
+def oracle_from_rates(rates: np.ndarray, dp: np.ndarray, fixed: float) -> float:
+    """:func:`.long_grid.oracle_seconds` from ``rates`` ([layout, doc] world-seconds, :func:`layout_rates`), the
+    layouts' ``dp`` and the step's ``fixed`` seconds (so one rate table serves several oracles)."""
+    if rates.shape[0] == 0:
+        return math.inf
+    alone = rates * dp[:, None]  # a document's seconds on one dp group
+
+    def work(limit: float) -> float:
+        return float(np.where(alone <= limit, rates, np.inf).min(axis=0).sum()) + fixed
+
+    lo, hi = float(np.min(alone, axis=0).max()), max(work(math.inf), float(np.min(alone, axis=0).max()))
+    if not math.isfinite(lo):
+        return math.inf
+    hi = max(hi, work(lo))
+    if work(lo) <= lo:
+        return lo
+    for _ in range(60):  # work(T) falls as T grows: bisect for the smallest T with work(T) <= T
+        mid = 0.5 * (lo + hi)
+        lo, hi = (lo, mid) if work(mid) <= mid else (mid, hi)
+    return hi
+
+
+def charged_oracle(cm: AnalyticCostModel, lengths: np.ndarray, layouts: Sequence[Layout], *,
+                   switches: bool, rates: np.ndarray | None = None) -> float:
+    """The oracle over ``layouts`` in which every tp degree used pays its gradient reduction (and,
+    with ``switches``, the cheapest switch order visiting those degrees): the minimum over the
+    subsets of tp degrees of the oracle restricted to them."""
+    layouts = list(layouts)
+    rates = layout_rates(cm, layouts, lengths) if rates is None else rates
+    dp = np.array([lay.dp for lay in layouts], dtype=np.float64)
+    by_tp: dict[int, list[int]] = {}
+    for i, lay in enumerate(layouts):
+        by_tp.setdefault(lay.tp, []).append(i)
+    degrees = sorted(by_tp)
+    best = math.inf
+    for size in range(1, len(degrees) + 1):
+        for subset in itertools.combinations(degrees, size):
+            idx = [i for t in subset for i in by_tp[t]]
+            fixed = sum(min(cm.grad_reduce_seconds(layouts[i]) for i in by_tp[t]) for t in subset)
+            if switches:  # switch bytes depend on the tp degree only: one layout per degree stands in
+                reps = [layouts[by_tp[t][0]] for t in subset]
+                fixed += min(cm.switch_sequence_seconds(p) for p in itertools.permutations(reps))
+            best = min(best, oracle_from_rates(rates[idx], dp[idx], fixed))
+    return best
+
+
+def oracle_ladder(cm: AnalyticCostModel, lengths: np.ndarray, candidates: Sequence[Layout]) -> dict[str, float]:
+    """Seconds of each step of :data:`LADDER` for one batch (each >= the one before)."""
+    layouts = enumerate_layouts(cm.world_size, cm)
+    rates = layout_rates(cm, layouts, lengths)
+    dp = np.array([lay.dp for lay in layouts], dtype=np.float64)
+    loosest = oracle_from_rates(rates, dp, min(cm.grad_reduce_seconds(lay) for lay in layouts))
+    return {"oracle": loosest,
+            "reductions": charged_oracle(cm, lengths, layouts, switches=False, rates=rates),
+            "switches": charged_oracle(cm, lengths, layouts, switches=True, rates=rates),
+            "candidates": charged_oracle(cm, lengths, candidates, switches=True)}
+
+
+def print_breakdown(result: dict[str, Any]) -> None:
+    """Per cell: each step's speed-up over the best static layout, and the summary."""
+    print("\n| hw | model | GPUs | ctx | data | oracle | + reductions | + switches | candidates only "
+          "| ours margin 0 | ours | candidates' best static |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for c in result["cells"]:
+        if not c["feasible"] or "breakdown" not in c:
+            continue
+        b = c["breakdown"]
+        vals = " | ".join(f"{b[k]:.3f}" for k in (*LADDER, "ours_margin0", "ours", "candidate_static"))
+        print(f"| {c['hardware']} | {c['model']} | {c['gpus']} | {c['context'] // 1024}K | {c['data']} | {vals} |")
+    s = result.get("breakdown_summary")
+    if s:
+        print("\ngeomean over cells (x over the best static layout): "
+              + ", ".join(f"{k} {v:.3f}" for k, v in s.items()))
