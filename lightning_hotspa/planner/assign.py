@@ -120,34 +120,6 @@ def _fill(choice: np.ndarray, combo: Sequence[int], t: _Tables, fraction: float 
     return choice
 
 
-def _threshold(combo: Sequence[int], t: _Tables, iterations: int = 40) -> np.ndarray:
-    """The oracle's assignment (tools/oracles.py) inside one combination: every document to its
-    least world-seconds option among those where it alone takes at most ``T`` on one dp group, for
-    the smallest ``T`` at which the balanced work fits in ``T``. Where the throughput assignment
-    sends a long document to a wide-dp option (one group busy, the others idle), this keeps it in
-    an option with fewer, larger groups."""
-    rows = list(combo)
-    rate = t.rate[rows]
-    alone = t.cost[rows] + t.d[rows][:, None]
-    cols = np.arange(rate.shape[1])
-
-    def pick(limit: float) -> tuple[np.ndarray, float]:
-        masked = np.where(alone <= limit, rate, INF)
-        best = masked.argmin(axis=0)
-        return best, float(masked[best, cols].sum())
-
-    lo = float(alone.min(axis=0).max())
-    best, work = pick(INF)
-    hi = max(lo, work)
-    if pick(lo)[1] <= lo:
-        hi = lo
-    else:
-        for _ in range(iterations):  # work(T) falls as T grows: the smallest T with work(T) <= T
-            mid = 0.5 * (lo + hi)
-            lo, hi = (lo, mid) if pick(mid)[1] <= mid else (mid, hi)
-    return np.asarray(rows)[pick(hi)[0]]
-
-
 def pack_lpt(padded: np.ndarray, balance: np.ndarray, capacity: int, groups: int) -> list[list[list[int]]]:
     """Positions into dp groups by longest-processing-time on ``balance``, then first fit into each
     group's micro-batches (a new one when none has room)."""
@@ -247,10 +219,9 @@ def solve_heuristic(
     first.sort(key=lambda s: (s[0], s[1]))
     scored = list(first)
     for _, _, used, choice in first[:fill]:
-        for cand in (choice, _threshold(used, t)):
-            filled = _fill(cand, used, t)
-            score, used2 = _relaxed(filled, t, options, switch_cost)
-            scored.append((score, len(scored), used2, filled))
+        filled = _fill(choice, used, t)
+        score, used2 = _relaxed(filled, t, options, switch_cost)
+        scored.append((score, len(scored), used2, filled))
     scored.sort(key=lambda s: (s[0], s[1]))
     picks = scored[:realize]
     single = next((s for s in scored if len(_distinct_layouts(s[2], options)[0]) == 1), None)

@@ -119,12 +119,16 @@ def auto_layouts(
     tolerance: float = 0.01,
     refine: int = 6,
     static_batches: Sequence[Sequence[int]] | None = None,
+    refine_batches: Sequence[Sequence[int]] | None = None,
 ) -> tuple[Layout, ...]:
     """2-4 candidate layouts (fewer only if fewer exist); see the module docstring.
 
     ``static_batches``: sample global batches on which the best static layout is picked (every set
     considered then contains it, the guard's fallback); default ``[lengths]``. Several batches make
-    that pick robust where one batch holds few long documents."""
+    that pick robust where one batch holds few long documents. ``refine_batches``: the global
+    batches the refinement plans one by one (default ``[lengths]``): a set is scored by the sum of
+    its plans, so a set that adapts to each batch's long documents wins over one that fits their
+    union (one concatenated batch balances better over dp groups than any real step does)."""
     cm = AnalyticCostModel(model, hardware, world_size)
     check_int(context, "context", error=LayoutError)
     layouts = enumerate_layouts(world_size, cm)
@@ -166,7 +170,11 @@ def auto_layouts(
                 continue
             winner = np.argmin(sub, axis=0)
             used = sorted({subset[int(w)] for w in winner})
-            score = float(sub.min(axis=0).sum()) + sum(cm.grad_reduce_seconds(layouts[i]) for i in used)
+            reductions = {}  # one per tp degree: a run of same-tp stages reduces once (stage_order)
+            for i in used:
+                red = cm.grad_reduce_seconds(layouts[i])
+                reductions[layouts[i].tp] = min(red, reductions.get(layouts[i].tp, red))
+            score = float(sub.min(axis=0).sum()) + sum(reductions.values())
             key = tuple(used)
             if key not in switch_cost:  # the same used set recurs across many subsets
                 switch_cost[key] = min(cm.switch_sequence_seconds(p)
@@ -176,7 +184,8 @@ def auto_layouts(
     if not scored:
         raise LayoutError(f"no set of layouts of {world_size} ranks shares one mesh and holds {context} tokens")
     if lengths is not None and refine > 0:
-        scored = _refine(cm, layouts, scored, np.asarray(lengths, dtype=np.int64), refine, star)
+        refine_on = [np.asarray(b, dtype=np.int64) for b in (refine_batches or [lengths])]
+        scored = _refine(cm, layouts, scored, refine_on, refine, star)
         if star is not None:  # never worse than static by design: the set holds the best static
             scored = [s for s in scored if star in s[2]] or scored  # layout, the guard's fallback
     top = min(s for s, _, _ in scored)
@@ -198,7 +207,8 @@ def _best_static(cm: AnalyticCostModel, layouts: Sequence[Layout], batches: Sequ
     Each batch is first priced by a bound of the single-layout plan (cheap, so many batches can be
     used): the larger of the mean dp group's work (perfect fill and balance) and the longest document
     on one dp group, plus the stage's gradient reduction, with the better checkpointing per batch;
-    the 4 best by that bound are then planned for real on the first 4 batches."""
+    the 4 best by that bound are then planned for real on every batch (a subset misleads: whether
+    a batch holds 0 or 4 context-long documents decides which layout wins it)."""
     bounds: list[tuple[float, int]] = []
     for i, lay in enumerate(layouts):
         opts = _options(cm, lay)
@@ -220,18 +230,18 @@ def _best_static(cm: AnalyticCostModel, layouts: Sequence[Layout], batches: Sequ
         return None
     from .solver import CostModelPlanner
 
-    # the bound ranks the layouts; the real solver decides among the closest few on a few batches
+    # the bound ranks the layouts; the real solver decides among the closest few
     real = []
     for _, i in sorted(bounds)[:4]:
         planner = CostModelPlanner([layouts[i]], model=cm.model, hardware=cm.hardware)
-        real.append((sum(planner.solve(b)[0] for b in batches[:4]), i))
+        real.append((sum(planner.solve(b)[0] for b in batches), i))
     return min(real)[1]
 
 
 def _refine(cm: AnalyticCostModel, layouts: Sequence[Layout],
-            scored: list[tuple[float, int, tuple[int, ...]]], sample: np.ndarray, k: int, star: int | None,
-            ) -> list[tuple[float, int, tuple[int, ...]]]:
-    """Re-scores the most promising sets by planning ``sample`` with the real solver.
+            scored: list[tuple[float, int, tuple[int, ...]]], samples: Sequence[np.ndarray], k: int,
+            star: int | None) -> list[tuple[float, int, tuple[int, ...]]]:
+    """Re-scores the most promising sets by planning each of ``samples`` with the real solver.
 
     The pool: the ``k`` best sets by relaxed score, and the ``k`` best that contain ``star``, the
     best static layout on the sample (a set containing it can always fall back to it, so the
@@ -239,7 +249,7 @@ def _refine(cm: AnalyticCostModel, layouts: Sequence[Layout],
     """
     def real(subset: tuple[int, ...]) -> float:
         planner = CostModelPlanner([layouts[i] for i in subset], model=cm.model, hardware=cm.hardware)
-        return planner.solve(sample)[0]
+        return sum(planner.solve(sample)[0] for sample in samples)
 
     ranked = sorted(scored)
     pool = ranked[:k] + ([s for s in ranked if star in s[2]][:k] if star is not None else [])

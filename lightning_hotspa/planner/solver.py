@@ -271,7 +271,7 @@ class CostModelPlanner(PlannerBase):
 
     def _solve_over(self, lengths: np.ndarray, option_list: list[OptionCost]) -> tuple[float, list]:
         if lengths.size <= self.exact_max_docs:
-            sol = solve_exact(lengths, option_list, self.stage_order)
+            sol = solve_exact(lengths, option_list, self.stage_order, self.split_checkpointing)
             return sol.objective, [(o, g) for o, g in sol.stages]
         total, stages = solve_heuristic(lengths, option_list, self.stage_order,
                                         split_checkpointing=self.split_checkpointing)

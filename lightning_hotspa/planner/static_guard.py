@@ -91,12 +91,14 @@ def guard(lengths: np.ndarray, options: Sequence[OptionCost], multi: Solution, m
 
 def _lower_bound(lengths: np.ndarray, options: Sequence[OptionCost], longest: int) -> float:
     """No single-layout plan over ``options`` is faster: its slowest dp group is at least the mean
-    group (documents' seconds plus the fewest micro-batches that hold their tokens, over dp)."""
-    best = np.inf
+    group (each document's seconds in the cheapest of the layout's options that holds it, plus its
+    share of the fewest micro-batches, over dp). Per document, not per option: the layout may run
+    a checkpointed stage for the documents that need it and a plain one for the rest."""
+    if not options or max(opt.max_doc_length for opt in options) < longest:
+        return np.inf
+    work = np.full(lengths.size, np.inf)
     for opt in options:
-        if opt.max_doc_length < longest:
-            continue
         padded = opt.padded(lengths)
-        work = float(opt.doc_seconds(padded).sum()) + opt.per_micro_batch * float(padded.sum()) / opt.capacity
-        best = min(best, work / opt.parallelism.dp)
-    return best
+        secs = opt.doc_seconds(padded) + opt.per_micro_batch * padded / opt.capacity
+        work = np.minimum(work, np.where(padded <= opt.capacity, secs, np.inf))
+    return float(work.sum()) / options[0].parallelism.dp

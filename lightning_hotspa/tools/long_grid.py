@@ -127,12 +127,15 @@ def long_cell(model: str, gpus: int, context: int, data: str, hardware: str, bat
     tokens = max(TOKENS_PER_GPU * gpus, 2 * context)
     out: dict[str, Any] = {"model": model, "gpus": gpus, "context": context, "data": data, "hardware": hardware,
                            "tokens_per_step": tokens}
-    # candidates chosen on other data: 3 batches in one for scoring sets, 16 more to pick the best
+    # candidates chosen on other data: 3 batches (in one for the relaxed scores, one by one for the
+    # solver's), 16 more to pick the best
     # static layout (every set then holds it: the guard's fallback) robustly
-    sample = np.concatenate([token_batch(data, context, tokens, seed + 7919 + i) for i in range(3)])
+    samples = [token_batch(data, context, tokens, seed + 7919 + i) for i in range(3)]
+    sample = np.concatenate(samples)
     try:
         static_sample = [token_batch(data, context, tokens, seed + 104729 + i) for i in range(16)]
-        layouts = auto_layouts(gpus, cm.model, cm.hardware, context, lengths=sample, static_batches=static_sample)
+        layouts = auto_layouts(gpus, cm.model, cm.hardware, context, lengths=sample, static_batches=static_sample,
+                               refine_batches=samples)
     except LayoutError as err:
         return {**out, "feasible": False, "reason": str(err)}
     planner = CostModelPlanner(layouts, model=cm.model, hardware=cm.hardware, static_margin=margin)

@@ -7,8 +7,9 @@ constraint, so the gaps between the steps say which relaxation holds the headroo
 1. ``oracle``: every document in its cheapest layout of ALL layouts, checkpointing per document,
    perfect balance and fill, free switches, ONE gradient reduction (the cheapest of any layout);
 2. ``reductions``: the same, but every tp degree the documents use pays its own gradient
-   reduction (a real plan reduces once per run of same-tp stages, :func:`shares_gradients`: a tp1
-   stage's replicated gradients cost what a tp1 reduction costs, whatever else runs);
+   reduction (a real plan reduces once per run of same-tp stages, ``shares_gradients``: a tp1
+   stage's replicated gradients cost what a tp1 reduction costs, whatever else runs), after the
+   compute (the loosest oracle lets the reduction hide in the longest document's idle groups);
 3. ``switches``: plus the cheapest order of switches between the tp degrees used;
 4. ``candidates``: only the planner's 2-4 candidate layouts (one mesh; chosen on sample batches);
 5. then the real plans: ours with margin 0 (real packing, the solver), ours with the guard.
@@ -78,7 +79,8 @@ def charged_oracle(cm: AnalyticCostModel, lengths: np.ndarray, layouts: Sequence
             if switches:  # switch bytes depend on the tp degree only: one layout per degree stands in
                 reps = [layouts[by_tp[t][0]] for t in subset]
                 fixed += min(cm.switch_sequence_seconds(p) for p in itertools.permutations(reps))
-            best = min(best, oracle_from_rates(rates[idx], dp[idx], fixed))
+            # reductions and switches run outside compute (the cost model overlaps neither): after it
+            best = min(best, oracle_from_rates(rates[idx], dp[idx], 0.0) + fixed)
     return best
 
 
