@@ -535,6 +535,37 @@ def test_guard_switches_only_for_a_gain_above_the_margin():
             assert trusting.predict(free).seconds <= static_s * (1 + 1e-9)
 
 
+@pytest.mark.parametrize("long_doc,short,n_short", [(40000, 16000, 9), (100000, 2000, 300)])  # exact, heuristic
+def test_a_layout_checkpoints_only_the_documents_that_need_it(long_doc, short, n_short):
+    """One long document needs checkpointing in dp2xtp2xcp2 (18688 tokens without): the plan runs
+    it (and what fills its dp groups) in a checkpointed stage and the rest in a plain stage of the
+    same layout, faster than checkpointing every document (one stage per layout), as predicted."""
+    lengths = np.concatenate([[long_doc], np.full(n_short, short)])
+    split = CostModelPlanner(["dp2xtp2xcp2"], model="llama7b", hardware="A800-80G")
+    whole = CostModelPlanner(["dp2xtp2xcp2"], model="llama7b", hardware="A800-80G", split_checkpointing=False)
+    plan = split.plan(0, lengths)
+    assert [s.activation_checkpointing for s in plan.stages] == [False, True]
+    assert 0 in plan.stages[1].doc_ids and len(plan.stages[0].doc_ids) > 0
+    check_plan(split, plan, lengths)
+    ours, one = split.solve(lengths)[0], whole.solve(lengths)[0]
+    assert split.predict(plan).seconds == pytest.approx(ours, rel=1e-9)
+    assert ours < one * 0.99 and [s.activation_checkpointing for s in whole.plan(0, lengths).stages] == [True]
+
+
+def test_guard_bounds_a_static_layout_that_checkpoints_one_document_only():
+    """The guard skips solving a single layout whose lower bound already loses; that bound must
+    price each document in the cheapest option holding it (the static plan checkpoints only the
+    100K document). Checkpointing every document bounds tp2xcp4 above the margin (~1.23x) and the
+    guard would keep a multi-layout plan for a 2.8 % predicted gain."""
+    lengths = np.concatenate([[100000], np.full(600, 1000)])
+    p = CostModelPlanner(["dp4xtp2", "tp2xcp4"], model="llama7b", hardware="A800-80G")
+    plan = p.plan(0, lengths)
+    static = CostModelPlanner(["tp2xcp4"], model="llama7b", hardware="A800-80G").solve(lengths)[0]
+    d = p.last_decision
+    assert d.fell_back and d.static_layout == "tp2xcp4" and d.static_s == pytest.approx(static, rel=1e-12)
+    assert [s.layout.name for s in plan.stages] == ["tp2xcp4", "tp2xcp4"]
+
+
 def test_guard_keeps_a_large_gain_and_rejects_a_bad_margin():
     # one 128K document that only tp4xcp8 holds (4 nodes): a static layout runs every short document
     # there too, the multi-layout plan runs them in dp16xtp2 (predicted ~1.2x). (Checkpointing is
