@@ -181,6 +181,8 @@ def long_cell(model: str, gpus: int, context: int, data: str, hardware: str, bat
         ladder["ours"] = sums["ours"]
         ladder["candidate_static"] = min((static_totals[p] for p in own), default=math.inf)
         extra["breakdown"] = {k: static_s / v for k, v in ladder.items()}
+        tight = extra["breakdown"]["reductions"]  # the oracle (free switches) paying reductions
+        extra["captured_vs_reductions"] = (ours_x - 1) / (tight - 1) if tight > 1.01 else None
     return {**out, **extra, "feasible": True, "layouts": [x.name for x in layouts], "best_static": best.name,
             "ours_s": sums["ours"] / batches, "static_s": static_s / batches, "oracle_s": sums["oracle"] / batches,
             "megatron_rows_s": sums["rows"] / batches, "megatron_rows_layout": rows_layout,
@@ -207,6 +209,11 @@ def long_grid(grid: dict[str, Any] | None = None, batches: int = 2, seed: int = 
     extra: dict[str, Any] = {}
     if breakdown and ok:
         extra["breakdown_summary"] = {k: geometric_mean([c["breakdown"][k] for c in ok]) for k in ok[0]["breakdown"]}
+        tight = [c["captured_vs_reductions"] for c in ok if c["captured_vs_reductions"] is not None]
+        extra.update(mean_captured_vs_reductions=float(np.mean(tight)) if tight else None,
+                     min_captured_vs_reductions=min(tight) if tight else None,
+                     cells_captured_vs_reductions_ge_0_9=sum(x >= 0.9 for x in tight),
+                     cells_with_reductions_headroom=len(tight))
     return {"grid": "long", **extra, "margin": margin, "batches_per_cell": batches, "cells": cells,
             "geomean_ours_over_static": geometric_mean([c["ours_over_static"] for c in ok]),
             "geomean_oracle_over_static": geometric_mean([c["oracle_over_static"] for c in ok]),

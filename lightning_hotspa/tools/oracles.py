@@ -99,15 +99,20 @@ def oracle_ladder(cm: AnalyticCostModel, lengths: np.ndarray, candidates: Sequen
 def print_breakdown(result: dict[str, Any]) -> None:
     """Per cell: each step's speed-up over the best static layout, and the summary."""
     print("\n| hw | model | GPUs | ctx | data | oracle | + reductions | + switches | candidates only "
-          "| ours margin 0 | ours | candidates' best static |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| ours margin 0 | ours | candidates' best static | captured of + reductions |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for c in result["cells"]:
         if not c["feasible"] or "breakdown" not in c:
             continue
         b = c["breakdown"]
         vals = " | ".join(f"{b[k]:.3f}" for k in (*LADDER, "ours_margin0", "ours", "candidate_static"))
+        cap = c["captured_vs_reductions"]
+        vals += " | -" if cap is None else f" | {cap:.2f}"
         print(f"| {c['hardware']} | {c['model']} | {c['gpus']} | {c['context'] // 1024}K | {c['data']} | {vals} |")
     s = result.get("breakdown_summary")
     if s:
         print("\ngeomean over cells (x over the best static layout): "
               + ", ".join(f"{k} {v:.3f}" for k, v in s.items()))
+        print(f"captured of the oracle that pays its gradient reductions: mean "
+              f"{result['mean_captured_vs_reductions']}, min {result['min_captured_vs_reductions']}, >= 0.9 in "
+              f"{result['cells_captured_vs_reductions_ge_0_9']} of {result['cells_with_reductions_headroom']} cells")
