@@ -2,12 +2,13 @@
 
 The objective is the one :mod:`.exact` minimizes; the method trades exactness for speed:
 
-1. **Combinations.** Per layout "unused / without / with checkpointing / both": every combination
-   that can hold every document is screened (checkpointing variants that hold nothing more than the
-   plain option are skipped: they only add recompute). "Both" runs two stages of one layout, the
-   documents that need checkpointing in one, the others without it in the next: no switch between
-   them (same working copy) and one gradient reduction (same tp), while a single checkpointed stage
-   would recompute every document's forward because one long document needs it.
+1. **Combinations.** Per layout "unused / without / with checkpointing": every combination that can
+   hold every document is screened (checkpointing variants that hold nothing more than the plain
+   option are skipped: they only add recompute). With ``split_checkpointing`` the best few are
+   screened again with "both" for their checkpointed layouts: two stages of one layout, the
+   documents that need checkpointing in one, the others without it in the next (no switch between
+   them, same working copy; one gradient reduction, same tp), where one checkpointed stage would
+   recompute every document's forward because one long document needs it.
 2. **Relaxed stage time** ``max(W/dp, M) + F``: ``W`` the stage's total seconds, ``M`` its costliest
    single document (one dp group must run it): a lower bound on the balanced stage.
 3. **Throughput assignment.** Each document goes to the option with the least world-seconds
@@ -170,7 +171,7 @@ def _realize(choice: np.ndarray, combo: Sequence[int], options: Sequence[OptionC
     return total, out
 
 
-def _combinations(options: Sequence[OptionCost], t: _Tables, split: bool = True) -> list[tuple[int, ...]]:
+def _combinations(options: Sequence[OptionCost], t: _Tables) -> list[tuple[int, ...]]:
     by_layout: dict[Layout, list[int]] = {}
     for j, o in enumerate(options):
         by_layout.setdefault(o.parallelism.layout(), []).append(j)
@@ -182,16 +183,31 @@ def _combinations(options: Sequence[OptionCost], t: _Tables, split: bool = True)
         for j in js:
             if options[j].activation_checkpointing and plain and not np.any(fits[j] & ~fits[plain[0]]):
                 keep.remove(j)  # holds nothing the plain option does not: pure recompute cost
-        picks = [()] + [(j,) for j in keep]
-        if split and len(keep) == 2:  # both: the documents that need checkpointing get their own stage
-            picks.append(tuple(keep))
-        choices.append(picks)
+        choices.append([()] + [(j,) for j in keep])
     combos = []
     for pick in itertools.product(*choices):
         combo = tuple(j for part in pick for j in part)
         if combo and bool(np.all(fits[list(combo)].any(axis=0))):
             combos.append(combo)
     return combos
+
+
+def _split_variants(used: tuple[int, ...], options: Sequence[OptionCost], t: _Tables) -> list[tuple[int, ...]]:
+    """``used`` with the plain option of its checkpointed layouts added (each alone, then all):
+    their documents that fit without checkpointing get a stage without it."""
+    fits = np.isfinite(t.cost)
+    plain_of = {}
+    for j in used:
+        if options[j].activation_checkpointing:
+            lay = options[j].parallelism.layout()
+            for p, o in enumerate(options):
+                if o.parallelism.layout() == lay and not o.activation_checkpointing and p not in used \
+                        and np.any(fits[j] & ~fits[p]):
+                    plain_of[j] = p
+    adds = [[p] for p in plain_of.values()]
+    if len(adds) > 1:
+        adds.append(list(plain_of.values()))
+    return [tuple(sorted((*used, *add))) for add in adds]
 
 
 def solve_heuristic(
@@ -210,13 +226,23 @@ def solve_heuristic(
     """
     t = _tables(lengths, options)
     first: list[tuple[float, int, tuple[int, ...], np.ndarray]] = []
-    for combo in _combinations(options, t, split_checkpointing):
+    def screen(combo: tuple[int, ...]) -> None:
         choice = np.asarray(combo)[np.argmin(t.rate[list(combo)], axis=0)]
         score, used = _relaxed(choice, t, options, switch_cost)
         first.append((score, len(first), used, choice))
+
+    for combo in _combinations(options, t):
+        screen(combo)
     if not first:
         raise ValueError("no combination of options holds every document")
     first.sort(key=lambda s: (s[0], s[1]))
+    if split_checkpointing:  # the best few, each checkpointed layout also with a plain stage
+        seen = {s[2] for s in first}
+        for variant in [v for s in first[:fill] for v in _split_variants(s[2], options, t)]:
+            if variant not in seen:
+                seen.add(variant)
+                screen(variant)
+        first.sort(key=lambda s: (s[0], s[1]))
     scored = list(first)
     for _, _, used, choice in first[:fill]:
         filled = _fill(choice, used, t)
