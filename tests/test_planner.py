@@ -578,3 +578,27 @@ def test_guard_keeps_a_large_gain_and_rejects_a_bad_margin():
     for bad in (-0.1, "0.1", True):
         with pytest.raises(ValueError, match="static_margin must be a number"):
             CostModelPlanner(GUARD_LAYOUTS, model="llama7b", hardware="A800-80G", static_margin=bad)
+
+
+def test_candidate_sets_seeded_by_the_lower_bound_plan_faster(monkeypatch):
+    """The relaxed score prices a 256K document at its world-seconds and prefers a dp2 layout for
+    it (one dp group idles); the sets seeded by the step's lower bound (planner/oracle_bound.py)
+    find a dp1 layout for it, and the solver confirms on the same sample batches."""
+    import lightning_hotspa.planner.candidates as candidates
+    from lightning_hotspa.tools.long_grid import token_batch
+
+    samples = [token_batch("github", 262144, 64 * 16384, 7919 + i) for i in range(3)]
+    sample = np.concatenate(samples)
+
+    def choose():
+        return auto_layouts(64, "llama13b", "H200", 262144, lengths=sample, refine_batches=samples)
+
+    def planned(layouts):
+        p = CostModelPlanner(layouts, model="llama13b", hardware="H200", static_margin=0.0)
+        return sum(p.solve(b)[0] for b in samples)
+
+    seeded = choose()
+    monkeypatch.setattr(candidates, "_oracle_seeded", lambda *args: [])
+    relaxed = choose()
+    assert planned(seeded) < planned(relaxed) * 0.9, (seeded, relaxed)
+    assert any(lay.dp == 1 for lay in seeded) and not any(lay.dp == 1 for lay in relaxed)

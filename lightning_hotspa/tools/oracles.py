@@ -20,8 +20,6 @@ oracle of one rate table: cheap next to the solver.
 
 from __future__ import annotations
 
-import itertools
-import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -30,6 +28,8 @@ import numpy as np
 from ..layout import Layout
 from ..planner.candidates import enumerate_layouts, layout_rates
 from ..planner.cost_model import AnalyticCostModel
+from ..planner.oracle_bound import charged_oracle as bound
+from ..planner.oracle_bound import oracle_from_rates
 
 __all__ = ["LADDER", "charged_oracle", "oracle_from_rates", "oracle_ladder", "print_breakdown"]
 
@@ -37,51 +37,13 @@ __all__ = ["LADDER", "charged_oracle", "oracle_from_rates", "oracle_ladder", "pr
 LADDER = ("oracle", "reductions", "switches", "candidates")
 
 
-def oracle_from_rates(rates: np.ndarray, dp: np.ndarray, fixed: float) -> float:
-    """:func:`.long_grid.oracle_seconds` from ``rates`` ([layout, doc] world-seconds, :func:`layout_rates`), the
-    layouts' ``dp`` and the step's ``fixed`` seconds (so one rate table serves several oracles)."""
-    if rates.shape[0] == 0:
-        return math.inf
-    alone = rates * dp[:, None]  # a document's seconds on one dp group
-
-    def work(limit: float) -> float:
-        return float(np.where(alone <= limit, rates, np.inf).min(axis=0).sum()) + fixed
-
-    lo, hi = float(np.min(alone, axis=0).max()), max(work(math.inf), float(np.min(alone, axis=0).max()))
-    if not math.isfinite(lo):
-        return math.inf
-    hi = max(hi, work(lo))
-    if work(lo) <= lo:
-        return lo
-    for _ in range(60):  # work(T) falls as T grows: bisect for the smallest T with work(T) <= T
-        mid = 0.5 * (lo + hi)
-        lo, hi = (lo, mid) if work(mid) <= mid else (mid, hi)
-    return hi
-
-
 def charged_oracle(cm: AnalyticCostModel, lengths: np.ndarray, layouts: Sequence[Layout], *,
                    switches: bool, rates: np.ndarray | None = None) -> float:
     """The oracle over ``layouts`` in which every tp degree used pays its gradient reduction (and,
-    with ``switches``, the cheapest switch order visiting those degrees): the minimum over the
-    subsets of tp degrees of the oracle restricted to them."""
-    layouts = list(layouts)
-    rates = layout_rates(cm, layouts, lengths) if rates is None else rates
-    dp = np.array([lay.dp for lay in layouts], dtype=np.float64)
-    by_tp: dict[int, list[int]] = {}
-    for i, lay in enumerate(layouts):
-        by_tp.setdefault(lay.tp, []).append(i)
-    degrees = sorted(by_tp)
-    best = math.inf
-    for size in range(1, len(degrees) + 1):
-        for subset in itertools.combinations(degrees, size):
-            idx = [i for t in subset for i in by_tp[t]]
-            fixed = sum(min(cm.grad_reduce_seconds(layouts[i]) for i in by_tp[t]) for t in subset)
-            if switches:  # switch bytes depend on the tp degree only: one layout per degree stands in
-                reps = [layouts[by_tp[t][0]] for t in subset]
-                fixed += min(cm.switch_sequence_seconds(p) for p in itertools.permutations(reps))
-            # reductions and switches run outside compute (the cost model overlaps neither): after it
-            best = min(best, oracle_from_rates(rates[idx], dp[idx], 0.0) + fixed)
-    return best
+    with ``switches``, the cheapest switch order visiting those degrees), after the compute: the
+    minimum over the subsets of tp degrees (:func:`~..planner.oracle_bound.charged_oracle`)."""
+    rates = layout_rates(cm, list(layouts), lengths) if rates is None else rates
+    return bound(cm, rates, layouts, switches=switches)[0]
 
 
 def oracle_ladder(cm: AnalyticCostModel, lengths: np.ndarray, candidates: Sequence[Layout]) -> dict[str, float]:
