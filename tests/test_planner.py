@@ -566,6 +566,20 @@ def test_guard_bounds_a_static_layout_that_checkpoints_one_document_only():
     assert [s.layout.name for s in plan.stages] == ["tp2xcp4", "tp2xcp4"]
 
 
+def test_guard_checks_a_one_layout_plan_against_each_layout_alone():
+    """A heuristic plan in one layout is not yet the best static plan: here the four-option solve
+    splits dp2xtp4xcp2 by checkpointing (9.04 s) where that layout alone plans 8.47 s; the guard
+    solves the single layouts and runs the best (it is static either way)."""
+    from lightning_hotspa.tools.long_grid import token_batch
+
+    lengths = token_batch("sft-longtail", 65536, 16 * 16384, 1)
+    p = CostModelPlanner(["dp2xtp2xcp4", "dp2xtp4xcp2"], model="llama13b", hardware="H100")
+    plan = p.plan(0, lengths)
+    alone = [CostModelPlanner([x], model="llama13b", hardware="H100").solve(lengths)[0]
+             for x in ("dp2xtp2xcp4", "dp2xtp4xcp2")]
+    assert p.predict(plan).seconds <= min(alone) * (1 + 1e-9) and p.last_decision.fell_back
+
+
 def test_guard_keeps_a_large_gain_and_rejects_a_bad_margin():
     # one 128K document that only tp4xcp8 holds (4 nodes): a static layout runs every short document
     # there too, the multi-layout plan runs them in dp16xtp2 (predicted ~1.2x). (Checkpointing is

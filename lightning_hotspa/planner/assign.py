@@ -221,7 +221,8 @@ def solve_heuristic(
     """(predicted seconds, stages in order) of a good plan; see the module docstring.
 
     Every combination is scored with the throughput assignment; the best ``fill`` are re-scored
-    after filling idle dp groups; the best ``realize`` (and the best single layout) are packed.
+    after filling idle dp groups; the best ``realize`` (and the best single layout, and the best
+    plan without a checkpointing split) are packed.
     ``split_checkpointing``: False allows one option per layout (one stage per layout).
     """
     t = _tables(lengths, options)
@@ -251,8 +252,10 @@ def solve_heuristic(
     scored.sort(key=lambda s: (s[0], s[1]))
     picks = scored[:realize]
     single = next((s for s in scored if len(_distinct_layouts(s[2], options)[0]) == 1), None)
-    if single is not None and all(single[1] != p[1] for p in picks):
-        picks.append(single)
+    whole = next((s for s in scored if not _distinct_layouts(s[2], options)[1]), None)  # no split
+    for extra in (single, whole):  # the relaxed score flatters a split (two stages, each balanced
+        if extra is not None and all(extra[1] != p[1] for p in picks):  # alone): pack the best
+            picks.append(extra)  # plan without one too
     best: tuple[float, list[tuple[OptionCost, StageGroups]]] | None = None
     for _, _, used, ch in picks:
         total, groups = _realize(ch, used, options, t)
