@@ -37,7 +37,7 @@ from ..planner.cost_model import AnalyticCostModel, Parallelism
 from ..planner.solver import CostModelPlanner
 from ..planner.static_guard import DEFAULT_STATIC_MARGIN
 from .artifact_rule import RuleNotFoundError, artifact_rule
-from .oracles import LADDER, oracle_from_rates, oracle_ladder
+from .oracles import LADDER, oracle_from_rates, oracle_ladder, print_breakdown
 from .simulate import geometric_mean, rule_seconds, static_seconds
 
 __all__ = ["LONG_GRID", "SMOKE_GRID", "long_cell", "long_grid", "print_long_grid", "token_batch"]
@@ -92,7 +92,7 @@ def oracle_seconds(cm: AnalyticCostModel, lengths: np.ndarray, layouts: Sequence
     512K document would be "spread" over dp groups it cannot be split across.)
 
     ``layouts`` / ``fixed``: only these layouts, and these fixed seconds instead of the cheapest
-    reduction (the tighter oracles of :mod:`.grid_breakdown`)."""
+    reduction (the tighter oracles of :mod:`.oracles`)."""
     layouts = list(enumerate_layouts(cm.world_size, cm) if layouts is None else layouts)
     rates = layout_rates(cm, layouts, lengths)  # [layout, doc] seconds / dp: perfectly balanced work
     reduce = min(cm.grad_reduce_seconds(lay) for lay in layouts) if fixed is None else float(fixed)
@@ -128,8 +128,8 @@ def long_cell(model: str, gpus: int, context: int, data: str, hardware: str, bat
     out: dict[str, Any] = {"model": model, "gpus": gpus, "context": context, "data": data, "hardware": hardware,
                            "tokens_per_step": tokens}
     # candidates chosen on other data: 3 batches (in one for the relaxed scores, one by one for the
-    # solver's), 16 more to pick the best
-    # static layout (every set then holds it: the guard's fallback) robustly
+    # solver's), 16 more to pick the best static layout (every set then holds it: the guard's
+    # fallback) robustly
     samples = [token_batch(data, context, tokens, seed + 7919 + i) for i in range(3)]
     sample = np.concatenate(samples)
     try:
@@ -196,10 +196,12 @@ def long_cell(model: str, gpus: int, context: int, data: str, hardware: str, bat
 
 
 def long_grid(grid: dict[str, Any] | None = None, batches: int = 2, seed: int = 0,
-              margin: float = DEFAULT_STATIC_MARGIN, breakdown: bool = False) -> dict[str, Any]:
+              margin: float | None = DEFAULT_STATIC_MARGIN, breakdown: bool = False) -> dict[str, Any]:
     """Every cell and the headline: geomean over cells, share of the oracle's headroom captured;
-    ``breakdown``: per cell the oracle ladder (:mod:`.oracles`) and its geomeans."""
+    ``margin`` None: the planner's default; ``breakdown``: per cell the oracle ladder
+    (:mod:`.oracles`) and its geomeans."""
     grid = grid or LONG_GRID
+    margin = DEFAULT_STATIC_MARGIN if margin is None else margin
     start = time.perf_counter()
     cells = [long_cell(m, g, c, d, hw, batches, seed, margin, breakdown)
              for hw in grid["hardware"] for m, g, c in grid["settings"] for d in grid["data"]]
@@ -248,3 +250,5 @@ def print_long_grid(result: dict[str, Any]) -> None:
           f"({result['cells_where_oracle_ge_1_4']} cells): {'-' if g14 is None else f'{g14:.3f}x'}; captured "
           f"headroom min {result['min_captured']}, mean {result['mean_captured']} over "
           f"{result['cells_with_headroom']} cells with oracle > 1.01x ({result['seconds']:.0f} s)")
+    if "breakdown_summary" in result:
+        print_breakdown(result)
