@@ -23,8 +23,11 @@ SETS = {
                              ["dp8", "dp4xtp2", "dp2xtp2xcp2", "tp2xcp4"]),
     "llama3-8b_64xH100_kv": ("llama3-8b", "H100", 262144, "sft-longtail",
                              ["dp16xtp4", "dp4xtp4xcp4:kv", "dp2xtp4xcp8:kv4", "tp4xcp16:kv8"]),
+    # the long grid's candidates for these cells (since fp32 main grads, dp2xtp8xcp16 no longer holds 256K)
     "llama3-70b_256xH100_kv": ("llama3-70b", "H100", 262144, "sft-longtail",
-                               ["dp32xtp8", "dp8xtp8xcp4", "dp4xtp8xcp8:kv", "dp2xtp8xcp16:kv16"]),
+                               ["dp32xtp8", "dp8xtp8xcp4:kv", "dp4xtp8xcp8", "tp8xcp32:kv"]),
+    "llama3-70b_1024xH100_kv": ("llama3-70b", "H100", 524288, "sft-longtail",
+                                ["dp64xtp8xcp2:kv", "dp16xtp8xcp8", "dp4xtp8xcp32:kv", "dp2xtp8xcp64:kv"]),
     # sharded working copies (:fsdp) next to replicated ones of the same degrees, and the set
     # auto_layouts chooses for 70B on 64 H100 at 128K (all sharded)
     "llama3-70b_64xH100_fsdp_mixed": ("llama3-70b", "H100", 131072, "commoncrawl",

@@ -1,12 +1,15 @@
 """The long-context grid's invariants, the frozen hardware profiles it prices, and how the cost
 model prices the context-parallel kinds."""
 
+import numpy as np
 import pytest
 
 from lightning_hotspa.layout import Layout
 from lightning_hotspa.planner.cost_model import AnalyticCostModel, CostModelError
 from lightning_hotspa.planner.hardware import PROFILES
-from lightning_hotspa.tools.long_grid import SMOKE_GRID, long_grid
+from lightning_hotspa.planner.solver import CostModelPlanner
+from lightning_hotspa.tools.long_grid import SMOKE_GRID, long_grid, oracle_seconds, token_batch
+from lightning_hotspa.tools.oracles import LADDER, charged_oracle
 
 # Frozen before the long grid was first run (issue 15): the simulator must not be tuned to its own
 # targets. Changing a number here needs a before/after table in BENCHMARKS.md.
@@ -25,7 +28,7 @@ def test_hardware_profiles_are_frozen(name):
 
 
 def test_smoke_grid_cells_respect_the_oracle_bound():
-    result = long_grid(SMOKE_GRID, batches=1)
+    result = long_grid(SMOKE_GRID, batches=1, breakdown=True)
     for key in ("cells", "geomean_where_oracle_ge_1_4", "min_captured", "seconds"):
         assert key in result
     (cell,) = result["cells"]
@@ -35,6 +38,29 @@ def test_smoke_grid_cells_respect_the_oracle_bound():
     # the oracle relaxes every constraint a real plan has: it is never slower than ours or static
     assert cell["oracle_over_static"] >= max(1.0, cell["ours_over_static"]) - 1e-9
     assert cell["megatron_rows_s"] >= cell["oracle_s"]
+    # the ladder tightens one relaxation at a time down to the real plans (speed-ups over static)
+    b = cell["breakdown"]
+    assert b["oracle"] == pytest.approx(cell["oracle_over_static"], rel=1e-12)
+    steps = [b[k] for k in (*LADDER, "ours_margin0")]
+    assert all(x >= y * (1 - 1e-9) for x, y in zip(steps, steps[1:])), b
+    assert b["ours_margin0"] >= b["ours"] * (1 - 1e-9) and b["ours"] == pytest.approx(cell["ours_over_static"])
+    assert set(result["breakdown_summary"]) == set(b)
+
+
+def test_the_charged_oracle_bounds_a_single_layout_plan():
+    """One layout: the step is at least its documents' balanced work (or its longest document on one
+    dp group), then its gradient reduction; the real plan of that layout is no faster."""
+    cm = AnalyticCostModel("llama7b", "H100", 32)
+    work_bound = token_batch("commoncrawl", 131072, 32 * 16384, 0)
+    one_long = np.concatenate([[120000], np.full(100, 1000)])  # the 120K document sets the step
+    for name, lengths in (("dp16xtp2", work_bound), ("dp4xtp4xcp2", work_bound), ("dp4xtp4xcp2", one_long)):
+        lay = Layout.parse(name)
+        bound = charged_oracle(cm, lengths, [lay], switches=False)
+        assert bound == pytest.approx(oracle_seconds(cm, lengths, [lay], fixed=0.0) + cm.grad_reduce_seconds(lay))
+        with_switch = charged_oracle(cm, lengths, [lay], switches=True)
+        assert with_switch == pytest.approx(bound + cm.switch_seconds(None, lay))
+        real = CostModelPlanner([lay], model="llama7b", hardware="H100").solve(lengths)[0]
+        assert with_switch <= real * (1 + 1e-9) and real <= with_switch * 1.05  # within 5 %: packing only
 
 
 def test_cost_model_prices_all_gather_kv_against_ulysses():

@@ -163,6 +163,36 @@ def test_hooks_see_every_stage_and_micro_batch(world_of_one) -> None:
                     for x in [("stage", f"s{i}"), ("compute", f"s{i}")] + [("context",), ("backward",)] * n]
 
 
+def test_one_layout_runs_a_checkpointed_and_a_plain_stage_back_to_back(world_of_one) -> None:
+    """What the planner's split checkpointing emits: two stages of one layout, only the first
+    recomputing activations; the gradients equal one plain stage of the same documents."""
+    lengths = [9, 5, 7, 6, 12, 4, 8, 10]
+    g = torch.Generator().manual_seed(0)
+    docs = [torch.randint(0, 32, (2 * n,), generator=g) for n in lengths]
+    dp1 = Layout.parse("dp1")
+
+    def grads(stages):
+        module = TinyLlama()
+        _, world, home, parallel, engine = _setup(["dp1"], module)
+        seen = []
+
+        class Spy(StepHooks):
+            def before_compute(self, stage):
+                seen.append(module.model.activation_checkpointing)
+
+        plan = StepPlan(0, tuple(2 * n for n in lengths), tuple(stages))
+        result = StepRunner(engine, parallel).run(slice_plan(plan, docs, world.shape, world.rank), module, Spy())
+        engine.assign_home_grads()
+        return {n: p.grad.full_tensor() for n, p in home.items()}, seen, result
+
+    split, seen, result = grads([Stage(dp1, (((0, 1), (2,)),), True), Stage(dp1, (((3, 4, 5), (6, 7)),), False)])
+    plain, _, _ = grads([Stage(dp1, (((0, 1), (2,), (3, 4, 5), (6, 7)),), False)])
+    assert seen == [True, False] and [s.activation_checkpointing for s in result.stages] == [True, False]
+    assert result.stages[0].reduce_collectives == 0  # same layout: one reduction, at the second stage
+    for name, g in plain.items():
+        assert torch.allclose(split[name], g, rtol=1e-5, atol=1e-7), name
+
+
 def _grads_under_options(overlap: bool, share: bool) -> dict:
     layouts = ["dp4", "dp2xtp2", "tp2xcp2"]  # the last two share gradients (same tp)
     module, world, home, parallel, engine = _setup(layouts, TinyLlama())

@@ -2,9 +2,13 @@
 
 The objective is the one :mod:`.exact` minimizes; the method trades exactness for speed:
 
-1. **Combinations.** A plan uses at most one option per layout; every combination of "unused /
-   without / with checkpointing" per layout that can hold every document is screened (checkpointing
-   variants that hold nothing more than the plain option are skipped: they only add recompute).
+1. **Combinations.** Per layout "unused / without / with checkpointing": every combination that can
+   hold every document is screened (checkpointing variants that hold nothing more than the plain
+   option are skipped: they only add recompute). With ``split_checkpointing`` the best few are
+   screened again with "both" for their checkpointed layouts: two stages of one layout, the
+   documents that need checkpointing in one, the others without it in the next (no switch between
+   them, same working copy; one gradient reduction, same tp), where one checkpointed stage would
+   recompute every document's forward because one long document needs it.
 2. **Relaxed stage time** ``max(W/dp, M) + F``: ``W`` the stage's total seconds (with at least one
    micro-batch per dp group that gets a document), ``M`` its costliest single document (one dp group
    must run it): a lower bound on the balanced stage.
@@ -79,12 +83,27 @@ def _stage_stats(choice: np.ndarray, t: _Tables) -> tuple[np.ndarray, np.ndarray
     return np.maximum(w / t.dp, m), w, m, count
 
 
+def _distinct_layouts(used: Sequence[int], options: Sequence[OptionCost]) -> tuple[tuple[Layout, ...], list[int]]:
+    """The layouts of ``used`` options once each, and the options that repeat a layout (the second
+    stage of a layout run with and without checkpointing: no switch into it, no own reduction)."""
+    layouts: list[Layout] = []
+    repeats = []
+    for j in used:
+        lay = options[j].parallelism.layout()
+        if lay in layouts:
+            repeats.append(j)
+        else:
+            layouts.append(lay)
+    return tuple(layouts), repeats
+
+
 def _relaxed(choice: np.ndarray, t: _Tables, options: Sequence[OptionCost],
              switch_cost: Callable[[tuple[Layout, ...]], tuple[float, tuple[Layout, ...]]]) -> tuple[float, tuple[int, ...]]:
     stage, _, _, count = _stage_stats(choice, t)
     used = tuple(int(j) for j in np.flatnonzero(count))
-    total = float(stage[list(used)].sum() + t.fixed[list(used)].sum())
-    return total + switch_cost(tuple(options[j].parallelism.layout() for j in used))[0], used
+    layouts, repeats = _distinct_layouts(used, options)
+    total = float(stage[list(used)].sum() + t.fixed[list(used)].sum() - t.fixed[repeats].sum())
+    return total + switch_cost(layouts)[0], used
 
 
 def _fill(choice: np.ndarray, combo: Sequence[int], t: _Tables, fraction: float = 0.9) -> np.ndarray:
@@ -158,20 +177,38 @@ def _combinations(options: Sequence[OptionCost], t: _Tables) -> list[tuple[int, 
     for j, o in enumerate(options):
         by_layout.setdefault(o.parallelism.layout(), []).append(j)
     fits = np.isfinite(t.cost)
-    choices = []
+    choices: list[list[tuple[int, ...]]] = []
     for js in by_layout.values():
         keep = list(js)
         plain = [j for j in js if not options[j].activation_checkpointing]
         for j in js:
             if options[j].activation_checkpointing and plain and not np.any(fits[j] & ~fits[plain[0]]):
                 keep.remove(j)  # holds nothing the plain option does not: pure recompute cost
-        choices.append([None] + keep)
+        choices.append([()] + [(j,) for j in keep])
     combos = []
     for pick in itertools.product(*choices):
-        combo = tuple(j for j in pick if j is not None)
+        combo = tuple(j for part in pick for j in part)
         if combo and bool(np.all(fits[list(combo)].any(axis=0))):
             combos.append(combo)
     return combos
+
+
+def _split_variants(used: tuple[int, ...], options: Sequence[OptionCost], t: _Tables) -> list[tuple[int, ...]]:
+    """``used`` with the plain option of its checkpointed layouts added (each alone, then all):
+    their documents that fit without checkpointing get a stage without it."""
+    fits = np.isfinite(t.cost)
+    plain_of = {}
+    for j in used:
+        if options[j].activation_checkpointing:
+            lay = options[j].parallelism.layout()
+            for p, o in enumerate(options):
+                if o.parallelism.layout() == lay and not o.activation_checkpointing and p not in used \
+                        and np.any(fits[j] & ~fits[p]):
+                    plain_of[j] = p
+    adds = [[p] for p in plain_of.values()]
+    if len(adds) > 1:
+        adds.append(list(plain_of.values()))
+    return [tuple(sorted((*used, *add))) for add in adds]
 
 
 def solve_heuristic(
@@ -180,21 +217,34 @@ def solve_heuristic(
     switch_cost: Callable[[tuple[Layout, ...]], tuple[float, tuple[Layout, ...]]],
     fill: int = 8,
     realize: int = 2,
+    split_checkpointing: bool = True,
 ) -> tuple[float, list[tuple[OptionCost, StageGroups]]]:
     """(predicted seconds, stages in order) of a good plan; see the module docstring.
 
     Every combination is scored with the throughput assignment; the best ``fill`` are re-scored
-    after filling idle dp groups; the best ``realize`` (and each layout's best single) are packed.
+    after filling idle dp groups; the best ``realize`` (and each layout's best single-layout plan,
+    and the best plan without a checkpointing split) are packed.
+    ``split_checkpointing``: False allows one option per layout (one stage per layout).
     """
     t = _tables(lengths, options)
     first: list[tuple[float, int, tuple[int, ...], np.ndarray]] = []
-    for combo in _combinations(options, t):
+    def screen(combo: tuple[int, ...]) -> None:
         choice = np.asarray(combo)[np.argmin(t.rate[list(combo)], axis=0)]
         score, used = _relaxed(choice, t, options, switch_cost)
         first.append((score, len(first), used, choice))
+
+    for combo in _combinations(options, t):
+        screen(combo)
     if not first:
         raise ValueError("no combination of options holds every document")
     first.sort(key=lambda s: (s[0], s[1]))
+    if split_checkpointing:  # the best few, each checkpointed layout also with a plain stage
+        seen = {s[2] for s in first}
+        for variant in [v for s in first[:fill] for v in _split_variants(s[2], options, t)]:
+            if variant not in seen:
+                seen.add(variant)
+                screen(variant)
+        first.sort(key=lambda s: (s[0], s[1]))
     scored = list(first)
     for _, _, used, choice in first[:fill]:
         filled = _fill(choice, used, t)
@@ -202,18 +252,26 @@ def solve_heuristic(
         scored.append((score, len(scored), used2, filled))
     scored.sort(key=lambda s: (s[0], s[1]))
     picks = scored[:realize]
-    singles: dict[Layout, tuple] = {}  # the best single-option plan of each layout: the relaxed
+    singles: dict[Layout, tuple] = {}  # the best single-layout plan of each layout: the relaxed
     for s in scored:  # score misses lockstep rounds (:fsdp) and packing, so realize one per layout
-        if len(s[2]) == 1:
-            singles.setdefault(options[s[2][0]].parallelism.layout(), s)
-    picks += [s for s in singles.values() if all(s[1] != p[1] for p in picks)]
+        layouts = _distinct_layouts(s[2], options)[0]
+        if len(layouts) == 1:
+            singles.setdefault(layouts[0], s)
+    whole = next((s for s in scored if not _distinct_layouts(s[2], options)[1]), None)  # no split
+    for extra in [*singles.values(), whole]:  # the relaxed score flatters a split (two stages, each
+        if extra is not None and all(extra[1] != p[1] for p in picks):  # balanced alone): pack the
+            picks.append(extra)  # best plan without one too
     best: tuple[float, list[tuple[OptionCost, StageGroups]]] | None = None
     for _, _, used, ch in picks:
         total, groups = _realize(ch, used, options, t)
-        seconds, order = switch_cost(tuple(options[j].parallelism.layout() for j in used))
-        total += seconds
+        layouts, repeats = _distinct_layouts(used, options)
+        seconds, order = switch_cost(layouts)
+        total += seconds - float(t.fixed[[j for j in repeats if j in groups]].sum())
         if best is None or total < best[0]:
-            by_layout = {options[j].parallelism.layout(): j for j in used}
-            best = (total, [(options[by_layout[lay]], groups[by_layout[lay]]) for lay in order])
+            by_layout: dict[Layout, list[int]] = {}
+            for j in used:  # a layout's two stages (with and without checkpointing) run back to back
+                if j in groups:
+                    by_layout.setdefault(options[j].parallelism.layout(), []).append(j)
+            best = (total, [(options[j], groups[j]) for lay in order for j in by_layout.get(lay, [])])
     assert best is not None
     return best

@@ -14,7 +14,9 @@
    documents: each document in its cheapest layout, plus each used layout's gradient reduction and
    the switches; a smaller set wins when within ``tolerance`` of the best.
 4. **Refine** (with a sample of real lengths): the most promising sets are re-scored by planning the
-   sample with the solver itself, including every set that contains the best static layout.
+   sample batches with the solver itself: the best by relaxed score, the best that contain the best
+   static layout, and sets of the layouts the step's lower bound uses (:mod:`.oracle_bound`: it sees
+   that a long document in a wide-dp layout idles the other dp groups; the relaxed score does not).
 
 Reference documents: the caller's sample (the CLI and simulator pass a real batch), else one document
 per length on a log grid up to the context.
@@ -33,6 +35,7 @@ from ..layout import Layout, LayoutError, MeshShape
 from ..models.config import LlamaConfig
 from .cost_model import AnalyticCostModel, CostModelError, OptionCost
 from .hardware import HardwareProfile
+from .oracle_bound import charged_oracle
 from .solver import CostModelPlanner
 
 __all__ = ["auto_layouts", "auto_planner", "cp_kinds", "enumerate_layouts", "layout_rates", "prune_dominated"]
@@ -127,12 +130,16 @@ def auto_layouts(
     tolerance: float = 0.01,
     refine: int = 6,
     static_batches: Sequence[Sequence[int]] | None = None,
+    refine_batches: Sequence[Sequence[int]] | None = None,
 ) -> tuple[Layout, ...]:
     """2-4 candidate layouts (fewer only if fewer exist); see the module docstring.
 
     ``static_batches``: sample global batches on which the best static layout is picked (every set
     considered then contains it, the guard's fallback); default ``[lengths]``. Several batches make
-    that pick robust where one batch holds few long documents."""
+    that pick robust where one batch holds few long documents. ``refine_batches``: the global
+    batches the refinement plans one by one (default ``[lengths]``): a set is scored by the sum of
+    its plans, so a set that adapts to each batch's long documents wins over one that fits their
+    union (one concatenated batch balances better over dp groups than any real step does)."""
     cm = AnalyticCostModel(model, hardware, world_size)
     check_int(context, "context", error=LayoutError)
     layouts = enumerate_layouts(world_size, cm)
@@ -174,7 +181,11 @@ def auto_layouts(
                 continue
             winner = np.argmin(sub, axis=0)
             used = sorted({subset[int(w)] for w in winner})
-            score = float(sub.min(axis=0).sum()) + sum(cm.grad_reduce_seconds(layouts[i]) for i in used)
+            reductions = {}  # one per tp degree: a run of same-tp stages reduces once (stage_order)
+            for i in used:
+                red = cm.grad_reduce_seconds(layouts[i])
+                reductions[layouts[i].tp] = min(red, reductions.get(layouts[i].tp, red))
+            score = float(sub.min(axis=0).sum()) + sum(reductions.values())
             key = tuple(used)
             if key not in switch_cost:  # the same used set recurs across many subsets
                 switch_cost[key] = min(cm.switch_sequence_seconds(p)
@@ -184,7 +195,9 @@ def auto_layouts(
     if not scored:
         raise LayoutError(f"no set of layouts of {world_size} ranks shares one mesh and holds {context} tokens")
     if lengths is not None and refine > 0:
-        scored = _refine(cm, layouts, scored, np.asarray(lengths, dtype=np.int64), refine, star)
+        refine_on = [np.asarray(b, dtype=np.int64) for b in (refine_batches or [lengths])]
+        seeded = _oracle_seeded(cm, layouts, refine_on, star, context, max_layouts, refine)
+        scored = _refine(cm, layouts, scored + seeded, refine_on, refine, star, [s[2] for s in seeded])
         if star is not None:  # never worse than static by design: the set holds the best static
             scored = [s for s in scored if star in s[2]] or scored  # layout, the guard's fallback
     top = min(s for s, _, _ in scored)
@@ -206,7 +219,9 @@ def _best_static(cm: AnalyticCostModel, layouts: Sequence[Layout], batches: Sequ
     Each batch is first priced by a bound of the single-layout plan (cheap, so many batches can be
     used): the larger of the mean dp group's work (perfect fill and balance) and the longest document
     on one dp group, plus the stage's gradient reduction, with the better checkpointing per batch;
-    the 8 best by that bound are then planned for real on the first 4 batches."""
+    the 8 best by that bound (every degree set comes in two working copies) are then planned for
+    real on every batch (a subset misleads: whether a batch holds 0 or 4 context-long documents
+    decides which layout wins it)."""
     bounds: list[tuple[float, int]] = []
     for i, lay in enumerate(layouts):
         opts = _options(cm, lay)
@@ -231,29 +246,31 @@ def _best_static(cm: AnalyticCostModel, layouts: Sequence[Layout], batches: Sequ
         return None
     from .solver import CostModelPlanner
 
-    # the bound ranks the layouts; the real solver decides among the closest few on a few batches
+    # the bound ranks the layouts; the real solver decides among the closest few
     real = []
     for _, i in sorted(bounds)[:8]:  # 8: every degree set comes in two working copies
         planner = CostModelPlanner([layouts[i]], model=cm.model, hardware=cm.hardware)
-        real.append((sum(planner.solve(b)[0] for b in batches[:4]), i))
+        real.append((sum(planner.solve(b)[0] for b in batches), i))
     return min(real)[1]
 
 
 def _refine(cm: AnalyticCostModel, layouts: Sequence[Layout],
-            scored: list[tuple[float, int, tuple[int, ...]]], sample: np.ndarray, k: int, star: int | None,
-            ) -> list[tuple[float, int, tuple[int, ...]]]:
-    """Re-scores the most promising sets by planning ``sample`` with the real solver.
+            scored: list[tuple[float, int, tuple[int, ...]]], samples: Sequence[np.ndarray], k: int,
+            star: int | None, seeded: Sequence[tuple[int, ...]] = ()) -> list[tuple[float, int, tuple[int, ...]]]:
+    """Re-scores the most promising sets by planning each of ``samples`` with the real solver.
 
     The pool: the ``k`` best sets by relaxed score, and the ``k`` best that contain ``star``, the
     best static layout on the sample (a set containing it can always fall back to it, so the
     choice is never predicted slower than the best static layout on this sample).
     """
-    def real(subset: tuple[int, ...]) -> float:
-        planner = CostModelPlanner([layouts[i] for i in subset], model=cm.model, hardware=cm.hardware)
-        return planner.solve(sample)[0]
+    def real(subset: tuple[int, ...]) -> float:  # the plans' own quality: no guard (a gain below the
+        planner = CostModelPlanner([layouts[i] for i in subset], model=cm.model,  # margin would score as
+                                   hardware=cm.hardware, static_margin=0.0)  # the star's static plan)
+        return sum(planner.solve(sample)[0] for sample in samples)
 
     ranked = sorted(scored)
     pool = ranked[:k] + ([s for s in ranked if star in s[2]][:k] if star is not None else [])
+    pool += [s for s in scored if s[2] in set(seeded)]
     out, seen = [], set()
     for _, size, subset in pool:
         if subset in seen:
@@ -261,6 +278,38 @@ def _refine(cm: AnalyticCostModel, layouts: Sequence[Layout],
         seen.add(subset)
         out.append((real(subset), size, subset))
     return out
+
+
+def _oracle_seeded(cm: AnalyticCostModel, layouts: Sequence[Layout], batches: Sequence[np.ndarray],
+                   star: int | None, context: int, max_layouts: int, k: int) -> list[tuple[float, int, tuple[int, ...]]]:
+    """Sets built from the layouts the step's lower bound uses (:func:`~.oracle_bound.charged_oracle`
+    over ALL layouts, on each sample batch): its ``k`` most used layouts, with ``star``, in every
+    combination that shares a mesh and holds the context, scored by the same bound over only the
+    set. Why: the relaxed score prices a long document at its world-seconds, so it prefers a wide
+    dp layout in which that document leaves all but one dp group idle; the bound does not."""
+    rates = [layout_rates(cm, layouts, b) for b in batches]
+    share = np.zeros(len(layouts))
+    for r in rates:
+        _, rows = charged_oracle(cm, r, layouts, switches=True)
+        if (rows >= 0).all():
+            np.add.at(share, rows, r[rows, np.arange(rows.size)])
+    top = [int(i) for i in np.argsort(-share, kind="stable") if share[i] > 0][:k]
+    pool = sorted(set(top) | ({star} if star is not None else set()))
+    holds = {i for i in pool if max((o.max_doc_length for o in _options(cm, layouts[i])), default=0) >= context}
+    out = []
+    for size in range(1, max_layouts + 1):
+        for subset in itertools.combinations(pool, size):
+            if (star is not None and star not in subset) or not holds & set(subset):
+                continue
+            try:
+                MeshShape.for_layouts([layouts[i] for i in subset], cm.world_size)
+            except LayoutError:
+                continue
+            sub = [layouts[i] for i in subset]
+            score = sum(charged_oracle(cm, r[list(subset)], sub, switches=True)[0] for r in rates)
+            if np.isfinite(score):
+                out.append((score, size, subset))
+    return sorted(out)[:k]
 
 
 def auto_planner(world_size: int, context: int, *, model: LlamaConfig | str, hardware: HardwareProfile | str,

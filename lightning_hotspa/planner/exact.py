@@ -9,7 +9,9 @@ every piece is minimized exactly:
 * ``bins[S]``: fewest micro-batches holding document set ``S`` (capacity, cp padding),
 * ``groups_k[S]``: best max over ``k`` dp groups, ``min_T max(group(T), groups_{k-1}[S - T])``,
 * the layouts' document sets: a min-plus convolution over the used layouts, for every set of used
-  layouts (its switch cost depends only on that set), activation checkpointing chosen per layout.
+  layouts (its switch cost depends only on that set), activation checkpointing chosen per layout,
+  or (``split_checkpointing``) split: a checkpointed and a plain stage of one layout, back to back
+  (no switch, one gradient reduction), one more min-plus convolution per layout.
 
 All tables are over the ``2^n`` subsets; the "submask" loops (``3^n`` pairs in all) are flat numpy
 arrays reduced per owner with ``minimum.reduceat``. n <= 10 takes milliseconds to tens of ms.
@@ -34,7 +36,8 @@ INF = float("inf")
 
 @dataclass(frozen=True)
 class ExactSolution:
-    """Per used layout (in stage order): its option and its dp groups' micro-batches (doc indices)."""
+    """Per stage (in order): its option and its dp groups' micro-batches (doc indices); a layout
+    split by checkpointing has two stages, back to back."""
 
     objective: float
     stages: tuple[tuple[OptionCost, tuple[tuple[tuple[int, ...], ...], ...]], ...]
@@ -162,8 +165,10 @@ def solve_exact(
     lengths: Sequence[int],
     options: Sequence[OptionCost],
     switch_cost: Callable[[tuple[Layout, ...]], tuple[float, tuple[Layout, ...]]],
+    split_checkpointing: bool = True,
 ) -> ExactSolution:
-    """The optimal plan of ``lengths`` over ``options`` (at most one option per layout in a plan).
+    """The optimal plan of ``lengths`` over ``options`` (per layout one option, or with
+    ``split_checkpointing`` its checkpointed and plain options as two stages).
 
     ``switch_cost(layouts)`` returns (seconds, stage order) for a set of used layouts: its switches,
     and any stage-order-dependent correction of the per-stage ``stage_fixed`` charged here
@@ -184,6 +189,10 @@ def solve_exact(
     best_choice: dict[Layout, np.ndarray] = {}
     for lay, tabs in by_layout.items():
         stack = np.vstack([t.stage + t.option.stage_fixed for t in tabs])
+        if split_checkpointing and len(tabs) == 2:  # both stages: one reduction, no switch
+            a, b = tabs
+            pair = np.minimum.reduceat(a.stage[sub] + b.stage[owner ^ sub], starts) + a.option.stage_fixed
+            stack = np.vstack([stack, pair])
         best_choice[lay] = np.argmin(stack, axis=0)
         best = stack.min(axis=0)
         best[0] = INF  # a used layout runs at least one document
@@ -229,8 +238,23 @@ def solve_exact(
     masks[used[0]] = remaining
     stages = []
     for lay in order:
-        tab = by_layout[lay][int(best_choice[lay][masks[lay]])]
-        groups = tab.groups_of(masks[lay])
-        groups += [[] for _ in range(lay.dp - len(groups))]
-        stages.append((tab.option, tuple(tuple(tuple(mb) for mb in g) for g in groups)))
+        tabs, pick = by_layout[lay], int(best_choice[lay][masks[lay]])
+        parts = [(tabs[pick], masks[lay])] if pick < len(tabs) else _split(tabs, masks[lay])
+        for tab, mask in parts:
+            if not mask:
+                continue
+            groups = tab.groups_of(mask)
+            groups += [[] for _ in range(lay.dp - len(groups))]
+            stages.append((tab.option, tuple(tuple(tuple(mb) for mb in g) for g in groups)))
     return ExactSolution(best_total, tuple(stages))
+
+
+def _split(tabs: Sequence[_Option], mask: int) -> list[tuple[_Option, int]]:
+    """The documents of ``mask`` for each of a layout's two options, attaining the split minimum."""
+    a, b = tabs
+    best, cut = INF, 0
+    for t in _ascending_submasks(mask):
+        value = a.stage[t] + b.stage[mask ^ t]
+        if value < best:
+            best, cut = value, t
+    return [(a, cut), (b, mask ^ cut)]

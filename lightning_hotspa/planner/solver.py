@@ -92,6 +92,10 @@ class CostModelPlanner(PlannerBase):
         static_margin: run a multi-layout plan only if the best single-layout plan of the same
             documents is predicted slower by more than this fraction (:mod:`.static_guard`; default
             the profiled cost model's measured held-out error); 0 trusts every predicted gain.
+        split_checkpointing: with ``activation_checkpointing="auto"``, a layout may run two
+            stages, one checkpointed (the documents only it holds) and one not (the runtime's
+            checkpointing is per stage; same working copy, one gradient reduction); False: one
+            stage per layout.
     """
 
     def __init__(
@@ -108,6 +112,7 @@ class CostModelPlanner(PlannerBase):
         plan_lag: int = 2,
         exact_max_docs: int = 10,
         static_margin: float = DEFAULT_STATIC_MARGIN,
+        split_checkpointing: bool = True,
     ) -> None:
         name = type(self).__name__
         self.static_margin = check_margin(static_margin, name)
@@ -126,6 +131,7 @@ class CostModelPlanner(PlannerBase):
             tokens_per_rank = check_int(tokens_per_rank, f"{name}: tokens_per_rank", error=PlanError)
         self.tokens_per_rank = tokens_per_rank
         self.exact_max_docs = int(exact_max_docs)
+        self.split_checkpointing = bool(split_checkpointing)
         self.profiled = bool(profiled)
         self._plan_lag = check_int(plan_lag, f"{name}: plan_lag", minimum=0, error=PlanError)
         self.coefficients = ProfiledCoefficients(refit_every=refit_every)
@@ -265,13 +271,14 @@ class CostModelPlanner(PlannerBase):
 
     def _solve_over(self, lengths: np.ndarray, option_list: list[OptionCost]) -> tuple[float, list]:
         if lengths.size <= self.exact_max_docs:
-            sol = solve_exact(lengths, option_list, self.stage_order)
+            sol = solve_exact(lengths, option_list, self.stage_order, self.split_checkpointing)
             # the DP's stage is the slowest dp group; an fsdp stage runs in lockstep rounds (priced here)
             total = sol.objective + sum(evaluate_groups(o, o.doc_seconds(o.padded(lengths)), g)
                                         - _slowest_group(o, lengths, g) - o.stage_fixed
                                         for o, g in sol.stages if o.parallelism.fsdp)
             return total, [(o, g) for o, g in sol.stages]
-        total, stages = solve_heuristic(lengths, option_list, self.stage_order)
+        total, stages = solve_heuristic(lengths, option_list, self.stage_order,
+                                        split_checkpointing=self.split_checkpointing)
         return self._polish(lengths, total, stages)
 
     def _polish(self, lengths: np.ndarray, total: float, stages: list) -> tuple[float, list]:

@@ -3,7 +3,9 @@
 Why: a multi-layout plan wins only by the cost model's prediction, and predictions err. On the CPU
 box the planner switched for predicted gains of 0-8 % that noise and per-stage costs ate (issue 15).
 So for every step the solver also plans the same documents in each single candidate layout and keeps
-the multi-layout plan only when ``best single / multi - 1 > margin``.
+the multi-layout plan only when ``best single / multi - 1 > margin``. A plan already in one layout is
+checked too (margin 0): the heuristic's one-layout plan, picked among all options, can be slower than
+a layout solved alone. A single layout whose lower bound cannot win is not solved (planner time).
 
 The default margin is the measured mean held-out stage-time error of the profiled cost model
 (``hotspa check-calibration``, six runs, BENCHMARKS.md "Profiled calibration": 14.7 %): a gain
@@ -63,13 +65,13 @@ def guard(lengths: np.ndarray, options: Sequence[OptionCost], multi: Solution, m
     total, stages = multi
     used = {opt.parallelism for opt, _ in stages}
     longest = int(lengths.max())
+    by_layout: dict[object, list[OptionCost]] = {}
+    for opt in options:
+        by_layout.setdefault(opt.parallelism, []).append(opt)
+    bounds = sorted((_lower_bound(lengths, opts, longest), i, par) for i, (par, opts) in enumerate(by_layout.items()))
     best: Solution | None = None
     best_name = ""
     if len(used) > 1:
-        by_layout: dict[object, list[OptionCost]] = {}
-        for opt in options:
-            by_layout.setdefault(opt.parallelism, []).append(opt)
-        bounds = sorted((_lower_bound(lengths, opts, longest), i, par) for i, (par, opts) in enumerate(by_layout.items()))
         threshold = total * (1.0 + margin)
         for bound, _, par in bounds:  # cheapest bound first; a bound above the threshold (or the
             if bound > threshold or (best is not None and bound >= best[0]):  # best so far) cannot
@@ -80,8 +82,17 @@ def guard(lengths: np.ndarray, options: Sequence[OptionCost], multi: Solution, m
         if best is None and bounds and np.isfinite(bounds[0][0]):  # every single layout is bounded
             bound, _, par = bounds[0]  # out: report the best bound as its time (a lower bound)
             return multi, GuardDecision(total, bound, f"{par.name} (bound)", margin, False)
-    else:  # already one layout: it is its own static plan
-        best, best_name = multi, next(iter(used)).name
+    else:  # already one layout, but a heuristic's pick: a layout solved alone (another, or this
+        own = next(iter(used))  # one without the other options' distraction) may plan these
+        best, best_name = multi, own.name  # documents faster; then that runs (static either way)
+        for bound, _, par in bounds:
+            if bound >= best[0]:
+                break
+            single = solve(lengths, by_layout[par])
+            if single[0] < best[0] * (1 - 1e-9):
+                best, best_name = single, par.name
+        if best is not multi:
+            return best, GuardDecision(total, best[0], best_name, margin, True)
     if best is None:
         return multi, GuardDecision(total, float("inf"), "", margin, False)
     fall_back = best is not multi and not best[0] > total * (1.0 + margin)
@@ -91,12 +102,14 @@ def guard(lengths: np.ndarray, options: Sequence[OptionCost], multi: Solution, m
 
 def _lower_bound(lengths: np.ndarray, options: Sequence[OptionCost], longest: int) -> float:
     """No single-layout plan over ``options`` is faster: its slowest dp group is at least the mean
-    group (documents' seconds plus the fewest micro-batches that hold their tokens, over dp)."""
-    best = np.inf
+    group (each document's seconds in the cheapest of the layout's options that holds it, plus its
+    share of the fewest micro-batches, over dp). Per document, not per option: the layout may run
+    a checkpointed stage for the documents that need it and a plain one for the rest."""
+    if not options or max(opt.max_doc_length for opt in options) < longest:
+        return np.inf
+    work = np.full(lengths.size, np.inf)
     for opt in options:
-        if opt.max_doc_length < longest:
-            continue
         padded = opt.padded(lengths)
-        work = float(opt.doc_seconds(padded).sum()) + opt.per_micro_batch * float(padded.sum()) / opt.capacity
-        best = min(best, work / opt.parallelism.dp)
-    return best
+        secs = opt.doc_seconds(padded) + opt.per_micro_batch * padded / opt.capacity
+        work = np.minimum(work, np.where(padded <= opt.capacity, secs, np.inf))
+    return float(work.sum()) / options[0].parallelism.dp

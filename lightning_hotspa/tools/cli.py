@@ -185,13 +185,12 @@ def _cmd_simulate(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _cmd_long_grid(args: argparse.Namespace) -> dict[str, Any]:
-    from ..planner.static_guard import DEFAULT_STATIC_MARGIN
     from .long_grid import LONG_GRID, SMOKE_GRID, long_grid, print_long_grid
 
-    margin = DEFAULT_STATIC_MARGIN if args.margin is None else args.margin
-    if not 0 <= margin < 10:
-        raise CliError(f"--margin must be in [0, 10), got {margin}")
-    result = long_grid(LONG_GRID if args.grid == "long" else SMOKE_GRID, args.batches, args.seed, margin)
+    if args.margin is not None and not 0 <= args.margin < 10:
+        raise CliError(f"--margin must be in [0, 10), got {args.margin}")
+    result = long_grid(LONG_GRID if args.grid == "long" else SMOKE_GRID, args.batches, args.seed, args.margin,
+                       breakdown=args.breakdown)  # margin None: the planner's default
     print_long_grid(result)
     return {"command": "simulate", **result}
 
@@ -403,6 +402,7 @@ def build_parser() -> argparse.ArgumentParser:
                      "long: Llama 3 8B/70B, 7B/13B, 32K-512K, 8-1024 H100/H200 (tools/long_grid.py); smoke: 1 cell")
     sim.add_argument("--margin", type=float, default=None,
                      help="--grid long/smoke: the planner's static_margin (default: its own, 0.147)")
+    sim.add_argument("--breakdown", action="store_true", help="--grid long/smoke: the oracle ladder (oracles.py)")
     sim.add_argument("--json", action="store_true")
     cal = sub.add_parser("calibrate", help="measure the cpu-gloo profile on local gloo ranks")
     cal.add_argument("--ranks", type=_positive, default=4)

@@ -27,16 +27,18 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from ..layout import LayoutError
+from ..layout import Layout, LayoutError
 from ..planner.candidates import auto_layouts, enumerate_layouts, layout_rates
 from ..planner.cost_model import AnalyticCostModel, Parallelism
 from ..planner.solver import CostModelPlanner
 from ..planner.static_guard import DEFAULT_STATIC_MARGIN
 from .artifact_rule import RuleNotFoundError, artifact_rule
+from .oracles import LADDER, oracle_from_rates, oracle_ladder, print_breakdown
 from .simulate import geometric_mean, rule_seconds, static_seconds
 
 __all__ = ["LONG_GRID", "SMOKE_GRID", "long_cell", "long_grid", "print_long_grid", "token_batch"]
@@ -82,30 +84,20 @@ def token_batch(data: str, context: int, tokens: int, seed: int) -> np.ndarray:
         n *= 2
 
 
-def oracle_seconds(cm: AnalyticCostModel, lengths: np.ndarray) -> float:
+def oracle_seconds(cm: AnalyticCostModel, lengths: np.ndarray, layouts: Sequence[Layout] | None = None,
+                   fixed: float | None = None) -> float:
     """The smallest step time ``T`` such that every document can go to a layout of ALL layouts (any
     mix, no mesh constraint, checkpointing per document) in which it finishes within ``T`` on one dp
     group, and the documents' work, perfectly balanced over dp groups and micro-batches, plus one
     gradient reduction (the cheapest) fits in ``T``. Free switches. (Without the first condition a
-    512K document would be "spread" over dp groups it cannot be split across.)"""
-    layouts = enumerate_layouts(cm.world_size, cm)
+    512K document would be "spread" over dp groups it cannot be split across.)
+
+    ``layouts`` / ``fixed``: only these layouts, and these fixed seconds instead of the cheapest
+    reduction (the tighter oracles of :mod:`.oracles`)."""
+    layouts = list(enumerate_layouts(cm.world_size, cm) if layouts is None else layouts)
     rates = layout_rates(cm, layouts, lengths)  # [layout, doc] seconds / dp: perfectly balanced work
-    alone = rates * np.array([lay.dp for lay in layouts], dtype=np.float64)[:, None]  # on one dp group
-    reduce = min(cm.grad_reduce_seconds(lay) for lay in layouts)
-
-    def work(limit: float) -> float:
-        return float(np.where(alone <= limit, rates, np.inf).min(axis=0).sum()) + reduce
-
-    lo, hi = float(np.min(alone, axis=0).max()), max(work(math.inf), float(np.min(alone, axis=0).max()))
-    if not math.isfinite(lo):
-        return math.inf
-    hi = max(hi, work(lo))
-    if work(lo) <= lo:
-        return lo
-    for _ in range(60):  # work(T) falls as T grows: bisect for the smallest T with work(T) <= T
-        mid = 0.5 * (lo + hi)
-        lo, hi = (lo, mid) if work(mid) <= mid else (mid, hi)
-    return hi
+    reduce = min(cm.grad_reduce_seconds(lay) for lay in layouts) if fixed is None else float(fixed)
+    return oracle_from_rates(rates, np.array([lay.dp for lay in layouts], dtype=np.float64), reduce)
 
 
 def megatron_rows_seconds(cm: AnalyticCostModel, lengths: np.ndarray, context: int) -> tuple[float, str]:
@@ -129,18 +121,22 @@ def megatron_rows_seconds(cm: AnalyticCostModel, lengths: np.ndarray, context: i
 
 
 def long_cell(model: str, gpus: int, context: int, data: str, hardware: str, batches: int = 2, seed: int = 0,
-              margin: float = DEFAULT_STATIC_MARGIN) -> dict[str, Any]:
-    """One cell; ``feasible`` False (with ``reason``) when no layout holds the context."""
+              margin: float = DEFAULT_STATIC_MARGIN, breakdown: bool = False) -> dict[str, Any]:
+    """One cell; ``feasible`` False (with ``reason``) when no layout holds the context.
+    ``breakdown``: also the oracle ladder of :mod:`.oracles` and ours with margin 0."""
     cm = AnalyticCostModel(model, hardware, gpus)
     tokens = max(TOKENS_PER_GPU * gpus, 2 * context)
     out: dict[str, Any] = {"model": model, "gpus": gpus, "context": context, "data": data, "hardware": hardware,
                            "tokens_per_step": tokens}
-    # candidates chosen on other data: 3 batches in one for scoring sets, 16 more to pick the best
-    # static layout (every set then holds it: the guard's fallback) robustly
-    sample = np.concatenate([token_batch(data, context, tokens, seed + 7919 + i) for i in range(3)])
+    # candidates chosen on other data: 3 batches (in one for the relaxed scores, one by one for the
+    # solver's), 16 more to pick the best static layout (every set then holds it: the guard's
+    # fallback) robustly
+    samples = [token_batch(data, context, tokens, seed + 7919 + i) for i in range(3)]
+    sample = np.concatenate(samples)
     try:
         static_sample = [token_batch(data, context, tokens, seed + 104729 + i) for i in range(16)]
-        layouts = auto_layouts(gpus, cm.model, cm.hardware, context, lengths=sample, static_batches=static_sample)
+        layouts = auto_layouts(gpus, cm.model, cm.hardware, context, lengths=sample, static_batches=static_sample,
+                               refine_batches=samples)
     except LayoutError as err:
         return {**out, "feasible": False, "reason": str(err)}
     planner = CostModelPlanner(layouts, model=cm.model, hardware=cm.hardware, static_margin=margin)
@@ -150,13 +146,22 @@ def long_cell(model: str, gpus: int, context: int, data: str, hardware: str, bat
     static_totals = {p: 0.0 for p in statics}
     planners: dict[Parallelism, CostModelPlanner] = {}
     fallbacks, rows_layout, has_rule = 0, "", True
+    ladder = {k: 0.0 for k in (*LADDER, "ours_margin0")}
+    free = CostModelPlanner(layouts, model=cm.model, hardware=cm.hardware, static_margin=0.0) if breakdown else None
     for b in range(batches):
         lengths = token_batch(data, context, tokens, seed + b)
         sums["ours"] += planner.solve(lengths)[0]
         fallbacks += bool(planner.last_decision and planner.last_decision.fell_back)
         for p in statics:
             static_totals[p] += static_seconds(cm, p, lengths, planners)
-        sums["oracle"] += oracle_seconds(cm, lengths)
+        if breakdown:
+            steps = oracle_ladder(cm, lengths, layouts)
+            for k, v in steps.items():
+                ladder[k] += v
+            ladder["ours_margin0"] += free.solve(lengths)[0] if free is not None and margin > 0 else 0.0
+            sums["oracle"] += steps["oracle"]
+        else:
+            sums["oracle"] += oracle_seconds(cm, lengths)
         secs, rows_layout = megatron_rows_seconds(cm, lengths, context)
         sums["rows"] += secs
         try:
@@ -169,7 +174,17 @@ def long_cell(model: str, gpus: int, context: int, data: str, hardware: str, bat
     best_u = min(ulysses, key=lambda p: (static_totals[p], p.name)) if ulysses else None
     static_s = static_totals[best]
     ours_x, oracle_x = static_s / sums["ours"], static_s / sums["oracle"]
-    return {**out, "feasible": True, "layouts": [x.name for x in layouts], "best_static": best.name,
+    extra: dict[str, Any] = {}
+    if breakdown:
+        if margin == 0:
+            ladder["ours_margin0"] = sums["ours"]
+        own = [p for p in statics if p.layout() in layouts]  # the guard's fallbacks
+        ladder["ours"] = sums["ours"]
+        ladder["candidate_static"] = min((static_totals[p] for p in own), default=math.inf)
+        extra["breakdown"] = {k: static_s / v for k, v in ladder.items()}
+        tight = extra["breakdown"]["reductions"]  # the issue's oracle (free switches) paying reductions
+        extra["captured_vs_reductions"] = (ours_x - 1) / (tight - 1) if tight > 1.01 else None
+    return {**out, **extra, "feasible": True, "layouts": [x.name for x in layouts], "best_static": best.name,
             "ours_s": sums["ours"] / batches, "static_s": static_s / batches, "oracle_s": sums["oracle"] / batches,
             "megatron_rows_s": sums["rows"] / batches, "megatron_rows_layout": rows_layout,
             "best_static_ulysses_only": best_u.name if best_u else "",
@@ -182,16 +197,27 @@ def long_cell(model: str, gpus: int, context: int, data: str, hardware: str, bat
 
 
 def long_grid(grid: dict[str, Any] | None = None, batches: int = 2, seed: int = 0,
-              margin: float = DEFAULT_STATIC_MARGIN) -> dict[str, Any]:
-    """Every cell and the headline: geomean over cells, share of the oracle's headroom captured."""
+              margin: float | None = DEFAULT_STATIC_MARGIN, breakdown: bool = False) -> dict[str, Any]:
+    """Every cell and the headline: geomean over cells, share of the oracle's headroom captured;
+    ``margin`` None: the planner's default; ``breakdown``: per cell the oracle ladder
+    (:mod:`.oracles`) and its geomeans."""
     grid = grid or LONG_GRID
+    margin = DEFAULT_STATIC_MARGIN if margin is None else margin
     start = time.perf_counter()
-    cells = [long_cell(m, g, c, d, hw, batches, seed, margin)
+    cells = [long_cell(m, g, c, d, hw, batches, seed, margin, breakdown)
              for hw in grid["hardware"] for m, g, c in grid["settings"] for d in grid["data"]]
     ok = [c for c in cells if c["feasible"]]
     big = [c["ours_over_static"] for c in ok if c["oracle_over_static"] >= 1.4]
     captured = [c["captured"] for c in ok if c["captured"] is not None]
-    return {"grid": "long", "margin": margin, "batches_per_cell": batches, "cells": cells,
+    extra: dict[str, Any] = {}
+    if breakdown and ok:
+        extra["breakdown_summary"] = {k: geometric_mean([c["breakdown"][k] for c in ok]) for k in ok[0]["breakdown"]}
+        tight = [c["captured_vs_reductions"] for c in ok if c["captured_vs_reductions"] is not None]
+        extra.update(mean_captured_vs_reductions=float(np.mean(tight)) if tight else None,
+                     min_captured_vs_reductions=min(tight) if tight else None,
+                     cells_captured_vs_reductions_ge_0_9=sum(x >= 0.9 for x in tight),
+                     cells_with_reductions_headroom=len(tight))
+    return {"grid": "long", **extra, "margin": margin, "batches_per_cell": batches, "cells": cells,
             "geomean_ours_over_static": geometric_mean([c["ours_over_static"] for c in ok]),
             "geomean_oracle_over_static": geometric_mean([c["oracle_over_static"] for c in ok]),
             "geomean_where_oracle_ge_1_4": geometric_mean(big) if big else None,
@@ -225,3 +251,5 @@ def print_long_grid(result: dict[str, Any]) -> None:
           f"({result['cells_where_oracle_ge_1_4']} cells): {'-' if g14 is None else f'{g14:.3f}x'}; captured "
           f"headroom min {result['min_captured']}, mean {result['mean_captured']} over "
           f"{result['cells_with_headroom']} cells with oracle > 1.01x ({result['seconds']:.0f} s)")
+    if "breakdown_summary" in result:
+        print_breakdown(result)

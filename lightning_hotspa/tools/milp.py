@@ -9,8 +9,10 @@ use: it is a test dependency.
 Variables: ``x[i,o,g]`` document i in option o's dp group g (only where it fits), ``y[o]`` option
 used, ``n[o,g]`` micro-batches, ``z[o]`` stage compute seconds, ``w[U]`` the set of used layouts is
 exactly U (its switch cost, less the gradient reductions same-tp neighbours share: ``stage_order``).
-Rows: each document once; at most one option per layout; a used option runs at least one document;
-``z[o] >= sum c x + d n`` per group; capacity; symmetric dp groups ordered by load.
+Rows: each document once; per layout one option, or both its plain and checkpointed options
+(``split_checkpointing``: two stages back to back; ``b[layout]`` refunds the second reduction); a
+used option runs at least one document; ``z[o] >= sum c x + d n`` per group; capacity; symmetric dp
+groups ordered by load.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ class MilpResult:
 
 def solve_milp(lengths: Sequence[int], options: Sequence[OptionCost],
                switch_cost: Callable[[tuple[Layout, ...]], tuple[float, tuple[Layout, ...]]],
-               time_limit: float = 30.0) -> MilpResult:
+               time_limit: float = 30.0, split_checkpointing: bool = True) -> MilpResult:
     import highspy
 
     arr = np.asarray(lengths, dtype=np.int64)
@@ -97,9 +99,16 @@ def solve_milp(lengths: Sequence[int], options: Sequence[OptionCost],
             w[used] = col(switch_cost(used)[0], 0, 1, True)
     row(1, 1, list(w.values()), [1.0] * len(w))
     for lay in layouts:
-        ys = [y[o] for o, opt in enumerate(options) if opt.parallelism.layout() == lay]
+        mine = [o for o, opt in enumerate(options) if opt.parallelism.layout() == lay]
+        ys = [y[o] for o in mine]
         ws = [v for used, v in w.items() if lay in used]
-        row(0, 0, ys + ws, [1.0] * len(ys) + [-1.0] * len(ws))
+        both: list[int] = []
+        if split_checkpointing and len(mine) == 2:  # both stages: one reduction, refunded here
+            b = col(-options[mine[0]].stage_fixed, 0, 1, True)
+            for o in mine:
+                row(-inf, 0, [b, y[o]], [1, -1])
+            both = [b]
+        row(0, 0, ys + both + ws, [1.0] * len(ys) + [-1.0] * (len(both) + len(ws)))
     h.run()
     info = h.getInfo()
     status = h.getModelStatus()

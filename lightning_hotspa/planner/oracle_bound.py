@@ -1,0 +1,100 @@
+"""Lower bounds of a step over a set of layouts, from per-document rates: what no plan beats.
+
+``rates[layout, doc]`` are world-seconds (a document's seconds over the layout's dp groups, best
+checkpointing: :func:`~.candidates.layout_rates`). The step ``T`` must let every document finish
+alone on one dp group of its layout, and the documents' balanced work fit in ``T``
+(:func:`oracle_assignment`). :func:`charged_oracle` adds what a real plan pays outside compute:
+one gradient reduction per tp degree and working copy used (a run of such stages reduces once), and optionally
+the cheapest switch order between those degrees. The long grid's oracles (``tools/oracles.py``)
+and the candidate choice (:mod:`.candidates`, which seeds candidate sets with the layouts this
+bound uses) share it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+from ..layout import Layout
+from .cost_model import AnalyticCostModel
+
+__all__ = ["charged_oracle", "oracle_assignment", "oracle_from_rates"]
+
+
+def oracle_assignment(rates: np.ndarray, dp: np.ndarray) -> tuple[float, np.ndarray]:
+    """(``T``, per document the row it goes to): the smallest ``T`` such that each document goes to
+    its least world-seconds row among those where it alone takes at most ``T`` on one dp group, and
+    that work sums to at most ``T``. ``T`` is inf (rows -1) when some document fits no row."""
+    if rates.shape[0] == 0:
+        return math.inf, np.full(rates.shape[1], -1)
+    alone = rates * dp[:, None]  # a document's seconds on one dp group
+
+    def pick(limit: float) -> tuple[np.ndarray, float]:
+        masked = np.where(alone <= limit, rates, np.inf)
+        rows = masked.argmin(axis=0)
+        return rows, float(masked[rows, np.arange(rows.size)].sum())
+
+    lo = float(np.min(alone, axis=0).max())
+    if not math.isfinite(lo):
+        return math.inf, np.full(rates.shape[1], -1)
+    rows, work = pick(lo)
+    if work <= lo:
+        return lo, rows
+    hi = max(lo, pick(math.inf)[1], work)
+    for _ in range(60):  # work(T) falls as T grows: bisect for the smallest T with work(T) <= T
+        mid = 0.5 * (lo + hi)
+        lo, hi = (lo, mid) if pick(mid)[1] <= mid else (mid, hi)
+    return hi, pick(hi)[0]
+
+
+def oracle_from_rates(rates: np.ndarray, dp: np.ndarray, fixed: float) -> float:
+    """The smallest ``T`` as in :func:`oracle_assignment`, with ``fixed`` seconds added to the work
+    (the long grid's loosest oracle: the reduction may hide in the longest document's idle groups)."""
+    if rates.shape[0] == 0:
+        return math.inf
+    alone = rates * dp[:, None]
+
+    def work(limit: float) -> float:
+        return float(np.where(alone <= limit, rates, np.inf).min(axis=0).sum()) + fixed
+
+    lo = float(np.min(alone, axis=0).max())
+    if not math.isfinite(lo):
+        return math.inf
+    if work(lo) <= lo:
+        return lo
+    hi = max(lo, work(math.inf), work(lo))
+    for _ in range(60):
+        mid = 0.5 * (lo + hi)
+        lo, hi = (lo, mid) if work(mid) <= mid else (mid, hi)
+    return hi
+
+
+def charged_oracle(cm: AnalyticCostModel, rates: np.ndarray, layouts: Sequence[Layout], *,
+                   switches: bool) -> tuple[float, np.ndarray]:
+    """(seconds, per document the index into ``layouts`` it goes to) of the best subset of gradient
+    kinds (tp degree and working copy: the runs of stages that share one reduction,
+    ``shares_gradients``): compute as :func:`oracle_assignment` over those kinds' layouts, then one
+    gradient reduction per kind and, with ``switches``, the cheapest switch order visiting the kinds
+    (switch bytes depend on the tp degree and the working copy only: one layout per kind stands in)."""
+    layouts = list(layouts)
+    dp = np.array([lay.dp for lay in layouts], dtype=np.float64)
+    by_tp: dict[tuple[int, bool], list[int]] = {}
+    for i, lay in enumerate(layouts):
+        by_tp.setdefault((lay.tp, lay.fsdp), []).append(i)
+    degrees = sorted(by_tp)
+    best, best_rows = math.inf, np.full(rates.shape[1], -1)
+    for size in range(1, len(degrees) + 1):
+        for subset in itertools.combinations(degrees, size):
+            idx = [i for t in subset for i in by_tp[t]]
+            fixed = sum(min(cm.grad_reduce_seconds(layouts[i]) for i in by_tp[t]) for t in subset)
+            if switches:
+                reps = [layouts[by_tp[t][0]] for t in subset]
+                fixed += min(cm.switch_sequence_seconds(p) for p in itertools.permutations(reps))
+            compute, rows = oracle_assignment(rates[idx], dp[idx])
+            if compute + fixed < best:  # reductions and switches run outside compute (the cost model
+                best = compute + fixed  # overlaps neither): after it
+                best_rows = np.asarray(idx)[rows]
+    return best, best_rows
