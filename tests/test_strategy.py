@@ -318,6 +318,25 @@ def test_strategy_arguments_are_validated():
     importlib.reload(lightning_hotspa)  # registering twice is harmless
 
 
+def test_auto_checkpointing_follows_a_planner_that_decides_it_per_stage():
+    """Under "auto" the strategy's own rule (tp*cp > 1 layouts) applies only when the planner does
+    not decide checkpointing per stage: it would otherwise recompute stages the cost planner planned
+    and priced without recomputation."""
+    from lightning_hotspa.planner import PlannerBase
+    from lightning_hotspa.planner.solver import CostModelPlanner
+
+    tp = Layout.parse("dp2xtp2")
+    strategy = HotSPaStrategy(["dp4", "dp2xtp2"], activation_checkpointing="auto")
+    assert strategy.activation_checkpointing_for(tp) and not strategy.activation_checkpointing_for(Layout.parse("dp4"))
+    strategy._planner = CostModelPlanner(["dp4", "dp2xtp2"], model="tiny")
+    assert not strategy.activation_checkpointing_for(tp)
+    strategy._planner = PlannerBase()  # e.g. the threshold rule: stages carry no decision
+    assert strategy.activation_checkpointing_for(tp)
+    forced = HotSPaStrategy(["dp4", "dp2xtp2"], activation_checkpointing=True)
+    forced._planner = CostModelPlanner(["dp4", "dp2xtp2"], model="tiny")
+    assert forced.activation_checkpointing_for(tp)
+
+
 def validate_and_log(log_dir):
     """Validation over step plans in several layouts, and the per-stage metrics reaching a logger."""
     from lightning.pytorch.loggers import CSVLogger

@@ -79,8 +79,8 @@ class HotSPaStrategy(GuardedCollectives, StrategyCheckpoints, ParallelStrategy):
             or a ready :class:`~lightning_hotspa.planner.base.Planner`.
         hardware: hardware profile name for ``planner="cost"`` (e.g. ``"cpu-gloo"``, ``"h200"``);
             default: the profile of the device it runs on (``cpu-gloo`` on CPU).
-        activation_checkpointing: ``False``, ``True`` (all layouts), ``"auto"`` (layouts with
-            tp*cp > 1, the long-sequence ones) or a list of layouts.
+        activation_checkpointing: ``False``, ``True`` (all layouts), ``"auto"`` (the cost planner
+            decides per stage; other planners: layouts with tp*cp > 1) or a list of layouts.
         default_layout: the layout plain (non-plan) batches, validation and prediction run in;
             default: the most data-parallel candidate.
         nonfinite: what a NaN/Inf micro-batch loss does, decided alike on every rank before the
@@ -254,6 +254,11 @@ class HotSPaStrategy(GuardedCollectives, StrategyCheckpoints, ParallelStrategy):
         return choose_default_layout(self._default_layout_spec, self.layouts)
 
     def activation_checkpointing_for(self, layout: Layout) -> bool:
+        """What the strategy adds to a stage's own flag. Under ``"auto"`` a planner that decides
+        checkpointing per stage (the cost planner) is followed: forcing it on every tp*cp > 1 layout
+        would recompute stages it planned (and priced) without recomputation."""
+        if self._ac_spec == "auto" and self._planner is not None and self._planner.decides_checkpointing:
+            return False
         return checkpointing_for(self._ac_spec, layout)
 
     # ------------------------------------------------------------------ setup

@@ -40,6 +40,9 @@ class Planner(Protocol):
     cost_fn: DocCost | None
     #: bucket upper bounds the user set by hand (a document must be able to reach each)
     hand_set_bounds: tuple[int, ...]
+    #: True if each stage's ``activation_checkpointing`` flag is this planner's decision, which the
+    #: strategy's ``activation_checkpointing="auto"`` then follows (False: the strategy's rule adds to it)
+    decides_checkpointing: bool
 
     def capacity(self, layout: Layout) -> int:
         """Most tokens one micro-batch may hold in ``layout`` (a tp x cp group's activation budget)."""
@@ -83,6 +86,7 @@ class PlannerBase:
     last_version: int = -1
     cost_fn: DocCost | None = None
     hand_set_bounds: tuple[int, ...] = ()
+    decides_checkpointing: bool = False
 
     def capacity(self, layout: Layout) -> int:
         raise NotImplementedError
@@ -111,7 +115,8 @@ class PlannerBase:
         pass
 
 
-_MEMBERS = ("layouts", "profiled", "last_version", "cost_fn", "hand_set_bounds", "capacity", "longest_document",
+_MEMBERS = ("layouts", "profiled", "last_version", "cost_fn", "hand_set_bounds", "decides_checkpointing", "capacity",
+            "longest_document",
             "plan", "predict", "ensure_plan_lag", "observe", "refit", "state_dict", "load_state_dict")
 
 

@@ -114,6 +114,7 @@ class CostModelPlanner(PlannerBase):
         static_margin: float = DEFAULT_STATIC_MARGIN,
         split_checkpointing: bool = True,
     ) -> None:
+        self.decides_checkpointing = True  # each stage's flag is the plan's choice (priced so)
         name = type(self).__name__
         self.static_margin = check_margin(static_margin, name)
         self.last_decision: GuardDecision | None = None  # the guard's view of the last solve
