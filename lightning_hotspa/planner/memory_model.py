@@ -15,7 +15,15 @@ from typing import Any
 from ..layout import Layout
 from .parallelism import Parallelism
 
-__all__ = ["MemoryModel", "MemoryUse"]
+__all__ = ["MODEL_ERROR_MARGIN", "MemoryModel", "MemoryUse"]
+
+#: The planner plans against ``predicted peak x (1 + margin) <= usable``: a margin for the memory model's
+#: OWN error (not for what the tracker cannot see: that is the hardware profile's reserve). Derived from
+#: the measured error, not tuned per row: the largest |measured / predicted - 1| of the full
+#: ``hotspa memory`` table was 0.0071 (BENCHMARKS.md "Memory at scale"); 0.02 leaves 2.8x headroom.
+#: With it every layout the planner calls feasible fits with its capacity micro-batch while one it calls
+#: infeasible would have fit by at most ~2.7 % (1 - (1 - 0.0071) / 1.02).
+MODEL_ERROR_MARGIN = 0.02
 
 
 @dataclass(frozen=True)
@@ -25,11 +33,17 @@ class MemoryUse:
     home: float
     working: float
     activation_per_token: float  # per token of the micro-batch (already divided by tp*cp)
-    usable: float
+    usable: float  # the hardware's usable bytes (after its reserve): what "fits" compares with
+    margin: float = 0.0  # the model's own error margin (:data:`MODEL_ERROR_MARGIN`)
+
+    @property
+    def planning_budget(self) -> float:
+        """Bytes a predicted peak may reach: ``usable / (1 + margin)``."""
+        return self.usable / (1.0 + self.margin)
 
     @property
     def free_for_activations(self) -> float:
-        return self.usable - self.home - self.working
+        return self.planning_budget - self.home - self.working
 
 
 class MemoryModel:
@@ -37,6 +51,8 @@ class MemoryModel:
 
     model: Any
     hardware: Any
+    #: planned peak x (1 + this) <= usable; set 0 to plan against the bare prediction
+    model_error_margin: float = MODEL_ERROR_MARGIN
 
     # What our runtime holds per rank, term by term; checked against the real code path under
     # FakeTensorMode + MemTracker by ``hotspa memory`` (tools/memory.py). TP here has no sequence
@@ -101,7 +117,7 @@ class MemoryModel:
             (largest * self.param_bytes if self.grad_accum_bytes != self.param_bytes else 0.0)
         act = self.activation_bytes_per_token(activation_checkpointing, par.tp, par.cp)
         usable = hw.memory_bytes * hw.memory_usable_fraction - hw.memory_reserved_bytes
-        return MemoryUse(home, working, act, usable)
+        return MemoryUse(home, working, act, usable, self.model_error_margin)
 
     def peak_bytes(self, par: Parallelism | Layout, activation_checkpointing: bool, tokens: int) -> float:
         """Predicted peak bytes per rank with a micro-batch of ``tokens`` (no reserve: compare with
@@ -111,7 +127,8 @@ class MemoryModel:
         return mem.home + mem.working + mem.activation_per_token * tokens + quadratic
 
     def capacity(self, par: Parallelism | Layout, activation_checkpointing: bool) -> int:
-        """Most tokens one micro-batch may hold (0: the weights alone do not fit)."""
+        """Most tokens one micro-batch may hold (0: the weights alone do not fit): its predicted peak
+        stays within the planning budget (usable / (1 + ``model_error_margin``))."""
         mem = self.memory(par, activation_checkpointing)
         free = mem.free_for_activations
         if free <= 0:
