@@ -9,6 +9,7 @@ against the real code path under FakeTensorMode + the fake process group by ``ho
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +25,10 @@ __all__ = ["MODEL_ERROR_MARGIN", "MemoryModel", "MemoryUse"]
 #: With it every layout the planner calls feasible fits with its capacity micro-batch while one it calls
 #: infeasible would have fit by at most ~2.7 % (1 - (1 - 0.0071) / 1.02).
 MODEL_ERROR_MARGIN = 0.02
+
+#: parallel.kv_gather.BLOCK_ELEMENTS (the planner does not import parallel): most (query rows x keys x
+#: heads) entries one SDPA call of the KV gather holds; tests/test_memory.py checks they agree
+KV_BLOCK_ELEMENTS = 2**24
 
 
 @dataclass(frozen=True)
@@ -124,7 +129,38 @@ class MemoryModel:
         the memory estimator, ``hotspa memory``)."""
         mem = self.memory(par, activation_checkpointing)
         quadratic = self.attention_quadratic_bytes(par) * float(tokens) ** 2  # one document: the worst
-        return mem.home + mem.working + mem.activation_per_token * tokens + quadratic
+        kv = self.kv_gather_extra_bytes(par, activation_checkpointing, tokens)
+        return mem.home + mem.working + mem.activation_per_token * tokens + quadratic + kv
+
+    def kv_gather_extra_bytes(self, par: Parallelism | Layout, activation_checkpointing: bool,
+                              tokens: int) -> float:
+        """What all-gather-KV / hybrid cp (``cp_kv > 1``, parallel/kv_gather.py) adds to the peak of a
+        micro-batch of ``tokens``: 0 for Ulysses or no cp.
+
+        Each layer's attention gathers K and V of the WHOLE micro-batch (``tokens`` rows, the kv heads
+        a rank holds after the Ulysses exchange) and its backward holds, besides the re-gathered K/V in
+        the working dtype, an fp32 dK/dV sum, its fp32 row permutation and the cast for the
+        reduce-scatter: ``(2 * wb + 8)`` bytes per gathered element. Per query block SDPA (3-D inputs:
+        the math kernel) holds fp32 scores, probabilities and their gradient for at most
+        ``BLOCK_ELEMENTS`` entries (12 B each). That happens inside a layer's backward, after the loss
+        head's transients and the layer's SwiGLU tensors are freed: it counts only where it exceeds
+        them."""
+        par = Parallelism.of(par)
+        if par.cp_kv == 1 or tokens <= 0:
+            return 0.0
+        m = self.model
+        u, wb, t = par.cp_ulysses, self.param_bytes, float(tokens)
+        kv_heads = m.n_kv_heads // par.tp if m.n_kv_heads % par.tp == 0 else 1
+        kv_heads = kv_heads * (u // math.gcd(kv_heads, u)) // u  # exchange_qkv repeats so u divides them
+        q_heads = m.n_heads / (par.tp * u)
+        gathered = (2.0 * wb + 8.0) * 2 * kv_heads * m.head_dim * t
+        largest_block = max(min(float(KV_BLOCK_ELEMENTS), q_heads * t * t / (2 * par.cp)), q_heads * t)  # >= 1 row
+        transient = gathered + 12.0 * largest_block
+        h, v = m.hidden, m.padded_vocab_size / par.tp
+        norm = 4.0 * h + 2.0 * wb * h
+        freed = (norm + (12.0 if par.tp == 1 else 10.0) * v) / par.cp  # the loss head's transients
+        freed += norm / par.cp + 4.0 * wb * m.ffn_hidden / (par.tp * par.cp)  # this layer's ffn side
+        return max(0.0, transient - freed * t)
 
     def capacity(self, par: Parallelism | Layout, activation_checkpointing: bool) -> int:
         """Most tokens one micro-batch may hold (0: the weights alone do not fit): its predicted peak
@@ -135,6 +171,13 @@ class MemoryModel:
             return 0
         q, b = self.attention_quadratic_bytes(par), mem.activation_per_token
         tokens = int(free // b) if q == 0 else int((-b + (b * b + 4 * q * free) ** 0.5) / (2 * q))
+        if Parallelism.of(par).cp_kv > 1:  # the KV gather's extra is piecewise: bisect below the bound
+            budget = mem.planning_budget
+            lo, hi = 0, tokens
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                lo, hi = (mid, hi) if self.peak_bytes(par, activation_checkpointing, mid) <= budget else (lo, mid - 1)
+            tokens = lo
         q = self.capacity_multiple
         return (tokens // q) * q if tokens >= q else tokens
 
