@@ -9,11 +9,11 @@ against the real code path under FakeTensorMode + the fake process group by ``ho
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
 from ..layout import Layout
+from .kv_gather_memory import kv_gather_extra_bytes, kv_gather_saved_delta
 from .parallelism import Parallelism
 
 __all__ = ["MODEL_ERROR_MARGIN", "MemoryModel", "MemoryUse"]
@@ -21,14 +21,10 @@ __all__ = ["MODEL_ERROR_MARGIN", "MemoryModel", "MemoryUse"]
 #: The planner plans against ``predicted peak x (1 + margin) <= usable``: a margin for the memory model's
 #: OWN error (not for what the tracker cannot see: that is the hardware profile's reserve). Derived from
 #: the measured error, not tuned per row: the largest |measured / predicted - 1| of the full
-#: ``hotspa memory`` table was 0.0071 (BENCHMARKS.md "Memory at scale"); 0.02 leaves 2.8x headroom.
-#: With it every layout the planner calls feasible fits with its capacity micro-batch while one it calls
-#: infeasible would have fit by at most ~2.7 % (1 - (1 - 0.0071) / 1.02).
+#: ``hotspa memory`` table was 0.0081 (llama7b dp2xtp8 on 16; BENCHMARKS.md "Memory at scale"); 0.02
+#: leaves 2.5x headroom. With it every layout the planner calls feasible fits with its capacity
+#: micro-batch, while one it calls infeasible would have fit by at most ~2.8 % (1 - (1 - 0.0081) / 1.02).
 MODEL_ERROR_MARGIN = 0.02
-
-#: parallel.kv_gather.BLOCK_ELEMENTS (the planner does not import parallel): most (query rows x keys x
-#: heads) entries one SDPA call of the KV gather holds; tests/test_memory.py checks they agree
-KV_BLOCK_ELEMENTS = 2**24
 
 
 @dataclass(frozen=True)
@@ -120,7 +116,8 @@ class MemoryModel:
         largest = self.model.padded_vocab_size * self.model.hidden / par.tp  # the LM head
         working = per_rank * (self.param_bytes + self.grad_accum_bytes) + \
             (largest * self.param_bytes if self.grad_accum_bytes != self.param_bytes else 0.0)
-        act = self.activation_bytes_per_token(activation_checkpointing, par.tp, par.cp)
+        act = self.activation_bytes_per_token(activation_checkpointing, par.tp, par.cp) + \
+            kv_gather_saved_delta(self, par, activation_checkpointing)
         usable = hw.memory_bytes * hw.memory_usable_fraction - hw.memory_reserved_bytes
         return MemoryUse(home, working, act, usable, self.model_error_margin)
 
@@ -134,33 +131,9 @@ class MemoryModel:
 
     def kv_gather_extra_bytes(self, par: Parallelism | Layout, activation_checkpointing: bool,
                               tokens: int) -> float:
-        """What all-gather-KV / hybrid cp (``cp_kv > 1``, parallel/kv_gather.py) adds to the peak of a
-        micro-batch of ``tokens``: 0 for Ulysses or no cp.
-
-        Each layer's attention gathers K and V of the WHOLE micro-batch (``tokens`` rows, the kv heads
-        a rank holds after the Ulysses exchange) and its backward holds, besides the re-gathered K/V in
-        the working dtype, an fp32 dK/dV sum, its fp32 row permutation and the cast for the
-        reduce-scatter: ``(2 * wb + 8)`` bytes per gathered element. Per query block SDPA (3-D inputs:
-        the math kernel) holds fp32 scores, probabilities and their gradient for at most
-        ``BLOCK_ELEMENTS`` entries (12 B each). That happens inside a layer's backward, after the loss
-        head's transients and the layer's SwiGLU tensors are freed: it counts only where it exceeds
-        them."""
-        par = Parallelism.of(par)
-        if par.cp_kv == 1 or tokens <= 0:
-            return 0.0
-        m = self.model
-        u, wb, t = par.cp_ulysses, self.param_bytes, float(tokens)
-        kv_heads = m.n_kv_heads // par.tp if m.n_kv_heads % par.tp == 0 else 1
-        kv_heads = kv_heads * (u // math.gcd(kv_heads, u)) // u  # exchange_qkv repeats so u divides them
-        q_heads = m.n_heads / (par.tp * u)
-        gathered = (2.0 * wb + 8.0) * 2 * kv_heads * m.head_dim * t
-        largest_block = max(min(float(KV_BLOCK_ELEMENTS), q_heads * t * t / (2 * par.cp)), q_heads * t)  # >= 1 row
-        transient = gathered + 12.0 * largest_block
-        h, v = m.hidden, m.padded_vocab_size / par.tp
-        norm = 4.0 * h + 2.0 * wb * h
-        freed = (norm + (12.0 if par.tp == 1 else 10.0) * v) / par.cp  # the loss head's transients
-        freed += norm / par.cp + 4.0 * wb * m.ffn_hidden / (par.tp * par.cp)  # this layer's ffn side
-        return max(0.0, transient - freed * t)
+        """The all-gather-KV / hybrid cp transients beyond what is freed by then (0 for Ulysses or no
+        cp; :mod:`.kv_gather_memory`). ``activation_checkpointing`` is accepted for symmetry."""
+        return kv_gather_extra_bytes(self, Parallelism.of(par), tokens)
 
     def capacity(self, par: Parallelism | Layout, activation_checkpointing: bool) -> int:
         """Most tokens one micro-batch may hold (0: the weights alone do not fit): its predicted peak
