@@ -1,7 +1,8 @@
 """Memory at real scale without GPUs: measured peak per rank (the real step under FakeTensorMode and a
 fake process group, torch's MemTracker) next to the cost model's predicted peak, for llama7b on 8/16
 ranks, llama13b on 8/16, llama30b on 32, Llama-3 8B on 8 and Llama-3 70B on 64, every candidate layout.
-The last line printed is one JSON object (rows, max_rel_error, reserve).
+The last line printed is one JSON object (rows, max_rel_error, reserve, model_error_margin, feasible_rows,
+feasible_rows_that_fit: planner-feasible rows whose measured peak fits the usable memory).
 
     python recipes/benchmark_memory.py --quick        # one 7B and one 70B row (< 5 minutes)
     python recipes/benchmark_memory.py                # the full table

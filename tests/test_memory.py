@@ -165,3 +165,43 @@ def test_fsdp_layout_holds_a_quarter_of_the_working_copy_plus_one_unit(activatio
     assert replicated / 4 < peak <= replicated / 4 + 2 * max(block, head), (peak, replicated, block, head)
     assert peak < replicated / 2  # the check tells freed units from kept ones (4 blocks + 2 vocab units)
     assert sharded["peak"]["grads"] < full["peak"]["grads"]  # fp32 main grads at the sharded size
+
+
+def test_capacity_keeps_the_model_error_margin_so_a_capacity_micro_batch_fits() -> None:
+    """Planned: predicted x (1 + margin) <= usable. A capacity micro-batch then fits even where the
+    measured peak runs the largest measured model error (0.0081, BENCHMARKS.md) above the prediction
+    (llama7b tp8 without the margin: 69.97 GiB measured vs 69.50 predicted, 69.60 usable)."""
+    from lightning_hotspa.planner.memory_model import MODEL_ERROR_MARGIN
+
+    assert 0.0081 * 2 <= MODEL_ERROR_MARGIN <= 0.05  # headroom over the measured error, not a fudge
+    cases = [("llama7b", 8, "tp8"), ("llama7b", 8, "dp4xtp2"), ("llama30b", 32, "tp8xcp4"),
+             ("llama3-8b", 8, "tp2xcp4:kv")]
+    for model, world, layout in cases:
+        cm = AnalyticCostModel(model, "H100", world)
+        lay = Layout.parse(layout)
+        use = cm.memory(lay, False)
+        cap = cm.capacity(lay, False)
+        assert cap > 0, layout
+        assert cm.peak_bytes(lay, False, cap) * (1 + 0.0081) <= use.usable, layout  # fits, worst error
+        assert cm.peak_bytes(lay, False, cap + cm.capacity_multiple) > use.planning_budget, layout  # tight
+        bare = AnalyticCostModel(model, "H100", world)
+        bare.model_error_margin = 0.0
+        assert bare.capacity(lay, False) > cap and bare.memory(lay, False).usable == use.usable, layout
+
+
+@pytest.mark.parametrize("layout", ["cp4:kv", "tp2xcp2:kv", "cp4:kv2"])
+def test_memory_model_counts_the_kv_gather_buffers(layout: str) -> None:
+    """All-gather-KV holds the whole micro-batch's K/V, an fp32 dK/dV sum and SDPA block scores per
+    layer: without that term the prediction was 1.8x-2.9x below the measured peak at 4096 tokens."""
+    from lightning_hotspa.parallel.kv_gather import BLOCK_ELEMENTS
+    from lightning_hotspa.planner.kv_gather_memory import KV_BLOCK_ELEMENTS
+
+    assert KV_BLOCK_ELEMENTS == BLOCK_ELEMENTS
+    tokens = 4096
+    got = estimate_layout(SMALLISH, 4, layout, tokens)
+    cm = AnalyticCostModel(SMALLISH, "H100", 4)
+    lay = Layout.parse(layout)
+    assert cm.kv_gather_extra_bytes(lay, False, tokens) > 0
+    assert cm.kv_gather_extra_bytes(Layout.parse(layout.split(":")[0]), False, tokens) == 0  # Ulysses
+    predicted = cm.peak_bytes(lay, False, tokens)
+    assert abs(got["peak_bytes"] / predicted - 1) < 0.05, (got["peak"], predicted)

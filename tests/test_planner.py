@@ -577,7 +577,9 @@ def test_guard_checks_a_one_layout_plan_against_each_layout_alone():
     plan = p.plan(0, lengths)
     alone = [CostModelPlanner([x], model="llama13b", hardware="H100").solve(lengths)[0]
              for x in ("dp2xtp2xcp4", "dp2xtp4xcp2")]
-    assert p.predict(plan).seconds <= min(alone) * (1 + 1e-9) and p.last_decision.fell_back
+    assert p.predict(plan).seconds <= min(alone) * (1 + 1e-9)
+    # the guard ran the single layout, or the solve already found it (it realizes each layout's best)
+    assert p.last_decision.fell_back or len({s.layout for s in plan.stages}) == 1
 
 
 def test_guard_keeps_a_large_gain_and_rejects_a_bad_margin():

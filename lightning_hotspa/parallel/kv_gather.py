@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..host import host_reads
 from ..layout import LayoutError, LayoutGroups, RankGroup
 from ..plan import MicroBatch
 from .collectives import (
@@ -121,7 +122,8 @@ def kv_geometry(cu_seqlens: Tensor, cp: int, ulysses: int, kv: int, kv_index: in
     if hit is not None and hit[0]() is cu_seqlens:
         _CACHE.move_to_end(key)
         return hit[1]
-    geometry = _build_geometry(cu_seqlens, cp, ulysses, kv, kv_index, heads, where)
+    with host_reads():  # metadata: real values even under the memory estimator's FakeTensorMode
+        geometry = _build_geometry(cu_seqlens, cp, ulysses, kv, kv_index, heads, where)
     _CACHE[key] = (weakref.ref(cu_seqlens), geometry)
     while len(_CACHE) > _CACHE_SIZE:
         _CACHE.popitem(last=False)

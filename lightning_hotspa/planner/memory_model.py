@@ -13,9 +13,18 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..layout import Layout
+from .kv_gather_memory import kv_gather_extra_bytes, kv_gather_saved_delta
 from .parallelism import Parallelism
 
-__all__ = ["MemoryModel", "MemoryUse"]
+__all__ = ["MODEL_ERROR_MARGIN", "MemoryModel", "MemoryUse"]
+
+#: The planner plans against ``predicted peak x (1 + margin) <= usable``: a margin for the memory model's
+#: OWN error (not for what the tracker cannot see: that is the hardware profile's reserve). Derived from
+#: the measured error, not tuned per row: the largest |measured / predicted - 1| of the full
+#: ``hotspa memory`` table was 0.0081 (llama7b dp2xtp8 on 16; BENCHMARKS.md "Memory at scale"); 0.02
+#: leaves 2.5x headroom. With it every layout the planner calls feasible fits with its capacity
+#: micro-batch, while one it calls infeasible would have fit by at most ~2.8 % (1 - (1 - 0.0081) / 1.02).
+MODEL_ERROR_MARGIN = 0.02
 
 
 @dataclass(frozen=True)
@@ -25,7 +34,8 @@ class MemoryUse:
     home: float
     working: float
     activation_per_token: float  # per token of the micro-batch (already divided by tp*cp)
-    usable: float
+    usable: float  # the hardware's usable bytes (after its reserve): what "fits" compares with
+    margin: float = 0.0  # the model's own error margin (:data:`MODEL_ERROR_MARGIN`)
     # An fsdp unit's gathered weights and gradient (bytes): live while a unit runs backward, which
     # is not while the loss head's logits transients (``head_per_token``, part of the activations)
     # are: the peak holds the larger of the two.
@@ -33,8 +43,13 @@ class MemoryUse:
     head_per_token: float = 0.0
 
     @property
+    def planning_budget(self) -> float:
+        """Bytes a predicted peak may reach: ``usable / (1 + margin)``."""
+        return self.usable / (1.0 + self.margin)
+
+    @property
     def free_for_activations(self) -> float:
-        return self.usable - self.home - self.working
+        return self.planning_budget - self.home - self.working
 
     def peak(self, tokens: float, quadratic: float = 0.0) -> float:
         """Bytes with a micro-batch of ``tokens`` (``quadratic``: the attention's s^2 bytes)."""
@@ -47,6 +62,8 @@ class MemoryModel:
 
     model: Any
     hardware: Any
+    #: planned peak x (1 + this) <= usable; set 0 to plan against the bare prediction
+    model_error_margin: float = MODEL_ERROR_MARGIN
 
     # What our runtime holds per rank, term by term; checked against the real code path under
     # FakeTensorMode + MemTracker by ``hotspa memory`` (tools/memory.py). TP here has no sequence
@@ -126,26 +143,36 @@ class MemoryModel:
         home = self.params * 16.0 / self.world_size
         split, full = self._param_split(par.tp)
         per_rank = split / par.shards + full / par.pp
-        act = self.activation_bytes_per_token(activation_checkpointing, par.tp, par.cp)
+        act = self.activation_bytes_per_token(activation_checkpointing, par.tp, par.cp) + \
+            kv_gather_saved_delta(self, par, activation_checkpointing)
         usable = hw.memory_bytes * hw.memory_usable_fraction - hw.memory_reserved_bytes
         if par.fsdp:
             working = per_rank / (par.dp * par.cp) * (self.param_bytes + self.grad_accum_bytes)
             transient = self.largest_gathered_unit(par.tp) * (3 * self.param_bytes + self.grad_bytes)
-            return MemoryUse(home, working, act, usable, transient, self.logits_bytes_per_token(par.tp, par.cp))
+            return MemoryUse(home, working, act, usable, margin=self.model_error_margin, transient=transient,
+                             head_per_token=self.logits_bytes_per_token(par.tp, par.cp))
         largest = self.model.padded_vocab_size * self.model.hidden / par.tp  # the LM head
         working = per_rank * (self.param_bytes + self.grad_accum_bytes) + \
             (largest * self.param_bytes if self.grad_accum_bytes != self.param_bytes else 0.0)
-        return MemoryUse(home, working, act, usable)
+        return MemoryUse(home, working, act, usable, margin=self.model_error_margin)
 
     def peak_bytes(self, par: Parallelism | Layout, activation_checkpointing: bool, tokens: int) -> float:
         """Predicted peak bytes per rank with a micro-batch of ``tokens`` (no reserve: compare with
         the memory estimator, ``hotspa memory``)."""
         mem = self.memory(par, activation_checkpointing)
         quadratic = self.attention_quadratic_bytes(par) * float(tokens) ** 2  # one document: the worst
-        return mem.peak(tokens, quadratic)
+        kv = self.kv_gather_extra_bytes(par, activation_checkpointing, tokens)
+        return mem.peak(tokens, quadratic) + kv
+
+    def kv_gather_extra_bytes(self, par: Parallelism | Layout, activation_checkpointing: bool,
+                              tokens: int) -> float:
+        """The all-gather-KV / hybrid cp transients beyond what is freed by then (0 for Ulysses or no
+        cp; :mod:`.kv_gather_memory`). ``activation_checkpointing`` is accepted for symmetry."""
+        return kv_gather_extra_bytes(self, Parallelism.of(par), tokens)
 
     def capacity(self, par: Parallelism | Layout, activation_checkpointing: bool) -> int:
-        """Most tokens one micro-batch may hold (0: the weights alone do not fit)."""
+        """Most tokens one micro-batch may hold (0: the weights alone do not fit): its predicted peak
+        stays within the planning budget (usable / (1 + ``model_error_margin``))."""
         mem = self.memory(par, activation_checkpointing)
         q = self.attention_quadratic_bytes(par)
         free = mem.free_for_activations
@@ -154,6 +181,13 @@ class MemoryModel:
                      _most_tokens(free - mem.transient, mem.activation_per_token - mem.head_per_token, q))
         if tokens <= 0:
             return 0
+        if Parallelism.of(par).cp_kv > 1:  # the KV gather's extra is piecewise: bisect below the bound
+            budget = mem.planning_budget
+            lo, hi = 0, tokens
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                lo, hi = (mid, hi) if self.peak_bytes(par, activation_checkpointing, mid) <= budget else (lo, mid - 1)
+            tokens = lo
         q = self.capacity_multiple
         return (tokens // q) * q if tokens >= q else tokens
 

@@ -10,7 +10,10 @@ its own buffers (working params, fp32 main grads, bucket buffers, the gradient s
 category. The measured peak stands next to the cost model's predicted peak (:meth:`peak_bytes`).
 
 What the tracker cannot see (allocator fragmentation, the CUDA context, NCCL buffers) is the
-hardware profile's reserve (a fixed GiB plus a usable fraction); ``fits`` uses it.
+hardware profile's reserve (a fixed GiB plus a usable fraction); ``fits`` (measured peak <= usable)
+uses it. The planner's capacity also keeps the memory model's own error margin
+(:data:`~lightning_hotspa.planner.memory_model.MODEL_ERROR_MARGIN`: predicted x (1 + margin) <= usable),
+so a capacity micro-batch fits even where the model under-predicts a little.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import torch
 from ..layout import Layout
 from ..models.config import LlamaConfig
 from ..planner.cost_model import AnalyticCostModel, CostModelError
+from ..planner.memory_model import MODEL_ERROR_MARGIN
 
 __all__ = ["ROWS", "QUICK_ROWS", "add_parser", "candidate_layouts", "estimate_layout", "estimate_rows", "run"]
 
@@ -227,12 +231,14 @@ def estimate_rows(rows: Sequence[tuple], hardware: str = "H100", *, log: Any = p
             tokens = cap - cap % (2 * lay.cp) if feasible else 2 * lay.cp * 64
             measured = estimate_layout(config, world, lay, tokens, activation_checkpointing=ac)
             predicted = cm.peak_bytes(lay, ac, tokens)
-            limit = cm.memory(lay, ac).usable
+            use = cm.memory(lay, ac)
+            limit = use.usable  # "fits": the measured peak within the hardware's usable bytes
             entry = {"model": model, "world": world, "layout": lay.name, "activation_checkpointing": ac,
                      "tokens": tokens, "planner_feasible": feasible,
                      "measured_peak_gib": round(measured["peak_bytes"] / GiB, 3),
                      "predicted_peak_gib": round(predicted / GiB, 3),
                      "usable_gib": round(limit / GiB, 3),
+                     "planning_budget_gib": round(use.planning_budget / GiB, 3),
                      "fits": bool(measured["peak_bytes"] <= limit),
                      "measured_gib": {k: round(v / GiB, 3) for k, v in measured["peak"].items()},
                      "seconds": round(measured["seconds"], 1)}
@@ -242,7 +248,10 @@ def estimate_rows(rows: Sequence[tuple], hardware: str = "H100", *, log: Any = p
                 f"measured {entry['measured_peak_gib']:8.2f} GiB predicted {entry['predicted_peak_gib']:8.2f} "
                 f"usable {entry['usable_gib']:6.1f} fits={entry['fits']!s:<5} planner={feasible!s:<5} "
                 f"{entry['measured_gib']} ({entry['seconds']} s)")
-    return {"hardware": hardware, "rows": out, "max_rel_error": round(worst, 4), "reserve": _reserve(hardware)}
+    fit = sum(1 for e in out if e["planner_feasible"] and e["fits"])
+    feasible = sum(1 for e in out if e["planner_feasible"])
+    return {"hardware": hardware, "rows": out, "max_rel_error": round(worst, 4), "reserve": _reserve(hardware),
+            "model_error_margin": MODEL_ERROR_MARGIN, "feasible_rows": feasible, "feasible_rows_that_fit": fit}
 
 
 def _reserve(hardware: str) -> dict[str, float]:
