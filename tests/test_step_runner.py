@@ -289,6 +289,13 @@ def run_fsdp_traffic() -> dict:
                      "fsdp_bytes": before[name][0], "fsdp_calls": before[name][1],
                      "switch_bytes": stage.switch_bytes, "reduce_bytes": stage.reduce_bytes,
                      "stage_fsdp_bytes": stage.fsdp_bytes}
+    from lightning_hotspa.adapter.stats import step_metrics
+
+    local = torch.tensor([float(s.fsdp_bytes) for s in result.stages], dtype=torch.float64)
+    dist.all_reduce(local)  # every rank's bytes: what the records and the logged metrics carry
+    metrics = step_metrics(result.records)
+    out["records_fsdp_mb"] = {r.layout: (r.fsdp_mb, local[i].item() / 1e6, metrics.get(f"hotspa/{r.layout}/fsdp_MB"))
+                              for i, r in enumerate(result.records)}
     return out
 
 
@@ -342,6 +349,9 @@ def test_fsdp_stage_gathers_once_per_unit_and_round_and_counts_its_bytes(ranks) 
         assert r["eval_gathers"] == 2 * units * rounds  # both fsdp stages, busy or idle alike
         kv = r["dp2xcp2:kv:fsdp"]  # its KV gathers come on top of the units' traffic
         assert kv["log_bytes"] > sum(kv["fsdp_bytes"].values()) > 0
+        for layout, (record_mb, summed_mb, logged_mb) in r["records_fsdp_mb"].items():
+            assert record_mb == pytest.approx(summed_mb) and (record_mb > 0) == layout.endswith(":fsdp")
+            assert logged_mb == (record_mb if layout.endswith(":fsdp") else None), (layout, logged_mb)
         # activation checkpointing: the blocks' recomputation gathers them again, inside its forward
         blocks = units - 2
         assert kv["fsdp_calls"] == {"forward": (units + blocks) * 3, "backward": 3,  # the head only

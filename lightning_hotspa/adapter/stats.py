@@ -30,6 +30,8 @@ def step_metrics(records: Sequence[StageRecord]) -> dict[str, float]:
         metrics[f"{prefix}/micro_batches"] = r.micro_batches
         metrics[f"{prefix}/switch_s"] = r.switch_s
         metrics[f"{prefix}/switch_MB"] = r.switch_mb
+        if r.layout.endswith(":fsdp"):  # per-unit gathers and reduce-scatters of a sharded working copy
+            metrics[f"{prefix}/fsdp_MB"] = r.fsdp_mb
         metrics[f"{prefix}/compute_s"] = r.compute_s
         metrics[f"{prefix}/reduce_s"] = r.reduce_s
         metrics[f"{prefix}/tokens_per_s"] = r.tokens / r.stage_s if r.stage_s > 0 else 0.0

@@ -23,7 +23,7 @@ __all__ = ["FIELDS", "StageRecord", "StageStats", "StepResult", "gather_step", "
 
 #: the per-stage columns of the gathered table, in order
 FIELDS = ("tokens", "documents", "micro_batches", "target_tokens", "switch_bytes", "switch_s", "compute_s",
-          "reduce_s", "sum_sq", "sum_len")
+          "reduce_s", "sum_sq", "sum_len", "fsdp_bytes")
 
 
 @dataclass(frozen=True)
@@ -96,6 +96,7 @@ class StageRecord:
     compute_s: float
     reduce_s: float
     stage_s: float = 0.0
+    fsdp_mb: float = 0.0  # all ranks' received MB of the sharded working copy's per-unit traffic
     flops: float | None = None
     predicted_s: float | None = None
     plan: Mapping[str, Any] = field(default_factory=dict)  # packing stats: fill, padding, imbalance
@@ -157,7 +158,8 @@ def gather_step(loss_sum: torch.Tensor, stats: list[StageStats], device: torch.d
             micro_batches=float(cols["micro_batches"].sum()) / s.tp,
             switch_s=float(cols["switch_s"].max()), switch_mb=float(cols["switch_bytes"].sum()) / 1e6,
             compute_s=float(cols["compute_s"].max()), reduce_s=float(cols["reduce_s"].max()),
-            stage_s=float((cols["switch_s"] + cols["compute_s"] + cols["reduce_s"]).max())))
+            stage_s=float((cols["switch_s"] + cols["compute_s"] + cols["reduce_s"]).max()),
+            fsdp_mb=float(cols["fsdp_bytes"].sum()) / 1e6))
     return loss, tuple(records), gathered
 
 
