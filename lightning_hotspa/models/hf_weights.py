@@ -28,39 +28,43 @@ _LAYER = {
 }
 _TOP = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
         "output.weight": "lm_head.weight"}
+_TO_HF = (_TOP, list(_LAYER.items()))
+_FROM_HF = ({v: k for k, v in _TOP.items()}, [(v, k) for k, v in _LAYER.items()])
 _OURS_LAYER = re.compile(r"^layers\.(\d+)\.(.+?)(\.weight|\.bias)?$")
 _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+?)(\.weight|\.bias)?$")
 
 
-def hf_name(name: str) -> str:
-    """The Hugging Face tensor name of our parameter ``name`` (relative to :class:`Llama`)."""
-    if name in _TOP:
-        return _TOP[name]
-    m = _OURS_LAYER.match(name)
+def _rename(name: str, top: dict[str, str], layer_re: re.Pattern[str], pairs: list[tuple[str, str]],
+            prefix: str) -> str | None:
+    """``name`` through ``top`` or, for a layer tensor matched by ``layer_re``, the first of ``pairs``
+    (source body, target body) whose source is its body with or without its ``.weight`` / ``.bias``."""
+    if name in top:
+        return top[name]
+    m = layer_re.match(name)
     if m:
         layer, body, leaf = m.group(1), m.group(2), m.group(3) or ""
-        for ours, theirs in _LAYER.items():
-            if body + leaf == ours:
-                return f"model.layers.{layer}.{theirs}"
-            if body == ours:
-                return f"model.layers.{layer}.{theirs}{leaf}"
-    raise KeyError(f"parameter {name!r} has no Hugging Face counterpart")
+        for src, dst in pairs:
+            if body + leaf == src:
+                return f"{prefix}{layer}.{dst}"
+            if body == src:
+                return f"{prefix}{layer}.{dst}{leaf}"
+    return None
+
+
+def hf_name(name: str) -> str:
+    """The Hugging Face tensor name of our parameter ``name`` (relative to :class:`Llama`)."""
+    out = _rename(name, _TO_HF[0], _OURS_LAYER, _TO_HF[1], "model.layers.")
+    if out is None:
+        raise KeyError(f"parameter {name!r} has no Hugging Face counterpart")
+    return out
 
 
 def our_name(name: str) -> str:
     """Inverse of :func:`hf_name`."""
-    for ours, theirs in _TOP.items():
-        if name == theirs:
-            return ours
-    m = _HF_LAYER.match(name)
-    if m:
-        layer, body, leaf = m.group(1), m.group(2), m.group(3) or ""
-        for ours, theirs in _LAYER.items():
-            if body + leaf == theirs:
-                return f"layers.{layer}.{ours}"
-            if body == theirs:
-                return f"layers.{layer}.{ours}{leaf}"
-    raise KeyError(f"Hugging Face tensor {name!r} has no counterpart in this model")
+    out = _rename(name, _FROM_HF[0], _HF_LAYER, _FROM_HF[1], "layers.")
+    if out is None:
+        raise KeyError(f"Hugging Face tensor {name!r} has no counterpart in this model")
+    return out
 
 
 class HFCheckpoint:

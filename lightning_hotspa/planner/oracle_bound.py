@@ -24,10 +24,11 @@ from .cost_model import AnalyticCostModel
 __all__ = ["charged_oracle", "oracle_assignment", "oracle_from_rates"]
 
 
-def oracle_assignment(rates: np.ndarray, dp: np.ndarray) -> tuple[float, np.ndarray]:
+def oracle_assignment(rates: np.ndarray, dp: np.ndarray, fixed: float = 0.0) -> tuple[float, np.ndarray]:
     """(``T``, per document the row it goes to): the smallest ``T`` such that each document goes to
     its least world-seconds row among those where it alone takes at most ``T`` on one dp group, and
-    that work sums to at most ``T``. ``T`` is inf (rows -1) when some document fits no row."""
+    that work plus ``fixed`` seconds sums to at most ``T``. ``T`` is inf (rows -1) when some
+    document fits no row."""
     if rates.shape[0] == 0:
         return math.inf, np.full(rates.shape[1], -1)
     alone = rates * dp[:, None]  # a document's seconds on one dp group
@@ -35,7 +36,7 @@ def oracle_assignment(rates: np.ndarray, dp: np.ndarray) -> tuple[float, np.ndar
     def pick(limit: float) -> tuple[np.ndarray, float]:
         masked = np.where(alone <= limit, rates, np.inf)
         rows = masked.argmin(axis=0)
-        return rows, float(masked[rows, np.arange(rows.size)].sum())
+        return rows, float(masked[rows, np.arange(rows.size)].sum()) + fixed
 
     lo = float(np.min(alone, axis=0).max())
     if not math.isfinite(lo):
@@ -51,25 +52,9 @@ def oracle_assignment(rates: np.ndarray, dp: np.ndarray) -> tuple[float, np.ndar
 
 
 def oracle_from_rates(rates: np.ndarray, dp: np.ndarray, fixed: float) -> float:
-    """The smallest ``T`` as in :func:`oracle_assignment`, with ``fixed`` seconds added to the work
-    (the long grid's loosest oracle: the reduction may hide in the longest document's idle groups)."""
-    if rates.shape[0] == 0:
-        return math.inf
-    alone = rates * dp[:, None]
-
-    def work(limit: float) -> float:
-        return float(np.where(alone <= limit, rates, np.inf).min(axis=0).sum()) + fixed
-
-    lo = float(np.min(alone, axis=0).max())
-    if not math.isfinite(lo):
-        return math.inf
-    if work(lo) <= lo:
-        return lo
-    hi = max(lo, work(math.inf), work(lo))
-    for _ in range(60):
-        mid = 0.5 * (lo + hi)
-        lo, hi = (lo, mid) if work(mid) <= mid else (mid, hi)
-    return hi
+    """The ``T`` of :func:`oracle_assignment` with ``fixed`` seconds added to the work (the long
+    grid's loosest oracle: the reduction may hide in the longest document's idle groups)."""
+    return oracle_assignment(rates, dp, fixed)[0]
 
 
 def charged_oracle(cm: AnalyticCostModel, rates: np.ndarray, layouts: Sequence[Layout], *,
