@@ -36,11 +36,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 
-from ..layout import Layout, LayoutError, RankGroup
+from ..layout import Layout, LayoutError
 from ..torch_compat import outer_saved_tensor_hooks
+from .fused_gather import FusedGather
 from .gradients import _reduce_scatter_start, reduce_dtype
 
 __all__ = ["ShardedUnits", "find_fsdp_units"]
@@ -55,36 +55,6 @@ def find_fsdp_units(module: nn.Module) -> list[str]:
             return [f"{path}.{u}" if path else u for u in declare()]
     return [f"{path}.{child}" if path else child for path, sub in module.named_modules()
             if isinstance(sub, nn.ModuleList) for child, _ in sub.named_children()]
-
-
-class _Gather:
-    """One fused all-gather of several shards, started (asynchronously for a prefetch); ``finish``
-    waits and returns each result as a fresh tensor of its own (not a view of the buffer: the
-    saved-tensor hooks recognise weights by their base tensor), in shard order."""
-
-    def __init__(self, pieces: Sequence[Tensor], dims: Sequence[int], group: RankGroup, async_op: bool) -> None:
-        self.moved = [p.movedim(d, 0) for p, d in zip(pieces, dims)]
-        self.dims, self.group = list(dims), group
-        flat = torch.cat([m.reshape(-1) for m in self.moved])
-        self.buffer = flat.new_empty(group.size * flat.numel())
-        self.work = dist.all_gather_into_tensor(self.buffer, flat, group=group.group, async_op=async_op)
-        self.width = flat.numel()
-
-    def finish(self) -> list[Tensor]:
-        if self.work is not None:
-            self.work.wait()
-        rows, group = self.buffer.view(self.group.size, self.width), self.group
-        results, offset = [], 0
-        for m, d in zip(self.moved, self.dims):
-            n = m.numel()
-            out = m.new_empty((group.size * m.shape[0], *m.shape[1:]))
-            dst = out.view(group.size, n)
-            for shard, slot in enumerate(group.slot_of_shard):
-                dst[shard].copy_(rows[slot, offset:offset + n])
-            results.append(out if d == 0 else out.movedim(0, d).contiguous())
-            offset += n
-        self.work = self.buffer = self.moved = None
-        return results
 
 
 @dataclass(frozen=True)
@@ -125,7 +95,7 @@ class _Unit:
         self.live_ids: dict[int, str] = {}
         self.cache: dict[str, Tensor] | None = None  # re-gathered in backward
         self.hooks_ctx: Any = None
-        self.prefetched: dict[tuple[int, int], _Gather] | None = None  # started by the previous unit
+        self.prefetched: dict[tuple[int, int], FusedGather] | None = None  # started by the previous unit
 
     # -------------------------------------------------------------- collectives
     def _ranges(self, names: Sequence[str], layout: Layout) -> dict[tuple[int, int], list[int]]:
@@ -136,12 +106,12 @@ class _Unit:
         return out
 
     def _start(self, names: Sequence[str], shards: Sequence[Tensor], phase: str,
-               async_op: bool) -> dict[tuple[int, int], _Gather]:
+               async_op: bool) -> dict[tuple[int, int], FusedGather]:
         engine, out = self.owner.engine, {}
         for key, idx in self._ranges(names, engine.active).items():
             group = engine.world.group(range(*key))
             pieces = [shards[i].detach() for i in idx]
-            out[key] = _Gather(pieces, [engine.shardings[names[i]].dim for i in idx], group, async_op)
+            out[key] = FusedGather(pieces, [engine.shardings[names[i]].dim for i in idx], group, async_op)
             engine._label("temporaries", out[key].buffer)
             self.owner.count(phase, sum(p.numel() * p.element_size() for p in pieces) * (group.size - 1))
         return out
@@ -157,7 +127,7 @@ class _Unit:
             started = self._start(names, shards, phase, async_op=False)
         results: list[Tensor | None] = [None] * len(names)
         for key, idx in self._ranges(names, engine.active).items():
-            for i, g in zip(idx, started[key].finish()):
+            for i, g in zip(idx, started[key].finish(fresh=True)):
                 results[i] = g
                 engine._label("params", g)
         return results
@@ -173,7 +143,7 @@ class _Unit:
     def drop_prefetch(self) -> None:
         if self.prefetched is not None:
             for started in self.prefetched.values():
-                started.finish()
+                started.finish(fresh=True)
             self.prefetched = None
 
     def reduce_scatter(self, names: Sequence[str], grads: Sequence[Tensor]) -> None:

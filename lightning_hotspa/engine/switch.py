@@ -34,13 +34,13 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from ..layout import Layout, LayoutError, RankGroup, WorldMesh
+from ..layout import Layout, LayoutError, WorldMesh
 from ..placements import ParamSharding
 from ..torch_compat import C10D_DEPRECATION_MESSAGE  # noqa: F401  (installs the warning filter)
+from .fused_gather import FusedGather
 from .gradients import GradientReduction, GradReport
 from .gradients import sub_chunk as _sub_chunk
 from .home import build_home_parameters
@@ -220,7 +220,7 @@ class SwitchEngine(GradientReduction):
             sources = [locals_[n] for n in names]
             for bucket in self._buckets(sources, dtype):
                 pieces = [sources[i].detach().to(dtype=dtype or sources[i].dtype) for i in bucket]
-                gathered = self._all_gather_fused(pieces, [self.shardings[names[i]].dim for i in bucket], group)
+                gathered = FusedGather(pieces, [self.shardings[names[i]].dim for i in bucket], group).finish()
                 out.update((names[i], nn.Parameter(g)) for i, g in zip(bucket, gathered))
                 received += sum(p.numel() * p.element_size() for p in pieces) * (group.size - 1)
                 del pieces, gathered
@@ -252,29 +252,6 @@ class SwitchEngine(GradientReduction):
             buckets[-1].append(i)
             size += nbytes
         return buckets
-
-    @staticmethod
-    def _all_gather_fused(pieces: list[torch.Tensor], dims: list[int], group: RankGroup) -> list[torch.Tensor]:
-        """All-gather several tensors in one buffer; each result concatenates the members' pieces
-        along its own ``dim`` in shard order."""
-        moved = [p.movedim(d, 0) for p, d in zip(pieces, dims)]
-        flat = moved[0].contiguous().view(-1) if len(moved) == 1 else torch.cat([m.reshape(-1) for m in moved])
-        buffer = flat.new_empty(group.size * flat.numel())
-        dist.all_gather_into_tensor(buffer, flat, group=group.group)
-        rows = buffer.view(group.size, flat.numel())
-        results, offset = [], 0
-        for m, d in zip(moved, dims):
-            n = m.numel()
-            part = rows[:, offset:offset + n]
-            if len(moved) > 1 or not group.in_shard_order:  # copy the member rows into shard order
-                ordered = part.new_empty(part.shape)
-                for shard, slot in enumerate(group.slot_of_shard):
-                    ordered[shard].copy_(part[slot])
-                part = ordered
-            result = part.view(group.size * m.shape[0], *m.shape[1:]).movedim(0, d)
-            results.append(result.contiguous() if d != 0 else result)
-            offset += n
-        return results
 
     def materialize(self, layout: Layout | str) -> SwitchReport:
         """Working params of ``layout`` from the home state (start of a step)."""
