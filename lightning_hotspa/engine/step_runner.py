@@ -146,7 +146,7 @@ class StepRunner:
                 t1, c1 = clock.mark(), self.cpu_clock()
                 fsdp_start = self._fsdp_bytes()
                 real = len(stage.micro_batches)
-                rounds = max(real, getattr(stage, "num_rounds", real))
+                rounds = stage.num_rounds
                 for i in range(rounds):
                     mb = stage.micro_batches[i] if i < real else self._idle(stage.layout)
                     if i < real:
@@ -204,7 +204,7 @@ class StepRunner:
                     with self.parallel.micro_batch(mb if isinstance(mb, MicroBatch) else None), context(), \
                             self._prefetch():
                         output = fn(mb)
-                for _ in range(getattr(stage, "num_rounds", 0) - len(stage.micro_batches)):
+                for _ in range(stage.num_rounds - len(stage.micro_batches)):
                     self.units.idle_forward()  # fsdp: the busier dp groups' gathers
         finally:
             self.parallel.restore(self.engine.home)
