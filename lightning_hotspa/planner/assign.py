@@ -34,8 +34,9 @@ import numpy as np
 
 from ..layout import Layout
 from .cost_model import OptionCost
+from .timeline import GroupBlocks, Timeline
 
-__all__ = ["StageGroups", "evaluate_groups", "pack_lpt", "solve_heuristic"]
+__all__ = ["StageGroups", "pack_in_order", "pack_lpt", "solve_heuristic", "stage_order"]
 
 INF = float("inf")
 
@@ -98,12 +99,23 @@ def _distinct_layouts(used: Sequence[int], options: Sequence[OptionCost]) -> tup
 
 
 def _relaxed(choice: np.ndarray, t: _Tables, options: Sequence[OptionCost],
-             switch_cost: Callable[[tuple[Layout, ...]], tuple[float, tuple[Layout, ...]]]) -> tuple[float, tuple[int, ...]]:
-    stage, _, _, count = _stage_stats(choice, t)
+             switch_cost: Callable[[tuple[Layout, ...]], tuple[float, tuple[Layout, ...]]],
+             free: bool = False) -> tuple[float, tuple[int, ...]]:
+    """Relaxed step seconds of an assignment. ``free``: the stages of one replicated tp degree form
+    one free run (:mod:`.timeline`), bounded by ``max(sum of W/dp, costliest document)`` rather
+    than the sum of each stage's bound: its dp groups fill each other's idle time."""
+    stage, w, m, count = _stage_stats(choice, t)
     used = tuple(int(j) for j in np.flatnonzero(count))
     layouts, repeats = _distinct_layouts(used, options)
-    total = float(stage[list(used)].sum() + t.fixed[list(used)].sum() - t.fixed[repeats].sum())
-    return total + switch_cost(layouts)[0], used
+    fixed = float(t.fixed[list(used)].sum() - t.fixed[repeats].sum())
+    if not free:
+        return float(stage[list(used)].sum()) + fixed + switch_cost(layouts)[0], used
+    runs: dict[tuple, list[int]] = {}
+    for j in used:
+        par = options[j].parallelism
+        runs.setdefault(("fsdp", j) if par.fsdp else (par.tp, par.pp), []).append(j)
+    compute = sum(max(float((w[js] / t.dp[js]).sum()), float(m[js].max())) for js in runs.values())
+    return compute + fixed + switch_cost(layouts)[0], used
 
 
 def _fill(choice: np.ndarray, combo: Sequence[int], t: _Tables, fraction: float = 0.9) -> np.ndarray:
@@ -126,10 +138,14 @@ def _fill(choice: np.ndarray, combo: Sequence[int], t: _Tables, fraction: float 
     return choice
 
 
-def pack_lpt(padded: np.ndarray, balance: np.ndarray, capacity: int, groups: int) -> list[list[list[int]]]:
+def pack_lpt(padded: np.ndarray, balance: np.ndarray, capacity: int, groups: int,
+             release: np.ndarray | None = None) -> list[list[list[int]]]:
     """Positions into dp groups by longest-processing-time on ``balance``, then first fit into each
-    group's micro-batches (a new one when none has room)."""
-    heap = [(0.0, g) for g in range(groups)]
+    group's micro-batches (a new one when none has room). ``release``: when each group is free
+    (a later stage of a free run, :mod:`.timeline`): LPT with release times."""
+    start = np.zeros(groups) if release is None else np.asarray(release, dtype=np.float64)
+    heap = [(float(start[g]), g) for g in range(groups)]
+    heapq.heapify(heap)
     rooms: list[list[int]] = [[] for _ in range(groups)]
     bins: list[list[list[int]]] = [[] for _ in range(groups)]
     for i in np.lexsort((np.arange(balance.size), -balance)).tolist():
@@ -148,28 +164,27 @@ def pack_lpt(padded: np.ndarray, balance: np.ndarray, capacity: int, groups: int
     return bins
 
 
-def evaluate_groups(opt: OptionCost, doc_seconds: np.ndarray, groups: Sequence[Sequence[Sequence[int]]]) -> float:
-    """Stage seconds (slowest dp group, or lockstep rounds under fsdp: :meth:`OptionCost.stage_seconds`,
-    plus the stage's fixed cost) of packed groups."""
-    return opt.stage_seconds(doc_seconds, groups) + opt.stage_fixed
-
-
-def _realize(choice: np.ndarray, combo: Sequence[int], options: Sequence[OptionCost], t: _Tables,
-             ) -> tuple[float, dict[int, StageGroups]]:
-    """Packs every stage of an assignment; returns (sum of stage seconds, groups per option)."""
-    total, out = 0.0, {}
-    for j in combo:
-        idx = np.flatnonzero(choice == j)
-        if idx.size == 0:
-            continue
-        opt = options[j]
-        padded = t.padded[j, idx]
-        bal = t.cost[j, idx] + opt.per_micro_batch * padded / opt.capacity
-        local = pack_lpt(padded, bal, opt.capacity, opt.parallelism.dp)
+def pack_in_order(stages: Sequence[tuple[OptionCost, np.ndarray]], lengths: np.ndarray,
+                  blocks: GroupBlocks | None) -> tuple[float, list[tuple[OptionCost, StageGroups]]]:
+    """Packs each stage's documents (option, doc indices) in stage order: cost-balanced LPT over
+    its dp groups, first fit into micro-batches; a later stage of a run from the times its groups
+    become free (:class:`.timeline.Timeline`). Returns (compute seconds, stages)."""
+    out: list[tuple[OptionCost, StageGroups]] = []
+    line = Timeline(blocks)
+    for opt, idx in stages:
+        padded = opt.padded(lengths[idx])
+        local = pack_lpt(padded, opt.balance_cost(padded), opt.capacity, opt.parallelism.dp, line.release_times(opt))
         groups = tuple(tuple(tuple(int(idx[p]) for p in mb) for mb in g) for g in local)
-        total += evaluate_groups(opt, t.cost[j], groups)
-        out[j] = groups
-    return total, out
+        line.add(opt, groups, opt.doc_seconds(opt.padded(lengths)))
+        out.append((opt, groups))
+    return line.finish(), out
+
+
+def _realize(choice: np.ndarray, staged: Sequence[int], options: Sequence[OptionCost], t: _Tables,
+             lengths: np.ndarray, blocks: GroupBlocks | None) -> tuple[float, list[tuple[OptionCost, StageGroups]]]:
+    """Packs every stage of an assignment in stage order; returns (compute seconds, stages)."""
+    parts = [(options[j], np.flatnonzero(choice == j)) for j in staged]
+    return pack_in_order([(o, idx) for o, idx in parts if idx.size], lengths, blocks)
 
 
 def _combinations(options: Sequence[OptionCost], t: _Tables) -> list[tuple[int, ...]]:
@@ -218,6 +233,7 @@ def solve_heuristic(
     fill: int = 8,
     realize: int = 2,
     split_checkpointing: bool = True,
+    blocks: GroupBlocks | None = None,
 ) -> tuple[float, list[tuple[OptionCost, StageGroups]]]:
     """(predicted seconds, stages in order) of a good plan; see the module docstring.
 
@@ -225,12 +241,14 @@ def solve_heuristic(
     after filling idle dp groups; the best ``realize`` (and each layout's best single-layout plan,
     and the best plan without a checkpointing split) are packed.
     ``split_checkpointing``: False allows one option per layout (one stage per layout).
+    ``blocks``: the world mesh's dp groups (:class:`.timeline.GroupBlocks`): the stages of a run
+    of one replicated tp degree run free and are scored and packed so; None: every stage in step.
     """
     t = _tables(lengths, options)
     first: list[tuple[float, int, tuple[int, ...], np.ndarray]] = []
     def screen(combo: tuple[int, ...]) -> None:
         choice = np.asarray(combo)[np.argmin(t.rate[list(combo)], axis=0)]
-        score, used = _relaxed(choice, t, options, switch_cost)
+        score, used = _relaxed(choice, t, options, switch_cost, blocks is not None)
         first.append((score, len(first), used, choice))
 
     for combo in _combinations(options, t):
@@ -248,7 +266,7 @@ def solve_heuristic(
     scored = list(first)
     for _, _, used, choice in first[:fill]:
         filled = _fill(choice, used, t)
-        score, used2 = _relaxed(filled, t, options, switch_cost)
+        score, used2 = _relaxed(filled, t, options, switch_cost, blocks is not None)
         scored.append((score, len(scored), used2, filled))
     scored.sort(key=lambda s: (s[0], s[1]))
     picks = scored[:realize]
@@ -263,15 +281,21 @@ def solve_heuristic(
             picks.append(extra)  # best plan without one too
     best: tuple[float, list[tuple[OptionCost, StageGroups]]] | None = None
     for _, _, used, ch in picks:
-        total, groups = _realize(ch, used, options, t)
         layouts, repeats = _distinct_layouts(used, options)
         seconds, order = switch_cost(layouts)
-        total += seconds - float(t.fixed[[j for j in repeats if j in groups]].sum())
+        compute, stages = _realize(ch, stage_order(used, order, options), options, t, lengths, blocks)
+        total = compute + seconds + float(t.fixed[list(used)].sum() - t.fixed[repeats].sum())
         if best is None or total < best[0]:
-            by_layout: dict[Layout, list[int]] = {}
-            for j in used:  # a layout's two stages (with and without checkpointing) run back to back
-                if j in groups:
-                    by_layout.setdefault(options[j].parallelism.layout(), []).append(j)
-            best = (total, [(options[j], groups[j]) for lay in order for j in by_layout.get(lay, [])])
+            best = (total, stages)
     assert best is not None
     return best
+
+
+def stage_order(used: Sequence[int], order: Sequence[Layout], options: Sequence[OptionCost]) -> list[int]:
+    """``used`` options in stage order: by layout as ``order`` says; a layout's two stages (with and
+    without checkpointing) back to back, the checkpointed one first (it holds the long documents,
+    around which a free run's later stages pack, :mod:`.timeline`)."""
+    by_layout: dict[Layout, list[int]] = {}
+    for j in sorted(used, key=lambda j: (not options[j].activation_checkpointing, j)):
+        by_layout.setdefault(options[j].parallelism.layout(), []).append(j)
+    return [j for lay in order for j in by_layout.get(lay, [])]

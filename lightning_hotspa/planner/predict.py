@@ -4,6 +4,8 @@ A step's prediction is ``sum over stages (slowest dp group + stage fixed cost) +
 switches being home -> first stage -> second stage ... in stage order (the planner's objective). The
 fixed cost (the gradient reduction) is paid once per run of consecutive stages that share gradients
 (same tp degree, :func:`~.cost_model.shares_gradients`): by the run's last stage, as the runtime does.
+Given the world mesh's dp groups (``blocks``), the stages of a run of one replicated tp degree run
+free (:mod:`.timeline`): the step saves ``overlap_seconds`` against that sum.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from .cost_model import AnalyticCostModel, OptionCost, shares_gradients
+from .timeline import GroupBlocks, compute_seconds
 
 __all__ = ["StagePrediction", "StepPrediction", "predict_stages"]
 
@@ -62,6 +65,7 @@ class StagePrediction:
 @dataclass(frozen=True)
 class StepPrediction:
     stages: tuple[StagePrediction, ...]
+    overlap_seconds: float = 0.0  # what free runs save against each stage's slowest group in turn
 
     @property
     def switch_seconds(self) -> float:
@@ -69,7 +73,7 @@ class StepPrediction:
 
     @property
     def seconds(self) -> float:
-        return sum(s.seconds for s in self.stages) + self.switch_seconds
+        return sum(s.seconds for s in self.stages) + self.switch_seconds - self.overlap_seconds
 
     @property
     def tokens(self) -> int:
@@ -81,12 +85,16 @@ class StepPrediction:
 
     def as_dict(self) -> dict[str, Any]:
         return {"seconds": self.seconds, "tokens": self.tokens, "tokens_per_s": self.tokens_per_s,
-                "switch_s": self.switch_seconds, "stages": [s.as_dict() for s in self.stages]}
+                "switch_s": self.switch_seconds, "overlap_s": self.overlap_seconds,
+                "stages": [s.as_dict() for s in self.stages]}
 
 
 def predict_stages(stages: Sequence[tuple[OptionCost, Groups]], lengths: Sequence[int] | np.ndarray,
-                   cost_model: AnalyticCostModel) -> StepPrediction:
-    """Prediction of ``stages`` (option, groups of micro-batches of doc indices) in this order."""
+                   cost_model: AnalyticCostModel, blocks: GroupBlocks | None = None,
+                   in_order: bool = True) -> StepPrediction:
+    """Prediction of ``stages`` (option, groups of micro-batches of doc indices) in this order;
+    ``in_order``: an fsdp group's micro-batches run in the given order (False: costliest first,
+    the order the planner emits)."""
     arr = np.asarray(lengths, dtype=np.int64)
     out, prev = [], None
     for k, (opt, groups) in enumerate(stages):
@@ -100,7 +108,7 @@ def predict_stages(stages: Sequence[tuple[OptionCost, Groups]], lengths: Sequenc
             group_seconds.append(opt.group_seconds(total, len(g)))
         par = opt.parallelism
         if par.fsdp and len(groups) > 1:  # lockstep rounds, in the plan's order: all groups end together
-            group_seconds = [opt.stage_seconds(secs, groups, in_order=True)] * len(groups)
+            group_seconds = [opt.stage_seconds(secs, groups, in_order=in_order)] * len(groups)
         out.append(StagePrediction(
             layout=par.name, activation_checkpointing=opt.activation_checkpointing, documents=int(ids.size),
             tokens=int(arr[ids].sum()) if ids.size else 0, micro_batches=sum(len(g) for g in groups),
@@ -109,4 +117,6 @@ def predict_stages(stages: Sequence[tuple[OptionCost, Groups]], lengths: Sequenc
             switch_seconds=cost_model.switch_seconds(prev, par), switch_bytes=cost_model.switch_bytes(prev, par),
         ))
         prev = par
-    return StepPrediction(tuple(out))
+    in_turn = sum(s.compute_seconds for s in out)
+    runs = compute_seconds(stages, arr, blocks, in_order) if blocks is not None else in_turn
+    return StepPrediction(tuple(out), overlap_seconds=in_turn - runs)

@@ -48,7 +48,7 @@ from ..checks import check_int
 from ..layout import Layout, LayoutError, MeshShape, parse_layouts
 from ..models.config import LlamaConfig
 from ..plan import PlanError, Stage, StepPlan
-from .assign import evaluate_groups, solve_heuristic
+from .assign import pack_in_order, solve_heuristic
 from .base import PlannerBase
 from .calibration import Observation, ProfiledCoefficients, apply_coefficients
 from .cost_model import AnalyticCostModel, OptionCost
@@ -58,6 +58,7 @@ from .packing import DocumentTooLongError, pack_layout
 from .predict import StepPrediction, predict_stages
 from .schedule import CoefficientSchedule, ScheduleEntry
 from .static_guard import DEFAULT_STATIC_MARGIN, GuardDecision, check_margin, guard
+from .timeline import GroupBlocks
 
 __all__ = ["CostModelPlanner"]
 
@@ -127,6 +128,7 @@ class CostModelPlanner(PlannerBase):
         world = Layout.parse(specs[0]).world_size if world_size is None else world_size
         self.layouts: tuple[Layout, ...] = parse_layouts(specs, world)
         MeshShape.for_layouts(self.layouts, world)
+        self.blocks = GroupBlocks(self.layouts, world)  # which dp groups free runs pack around
         self.cost_model = AnalyticCostModel(model, hardware, world)
         if tokens_per_rank is not None:
             tokens_per_rank = check_int(tokens_per_rank, f"{name}: tokens_per_rank", error=PlanError)
@@ -272,22 +274,34 @@ class CostModelPlanner(PlannerBase):
 
     def _solve_over(self, lengths: np.ndarray, option_list: list[OptionCost]) -> tuple[float, list]:
         if lengths.size <= self.exact_max_docs:
+            # the DP's stages are in step (each its slowest dp group); re-packed around each other
+            # as free runs (:mod:`.timeline`), whichever predicts faster
             sol = solve_exact(lengths, option_list, self.stage_order, self.split_checkpointing)
-            # the DP's stage is the slowest dp group; an fsdp stage runs in lockstep rounds (priced here)
-            total = sol.objective + sum(evaluate_groups(o, o.doc_seconds(o.padded(lengths)), g)
-                                        - _slowest_group(o, lengths, g) - o.stage_fixed
-                                        for o, g in sol.stages if o.parallelism.fsdp)
-            return total, [(o, g) for o, g in sol.stages]
-        total, stages = solve_heuristic(lengths, option_list, self.stage_order,
-                                        split_checkpointing=self.split_checkpointing)
-        return self._polish(lengths, total, stages)
+            first = {}  # a layout's checkpointed stage first, as the heuristic orders them (assign.stage_order)
+            for k, (o, _) in enumerate(sol.stages):
+                first.setdefault(o.parallelism.layout(), k)
+            exact = sorted(sol.stages, key=lambda s: (first[s[0].parallelism.layout()], not s[0].activation_checkpointing))
+            ids = [(o, np.asarray(sorted(d for grp in g for mb in grp for d in mb), dtype=np.int64)) for o, g in exact]
+            repacked = pack_in_order(ids, lengths, self.blocks)[1]
+            return min(((self._seconds(lengths, s), k, s) for k, s in enumerate((exact, repacked))),
+                       key=lambda x: x[:2])[::2]
+        stages = solve_heuristic(lengths, option_list, self.stage_order,
+                                 split_checkpointing=self.split_checkpointing, blocks=self.blocks)[1]
+        return self._polish(lengths, stages)
 
-    def _polish(self, lengths: np.ndarray, total: float, stages: list) -> tuple[float, list]:
+    def _seconds(self, lengths: np.ndarray, stages: Sequence[tuple[OptionCost, tuple]]) -> float:
+        """The predicted step of solver stages (fsdp groups' micro-batches costliest first, as
+        :meth:`plan` emits them): the objective every solve returns."""
+        return predict_stages(stages, lengths, self.cost_model, self.blocks, in_order=False).seconds
+
+    def _polish(self, lengths: np.ndarray, stages: list) -> tuple[float, list]:
         """Re-packs a stage with :func:`~.packing.pack_layout` (document moves and swaps between dp
         groups) when its groups are off balance by more than ``_POLISH_IMBALANCE`` and it is small
-        enough (``_POLISH_MAX_DOCS``) to afford it; keeps whichever predicts the faster stage."""
-        out = []
-        for opt, groups in stages:
+        enough (``_POLISH_MAX_DOCS``) to afford it; keeps whichever predicts the faster step (a
+        later stage of a free run is off balance on purpose: it packs around the ones before)."""
+        total = self._seconds(lengths, stages)
+        out = list(stages)
+        for k, (opt, groups) in enumerate(stages):
             ids = [d for g in groups for mb in g for d in mb]
             secs = opt.doc_seconds(opt.padded(lengths))
             loads = [opt.group_seconds(float(secs[[d for mb in g for d in mb]].sum()), len(g)) if g else 0.0
@@ -295,12 +309,10 @@ class CostModelPlanner(PlannerBase):
             mean = sum(loads) / len(loads)
             if len(groups) > 1 and len(ids) <= _POLISH_MAX_DOCS and max(loads) > mean * (1 + _POLISH_IMBALANCE):
                 packed = pack_layout(ids, lengths[ids], opt.parallelism.layout(), opt.capacity, opt.balance_cost)
-                before = evaluate_groups(opt, secs, groups)
-                after = evaluate_groups(opt, secs, packed.micro_batches)
-                if after < before:
-                    total += after - before
-                    groups = packed.micro_batches
-            out.append((opt, groups))
+                trial = [*out[:k], (opt, packed.micro_batches), *out[k + 1:]]
+                seconds = self._seconds(lengths, trial)
+                if seconds < total:
+                    total, out = seconds, trial
         return total, out
 
     def plan(self, step: int, doc_lengths: Sequence[int], *, latest: bool = False) -> StepPlan:
@@ -335,7 +347,7 @@ class CostModelPlanner(PlannerBase):
             opt = self.options.get(key) or self.cost_model.option(s.layout, s.activation_checkpointing,
                                                                   self._capacity_override(s.layout, s.activation_checkpointing))
             stages.append((opt, s.micro_batches))
-        return predict_stages(stages, plan.doc_lengths, self.cost_model)
+        return predict_stages(stages, plan.doc_lengths, self.cost_model, self.blocks)
 
     # ------------------------------------------------------------------ profiled mode
     def observe(self, observations: Iterable[Observation]) -> None:
@@ -388,12 +400,6 @@ class CostModelPlanner(PlannerBase):
     def __repr__(self) -> str:
         opts = ", ".join(f"{o.label}:{o.capacity}" for o in self._option_list)
         return f"{type(self).__name__}({self.cost_model.model.n_layers}L on {self.cost_model.hardware.name}; {opts})"
-
-
-def _slowest_group(opt: OptionCost, lengths: np.ndarray, groups: Sequence) -> float:
-    secs = opt.doc_seconds(opt.padded(lengths))
-    return max((opt.group_seconds(float(sum(secs[list(mb)].sum() for mb in g)), len(g)) for g in groups if g),
-               default=0.0)
 
 
 def _in_loader_worker() -> bool:
