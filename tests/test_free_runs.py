@@ -134,8 +134,8 @@ def _run(layouts, stages, lengths, seed, sleepy=None):
     shape, rank = world.shape, world.rank
     allowed = {s.label: shape.group_ranks(rank, range(shape.prefix_length(s.layout.tp * s.layout.cp)))
                for s in plan.stages}
-    tp_pairs = {s.label: shape.group_ranks(rank, shape.tp_dims(s.layout)) for s in plan.stages}
-    return {"calls": watch.calls(), "allowed": allowed, "tp": tp_pairs, "reductions": watch.reductions,
+    tp_groups = {s.label: shape.group_ranks(rank, shape.tp_dims(s.layout)) for s in plan.stages}
+    return {"calls": watch.calls(), "allowed": allowed, "tp_group": tp_groups, "reductions": watch.reductions,
             "times": watch.times, "dp_index": {s.label: shape.rank_coords(s.layout, rank)[0] for s in plan.stages},
             "micro_batches": {s.label: len(s.micro_batches) for s in mine.stages},
             "grads": grads, "plan": plan, "docs": docs}
@@ -151,13 +151,12 @@ def run_free_runs() -> dict:
                   [26, 15, 21, 18], seed=2)
     out = {"cp": cp_run, "tp": tp_run}
     if dist.get_rank() == 0:
-        plan, docs = tp_run["plan"], tp_run["docs"]
         reference = TinyLlama()  # the same seed: the same initial weights, single process
-        reference(pack_micro_batch(docs)).backward()  # token mean over every document
+        reference(pack_micro_batch(tp_run["docs"])).backward()  # token mean over every document
         out["reference"] = {n: p.grad for n, p in reference.named_parameters()}
     for run in (cp_run, tp_run):
         del run["docs"], run["plan"]
-        if dist.get_rank() != 0:
+        if run is cp_run or dist.get_rank() != 0:  # the cp run's invariant: test_strategy's (module doc)
             del run["grads"]
     return out
 
@@ -182,7 +181,7 @@ def test_a_free_run_issues_no_collective_across_dp_groups(free_runs) -> None:
                 assert "dp2xcp2" in stages and "dp4" not in stages, (rank, run["calls"])
             elif run["micro_batches"]["dp2xtp2"]:  # its forwards' tp collectives, in the tp pair
                 tp_calls = [ranks for label, _, ranks in run["calls"] if label == "dp2xtp2"]
-                assert tp_calls and all(r == tuple(sorted(run["tp"]["dp2xtp2"])) for r in tp_calls), tp_calls
+                assert tp_calls and all(r == tuple(sorted(run["tp_group"]["dp2xtp2"])) for r in tp_calls), tp_calls
 
 
 def test_a_dp_group_done_with_a_stage_starts_the_next_while_another_is_busy(free_runs) -> None:
