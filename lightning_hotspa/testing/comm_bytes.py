@@ -7,13 +7,20 @@ CommDebugMode would count those calls but not their bytes).
 
 Received bytes per call (ring algorithms, which is what the volumes mean on real networks):
 all-gather ``(g-1) * input``; reduce-scatter ``(g-1)/g * input``; all-reduce ``2 (g-1)/g * input``;
-all-to-all ``(g-1)/g * input``; broadcast ``input`` on non-source ranks.
+all-to-all ``(g-1)/g * input``; broadcast ``input`` on non-source ranks. Calls whose volume is
+not modelled here (barriers, object collectives, reduce / gather / scatter, point-to-point) are
+logged with 0 bytes: they still count, and their ranks say whom they wait for.
+
+Each call also logs the global ranks it synchronises (:attr:`CollectiveLog.ranks`): its process
+group's members (the default group: the whole world), for point-to-point calls this rank and its
+peer. Tests use them to check which collectives cross which rank groups.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -21,12 +28,17 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["CollectiveLog", "count_collective_bytes"]
+__all__ = ["CollectiveLog", "count_collective_bytes", "group_ranks"]
 
 
 @dataclass
 class CollectiveLog:
     calls: list[tuple[str, int]] = field(default_factory=list)  # (name, bytes received)
+    ranks: list[tuple[int, ...]] = field(default_factory=list)  # per call: the global ranks it joins
+
+    def add(self, name: str, nbytes: int, ranks: tuple[int, ...]) -> None:
+        self.calls.append((name, nbytes))
+        self.ranks.append(ranks)
 
     @property
     def bytes_received(self) -> int:
@@ -68,7 +80,32 @@ def _received(name: str, args: tuple, kwargs: dict) -> int:
 
 
 _WRAPPED = ("all_gather_into_tensor", "all_gather", "reduce_scatter_tensor", "all_reduce",
-            "all_to_all_single", "broadcast")
+            "all_to_all_single", "broadcast",
+            # counted with 0 bytes: their ranks are what matters (nothing else synchronises silently)
+            "barrier", "monitored_barrier", "all_to_all", "reduce_scatter", "reduce", "gather", "scatter",
+            "all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list")
+_POINT_TO_POINT = {"send": "dst", "isend": "dst", "recv": "src", "irecv": "src"}
+
+
+def group_ranks(group) -> tuple[int, ...]:
+    """The global ranks of a process group (None: the default group, the whole world)."""
+    if group is None:
+        return tuple(range(dist.get_world_size()))
+    return tuple(dist.get_process_group_ranks(group))
+
+
+def _call_ranks(name: str, signature: inspect.Signature, args: tuple, kwargs: dict) -> tuple[int, ...]:
+    bound = signature.bind_partial(*args, **kwargs).arguments
+    members = group_ranks(bound.get("group"))
+    peer_arg = _POINT_TO_POINT.get(name)
+    if peer_arg is None:
+        return members
+    peer = bound.get(peer_arg)
+    if peer is None and bound.get(f"group_{peer_arg}") is not None:
+        peer = members[bound[f"group_{peer_arg}"]]
+    if peer is None:  # recv from any source
+        return members
+    return tuple(sorted({dist.get_rank(), int(peer)}))
 
 
 class _FunctionalCollectiveMode(TorchDispatchMode):
@@ -81,33 +118,40 @@ class _FunctionalCollectiveMode(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = func._overloadpacket.__name__
-        if func.namespace == "_c10d_functional":
+        if func.namespace == "_c10d_functional" and name != "wait_tensor":
+            # every functional collective names its group last; resolve it for the size and ranks
+            from torch.distributed.distributed_c10d import _resolve_process_group
+
+            group = _resolve_process_group(kwargs.get("group_name", args[-1]))
+            ranks = group_ranks(group)
             inp = args[0]
             if name == "all_gather_into_tensor":
-                self.log.calls.append((name, (args[1] - 1) * _nbytes(inp)))
+                self.log.add(name, (args[1] - 1) * _nbytes(inp), ranks)
             elif name == "reduce_scatter_tensor":
                 g = args[2]
-                self.log.calls.append((name, (g - 1) * _nbytes(inp) // g))
+                self.log.add(name, (g - 1) * _nbytes(inp) // g, ranks)
             elif name in ("all_reduce", "all_to_all_single"):
-                # the group size is not an argument of these ops; resolve it from the group name
-                from torch.distributed.distributed_c10d import _resolve_process_group
-
-                g = _resolve_process_group(args[-1]).size()
+                g = len(ranks)
                 factor = 2 if name == "all_reduce" else 1
-                self.log.calls.append((name, factor * (g - 1) * _nbytes(inp) // g))
+                self.log.add(name, factor * (g - 1) * _nbytes(inp) // g, ranks)
+            else:  # broadcast, the coalesced variants: not modelled, still logged
+                self.log.add(name, 0, ranks)
         return func(*args, **kwargs)
 
 
 @contextlib.contextmanager
 def count_collective_bytes() -> Iterator[CollectiveLog]:
-    """Within the block, every collective this rank issues is logged with the bytes it receives."""
+    """Within the block, every collective this rank issues is logged with the bytes it receives
+    and the ranks it joins."""
     log = CollectiveLog()
-    originals = {name: getattr(dist, name) for name in _WRAPPED}
+    originals = {name: getattr(dist, name) for name in (*_WRAPPED, *_POINT_TO_POINT) if hasattr(dist, name)}
 
     def wrap(name, fn):
+        signature = inspect.signature(fn)
+
         @functools.wraps(fn)
         def counted(*args, **kwargs):
-            log.calls.append((name, _received(name, args, kwargs)))
+            log.add(name, _received(name, args, kwargs), _call_ranks(name, signature, args, kwargs))
             return fn(*args, **kwargs)
 
         return counted
