@@ -11,14 +11,15 @@ The objective is the one :mod:`.exact` minimizes; the method trades exactness fo
    recompute every document's forward because one long document needs it.
 2. **Relaxed stage time** ``max(W/dp, M) + F``: ``W`` the stage's total seconds (with at least one
    micro-batch per dp group that gets a document), ``M`` its costliest single document (one dp group
-   must run it): a lower bound on the balanced stage.
+   must run it): a lower bound on the balanced stage. The stages of one replicated tp degree form
+   a free run (:mod:`.timeline`): bounded together by ``max(sum of W/dp, largest M)``.
 3. **Throughput assignment.** Each document goes to the option with the least world-seconds
    ``cost/dp`` (+ its share of micro-batch overhead): separable, and right whenever stages balance.
 4. **Fill.** A stage whose time is set by one long document (``M > W/dp``) leaves dp groups idle;
    short documents move in from balanced stages, best (seconds saved / idle seconds used) first.
 5. **Realize** the best few combinations and the best single-layout plan of each layout: pack each
-   stage (cost-balanced LPT over dp groups, first fit into micro-batches), evaluate exactly, keep
-   the best.
+   stage in stage order (cost-balanced LPT over dp groups, from the times a free run's earlier
+   stages leave each group free; first fit into micro-batches), evaluate exactly, keep the best.
 
 All array work is numpy; ties break by index, so plans are deterministic.
 """

@@ -5,7 +5,8 @@ chooses which layouts run, which documents each runs, whether each layout checkp
 how each layout's documents are packed into micro-batches and spread over its dp groups, and the stage
 order, minimizing the predicted step time ``sum over stages (slowest dp group) + one gradient
 reduction per run of same-tp stages + switches`` of the cost model (:mod:`.cost_model`, optionally
-calibrated by timings: :mod:`.calibration`).
+calibrated by timings: :mod:`.calibration`), where the stages of one replicated tp degree count as
+one free run whose dp groups fill each other's idle time (:mod:`.timeline`).
 
 Up to ``exact_max_docs`` documents the plan is exact (:mod:`.exact`); beyond, the heuristic of
 :mod:`.assign` screens every layout combination with a relaxed stage time and packs the best few.
@@ -283,8 +284,8 @@ class CostModelPlanner(PlannerBase):
             exact = sorted(sol.stages, key=lambda s: (first[s[0].parallelism.layout()], not s[0].activation_checkpointing))
             ids = [(o, np.asarray(sorted(d for grp in g for mb in grp for d in mb), dtype=np.int64)) for o, g in exact]
             repacked = pack_in_order(ids, lengths, self.blocks)[1]
-            return min(((self._seconds(lengths, s), k, s) for k, s in enumerate((exact, repacked))),
-                       key=lambda x: x[:2])[::2]
+            exact_s, repacked_s = self._seconds(lengths, exact), self._seconds(lengths, repacked)
+            return (repacked_s, repacked) if repacked_s < exact_s else (exact_s, exact)
         stages = solve_heuristic(lengths, option_list, self.stage_order,
                                  split_checkpointing=self.split_checkpointing, blocks=self.blocks)[1]
         return self._polish(lengths, stages)
