@@ -98,3 +98,33 @@ def test_check_token_ids_ignores_only_the_ignore_index():
     check_token_ids(torch.tensor([-100, 0, 9]), 10, ignore_index=-100)
     with pytest.raises(VocabularyError):
         check_token_ids(torch.tensor([-100, 10]), 10, ignore_index=-100)
+
+
+def test_a_tensor_that_passed_is_not_read_again_until_it_changes(monkeypatch):
+    """Under tp one micro-batch's ids meet 2-4 checks; each would be a host sync on a GPU. The
+    same unchanged tensor after an equal or stricter check costs nothing; anything else is read."""
+    calls = []
+    real = torch.aminmax
+    monkeypatch.setattr(torch, "aminmax", lambda t: calls.append(1) or real(t))
+    ids = torch.tensor([1, 5, 9])
+    check_token_ids(ids, 10)
+    check_token_ids(ids, 10)
+    check_token_ids(ids, 16)  # a looser check (the padded vocabulary of a vocab-parallel embedding)
+    assert len(calls) == 1
+    check_token_ids(ids, 9 + 1, ignore_index=-100)  # another ignore_index: read again
+    assert len(calls) == 2
+    check_token_ids(ids.clone(), 10)  # another tensor
+    assert len(calls) == 3
+    with pytest.raises(VocabularyError, match="token id 9"):
+        check_token_ids(ids, 9)  # stricter: read again, and it fails
+    ids[0] = 12  # changed in place: its version moved
+    with pytest.raises(VocabularyError, match="token id 12"):
+        check_token_ids(ids, 10)
+    with torch.inference_mode():  # inference tensors carry no version counter: always read
+        made = torch.tensor([1, 2])
+        before = len(calls)
+        check_token_ids(made, 10)
+        check_token_ids(made, 10)
+        assert len(calls) == before + 2
+        with pytest.raises(VocabularyError):
+            check_token_ids(torch.tensor([11]), 10)

@@ -124,8 +124,9 @@ class LlamaLM(L.LightningModule):
         return self.model(input_ids, position_ids, cu_seqlens, max_seqlen)
 
     def _loss(self, batch: PackedBatch) -> Tensor:
-        logits = self(batch.input_ids, batch.position_ids, batch.cu_seqlens, batch.max_seqlen)
+        # before the forward: the check's host read then waits for the copy in, not for the forward
         check_token_ids(batch.labels, self.config.vocab_size, "labels", ignore_index=IGNORE_INDEX)
+        logits = self(batch.input_ids, batch.position_ids, batch.cu_seqlens, batch.max_seqlen)
         return self.loss_fn(logits, batch.labels)
 
     def training_step(self, batch: PackedBatch, batch_idx: int = 0) -> Tensor:

@@ -10,12 +10,17 @@ embedding and loss check again for models that are not ours: all with this one m
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch import Tensor
 
 from ..host import host_reads
 
 __all__ = ["VocabularyError", "check_token_ids", "check_tokenizer_fits"]
+
+#: id(tensor) -> (a weak reference to it, its version, ignore_index, the vocabulary it passed)
+_PASSED: dict[int, tuple[weakref.ref, int, int | None, int]] = {}
 
 
 class VocabularyError(ValueError):
@@ -31,9 +36,17 @@ def check_token_ids(ids: Tensor, vocab_size: int, what: str = "input_ids",
                     ignore_index: int | None = None) -> None:
     """Raises :class:`VocabularyError` unless every id (except ``ignore_index``) is in ``[0, vocab_size)``.
 
-    One min/max reduction and one host read per call (a sync on an accelerator).
+    One min/max reduction and one host read (a sync on an accelerator) per tensor: a call on a
+    tensor that already passed an equal or stricter check, unchanged since (same object, same
+    version counter), returns at once. Under tp a micro-batch's ids meet the model's, the parallel
+    embedding's and the vocab-parallel loss's checks; only the first pays.
     """
     if ids.numel() == 0:
+        return
+    version = _version(ids)
+    seen = _PASSED.get(id(ids))
+    if (version is not None and seen is not None and seen[0]() is ids and seen[1] == version
+            and seen[2] == ignore_index and seen[3] <= vocab_size):
         return
     with host_reads():  # real values even under the memory estimator's FakeTensorMode
         if ignore_index is not None:
@@ -44,6 +57,20 @@ def check_token_ids(ids: Tensor, vocab_size: int, what: str = "input_ids",
         bad = low if low < 0 else high
         raise VocabularyError(f"{what} hold token id {bad}, outside the model's vocabulary of {vocab_size} "
                               f"ids (0..{vocab_size - 1}); {_fix(max(high, 0), vocab_size)}")
+    if version is None:
+        return
+    if len(_PASSED) >= 64:  # only the current micro-batch's few tensors matter
+        _PASSED.clear()
+    _PASSED[id(ids)] = (weakref.ref(ids), version, ignore_index, vocab_size)
+
+
+def _version(t: Tensor) -> int | None:
+    """The tensor's in-place version counter; None for inference tensors, which have none (their
+    checks are never skipped)."""
+    try:
+        return t._version
+    except RuntimeError:
+        return None
 
 
 def check_tokenizer_fits(tokenizer_vocab: int, model_vocab: int, where: str = "") -> None:
