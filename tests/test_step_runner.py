@@ -253,6 +253,10 @@ class _StageTraffic(StepHooks):
             self._open = None
 
 
+def _calls(units) -> dict:
+    return dict(units.collectives, prefetch=units.prefetches, backward_prefetch=units.backward_prefetches)
+
+
 def run_fsdp_traffic() -> dict:
     layouts = ["dp4:fsdp", "dp4", "dp2xcp2:kv:fsdp"]
     module, world, home, parallel, engine = _setup(layouts, TinyLlama())
@@ -263,14 +267,14 @@ def run_fsdp_traffic() -> dict:
     original = traffic.before_compute
 
     def before_compute(stage):
-        before[stage.layout.name] = dict(units.bytes), dict(units.collectives, prefetch=units.prefetches)
+        before[stage.layout.name] = dict(units.bytes), _calls(units)
         original(stage)
 
     def enter_phase(phase):
         if traffic._open is not None:
             name = next(reversed(traffic.logs))
             nbytes, calls = before[name]
-            now = dict(units.collectives, prefetch=units.prefetches)
+            now = _calls(units)
             before[name] = ({k: units.bytes[k] - nbytes[k] for k in units.bytes},
                             {k: now[k] - calls[k] for k in calls})
         _StageTraffic.enter_phase(traffic, phase)
@@ -326,11 +330,11 @@ def test_fsdp_with_dims_home_cannot_split_equals_replicated(ranks) -> None:
 def test_fsdp_stage_gathers_once_per_unit_and_round_and_counts_its_bytes(ranks) -> None:
     """dp4:fsdp with uneven dp groups (3 rounds: ranks of group 0 compute 3 micro-batches, the others
     1 plus 2 idle rounds): per round, one fused all-gather per unit in forward (all but the first
-    prefetched by the previous unit's forward), one per re-gathered
-    unit in backward, one reduce-scatter per unit; the engine's byte counts equal the wrapped
-    collectives'; the replicated dp4 stage moves no parameter bytes inside its micro-batches; under
-    activation checkpointing the recomputation re-gathers the blocks; evaluation's idle rounds gather
-    as the busy ranks' forwards do."""
+    prefetched by the previous unit's forward), one per re-gathered unit in backward (all but the
+    first started by the previous re-gather), one reduce-scatter per unit; the engine's byte counts
+    equal the wrapped collectives'; the replicated dp4 stage moves no parameter bytes inside its
+    micro-batches; under activation checkpointing the recomputation re-gathers the blocks (not
+    prefetched); evaluation's idle rounds gather as the busy ranks' forwards do."""
     results = ranks(4).run(run_fsdp_traffic)
     for r in results:
         units, sharded, replicated = r["units"], r["dp4:fsdp"], r["dp4"]
@@ -340,6 +344,9 @@ def test_fsdp_stage_gathers_once_per_unit_and_round_and_counts_its_bytes(ranks) 
         assert calls["forward"] == units * rounds and calls["reduce_scatter"] == units * rounds, calls
         assert calls["backward"] == (units - 1) * rounds, calls  # the embedding's backward needs no weight
         assert calls["prefetch"] == (units - 1) * rounds, calls  # each unit's forward starts the next's gather
+        # the head's re-gather starts block 1's, block 1's starts block 0's (the embedding's backward
+        # needs no weight: none is started for it)
+        assert calls["backward_prefetch"] == (units - 2) * rounds, calls
         assert sharded["log_calls"].count("all_gather_into_tensor") == calls["forward"] + calls["backward"]
         assert sum(sharded["fsdp_bytes"].values()) == sharded["log_bytes"] == sharded["stage_fsdp_bytes"], sharded
         # at the stage end only the final norm reduces (outside every unit: a reduce-scatter of its
@@ -355,7 +362,8 @@ def test_fsdp_stage_gathers_once_per_unit_and_round_and_counts_its_bytes(ranks) 
         # activation checkpointing: the blocks' recomputation gathers them again, inside its forward
         blocks = units - 2
         assert kv["fsdp_calls"] == {"forward": (units + blocks) * 3, "backward": 3,  # the head only
-                                    "reduce_scatter": units * 3, "prefetch": (units - 1) * 3}, kv["fsdp_calls"]
+                                    "reduce_scatter": units * 3, "prefetch": (units - 1) * 3,
+                                    "backward_prefetch": 0}, kv["fsdp_calls"]
 
 
 class _TiedBlocks(nn.Module):
