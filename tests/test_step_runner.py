@@ -400,6 +400,61 @@ def test_fsdp_working_copies_sit_at_home_and_share_gradients_with_fsdp_peers_onl
         assert not engine.shares_gradients("dp2xtp2:fsdp", "dp4:fsdp")
 
 
+class _DeadBranch(nn.Module):
+    """Three blocks; block 1 saves its weight but its output never reaches the loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList([nn.Linear(8, 8) for _ in range(3)])
+
+    def forward(self, mb) -> torch.Tensor:
+        x = self.blocks[0](torch.ones(2, 8, requires_grad=True))  # an input with a grad: saves the weight
+        self.blocks[1](x)  # dead: its backward never unpacks
+        return self.blocks[2](x).sum()
+
+
+def test_fsdp_backward_prefetch_nobody_consumes_is_dropped_at_the_backward_end() -> None:
+    """Backward re-gathers in reverse order of the forward's weight-saving units, each starting the
+    next one's: block 2 starts block 1's, which never unpacks, so block 0 gathers on its own and
+    block 1's stays in flight until ``end_backward`` finishes it (the next forward would too)."""
+    from lightning_hotspa.testing.fake_world import FakeWorld
+
+    with FakeWorld(4):  # collectives are no-ops: the order and counts are what is checked
+        module, world, home, parallel, engine = _setup(["dp4:fsdp"], _DeadBranch())
+        runner = StepRunner(engine, parallel)
+        units = runner.units
+        engine.materialize("dp4:fsdp")
+        parallel.activate(world.layouts[0], engine.working)
+        for micro_batch in range(2):
+            with units.forward_prefetch():
+                assert units.regather is None  # micro-batch 0's, dropped by the new forward
+                loss = module(None)
+            assert [units.previous_saver[u] for u in units.units] == [None, units.units[0], units.units[1]]
+            loss.backward()
+            assert units.regather is not None and units.regather[0] is units.units[1]
+            assert units.backward_prefetches == micro_batch + 1
+            assert units.collectives["backward"] == 3 * (micro_batch + 1)  # 2 gathered, 1 started
+        units.end_backward()
+        assert units.regather is None and units.previous_saver == {}
+        parallel.restore(home)
+        engine.release()
+        seen, started = [], units.backward_prefetches
+
+        class Watch(StepHooks):  # nothing in flight when a micro-batch or the stage end begins
+            def enter_micro_batch(self, mb) -> None:
+                seen.append(units.regather)
+
+            def enter_phase(self, phase) -> None:
+                seen.append(units.regather)
+
+        plan = _rank_plan(world, ["dp4:fsdp"])
+        runner.run(plan, module, Watch())  # the runner ends every backward
+        rounds = plan.stages[0].num_rounds
+        assert rounds == 3 and seen == [None] * (rounds + 2)  # + reduce, metrics
+        assert units.backward_prefetches - started == rounds
+
+
 def test_fsdp_layouts_refuse_what_they_cannot_shard() -> None:
     from lightning_hotspa.engine.fsdp import ShardedUnits
     from lightning_hotspa.layout import LayoutError
