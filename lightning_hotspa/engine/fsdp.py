@@ -21,7 +21,16 @@ embedding, the LM head) this module
 
 Within :meth:`ShardedUnits.forward_prefetch` (the step runner wraps each micro-batch's forward in
 it) a unit's forward starts the NEXT unit's all-gather asynchronously (declaration order is call
-order); backward re-gathers are not prefetched. Not built: keeping the gathered weights for backward.
+order), and each unit notes whether it packed a weight. In backward, the units re-gather in reverse
+order of those that did (the embedding's backward needs no weight: it never re-gathers), so a
+unit's re-gather, once finished, starts the one of the weight-saving unit before it asynchronously
+and that unit's first unpack finishes it: gather(k), start(k-1), reduce-scatter(k), finish(k-1),
+start(k-2), ... on every rank alike (the same graph, idle rounds included). At most one is in
+flight (the current unit and the next: two gathered units, as the memory model budgets); one that
+no unit consumed is finished and dropped by :meth:`ShardedUnits.end_backward` (the step runner calls
+it after every backward) or by the next forward. A checkpointed unit's recomputation gathers
+synchronously (not prefetched: telling a recomputation apart needs torch's private checkpoint
+state). Not built: keeping the gathered weights for backward.
 
 A dp group with fewer micro-batches than the busiest runs idle rounds (``RankStage.rounds``) so the
 gathers, which span dp groups, line up; evaluation does the same with :meth:`ShardedUnits.idle_forward`,
@@ -227,8 +236,10 @@ class _Unit:
 
 class ShardedUnits:
     """The fsdp units of ``module`` (names from :func:`find_fsdp_units` unless given), their hooks
-    installed once; tells ``engine`` which parameters fsdp layouts shard. ``bytes`` counts what this
-    rank received per phase (``forward`` / ``backward`` gathers, ``reduce_scatter``)."""
+    installed once; tells ``engine`` which parameters fsdp layouts shard. ``bytes`` and
+    ``collectives`` count what this rank received per phase (``forward`` / ``backward`` gathers,
+    ``reduce_scatter``), prefetched ones included; ``prefetches`` and ``backward_prefetches`` how
+    many gathers of each phase were started ahead."""
 
     def __init__(self, engine: Any, module: nn.Module, units: Sequence[str] | None = None) -> None:
         self.engine = engine
