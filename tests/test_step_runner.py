@@ -253,6 +253,10 @@ class _StageTraffic(StepHooks):
             self._open = None
 
 
+def _calls(units) -> dict:
+    return dict(units.collectives, prefetch=units.prefetches, backward_prefetch=units.backward_prefetches)
+
+
 def run_fsdp_traffic() -> dict:
     layouts = ["dp4:fsdp", "dp4", "dp2xcp2:kv:fsdp"]
     module, world, home, parallel, engine = _setup(layouts, TinyLlama())
@@ -263,14 +267,14 @@ def run_fsdp_traffic() -> dict:
     original = traffic.before_compute
 
     def before_compute(stage):
-        before[stage.layout.name] = dict(units.bytes), dict(units.collectives, prefetch=units.prefetches)
+        before[stage.layout.name] = dict(units.bytes), _calls(units)
         original(stage)
 
     def enter_phase(phase):
         if traffic._open is not None:
             name = next(reversed(traffic.logs))
             nbytes, calls = before[name]
-            now = dict(units.collectives, prefetch=units.prefetches)
+            now = _calls(units)
             before[name] = ({k: units.bytes[k] - nbytes[k] for k in units.bytes},
                             {k: now[k] - calls[k] for k in calls})
         _StageTraffic.enter_phase(traffic, phase)
@@ -326,11 +330,11 @@ def test_fsdp_with_dims_home_cannot_split_equals_replicated(ranks) -> None:
 def test_fsdp_stage_gathers_once_per_unit_and_round_and_counts_its_bytes(ranks) -> None:
     """dp4:fsdp with uneven dp groups (3 rounds: ranks of group 0 compute 3 micro-batches, the others
     1 plus 2 idle rounds): per round, one fused all-gather per unit in forward (all but the first
-    prefetched by the previous unit's forward), one per re-gathered
-    unit in backward, one reduce-scatter per unit; the engine's byte counts equal the wrapped
-    collectives'; the replicated dp4 stage moves no parameter bytes inside its micro-batches; under
-    activation checkpointing the recomputation re-gathers the blocks; evaluation's idle rounds gather
-    as the busy ranks' forwards do."""
+    prefetched by the previous unit's forward), one per re-gathered unit in backward (all but the
+    first started by the previous re-gather), one reduce-scatter per unit; the engine's byte counts
+    equal the wrapped collectives'; the replicated dp4 stage moves no parameter bytes inside its
+    micro-batches; under activation checkpointing the recomputation re-gathers the blocks (not
+    prefetched); evaluation's idle rounds gather as the busy ranks' forwards do."""
     results = ranks(4).run(run_fsdp_traffic)
     for r in results:
         units, sharded, replicated = r["units"], r["dp4:fsdp"], r["dp4"]
@@ -340,6 +344,9 @@ def test_fsdp_stage_gathers_once_per_unit_and_round_and_counts_its_bytes(ranks) 
         assert calls["forward"] == units * rounds and calls["reduce_scatter"] == units * rounds, calls
         assert calls["backward"] == (units - 1) * rounds, calls  # the embedding's backward needs no weight
         assert calls["prefetch"] == (units - 1) * rounds, calls  # each unit's forward starts the next's gather
+        # the head's re-gather starts block 1's, block 1's starts block 0's (the embedding's backward
+        # needs no weight: none is started for it)
+        assert calls["backward_prefetch"] == (units - 2) * rounds, calls
         assert sharded["log_calls"].count("all_gather_into_tensor") == calls["forward"] + calls["backward"]
         assert sum(sharded["fsdp_bytes"].values()) == sharded["log_bytes"] == sharded["stage_fsdp_bytes"], sharded
         # at the stage end only the final norm reduces (outside every unit: a reduce-scatter of its
@@ -355,7 +362,8 @@ def test_fsdp_stage_gathers_once_per_unit_and_round_and_counts_its_bytes(ranks) 
         # activation checkpointing: the blocks' recomputation gathers them again, inside its forward
         blocks = units - 2
         assert kv["fsdp_calls"] == {"forward": (units + blocks) * 3, "backward": 3,  # the head only
-                                    "reduce_scatter": units * 3, "prefetch": (units - 1) * 3}, kv["fsdp_calls"]
+                                    "reduce_scatter": units * 3, "prefetch": (units - 1) * 3,
+                                    "backward_prefetch": 0}, kv["fsdp_calls"]
 
 
 class _TiedBlocks(nn.Module):
@@ -390,6 +398,61 @@ def test_fsdp_working_copies_sit_at_home_and_share_gradients_with_fsdp_peers_onl
         assert not engine.shares_gradients("dp4:fsdp", "dp4")
         assert not engine.shares_gradients("dp2xtp2:fsdp", "dp2xtp2")
         assert not engine.shares_gradients("dp2xtp2:fsdp", "dp4:fsdp")
+
+
+class _DeadBranch(nn.Module):
+    """Three blocks; block 1 saves its weight but its output never reaches the loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList([nn.Linear(8, 8) for _ in range(3)])
+
+    def forward(self, mb) -> torch.Tensor:
+        x = self.blocks[0](torch.ones(2, 8, requires_grad=True))  # an input with a grad: saves the weight
+        self.blocks[1](x)  # dead: its backward never unpacks
+        return self.blocks[2](x).sum()
+
+
+def test_fsdp_backward_prefetch_nobody_consumes_is_dropped_at_the_backward_end() -> None:
+    """Backward re-gathers in reverse order of the forward's weight-saving units, each starting the
+    next one's: block 2 starts block 1's, which never unpacks, so block 0 gathers on its own and
+    block 1's stays in flight until ``end_backward`` finishes it (the next forward would too)."""
+    from lightning_hotspa.testing.fake_world import FakeWorld
+
+    with FakeWorld(4):  # collectives are no-ops: the order and counts are what is checked
+        module, world, home, parallel, engine = _setup(["dp4:fsdp"], _DeadBranch())
+        runner = StepRunner(engine, parallel)
+        units = runner.units
+        engine.materialize("dp4:fsdp")
+        parallel.activate(world.layouts[0], engine.working)
+        for micro_batch in range(2):
+            with units.forward_prefetch():
+                assert units.regather is None  # micro-batch 0's, dropped by the new forward
+                loss = module(None)
+            assert [units.previous_saver[u] for u in units.units] == [None, units.units[0], units.units[1]]
+            loss.backward()
+            assert units.regather is not None and units.regather[0] is units.units[1]
+            assert units.backward_prefetches == micro_batch + 1
+            assert units.collectives["backward"] == 3 * (micro_batch + 1)  # 2 gathered, 1 started
+        units.end_backward()
+        assert units.regather is None and units.previous_saver == {}
+        parallel.restore(home)
+        engine.release()
+        seen, started = [], units.backward_prefetches
+
+        class Watch(StepHooks):  # nothing in flight when a micro-batch or the stage end begins
+            def enter_micro_batch(self, mb) -> None:
+                seen.append(units.regather)
+
+            def enter_phase(self, phase) -> None:
+                seen.append(units.regather)
+
+        plan = _rank_plan(world, ["dp4:fsdp"])
+        runner.run(plan, module, Watch())  # the runner ends every backward
+        rounds = plan.stages[0].num_rounds
+        assert rounds == 3 and seen == [None] * (rounds + 2)  # + reduce, metrics
+        assert units.backward_prefetches - started == rounds
 
 
 def test_fsdp_layouts_refuse_what_they_cannot_shard() -> None:

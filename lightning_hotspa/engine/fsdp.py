@@ -21,7 +21,16 @@ embedding, the LM head) this module
 
 Within :meth:`ShardedUnits.forward_prefetch` (the step runner wraps each micro-batch's forward in
 it) a unit's forward starts the NEXT unit's all-gather asynchronously (declaration order is call
-order); backward re-gathers are not prefetched. Not built: keeping the gathered weights for backward.
+order), and each unit notes whether it packed a weight. In backward, the units re-gather in reverse
+order of those that did (the embedding's backward needs no weight: it never re-gathers), so a
+unit's re-gather, once finished, starts the one of the weight-saving unit before it asynchronously
+and that unit's first unpack finishes it: gather(k), start(k-1), reduce-scatter(k), finish(k-1),
+start(k-2), ... on every rank alike (the same graph, idle rounds included). At most one is in
+flight (the current unit and the next: two gathered units, as the memory model budgets); one that
+no unit consumed is finished and dropped by :meth:`ShardedUnits.end_backward` (the step runner calls
+it after every backward) or by the next forward. A checkpointed unit's recomputation gathers
+synchronously (not prefetched: telling a recomputation apart needs torch's private checkpoint
+state). Not built: keeping the gathered weights for backward.
 
 A dp group with fewer micro-batches than the busiest runs idle rounds (``RankStage.rounds``) so the
 gathers, which span dp groups, line up; evaluation does the same with :meth:`ShardedUnits.idle_forward`,
@@ -96,6 +105,7 @@ class _Unit:
         self.cache: dict[str, Tensor] | None = None  # re-gathered in backward
         self.hooks_ctx: Any = None
         self.prefetched: dict[tuple[int, int], FusedGather] | None = None  # started by the previous unit
+        self.saved_weight = False  # this call's forward packed a weight (its backward re-gathers)
 
     # -------------------------------------------------------------- collectives
     def _ranges(self, names: Sequence[str], layout: Layout) -> dict[tuple[int, int], list[int]]:
@@ -116,12 +126,13 @@ class _Unit:
             self.owner.count(phase, sum(p.numel() * p.element_size() for p in pieces) * (group.size - 1))
         return out
 
-    def gather(self, names: Sequence[str], shards: Sequence[Tensor], phase: str) -> list[Tensor]:
-        """The unit's gathered tensors: the prefetched ones in forward if the previous unit started
-        them (same layout and shards: both happen inside one forward), else gathered now."""
+    def gather(self, names: Sequence[str], shards: Sequence[Tensor], phase: str,
+               started: dict[tuple[int, int], FusedGather] | None = None) -> list[Tensor]:
+        """The unit's gathered tensors: ``started`` (a backward prefetch), the prefetched ones in
+        forward if the previous unit started them (same layout and shards: both happen inside one
+        forward), else gathered now."""
         engine = self.owner.engine
-        started = None
-        if phase == "forward" and self.prefetched is not None:
+        if started is None and phase == "forward" and self.prefetched is not None:
             started, self.prefetched = self.prefetched, None
         if started is None:
             started = self._start(names, shards, phase, async_op=False)
@@ -167,6 +178,7 @@ class _Unit:
         return [n for n in self.names if engine.fsdp_gathered(n, layout)]
 
     def pre_forward(self, module: nn.Module, args: Any) -> None:
+        self.saved_weight = False
         names = self.gathered_names()
         if not names:
             return
@@ -203,24 +215,31 @@ class _Unit:
         name = self.live_ids.get(id(base))
         if name is None or self.live[name] is not base:
             return t
+        if not self.saved_weight:
+            self.saved_weight = True
+            self.owner.note_saver(self)
         return _Saved(name, t is base, t.size(), t.stride(), t.storage_offset())
 
     def unpack(self, saved: Any) -> Tensor:
         if not isinstance(saved, _Saved):
             return saved
         if self.cache is None:
-            names = self.gathered_names()
+            names, owner = self.gathered_names(), self.owner
             with torch.no_grad():
-                full = self.gather(names, [self.owner.engine.working[n] for n in names], "backward")
+                full = self.gather(names, [owner.engine.working[n] for n in names], "backward",
+                                   owner.take_backward_prefetch(self))
             self.cache = dict(zip(names, full))
+            owner.prefetch_backward(after=self)
         full = self.cache[saved.name]
         return full if saved.whole else full.as_strided(saved.size, saved.stride, saved.offset)
 
 
 class ShardedUnits:
     """The fsdp units of ``module`` (names from :func:`find_fsdp_units` unless given), their hooks
-    installed once; tells ``engine`` which parameters fsdp layouts shard. ``bytes`` counts what this
-    rank received per phase (``forward`` / ``backward`` gathers, ``reduce_scatter``)."""
+    installed once; tells ``engine`` which parameters fsdp layouts shard. ``bytes`` and
+    ``collectives`` count what this rank received per phase (``forward`` / ``backward`` gathers,
+    ``reduce_scatter``), prefetched ones included; ``prefetches`` and ``backward_prefetches`` how
+    many gathers of each phase were started ahead."""
 
     def __init__(self, engine: Any, module: nn.Module, units: Sequence[str] | None = None) -> None:
         self.engine = engine
@@ -257,6 +276,12 @@ class ShardedUnits:
             self.units.append(unit)
         self.next_unit = dict(zip(self.units, self.units[1:]))  # declaration order: call order
         self.prefetching, self.prefetches = False, 0
+        # backward: the unit that saved a weight before each saver in this forward (the next to
+        # re-gather), the last saver so far, the one re-gather in flight (unit, layout, gathers)
+        self.previous_saver: dict[_Unit, _Unit | None] = {}
+        self.last_saver: _Unit | None = None
+        self.regather: tuple[_Unit, Layout, dict[tuple[int, int], FusedGather]] | None = None
+        self.backward_prefetches = 0
         self.bytes = {"forward": 0, "backward": 0, "reduce_scatter": 0}
         self.collectives = {"forward": 0, "backward": 0, "reduce_scatter": 0}
         engine.set_fsdp_units(set(taken))
@@ -268,7 +293,9 @@ class ShardedUnits:
     @contextlib.contextmanager
     def forward_prefetch(self) -> Iterator[None]:
         """Within the block (a micro-batch's forward, never backward or its recomputation), each
-        unit's forward starts the next unit's gather; what no unit used is finished and dropped."""
+        unit's forward starts the next unit's gather; what no unit used is finished and dropped.
+        The units that save weights in it are noted for the backward's prefetches."""
+        self.end_backward()  # a new forward: the previous backward's chain is over
         self.prefetching = True
         try:
             yield
@@ -276,6 +303,52 @@ class ShardedUnits:
             self.prefetching = False
             for unit in self.units:
                 unit.drop_prefetch()
+
+    # -------------------------------------------------------------- backward prefetch
+    def note_saver(self, unit: _Unit) -> None:
+        """``unit``'s forward packed its first weight: in backward it re-gathers right after the
+        unit noted now (reverse call order), and before the one noted last."""
+        if self.prefetching:
+            self.previous_saver[unit] = self.last_saver
+            self.last_saver = unit
+
+    def take_backward_prefetch(self, unit: _Unit) -> dict[tuple[int, int], FusedGather] | None:
+        """``unit``'s re-gather if the previous re-gather started it (in this layout), else None."""
+        if self.regather is None or self.regather[0] is not unit:
+            return None
+        _, layout, started = self.regather
+        self.regather = None
+        if layout != self.engine.active:  # cannot happen inside one backward; never a stale copy
+            for gather in started.values():
+                gather.finish(fresh=True)
+            return None
+        return started
+
+    def prefetch_backward(self, after: _Unit) -> None:
+        """``after`` just re-gathered: start the re-gather of the unit that saved a weight before it
+        in this forward (the next to re-gather), asynchronously; at most one is in flight."""
+        target = self.previous_saver.pop(after, None)
+        if target is None or target.cache is not None:
+            return
+        names = target.gathered_names()
+        if not names:
+            return
+        self.drop_backward_prefetch()  # one not consumed (unexpected order): finished, dropped
+        started = target._start(names, [self.engine.working[n] for n in names], "backward", async_op=True)
+        self.regather = (target, self.engine.active, started)
+        self.backward_prefetches += 1
+
+    def drop_backward_prefetch(self) -> None:
+        if self.regather is not None:
+            for gather in self.regather[2].values():
+                gather.finish(fresh=True)
+            self.regather = None
+
+    def end_backward(self) -> None:
+        """After a micro-batch's backward (the step runner calls it, idle rounds too): a re-gather
+        no unit consumed is finished and dropped, so no async work outlives the backward."""
+        self.drop_backward_prefetch()
+        self.previous_saver, self.last_saver = {}, None
 
     def idle_forward(self) -> None:
         """The gathers of one forward without computing (an idle evaluation round)."""

@@ -164,6 +164,8 @@ class StepRunner:
                         loss_sum += scaled.detach().double() / stage.layout.tp  # tp ranks hold copies
                     else:  # an idle round: its collectives only (zero gradients)
                         scaled.backward()
+                    if self.units is not None:  # fsdp: a backward re-gather no unit consumed
+                        self.units.end_backward()
                 t2, cpu_s = clock.mark(), self.cpu_clock() - c1
                 fsdp_end = self._fsdp_bytes()
                 if carry:  # same tp next: keep accumulating, the run's last stage reduces once
