@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from .cost_model import AnalyticCostModel, OptionCost, shares_gradients
-from .timeline import GroupBlocks, compute_seconds
+from .timeline import GroupBlocks, compute_seconds, stage_group_seconds
 
 __all__ = ["StagePrediction", "StepPrediction", "predict_stages"]
 
@@ -100,15 +100,9 @@ def predict_stages(stages: Sequence[tuple[OptionCost, Groups]], lengths: Sequenc
     for k, (opt, groups) in enumerate(stages):
         carried = k + 1 < len(stages) and shares_gradients(opt.parallelism, stages[k + 1][0].parallelism)
         ids = np.asarray([d for g in groups for mb in g for d in mb], dtype=np.int64)
-        padded = opt.padded(arr)
-        secs = opt.doc_seconds(padded)
-        group_seconds = []
-        for g in groups:
-            total = sum(float(secs[list(mb)].sum()) for mb in g)
-            group_seconds.append(opt.group_seconds(total, len(g)))
+        # every dp group's own seconds; an fsdp stage's lockstep rounds: all groups end together
+        group_seconds = stage_group_seconds(opt, groups, opt.doc_seconds(opt.padded(arr)), in_order).tolist()
         par = opt.parallelism
-        if par.fsdp and len(groups) > 1:  # lockstep rounds, in the plan's order: all groups end together
-            group_seconds = [opt.stage_seconds(secs, groups, in_order=in_order)] * len(groups)
         out.append(StagePrediction(
             layout=par.name, activation_checkpointing=opt.activation_checkpointing, documents=int(ids.size),
             tokens=int(arr[ids].sum()) if ids.size else 0, micro_batches=sum(len(g) for g in groups),

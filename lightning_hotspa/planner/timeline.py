@@ -29,7 +29,7 @@ from ..layout import Layout, LayoutError, MeshShape
 from .cost_model import OptionCost
 from .parallelism import Parallelism
 
-__all__ = ["GroupBlocks", "Timeline", "compute_seconds"]
+__all__ = ["GroupBlocks", "Timeline", "compute_seconds", "stage_group_seconds"]
 
 
 class GroupBlocks:
@@ -89,7 +89,7 @@ class Timeline:
         if run != self._run:
             self._close()
             self._run, self._free = run, np.zeros(0 if spans is None else spans.size)
-        seconds = _stage_group_seconds(opt, groups, doc_seconds, self.in_order)
+        seconds = stage_group_seconds(opt, groups, doc_seconds, self.in_order)
         if spans is None:
             self.total += float(seconds.max(initial=0.0))
             return
@@ -105,7 +105,7 @@ class Timeline:
         return self.total
 
 
-def _stage_group_seconds(opt: OptionCost, groups: Sequence[Sequence[Sequence[int]]], doc_seconds: np.ndarray,
+def stage_group_seconds(opt: OptionCost, groups: Sequence[Sequence[Sequence[int]]], doc_seconds: np.ndarray,
                          in_order: bool) -> np.ndarray:
     """Every dp group's own seconds in a stage (an fsdp stage: its lockstep time in every entry)."""
     if opt.parallelism.fsdp and len(groups) > 1:
