@@ -35,7 +35,7 @@ import numpy as np
 
 from ..layout import Layout
 from .cost_model import OptionCost
-from .timeline import GroupBlocks, Timeline
+from .timeline import GroupBlocks, Timeline, stage_group_seconds
 
 __all__ = ["StageGroups", "pack_in_order", "pack_lpt", "solve_heuristic", "stage_order"]
 
@@ -105,17 +105,15 @@ def _relaxed(choice: np.ndarray, t: _Tables, options: Sequence[OptionCost],
     """Relaxed step seconds of an assignment. ``free``: the stages of one replicated tp degree form
     one free run (:mod:`.timeline`), bounded by ``max(sum of W/dp, costliest document)`` rather
     than the sum of each stage's bound: its dp groups fill each other's idle time."""
-    stage, w, m, count = _stage_stats(choice, t)
+    _, w, m, count = _stage_stats(choice, t)
     used = tuple(int(j) for j in np.flatnonzero(count))
     layouts, repeats = _distinct_layouts(used, options)
-    fixed = float(t.fixed[list(used)].sum() - t.fixed[repeats].sum())
-    if not free:
-        return float(stage[list(used)].sum()) + fixed + switch_cost(layouts)[0], used
-    runs: dict[tuple, list[int]] = {}
+    runs: dict[tuple, list[int]] = {}  # stages bounded together; without free runs, each alone
     for j in used:
         par = options[j].parallelism
-        runs.setdefault(("fsdp", j) if par.fsdp else (par.tp, par.pp), []).append(j)
+        runs.setdefault((par.tp, par.pp) if free and not par.fsdp else ("alone", j), []).append(j)
     compute = sum(max(float((w[js] / t.dp[js]).sum()), float(m[js].max())) for js in runs.values())
+    fixed = float(t.fixed[list(used)].sum() - t.fixed[repeats].sum())
     return compute + fixed + switch_cost(layouts)[0], used
 
 
@@ -176,12 +174,12 @@ def pack_in_order(stages: Sequence[tuple[OptionCost, np.ndarray]], lengths: np.n
         padded = opt.padded(lengths[idx])
         local = pack_lpt(padded, opt.balance_cost(padded), opt.capacity, opt.parallelism.dp, line.release_times(opt))
         groups = tuple(tuple(tuple(int(idx[p]) for p in mb) for mb in g) for g in local)
-        line.add(opt, groups, opt.doc_seconds(opt.padded(lengths)))
+        line.add(opt, stage_group_seconds(opt, groups, opt.doc_seconds(opt.padded(lengths)), in_order=False))
         out.append((opt, groups))
     return line.finish(), out
 
 
-def _realize(choice: np.ndarray, staged: Sequence[int], options: Sequence[OptionCost], t: _Tables,
+def _realize(choice: np.ndarray, staged: Sequence[int], options: Sequence[OptionCost],
              lengths: np.ndarray, blocks: GroupBlocks | None) -> tuple[float, list[tuple[OptionCost, StageGroups]]]:
     """Packs every stage of an assignment in stage order; returns (compute seconds, stages)."""
     parts = [(options[j], np.flatnonzero(choice == j)) for j in staged]
@@ -284,7 +282,7 @@ def solve_heuristic(
     for _, _, used, ch in picks:
         layouts, repeats = _distinct_layouts(used, options)
         seconds, order = switch_cost(layouts)
-        compute, stages = _realize(ch, stage_order(used, order, options), options, t, lengths, blocks)
+        compute, stages = _realize(ch, stage_order(used, order, options), options, lengths, blocks)
         total = compute + seconds + float(t.fixed[list(used)].sum() - t.fixed[repeats].sum())
         if best is None or total < best[0]:
             best = (total, stages)

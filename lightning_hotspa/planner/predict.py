@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from .cost_model import AnalyticCostModel, OptionCost, shares_gradients
-from .timeline import GroupBlocks, compute_seconds, stage_group_seconds
+from .timeline import GroupBlocks, Timeline, stage_group_seconds
 
 __all__ = ["StagePrediction", "StepPrediction", "predict_stages"]
 
@@ -96,21 +96,21 @@ def predict_stages(stages: Sequence[tuple[OptionCost, Groups]], lengths: Sequenc
     ``in_order``: an fsdp group's micro-batches run in the given order (False: costliest first,
     the order the planner emits)."""
     arr = np.asarray(lengths, dtype=np.int64)
-    out, prev = [], None
+    out, prev, line = [], None, Timeline(blocks)
     for k, (opt, groups) in enumerate(stages):
         carried = k + 1 < len(stages) and shares_gradients(opt.parallelism, stages[k + 1][0].parallelism)
         ids = np.asarray([d for g in groups for mb in g for d in mb], dtype=np.int64)
         # every dp group's own seconds; an fsdp stage's lockstep rounds: all groups end together
-        group_seconds = stage_group_seconds(opt, groups, opt.doc_seconds(opt.padded(arr)), in_order).tolist()
+        group_seconds = stage_group_seconds(opt, groups, opt.doc_seconds(opt.padded(arr)), in_order)
+        line.add(opt, group_seconds)
         par = opt.parallelism
         out.append(StagePrediction(
             layout=par.name, activation_checkpointing=opt.activation_checkpointing, documents=int(ids.size),
             tokens=int(arr[ids].sum()) if ids.size else 0, micro_batches=sum(len(g) for g in groups),
             min_length=int(arr[ids].min()) if ids.size else 0, max_length=int(arr[ids].max()) if ids.size else 0,
-            group_seconds=tuple(group_seconds), stage_fixed=0.0 if carried else opt.stage_fixed,
+            group_seconds=tuple(group_seconds.tolist()), stage_fixed=0.0 if carried else opt.stage_fixed,
             switch_seconds=cost_model.switch_seconds(prev, par), switch_bytes=cost_model.switch_bytes(prev, par),
         ))
         prev = par
     in_turn = sum(s.compute_seconds for s in out)
-    runs = compute_seconds(stages, arr, blocks, in_order) if blocks is not None else in_turn
-    return StepPrediction(tuple(out), overlap_seconds=in_turn - runs)
+    return StepPrediction(tuple(out), overlap_seconds=in_turn - line.finish() if blocks is not None else 0.0)

@@ -66,8 +66,8 @@ class Timeline:
     group; an fsdp stage its lockstep rounds). The solver packs a stage from
     :meth:`release_times` before it adds it with :meth:`add`."""
 
-    def __init__(self, blocks: GroupBlocks | None, in_order: bool = False) -> None:
-        self.blocks, self.in_order = blocks, in_order
+    def __init__(self, blocks: GroupBlocks | None) -> None:
+        self.blocks = blocks
         self.total = 0.0
         self._run: tuple[int, int] | None = None  # (tp, pp) of the free run under way
         self._free = np.zeros(0)  # per tp block: when it is free, in seconds since the run began
@@ -83,13 +83,14 @@ class Timeline:
             return None
         return self._free[spans].max(axis=1)
 
-    def add(self, opt: OptionCost, groups: Sequence[Sequence[Sequence[int]]], doc_seconds: np.ndarray) -> None:
+    def add(self, opt: OptionCost, seconds: np.ndarray) -> None:
+        """A stage in ``opt`` whose dp groups take ``seconds`` each (:func:`stage_group_seconds`)."""
         par, spans = opt.parallelism, self._spans(opt)
         run = None if spans is None else (par.tp, par.pp)
         if run != self._run:
             self._close()
             self._run, self._free = run, np.zeros(0 if spans is None else spans.size)
-        seconds = stage_group_seconds(opt, groups, doc_seconds, self.in_order)
+        seconds = np.asarray(seconds, dtype=np.float64)
         if spans is None:
             self.total += float(seconds.max(initial=0.0))
             return
@@ -118,7 +119,7 @@ def compute_seconds(stages: Sequence[tuple[OptionCost, Sequence[Sequence[Sequenc
                     blocks: GroupBlocks | None, in_order: bool = False) -> float:
     """Compute seconds of ``stages`` (option, groups of micro-batches of doc indices) in order:
     :class:`Timeline`. ``blocks`` None: every stage in step (the sum of their slowest groups)."""
-    line = Timeline(blocks, in_order)
+    line = Timeline(blocks)
     for opt, groups in stages:
-        line.add(opt, groups, opt.doc_seconds(opt.padded(lengths)))
+        line.add(opt, stage_group_seconds(opt, groups, opt.doc_seconds(opt.padded(lengths)), in_order))
     return line.finish()
