@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from ..engine.records import StageRecord
+from ..layout import Layout
 
 __all__ = ["monitor_metrics", "step_metrics"]
 
@@ -30,7 +31,7 @@ def step_metrics(records: Sequence[StageRecord]) -> dict[str, float]:
         metrics[f"{prefix}/micro_batches"] = r.micro_batches
         metrics[f"{prefix}/switch_s"] = r.switch_s
         metrics[f"{prefix}/switch_MB"] = r.switch_mb
-        if r.layout.endswith(":fsdp"):  # per-unit gathers and reduce-scatters of a sharded working copy
+        if Layout.parse(r.layout).fsdp:  # per-unit gathers and reduce-scatters of a sharded working copy
             metrics[f"{prefix}/fsdp_MB"] = r.fsdp_mb
         metrics[f"{prefix}/compute_s"] = r.compute_s
         metrics[f"{prefix}/reduce_s"] = r.reduce_s

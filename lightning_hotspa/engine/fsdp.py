@@ -77,6 +77,12 @@ class _Saved:
     offset: int
 
 
+def _discard(started: dict[tuple[int, int], FusedGather]) -> None:
+    """Completes gathers nobody will use (every rank issued them) without building their results."""
+    for gather in started.values():
+        gather.discard()
+
+
 class _GatherUnit(torch.autograd.Function):
     """Forward: the unit's shards -> gathered tensors. Backward: their gradients reduce-scattered
     into the engine's accumulators (the shards get no ``.grad``: the engine owns the sum)."""
@@ -153,8 +159,7 @@ class _Unit:
 
     def drop_prefetch(self) -> None:
         if self.prefetched is not None:
-            for started in self.prefetched.values():
-                started.finish(fresh=True)
+            _discard(self.prefetched)
             self.prefetched = None
 
     def reduce_scatter(self, names: Sequence[str], grads: Sequence[Tensor]) -> None:
@@ -319,8 +324,7 @@ class ShardedUnits:
         _, layout, started = self.regather
         self.regather = None
         if layout != self.engine.active:  # cannot happen inside one backward; never a stale copy
-            for gather in started.values():
-                gather.finish(fresh=True)
+            _discard(started)
             return None
         return started
 
@@ -340,8 +344,7 @@ class ShardedUnits:
 
     def drop_backward_prefetch(self) -> None:
         if self.regather is not None:
-            for gather in self.regather[2].values():
-                gather.finish(fresh=True)
+            _discard(self.regather[2])
             self.regather = None
 
     def end_backward(self) -> None:

@@ -47,11 +47,20 @@ class FusedGather:
             if copy:  # the member rows into shard order, in a tensor of their own
                 out = m.new_empty(shape)
                 dst = out.view(group.size, n)
-                for shard, slot in enumerate(group.slot_of_shard):
-                    dst[shard].copy_(rows[slot, offset:offset + n])
+                if group.in_shard_order:  # slots are shards: one strided copy
+                    dst.copy_(rows[:, offset:offset + n])
+                else:
+                    for shard, slot in enumerate(group.slot_of_shard):
+                        dst[shard].copy_(rows[slot, offset:offset + n])
             else:
                 out = rows[:, offset:offset + n].view(shape)
             results.append(out if d == 0 else out.movedim(0, d).contiguous())
             offset += n
         self.work = self.buffer = self.moved = None
         return results
+
+    def discard(self) -> None:
+        """Waits for the collective (every rank must complete it) and drops what it received."""
+        if self.work is not None:
+            self.work.wait()
+        self.work = self.buffer = self.moved = None

@@ -130,7 +130,7 @@ class StepRunner:
         engine, parallel, clock = self.engine, self.parallel, self.clock
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         marks: list[tuple[Any, Any, Any, Any]] = []
-        parts: list[tuple[SwitchReport, GradReport, float, bool]] = []
+        parts: list[tuple[SwitchReport, GradReport, float, bool, int]] = []
         carry = False  # the previous stage left its working gradients unreduced for this one
         try:
             for k, stage in enumerate(plan.stages):
@@ -147,8 +147,9 @@ class StepRunner:
                 fsdp_start = self._fsdp_bytes()
                 real = len(stage.micro_batches)
                 rounds = stage.num_rounds
+                idle = self._idle(stage.layout) if rounds > real else None  # built once per stage
                 for i in range(rounds):
-                    mb = stage.micro_batches[i] if i < real else self._idle(stage.layout)
+                    mb = stage.micro_batches[i] if i < real else idle
                     if i < real:
                         hooks.enter_micro_batch(mb)
                     with parallel.micro_batch(mb if isinstance(mb, MicroBatch) else None), hooks.compute_context(), \

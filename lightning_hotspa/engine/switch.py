@@ -147,10 +147,13 @@ class SwitchEngine(GradientReduction):
         return sharding.home_prefix > sharding.layout_prefix(layout)
 
     def _prefix(self, name: str, key: str) -> int:
-        sharding = self.shardings[name]
         if key == HOME:
-            return sharding.home_prefix
-        layout = self._layout(key)
+            return self.shardings[name].home_prefix
+        return self._working_prefix(name, self._layout(key))
+
+    def _working_prefix(self, name: str, layout: Layout) -> int:
+        """The mesh-dim prefix ``name``'s working copy in ``layout`` is sharded over."""
+        sharding = self.shardings[name]
         return sharding.home_prefix if self.fsdp_gathered(name, layout) else sharding.layout_prefix(layout)
 
     def _grad_states(self, name: str, layout: Layout) -> list[str]:
@@ -275,7 +278,7 @@ class SwitchEngine(GradientReduction):
         equals one after each: the working gradients of both are partial sums of the same kind. Two
         fsdp layouts of one tp degree share; an fsdp and a replicated layout do not (other shards)."""
         la, lb = self._layout(Layout.parse(a).name), self._layout(Layout.parse(b).name)
-        return all(self._prefix(n, la.name) == self._prefix(n, lb.name)
+        return all(self._working_prefix(n, la) == self._working_prefix(n, lb)
                    and self._grad_states(n, la) == self._grad_states(n, lb) for n in self.shardings)
 
     def release(self) -> None:
