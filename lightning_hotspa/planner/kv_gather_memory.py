@@ -58,13 +58,13 @@ def kv_gather_extra_bytes(mm: Any, par: Parallelism, tokens: int) -> float:
     if par.cp_kv == 1 or tokens <= 0:
         return 0.0
     m, wb, t = mm.model, mm.param_bytes, float(tokens)
-    h, a, v = m.hidden, mm.attn_width, m.padded_vocab_size / par.tp
+    h, a = m.hidden, mm.attn_width
     q_heads = m.n_heads / (par.tp * par.cp_ulysses)
     gathered = (2.0 * wb + 8.0) * 2 * _local_kv_heads(m, par) * m.head_dim * t
     largest_block = max(min(float(KV_BLOCK_ELEMENTS), q_heads * t * t / (2 * par.cp)), q_heads * t)  # >= 1 row
     in_flight = (2.0 * wb * a / par.tp + 4.0 * h) / par.cp * t
     transient = gathered + 12.0 * largest_block + in_flight
     norm = 4.0 * h + 2.0 * wb * h
-    freed = (norm + (12.0 if par.tp == 1 else 10.0) * v) / par.cp  # the loss head's transients
+    freed = norm / par.cp + mm.logits_bytes_per_token(par.tp, par.cp)  # the loss head's transients
     freed += norm / par.cp + 4.0 * wb * m.ffn_hidden / (par.tp * par.cp)  # this layer's ffn side
     return max(0.0, transient - freed * t)

@@ -21,7 +21,7 @@ import numpy as np
 from ..layout import Layout
 from .cost_model import AnalyticCostModel
 
-__all__ = ["charged_oracle", "oracle_assignment", "oracle_from_rates"]
+__all__ = ["charged_oracle", "charged_oracles", "oracle_assignment", "oracle_from_rates"]
 
 
 def oracle_assignment(rates: np.ndarray, dp: np.ndarray, fixed: float = 0.0) -> tuple[float, np.ndarray]:
@@ -64,22 +64,28 @@ def charged_oracle(cm: AnalyticCostModel, rates: np.ndarray, layouts: Sequence[L
     ``shares_gradients``): compute as :func:`oracle_assignment` over those kinds' layouts, then one
     gradient reduction per kind and, with ``switches``, the cheapest switch order visiting the kinds
     (switch bytes depend on the tp degree and the working copy only: one layout per kind stands in)."""
+    return charged_oracles(cm, rates, layouts)[switches]
+
+
+def charged_oracles(cm: AnalyticCostModel, rates: np.ndarray,
+                    layouts: Sequence[Layout]) -> dict[bool, tuple[float, np.ndarray]]:
+    """:func:`charged_oracle` without and with switches (keys False, True): each subset's compute
+    (the bisection, the costly part) is the same for both, so it runs once."""
     layouts = list(layouts)
     dp = np.array([lay.dp for lay in layouts], dtype=np.float64)
     by_tp: dict[tuple[int, bool], list[int]] = {}
     for i, lay in enumerate(layouts):
         by_tp.setdefault((lay.tp, lay.fsdp), []).append(i)
     degrees = sorted(by_tp)
-    best, best_rows = math.inf, np.full(rates.shape[1], -1)
+    best = {flag: (math.inf, np.full(rates.shape[1], -1)) for flag in (False, True)}
     for size in range(1, len(degrees) + 1):
         for subset in itertools.combinations(degrees, size):
             idx = [i for t in subset for i in by_tp[t]]
-            fixed = sum(min(cm.grad_reduce_seconds(layouts[i]) for i in by_tp[t]) for t in subset)
-            if switches:
-                reps = [layouts[by_tp[t][0]] for t in subset]
-                fixed += min(cm.switch_sequence_seconds(p) for p in itertools.permutations(reps))
+            reductions = sum(min(cm.grad_reduce_seconds(layouts[i]) for i in by_tp[t]) for t in subset)
+            reps = [layouts[by_tp[t][0]] for t in subset]
+            switching = min(cm.switch_sequence_seconds(p) for p in itertools.permutations(reps))
             compute, rows = oracle_assignment(rates[idx], dp[idx])
-            if compute + fixed < best:  # reductions and switches run outside compute (the cost model
-                best = compute + fixed  # overlaps neither): after it
-                best_rows = np.asarray(idx)[rows]
-    return best, best_rows
+            for flag, fixed in ((False, reductions), (True, reductions + switching)):
+                if compute + fixed < best[flag][0]:  # reductions and switches run outside compute (the
+                    best[flag] = (compute + fixed, np.asarray(idx)[rows])  # cost model overlaps neither)
+    return best

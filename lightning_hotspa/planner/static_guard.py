@@ -85,7 +85,7 @@ def guard(lengths: np.ndarray, options: Sequence[OptionCost], multi: Solution, m
     else:  # already one layout, but a heuristic's pick: a layout solved alone (another, or this
         own = next(iter(used))  # one without the other options' distraction) may plan these
         best, best_name = multi, own.name  # documents faster; then that runs (static either way)
-        for bound, _, par in bounds:
+        for bound, _, par in (bounds if len(by_layout) > 1 else ()):  # one layout: multi IS it solved alone
             if bound >= best[0]:
                 break
             single = solve(lengths, by_layout[par])

@@ -147,7 +147,7 @@ def long_cell(model: str, gpus: int, context: int, data: str, hardware: str, bat
     planners: dict[Parallelism, CostModelPlanner] = {}
     fallbacks, rows_layout, has_rule = 0, "", True
     ladder = {k: 0.0 for k in (*LADDER, "ours_margin0")}
-    free = CostModelPlanner(layouts, model=cm.model, hardware=cm.hardware, static_margin=0.0) if breakdown else None
+    free = CostModelPlanner(layouts, model=cm.model, hardware=cm.hardware, static_margin=0.0) if breakdown and margin > 0 else None
     for b in range(batches):
         lengths = token_batch(data, context, tokens, seed + b)
         sums["ours"] += planner.solve(lengths)[0]
@@ -158,7 +158,7 @@ def long_cell(model: str, gpus: int, context: int, data: str, hardware: str, bat
             steps = oracle_ladder(cm, lengths, layouts)
             for k, v in steps.items():
                 ladder[k] += v
-            ladder["ours_margin0"] += free.solve(lengths)[0] if free is not None and margin > 0 else 0.0
+            ladder["ours_margin0"] += free.solve(lengths)[0] if free is not None else 0.0
             sums["oracle"] += steps["oracle"]
         else:
             sums["oracle"] += oracle_seconds(cm, lengths)

@@ -29,7 +29,7 @@ from ..layout import Layout
 from ..planner.candidates import enumerate_layouts, layout_rates
 from ..planner.cost_model import AnalyticCostModel
 from ..planner.oracle_bound import charged_oracle as bound
-from ..planner.oracle_bound import oracle_from_rates
+from ..planner.oracle_bound import charged_oracles, oracle_from_rates
 
 __all__ = ["LADDER", "charged_oracle", "oracle_from_rates", "oracle_ladder", "print_breakdown"]
 
@@ -52,9 +52,8 @@ def oracle_ladder(cm: AnalyticCostModel, lengths: np.ndarray, candidates: Sequen
     rates = layout_rates(cm, layouts, lengths)
     dp = np.array([lay.dp for lay in layouts], dtype=np.float64)
     loosest = oracle_from_rates(rates, dp, min(cm.grad_reduce_seconds(lay) for lay in layouts))
-    return {"oracle": loosest,
-            "reductions": charged_oracle(cm, lengths, layouts, switches=False, rates=rates),
-            "switches": charged_oracle(cm, lengths, layouts, switches=True, rates=rates),
+    charged = charged_oracles(cm, rates, layouts)  # both steps from one pass over the subsets
+    return {"oracle": loosest, "reductions": charged[False][0], "switches": charged[True][0],
             "candidates": charged_oracle(cm, lengths, candidates, switches=True)}
 
 
