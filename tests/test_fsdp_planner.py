@@ -98,6 +98,11 @@ def test_switches_and_stage_ends_of_a_sharded_copy():
     assert cm.grad_reduce_seconds(sh) == 0.0 < cm.grad_reduce_seconds(rep)
     assert not shares_gradients(rep, sh) and shares_gradients(sh, Layout.parse("dp2xtp8xcp4:fsdp"))
     assert shares_gradients(rep, Layout.parse("dp2xtp8xcp4"))
+    # one reduction per kind: a sharded stage of the same tp does not absorb the replicated one's
+    # (the candidate choice's relaxed score and the oracle ladder price plans so)
+    assert cm.reductions_seconds([rep, sh]) == cm.grad_reduce_seconds(rep)
+    assert cm.reductions_seconds([rep, Layout.parse("dp2xtp8xcp4"), Layout.parse("dp64")]) == pytest.approx(
+        cm.grad_reduce_seconds(rep) + cm.grad_reduce_seconds(Layout.parse("dp64")))
     with pytest.raises(CostModelError, match="fsdp.*dp\\*cp > 1"):
         cm.check(Parallelism(tp=8, pp=8, fsdp=True))
 
@@ -187,3 +192,26 @@ def test_set_plans_no_slower_than_its_best_single_layout():
     singles = [CostModelPlanner([x], model="llama3-70b", hardware="H100") for x in layouts]
     best = min(p.solve(lengths)[0] for p in singles if p.longest_document() >= lengths.max())
     assert ours <= best * (1 + 1e-9)
+
+
+def test_a_sparse_last_round_moves_to_another_layout(monkeypatch):
+    """70B on 64 H100, dp64:fsdp holds 14,592 tokens per micro-batch with checkpointing and every
+    round gathers the whole model across 8 nodes (~12 s): 16,384 tokens per group would need a
+    second, nearly empty round. The heuristic sheds it: the overflow goes to the other layout."""
+    from lightning_hotspa.planner import assign
+
+    layouts = ["dp64:fsdp", "dp2xtp4xcp8:kv4:fsdp"]
+    lengths = [2048] * 512  # 16,384 tokens per dp64 group
+    planner = CostModelPlanner(layouts, model="llama3-70b", hardware="H100", static_margin=0.0)
+    shard = planner.option(Layout.parse("dp64:fsdp"), True)
+    assert 14000 < shard.capacity < 16384 and shard.per_micro_batch > 10
+    trimmed, stages = planner.solve(lengths)
+    plan = planner.plan(0, lengths)
+    by_layout = {st.layout.name: st for st in plan.stages}
+    assert set(by_layout) == set(layouts)
+    assert max(len(g) for g in by_layout["dp64:fsdp"].micro_batches) == 1  # one round, not two
+    assert planner.predict(plan).seconds == pytest.approx(trimmed)
+    monkeypatch.setattr(assign, "_TRIM_TRIES", 0)
+    untrimmed, stages = planner.solve(lengths)
+    assert [len(g) for g in stages[0][1]] == [2] * 64  # the planted bug: two rounds in dp64
+    assert trimmed < 0.8 * untrimmed

@@ -40,6 +40,9 @@ from .timeline import GroupBlocks, Timeline, stage_group_seconds
 __all__ = ["StageGroups", "pack_in_order", "pack_lpt", "solve_heuristic", "stage_order"]
 
 INF = float("inf")
+#: Round trimming (:func:`_trim_rounds`): the fill of the rounds a trimmed stage keeps, and passes.
+_TRIM_FILL = 0.95
+_TRIM_TRIES = 3
 
 StageGroups = tuple[tuple[tuple[int, ...], ...], ...]  # [dp group][micro-batch] -> doc indices
 
@@ -278,16 +281,69 @@ def solve_heuristic(
     for extra in [*singles.values(), whole]:  # the relaxed score flatters a split (two stages, each
         if extra is not None and all(extra[1] != p[1] for p in picks):  # balanced alone): pack the
             picks.append(extra)  # best plan without one too
-    best: tuple[float, list[tuple[OptionCost, StageGroups]]] | None = None
-    for _, _, used, ch in picks:
-        layouts, repeats = _distinct_layouts(used, options)
-        seconds, order = switch_cost(layouts)
-        compute, stages = _realize(ch, stage_order(used, order, options), options, lengths, blocks)
-        total = compute + seconds + float(t.fixed[list(used)].sum() - t.fixed[repeats].sum())
+    best: tuple[float, list[tuple[OptionCost, StageGroups]], np.ndarray] | None = None
+    for *_, ch in picks:
+        total, stages = _priced(ch, t, options, lengths, blocks, switch_cost)
         if best is None or total < best[0]:
-            best = (total, stages)
+            best = (total, stages, ch)
     assert best is not None
-    return best
+    return _trim_rounds(best, t, options, lengths, blocks, switch_cost, split_checkpointing)
+
+
+def _priced(choice: np.ndarray, t: _Tables, options: Sequence[OptionCost], lengths: np.ndarray,
+            blocks: GroupBlocks | None, switch_cost: Callable[[tuple[Layout, ...]], tuple[float, tuple[Layout, ...]]],
+            ) -> tuple[float, list[tuple[OptionCost, StageGroups]]]:
+    """(step seconds, stages) of an assignment: packed in stage order, switches and reductions added."""
+    used = tuple(int(j) for j in np.unique(choice))
+    layouts, repeats = _distinct_layouts(used, options)
+    seconds, order = switch_cost(layouts)
+    compute, stages = _realize(choice, stage_order(used, order, options), options, lengths, blocks)
+    return compute + seconds + float(t.fixed[list(used)].sum() - t.fixed[repeats].sum()), stages
+
+
+def _trim_rounds(best: tuple[float, list[tuple[OptionCost, StageGroups]], np.ndarray], t: _Tables,
+                 options: Sequence[OptionCost], lengths: np.ndarray, blocks: GroupBlocks | None,
+                 switch_cost: Callable[[tuple[Layout, ...]], tuple[float, tuple[Layout, ...]]],
+                 split_checkpointing: bool) -> tuple[float, list[tuple[OptionCost, StageGroups]]]:
+    """Sheds a sharded stage's last lockstep round where that pays. A ``:fsdp`` stage runs in rounds
+    of one micro-batch per dp group, and every round pays the unit gathers of a whole micro-batch
+    (``per_micro_batch``: about 12 s for 70B across 8 nodes) however few tokens it holds; the
+    throughput assignment prices micro-batches by the token (full ones), so a stage whose tokens
+    need 2.1 rounds of capacity pays 3. Moves the documents over ``rounds - 1`` full rounds
+    (:data:`_TRIM_FILL` of them, for packing slack) to their next-best option, cheapest extra
+    seconds per token first, and keeps the plan when its exact price is lower. Without
+    ``split_checkpointing`` a layout keeps one option (stage)."""
+    total, stages, choice = best
+    for _ in range(_TRIM_TRIES):
+        trial = None
+        for opt, groups in stages:
+            rounds = max((len(g) for g in groups), default=0)
+            if not opt.parallelism.fsdp or rounds < 2:
+                continue
+            j = next(k for k, o in enumerate(options) if o is opt)
+            ids = np.flatnonzero(choice == j)
+            need = float(t.padded[j, ids].sum()) - _TRIM_FILL * (rounds - 1) * opt.parallelism.dp * opt.capacity
+            taken = {options[k].parallelism.layout(): k for k in np.unique(choice).tolist()}
+            others = np.array([k for k, o in enumerate(options) if k != j and (
+                split_checkpointing or taken.get(o.parallelism.layout(), k) == k)], dtype=np.int64)
+            if others.size == 0:
+                continue
+            alt = others[np.argmin(t.rate[np.ix_(others, ids)], axis=0)]
+            movable = np.isfinite(t.rate[alt, ids])
+            if need <= 0 or t.padded[j, ids[movable]].sum() < need:
+                continue
+            extra = (t.rate[alt, ids] - t.rate[j, ids]) / t.padded[j, ids]
+            order = np.lexsort((ids, np.where(movable, extra, INF)))
+            take = order[: int(np.searchsorted(np.cumsum(t.padded[j, ids[order]]), need)) + 1]
+            moved = choice.copy()
+            moved[ids[take]] = alt[take]
+            seconds, packed = _priced(moved, t, options, lengths, blocks, switch_cost)
+            if seconds < total and (trial is None or seconds < trial[0]):
+                trial = (seconds, packed, moved)
+        if trial is None:
+            break
+        total, stages, choice = trial
+    return total, stages
 
 
 def stage_order(used: Sequence[int], order: Sequence[Layout], options: Sequence[OptionCost]) -> list[int]:

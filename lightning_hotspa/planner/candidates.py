@@ -181,11 +181,7 @@ def auto_layouts(
                 continue
             winner = np.argmin(sub, axis=0)
             used = sorted({subset[int(w)] for w in winner})
-            reductions = {}  # one per tp degree: a run of same-tp stages reduces once (stage_order)
-            for i in used:
-                red = cm.grad_reduce_seconds(layouts[i])
-                reductions[layouts[i].tp] = min(red, reductions.get(layouts[i].tp, red))
-            score = float(sub.min(axis=0).sum()) + sum(reductions.values())
+            score = float(sub.min(axis=0).sum()) + cm.reductions_seconds([layouts[i] for i in used])
             key = tuple(used)
             if key not in switch_cost:  # the same used set recurs across many subsets
                 switch_cost[key] = min(cm.switch_sequence_seconds(p)

@@ -70,7 +70,14 @@ from ..models.config import LlamaConfig
 from .hardware import HardwareProfile, get_profile
 from .memory_model import MemoryModel, MemoryUse
 from .packing import cp_padded_lengths, max_doc_length
-from .parallelism import CostModelError, Parallelism, _shards, resolve_model, shares_gradients
+from .parallelism import (
+    CostModelError,
+    Parallelism,
+    _shards,
+    gradient_kind,
+    resolve_model,
+    shares_gradients,
+)
 
 __all__ = [
     "AnalyticCostModel",
@@ -304,6 +311,16 @@ class AnalyticCostModel(MemoryModel):
         nbytes = self.params / par.shards * self.grad_bytes
         hw = self.hardware
         return (g - 1) / g * nbytes / hw.bandwidth(self.world_size) + hw.latency(self.world_size)
+
+    def reductions_seconds(self, layouts: Sequence[Parallelism | Layout]) -> float:
+        """The gradient reductions of a plan whose stages run ``layouts``: one per gradient kind
+        (:func:`~.parallelism.gradient_kind`; a run of stages that share gradients reduces once),
+        the cheapest of its layouts. A replicated and a sharded copy of one tp degree are two kinds."""
+        cheapest: dict[tuple[int, int, bool], float] = {}
+        for lay in layouts:
+            kind, red = gradient_kind(lay), self.grad_reduce_seconds(lay)
+            cheapest[kind] = min(red, cheapest.get(kind, red))
+        return sum(cheapest.values())
 
     def option(self, par: Parallelism | Layout, activation_checkpointing: bool,
                capacity: int | None = None) -> OptionCost:

@@ -20,6 +20,7 @@ import numpy as np
 
 from ..layout import Layout
 from .cost_model import AnalyticCostModel
+from .parallelism import gradient_kind
 
 __all__ = ["charged_oracle", "charged_oracles", "oracle_assignment", "oracle_from_rates"]
 
@@ -73,16 +74,17 @@ def charged_oracles(cm: AnalyticCostModel, rates: np.ndarray,
     (the bisection, the costly part) is the same for both, so it runs once."""
     layouts = list(layouts)
     dp = np.array([lay.dp for lay in layouts], dtype=np.float64)
-    by_tp: dict[tuple[int, bool], list[int]] = {}
+    by_kind: dict[tuple[int, int, bool], list[int]] = {}
     for i, lay in enumerate(layouts):
-        by_tp.setdefault((lay.tp, lay.fsdp), []).append(i)
-    degrees = sorted(by_tp)
+        by_kind.setdefault(gradient_kind(lay), []).append(i)
+    kinds = sorted(by_kind)
+    reduction = {k: cm.reductions_seconds([layouts[i] for i in by_kind[k]]) for k in kinds}
     best = {flag: (math.inf, np.full(rates.shape[1], -1)) for flag in (False, True)}
-    for size in range(1, len(degrees) + 1):
-        for subset in itertools.combinations(degrees, size):
-            idx = [i for t in subset for i in by_tp[t]]
-            reductions = sum(min(cm.grad_reduce_seconds(layouts[i]) for i in by_tp[t]) for t in subset)
-            reps = [layouts[by_tp[t][0]] for t in subset]
+    for size in range(1, len(kinds) + 1):
+        for subset in itertools.combinations(kinds, size):
+            idx = [i for k in subset for i in by_kind[k]]
+            reductions = sum(reduction[k] for k in subset)
+            reps = [layouts[by_kind[k][0]] for k in subset]
             switching = min(cm.switch_sequence_seconds(p) for p in itertools.permutations(reps))
             compute, rows = oracle_assignment(rates[idx], dp[idx])
             for flag, fixed in ((False, reductions), (True, reductions + switching)):

@@ -10,7 +10,7 @@ from ..checks import check_int
 from ..layout import Layout, layout_name
 from ..models.config import LlamaConfig
 
-__all__ = ["CostModelError", "Parallelism", "resolve_model", "shares_gradients"]
+__all__ = ["CostModelError", "Parallelism", "gradient_kind", "resolve_model", "shares_gradients"]
 
 
 class CostModelError(ValueError):
@@ -89,5 +89,9 @@ def shares_gradients(a: Parallelism | Layout, b: Parallelism | Layout) -> bool:
     A sharded working copy (``fsdp``) keeps its gradients at the home shard (reduce-scattered every
     micro-batch), a replicated one at the tp shard: they share only with their own kind, as in the
     runtime (an fsdp stage's ``stage_fixed`` is 0, so sharing only matters for the replicated)."""
-    a, b = Parallelism.of(a), Parallelism.of(b)
-    return (a.tp, a.pp, a.fsdp) == (b.tp, b.pp, b.fsdp)
+    return gradient_kind(a) == gradient_kind(b)
+
+
+def gradient_kind(par: Parallelism | Layout) -> tuple[int, int, bool]:
+    """(tp, pp, working copy sharded): stages of one kind share gradients (:func:`shares_gradients`)."""
+    return (par.tp, getattr(par, "pp", 1), bool(par.fsdp))
