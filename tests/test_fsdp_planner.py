@@ -215,3 +215,24 @@ def test_a_sparse_last_round_moves_to_another_layout(monkeypatch):
     untrimmed, stages = planner.solve(lengths)
     assert [len(g) for g in stages[0][1]] == [2] * 64  # the planted bug: two rounds in dp64
     assert trimmed < 0.8 * untrimmed
+
+
+def test_trimmed_documents_keep_one_stage_per_layout_without_split_checkpointing():
+    """Where each layout runs one option, the documents shed from a round may go only to the
+    option a layout already runs, or to one option of an unused layout."""
+    from lightning_hotspa.planner.assign import _alternatives, _tables
+
+    planner = CostModelPlanner(["dp64:fsdp", "dp2xtp4xcp8:kv4:fsdp"], model="llama3-70b", hardware="H100")
+    options = list(planner._option_list)
+    label = [o.label for o in options]
+    lengths = np.array([2048] * 64 + [900] * 64)
+    t = _tables(lengths, options)
+    j = label.index("dp64:fsdp+ac")
+    choice = np.full(lengths.size, j)
+    ids = np.arange(lengths.size)
+    assert len(_alternatives(j, choice, ids, t, options, True)) == len(options) - 1
+    only = [label[k] for k in _alternatives(j, choice, ids, t, options, False)]
+    assert len(only) == 1 and only[0].startswith("dp2xtp4xcp8:kv4:fsdp")  # not dp64's other option
+    plain = label.index("dp2xtp4xcp8:kv4:fsdp")
+    choice[-1] = plain  # the layout already runs without checkpointing: that option, not the other
+    assert [label[k] for k in _alternatives(j, choice, ids, t, options, False)] == ["dp2xtp4xcp8:kv4:fsdp"]

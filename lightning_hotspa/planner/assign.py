@@ -323,9 +323,7 @@ def _trim_rounds(best: tuple[float, list[tuple[OptionCost, StageGroups]], np.nda
             j = next(k for k, o in enumerate(options) if o is opt)
             ids = np.flatnonzero(choice == j)
             need = float(t.padded[j, ids].sum()) - _TRIM_FILL * (rounds - 1) * opt.parallelism.dp * opt.capacity
-            taken = {options[k].parallelism.layout(): k for k in np.unique(choice).tolist()}
-            others = np.array([k for k, o in enumerate(options) if k != j and (
-                split_checkpointing or taken.get(o.parallelism.layout(), k) == k)], dtype=np.int64)
+            others = _alternatives(j, choice, ids, t, options, split_checkpointing)
             if others.size == 0:
                 continue
             alt = others[np.argmin(t.rate[np.ix_(others, ids)], axis=0)]
@@ -344,6 +342,31 @@ def _trim_rounds(best: tuple[float, list[tuple[OptionCost, StageGroups]], np.nda
             break
         total, stages, choice = trial
     return total, stages
+
+
+def _alternatives(j: int, choice: np.ndarray, ids: np.ndarray, t: _Tables, options: Sequence[OptionCost],
+                  split_checkpointing: bool) -> np.ndarray:
+    """The options documents of option ``j`` may move to. Without ``split_checkpointing`` a layout
+    runs one option: its option in use, or for an unused layout the one that holds most of ``ids``
+    at the least world-seconds."""
+    others = [k for k in range(len(options)) if k != j]
+    if split_checkpointing:
+        return np.asarray(others, dtype=np.int64)
+    taken = {options[k].parallelism.layout(): k for k in np.unique(choice).tolist()}
+    free: dict[Layout, list[int]] = {}
+    keep = []
+    for k in others:
+        lay = options[k].parallelism.layout()
+        if lay not in taken:
+            free.setdefault(lay, []).append(k)
+        elif taken[lay] == k:
+            keep.append(k)
+    for ks in free.values():
+        rates = t.rate[np.ix_(ks, ids)]
+        fits = np.isfinite(rates)
+        keep.append(min(ks, key=lambda k: (-int(fits[ks.index(k)].sum()),
+                                           float(rates[ks.index(k)][fits[ks.index(k)]].sum()), k)))
+    return np.asarray(sorted(keep), dtype=np.int64)
 
 
 def stage_order(used: Sequence[int], order: Sequence[Layout], options: Sequence[OptionCost]) -> list[int]:

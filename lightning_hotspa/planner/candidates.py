@@ -86,6 +86,11 @@ def _options(cost_model: AnalyticCostModel, lay: Layout) -> list[OptionCost]:
     return [o for o in (cost_model.option(lay, False), cost_model.option(lay, True)) if o.capacity >= 2 * lay.cp]
 
 
+def _longest(cost_model: AnalyticCostModel, lay: Layout) -> int:
+    """The longest document ``lay`` holds, with or without checkpointing (0: none)."""
+    return max((o.max_doc_length for o in _options(cost_model, lay)), default=0)
+
+
 def layout_rates(cost_model: AnalyticCostModel, layouts: Sequence[Layout], lengths: np.ndarray) -> np.ndarray:
     """[layout, doc] world-seconds of each document in each layout (best checkpointing; inf: does not fit)."""
     out = np.full((len(layouts), lengths.size), np.inf)
@@ -162,10 +167,9 @@ def auto_layouts(
             keep.append(star)  # stage has one setting)
     holds_context = [i for i in keep if np.isfinite(rates[i, ref == context]).all()]
     if not holds_context:
-        longest = max(layouts, key=lambda lay: max(o.max_doc_length for o in _options(cm, lay)))
-        cap = max(o.max_doc_length for o in _options(cm, longest))
+        longest = max(layouts, key=lambda lay: _longest(cm, lay))
         raise LayoutError(f"no layout of {world_size} x {cm.hardware.name} holds a {context}-token document "
-                          f"(largest: {cap} tokens in {longest}); lower the context or add devices")
+                          f"(largest: {_longest(cm, longest)} tokens in {longest}); lower the context or add devices")
     scored: list[tuple[float, int, tuple[int, ...]]] = []
     switch_cost: dict[tuple[int, ...], float] = {}
     for size in range(1, max_layouts + 1):
@@ -220,9 +224,9 @@ def _best_static(cm: AnalyticCostModel, layouts: Sequence[Layout], batches: Sequ
     decides which layout wins it)."""
     bounds: list[tuple[float, int]] = []
     for i, lay in enumerate(layouts):
-        opts = _options(cm, lay)
-        if not opts or max(o.max_doc_length for o in opts) < context:
+        if _longest(cm, lay) < context:
             continue
+        opts = _options(cm, lay)
         total = 0.0
         for lengths in batches:
             step = np.inf
@@ -291,7 +295,7 @@ def _oracle_seeded(cm: AnalyticCostModel, layouts: Sequence[Layout], batches: Se
             np.add.at(share, rows, r[rows, np.arange(rows.size)])
     top = [int(i) for i in np.argsort(-share, kind="stable") if share[i] > 0][:k]
     pool = sorted(set(top) | ({star} if star is not None else set()))
-    holds = {i for i in pool if max((o.max_doc_length for o in _options(cm, layouts[i])), default=0) >= context}
+    holds = {i for i in pool if _longest(cm, layouts[i]) >= context}
     out = []
     for size in range(1, max_layouts + 1):
         for subset in itertools.combinations(pool, size):
