@@ -112,13 +112,21 @@ class _Unit:
         self.hooks_ctx: Any = None
         self.prefetched: dict[tuple[int, int], FusedGather] | None = None  # started by the previous unit
         self.saved_weight = False  # this call's forward packed a weight (its backward re-gathers)
+        # per layout: the names it gathers and their rank ranges (the shardings never change, and
+        # every micro-batch asks again, forward and backward)
+        self._names: dict[Layout, list[str]] = {}
+        self._range_memo: dict[tuple[Layout, tuple[str, ...]], dict[tuple[int, int], list[int]]] = {}
 
     # -------------------------------------------------------------- collectives
     def _ranges(self, names: Sequence[str], layout: Layout) -> dict[tuple[int, int], list[int]]:
-        engine, out = self.owner.engine, {}
-        for i, n in enumerate(names):
-            sh = engine.shardings[n]
-            out.setdefault((sh.layout_prefix(layout), sh.home_prefix), []).append(i)
+        key = (layout, tuple(names))
+        out = self._range_memo.get(key)
+        if out is None:
+            engine, out = self.owner.engine, {}
+            for i, n in enumerate(names):
+                sh = engine.shardings[n]
+                out.setdefault((sh.layout_prefix(layout), sh.home_prefix), []).append(i)
+            self._range_memo[key] = out
         return out
 
     def _start(self, names: Sequence[str], shards: Sequence[Tensor], phase: str,
@@ -180,7 +188,9 @@ class _Unit:
         engine, layout = self.owner.engine, self.owner.engine.active
         if layout is None or not layout.fsdp:
             return []
-        return [n for n in self.names if engine.fsdp_gathered(n, layout)]
+        if layout not in self._names:
+            self._names[layout] = [n for n in self.names if engine.fsdp_gathered(n, layout)]
+        return self._names[layout]
 
     def pre_forward(self, module: nn.Module, args: Any) -> None:
         self.saved_weight = False
