@@ -364,8 +364,8 @@ def _alternatives(j: int, choice: np.ndarray, ids: np.ndarray, t: _Tables, optio
     for ks in free.values():
         rates = t.rate[np.ix_(ks, ids)]
         fits = np.isfinite(rates)
-        keep.append(min(ks, key=lambda k: (-int(fits[ks.index(k)].sum()),
-                                           float(rates[ks.index(k)][fits[ks.index(k)]].sum()), k)))
+        held, secs = fits.sum(axis=1), np.where(fits, rates, 0.0).sum(axis=1)
+        keep.append(ks[min(range(len(ks)), key=lambda r: (-held[r], secs[r], ks[r]))])
     return np.asarray(sorted(keep), dtype=np.int64)
 
 
