@@ -281,13 +281,14 @@ def solve_heuristic(
     for extra in [*singles.values(), whole]:  # the relaxed score flatters a split (two stages, each
         if extra is not None and all(extra[1] != p[1] for p in picks):  # balanced alone): pack the
             picks.append(extra)  # best plan without one too
-    best: tuple[float, list[tuple[OptionCost, StageGroups]], np.ndarray] | None = None
+    best: tuple[float, list[tuple[OptionCost, StageGroups]]] | None = None
     for *_, ch in picks:
         total, stages = _priced(ch, t, options, lengths, blocks, switch_cost)
+        total, stages = _trim_rounds((total, stages, ch), t, options, lengths, blocks, switch_cost, split_checkpointing)
         if best is None or total < best[0]:
-            best = (total, stages, ch)
+            best = (total, stages)
     assert best is not None
-    return _trim_rounds(best, t, options, lengths, blocks, switch_cost, split_checkpointing)
+    return best
 
 
 def _priced(choice: np.ndarray, t: _Tables, options: Sequence[OptionCost], lengths: np.ndarray,
