@@ -19,7 +19,10 @@ The objective is the one :mod:`.exact` minimizes; the method trades exactness fo
    short documents move in from balanced stages, best (seconds saved / idle seconds used) first.
 5. **Realize** the best few combinations and the best single-layout plan of each layout: pack each
    stage in stage order (cost-balanced LPT over dp groups, from the times a free run's earlier
-   stages leave each group free; first fit into micro-batches), evaluate exactly, keep the best.
+   stages leave each group free; first fit into micro-batches), evaluate exactly.
+6. **Trim rounds.** Each realized plan's sharded stages shed a nearly empty last lockstep round
+   where moving its documents to another option prices lower (:func:`_trim_rounds`); the fastest
+   plan is kept.
 
 All array work is numpy; ties break by index, so plans are deterministic.
 """
