@@ -286,8 +286,7 @@ def solve_heuristic(
             picks.append(extra)  # best plan without one too
     best: tuple[float, list[tuple[OptionCost, StageGroups]]] | None = None
     for *_, ch in picks:
-        total, stages = _priced(ch, t, options, lengths, blocks, switch_cost)
-        total, stages = _trim_rounds((total, stages, ch), t, options, lengths, blocks, switch_cost, split_checkpointing)
+        total, stages = _trim_rounds(ch, t, options, lengths, blocks, switch_cost, split_checkpointing)
         if best is None or total < best[0]:
             best = (total, stages)
     assert best is not None
@@ -305,19 +304,20 @@ def _priced(choice: np.ndarray, t: _Tables, options: Sequence[OptionCost], lengt
     return compute + seconds + float(t.fixed[list(used)].sum() - t.fixed[repeats].sum()), stages
 
 
-def _trim_rounds(best: tuple[float, list[tuple[OptionCost, StageGroups]], np.ndarray], t: _Tables,
+def _trim_rounds(choice: np.ndarray, t: _Tables,
                  options: Sequence[OptionCost], lengths: np.ndarray, blocks: GroupBlocks | None,
                  switch_cost: Callable[[tuple[Layout, ...]], tuple[float, tuple[Layout, ...]]],
                  split_checkpointing: bool) -> tuple[float, list[tuple[OptionCost, StageGroups]]]:
-    """Sheds a sharded stage's last lockstep round where that pays. A ``:fsdp`` stage runs in rounds
-    of one micro-batch per dp group, and every round pays the unit gathers of a whole micro-batch
-    (``per_micro_batch``: about 12 s for 70B across 8 nodes) however few tokens it holds; the
-    throughput assignment prices micro-batches by the token (full ones), so a stage whose tokens
-    need 2.1 rounds of capacity pays 3. Moves the documents over ``rounds - 1`` full rounds
+    """(step seconds, stages) of an assignment, each sharded stage's last lockstep round shed where
+    that pays. A ``:fsdp`` stage runs in rounds of one micro-batch per dp group, and every round
+    pays the unit gathers of a whole micro-batch (``per_micro_batch``: about 12 s for 70B across 8
+    nodes) however few tokens it holds; the throughput assignment prices micro-batches by the token
+    (full ones), so a stage whose tokens need 2.1 rounds of capacity pays 3. Moves the documents
+    over ``rounds - 1`` full rounds
     (:data:`_TRIM_FILL` of them, for packing slack) to their next-best option, cheapest extra
     seconds per token first, and keeps the plan when its exact price is lower. Without
     ``split_checkpointing`` a layout keeps one option (stage)."""
-    total, stages, choice = best
+    total, stages = _priced(choice, t, options, lengths, blocks, switch_cost)
     for _ in range(_TRIM_TRIES):
         trial = None
         for opt, groups in stages:
@@ -327,12 +327,14 @@ def _trim_rounds(best: tuple[float, list[tuple[OptionCost, StageGroups]], np.nda
             j = next(k for k, o in enumerate(options) if o is opt)
             ids = np.flatnonzero(choice == j)
             need = float(t.padded[j, ids].sum()) - _TRIM_FILL * (rounds - 1) * opt.parallelism.dp * opt.capacity
+            if need <= 0:
+                continue
             others = _alternatives(j, choice, ids, t, options, split_checkpointing)
             if others.size == 0:
                 continue
             alt = others[np.argmin(t.rate[np.ix_(others, ids)], axis=0)]
             movable = np.isfinite(t.rate[alt, ids])
-            if need <= 0 or t.padded[j, ids[movable]].sum() < need:
+            if t.padded[j, ids[movable]].sum() < need:
                 continue
             extra = (t.rate[alt, ids] - t.rate[j, ids]) / t.padded[j, ids]
             order = np.lexsort((ids, np.where(movable, extra, INF)))
