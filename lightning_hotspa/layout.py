@@ -44,21 +44,25 @@ class LayoutError(ValueError):
     """A layout or a set of layouts that cannot be used; the message names the offending value."""
 
 
-_LAYOUT_RE = re.compile(r"^(?:(dp|tp|cp)(\d+))(?:\s*[x×*]\s*(dp|tp|cp)(\d+))*(?::kv(\d+)?)?(?::fsdp)?$")
+_LAYOUT_RE = re.compile(r"^(?:(dp|tp|cp)(\d+))(?:\s*[x×*]\s*(dp|tp|cp)(\d+))*(?::kv(\d+)?)?(?::fsdp(\d+)?)?$")
 _PART_RE = re.compile(r"(dp|tp|cp)(\d+)")
 _KV_RE = re.compile(r":kv(\d+)?$")
-_FSDP_SUFFIX = ":fsdp"
+_FSDP_RE = re.compile(r":fsdp(\d+)?$")
 
 
-def layout_name(dp: int, tp: int, cp: int, cp_kv: int = 1, pp: int = 1, fsdp: bool = False) -> str:
-    """``"dp2xtp2"``, ``"tp2xcp4:kv"``, ``"cp8:kv2"``, ``"dp8xtp4:fsdp"``: the degrees above 1, then
-    the all-gather-KV part of cp, then the sharded working copy (``pp`` only for the simulator's
+def layout_name(dp: int, tp: int, cp: int, cp_kv: int = 1, pp: int = 1, fsdp: bool = False,
+                fsdp_shard: int = 0) -> str:
+    """``"dp2xtp2"``, ``"tp2xcp4:kv"``, ``"cp8:kv2"``, ``"dp8xtp4:fsdp"``, ``"dp64:fsdp8"``: the
+    degrees above 1, then the all-gather-KV part of cp, then the sharded working copy and, when it
+    is sharded over fewer than all dp x cp ranks, over how many (``pp`` only for the simulator's
     pipeline-parallel baselines)."""
     parts = [f"{k}{v}" for k, v in (("dp", dp), ("tp", tp), ("cp", cp), ("pp", pp)) if v > 1]
     base = "x".join(parts) or "dp1"
     if cp_kv != 1:
         base += ":kv" if cp_kv == cp else f":kv{cp_kv}"
-    return base + (_FSDP_SUFFIX if fsdp else "")
+    if not fsdp:
+        return base
+    return base + (":fsdp" if fsdp_shard in (0, dp * cp) else f":fsdp{fsdp_shard}")
 
 
 @dataclass(frozen=True)
@@ -73,6 +77,11 @@ class Layout:
     ``fsdp`` (name suffix ``:fsdp``): the working copy is also sharded over the layout's dp and cp
     ranks (ZeRO-3 / FSDP inside the layout) and gathered layer by layer; False: each tp shard of the
     working copy is replicated over dp and cp (more memory, no per-layer traffic).
+
+    ``fsdp_shard`` (suffix ``:fsdp<n>``): over how many dp x cp ranks the working copy is sharded,
+    the ``n`` most local ones after the tp group (cp ranks first, then dp), replicated over the rest
+    (HSDP: the per-layer gathers stay inside a node while the model is split over it). It defaults
+    to all ``dp * cp`` of them (plain ``:fsdp``); it is ``dp * cp`` or a proper divisor > 1 of it.
     """
 
     dp: int = 1
@@ -80,6 +89,7 @@ class Layout:
     cp: int = 1
     cp_kv: int = 1
     fsdp: bool = False
+    fsdp_shard: int = 0
 
     def __post_init__(self) -> None:
         for field in ("dp", "tp", "cp", "cp_kv"):
@@ -89,9 +99,26 @@ class Layout:
         if self.fsdp and self.dp * self.cp == 1:
             raise LayoutError(f"layout {self.name}: fsdp shards the working copy over the dp and cp ranks, but "
                               f"dp = cp = 1")
+        self._check_fsdp_shard()
         if self.cp % self.cp_kv:
             raise LayoutError(f"Layout.cp_kv={self.cp_kv} must divide cp={self.cp} (the all-gather-KV part of "
                               f"context parallelism is a factor of it)")
+
+    def _check_fsdp_shard(self) -> None:
+        shard, group = self.fsdp_shard, self.dp * self.cp
+        if isinstance(shard, bool) or not isinstance(shard, int):
+            raise LayoutError(f"Layout.fsdp_shard must be an int, got {shard!r}")
+        if not self.fsdp:
+            if shard:
+                raise LayoutError(f"Layout.fsdp_shard={shard} shards a working copy, but fsdp is False "
+                                  f"(write e.g. 'dp8:fsdp{shard}')")
+            return
+        if shard == 0:
+            object.__setattr__(self, "fsdp_shard", group)  # frozen: normalize once, so equal layouts compare equal
+        elif shard < 2 or group % shard:
+            name = layout_name(self.dp, self.tp, self.cp, self.cp_kv)
+            raise LayoutError(f"layout {name}:fsdp{shard}: fsdp_shard={shard} must be > 1 and divide dp*cp = "
+                              f"{group} (the ranks the working copy is sharded over)")
 
     @property
     def world_size(self) -> int:
@@ -111,37 +138,48 @@ class Layout:
 
     @property
     def degrees(self) -> Layout:
-        """The same degrees and cp kind with a replicated working copy (what the mesh depends on)."""
+        """The same degrees and cp kind with a replicated working copy (the compute path's groups)."""
         return Layout(self.dp, self.tp, self.cp, self.cp_kv) if self.fsdp else self
 
     @property
+    def fsdp_replicas(self) -> int:
+        """Copies of each working shard across dp x cp: 1 for ``:fsdp``, ``dp*cp`` when replicated."""
+        return self.dp * self.cp // self.fsdp_shard if self.fsdp else self.dp * self.cp
+
+    @property
     def name(self) -> str:
-        return layout_name(self.dp, self.tp, self.cp, self.cp_kv, fsdp=self.fsdp)
+        return layout_name(self.dp, self.tp, self.cp, self.cp_kv, fsdp=self.fsdp, fsdp_shard=self.fsdp_shard)
 
     def __str__(self) -> str:
         return self.name
 
     @classmethod
     def parse(cls, spec: Layout | str | Mapping[str, int]) -> Layout:
-        """Accepts a Layout, a mapping ``{"dp": 2, "tp": 2}`` (``"cp_kv"`` and ``"fsdp"`` too) or a
-        name like ``"dp2xtp2"``, ``"tp2xcp4:kv"`` (all-gather-KV), ``"cp8:kv2"`` (hybrid: Ulysses
-        over 4, all-gather-KV over 2) or ``"dp8xtp4:fsdp"`` (sharded working copy)."""
+        """Accepts a Layout, a mapping ``{"dp": 2, "tp": 2}`` (``"cp_kv"``, ``"fsdp"`` and
+        ``"fsdp_shard"`` too) or a name like ``"dp2xtp2"``, ``"tp2xcp4:kv"`` (all-gather-KV),
+        ``"cp8:kv2"`` (hybrid: Ulysses over 4, all-gather-KV over 2), ``"dp8xtp4:fsdp"`` (sharded
+        working copy) or ``"dp64:fsdp8"`` (sharded over 8 ranks, replicated over the other 8 x)."""
         if isinstance(spec, Layout):
             return spec
         if isinstance(spec, Mapping):
-            unknown = set(spec) - {"dp", "tp", "cp", "cp_kv", "fsdp"}
+            unknown = set(spec) - {"dp", "tp", "cp", "cp_kv", "fsdp", "fsdp_shard"}
             if unknown:
                 raise LayoutError(f"layout {dict(spec)!r} has unknown keys {sorted(unknown)}; use dp, tp, cp, "
-                                  f"cp_kv, fsdp")
+                                  f"cp_kv, fsdp, fsdp_shard")
             return cls(**{k: spec[k] for k in spec})
         if isinstance(spec, str):
             text = spec.strip().lower()
             if not _LAYOUT_RE.match(text):
                 raise LayoutError(f"cannot parse layout {spec!r}; expected e.g. 'dp2xtp2', 'tp2xcp2', "
-                                  f"'tp2xcp4:kv', 'cp8:kv2' or 'dp4:fsdp'")
-            fsdp = text.endswith(_FSDP_SUFFIX)
-            if fsdp:
-                text = text[: -len(_FSDP_SUFFIX)]
+                                  f"'tp2xcp4:kv', 'cp8:kv2', 'dp4:fsdp' or 'dp8:fsdp4'")
+            fsdp_match = _FSDP_RE.search(text)
+            fsdp, shard = fsdp_match is not None, 0
+            if fsdp_match:
+                shard = int(fsdp_match.group(1)) if fsdp_match.group(1) else 0
+                if fsdp_match.group(1) and shard < 2:
+                    raise LayoutError(f"layout {spec!r}: ':fsdp{fsdp_match.group(1)}' must shard over 2 ranks or "
+                                      f"more (a working copy on 1 rank is a replicated one: drop ':fsdp')")
+                text = text[:fsdp_match.start()]
             kv = _KV_RE.search(text)
             base = text[:kv.start()] if kv else text
             degrees: dict[str, int] = {}
@@ -155,7 +193,7 @@ class Layout:
                     raise LayoutError(f"layout {spec!r}: ':kv' names a kind of context parallelism, but the "
                                       f"layout has no cp > 1")
                 degrees["cp_kv"] = int(kv.group(1)) if kv.group(1) else cp
-            return cls(**degrees, fsdp=fsdp)
+            return cls(**degrees, fsdp=fsdp, fsdp_shard=shard)
         raise LayoutError(f"cannot interpret {spec!r} (type {type(spec).__name__}) as a layout")
 
 
@@ -204,7 +242,8 @@ class MeshShape:
     def for_layouts(cls, layouts: Iterable[Layout | str | Mapping[str, int]], world_size: int) -> MeshShape:
         layouts = parse_layouts(layouts, world_size)
         def sizes_of(lay: Layout) -> set[int]:  # group sizes that must be mesh-dim boundaries
-            return {lay.tp, lay.tp * lay.cp_ulysses, lay.tp * lay.cp}
+            shard = {lay.tp * lay.fsdp_shard} if lay.fsdp else set()
+            return {lay.tp, lay.tp * lay.cp_ulysses, lay.tp * lay.cp} | shard
 
         boundaries = sorted(set().union(*(sizes_of(lay) for lay in layouts)) | {world_size})
         boundaries = [b for b in boundaries if b > 1]
@@ -213,7 +252,7 @@ class MeshShape:
                 culprits = [str(lay) for lay in layouts if small in sizes_of(lay) or large in sizes_of(lay)]
                 raise LayoutError(
                     f"layouts {sorted(set(culprits))} cannot share one world mesh: their tp / tp*cp "
-                    f"(or tp*Ulysses part of cp) group sizes {small} and {large} do not nest "
+                    f"(or tp*Ulysses part of cp, or tp*fsdp shard) group sizes {small} and {large} do not nest "
                     f"(one must divide the other)"
                 )
         sizes, previous = [], 1
@@ -257,6 +296,13 @@ class MeshShape:
 
     def dp_dims(self, layout: Layout) -> range:
         return range(self.prefix_length(layout.tp * layout.cp), self.ndim)
+
+    def fsdp_dims(self, layout: Layout) -> range:
+        """The dims a sharded working copy splits beyond tp: its ``fsdp_shard`` most local dp x cp
+        ranks (empty for a replicated one)."""
+        if not layout.fsdp:
+            return range(0)
+        return range(self.prefix_length(layout.tp), self.prefix_length(layout.tp * layout.fsdp_shard))
 
     def coords(self, rank: int) -> tuple[int, ...]:
         if not 0 <= rank < self.world_size:

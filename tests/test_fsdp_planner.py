@@ -107,6 +107,33 @@ def test_switches_and_stage_ends_of_a_sharded_copy():
         cm.check(Parallelism(tp=8, pp=8, fsdp=True))
 
 
+def test_an_hsdp_copy_gathers_inside_the_node_and_sums_its_replicas_at_the_stage_end():
+    """70B on 64 H200, dp64:fsdp8: the per-layer traffic of plain dp64:fsdp's 64-rank (inter-node)
+    group moves over 8 ranks of one node, 1/8 of the model per rank; the price is a switch in (a
+    gather over the 8 replicas), a stage-end reduce-scatter over them, and 8x the working copy."""
+    cm = AnalyticCostModel("llama3-70b", "H200", 64)
+    plain, hsdp = Layout.parse("dp64:fsdp"), Layout.parse("dp64:fsdp8")
+    hw = cm.hardware
+    ratio = (7 / 8) / (63 / 64) * hw.inter_node_bw / hw.intra_node_bw  # bytes alike: bandwidth and group size
+    assert cm.fsdp_exchange_seconds(hsdp) == pytest.approx(cm.fsdp_exchange_seconds(plain) * ratio, rel=0.02)
+    fp32_shard = cm.params / 8 * cm.grad_bytes
+    assert cm.grad_reduce_seconds(hsdp) == pytest.approx(7 / 8 * fp32_shard / hw.inter_node_bw, rel=0.01)
+    assert cm.grad_reduce_seconds(plain) == 0.0
+    assert cm.switch_bytes(None, hsdp) == pytest.approx(cm.params * cm.param_bytes * (1 / 8 - 1 / 64))
+    assert cm.switch_bytes(plain, hsdp) == cm.switch_bytes(None, hsdp) and cm.switch_bytes(hsdp, plain) == 0
+    working = cm.memory(hsdp, True).working
+    assert working == pytest.approx(cm.memory(plain, True).working * 8)
+    # gradient kinds: HSDP copies of one tp and shard share (the runtime reduces a run of them once)
+    assert shares_gradients(hsdp, Layout.parse("dp8xcp8:fsdp8")) and not shares_gradients(hsdp, plain)
+    assert not shares_gradients(Layout.parse("dp32xtp2:fsdp4"), Layout.parse("dp32xtp2:fsdp"))
+    assert cm.reductions_seconds([hsdp, Layout.parse("dp8xcp8:fsdp8"), plain]) == cm.grad_reduce_seconds(hsdp)
+    # offered where one node holds a proper part of the dp x cp ranks, and nowhere else
+    every = enumerate_layouts(64, cm)
+    assert hsdp in every and Layout.parse("dp32xtp2:fsdp4") in every
+    assert all(lay.tp * lay.fsdp_shard == 8 for lay in every if lay.fsdp and lay.fsdp_replicas > 1)
+    assert not any(lay.fsdp and lay.fsdp_replicas > 1 for lay in enumerate_layouts(8, AnalyticCostModel("llama7b", "H200", 8)))
+
+
 def test_candidates_offer_both_copies_and_mix_them_in_one_mesh():
     """70B on 64 H100: without :fsdp no layout with tp < 4 fits; with it, every degree set that
     fits has both variants next to each other, and dominance keeps what wins per layout."""

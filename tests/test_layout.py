@@ -47,6 +47,19 @@ def test_fsdp_suffix_names_a_sharded_working_copy():
     assert MeshShape.for_layouts(["dp4", "dp4:fsdp", "dp2xtp2:fsdp"], 4).sizes == (2, 2)
 
 
+def test_fsdp_shard_suffix_names_an_hsdp_copy_and_becomes_a_mesh_boundary():
+    """':fsdp<n>': sharded over the n most local dp x cp ranks; n = dp*cp is plain ':fsdp'."""
+    hsdp = Layout.parse("dp8xcp2:kv:fsdp4")
+    assert hsdp == Layout(dp=8, cp=2, cp_kv=2, fsdp=True, fsdp_shard=4) and hsdp.name == "dp8xcp2:kv:fsdp4"
+    assert (hsdp.fsdp_replicas, Layout.parse("dp16:fsdp").fsdp_shard) == (4, 16)
+    assert Layout.parse("dp16:fsdp16") == Layout.parse("dp16:fsdp") == Layout(dp=16, fsdp=True)
+    assert Layout.parse({"dp": 16, "fsdp": True, "fsdp_shard": 8}).name == "dp16:fsdp8"
+    mesh = MeshShape.for_layouts(["dp8xtp2", "dp4xtp2xcp2:fsdp2"], 16)
+    assert mesh.sizes == (2, 2, 4)  # tp 2, then tp x shard = 4 (the cp dim), dp
+    assert mesh.fsdp_dims(Layout.parse("dp4xtp2xcp2:fsdp2")) == range(1, 2)
+    assert mesh.fsdp_dims(Layout.parse("dp8xtp2")) == range(0)
+
+
 @pytest.mark.parametrize(
     "bad, match",
     [
@@ -71,6 +84,11 @@ def test_fsdp_suffix_names_a_sharded_working_copy():
         (lambda: Layout.parse("tp4:fsdp"), "tp4:fsdp: fsdp shards the working copy .* dp = cp = 1"),
         (lambda: Layout.parse("dp4:fsdp:kv"), "cannot parse layout 'dp4:fsdp:kv'"),
         (lambda: Layout(dp=4, fsdp=1), "fsdp must be True or False, got 1"),
+        (lambda: Layout.parse("dp4:fsdp3"), "dp4:fsdp3: fsdp_shard=3 must be > 1 and divide dp\\*cp = 4"),
+        (lambda: Layout.parse("dp4:fsdp1"), "':fsdp1' must shard over 2 ranks or more"),
+        (lambda: Layout(dp=4, fsdp_shard=2), "fsdp_shard=2 shards a working copy, but fsdp is False"),
+        (lambda: Layout(dp=4, fsdp=True, fsdp_shard=2.0), "fsdp_shard must be an int, got 2.0"),
+        (lambda: MeshShape.for_layouts(["dp6:fsdp2", "dp2xcp3"], 6), "tp\\*fsdp shard"),
     ],
 )
 def test_bad_layouts_name_the_value(bad, match):

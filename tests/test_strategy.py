@@ -170,6 +170,33 @@ def test_sharded_working_copies_match_single_process(ranks, precision, grad_tol,
     assert _worst(result["weights"])[1] <= weight_tol, _worst(result["weights"])
 
 
+# working copies sharded over part of dp x cp and replicated over the rest (HSDP, ":fsdp2"): over
+# the dp dim (dp4:fsdp2), over the cp ranks only (dp2xcp2:kv:fsdp2, cp4:fsdp2: Ulysses over 4, the
+# copy split over 2), next to a fully sharded peer (dp4:fsdp: another gradient kind) and replicated
+# layouts; dp2xcp2:kv:fsdp2 recomputes activations. The stage end reduce-scatters the replicas.
+HSDP_LAYOUTS = ["dp4:fsdp2", "dp2xtp2", "dp2xcp2:kv:fsdp2", "dp4:fsdp", "cp4:fsdp2", "dp4"]
+HSDP_ORDERS = [HSDP_LAYOUTS, ["cp4:fsdp2", "dp4:fsdp2", "dp2xcp2:kv:fsdp2", "dp4", "dp4:fsdp", "dp2xtp2"]]
+
+
+def test_working_copies_sharded_within_part_of_the_layout_match_single_process(ranks):
+    """The core invariant for HSDP working copies: 3 AdamW steps of mixed plans, fp32."""
+    result = ranks(4).run(fit_and_compare, HSDP_LAYOUTS, 3, "32-true", HSDP_ORDERS,
+                          activation_checkpointing=["dp2xcp2:kv:fsdp2"])[0]
+    assert result["global_step"] == 3
+    for step, errors in enumerate(result["grads"]):
+        assert _worst(errors)[1] <= 1e-5, (step, _worst(errors))
+    assert max(result["losses"]) <= 1e-5, result["losses"]
+    assert _worst(result["weights"])[1] <= 1e-4, _worst(result["weights"])
+    hsdp = ("dp4:fsdp2", "cp4:fsdp2", "dp2xcp2:kv:fsdp2")
+    alone = {layout: nbytes for layout, _, _, nbytes, _ in result["reductions"][0]}
+    # a lone HSDP stage reduce-scatters its replicas' shards at its end: more than plain fsdp (only
+    # the norm outside every unit), less than a replicated copy (the whole tp shard)
+    assert alone["dp4:fsdp"] < alone["dp4:fsdp2"] == alone["cp4:fsdp2"] == alone["dp2xcp2:kv:fsdp2"], alone
+    carried = [(layout, nbytes) for layout, _, _, nbytes, _ in result["reductions"][1] if layout in hsdp]
+    # one kind of gradient (tp 1, split over 2 ranks): the run of 3 HSDP stages reduces once, at its end
+    assert carried == [("cp4:fsdp2", 0), ("dp4:fsdp2", 0), ("dp2xcp2:kv:fsdp2", alone["dp4:fsdp2"])], carried
+
+
 def _check_one_reduction_per_tp_run(steps):
     """Step 0 reduces at every stage (no two neighbours share tp): each layout's own reduction.
     Later steps carry gradients through runs of same-tp stages: 0 collectives until the run's last

@@ -2,11 +2,13 @@
 
 In a layout with ``fsdp=True`` the switch engine holds each parameter of the model's fsdp units at
 its home prefix (:meth:`SwitchEngine.fsdp_gathered`): sharded over the layout's dp and cp ranks as
-well, torchtitan's ``dp_shard_cp`` choice. Around each unit's forward (a transformer block, the
-embedding, the LM head) this module
+well, torchtitan's ``dp_shard_cp`` choice; with ``fsdp_shard`` (``dp64:fsdp8``) only over that many
+of the most local dp x cp ranks and replicated over the rest (HSDP), so the per-unit traffic stays
+inside a node (:meth:`SwitchEngine.fsdp_prefix`). Around each unit's forward (a transformer block,
+the embedding, the LM head) this module
 
 * gathers the unit's shards to the layout prefix: ONE fused all-gather per mesh-dim range
-  ``[layout prefix, home prefix)`` (one per unit for the usual case, where every parameter of the
+  ``[layout prefix, fsdp prefix)`` (one per unit for the usual case, where every parameter of the
   unit has the same range) inside an autograd function, and installs the gathered tensors in the
   unit's modules;
 * after the forward puts shape-only ``meta`` placeholders there, so nothing keeps the gathered
@@ -17,7 +19,8 @@ embedding, the LM head) this module
 * in backward, the autograd function receives the unit's full gradients and reduce-scatters them
   in fp32 (the reduce dtype) over the same dims straight into the engine's accumulators at the
   sharded size (:meth:`GradientReduction.add_main_grad`); the stage-end reduction then only
-  all-reduces over the dims home replicates, if any, and stores.
+  reduces over the dims beyond the fsdp prefix (none to scatter for plain ``:fsdp``; the HSDP
+  replicas' reduce-scatter into home otherwise), all-reducing those home replicates, and stores.
 
 Within :meth:`ShardedUnits.forward_prefetch` (the step runner wraps each micro-batch's forward in
 it) a unit's forward starts the NEXT unit's all-gather asynchronously (declaration order is call
@@ -125,7 +128,7 @@ class _Unit:
             engine, out = self.owner.engine, {}
             for i, n in enumerate(names):
                 sh = engine.shardings[n]
-                out.setdefault((sh.layout_prefix(layout), sh.home_prefix), []).append(i)
+                out.setdefault((sh.layout_prefix(layout), engine.fsdp_prefix(n, layout)), []).append(i)
             self._range_memo[key] = out
         return out
 

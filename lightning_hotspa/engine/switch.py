@@ -19,9 +19,10 @@ Lightning zeroes ``.grad`` between ``training_step`` and ``backward``, so the st
 home params only on request (docs/DESIGN.md §7, trap "Lightning's closure order").
 
 A layout with ``fsdp=True`` holds the working copy of every parameter of the model's fsdp units
-(:mod:`.fsdp`) at its HOME prefix (sharded over the layout's dp and cp ranks too), so switches to and
-from it are the same slices and all-gathers; :mod:`.fsdp` gathers each unit to the layout prefix
-around its forward and reduce-scatters its gradient in backward. Exceptions stay at the layout
+(:mod:`.fsdp`) at its HOME prefix (sharded over the layout's dp and cp ranks too), or with
+``fsdp_shard`` (``:fsdp8``) at the shorter prefix of the tp and shard dims (replicated beyond:
+HSDP), so switches to and from it are the same slices and all-gathers; :mod:`.fsdp` gathers each
+unit to the layout prefix around its forward and reduce-scatters its gradient in backward. Exceptions stay at the layout
 prefix: parameters outside every unit, those the home cannot split further, and ``replicated``
 ones under tp > 1 (their gradient is a copy per tp rank, not a partial sum to scatter).
 """
@@ -138,13 +139,19 @@ class SwitchEngine(GradientReduction):
 
     def fsdp_gathered(self, name: str, layout: Layout) -> bool:
         """True if ``name``'s working copy in ``layout`` is sharded beyond the layout prefix (held at
-        home and gathered per unit around its forward)."""
+        :meth:`fsdp_prefix` and gathered per unit around its forward)."""
         if not layout.fsdp or name not in self.fsdp_names:
             return False
         sharding = self.shardings[name]
         if sharding.role.tp_grad == "replicate" and layout.tp > 1:
             return False  # its tp ranks' gradients are copies: a reduce-scatter over them would add them
-        return sharding.home_prefix > sharding.layout_prefix(layout)
+        return self.fsdp_prefix(name, layout) > sharding.layout_prefix(layout)
+
+    def fsdp_prefix(self, name: str, layout: Layout) -> int:
+        """The prefix an fsdp layout's working copy of ``name`` is split over: the layout's tp and
+        ``fsdp_shard`` dims (all dims for plain ``:fsdp``), no further than home splits it."""
+        sharding = self.shardings[name]
+        return min(sharding.home_prefix, self.world.shape.fsdp_dims(layout).stop)
 
     def _prefix(self, name: str, key: str) -> int:
         if key == HOME:
@@ -153,16 +160,18 @@ class SwitchEngine(GradientReduction):
 
     def _working_prefix(self, name: str, layout: Layout) -> int:
         """The mesh-dim prefix ``name``'s working copy in ``layout`` is sharded over."""
-        sharding = self.shardings[name]
-        return sharding.home_prefix if self.fsdp_gathered(name, layout) else sharding.layout_prefix(layout)
+        if self.fsdp_gathered(name, layout):
+            return self.fsdp_prefix(name, layout)
+        return self.shardings[name].layout_prefix(layout)
 
     def _grad_states(self, name: str, layout: Layout) -> list[str]:
         """Per mesh dim, what ``name``'s working gradient in ``layout`` is. An fsdp-gathered one was
-        reduce-scattered to its home shard in backward: only the dims home replicates are partial."""
+        reduce-scattered to its working shard in backward: only the dims beyond it are partial (the
+        stage end reduce-scatters those home splits and all-reduces those it replicates)."""
         sharding = self.shardings[name]
         if self.fsdp_gathered(name, layout):
-            home = sharding.home_prefix
-            return ["shard"] * home + ["partial"] * (sharding.mesh.ndim - home)
+            shard = self.fsdp_prefix(name, layout)
+            return ["shard"] * shard + ["partial"] * (sharding.mesh.ndim - shard)
         return sharding.grad_states(layout)
 
     def _layout(self, key: str) -> Layout:

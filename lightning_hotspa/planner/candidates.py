@@ -36,6 +36,7 @@ from ..models.config import LlamaConfig
 from .cost_model import AnalyticCostModel, CostModelError, OptionCost
 from .hardware import HardwareProfile
 from .oracle_bound import charged_oracle
+from .parallelism import gradient_kind
 from .solver import CostModelPlanner
 
 __all__ = ["auto_layouts", "auto_planner", "cp_kinds", "enumerate_layouts", "layout_rates", "prune_dominated"]
@@ -61,8 +62,10 @@ def enumerate_layouts(world_size: int, cost_model: AnalyticCostModel, cp_kind: b
                       fsdp: bool = True) -> list[Layout]:
     """Every layout of ``world_size`` the model can split and whose weights fit (any checkpointing);
     ``cp_kind=False``: Ulysses context parallelism only (the runtime's only kind before all-gather-KV);
-    ``fsdp``: each degree set (dp*cp > 1) also with a sharded working copy (``:fsdp``), listed
-    right after its replicated twin (which is left out where only the sharded one fits)."""
+    ``fsdp``: each degree set (dp*cp > 1) also with a sharded working copy (``:fsdp``), and where
+    the dp x cp ranks span nodes with one node's worth of them (``devices_per_node / tp``), with
+    an HSDP one sharded over that node (``:fsdp<n>``), listed right after their replicated twin
+    (which is left out where only a sharded one fits)."""
     out = []
     per_node = cost_model.hardware.devices_per_node
     for tp in _divisors(world_size):
@@ -71,14 +74,26 @@ def enumerate_layouts(world_size: int, cost_model: AnalyticCostModel, cp_kind: b
         for cp in _divisors(world_size // tp):
             dp = world_size // (tp * cp)
             for cp_kv in (cp_kinds(tp, cp, per_node) if cp_kind else [1]):
-                for sharded in ((False, True) if fsdp and dp * cp > 1 else (False,)):
-                    lay = Layout(dp=dp, tp=tp, cp=cp, cp_kv=cp_kv, fsdp=sharded)
+                for sharded, shard in _working_copies(dp * cp, per_node // tp if fsdp else 0):
                     try:
+                        lay = Layout(dp=dp, tp=tp, cp=cp, cp_kv=cp_kv, fsdp=sharded, fsdp_shard=shard)
+                        MeshShape.for_layouts([lay], world_size)  # its shard group nests with its cp groups
                         cost_model.check(lay)
-                    except CostModelError:
+                    except (CostModelError, LayoutError):
                         continue
                     if cost_model.capacity(lay, True) >= 2 * cp:
                         out.append(lay)
+    return out
+
+
+def _working_copies(group: int, node_share: int) -> list[tuple[bool, int]]:
+    """(sharded, fsdp_shard) of the working copies a degree set gets: replicated; over all ``group``
+    dp x cp ranks; over the ``node_share`` of them inside one node (HSDP) when that is fewer."""
+    out = [(False, 0)]
+    if node_share and group > 1:
+        out.append((True, 0))
+        if 1 < node_share < group and group % node_share == 0:
+            out.append((True, node_share))
     return out
 
 
@@ -156,6 +171,7 @@ def auto_layouts(
     ref = np.minimum(ref, context)
     if ref.max() < context:
         ref = np.append(ref, context)
+    ref, counts = np.unique(ref, return_counts=True)  # each length once, weighed by how often it occurs
     rates = layout_rates(cm, layouts, ref)
     fixed = [cm.grad_reduce_seconds(lay) + cm.switch_seconds(None, lay) for lay in layouts]
     keep = prune_dominated(layouts, rates, fixed)
@@ -170,28 +186,7 @@ def auto_layouts(
         longest = max(layouts, key=lambda lay: _longest(cm, lay))
         raise LayoutError(f"no layout of {world_size} x {cm.hardware.name} holds a {context}-token document "
                           f"(largest: {_longest(cm, longest)} tokens in {longest}); lower the context or add devices")
-    scored: list[tuple[float, int, tuple[int, ...]]] = []
-    switch_cost: dict[tuple[int, ...], float] = {}
-    for size in range(1, max_layouts + 1):
-        for subset in itertools.combinations(keep, size):
-            if not any(i in holds_context for i in subset):
-                continue
-            try:
-                MeshShape.for_layouts([layouts[i] for i in subset], world_size)
-            except LayoutError:
-                continue
-            sub = rates[list(subset)]
-            if not np.all(np.isfinite(sub.min(axis=0))):
-                continue
-            winner = np.argmin(sub, axis=0)
-            used = sorted({subset[int(w)] for w in winner})
-            score = float(sub.min(axis=0).sum()) + cm.reductions_seconds([layouts[i] for i in used])
-            key = tuple(used)
-            if key not in switch_cost:  # the same used set recurs across many subsets
-                switch_cost[key] = min(cm.switch_sequence_seconds(p)
-                                       for p in itertools.permutations([layouts[i] for i in used]))
-            score += switch_cost[key]
-            scored.append((score, size, subset))
+    scored = _relaxed_scores(cm, layouts, rates, counts, keep, set(holds_context), max_layouts)
     if not scored:
         raise LayoutError(f"no set of layouts of {world_size} ranks shares one mesh and holds {context} tokens")
     if lengths is not None and refine > 0:
@@ -209,6 +204,49 @@ def auto_layouts(
     best = min(eligible, key=lambda s: (s[1], s[0], s[2]))
     chosen = [layouts[i] for i in best[2]]
     return tuple(sorted(chosen, key=lambda lay: (lay.tp * lay.cp, lay.tp)))
+
+
+def _relaxed_scores(cm: AnalyticCostModel, layouts: Sequence[Layout], rates: np.ndarray, counts: np.ndarray,
+                    keep: Sequence[int], holds_context: set[int],
+                    max_layouts: int) -> list[tuple[float, int, tuple[int, ...]]]:
+    """(score, size, subset) of every subset of ``keep`` (at most ``max_layouts``) that shares one
+    mesh, holds every length and has a layout for the context: each length in its cheapest layout
+    of the subset (``counts`` times), plus one reduction per gradient kind used and the cheapest
+    switch order through the layouts used. Mesh sharing is checked pairwise (the group sizes of a
+    set nest iff those of every pair do) and switches come from a pairwise table: 1024 GPUs have
+    ~10^6 subsets."""
+    nest: dict[tuple[int, int], bool] = {}
+    for a, b in itertools.combinations(keep, 2):
+        try:
+            MeshShape.for_layouts([layouts[a], layouts[b]], cm.world_size)
+            nest[a, b] = True
+        except LayoutError:
+            nest[a, b] = False
+    kind = {i: gradient_kind(layouts[i]) for i in keep}
+    reduce_s = {i: cm.grad_reduce_seconds(layouts[i]) for i in keep}
+    from_home = {i: cm.switch_seconds(None, layouts[i]) for i in keep}
+    switch = {(a, b): cm.switch_seconds(layouts[a], layouts[b]) for a in keep for b in keep if a != b}
+    fixed: dict[tuple[int, ...], float] = {}  # the same used set recurs across many subsets
+    scored: list[tuple[float, int, tuple[int, ...]]] = []
+    for size in range(1, max_layouts + 1):
+        for subset in itertools.combinations(keep, size):
+            if holds_context.isdisjoint(subset) or not all(nest[p] for p in itertools.combinations(subset, 2)):
+                continue
+            sub = rates[list(subset)]
+            winner = sub.argmin(axis=0)
+            best = np.take_along_axis(sub, winner[None], axis=0)[0]
+            if not np.all(np.isfinite(best)):
+                continue
+            used = tuple(subset[int(w)] for w in np.flatnonzero(np.bincount(winner, minlength=size)))
+            if used not in fixed:
+                cheapest: dict[tuple[int, int, int], float] = {}
+                for i in used:
+                    cheapest[kind[i]] = min(reduce_s[i], cheapest.get(kind[i], reduce_s[i]))
+                order = min(from_home[p[0]] + sum(switch[x, y] for x, y in zip(p, p[1:]))
+                            for p in itertools.permutations(used))
+                fixed[used] = sum(cheapest.values()) + order
+            scored.append((float((best * counts).sum()) + fixed[used], size, subset))
+    return scored
 
 
 def _best_static(cm: AnalyticCostModel, layouts: Sequence[Layout], batches: Sequence[np.ndarray],

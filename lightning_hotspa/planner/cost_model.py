@@ -43,14 +43,16 @@ rows); the cost is padding (``s`` rounded up to ``2*cp``) and communication:
   every unit gathered twice in the working dtype and reduce-scattered once in fp32 over the dp*cp
   ranks; its exposed part (GEMMs hide it per ``hardware.layer_comm_overlap``) goes into ``linear``
   and ``per_micro_batch``; no stage-end reduction (``stage_fixed`` 0); switches into it are local;
-  its dp groups run in lockstep rounds (:meth:`OptionCost.stage_seconds`).
+  its dp groups run in lockstep rounds (:meth:`OptionCost.stage_seconds`). HSDP (``:fsdp8``): the
+  same over its ``fsdp_shard`` ranks (the span tp x shard: one node when it fits), a stage-end
+  reduce-scatter of its fp32 shard over the replicas, and a switch in gathers over them.
 * pp (simulation of the artifact's (dp, tp, pp) layouts only): each rank runs ``L/pp`` layers, a dp
   group's ``m`` micro-batches take ``sum/pp * (m + pp - 1)/m`` (1F1B bubble).
 
 Memory per rank (:mod:`.memory_model`, :meth:`AnalyticCostModel.memory`, checked against the real step by ``hotspa memory``):
 home state over the world (fp32 weights, Adam m and v, fp32 gradient store: 16 B per parameter /
 world), bf16 working weights and their fp32 main-grad accumulators (6 B / (tp*pp) for the tp-split
-parameters, norms in full; ``fsdp``: / (tp*dp*cp), plus gathered units), and activations per token as the runtime saves them (norms and residual
+parameters, norms in full; ``fsdp``: / (tp*fsdp_shard), plus gathered units), and activations per token as the runtime saves them (norms and residual
 stream full on every tp rank: no sequence parallelism; attention per ``attention_backend``; SwiGLU;
 the loss head's fp32 logits) over cp: without checkpointing every layer's saved tensors, with it only
 each layer's input plus one layer being recomputed. What is left decides the option's token capacity.
@@ -276,17 +278,18 @@ class AnalyticCostModel(MemoryModel):
         embedding's: its backward needs no weight; with
         checkpointing ONE backward gather serves recompute and backward: an ASSUMPTION, the runtime
         keeps the block gathered through both), and a reduce-scatter of its gradient in fp32
-        (``grad_bytes``). The dp*cp ranks of one tp shard stride over the whole world (tp innermost),
-        so the group's bandwidth is that of the world: inter-node once the world spans nodes."""
+        (``grad_bytes``). The ``fsdp_shard`` ranks of one tp shard are the next most local after tp,
+        so the group spans tp x fsdp_shard consecutive ranks: the world for plain ``:fsdp``
+        (inter-node once it spans nodes), one node for an HSDP copy that fits in it."""
         par = Parallelism.of(par)
-        g = par.dp * par.cp
+        g = par.fsdp_shard
         if not par.fsdp or g == 1:
             return 0.0
         split, full = self._param_split(par.tp)
         embedding = self.model.padded_vocab_size * self.model.hidden / par.tp  # its backward needs no weight
         nbytes = (split / par.tp + full) * (2 * self.param_bytes + self.grad_bytes) - embedding * self.param_bytes
-        hw, calls = self.hardware, 3 * (self.model.n_layers + 2) - 1
-        return (g - 1) / g * nbytes / hw.bandwidth(self.world_size) + calls * hw.latency(self.world_size)
+        hw, calls, span = self.hardware, 3 * (self.model.n_layers + 2) - 1, par.tp * g
+        return (g - 1) / g * nbytes / hw.bandwidth(span) + calls * hw.latency(span)
 
     def _fsdp_exposed(self, par: Parallelism, ac: bool, capacity: int, b: float, d: float) -> tuple[float, float]:
         """(linear, per_micro_batch) with the exposed part of the per-layer traffic ``C``: each layer's
@@ -303,12 +306,13 @@ class AnalyticCostModel(MemoryModel):
     def grad_reduce_seconds(self, par: Parallelism | Layout) -> float:
         """The stage's reduce-scatter of fp32 gradients over the ranks sharing a weight shard. A
         sharded working copy (``:fsdp``) reduce-scatters every block's gradient each micro-batch
-        (:meth:`fsdp_exchange_seconds`): its stage end only folds the local shard into the store."""
+        (:meth:`fsdp_exchange_seconds`): its stage end only folds the local shard into the store; an
+        HSDP one (``:fsdp8``) reduce-scatters its shard over its replicas (the outer, inter-node dims)."""
         par = Parallelism.of(par)
-        g = par.dp * par.cp
-        if g == 1 or par.fsdp:
+        g = par.fsdp_replicas
+        if g == 1:
             return 0.0
-        nbytes = self.params / par.shards * self.grad_bytes
+        nbytes = self.params / (par.shards * (par.fsdp_shard if par.fsdp else 1)) * self.grad_bytes
         hw = self.hardware
         return (g - 1) / g * nbytes / hw.bandwidth(self.world_size) + hw.latency(self.world_size)
 
@@ -316,7 +320,7 @@ class AnalyticCostModel(MemoryModel):
         """The gradient reductions of a plan whose stages run ``layouts``: one per gradient kind
         (:func:`~.parallelism.gradient_kind`; a run of stages that share gradients reduces once),
         the cheapest of its layouts. A replicated and a sharded copy of one tp degree are two kinds."""
-        cheapest: dict[tuple[int, int, bool], float] = {}
+        cheapest: dict[tuple[int, int, int], float] = {}
         for lay in layouts:
             kind, red = gradient_kind(lay), self.grad_reduce_seconds(lay)
             cheapest[kind] = min(red, cheapest.get(kind, red))
@@ -334,12 +338,16 @@ class AnalyticCostModel(MemoryModel):
     # ------------------------------------------------------------------ switches
     def _working_shards(self, par: Parallelism | Layout | None) -> int:
         """How many ways a rank's working copy splits the weights: home and ``:fsdp`` copies over
-        the whole world (an fsdp working copy is the home shard in the working dtype)."""
-        return self.world_size if par is None or par.fsdp else _shards(par)
+        the whole world (an fsdp working copy is the home shard in the working dtype), an HSDP one
+        (``:fsdp8``) over tp x its shard."""
+        if par is None:
+            return self.world_size
+        return par.tp * par.fsdp_shard if par.fsdp else _shards(par)
 
     def switch_bytes(self, source: Parallelism | Layout | None, target: Parallelism | Layout) -> float:
         """Bytes each rank receives to hold ``target``'s working weights (``source`` None: home). Into
-        a sharded working copy (``:fsdp``) it is a local slice (+ cast): 0 bytes."""
+        a sharded working copy (``:fsdp``) it is a local slice (+ cast): 0 bytes; into an HSDP one
+        (``:fsdp8``) a gather over its replicas."""
         dst = self._working_shards(target)
         src = self._working_shards(source)
         return self.params * self.param_bytes * max(0.0, 1.0 / dst - 1.0 / src)

@@ -132,8 +132,8 @@ class MemoryModel:
         fp32 main grads by default, +4 B per working parameter) over the layout's tp (and pp), and
         the largest gradient in the working dtype before its accumulation hook folds it in.
 
-        A sharded working copy (``fsdp``): weights and main grads over tp x dp x cp (the home shard
-        in the working dtype, main grads at the sharded size); its ``transient``: two gathered
+        A sharded working copy (``fsdp``): weights and main grads over tp x fsdp_shard (tp x dp x cp
+        for plain ``:fsdp``: the home shard in the working dtype; main grads at the sharded size); its ``transient``: two gathered
         units (the current and the prefetched one, :meth:`largest_gathered_unit`) and the current
         unit's gradient in the working dtype and in fp32 for its reduce-scatter (``grad_bytes``).
         Measured (``hotspa memory``, BENCHMARKS.md): the peak holds the larger of that and the loss
@@ -147,7 +147,7 @@ class MemoryModel:
             kv_gather_saved_delta(self, par, activation_checkpointing)
         usable = hw.memory_bytes * hw.memory_usable_fraction - hw.memory_reserved_bytes
         if par.fsdp:
-            working = per_rank / (par.dp * par.cp) * (self.param_bytes + self.grad_accum_bytes)
+            working = per_rank / par.fsdp_shard * (self.param_bytes + self.grad_accum_bytes)
             transient = self.largest_gathered_unit(par.tp) * (3 * self.param_bytes + self.grad_bytes)
             return MemoryUse(home, working, act, usable, margin=self.model_error_margin, transient=transient,
                              head_per_token=self.logits_bytes_per_token(par.tp, par.cp))

@@ -37,6 +37,7 @@ class Parallelism:
     pp: int = 1
     cp_kv: int = 1  # the all-gather-KV part of cp (Layout.cp_kv); 1: Ulysses
     fsdp: bool = False  # working copy sharded over dp and cp, gathered per layer (Layout.fsdp)
+    fsdp_shard: int = 0  # over how many dp x cp ranks (Layout.fsdp_shard; 0: all of them)
 
     def __post_init__(self) -> None:
         for f in ("dp", "tp", "cp", "pp", "cp_kv"):
@@ -45,12 +46,23 @@ class Parallelism:
             raise CostModelError(f"Parallelism.fsdp must be True or False, got {self.fsdp!r}")
         if self.cp % self.cp_kv:
             raise CostModelError(f"Parallelism.cp_kv={self.cp_kv} must divide cp={self.cp}")
+        group = self.dp * self.cp
+        if self.fsdp and self.fsdp_shard == 0:
+            object.__setattr__(self, "fsdp_shard", group)  # frozen: normalized as Layout does
+        elif self.fsdp_shard and (not self.fsdp or self.fsdp_shard < 2 or group % self.fsdp_shard):
+            raise CostModelError(f"Parallelism.fsdp_shard={self.fsdp_shard!r} must be > 1 and divide dp*cp = "
+                                 f"{group}, with fsdp=True")
 
     @classmethod
     def of(cls, layout: Layout | Parallelism) -> Parallelism:
         if isinstance(layout, Parallelism):
             return layout
-        return cls(layout.dp, layout.tp, layout.cp, 1, layout.cp_kv, layout.fsdp)
+        return cls(layout.dp, layout.tp, layout.cp, 1, layout.cp_kv, layout.fsdp, layout.fsdp_shard)
+
+    @property
+    def fsdp_replicas(self) -> int:
+        """Copies of each working-copy shard across dp x cp (1 for plain ``:fsdp``; HSDP: more)."""
+        return self.dp * self.cp // self.fsdp_shard if self.fsdp else self.dp * self.cp
 
     @property
     def cp_ulysses(self) -> int:
@@ -67,7 +79,7 @@ class Parallelism:
 
     @property
     def name(self) -> str:
-        return layout_name(self.dp, self.tp, self.cp, self.cp_kv, self.pp, self.fsdp)
+        return layout_name(self.dp, self.tp, self.cp, self.cp_kv, self.pp, self.fsdp, self.fsdp_shard)
 
     def __str__(self) -> str:
         return self.name
@@ -75,7 +87,7 @@ class Parallelism:
     def layout(self) -> Layout:
         if self.pp != 1:
             raise CostModelError(f"{self} has pipeline parallelism, which the runtime does not run (simulation only)")
-        return Layout(self.dp, self.tp, self.cp, self.cp_kv, self.fsdp)
+        return Layout(self.dp, self.tp, self.cp, self.cp_kv, self.fsdp, self.fsdp_shard)
 
 
 def _shards(par: Parallelism | Layout) -> int:
@@ -86,12 +98,13 @@ def _shards(par: Parallelism | Layout) -> int:
 def shares_gradients(a: Parallelism | Layout, b: Parallelism | Layout) -> bool:
     """Stages in ``a`` then ``b`` share working shards and gradient states (same tp, and pp), so the
     runtime reduces once after both (``SwitchEngine.shares_gradients``); their ``stage_fixed`` agree.
-    A sharded working copy (``fsdp``) keeps its gradients at the home shard (reduce-scattered every
+    A sharded working copy (``fsdp``) keeps its gradients at its own shard (reduce-scattered every
     micro-batch), a replicated one at the tp shard: they share only with their own kind, as in the
-    runtime (an fsdp stage's ``stage_fixed`` is 0, so sharing only matters for the replicated)."""
+    runtime (a plain fsdp stage's ``stage_fixed`` is 0; an HSDP one, ``:fsdp8``, sums its replicas)."""
     return gradient_kind(a) == gradient_kind(b)
 
 
-def gradient_kind(par: Parallelism | Layout) -> tuple[int, int, bool]:
-    """(tp, pp, working copy sharded): stages of one kind share gradients (:func:`shares_gradients`)."""
-    return (par.tp, getattr(par, "pp", 1), bool(par.fsdp))
+def gradient_kind(par: Parallelism | Layout) -> tuple[int, int, int]:
+    """(tp, pp, fsdp shard: 0 when replicated): stages of one kind share gradients
+    (:func:`shares_gradients`)."""
+    return (par.tp, getattr(par, "pp", 1), par.fsdp_shard if par.fsdp else 0)
