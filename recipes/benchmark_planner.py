@@ -1,7 +1,7 @@
 """Planner time for 512 documents, with the never-worse-than-static guard (issue 15 target: <= 50 ms).
 
 For each candidate set (the paper's 8-GPU set, larger long-context sets with all-gather-KV and
-hybrid layouts, and sets with sharded working copies) it times ``CostModelPlanner.plan`` (guarded: the multi-layout solve plus one solve
+hybrid layouts, and sets with sharded working copies, plain and HSDP) it times ``CostModelPlanner.plan`` (guarded: the multi-layout solve plus one solve
 per single layout) and the unguarded multi-layout solve alone, median of ``--repeats`` after one
 warm-up, on the same 512 documents. Prints one JSON line last.
 
@@ -34,6 +34,9 @@ SETS = {
                                       ["dp8xtp8", "dp8xtp8:fsdp", "dp2xtp8xcp4", "dp2xtp8xcp4:kv:fsdp"]),
     "llama3-70b_64xH100_fsdp_auto": ("llama3-70b", "H100", 131072, "commoncrawl",
                                      ["dp64:fsdp", "dp32xtp2:fsdp", "dp4xcp16:fsdp", "dp4xtp2xcp8:kv2:fsdp"]),
+    # HSDP copies (:fsdp<n>, sharded inside a node): the set auto_layouts chooses for 70B on 1024 H200
+    "llama3-70b_1024xH200_hsdp": ("llama3-70b", "H200", 524288, "sft-longtail",
+                                  ["dp16xcp64:fsdp8", "dp8xtp2xcp64:kv16:fsdp4", "dp2xcp512:kv64:fsdp8"]),
 }
 
 
