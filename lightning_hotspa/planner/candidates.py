@@ -36,7 +36,6 @@ from ..models.config import LlamaConfig
 from .cost_model import AnalyticCostModel, CostModelError, OptionCost
 from .hardware import HardwareProfile
 from .oracle_bound import charged_oracle
-from .parallelism import gradient_kind
 from .solver import CostModelPlanner
 
 __all__ = ["auto_layouts", "auto_planner", "cp_kinds", "enumerate_layouts", "layout_rates", "prune_dominated"]
@@ -222,8 +221,6 @@ def _relaxed_scores(cm: AnalyticCostModel, layouts: Sequence[Layout], rates: np.
             nest[a, b] = True
         except LayoutError:
             nest[a, b] = False
-    kind = {i: gradient_kind(layouts[i]) for i in keep}
-    reduce_s = {i: cm.grad_reduce_seconds(layouts[i]) for i in keep}
     from_home = {i: cm.switch_seconds(None, layouts[i]) for i in keep}
     switch = {(a, b): cm.switch_seconds(layouts[a], layouts[b]) for a in keep for b in keep if a != b}
     fixed: dict[tuple[int, ...], float] = {}  # the same used set recurs across many subsets
@@ -239,12 +236,9 @@ def _relaxed_scores(cm: AnalyticCostModel, layouts: Sequence[Layout], rates: np.
                 continue
             used = tuple(subset[int(w)] for w in np.flatnonzero(np.bincount(winner, minlength=size)))
             if used not in fixed:
-                cheapest: dict[tuple[int, int, int], float] = {}
-                for i in used:
-                    cheapest[kind[i]] = min(reduce_s[i], cheapest.get(kind[i], reduce_s[i]))
                 order = min(from_home[p[0]] + sum(switch[x, y] for x, y in zip(p, p[1:]))
                             for p in itertools.permutations(used))
-                fixed[used] = sum(cheapest.values()) + order
+                fixed[used] = cm.reductions_seconds([layouts[i] for i in used]) + order
             scored.append((float((best * counts).sum()) + fixed[used], size, subset))
     return scored
 
