@@ -147,6 +147,14 @@ class Layout:
         return self.dp * self.cp // self.fsdp_shard if self.fsdp else self.dp * self.cp
 
     @property
+    def lockstep(self) -> bool:
+        """True if the per-unit collectives of a sharded copy span dp groups, so the groups run in
+        lockstep rounds (idle rounds for the less busy); False for a replicated copy and for one
+        sharded inside the cp group (``fsdp_shard`` <= cp: every rank of a shard group computes the
+        same micro-batches)."""
+        return self.fsdp and self.fsdp_shard > self.cp
+
+    @property
     def name(self) -> str:
         return layout_name(self.dp, self.tp, self.cp, self.cp_kv, fsdp=self.fsdp, fsdp_shard=self.fsdp_shard)
 

@@ -259,8 +259,9 @@ class StepPlan:
 @dataclass(frozen=True)
 class RankStage:
     """One rank's micro-batches of a stage. ``rounds``: forward/backward rounds this rank runs, at
-    least its micro-batches; in an fsdp layout every dp group runs as many as the busiest one (the
-    per-unit gathers span dp groups), the extra ones on :func:`idle_micro_batch`."""
+    least its micro-batches; in a lockstep layout (``Layout.lockstep``: a sharded copy whose shard
+    spans dp groups) every dp group runs as many as the busiest one (the per-unit gathers span dp
+    groups), the extra ones on :func:`idle_micro_batch`."""
 
     layout: Layout
     micro_batches: tuple[MicroBatch, ...]
@@ -322,7 +323,7 @@ def slice_plan(plan: StepPlan, docs: Sequence[torch.Tensor], mesh: MeshShape, ra
         dp_rank, _, cp_rank = mesh.rank_coords(stage.layout, rank)
         mbs = tuple(pack_micro_batch([docs[i] for i in ids], stage.layout.cp, cp_rank, ids)
                     for ids in stage.micro_batches[dp_rank])
-        rounds = max(len(g) for g in stage.micro_batches) if stage.layout.fsdp else 0
+        rounds = max(len(g) for g in stage.micro_batches) if stage.layout.lockstep else 0
         stages.append(RankStage(stage.layout, mbs, stage.activation_checkpointing, stage.label, rounds))
     return RankPlan(plan.step, tuple(stages), plan.global_target_tokens)
 

@@ -131,6 +131,14 @@ def test_an_hsdp_copy_gathers_inside_the_node_and_sums_its_replicas_at_the_stage
     every = enumerate_layouts(64, cm)
     assert hsdp in every and Layout.parse("dp32xtp2:fsdp4") in every
     assert all(lay.tp * lay.fsdp_shard == 8 for lay in every if lay.fsdp and lay.fsdp_replicas > 1)
+    # sharded over its cp group only: the dp groups run on their own (no lockstep rounds), as a
+    # replicated layout's do; sharded over dp ranks too: lockstep
+    secs, groups = np.array([4.0, 1.0, 3.0]), [[(0,), (1,)], [(2,)]] + [[]] * 6
+    over_cp = cm.option(Layout.parse("dp8xcp8:fsdp8"), True)
+    assert over_cp.stage_seconds(secs, groups) == pytest.approx(5 + 2 * over_cp.per_micro_batch)
+    over_dp = cm.option(hsdp, True)
+    d = over_dp.per_micro_batch
+    assert over_dp.stage_seconds(secs, [[(0,), (1,)], [(2,)]] + [[]] * 62) == pytest.approx((4 + d) + (1 + d))
     assert not any(lay.fsdp and lay.fsdp_replicas > 1 for lay in enumerate_layouts(8, AnalyticCostModel("llama7b", "H200", 8)))
 
 

@@ -58,6 +58,9 @@ def test_fsdp_shard_suffix_names_an_hsdp_copy_and_becomes_a_mesh_boundary():
     assert mesh.sizes == (2, 2, 4)  # tp 2, then tp x shard = 4 (the cp dim), dp
     assert mesh.fsdp_dims(Layout.parse("dp4xtp2xcp2:fsdp2")) == range(1, 2)
     assert mesh.fsdp_dims(Layout.parse("dp8xtp2")) == range(0)
+    # lockstep rounds only where a shard group spans dp groups
+    assert [Layout.parse(x).lockstep for x in ("dp16:fsdp", "dp8:fsdp2", "dp4xcp4:fsdp4", "dp2xcp8:fsdp2",
+                                               "cp16:fsdp", "dp16")] == [True, True, False, False, False, False]
 
 
 @pytest.mark.parametrize(

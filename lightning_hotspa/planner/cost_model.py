@@ -143,7 +143,8 @@ class OptionCost:
 
     def stage_seconds(self, doc_seconds: np.ndarray, groups: Sequence[Sequence[Sequence[int]]],
                       in_order: bool = False) -> float:
-        """The stage's compute seconds: its slowest dp group. With a sharded working copy (``fsdp``)
+        """The stage's compute seconds: its slowest dp group. With a sharded working copy whose shard
+        spans dp groups (``lockstep``: plain ``:fsdp`` with dp > 1, or an HSDP shard beyond cp)
         every unit's gathers and reduce-scatter span the dp groups, so the groups run in lockstep
         rounds (the runtime gives a group with fewer micro-batches idle rounds, each costing
         ``per_micro_batch``): the sum over rounds of the round's slowest micro-batch, each group's
@@ -152,7 +153,7 @@ class OptionCost:
         busy = [g for g in groups if g]
         if not busy:
             return 0.0
-        if not self.parallelism.fsdp or len(groups) == 1:
+        if not self.parallelism.lockstep or len(groups) == 1:
             return max(self.group_seconds(float(sum(doc_seconds[list(mb)].sum() for mb in g)), len(g)) for g in busy)
         rounds = max(len(g) for g in groups)
         table = np.full((len(groups), rounds), self.per_micro_batch)

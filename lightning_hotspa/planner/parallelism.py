@@ -65,6 +65,11 @@ class Parallelism:
         return self.dp * self.cp // self.fsdp_shard if self.fsdp else self.dp * self.cp
 
     @property
+    def lockstep(self) -> bool:
+        """Its dp groups run in lockstep rounds (Layout.lockstep: a sharded copy whose shard spans dp)."""
+        return self.fsdp and self.fsdp_shard > self.cp
+
+    @property
     def cp_ulysses(self) -> int:
         return self.cp // self.cp_kv
 

@@ -330,7 +330,7 @@ class CostModelPlanner(PlannerBase):
         for opt, groups in stages:
             ids = [d for g in groups for mb in g for d in mb]
             label = f"{int(lengths[ids].min())}-{int(lengths[ids].max())}"
-            if opt.parallelism.fsdp:  # lockstep rounds: costliest micro-batches first in every group
+            if opt.parallelism.lockstep:  # lockstep rounds: costliest micro-batches first in every group
                 secs = opt.doc_seconds(opt.padded(lengths))
                 key = lambda mb, s=secs: (-float(s[list(mb)].sum()), -len(mb), tuple(sorted(mb)))  # noqa: E731
             else:

@@ -109,7 +109,7 @@ class Timeline:
 def stage_group_seconds(opt: OptionCost, groups: Sequence[Sequence[Sequence[int]]], doc_seconds: np.ndarray,
                          in_order: bool) -> np.ndarray:
     """Every dp group's own seconds in a stage (an fsdp stage: its lockstep time in every entry)."""
-    if opt.parallelism.fsdp and len(groups) > 1:
+    if opt.parallelism.lockstep and len(groups) > 1:
         return np.full(len(groups), opt.stage_seconds(doc_seconds, groups, in_order=in_order))
     return np.array([opt.group_seconds(float(sum(doc_seconds[list(mb)].sum() for mb in g)), len(g))
                      for g in groups], dtype=np.float64)
