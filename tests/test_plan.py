@@ -223,3 +223,25 @@ def test_rank_plan_to_and_pin_memory_reach_every_tensor(monkeypatch):
     calls.clear()
     rp.pin_memory()
     assert calls == ["pin"] * n
+
+
+def test_idle_rounds_only_where_a_shard_group_spans_dp_groups():
+    """dp4:fsdp and dp4:fsdp2 (shards across dp groups) give the group without micro-batches the
+    busiest group's rounds; dp2xcp2:fsdp2 (the shard is its cp pair) and a replicated layout none."""
+    layouts = ["dp4:fsdp", "dp4:fsdp2", "dp2xcp2:fsdp2", "dp4"]
+    mesh = MeshShape.for_layouts(layouts, 4)
+    lengths = list(range(8, 24))  # 4 documents per stage, each planned once
+    stages = []
+    for i, x in enumerate(layouts):
+        a, b, c, d = range(4 * i, 4 * i + 4)
+        groups = (((a,), (b,)), ((c,),), (), ((d,),)) if x.startswith("dp4") else (((a,), (b,), (c,)), ((d,),))
+        stages.append(Stage(Layout.parse(x), groups))
+    plan = StepPlan(0, tuple(lengths), tuple(stages))
+    docs = _docs(lengths)
+    rounds = {x: [slice_plan(plan, docs, mesh, r).stages[i].num_rounds for r in range(4)]
+              for i, x in enumerate(layouts)}
+    own = {x: [len(stages[i].micro_batches[mesh.rank_coords(Layout.parse(x), r)[0]]) for r in range(4)]
+           for i, x in enumerate(layouts)}  # each rank's own dp group's micro-batches
+    assert rounds == {"dp4:fsdp": [2, 2, 2, 2], "dp4:fsdp2": [2, 2, 2, 2],
+                      "dp2xcp2:fsdp2": own["dp2xcp2:fsdp2"], "dp4": own["dp4"]}, rounds
+    assert sorted(own["dp2xcp2:fsdp2"]) == [1, 1, 3, 3] and sorted(own["dp4"]) == [0, 1, 1, 2]
