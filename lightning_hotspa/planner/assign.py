@@ -322,7 +322,9 @@ def _trim_rounds(choice: np.ndarray, t: _Tables,
         trial = None
         for opt, groups in stages:
             rounds = max((len(g) for g in groups), default=0)
-            if not opt.parallelism.lockstep or rounds < 2:
+            # a sharded copy without lockstep rounds (HSDP inside cp) still pays a gather round per
+            # micro-batch in its busiest group: it is trimmed too
+            if not opt.parallelism.fsdp or rounds < 2:
                 continue
             j = next(k for k, o in enumerate(options) if o is opt)
             ids = np.flatnonzero(choice == j)
