@@ -37,6 +37,8 @@ __all__ = [
     "LayoutGroups",
     "WorldMesh",
     "parse_layouts",
+    "fsdp_replicas",
+    "runs_in_lockstep",
 ]
 
 
@@ -63,6 +65,19 @@ def layout_name(dp: int, tp: int, cp: int, cp_kv: int = 1, pp: int = 1, fsdp: bo
     if not fsdp:
         return base
     return base + (":fsdp" if fsdp_shard in (0, dp * cp) else f":fsdp{fsdp_shard}")
+
+
+def fsdp_replicas(dp: int, cp: int, fsdp: bool, fsdp_shard: int) -> int:
+    """Copies of each working-copy shard across the dp x cp ranks: 1 for plain ``:fsdp``, more for
+    an HSDP one (``:fsdp<n>``), ``dp*cp`` for a replicated copy."""
+    return dp * cp // fsdp_shard if fsdp else dp * cp
+
+
+def runs_in_lockstep(cp: int, fsdp: bool, fsdp_shard: int) -> bool:
+    """True if a sharded copy's per-unit collectives span dp groups (its shard reaches beyond the cp
+    group), so the dp groups run in lockstep rounds; a shard inside the cp group does not: every
+    rank of it computes the same micro-batches."""
+    return fsdp and fsdp_shard > cp
 
 
 @dataclass(frozen=True)
@@ -143,16 +158,13 @@ class Layout:
 
     @property
     def fsdp_replicas(self) -> int:
-        """Copies of each working shard across dp x cp: 1 for ``:fsdp``, ``dp*cp`` when replicated."""
-        return self.dp * self.cp // self.fsdp_shard if self.fsdp else self.dp * self.cp
+        """:func:`fsdp_replicas` of this layout."""
+        return fsdp_replicas(self.dp, self.cp, self.fsdp, self.fsdp_shard)
 
     @property
     def lockstep(self) -> bool:
-        """True if the per-unit collectives of a sharded copy span dp groups, so the groups run in
-        lockstep rounds (idle rounds for the less busy); False for a replicated copy and for one
-        sharded inside the cp group (``fsdp_shard`` <= cp: every rank of a shard group computes the
-        same micro-batches)."""
-        return self.fsdp and self.fsdp_shard > self.cp
+        """:func:`runs_in_lockstep`: its dp groups run in lockstep rounds (idle rounds for the less busy)."""
+        return runs_in_lockstep(self.cp, self.fsdp, self.fsdp_shard)
 
     @property
     def name(self) -> str:

@@ -37,8 +37,9 @@ state). Not built: keeping the gathered weights for backward.
 
 A dp group with fewer micro-batches than the busiest runs idle rounds (``RankStage.rounds``) so the
 gathers, which span dp groups, line up (not where the shard lies inside the cp group,
-``Layout.lockstep`` False: every rank of a shard group computes the same micro-batches); evaluation does the same with :meth:`ShardedUnits.idle_forward`,
-which assumes units are called once each, in declaration order.
+``Layout.lockstep`` False: every rank of a shard group computes the same micro-batches);
+evaluation does the same with :meth:`ShardedUnits.idle_forward`, which assumes units are called
+once each, in declaration order.
 """
 
 from __future__ import annotations

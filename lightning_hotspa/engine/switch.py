@@ -22,9 +22,10 @@ A layout with ``fsdp=True`` holds the working copy of every parameter of the mod
 (:mod:`.fsdp`) at its HOME prefix (sharded over the layout's dp and cp ranks too), or with
 ``fsdp_shard`` (``:fsdp8``) at the shorter prefix of the tp and shard dims (replicated beyond:
 HSDP), so switches to and from it are the same slices and all-gathers; :mod:`.fsdp` gathers each
-unit to the layout prefix around its forward and reduce-scatters its gradient in backward. Exceptions stay at the layout
-prefix: parameters outside every unit, those the home cannot split further, and ``replicated``
-ones under tp > 1 (their gradient is a copy per tp rank, not a partial sum to scatter).
+unit to the layout prefix around its forward and reduce-scatters its gradient in backward.
+Exceptions stay at the layout prefix: parameters outside every unit, those the home cannot split
+further, and ``replicated`` ones under tp > 1 (their gradient is a copy per tp rank, not a partial
+sum to scatter).
 """
 
 from __future__ import annotations

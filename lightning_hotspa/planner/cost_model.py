@@ -313,7 +313,7 @@ class AnalyticCostModel(MemoryModel):
         g = par.fsdp_replicas
         if g == 1:
             return 0.0
-        nbytes = self.params / (par.shards * (par.fsdp_shard if par.fsdp else 1)) * self.grad_bytes
+        nbytes = self.params / self._working_shards(par) * self.grad_bytes
         hw = self.hardware
         return (g - 1) / g * nbytes / hw.bandwidth(self.world_size) + hw.latency(self.world_size)
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..checks import check_int
-from ..layout import Layout, layout_name
+from ..layout import Layout, fsdp_replicas, layout_name, runs_in_lockstep
 from ..models.config import LlamaConfig
 
 __all__ = ["CostModelError", "Parallelism", "gradient_kind", "resolve_model", "shares_gradients"]
@@ -61,13 +61,11 @@ class Parallelism:
 
     @property
     def fsdp_replicas(self) -> int:
-        """Copies of each working-copy shard across dp x cp (1 for plain ``:fsdp``; HSDP: more)."""
-        return self.dp * self.cp // self.fsdp_shard if self.fsdp else self.dp * self.cp
+        return fsdp_replicas(self.dp, self.cp, self.fsdp, self.fsdp_shard)
 
     @property
     def lockstep(self) -> bool:
-        """Its dp groups run in lockstep rounds (Layout.lockstep: a sharded copy whose shard spans dp)."""
-        return self.fsdp and self.fsdp_shard > self.cp
+        return runs_in_lockstep(self.cp, self.fsdp, self.fsdp_shard)
 
     @property
     def cp_ulysses(self) -> int:
