@@ -9,7 +9,8 @@ Lightning as soon as Lightning is (or gets) imported: see :mod:`lightning_hotspa
 from typing import Any
 
 from .adapter import registration as _registration
-from .layout import Layout, LayoutError, MeshShape, WorldMesh, parse_layouts
+from .layout import Layout, LayoutError, MeshShape, parse_layouts
+from .mesh import WorldMesh
 from .plan import MicroBatch, RankPlan, StepPlan
 
 __version__ = "0.1.0"

@@ -54,7 +54,7 @@ def _status_kib(field: str) -> int:
 
 def load_on_rank(path: str, layouts: list[str]) -> dict:
     from lightning_hotspa.engine.home import build_home_parameters, region_initializer
-    from lightning_hotspa.layout import WorldMesh
+    from lightning_hotspa.mesh import WorldMesh
     from lightning_hotspa.models import LlamaLM, param_roles
     from lightning_hotspa.placements import build_shardings
 

@@ -30,7 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lightning_hotspa.engine.step_runner import StepHooks, StepRunner  # noqa: E402
 from lightning_hotspa.engine.switch import SwitchEngine, build_home_parameters  # noqa: E402
-from lightning_hotspa.layout import Layout, WorldMesh  # noqa: E402
+from lightning_hotspa.layout import Layout  # noqa: E402
+from lightning_hotspa.mesh import WorldMesh  # noqa: E402
 from lightning_hotspa.models import param_roles  # noqa: E402
 from lightning_hotspa.parallel.model import ParallelModel  # noqa: E402
 from lightning_hotspa.placements import build_shardings  # noqa: E402

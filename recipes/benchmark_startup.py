@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from lightning_hotspa.engine.home import build_home_parameters  # noqa: E402
-from lightning_hotspa.layout import WorldMesh  # noqa: E402
+from lightning_hotspa.mesh import WorldMesh  # noqa: E402
 from lightning_hotspa.models import (  # noqa: E402
     Llama,
     LlamaConfig,

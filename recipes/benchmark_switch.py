@@ -28,7 +28,8 @@ from torch.distributed.tensor import DTensor
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lightning_hotspa.engine.switch import SwitchEngine, build_home_parameters  # noqa: E402
-from lightning_hotspa.layout import Layout, WorldMesh  # noqa: E402
+from lightning_hotspa.layout import Layout  # noqa: E402
+from lightning_hotspa.mesh import WorldMesh  # noqa: E402
 from lightning_hotspa.placements import build_shardings  # noqa: E402
 from lightning_hotspa.testing.comm_bytes import count_collective_bytes  # noqa: E402
 from lightning_hotspa.testing.spawn import run_on_ranks  # noqa: E402

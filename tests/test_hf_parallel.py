@@ -22,7 +22,8 @@ def _run_one(path: str, ref_loss: float, ref_grads: dict) -> dict:
     import torch.distributed as dist
 
     from lightning_hotspa.engine.switch import SwitchEngine, build_home_parameters
-    from lightning_hotspa.layout import Layout, WorldMesh
+    from lightning_hotspa.layout import Layout
+    from lightning_hotspa.mesh import WorldMesh
     from lightning_hotspa.models import LlamaLM, param_roles
     from lightning_hotspa.models.hf_weights import hf_name
     from lightning_hotspa.parallel.model import ParallelModel

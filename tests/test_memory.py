@@ -9,7 +9,8 @@ import torch
 
 from lightning_hotspa.engine.home import build_home_parameters
 from lightning_hotspa.engine.switch import SwitchEngine
-from lightning_hotspa.layout import Layout, WorldMesh
+from lightning_hotspa.layout import Layout
+from lightning_hotspa.mesh import WorldMesh
 from lightning_hotspa.models import Llama, LlamaConfig, init_parameter, llama_tp_plan, param_roles
 from lightning_hotspa.placements import build_shardings
 from lightning_hotspa.planner.cost_model import AnalyticCostModel

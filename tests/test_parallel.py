@@ -21,7 +21,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from lightning_hotspa.engine.switch import SwitchEngine, build_home_parameters
-from lightning_hotspa.layout import Layout, LayoutError, LayoutGroups, RankGroup, WorldMesh
+from lightning_hotspa.layout import Layout, LayoutError
+from lightning_hotspa.mesh import LayoutGroups, RankGroup, WorldMesh
 from lightning_hotspa.models import Llama, LlamaConfig, llama_tp_plan, param_roles
 from lightning_hotspa.models.attention import sdpa_attention
 from lightning_hotspa.parallel import kv_gather

@@ -15,7 +15,8 @@ from lightning_hotspa.engine.records import StageRecord
 from lightning_hotspa.engine.step_runner import StepHooks, StepRunner
 from lightning_hotspa.engine.switch import SwitchEngine, build_home_parameters
 from lightning_hotspa.engine.timing import HostClock, clock_for
-from lightning_hotspa.layout import Layout, MeshShape, WorldMesh
+from lightning_hotspa.layout import Layout, MeshShape
+from lightning_hotspa.mesh import WorldMesh
 from lightning_hotspa.parallel.model import ParallelModel
 from lightning_hotspa.placements import build_shardings
 from lightning_hotspa.plan import Stage, StepPlan, slice_plan

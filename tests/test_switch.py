@@ -9,7 +9,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from lightning_hotspa.engine.switch import SwitchEngine, build_home_parameters
-from lightning_hotspa.layout import Layout, LayoutError, WorldMesh
+from lightning_hotspa.layout import Layout, LayoutError
+from lightning_hotspa.mesh import WorldMesh
 from lightning_hotspa.placements import build_shardings
 from lightning_hotspa.testing.comm_bytes import count_collective_bytes
 

@@ -20,7 +20,8 @@ from torch.distributed.tensor import DTensor
 
 from ..engine.home import build_home_parameters, region_initializer
 from ..engine.switch import SwitchEngine
-from ..layout import LayoutError, WorldMesh
+from ..layout import LayoutError
+from ..mesh import WorldMesh
 from ..parallel.model import ParallelModel
 from ..placements import build_shardings
 

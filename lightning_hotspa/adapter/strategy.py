@@ -39,7 +39,8 @@ from ..data.context import PlanningContext
 from ..engine.records import StepResult
 from ..engine.step_runner import StepRunner
 from ..engine.switch import SwitchEngine
-from ..layout import Layout, MeshShape, WorldMesh
+from ..layout import Layout, MeshShape
+from ..mesh import WorldMesh
 from ..parallel.model import ParallelModel
 from ..plan import RankPlan
 from ..planner.base import Planner

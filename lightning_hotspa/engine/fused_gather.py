@@ -3,7 +3,7 @@ copy's per-unit gathers (:mod:`.fsdp`) both send.
 
 The pieces travel in ONE buffer over the group; each result concatenates the members' pieces along
 its own ``dim`` in shard order (a multi-dim group's collective slots are not its shard order:
-:class:`~lightning_hotspa.layout.RankGroup`).
+:class:`~lightning_hotspa.mesh.RankGroup`).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..layout import RankGroup
+from ..mesh import RankGroup
 
 __all__ = ["FusedGather"]
 

@@ -26,7 +26,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from ..layout import Layout, RankGroup
+from ..layout import Layout
+from ..mesh import RankGroup
 from ..placements import ParamSharding
 
 __all__ = ["GradReport", "GradientReduction", "sub_chunk", "reduce_dtype"]

@@ -17,7 +17,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from ..layout import LayoutError, WorldMesh
+from ..layout import LayoutError
+from ..mesh import WorldMesh
 from ..placements import ParamSharding
 from .gradients import sub_chunk
 

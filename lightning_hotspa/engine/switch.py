@@ -39,7 +39,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from ..layout import Layout, LayoutError, WorldMesh
+from ..layout import Layout, LayoutError
+from ..mesh import WorldMesh
 from ..placements import ParamSharding
 from ..torch_compat import C10D_DEPRECATION_MESSAGE  # noqa: F401  (installs the warning filter)
 from .fused_gather import FusedGather

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from ..layout import LayoutError, LayoutGroups
+from ..layout import LayoutError
+from ..mesh import LayoutGroups
 from .kv_gather import kv_gather_attention
 from .state import ParallelState
 from .ulysses import ulysses_attention

@@ -36,7 +36,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..host import host_reads
-from ..layout import LayoutError, LayoutGroups, RankGroup
+from ..layout import LayoutError
+from ..mesh import LayoutGroups, RankGroup
 from ..plan import MicroBatch
 from .collectives import (
     all_gather_rows,

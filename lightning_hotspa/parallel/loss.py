@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ..layout import RankGroup
+from ..mesh import RankGroup
 from ..models.vocab import check_token_ids
 from ..plan import IGNORE_INDEX
 from .state import ParallelState

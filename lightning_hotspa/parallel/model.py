@@ -18,7 +18,8 @@ from collections.abc import Iterator, Mapping
 
 from torch import nn
 
-from ..layout import Layout, LayoutError, WorldMesh
+from ..layout import Layout, LayoutError
+from ..mesh import WorldMesh
 from ..plan import MicroBatch
 from .params import set_parameters
 from .state import ParallelState

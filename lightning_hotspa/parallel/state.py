@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..layout import LayoutGroups
+from ..mesh import LayoutGroups
 from ..plan import MicroBatch
 
 __all__ = ["ParallelState"]

@@ -37,7 +37,8 @@ from collections.abc import Mapping
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..layout import LayoutError, RankGroup
+from ..layout import LayoutError
+from ..mesh import RankGroup
 from ..models.vocab import check_token_ids
 from .attention import attention_modules, ensure_parallel_attention
 from .collectives import copy_to_group, gather_last_dim, reduce_from_group

@@ -25,7 +25,8 @@ import torch
 from torch import Tensor
 
 from ..host import host_reads
-from ..layout import LayoutError, RankGroup
+from ..layout import LayoutError
+from ..mesh import RankGroup
 from ..plan import MicroBatch
 from .collectives import all_to_all_heads_to_tokens, all_to_all_tokens_to_heads, permute_rows
 

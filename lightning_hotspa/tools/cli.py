@@ -229,7 +229,8 @@ def _measure_stages(layouts: list[str], steps: int, seed: int, model: str, token
 
     from ..engine.step_runner import StepHooks, StepRunner
     from ..engine.switch import SwitchEngine, build_home_parameters
-    from ..layout import Layout, WorldMesh
+    from ..layout import Layout
+    from ..mesh import WorldMesh
     from ..models import Llama, LlamaConfig, llama_tp_plan, param_roles, token_mean_cross_entropy
     from ..parallel.model import ParallelModel
     from ..placements import build_shardings

@@ -96,7 +96,7 @@ def estimate_layout(config: LlamaConfig, world_size: int, layout: Layout | str, 
     from ..engine.home import build_home_parameters
     from ..engine.switch import SwitchEngine
     from ..host import set_host_reads
-    from ..layout import WorldMesh
+    from ..mesh import WorldMesh
     from ..models import llama_tp_plan, param_roles
     from ..parallel.model import ParallelModel
     from ..placements import build_shardings
