@@ -26,58 +26,25 @@ import torch
 
 from .checks import check_int
 
-__all__ = [
-    "Layout",
-    "LayoutError",
-    "layout_name",
-    "MeshShape",
-    "parse_layouts",
-    "fsdp_replicas",
-    "runs_in_lockstep",
-]
+__all__ = ["Layout", "LayoutError", "MeshShape", "parse_layouts"]
 
 
 class LayoutError(ValueError):
     """A layout or a set of layouts that cannot be used; the message names the offending value."""
 
 
-_LAYOUT_RE = re.compile(r"^(?:(dp|tp|cp)(\d+))(?:\s*[x×*]\s*(dp|tp|cp)(\d+))*(?::kv(\d+)?)?(?::fsdp(\d+)?)?$")
-_PART_RE = re.compile(r"(dp|tp|cp)(\d+)")
+_ROLE = r"(dp|tp|cp|pp)(\d+)"
+_LAYOUT_RE = re.compile(rf"^{_ROLE}(?:\s*[x×*]\s*{_ROLE})*(?::kv(\d+)?)?(?::fsdp(\d+)?)?$")
+_PART_RE = re.compile(_ROLE)
 _KV_RE = re.compile(r":kv(\d+)?$")
 _FSDP_RE = re.compile(r":fsdp(\d+)?$")
 
 
-def layout_name(dp: int, tp: int, cp: int, cp_kv: int = 1, pp: int = 1, fsdp: bool = False,
-                fsdp_shard: int = 0) -> str:
-    """``"dp2xtp2"``, ``"tp2xcp4:kv"``, ``"cp8:kv2"``, ``"dp8xtp4:fsdp"``, ``"dp64:fsdp8"``: the
-    degrees above 1, then the all-gather-KV part of cp, then the sharded working copy and, when it
-    is sharded over fewer than all dp x cp ranks, over how many (``pp`` only for the simulator's
-    pipeline-parallel baselines)."""
-    parts = [f"{k}{v}" for k, v in (("dp", dp), ("tp", tp), ("cp", cp), ("pp", pp)) if v > 1]
-    base = "x".join(parts) or "dp1"
-    if cp_kv != 1:
-        base += ":kv" if cp_kv == cp else f":kv{cp_kv}"
-    if not fsdp:
-        return base
-    return base + (":fsdp" if fsdp_shard in (0, dp * cp) else f":fsdp{fsdp_shard}")
-
-
-def fsdp_replicas(dp: int, cp: int, fsdp: bool, fsdp_shard: int) -> int:
-    """Copies of each working-copy shard across the dp x cp ranks: 1 for plain ``:fsdp``, more for
-    an HSDP one (``:fsdp<n>``), ``dp*cp`` for a replicated copy."""
-    return dp * cp // fsdp_shard if fsdp else dp * cp
-
-
-def runs_in_lockstep(cp: int, fsdp: bool, fsdp_shard: int) -> bool:
-    """True if a sharded copy's per-unit collectives span dp groups (its shard reaches beyond the cp
-    group), so the dp groups run in lockstep rounds; a shard inside the cp group does not: every
-    rank of it computes the same micro-batches."""
-    return fsdp and fsdp_shard > cp
-
-
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Layout:
-    """One parallel strategy: data x tensor x context parallel degrees (product = world size).
+    """One parallel strategy: data x tensor x context (x pipeline) parallel degrees (product = world size).
+
+    Keyword-only: ``Layout(dp=2, tp=2)``; ``Layout.parse("dp2xtp2")`` reads a name.
 
     ``cp_kv`` says how context parallelism is done (:mod:`lightning_hotspa.parallel.kv_gather`):
     1 (default) is Ulysses over all ``cp`` ranks; ``cp_kv == cp`` is all-gather-KV over all of them
@@ -92,17 +59,21 @@ class Layout:
     the ``n`` most local ones after the tp group (cp ranks first, then dp), replicated over the rest
     (HSDP: the per-layer gathers stay inside a node while the model is split over it). It defaults
     to all ``dp * cp`` of them (plain ``:fsdp``); it is ``dp * cp`` or a proper divisor > 1 of it.
+
+    ``pp`` (name part ``pp<n>``): pipeline stages. Only the simulator prices ``pp > 1`` (the
+    artifact's Megatron-style baselines); the runtime refuses it (:meth:`check_runnable`).
     """
 
     dp: int = 1
     tp: int = 1
     cp: int = 1
+    pp: int = 1
     cp_kv: int = 1
     fsdp: bool = False
     fsdp_shard: int = 0
 
     def __post_init__(self) -> None:
-        for field in ("dp", "tp", "cp", "cp_kv"):
+        for field in ("dp", "tp", "cp", "pp", "cp_kv"):
             check_int(getattr(self, field), f"Layout.{field}", error=LayoutError)
         if not isinstance(self.fsdp, bool):
             raise LayoutError(f"Layout.fsdp must be True or False, got {self.fsdp!r}")
@@ -115,6 +86,7 @@ class Layout:
                               f"context parallelism is a factor of it)")
 
     def _check_fsdp_shard(self) -> None:
+        """Normalizes ``fsdp_shard`` 0 to ``dp * cp`` and rejects a shard count that does not divide it."""
         shard, group = self.fsdp_shard, self.dp * self.cp
         if isinstance(shard, bool) or not isinstance(shard, int):
             raise LayoutError(f"Layout.fsdp_shard must be an int, got {shard!r}")
@@ -126,13 +98,26 @@ class Layout:
         if shard == 0:
             object.__setattr__(self, "fsdp_shard", group)  # frozen: normalize once, so equal layouts compare equal
         elif shard < 2 or group % shard:
-            name = layout_name(self.dp, self.tp, self.cp, self.cp_kv)
+            name = Layout(dp=self.dp, tp=self.tp, cp=self.cp, pp=self.pp, cp_kv=self.cp_kv).name
             raise LayoutError(f"layout {name}:fsdp{shard}: fsdp_shard={shard} must be > 1 and divide dp*cp = "
                               f"{group} (the ranks the working copy is sharded over)")
 
+    def check_runnable(self) -> Layout:
+        """This layout if the runtime can run it; a :class:`LayoutError` naming it if it has ``pp > 1``."""
+        if self.pp != 1:
+            raise LayoutError(f"layout {self.name} has pipeline parallelism (pp={self.pp}), which the runtime does "
+                              f"not run: only the simulator prices it; use dp / tp / cp layouts")
+        return self
+
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp * self.cp
+        """Ranks the layout covers: ``dp * tp * cp * pp``."""
+        return self.dp * self.tp * self.cp * self.pp
+
+    @property
+    def shards(self) -> int:
+        """How many ways the working weights are split before any fsdp sharding (``tp * pp``)."""
+        return self.tp * self.pp
 
     @property
     def cp_ulysses(self) -> int:
@@ -149,38 +134,56 @@ class Layout:
     @property
     def degrees(self) -> Layout:
         """The same degrees and cp kind with a replicated working copy (the compute path's groups)."""
-        return Layout(self.dp, self.tp, self.cp, self.cp_kv) if self.fsdp else self
+        return Layout(dp=self.dp, tp=self.tp, cp=self.cp, pp=self.pp, cp_kv=self.cp_kv) if self.fsdp else self
 
     @property
     def fsdp_replicas(self) -> int:
-        """:func:`fsdp_replicas` of this layout."""
-        return fsdp_replicas(self.dp, self.cp, self.fsdp, self.fsdp_shard)
+        """Copies of each working-copy shard across the dp x cp ranks: 1 for plain ``:fsdp``, more
+        for an HSDP one (``:fsdp<n>``), ``dp*cp`` for a replicated copy."""
+        return self.dp * self.cp // self.fsdp_shard if self.fsdp else self.dp * self.cp
 
     @property
     def lockstep(self) -> bool:
-        """:func:`runs_in_lockstep`: its dp groups run in lockstep rounds (idle rounds for the less busy)."""
-        return runs_in_lockstep(self.cp, self.fsdp, self.fsdp_shard)
+        """True if a sharded copy's per-unit collectives span dp groups (its shard reaches beyond the
+        cp group), so the dp groups run in lockstep rounds (idle rounds for the less busy); a shard
+        inside the cp group does not: every rank of it computes the same micro-batches."""
+        return self.fsdp and self.fsdp_shard > self.cp
 
     @property
     def name(self) -> str:
-        return layout_name(self.dp, self.tp, self.cp, self.cp_kv, fsdp=self.fsdp, fsdp_shard=self.fsdp_shard)
+        """``"dp2xtp2"``, ``"tp2xcp4:kv"``, ``"cp8:kv2"``, ``"dp8xtp4:fsdp"``, ``"dp64:fsdp8"``,
+        ``"dp2xtp2xpp2"``: the degrees above 1, then the all-gather-KV part of cp, then the sharded
+        working copy and, when it is sharded over fewer than all dp x cp ranks, over how many."""
+        parts = [f"{k}{v}" for k, v in (("dp", self.dp), ("tp", self.tp), ("cp", self.cp), ("pp", self.pp))
+                 if v > 1]
+        base = "x".join(parts) or "dp1"
+        if self.cp_kv != 1:
+            base += ":kv" if self.cp_kv == self.cp else f":kv{self.cp_kv}"
+        if not self.fsdp:
+            return base
+        return base + (":fsdp" if self.fsdp_shard in (0, self.dp * self.cp) else f":fsdp{self.fsdp_shard}")
 
     def __str__(self) -> str:
         return self.name
 
     @classmethod
     def parse(cls, spec: Layout | str | Mapping[str, int]) -> Layout:
-        """Accepts a Layout, a mapping ``{"dp": 2, "tp": 2}`` (``"cp_kv"``, ``"fsdp"`` and
-        ``"fsdp_shard"`` too) or a name like ``"dp2xtp2"``, ``"tp2xcp4:kv"`` (all-gather-KV),
-        ``"cp8:kv2"`` (hybrid: Ulysses over 4, all-gather-KV over 2), ``"dp8xtp4:fsdp"`` (sharded
-        working copy) or ``"dp64:fsdp8"`` (sharded over 8 ranks, replicated over the other 8 x)."""
+        """Reads a layout from user input.
+
+        Args:
+            spec: a Layout, a mapping ``{"dp": 2, "tp": 2}`` (``"pp"``, ``"cp_kv"``, ``"fsdp"`` and
+                ``"fsdp_shard"`` too) or a name like ``"dp2xtp2"``, ``"tp2xcp4:kv"`` (all-gather-KV),
+                ``"cp8:kv2"`` (hybrid: Ulysses over 4, all-gather-KV over 2), ``"dp8xtp4:fsdp"``
+                (sharded working copy) or ``"dp64:fsdp8"`` (sharded over 8 ranks, replicated over
+                the other 8 x).
+        """
         if isinstance(spec, Layout):
             return spec
         if isinstance(spec, Mapping):
-            unknown = set(spec) - {"dp", "tp", "cp", "cp_kv", "fsdp", "fsdp_shard"}
+            unknown = set(spec) - {"dp", "tp", "cp", "pp", "cp_kv", "fsdp", "fsdp_shard"}
             if unknown:
                 raise LayoutError(f"layout {dict(spec)!r} has unknown keys {sorted(unknown)}; use dp, tp, cp, "
-                                  f"cp_kv, fsdp, fsdp_shard")
+                                  f"pp, cp_kv, fsdp, fsdp_shard")
             return cls(**{k: spec[k] for k in spec})
         if isinstance(spec, str):
             text = spec.strip().lower()
@@ -213,10 +216,15 @@ class Layout:
 
 
 def parse_layouts(specs: Iterable[Layout | str | Mapping[str, int]], world_size: int) -> tuple[Layout, ...]:
-    """Parses and validates a candidate layout set for ``world_size`` ranks (no duplicates)."""
+    """Parses and validates a candidate layout set the runtime can run on ``world_size`` ranks.
+
+    Args:
+        specs: layouts or their user-facing forms (:meth:`Layout.parse`); no duplicates, no ``pp > 1``.
+        world_size: the ranks every layout must cover.
+    """
     if isinstance(specs, (str, Mapping, Layout)):
         raise LayoutError(f"expected a list of layouts, got a single {specs!r}")
-    layouts = tuple(Layout.parse(s) for s in specs)
+    layouts = tuple(Layout.parse(s).check_runnable() for s in specs)
     if not layouts:
         raise LayoutError("the layout list is empty; give at least one layout")
     check_int(world_size, "world size", error=LayoutError)

@@ -27,10 +27,11 @@ from gpu_check_common import (
     time_repeated,
 )
 
+from lightning_hotspa.layout import Layout
 from lightning_hotspa.models import auto_backend_name, sdpa_attention
 from lightning_hotspa.models.config import LlamaConfig
 from lightning_hotspa.models.llama import Llama
-from lightning_hotspa.planner.cost_model import AnalyticCostModel, Parallelism
+from lightning_hotspa.planner.cost_model import AnalyticCostModel
 
 
 def _is_oom(err: BaseException) -> bool:
@@ -100,7 +101,7 @@ def whole_model(config: LlamaConfig, model: Llama, lengths: list[int], tokens: i
                 peaks: dict[str, float], budget: Budget, backends: dict[str, Any]) -> dict[str, Any]:
     """The whole model forward + backward (no optimizer) per backend and length, via benchmark_backends;
     MFU by ``LlamaConfig.flops_per_token``; the efficiency fit; peak memory against the memory model."""
-    memory_model = AnalyticCostModel(config, "H200", 1).memory(Parallelism(), activation_checkpointing=False)
+    memory_model = AnalyticCostModel(config, "H200", 1).memory(Layout(), activation_checkpointing=False)
     out: dict[str, Any] = {}
     for name, fn in backends.items():
         if isinstance(fn, str):

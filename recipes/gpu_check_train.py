@@ -179,8 +179,9 @@ def train_check(*, preset: str, steps: int, compare_steps: int, tokens_per_batch
     import lightning as L
 
     from lightning_hotspa import HotSPaDataModule, HotSPaStrategy
+    from lightning_hotspa.layout import Layout
     from lightning_hotspa.models import LlamaLM
-    from lightning_hotspa.planner.cost_model import AnalyticCostModel, Parallelism
+    from lightning_hotspa.planner.cost_model import AnalyticCostModel
 
     backend, backend_note = working_backend(device, torch.bfloat16)
     recorder = _recorder(compare_steps, budget, reserve_s, device)
@@ -212,7 +213,7 @@ def train_check(*, preset: str, steps: int, compare_steps: int, tokens_per_batch
     result["loss_first_mean"], result["loss_last_mean"] = sum(losses[:k]) / k, sum(losses[-k:]) / k
     result["loss_fell"] = len(losses) >= 2 * k and result["loss_last_mean"] < result["loss_first_mean"]
     cm = AnalyticCostModel(module.config, "H200", 1)
-    memory = cm.memory(Parallelism(), activation_checkpointing=False)
+    memory = cm.memory(Layout(), activation_checkpointing=False)
     predicted = memory.home + memory.working + memory.activation_per_token * tokens_per_rank
     result["memory"] = {"measured_peak_bytes": peak, "predicted_bytes": predicted,
                         "measured_over_predicted": None if peak is None else peak / predicted}

@@ -6,12 +6,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from lightning_hotspa.layout import Layout, MeshShape
+from lightning_hotspa.layout import Layout, LayoutError, MeshShape
 from lightning_hotspa.planner.candidates import auto_layouts, enumerate_layouts
 from lightning_hotspa.planner.cost_model import (
     AnalyticCostModel,
     CostModelError,
-    Parallelism,
     shares_gradients,
 )
 from lightning_hotspa.planner.packing import DocumentTooLongError
@@ -77,7 +76,7 @@ def test_exchange_hides_behind_gemms_on_gpus_not_on_cpu_gloo(hardware, hidden):
         assert sh.quadratic == rep.quadratic and sh.stage_fixed == 0.0 < rep.stage_fixed
         assert sh.per_micro_batch == pytest.approx(rep.per_micro_batch + exchange)  # empty micro-batch
         full = sh.capacity
-        gemm = cm._dense_seconds_per_token(Parallelism.of(sh_lay), ac) * full
+        gemm = cm._dense_seconds_per_token(sh_lay, ac) * full
         exposed = (sh.linear * full + sh.per_micro_batch) - (rep.linear * full + rep.per_micro_batch)
         if hidden:
             assert exposed == pytest.approx(max(0.0, exchange - gemm), abs=1e-9)
@@ -103,8 +102,10 @@ def test_switches_and_stage_ends_of_a_sharded_copy():
     assert cm.reductions_seconds([rep, sh]) == cm.grad_reduce_seconds(rep)
     assert cm.reductions_seconds([rep, Layout.parse("dp2xtp8xcp4"), Layout.parse("dp64")]) == pytest.approx(
         cm.grad_reduce_seconds(rep) + cm.grad_reduce_seconds(Layout.parse("dp64")))
-    with pytest.raises(CostModelError, match="fsdp.*dp\\*cp > 1"):
-        cm.check(Parallelism(tp=8, pp=8, fsdp=True))
+    with pytest.raises(CostModelError, match="fsdp.*no pp"):
+        cm.check(Layout(dp=2, tp=8, pp=4, fsdp=True))
+    with pytest.raises(LayoutError, match="tp8xpp8:fsdp: fsdp shards .* dp = cp = 1"):
+        Layout(tp=8, pp=8, fsdp=True)
 
 
 def test_an_hsdp_copy_gathers_inside_the_node_and_sums_its_replicas_at_the_stage_end():

@@ -20,6 +20,16 @@ def test_layout_parse_and_name():
     assert Layout(tp=2, cp=2).world_size == 4
 
 
+def test_one_layout_type_prices_pp_and_is_keyword_only():
+    """pp is a field of Layout (the simulator's baselines); names round-trip; construction is keyword-only."""
+    piped = Layout(dp=2, tp=2, pp=2)
+    assert (piped.name, piped.world_size, piped.shards) == ("dp2xtp2xpp2", 8, 4)
+    assert Layout.parse(piped.name) == Layout.parse({"dp": 2, "tp": 2, "pp": 2}) == piped
+    assert Layout(dp=2, pp=2, fsdp=True).name == "dp2xpp2:fsdp" and Layout(dp=8) == Layout.parse("dp8")
+    with pytest.raises(TypeError):
+        Layout(2, 2)  # type: ignore[misc]
+
+
 def test_cp_kinds_parse_name_and_nest():
     """All-gather-KV (':kv') and the hybrid (':kvN': Ulysses over cp/N, KV gather over N)."""
     assert Layout.parse("tp2xcp4:kv") == Layout(tp=2, cp=4, cp_kv=4)
@@ -70,9 +80,11 @@ def test_fsdp_shard_suffix_names_an_hsdp_copy_and_becomes_a_mesh_boundary():
         (lambda: Layout(tp=-2), "tp must be a positive int, got -2"),
         (lambda: Layout(cp=1.5), "cp must be a positive int, got 1.5"),
         (lambda: Layout(dp=True), "dp must be a positive int, got True"),
-        (lambda: Layout.parse("dp2xpp2"), "cannot parse layout 'dp2xpp2'"),
+        (lambda: parse_layouts(["dp2xpp2"], 4), "layout dp2xpp2 has pipeline parallelism \\(pp=2\\)"),
+        (lambda: MeshShape.for_layouts(["dp4", {"dp": 2, "pp": 2}], 4), "layout dp2xpp2 has pipeline parallelism"),
+        (lambda: Layout.parse("dp2xpp2xpp2"), "names pp twice"),
         (lambda: Layout.parse("dp2xdp2"), "names dp twice"),
-        (lambda: Layout.parse({"dp": 2, "pp": 2}), "unknown keys \\['pp'\\]"),
+        (lambda: Layout.parse({"dp": 2, "sp": 2}), "unknown keys \\['sp'\\]"),
         (lambda: parse_layouts([], 4), "layout list is empty"),
         (lambda: parse_layouts(["dp2xtp2", "dp2"], 4), "layout dp2 covers 2 ranks"),
         (lambda: parse_layouts(["dp4", "dp4"], 4), "dp4 is listed twice"),

@@ -24,7 +24,7 @@ from lightning_hotspa.planner.calibration import (
     nnls,
 )
 from lightning_hotspa.planner.candidates import auto_layouts
-from lightning_hotspa.planner.cost_model import AnalyticCostModel, CostModelError, Parallelism
+from lightning_hotspa.planner.cost_model import AnalyticCostModel, CostModelError
 from lightning_hotspa.planner.hardware import (
     PROFILES,
     HardwareProfile,
@@ -158,7 +158,7 @@ def test_memory_capacity_grows_with_sharding_and_model_splits_are_checked() -> N
 
 def test_pipeline_bubble() -> None:
     cm = AnalyticCostModel("artifact-llama7b", "A800-80G", 8)
-    opt = cm.option(Parallelism(dp=2, tp=2, pp=2), False)
+    opt = cm.option(Layout(dp=2, tp=2, pp=2), False)
     assert opt.pipeline_factor(1) == 2.0 and opt.pipeline_factor(3) == pytest.approx(4 / 3)
     assert opt.group_seconds(3.0, 3) == pytest.approx((3.0 + 3 * opt.per_micro_batch) * 4 / 3)
 
@@ -376,7 +376,7 @@ def test_milp_charges_shared_gradient_reductions_once() -> None:
     for seed, n in ((0, 7), (3, 8)):
         lengths = lognormal(seed, n, 16384, mu=8.0, sigma=1.2)
         objective, stages = p.solve(lengths)
-        assert {o.parallelism.tp for o, _ in stages} == {2} and len(stages) >= 2
+        assert {o.layout.tp for o, _ in stages} == {2} and len(stages) >= 2
         milp = solve_milp(lengths, p._option_list, p.stage_order, time_limit=10.0)
         assert milp.optimal and milp.bound <= objective * (1 + 1e-9), (milp, objective)
 
@@ -482,8 +482,8 @@ def test_auto_layouts_share_a_mesh_and_hold_the_context() -> None:
 
 def test_artifact_rule_table_and_stages() -> None:
     assert len(HAND_SET_RULES) == 30
-    assert artifact_rule("llama13b", 8, 32768, "c1") == ((4096, Parallelism(4, 2, 1, 1)), (16384, Parallelism(1, 4, 1, 2)),
-                                                         (32768, Parallelism(1, 8, 1, 1)))
+    assert artifact_rule("llama13b", 8, 32768, "c1") == ((4096, Layout(dp=4, tp=2, cp=1, pp=1)), (16384, Layout(dp=1, tp=4, cp=1, pp=2)),
+                                                         (32768, Layout(dp=1, tp=8, cp=1, pp=1)))
     with pytest.raises(RuleNotFoundError, match="no hand-set rule"):
         artifact_rule("llama7b", 8, 4096)
     cm = AnalyticCostModel("artifact-llama7b", "A800-80G", 8)
@@ -491,7 +491,7 @@ def test_artifact_rule_table_and_stages() -> None:
     for packing in ("ours", "artifact"):
         stages, order, _ = artifact_stages(lengths, artifact_rule("llama7b", 8, 32768, "c2"), cm, packing)
         docs = sorted(d for _, groups, _ in stages for g in groups for mb in g for d in mb)
-        assert docs == list(range(200)) and order[0] == Parallelism(1, 4, 1, 2)
+        assert docs == list(range(200)) and order[0] == Layout(dp=1, tp=4, cp=1, pp=2)
 
 
 def test_simulator_compares_on_the_same_batches() -> None:

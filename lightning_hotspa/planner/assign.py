@@ -68,7 +68,7 @@ def _tables(lengths: np.ndarray, options: Sequence[OptionCost]) -> _Tables:
     fits = padded <= cap[:, None]
     cost = np.where(fits, cost, INF)
     d = np.array([o.per_micro_batch for o in options])
-    dp = np.array([o.parallelism.dp for o in options], dtype=np.float64)
+    dp = np.array([o.layout.dp for o in options], dtype=np.float64)
     rate = np.where(fits, (cost + d[:, None] * padded / np.maximum(cap, 1)[:, None]) / dp[:, None], INF)
     fixed = np.array([o.stage_fixed for o in options])
     return _Tables(padded, cost, rate, cap, d, dp, fixed)
@@ -97,7 +97,7 @@ def _distinct_layouts(used: Sequence[int], options: Sequence[OptionCost]) -> tup
     layouts: list[Layout] = []
     repeats = []
     for j in used:
-        lay = options[j].parallelism.layout()
+        lay = options[j].layout
         if lay in layouts:
             repeats.append(j)
         else:
@@ -116,7 +116,7 @@ def _relaxed(choice: np.ndarray, t: _Tables, options: Sequence[OptionCost],
     layouts, repeats = _distinct_layouts(used, options)
     runs: dict[tuple, list[int]] = {}  # stages bounded together; without free runs, each alone
     for j in used:
-        par = options[j].parallelism
+        par = options[j].layout
         runs.setdefault((par.tp, par.pp) if free and not par.fsdp else ("alone", j), []).append(j)
     compute = sum(max(float((w[js] / t.dp[js]).sum()), float(m[js].max())) for js in runs.values())
     fixed = float(t.fixed[list(used)].sum() - t.fixed[repeats].sum())
@@ -178,7 +178,7 @@ def pack_in_order(stages: Sequence[tuple[OptionCost, np.ndarray]], lengths: np.n
     line = Timeline(blocks)
     for opt, idx in stages:
         padded = opt.padded(lengths[idx])
-        local = pack_lpt(padded, opt.balance_cost(padded), opt.capacity, opt.parallelism.dp, line.release_times(opt))
+        local = pack_lpt(padded, opt.balance_cost(padded), opt.capacity, opt.layout.dp, line.release_times(opt))
         groups = tuple(tuple(tuple(int(idx[p]) for p in mb) for mb in g) for g in local)
         line.add(opt, stage_group_seconds(opt, groups, opt.doc_seconds(opt.padded(lengths)), in_order=False))
         out.append((opt, groups))
@@ -195,7 +195,7 @@ def _realize(choice: np.ndarray, staged: Sequence[int], options: Sequence[Option
 def _combinations(options: Sequence[OptionCost], t: _Tables) -> list[tuple[int, ...]]:
     by_layout: dict[Layout, list[int]] = {}
     for j, o in enumerate(options):
-        by_layout.setdefault(o.parallelism.layout(), []).append(j)
+        by_layout.setdefault(o.layout, []).append(j)
     fits = np.isfinite(t.cost)
     choices: list[list[tuple[int, ...]]] = []
     for js in by_layout.values():
@@ -220,9 +220,9 @@ def _split_variants(used: tuple[int, ...], options: Sequence[OptionCost], t: _Ta
     plain_of = {}
     for j in used:
         if options[j].activation_checkpointing:
-            lay = options[j].parallelism.layout()
+            lay = options[j].layout
             for p, o in enumerate(options):
-                if o.parallelism.layout() == lay and not o.activation_checkpointing and p not in used \
+                if o.layout == lay and not o.activation_checkpointing and p not in used \
                         and np.any(fits[j] & ~fits[p]):
                     plain_of[j] = p
     adds = [[p] for p in plain_of.values()]
@@ -324,11 +324,11 @@ def _trim_rounds(choice: np.ndarray, t: _Tables,
             rounds = max((len(g) for g in groups), default=0)
             # a sharded copy without lockstep rounds (HSDP inside cp) still pays a gather round per
             # micro-batch in its busiest group: it is trimmed too
-            if not opt.parallelism.fsdp or rounds < 2:
+            if not opt.layout.fsdp or rounds < 2:
                 continue
             j = next(k for k, o in enumerate(options) if o is opt)
             ids = np.flatnonzero(choice == j)
-            need = float(t.padded[j, ids].sum()) - _TRIM_FILL * (rounds - 1) * opt.parallelism.dp * opt.capacity
+            need = float(t.padded[j, ids].sum()) - _TRIM_FILL * (rounds - 1) * opt.layout.dp * opt.capacity
             if need <= 0:
                 continue
             others = _alternatives(j, choice, ids, t, options, split_checkpointing)
@@ -360,11 +360,11 @@ def _alternatives(j: int, choice: np.ndarray, ids: np.ndarray, t: _Tables, optio
     others = [k for k in range(len(options)) if k != j]
     if split_checkpointing:
         return np.asarray(others, dtype=np.int64)
-    taken = {options[k].parallelism.layout(): k for k in np.unique(choice).tolist()}
+    taken = {options[k].layout: k for k in np.unique(choice).tolist()}
     free: dict[Layout, list[int]] = {}
     keep = []
     for k in others:
-        lay = options[k].parallelism.layout()
+        lay = options[k].layout
         if lay not in taken:
             free.setdefault(lay, []).append(k)
         elif taken[lay] == k:
@@ -383,5 +383,5 @@ def stage_order(used: Sequence[int], order: Sequence[Layout], options: Sequence[
     around which a free run's later stages pack, :mod:`.timeline`)."""
     by_layout: dict[Layout, list[int]] = {}
     for j in sorted(used, key=lambda j: (not options[j].activation_checkpointing, j)):
-        by_layout.setdefault(options[j].parallelism.layout(), []).append(j)
+        by_layout.setdefault(options[j].layout, []).append(j)
     return [j for lay in order for j in by_layout.get(lay, [])]

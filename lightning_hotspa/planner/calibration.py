@@ -163,7 +163,7 @@ def fit_option(observations: Sequence[Observation]) -> tuple[float, float, float
 
 def apply_coefficients(option: OptionCost, scale: float, fitted: Mapping[OptionKey, Coefficients]) -> OptionCost:
     """``option`` with its fitted coefficients, or its analytic ones times ``scale`` when it has none."""
-    key = (option.parallelism.layout(), option.activation_checkpointing)
+    key = (option.layout, option.activation_checkpointing)
     if key in fitted:
         return option.with_coefficients(*fitted[key])
     return option.with_coefficients(option.quadratic * scale, option.linear * scale, option.per_micro_batch * scale,

@@ -72,10 +72,8 @@ from ..models.config import LlamaConfig
 from .hardware import HardwareProfile, get_profile
 from .memory_model import MemoryModel, MemoryUse
 from .packing import cp_padded_lengths, max_doc_length
-from .parallelism import (
+from .terms import (
     CostModelError,
-    Parallelism,
-    _shards,
     gradient_kind,
     resolve_model,
     shares_gradients,
@@ -86,7 +84,6 @@ __all__ = [
     "CostModelError",
     "MemoryUse",
     "OptionCost",
-    "Parallelism",
     "resolve_model",
     "shares_gradients",
 ]
@@ -96,7 +93,7 @@ __all__ = [
 class OptionCost:
     """Predicted seconds of one option; see the module docstring for the meaning of each term."""
 
-    parallelism: Parallelism
+    layout: Layout
     activation_checkpointing: bool
     capacity: int  # tokens per micro-batch, cp padding included
     quadratic: float  # a: seconds per (padded length)^2 of a document
@@ -107,18 +104,18 @@ class OptionCost:
 
     @property
     def key(self) -> tuple[str, bool]:
-        return (self.parallelism.name, self.activation_checkpointing)
+        return (self.layout.name, self.activation_checkpointing)
 
     @property
     def label(self) -> str:
-        return self.parallelism.name + ("+ac" if self.activation_checkpointing else "")
+        return self.layout.name + ("+ac" if self.activation_checkpointing else "")
 
     @property
     def max_doc_length(self) -> int:
-        return max_doc_length(self.capacity, self.parallelism.cp) if self.capacity > 0 else 0
+        return max_doc_length(self.capacity, self.layout.cp) if self.capacity > 0 else 0
 
     def padded(self, lengths: Sequence[int] | np.ndarray) -> np.ndarray:
-        return cp_padded_lengths(lengths, self.parallelism.cp)
+        return cp_padded_lengths(lengths, self.layout.cp)
 
     def doc_seconds(self, padded: np.ndarray) -> np.ndarray:
         """``a s^2 + b s (+ e)`` of each (already padded) document."""
@@ -132,7 +129,7 @@ class OptionCost:
         return self.doc_seconds(s) + self.per_micro_batch * s / max(self.capacity, 1)
 
     def pipeline_factor(self, micro_batches: int) -> float:
-        pp = self.parallelism.pp
+        pp = self.layout.pp
         return 1.0 if pp == 1 or micro_batches == 0 else (micro_batches + pp - 1) / micro_batches
 
     def group_seconds(self, doc_seconds_sum: float, micro_batches: int) -> float:
@@ -153,7 +150,7 @@ class OptionCost:
         busy = [g for g in groups if g]
         if not busy:
             return 0.0
-        if not self.parallelism.lockstep or len(groups) == 1:
+        if not self.layout.lockstep or len(groups) == 1:
             return max(self.group_seconds(float(sum(doc_seconds[list(mb)].sum() for mb in g)), len(g)) for g in busy)
         rounds = max(len(g) for g in groups)
         table = np.full((len(groups), rounds), self.per_micro_batch)
@@ -202,9 +199,8 @@ class AnalyticCostModel(MemoryModel):
         self.kv_width = m.n_kv_heads * m.head_dim
 
     # ------------------------------------------------------------------ validity
-    def check(self, par: Parallelism | Layout) -> Parallelism:
-        """The parallelism, or a :class:`CostModelError` saying why this model cannot run it."""
-        par = Parallelism.of(par)
+    def check(self, par: Layout) -> Layout:
+        """The layout, or a :class:`CostModelError` saying why this model cannot run it."""
         m = self.model
         if par.world_size != self.world_size:
             raise CostModelError(f"{par} covers {par.world_size} devices, the world has {self.world_size}")
@@ -224,7 +220,7 @@ class AnalyticCostModel(MemoryModel):
         return par
 
     # ------------------------------------------------------------------ time
-    def _coefficients(self, par: Parallelism, ac: bool) -> tuple[float, float, float]:
+    def _coefficients(self, par: Layout, ac: bool) -> tuple[float, float, float]:
         m, hw = self.model, self.hardware
         # tp*cp*pp ways, each at the measured efficiency of its smaller local shapes (1.0 by default)
         div = par.tp * par.cp * par.pp * hw.shard_efficiency(par.tp, par.cp)
@@ -265,14 +261,14 @@ class AnalyticCostModel(MemoryModel):
             d += 2.0 * hw.latency(self.world_size)
         return a, b, d
 
-    def _dense_seconds_per_token(self, par: Parallelism, ac: bool) -> float:
+    def _dense_seconds_per_token(self, par: Layout, ac: bool) -> float:
         """GEMM seconds per token of a micro-batch on one rank (recompute included with ``ac``)."""
         m, hw = self.model, self.hardware
         div = par.tp * par.cp * par.pp * hw.shard_efficiency(par.tp, par.cp)
         dense_flops = 6.0 * self.dense_params + (2.0 * self.layer_params * m.n_layers if ac else 0.0)
         return dense_flops / (div * hw.peak_flops * hw.dense_efficiency)
 
-    def fsdp_exchange_seconds(self, par: Parallelism | Layout) -> float:
+    def fsdp_exchange_seconds(self, par: Layout) -> float:
         """Seconds per micro-batch of a sharded working copy's (``:fsdp``) traffic, before overlap:
         per gathered unit (each block, the embedding, the head) an all-gather of its tp shard in the
         working dtype over the layout's dp*cp ranks in forward and again in backward (not the
@@ -282,7 +278,6 @@ class AnalyticCostModel(MemoryModel):
         (``grad_bytes``). The ``fsdp_shard`` ranks of one tp shard are the next most local after tp,
         so the group spans tp x fsdp_shard consecutive ranks: the world for plain ``:fsdp``
         (inter-node once it spans nodes), one node for an HSDP copy that fits in it."""
-        par = Parallelism.of(par)
         g = par.fsdp_shard
         if not par.fsdp or g == 1:
             return 0.0
@@ -292,7 +287,7 @@ class AnalyticCostModel(MemoryModel):
         hw, calls, span = self.hardware, 3 * (self.model.n_layers + 2) - 1, par.tp * g
         return (g - 1) / g * nbytes / hw.bandwidth(span) + calls * hw.latency(span)
 
-    def _fsdp_exposed(self, par: Parallelism, ac: bool, capacity: int, b: float, d: float) -> tuple[float, float]:
+    def _fsdp_exposed(self, par: Layout, ac: bool, capacity: int, b: float, d: float) -> tuple[float, float]:
         """(linear, per_micro_batch) with the exposed part of the per-layer traffic ``C``: each layer's
         exchange overlaps its compute (``hardware.layer_comm_overlap`` of its GEMM time), so a
         micro-batch of ``T`` tokens exposes ``max(0, C - overlap * k * T)``. That is convex in ``T``;
@@ -304,12 +299,11 @@ class AnalyticCostModel(MemoryModel):
         credit = min(exchange, hide * capacity) / capacity if capacity > 0 else 0.0
         return b - credit, d + exchange
 
-    def grad_reduce_seconds(self, par: Parallelism | Layout) -> float:
+    def grad_reduce_seconds(self, par: Layout) -> float:
         """The stage's reduce-scatter of fp32 gradients over the ranks sharing a weight shard. A
         sharded working copy (``:fsdp``) reduce-scatters every block's gradient each micro-batch
         (:meth:`fsdp_exchange_seconds`): its stage end only folds the local shard into the store; an
         HSDP one (``:fsdp8``) reduce-scatters its shard over its replicas (the outer, inter-node dims)."""
-        par = Parallelism.of(par)
         g = par.fsdp_replicas
         if g == 1:
             return 0.0
@@ -317,9 +311,9 @@ class AnalyticCostModel(MemoryModel):
         hw = self.hardware
         return (g - 1) / g * nbytes / hw.bandwidth(self.world_size) + hw.latency(self.world_size)
 
-    def reductions_seconds(self, layouts: Sequence[Parallelism | Layout]) -> float:
+    def reductions_seconds(self, layouts: Sequence[Layout]) -> float:
         """The gradient reductions of a plan whose stages run ``layouts``: one per gradient kind
-        (:func:`~.parallelism.gradient_kind`; a run of stages that share gradients reduces once),
+        (:func:`~.terms.gradient_kind`; a run of stages that share gradients reduces once),
         the cheapest of its layouts. A replicated and a sharded copy of one tp degree are two kinds."""
         cheapest: dict[tuple[int, int, int], float] = {}
         for lay in layouts:
@@ -327,7 +321,7 @@ class AnalyticCostModel(MemoryModel):
             cheapest[kind] = min(red, cheapest.get(kind, red))
         return sum(cheapest.values())
 
-    def option(self, par: Parallelism | Layout, activation_checkpointing: bool,
+    def option(self, par: Layout, activation_checkpointing: bool,
                capacity: int | None = None) -> OptionCost:
         par = self.check(par)
         a, b, d = self._coefficients(par, activation_checkpointing)
@@ -337,15 +331,15 @@ class AnalyticCostModel(MemoryModel):
         return OptionCost(par, bool(activation_checkpointing), cap, a, b, d, self.grad_reduce_seconds(par))
 
     # ------------------------------------------------------------------ switches
-    def _working_shards(self, par: Parallelism | Layout | None) -> int:
+    def _working_shards(self, par: Layout | None) -> int:
         """How many ways a rank's working copy splits the weights: home and ``:fsdp`` copies over
         the whole world (an fsdp working copy is the home shard in the working dtype), an HSDP one
         (``:fsdp8``) over tp x its shard."""
         if par is None:
             return self.world_size
-        return par.tp * par.fsdp_shard if par.fsdp else _shards(par)
+        return par.tp * par.fsdp_shard if par.fsdp else par.shards
 
-    def switch_bytes(self, source: Parallelism | Layout | None, target: Parallelism | Layout) -> float:
+    def switch_bytes(self, source: Layout | None, target: Layout) -> float:
         """Bytes each rank receives to hold ``target``'s working weights (``source`` None: home). Into
         a sharded working copy (``:fsdp``) it is a local slice (+ cast): 0 bytes; into an HSDP one
         (``:fsdp8``) a gather over its replicas."""
@@ -353,7 +347,7 @@ class AnalyticCostModel(MemoryModel):
         src = self._working_shards(source)
         return self.params * self.param_bytes * max(0.0, 1.0 / dst - 1.0 / src)
 
-    def switch_seconds(self, source: Parallelism | Layout | None, target: Parallelism | Layout) -> float:
+    def switch_seconds(self, source: Layout | None, target: Layout) -> float:
         nbytes = self.switch_bytes(source, target)
         if nbytes <= 0:
             return 0.0
@@ -361,7 +355,7 @@ class AnalyticCostModel(MemoryModel):
         hw = self.hardware
         return nbytes / hw.bandwidth(span) + hw.latency(span)
 
-    def switch_sequence_seconds(self, order: Sequence[Parallelism | Layout]) -> float:
+    def switch_sequence_seconds(self, order: Sequence[Layout]) -> float:
         """Home to the first stage's layout, then each next one (the step's switches)."""
         total, prev = 0.0, None
         for par in order:
@@ -369,7 +363,7 @@ class AnalyticCostModel(MemoryModel):
             prev = par
         return total
 
-    def shared_reduction_seconds(self, order: Sequence[Parallelism | Layout]) -> float:
+    def shared_reduction_seconds(self, order: Sequence[Layout]) -> float:
         """Gradient reductions a stage order saves against one per stage: a stage followed by one
         that :func:`shares_gradients` with it does not reduce (the run's last stage does)."""
         return sum(self.grad_reduce_seconds(a) for a, b in zip(order, order[1:]) if shares_gradients(a, b))

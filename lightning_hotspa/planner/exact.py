@@ -102,7 +102,7 @@ class _Option:
         self.group[0] = 0.0
         lead = (sub & low) != 0
         tables = [self.group]
-        for _ in range(1, min(max_groups, option.parallelism.dp)):
+        for _ in range(1, min(max_groups, option.layout.dp)):
             prev = tables[-1]
             cand = np.where(lead, np.maximum(self.group[sub], prev[owner ^ sub]), INF)
             cur = np.minimum.reduceat(cand, starts)
@@ -183,7 +183,7 @@ def solve_exact(
     by_layout: dict[Layout, list[_Option]] = {}
     for opt in options:
         tab = _Option(opt, arr, n)
-        by_layout.setdefault(opt.parallelism.layout(), []).append(tab)
+        by_layout.setdefault(opt.layout, []).append(tab)
     layouts = list(by_layout)
     best_stage: dict[Layout, np.ndarray] = {}
     best_choice: dict[Layout, np.ndarray] = {}

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from .parallelism import Parallelism
+from ..layout import Layout
 
 __all__ = ["KV_BLOCK_ELEMENTS", "kv_gather_extra_bytes", "kv_gather_saved_delta"]
 
@@ -20,14 +20,14 @@ __all__ = ["KV_BLOCK_ELEMENTS", "kv_gather_extra_bytes", "kv_gather_saved_delta"
 KV_BLOCK_ELEMENTS = 2**24
 
 
-def _local_kv_heads(m: Any, par: Parallelism) -> int:
+def _local_kv_heads(m: Any, par: Layout) -> int:
     """kv heads one rank holds after the Ulysses exchange (which repeats them so ``u`` divides them)."""
     u = par.cp_ulysses
     heads = m.n_kv_heads // par.tp if m.n_kv_heads % par.tp == 0 else 1
     return heads * (u // math.gcd(heads, u)) // u
 
 
-def kv_gather_saved_delta(mm: Any, par: Parallelism, activation_checkpointing: bool) -> float:
+def kv_gather_saved_delta(mm: Any, par: Layout, activation_checkpointing: bool) -> float:
     """Bytes per micro-batch token the KV gather's saved tensors differ from the base term's: it saves
     q, the LOCAL k and v (not repeated for GQA) and its output (plus the output after the Ulysses
     all-to-all back in the hybrid); the base counts q, k, v (repeated under GQA), the output and a
@@ -43,7 +43,7 @@ def kv_gather_saved_delta(mm: Any, par: Parallelism, activation_checkpointing: b
     return layers * wb * (saved - (3 * a + 2 * base_kv)) / (par.tp * par.cp)
 
 
-def kv_gather_extra_bytes(mm: Any, par: Parallelism, tokens: int) -> float:
+def kv_gather_extra_bytes(mm: Any, par: Layout, tokens: int) -> float:
     """Transient bytes the KV gather adds to the peak of a micro-batch of ``tokens``, beyond what is
     freed by then.
 

@@ -14,7 +14,6 @@ from typing import Any
 
 from ..layout import Layout
 from .kv_gather_memory import kv_gather_extra_bytes, kv_gather_saved_delta
-from .parallelism import Parallelism
 
 __all__ = ["MODEL_ERROR_MARGIN", "MemoryModel", "MemoryUse"]
 
@@ -106,14 +105,13 @@ class MemoryModel:
         head; the quadratic math fallback is :meth:`attention_quadratic_bytes`."""
         return 4.0 * self.model.n_heads if self.attention_backend == "flash" else 0.0
 
-    def attention_quadratic_bytes(self, par: Parallelism | Layout) -> float:
+    def attention_quadratic_bytes(self, par: Layout) -> float:
         """Bytes per rank per (document length)^2: zero for flash kernels (flash_varlen, torch_varlen,
         CPU SDPA with 4-D inputs); the math kernel saves each layer's softmax [h/tp, s, s] in the
         working dtype (split by cp under Ulysses) and holds fp32 scores and their gradient in the
         layer being differentiated."""
         if self.attention_backend == "flash":
             return 0.0
-        par = Parallelism.of(par)
         heads = self.model.n_heads / (par.tp * par.cp)
         return heads * (self.model.n_layers * self.param_bytes + 2 * 4.0)
 
@@ -126,7 +124,7 @@ class MemoryModel:
         block = block / tp + 2 * m.hidden + (kv if m.n_kv_heads % tp else 0)
         return max(block, m.padded_vocab_size * m.hidden / tp + m.hidden)
 
-    def memory(self, par: Parallelism | Layout, activation_checkpointing: bool) -> MemoryUse:
+    def memory(self, par: Layout, activation_checkpointing: bool) -> MemoryUse:
         """Home: fp32 weights, AdamW m and v, fp32 gradient store (16 B / parameter / world).
         Working: weights in the working dtype plus their gradient accumulators (``grad_accum_bytes``:
         fp32 main grads by default, +4 B per working parameter) over the layout's tp (and pp), and
@@ -138,7 +136,6 @@ class MemoryModel:
         unit's gradient in the working dtype and in fp32 for its reduce-scatter (``grad_bytes``).
         Measured (``hotspa memory``, BENCHMARKS.md): the peak holds the larger of that and the loss
         head's logits transients, not both."""
-        par = Parallelism.of(par)
         hw = self.hardware
         home = self.params * 16.0 / self.world_size
         split, full = self._param_split(par.tp)
@@ -156,7 +153,7 @@ class MemoryModel:
             (largest * self.param_bytes if self.grad_accum_bytes != self.param_bytes else 0.0)
         return MemoryUse(home, working, act, usable, margin=self.model_error_margin)
 
-    def peak_bytes(self, par: Parallelism | Layout, activation_checkpointing: bool, tokens: int) -> float:
+    def peak_bytes(self, par: Layout, activation_checkpointing: bool, tokens: int) -> float:
         """Predicted peak bytes per rank with a micro-batch of ``tokens`` (no reserve: compare with
         the memory estimator, ``hotspa memory``)."""
         mem = self.memory(par, activation_checkpointing)
@@ -164,13 +161,13 @@ class MemoryModel:
         kv = self.kv_gather_extra_bytes(par, activation_checkpointing, tokens)
         return mem.peak(tokens, quadratic) + kv
 
-    def kv_gather_extra_bytes(self, par: Parallelism | Layout, activation_checkpointing: bool,
+    def kv_gather_extra_bytes(self, par: Layout, activation_checkpointing: bool,
                               tokens: int) -> float:
         """The all-gather-KV / hybrid cp transients beyond what is freed by then (0 for Ulysses or no
         cp; :mod:`.kv_gather_memory`). ``activation_checkpointing`` is accepted for symmetry."""
-        return kv_gather_extra_bytes(self, Parallelism.of(par), tokens)
+        return kv_gather_extra_bytes(self, par, tokens)
 
-    def capacity(self, par: Parallelism | Layout, activation_checkpointing: bool) -> int:
+    def capacity(self, par: Layout, activation_checkpointing: bool) -> int:
         """Most tokens one micro-batch may hold (0: the weights alone do not fit): its predicted peak
         stays within the planning budget (usable / (1 + ``model_error_margin``))."""
         mem = self.memory(par, activation_checkpointing)
@@ -181,7 +178,7 @@ class MemoryModel:
                      _most_tokens(free - mem.transient, mem.activation_per_token - mem.head_per_token, q))
         if tokens <= 0:
             return 0
-        if Parallelism.of(par).cp_kv > 1:  # the KV gather's extra is piecewise: bisect below the bound
+        if par.cp_kv > 1:  # the KV gather's extra is piecewise: bisect below the bound
             budget = mem.planning_budget
             lo, hi = 0, tokens
             while lo < hi:

@@ -19,7 +19,7 @@ import numpy as np
 
 from ..layout import Layout
 from .cost_model import AnalyticCostModel
-from .parallelism import gradient_kind
+from .terms import gradient_kind
 
 __all__ = ["charged_oracle", "charged_oracles", "oracle_assignment", "oracle_from_rates"]
 

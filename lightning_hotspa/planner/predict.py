@@ -98,12 +98,12 @@ def predict_stages(stages: Sequence[tuple[OptionCost, Groups]], lengths: Sequenc
     arr = np.asarray(lengths, dtype=np.int64)
     out, prev, line = [], None, Timeline(blocks)
     for k, (opt, groups) in enumerate(stages):
-        carried = k + 1 < len(stages) and shares_gradients(opt.parallelism, stages[k + 1][0].parallelism)
+        carried = k + 1 < len(stages) and shares_gradients(opt.layout, stages[k + 1][0].layout)
         ids = np.asarray([d for g in groups for mb in g for d in mb], dtype=np.int64)
         # every dp group's own seconds; an fsdp stage's lockstep rounds: all groups end together
         group_seconds = stage_group_seconds(opt, groups, opt.doc_seconds(opt.padded(arr)), in_order)
         line.add(opt, group_seconds)
-        par = opt.parallelism
+        par = opt.layout
         out.append(StagePrediction(
             layout=par.name, activation_checkpointing=opt.activation_checkpointing, documents=int(ids.size),
             tokens=int(arr[ids].sum()) if ids.size else 0, micro_batches=sum(len(g) for g in groups),

@@ -280,8 +280,8 @@ class CostModelPlanner(PlannerBase):
             sol = solve_exact(lengths, option_list, self.stage_order, self.split_checkpointing)
             first = {}  # a layout's checkpointed stage first, as the heuristic orders them (assign.stage_order)
             for k, (o, _) in enumerate(sol.stages):
-                first.setdefault(o.parallelism.layout(), k)
-            exact = sorted(sol.stages, key=lambda s: (first[s[0].parallelism.layout()], not s[0].activation_checkpointing))
+                first.setdefault(o.layout, k)
+            exact = sorted(sol.stages, key=lambda s: (first[s[0].layout], not s[0].activation_checkpointing))
             ids = [(o, np.asarray(sorted(d for grp in g for mb in grp for d in mb), dtype=np.int64)) for o, g in exact]
             repacked = pack_in_order(ids, lengths, self.blocks)[1]
             exact_s, repacked_s = self._seconds(lengths, exact), self._seconds(lengths, repacked)
@@ -309,7 +309,7 @@ class CostModelPlanner(PlannerBase):
                      for g in groups]
             mean = sum(loads) / len(loads)
             if len(groups) > 1 and len(ids) <= _POLISH_MAX_DOCS and max(loads) > mean * (1 + _POLISH_IMBALANCE):
-                packed = pack_layout(ids, lengths[ids], opt.parallelism.layout(), opt.capacity, opt.balance_cost)
+                packed = pack_layout(ids, lengths[ids], opt.layout, opt.capacity, opt.balance_cost)
                 trial = [*out[:k], (opt, packed.micro_batches), *out[k + 1:]]
                 seconds = self._seconds(lengths, trial)
                 if seconds < total:
@@ -330,13 +330,13 @@ class CostModelPlanner(PlannerBase):
         for opt, groups in stages:
             ids = [d for g in groups for mb in g for d in mb]
             label = f"{int(lengths[ids].min())}-{int(lengths[ids].max())}"
-            if opt.parallelism.lockstep:  # lockstep rounds: costliest micro-batches first in every group
+            if opt.layout.lockstep:  # lockstep rounds: costliest micro-batches first in every group
                 secs = opt.doc_seconds(opt.padded(lengths))
                 key = lambda mb, s=secs: (-float(s[list(mb)].sum()), -len(mb), tuple(sorted(mb)))  # noqa: E731
             else:
                 key = lambda mb: (-len(mb), mb)  # noqa: E731
             mbs = tuple(tuple(tuple(sorted(mb)) for mb in sorted(g, key=key)) for g in groups)
-            out.append(Stage(opt.parallelism.layout(), mbs, opt.activation_checkpointing, label))
+            out.append(Stage(opt.layout, mbs, opt.activation_checkpointing, label))
         notes = self.last_decision.notes() if self.last_decision is not None else ()
         return StepPlan(int(step), tuple(int(n) for n in lengths.tolist()), tuple(out), notes=notes)
 

@@ -63,11 +63,11 @@ def guard(lengths: np.ndarray, options: Sequence[OptionCost], multi: Solution, m
     """The plan to run and the decision. ``solve(lengths, options)`` plans over a subset of options
     (the same solver the multi-layout plan came from)."""
     total, stages = multi
-    used = {opt.parallelism for opt, _ in stages}
+    used = {opt.layout for opt, _ in stages}
     longest = int(lengths.max())
     by_layout: dict[object, list[OptionCost]] = {}
     for opt in options:
-        by_layout.setdefault(opt.parallelism, []).append(opt)
+        by_layout.setdefault(opt.layout, []).append(opt)
     bounds = sorted((_lower_bound(lengths, opts, longest), i, par) for i, (par, opts) in enumerate(by_layout.items()))
     best: Solution | None = None
     best_name = ""
@@ -112,4 +112,4 @@ def _lower_bound(lengths: np.ndarray, options: Sequence[OptionCost], longest: in
         padded = opt.padded(lengths)
         secs = opt.doc_seconds(padded) + opt.per_micro_batch * padded / opt.capacity
         work = np.minimum(work, np.where(padded <= opt.capacity, secs, np.inf))
-    return float(work.sum()) / options[0].parallelism.dp
+    return float(work.sum()) / options[0].layout.dp

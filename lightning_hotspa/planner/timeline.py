@@ -27,7 +27,6 @@ import numpy as np
 
 from ..layout import Layout, LayoutError, MeshShape
 from .cost_model import OptionCost
-from .parallelism import Parallelism
 
 __all__ = ["GroupBlocks", "Timeline", "compute_seconds", "stage_group_seconds"]
 
@@ -42,13 +41,9 @@ class GroupBlocks:
             self.shape = None  # layouts that share no mesh: no stage runs free (priced in lockstep)
         self._spans: dict[Layout, np.ndarray] = {}
 
-    def spans(self, par: Parallelism | Layout) -> np.ndarray | None:
-        """``[dp, cp]`` block indices of ``par``'s dp groups; None when it is not on this mesh."""
-        par = Parallelism.of(par)
-        if self.shape is None or par.pp != 1:
-            return None
-        lay = par.layout()
-        if lay not in self.shape.layouts:
+    def spans(self, lay: Layout) -> np.ndarray | None:
+        """``[dp, cp]`` block indices of ``lay``'s dp groups; None when it is not on this mesh."""
+        if self.shape is None or lay not in self.shape.layouts:
             return None
         if lay not in self._spans:
             dims = list(self.shape.dp_dims(lay))
@@ -73,19 +68,19 @@ class Timeline:
         self._free = np.zeros(0)  # per tp block: when it is free, in seconds since the run began
 
     def _spans(self, opt: OptionCost) -> np.ndarray | None:
-        par = opt.parallelism
+        par = opt.layout
         return None if par.fsdp or self.blocks is None else self.blocks.spans(par)
 
     def release_times(self, opt: OptionCost) -> np.ndarray | None:
         """When each dp group of a stage in ``opt`` would start (None: at once, in step)."""
         spans = self._spans(opt)
-        if spans is None or self._run != (opt.parallelism.tp, opt.parallelism.pp):
+        if spans is None or self._run != (opt.layout.tp, opt.layout.pp):
             return None
         return self._free[spans].max(axis=1)
 
     def add(self, opt: OptionCost, seconds: np.ndarray) -> None:
         """A stage in ``opt`` whose dp groups take ``seconds`` each (:func:`stage_group_seconds`)."""
-        par, spans = opt.parallelism, self._spans(opt)
+        par, spans = opt.layout, self._spans(opt)
         run = None if spans is None else (par.tp, par.pp)
         if run != self._run:
             self._close()
@@ -109,7 +104,7 @@ class Timeline:
 def stage_group_seconds(opt: OptionCost, groups: Sequence[Sequence[Sequence[int]]], doc_seconds: np.ndarray,
                          in_order: bool) -> np.ndarray:
     """Every dp group's own seconds in a stage (an fsdp stage: its lockstep time in every entry)."""
-    if opt.parallelism.lockstep and len(groups) > 1:
+    if opt.layout.lockstep and len(groups) > 1:
         return np.full(len(groups), opt.stage_seconds(doc_seconds, groups, in_order=in_order))
     return np.array([opt.group_seconds(float(sum(doc_seconds[list(mb)].sum() for mb in g)), len(g))
                      for g in groups], dtype=np.float64)

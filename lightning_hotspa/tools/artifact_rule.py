@@ -22,8 +22,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from ..layout import Layout
 from ..planner.assign import pack_lpt
-from ..planner.cost_model import AnalyticCostModel, OptionCost, Parallelism
+from ..planner.cost_model import AnalyticCostModel, OptionCost
 
 __all__ = ["HAND_SET_RULES", "artifact_rule", "artifact_stages", "RuleNotFoundError"]
 
@@ -70,7 +71,7 @@ c2 llama30b 32 8 | 4:4,2,4; 8:4,4,2
 """
 
 
-def _parse(table: str) -> dict[tuple[str, str, int, int], tuple[tuple[int, Parallelism], ...]]:
+def _parse(table: str) -> dict[tuple[str, str, int, int], tuple[tuple[int, Layout], ...]]:
     out = {}
     for line in table.strip().splitlines():
         head, rule = line.split("|")
@@ -79,7 +80,7 @@ def _parse(table: str) -> dict[tuple[str, str, int, int], tuple[tuple[int, Paral
         for part in rule.split(";"):
             bound, degrees = part.strip().split(":")
             dp, tp, pp = (int(x) for x in degrees.split(","))
-            bands.append((int(bound) * 1024, Parallelism(dp=dp, tp=tp, pp=pp)))
+            bands.append((int(bound) * 1024, Layout(dp=dp, tp=tp, pp=pp)))
         out[(comb, model, int(gpus), int(ctx) * 1024)] = tuple(bands)
     return out
 
@@ -87,7 +88,7 @@ def _parse(table: str) -> dict[tuple[str, str, int, int], tuple[tuple[int, Paral
 HAND_SET_RULES = _parse(_TABLE)
 
 
-def artifact_rule(model: str, world_size: int, context: int, comb: str = "c1") -> tuple[tuple[int, Parallelism], ...]:
+def artifact_rule(model: str, world_size: int, context: int, comb: str = "c1") -> tuple[tuple[int, Layout], ...]:
     """``((upper bound, (dp, tp, pp)), ...)`` of the artifact's setting, shortest band first."""
     key = (comb, model, int(world_size), int(context))
     if key not in HAND_SET_RULES:
@@ -97,7 +98,7 @@ def artifact_rule(model: str, world_size: int, context: int, comb: str = "c1") -
     return HAND_SET_RULES[key]
 
 
-def _option(cm: AnalyticCostModel, par: Parallelism, longest: int) -> tuple[OptionCost, bool]:
+def _option(cm: AnalyticCostModel, par: Layout, longest: int) -> tuple[OptionCost, bool]:
     """The band's option: no checkpointing if its documents fit, else checkpointing; (option, fits)."""
     for ac in (False, True):
         opt = cm.option(par, ac)
@@ -109,10 +110,10 @@ def _option(cm: AnalyticCostModel, par: Parallelism, longest: int) -> tuple[Opti
 
 def artifact_stages(
     lengths: Sequence[int] | np.ndarray,
-    rule: Sequence[tuple[int, Parallelism]],
+    rule: Sequence[tuple[int, Layout]],
     cost_model: AnalyticCostModel,
     packing: str = "ours",
-) -> tuple[list[tuple[OptionCost, tuple, float]], list[Parallelism], bool]:
+) -> tuple[list[tuple[OptionCost, tuple, float]], list[Layout], bool]:
     """Stages of the rule for one batch: ([(option, groups, seconds)], switch sequence, all fit).
 
     ``groups`` are dp groups of micro-batches of document indices (``packing="ours"``) or of the
@@ -150,7 +151,7 @@ def artifact_stages(
             secs = max((opt.group_seconds(float(sum(cost[i] for mb in g for i in mb)), len(g)) for g in local),
                        default=0.0) + opt.stage_fixed
         stages.append((opt, groups, secs))
-    order = [rule[-1][1]] + [s[0].parallelism for s in stages]
+    order = [rule[-1][1]] + [s[0].layout for s in stages]
     return stages, order, all_fit
 
 

@@ -34,7 +34,7 @@ import numpy as np
 
 from ..layout import Layout, LayoutError
 from ..planner.candidates import auto_layouts, enumerate_layouts, layout_rates
-from ..planner.cost_model import AnalyticCostModel, Parallelism
+from ..planner.cost_model import AnalyticCostModel
 from ..planner.solver import CostModelPlanner
 from ..planner.static_guard import DEFAULT_STATIC_MARGIN
 from .artifact_rule import RuleNotFoundError, artifact_rule
@@ -140,11 +140,11 @@ def long_cell(model: str, gpus: int, context: int, data: str, hardware: str, bat
     except LayoutError as err:
         return {**out, "feasible": False, "reason": str(err)}
     planner = CostModelPlanner(layouts, model=cm.model, hardware=cm.hardware, static_margin=margin)
-    statics = [Parallelism.of(lay) for lay in enumerate_layouts(gpus, cm)
+    statics = [lay for lay in enumerate_layouts(gpus, cm)
                if max(cm.option(lay, ac).max_doc_length for ac in (False, True)) >= context]
     sums = {"ours": 0.0, "oracle": 0.0, "rows": 0.0, "rule": 0.0}
     static_totals = {p: 0.0 for p in statics}
-    planners: dict[Parallelism, CostModelPlanner] = {}
+    planners: dict[Layout, CostModelPlanner] = {}
     fallbacks, rows_layout, has_rule = 0, "", True
     ladder = {k: 0.0 for k in (*LADDER, "ours_margin0")}
     free = CostModelPlanner(layouts, model=cm.model, hardware=cm.hardware, static_margin=0.0) if breakdown and margin > 0 else None
@@ -178,7 +178,7 @@ def long_cell(model: str, gpus: int, context: int, data: str, hardware: str, bat
     if breakdown:
         if margin == 0:
             ladder["ours_margin0"] = sums["ours"]
-        own = [p for p in statics if p.layout() in layouts]  # the guard's fallbacks
+        own = [p for p in statics if p in layouts]  # the guard's fallbacks
         ladder["ours"] = sums["ours"]
         ladder["candidate_static"] = min((static_totals[p] for p in own), default=math.inf)
         extra["breakdown"] = {k: static_s / v for k, v in ladder.items()}

@@ -62,7 +62,7 @@ def solve_milp(lengths: Sequence[int], options: Sequence[OptionCost],
     def row(lb: float, ub: float, idx: list[int], vals: list[float]) -> None:
         h.addRow(float(lb), float(ub), len(idx), np.asarray(idx, dtype=np.int32), np.asarray(vals, dtype=np.float64))
 
-    layouts = list(dict.fromkeys(o.parallelism.layout() for o in options))
+    layouts = list(dict.fromkeys(o.layout for o in options))
     x: dict[tuple[int, int, int], int] = {}
     y, z, nmb = {}, {}, {}
     for o, opt in enumerate(options):
@@ -71,7 +71,7 @@ def solve_milp(lengths: Sequence[int], options: Sequence[OptionCost],
         y[o] = col(opt.stage_fixed, 0, 1, True)
         z[o] = col(1.0, 0, inf, False)
         loads = []
-        for g in range(opt.parallelism.dp):
+        for g in range(opt.layout.dp):
             nmb[o, g] = col(0.0, 0, inf, True)
             members = [i for i in range(arr.size) if padded[i] <= opt.capacity]
             for i in members:
@@ -99,7 +99,7 @@ def solve_milp(lengths: Sequence[int], options: Sequence[OptionCost],
             w[used] = col(switch_cost(used)[0], 0, 1, True)
     row(1, 1, list(w.values()), [1.0] * len(w))
     for lay in layouts:
-        mine = [o for o, opt in enumerate(options) if opt.parallelism.layout() == lay]
+        mine = [o for o, opt in enumerate(options) if opt.layout == lay]
         ys = [y[o] for o in mine]
         ws = [v for used, v in w.items() if lay in used]
         both: list[int] = []

@@ -25,7 +25,7 @@ import numpy as np
 from ..layout import Layout
 from ..planner.assign import pack_lpt
 from ..planner.candidates import auto_layouts, enumerate_layouts
-from ..planner.cost_model import AnalyticCostModel, CostModelError, Parallelism
+from ..planner.cost_model import AnalyticCostModel, CostModelError
 from ..planner.packing import max_doc_length
 from ..planner.solver import CostModelPlanner
 from .artifact_rule import RuleNotFoundError, artifact_rule, artifact_stages
@@ -53,17 +53,17 @@ def sample_batches(kind: str, context: int, batches: int, sequences: int = 512, 
 
 
 def static_layouts(cm: AnalyticCostModel, longest: int, include_pp: bool = True,
-                   tokens_per_rank: int | None = None) -> list[Parallelism]:
+                   tokens_per_rank: int | None = None) -> list[Layout]:
     """Every static layout that holds a ``longest``-token document: our (dp, tp, cp) family and,
     with ``include_pp``, Megatron-style (dp, tp, pp) with pp in {2, 4}. ``tokens_per_rank``: the
     planner's capacity override (then pp layouts are left out: the override has no pp rule)."""
-    out = [Parallelism.of(lay) for lay in enumerate_layouts(cm.world_size, cm)]
+    out = [lay for lay in enumerate_layouts(cm.world_size, cm)]
     if include_pp:
         for pp in (2, 4):
             for tp in (1, 2, 4, 8):
                 if cm.world_size % (tp * pp) or tp > cm.hardware.devices_per_node:
                     continue
-                par = Parallelism(dp=cm.world_size // (tp * pp), tp=tp, pp=pp)
+                par = Layout(dp=cm.world_size // (tp * pp), tp=tp, pp=pp)
                 try:
                     cm.check(par)
                 except CostModelError:
@@ -76,14 +76,14 @@ def static_layouts(cm: AnalyticCostModel, longest: int, include_pp: bool = True,
     return [p for p in out if max(cm.option(p, ac).max_doc_length for ac in (False, True)) >= longest]
 
 
-def static_seconds(cm: AnalyticCostModel, par: Parallelism, lengths: np.ndarray,
-                   planners: dict[Parallelism, CostModelPlanner] | None = None,
+def static_seconds(cm: AnalyticCostModel, par: Layout, lengths: np.ndarray,
+                   planners: dict[Layout, CostModelPlanner] | None = None,
                    tokens_per_rank: int | None = None) -> float:
     """Predicted step seconds of one static layout (checkpointing only if it must)."""
     if par.pp == 1:
         planners = {} if planners is None else planners
         if par not in planners:
-            planners[par] = CostModelPlanner([par.layout()], model=cm.model, hardware=cm.hardware,
+            planners[par] = CostModelPlanner([par], model=cm.model, hardware=cm.hardware,
                                              tokens_per_rank=tokens_per_rank)
         return planners[par].solve(lengths)[0]
     best = math.inf
@@ -99,7 +99,7 @@ def static_seconds(cm: AnalyticCostModel, par: Parallelism, lengths: np.ndarray,
     return best
 
 
-def rule_seconds(cm: AnalyticCostModel, rule: Sequence[tuple[int, Parallelism]], lengths: np.ndarray,
+def rule_seconds(cm: AnalyticCostModel, rule: Sequence[tuple[int, Layout]], lengths: np.ndarray,
                  packing: str = "ours") -> tuple[float, bool]:
     stages, order, fits = artifact_stages(lengths, rule, cm, packing)
     return sum(s[2] for s in stages) + cm.switch_sequence_seconds(order), fits
@@ -184,7 +184,7 @@ def simulate_cell(model: str, world_size: int, context: int, data: str, hardware
     longest = max(int(b.max()) for b in data_batches)
     statics = static_layouts(cm, longest)
     ours, static_totals, tokens = [], {p: 0.0 for p in statics}, []
-    planners: dict[Parallelism, CostModelPlanner] = {}
+    planners: dict[Layout, CostModelPlanner] = {}
     rules: dict[str, list[float]] = {}
     rules_art: dict[str, list[float]] = {}
     fits: dict[str, bool] = {}
