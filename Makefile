@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: install test train lint clean
+.PHONY: install test test-fast docs train lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -19,6 +19,15 @@ install: $(STAMP)
 
 test: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider
+
+# The fast tier: tests marked `fast` by tests/conftest.py (no process group, no spawned ranks).
+test-fast: $(STAMP)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider -m fast
+
+# The API reference from the docstrings (pdoc, from the test extra): build/api/index.html. Fails on
+# any pdoc warning (tests/test_api_docs.py checks the same in `make test`).
+docs: $(STAMP)
+	$(PY) -m lightning_hotspa.tools.api_docs build/api
 
 # The embedded default (configs/config.yaml): tiny Llama, strategy=hotspa on 4 CPU processes, the
 # bundled stdlib corpus, W&B offline unless WANDB_MODE says otherwise. Fails if the mean loss of the

@@ -1,6 +1,6 @@
 """Single-device model speed per attention backend: tokens/s and MFU at each document length.
 
-For calibrating a GPU hardware profile (issue 8, part 6; ``planner/hardware.py``): one device, no
+For calibrating a GPU hardware profile (``planner/hardware.py``): one device, no
 parallelism, forward + backward (no optimizer) of a Llama preset on packed rows of ``--tokens``
 tokens cut into documents of one length each, for every backend in ``--backends`` and length in
 ``--lengths``. Each cell is the median over ``--steps`` timed steps after ``--warmup``, with a device

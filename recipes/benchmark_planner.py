@@ -1,4 +1,4 @@
-"""Planner time for 512 documents, with the never-worse-than-static guard (issue 15 target: <= 50 ms).
+"""Planner time for 512 documents, with the never-worse-than-static guard (target: <= 50 ms).
 
 For each candidate set (the paper's 8-GPU set, larger long-context sets with all-gather-KV and
 hybrid layouts, and sets with sharded working copies, plain and HSDP) it times ``CostModelPlanner.plan`` (guarded: the multi-layout solve plus one solve

@@ -27,3 +27,32 @@ def ranks():
     for pool in _POOLS.values():
         pool.close()
     _POOLS.clear()
+
+
+#: test modules whose tests run in one process (no process group, no spawned ranks); their tests
+#: that take the ``ranks`` fixture or are marked ``slow`` stay out of the fast tier
+FAST_MODULES = frozenset({
+    "test_chat_data", "test_docs_paths", "test_fsdp_planner", "test_hf", "test_kv_gather",
+    "test_layout", "test_long_grid", "test_minibatches", "test_packing", "test_plan", "test_planner",
+    "test_profile_update", "test_timeline", "test_vocab",
+})
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark the fast tier (``make test-fast``: ``pytest -m fast``)."""
+    for item in items:
+        module = item.module.__name__.rsplit(".", 1)[-1] if getattr(item, "module", None) else ""
+        if (module in FAST_MODULES and "ranks" not in getattr(item, "fixturenames", ())
+                and item.get_closest_marker("slow") is None):
+            item.add_marker(pytest.mark.fast)
+
+
+@pytest.fixture(autouse=True)
+def _fast_tests_create_no_process_group(request):
+    """A test of the fast tier that leaves a default process group behind fails."""
+    yield
+    if request.node.get_closest_marker("fast") is not None:
+        import torch.distributed as dist
+
+        assert not (dist.is_available() and dist.is_initialized()), \
+            f"{request.node.nodeid} is in the fast tier but created a process group"

@@ -1,4 +1,4 @@
-"""How the planner prices and places sharded working copies (``:fsdp``, issue 15 item 2): the time
+"""How the planner prices and places sharded working copies (``:fsdp``): the time
 and memory terms of the cost model, the candidates, and the solver's choice. Single process, fast."""
 
 from __future__ import annotations

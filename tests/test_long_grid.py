@@ -11,7 +11,7 @@ from lightning_hotspa.planner.solver import CostModelPlanner
 from lightning_hotspa.tools.long_grid import SMOKE_GRID, long_grid, oracle_seconds, token_batch
 from lightning_hotspa.tools.oracles import LADDER, charged_oracle
 
-# Frozen before the long grid was first run (issue 15): the simulator must not be tuned to its own
+# Frozen before the long grid was first run: the simulator must not be tuned to its own
 # targets. Changing a number here needs a before/after table in BENCHMARKS.md.
 FROZEN = {
     "H100": dict(peak_flops=989e12, dense_efficiency=0.55, attention_efficiency=0.40, memory_bytes=80 * 2**30,

@@ -20,8 +20,8 @@ heads over the whole sequence for attention. Both parts therefore divide by ``tp
 split of plan.py keeps causal work even, and is exact under Ulysses since attention runs on whole
 rows); the cost is padding (``s`` rounded up to ``2*cp``) and communication:
 
-* TP (Megatron with sequence parallel): 2 all-reduce-equivalents of the ``[s/cp, h]`` activations per
-  layer forward, 2 backward, 2 more when checkpointing recomputes the forward; ring cost
+* TP (Megatron-style; no sequence parallelism, the runtime has none): 2 all-reduces of ``[s/cp, h]``
+  per layer forward, 2 backward, 2 more when checkpointing recomputes the forward; ring cost
   ``2(tp-1)/tp * bytes / busbw``. Not overlapped with compute (as in our runtime).
 * CP (Ulysses): per layer one all-to-all of fused q/k/v and one of the output forward, the same
   backward (+ forward again with checkpointing); each moves ``(cp-1)/cp`` of its ``1/tp`` head slice.
@@ -235,7 +235,7 @@ class AnalyticCostModel(MemoryModel):
             bw, lat = hw.bandwidth(par.tp), hw.latency(par.tp)
             b += calls * 2.0 * (par.tp - 1) / par.tp * m.hidden * self.param_bytes / par.cp / bw
             d += calls * lat
-        # ---- context parallelism (w15: Ulysses part, then all-gather-KV part) ----
+        # ---- context parallelism (Ulysses part, then all-gather-KV part) ----
         u, g = par.cp_ulysses, par.cp_kv
         if u > 1:
             span = par.tp * u

@@ -1,7 +1,7 @@
 """Never worse than static by design: switch layouts only for a predicted gain above a margin.
 
 Why: a multi-layout plan wins only by the cost model's prediction, and predictions err. On the CPU
-box the planner switched for predicted gains of 0-8 % that noise and per-stage costs ate (issue 15).
+box the planner switched for predicted gains of 0-8 % that noise and per-stage costs ate.
 So for every step the solver also plans the same documents in each single candidate layout and keeps
 the multi-layout plan only when ``best single / multi - 1 > margin``. A plan already in one layout is
 checked too (margin 0): the heuristic's one-layout plan, picked among all options, can be slower than
