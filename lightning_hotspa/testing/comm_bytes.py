@@ -118,25 +118,36 @@ class _FunctionalCollectiveMode(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = func._overloadpacket.__name__
-        if func.namespace == "_c10d_functional" and name != "wait_tensor":
-            # every functional collective names its group last; resolve it for the size and ranks
-            from torch.distributed.distributed_c10d import _resolve_process_group
-
-            group = _resolve_process_group(kwargs.get("group_name", args[-1]))
-            ranks = group_ranks(group)
-            inp = args[0]
-            if name == "all_gather_into_tensor":
-                self.log.add(name, (args[1] - 1) * _nbytes(inp), ranks)
-            elif name == "reduce_scatter_tensor":
-                g = args[2]
-                self.log.add(name, (g - 1) * _nbytes(inp) // g, ranks)
-            elif name in ("all_reduce", "all_to_all_single"):
-                g = len(ranks)
-                factor = 2 if name == "all_reduce" else 1
-                self.log.add(name, factor * (g - 1) * _nbytes(inp) // g, ranks)
-            else:  # broadcast, the coalesced variants: not modelled, still logged
-                self.log.add(name, 0, ranks)
+        if func.namespace == "_c10d_functional" and name in _FUNCTIONAL_COLLECTIVES:
+            self._log(name, args, kwargs)
         return func(*args, **kwargs)
+
+    def _log(self, name: str, args: tuple, kwargs: dict) -> None:
+        """Logs one functional collective; every one names its group last (as ``group_name``)."""
+        from torch.distributed.distributed_c10d import _resolve_process_group
+
+        group = _resolve_process_group(kwargs.get("group_name", args[-1]))
+        ranks = group_ranks(group)
+        g = len(ranks)
+        inputs = args[0] if name.endswith("_coalesced") else [args[0]]
+        size = sum(_nbytes(t) for t in inputs)
+        base = name.removesuffix("_coalesced")
+        if base == "all_gather_into_tensor":
+            self.log.add(name, (g - 1) * size, ranks)
+        elif base in ("reduce_scatter_tensor", "all_to_all_single"):
+            self.log.add(name, (g - 1) * size // g, ranks)
+        elif base == "all_reduce":
+            self.log.add(name, 2 * (g - 1) * size // g, ranks)
+        else:  # broadcast, point-to-point: not modelled, still logged
+            self.log.add(name, 0, ranks)
+
+
+# the ops of ``torch.ops._c10d_functional`` that communicate; the rest (``wait_tensor``,
+# ``_wrap_tensor_autograd`` on torch 2.13, ...) are bookkeeping and take no group
+_FUNCTIONAL_COLLECTIVES = frozenset({
+    "all_gather_into_tensor", "all_gather_into_tensor_coalesced", "reduce_scatter_tensor",
+    "reduce_scatter_tensor_coalesced", "all_reduce", "all_reduce_coalesced", "all_to_all_single",
+    "broadcast"})
 
 
 @contextlib.contextmanager

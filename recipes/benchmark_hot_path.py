@@ -1,0 +1,343 @@
+"""Hot-path benchmark: the counts and ratios of issue 29, measured on the real code path, one JSON line last.
+
+Keys (docs/gpu-runtime.md explains each):
+
+* ``host_syncs_per_micro_batch``: per layout kind (dp, tp, ulysses, kv, hybrid, fsdp), the would-be
+  host syncs (:mod:`lightning_hotspa.testing.host_syncs`) counted from each micro-batch's forward to
+  the end of its backward, in the SECOND step (steady state), on 4 gloo ranks, a tiny GQA Llama;
+  the max over ranks, divided by the micro-batches.
+* ``kv_attention_calls_per_layer``: attention-kernel calls one layer's forward makes for ONE document
+  on the busiest cp rank of ``:kv`` (llama3-8b heads, tp=1): the geometry the forward iterates
+  (``tests/test_kv_gather.py`` checks the forward makes exactly that many kernel calls), and per
+  local query chunk (2 per document per rank).
+* ``kv_work_vs_single``: CPU seconds of forward+backward of one document at cp4 ``:kv`` summed over
+  4 gloo ranks, over the same document in one process (4-D SDPA), same run.
+* ``collectives_per_step``: llama7b on 8 fake ranks (``FakeTensorMode``), NCCL default bucket sizes:
+  a switch from home plus one reducing stage (``:fsdp``: one forward+backward with its per-unit
+  gathers and reduce-scatters); count and mean payload (MB per call, input size).
+* ``process_groups_per_rank``: at 8, 64 and 1024 fake ranks, ``WorldMesh`` of the ``auto`` candidate
+  set of llama3-8b on H100: process groups rank 0 belongs to and group creations every rank calls.
+* ``switch_bytes_over_lower_bound``: ``benchmark_switch.py --world 4`` and ``--world 8`` (small model).
+
+    python recipes/benchmark_hot_path.py [--kv-tokens 32768] [--skip-switch]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from lightning_hotspa.layout import Layout  # noqa: E402
+from lightning_hotspa.testing.spawn import run_on_ranks  # noqa: E402
+
+KINDS = {"dp": "dp4", "tp": "dp2xtp2", "ulysses": "cp4", "kv": "cp4:kv", "hybrid": "cp4:kv2", "fsdp": "dp4:fsdp"}
+MB = 1e6
+
+
+# -- host syncs ---------------------------------------------------------------------------------------
+
+def _plan(world, layout: Layout, step: int):
+    from lightning_hotspa.plan import Stage, StepPlan, slice_plan
+
+    lengths = [40, 24, 56, 32] * layout.dp  # two micro-batches of two documents per dp group
+    groups = tuple(((4 * g, 4 * g + 1), (4 * g + 2, 4 * g + 3)) for g in range(layout.dp))
+    gen = torch.Generator().manual_seed(step)
+    docs = [torch.randint(0, 256, (n,), generator=gen) for n in lengths]
+    return slice_plan(StepPlan(step, tuple(lengths), (Stage(layout, groups, label=layout.name),)), docs,
+                      world.shape, world.rank)
+
+
+def host_syncs_rank() -> dict[str, dict]:
+    """On one gloo rank: per layout kind, syncs per micro-batch in the second step, and their ops."""
+    from lightning_hotspa.engine.step_runner import StepHooks, StepRunner
+    from lightning_hotspa.engine.switch import SwitchEngine, build_home_parameters
+    from lightning_hotspa.layout import WorldMesh
+    from lightning_hotspa.models import LlamaConfig, llama_tp_plan, param_roles
+    from lightning_hotspa.parallel.model import ParallelModel
+    from lightning_hotspa.placements import build_shardings
+    from lightning_hotspa.testing.host_syncs import count_host_syncs
+    from lightning_hotspa.tools.memory import _Wrapped
+
+    torch.manual_seed(0)
+    module = _Wrapped(LlamaConfig.preset("tiny"))
+    layouts = [Layout.parse(x) for x in KINDS.values()]
+    world = WorldMesh(layouts)
+    init = {n: p.detach().clone() for n, p in module.named_parameters()}
+    roles = param_roles(module, llama_tp_plan(module.model.config, 2, prefix="model."))
+    shardings = build_shardings({n: tuple(p.shape) for n, p in init.items()}, roles, world.shape)
+    home = build_home_parameters(world, shardings, lambda name, shape: init[name])
+    parallel = ParallelModel(module, roles, world)
+    parallel.restore(home)
+    engine = SwitchEngine(world, shardings, home)
+    runner = StepRunner(engine, parallel)
+
+    class Window(StepHooks):
+        def __init__(self, log):
+            self.log, self.micro_batches = log, 0
+
+        def enter_micro_batch(self, micro_batch):
+            self.micro_batches += 1
+            self.log.enabled = True
+
+        def backward(self, scaled_loss):
+            scaled_loss.backward()
+            self.log.enabled = False
+
+    out = {}
+    for kind, name in KINDS.items():
+        layout = Layout.parse(name)
+        runner.run(_plan(world, layout, 0), module)  # warm-up step: caches fill
+        engine.clear_grad_store()
+        plan = _plan(world, layout, 1)
+        with count_host_syncs() as log:
+            log.enabled = False
+            window = Window(log)
+            runner.run(plan, module, window)
+        engine.clear_grad_store()
+        out[kind] = {"per_micro_batch": log.count / window.micro_batches, "ops": dict(log.ops)}
+    return out
+
+
+def host_syncs() -> dict:
+    per_rank = run_on_ranks(host_syncs_rank, 4, timeout_s=1800)
+    result, ops = {}, {}
+    for kind in KINDS:
+        worst = max(per_rank, key=lambda r: r[kind]["per_micro_batch"])[kind]
+        result[kind], ops[kind] = worst["per_micro_batch"], worst["ops"]
+    return {"host_syncs_per_micro_batch": result, "host_sync_ops_busiest_rank": ops}
+
+
+# -- all-gather-KV attention ---------------------------------------------------------------------------
+
+def kv_calls() -> dict:
+    """Kernel calls per layer forward for one document, busiest cp rank, llama3-8b heads (tp=1)."""
+    from lightning_hotspa.models.config import LlamaConfig
+    from lightning_hotspa.parallel.kv_gather import kv_geometry
+
+    heads = LlamaConfig.preset("llama3-8b").n_heads
+    out = {}
+    for tokens, cp in ((32768, 4), (131072, 8)):
+        local = tokens // cp
+        cu = torch.tensor([0, local], dtype=torch.int32)
+        calls = max(len(kv_geometry(cu, cp, 1, cp, r, heads).blocks) for r in range(cp))
+        out[f"{tokens // 1024}K cp{cp}"] = {"calls": calls, "per_local_chunk": calls / 2}
+    return out
+
+
+def _qkv(tokens: int, heads: int, kv_heads: int, dim: int):
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randn(tokens, h, dim, generator=gen) for h in (heads, kv_heads, kv_heads)]
+
+
+def kv_work_rank(tokens: int, heads: int, kv_heads: int, dim: int) -> float:
+    """This rank's CPU seconds of forward+backward of its share of one document at cp4 ``:kv``."""
+    from lightning_hotspa.layout import WorldMesh
+    from lightning_hotspa.parallel.kv_gather import kv_gather_attention
+    from lightning_hotspa.plan import pack_micro_batch
+
+    world = WorldMesh(["cp4:kv"])
+    groups = world.layout_groups("cp4:kv")
+    cp_rank = groups.cp.index
+    mb = pack_micro_batch([torch.zeros(tokens, dtype=torch.int64)], 4, cp_rank)
+    q, k, v = _qkv(tokens, heads, kv_heads, dim)
+    rows = torch.cat([torch.arange(tokens).chunk(8)[i] for i in (cp_rank, 7 - cp_rank)])
+    q, k, v = (t[rows].clone().requires_grad_() for t in (q, k, v))
+    dist.barrier()
+    start = time.thread_time()
+    out = kv_gather_attention(q, k, v, mb.cu_seqlens, groups, mb)
+    out.sum().backward()
+    return time.thread_time() - start
+
+
+def kv_work(tokens: int, heads: int, kv_heads: int, dim: int) -> dict:
+    from lightning_hotspa.models.attention import sdpa_attention
+
+    torch.set_num_threads(1)
+    q, k, v = (t.requires_grad_() for t in _qkv(tokens, heads, kv_heads, dim))
+    start = time.thread_time()
+    out = sdpa_attention(q, k, v, torch.tensor([0, tokens], dtype=torch.int32), tokens)
+    out.sum().backward()
+    single = time.thread_time() - start
+    ranks = run_on_ranks(kv_work_rank, 4, tokens, heads, kv_heads, dim, timeout_s=3600)
+    return {"kv_work_vs_single": sum(ranks) / single,
+            "kv_work_detail": {"tokens": tokens, "heads": heads, "kv_heads": kv_heads, "head_dim": dim,
+                               "single_cpu_s": single, "ranks_cpu_s": ranks}}
+
+
+# -- collectives at llama7b scale, fake ranks ----------------------------------------------------------
+
+def _nccl_bucket_kwargs() -> dict:
+    """The strategy's NCCL bucket defaults (none before issue 29: the engine's own, 4 MiB)."""
+    try:
+        from lightning_hotspa.engine.buckets import bucket_defaults
+    except ImportError:
+        return {}
+    return bucket_defaults("nccl").engine_kwargs()
+
+
+def collectives_for(layout_name: str) -> dict:
+    """Count and mean payload of the collectives of a switch from home + one reducing stage."""
+    from lightning_hotspa.engine.fsdp import ShardedUnits
+    from lightning_hotspa.engine.home import build_home_parameters
+    from lightning_hotspa.engine.switch import SwitchEngine
+    from lightning_hotspa.host import set_host_reads
+    from lightning_hotspa.layout import WorldMesh
+    from lightning_hotspa.models import LlamaConfig, llama_tp_plan, param_roles
+    from lightning_hotspa.parallel.model import ParallelModel
+    from lightning_hotspa.placements import build_shardings
+    from lightning_hotspa.testing.comm_bytes import count_collective_bytes
+    from lightning_hotspa.testing.fake_world import FakeWorld, fake_mode, host_reads_real
+    from lightning_hotspa.tools.memory import _as_if_mid_step, _empty_shard, _micro_batch, _Wrapped
+
+    config = LlamaConfig.preset("llama7b")
+    layout = Layout.parse(layout_name)
+    sizes: list[int] = []
+    with FakeWorld(8):
+        world = WorldMesh([layout])
+        mb = _micro_batch(layout, world, 64)
+        with torch.device("meta"):
+            module = _Wrapped(config)
+        roles = param_roles(module, llama_tp_plan(config, layout.tp, prefix="model.")) if layout.tp > 1 \
+            else {n: "replicated" for n, _ in module.named_parameters()}
+        shardings = build_shardings({n: tuple(p.shape) for n, p in module.named_parameters()}, roles, world.shape)
+        previous = set_host_reads(host_reads_real)
+        try:
+            with fake_mode():
+                module.to_empty(device="cpu")
+                home = build_home_parameters(world, shardings, None, init_shard=_empty_shard)
+                parallel = ParallelModel(module, roles, world)
+                parallel.restore(home)
+                engine = SwitchEngine(world, shardings, home, working_dtype=torch.bfloat16,
+                                      grad_accum_dtype=torch.float32, **_nccl_bucket_kwargs())
+                units = ShardedUnits(engine, module) if layout.fsdp else None
+                with _payloads(sizes), count_collective_bytes() as log:
+                    engine.materialize(layout)
+                    if units is None:
+                        _as_if_mid_step(engine, home)
+                    else:
+                        parallel.activate(layout, engine.working, False)
+                        with parallel.micro_batch(mb), units.forward_prefetch():
+                            loss = module(mb)
+                        loss.backward()
+                        units.end_backward()
+                    engine.reduce_gradients()
+                parallel.restore(home)
+                engine.release()
+        finally:
+            set_host_reads(previous)
+    return {"count": log.count, "mean_payload_MB": (sum(sizes) / len(sizes) / MB) if sizes else 0.0}
+
+
+@contextlib.contextmanager
+def _payloads(sizes: list[int]):
+    """Records the input bytes of every tensor collective (``dist`` functions) into ``sizes``."""
+    names = ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce", "all_to_all_single", "broadcast")
+    originals = {n: getattr(dist, n) for n in names}
+
+    def wrap(fn, pick):
+        def inner(*args, **kwargs):
+            t = args[pick] if len(args) > pick else None
+            if isinstance(t, torch.Tensor):
+                sizes.append(t.numel() * t.element_size())
+            return fn(*args, **kwargs)
+        return inner
+
+    for n, fn in originals.items():
+        setattr(dist, n, wrap(fn, 1 if n in ("all_gather_into_tensor", "reduce_scatter_tensor",
+                                             "all_to_all_single") else 0))
+    try:
+        yield
+    finally:
+        for n, fn in originals.items():
+            setattr(dist, n, fn)
+
+
+# -- process groups ------------------------------------------------------------------------------------
+
+def process_groups(world_size: int) -> dict:
+    """Groups rank 0 joins and group creations every rank calls, for the auto set of llama3-8b."""
+    import torch.distributed.distributed_c10d as c10d
+
+    from lightning_hotspa.layout import WorldMesh
+    from lightning_hotspa.planner.candidates import auto_layouts
+    from lightning_hotspa.testing.fake_world import FakeWorld
+
+    layouts = auto_layouts(world_size, "llama3-8b", "H100", 131072)
+    created = []
+    originals = {n: getattr(c10d, n) for n in ("new_group", "split_group") if hasattr(c10d, n)}
+
+    def wrap(name, fn):
+        def inner(*args, **kwargs):
+            created.append(name)
+            return fn(*args, **kwargs)
+        return inner
+
+    with FakeWorld(world_size):
+        for n, fn in originals.items():
+            setattr(c10d, n, wrap(n, fn))
+            setattr(dist, n, getattr(c10d, n))
+        try:
+            start = time.perf_counter()
+            world = WorldMesh(layouts)
+            seconds = time.perf_counter() - start
+        finally:
+            for n, fn in originals.items():
+                setattr(c10d, n, fn)
+                setattr(dist, n, fn)
+        member = getattr(world, "process_group_count", None)
+        if member is None:
+            member = len({id(g.group) for g in world._groups.values() if g.group is not None})
+    return {"layouts": [str(x) for x in layouts], "groups_of_rank_0": member,
+            "world_wide_creations": len(created), "seconds": seconds}
+
+
+# -- switch bytes --------------------------------------------------------------------------------------
+
+def switch_bytes(world: int) -> float:
+    cmd = [sys.executable, str(ROOT / "recipes" / "benchmark_switch.py"), "--world", str(world), "--hidden", "64",
+           "--ffn", "128", "--layers", "2", "--repeats", "1"]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=3600).stdout
+    return json.loads(out.strip().splitlines()[-1])["max_bytes_over_lower_bound"]
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--kv-tokens", type=int, default=32768, help="document length of kv_work_vs_single")
+    parser.add_argument("--kv-heads", type=int, nargs=2, default=(4, 2), metavar=("Q", "KV"))
+    parser.add_argument("--head-dim", type=int, default=32)
+    parser.add_argument("--skip-switch", action="store_true", help="leave out the benchmark_switch runs")
+    parser.add_argument("--only", nargs="*", default=None, help="compute only these keys' parts")
+    args = parser.parse_args(argv)
+    parts = {"syncs": host_syncs, "kv_calls": lambda: {"kv_attention_calls_per_layer": kv_calls()},
+             "kv_work": lambda: kv_work(args.kv_tokens, *args.kv_heads, args.head_dim),
+             "collectives": lambda: {"collectives_per_step": {x: collectives_for(x)
+                                                              for x in ("dp8", "dp4xtp2", "dp8:fsdp")}},
+             "groups": lambda: {"process_groups_per_rank": {str(n): process_groups(n) for n in (8, 64, 1024)}},
+             "switch": lambda: {"switch_bytes_over_lower_bound": {f"world {w}": switch_bytes(w) for w in (4, 8)}}}
+    if args.skip_switch:
+        parts.pop("switch")
+    result: dict = {"torch": torch.__version__}
+    for name, fn in parts.items():
+        if args.only and name not in args.only:
+            continue
+        start = time.perf_counter()
+        result.update(fn())
+        result.setdefault("seconds", {})[name] = round(time.perf_counter() - start, 1)
+        print(f"{name}: done in {result['seconds'][name]} s", file=sys.stderr, flush=True)
+    print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()
