@@ -1,27 +1,28 @@
 """The strategy's collectives (barrier, broadcast, reduce), each guarded by the step tracker: a
 failed or timed-out collective becomes a :class:`~.reliability.CollectiveError` naming where this
-rank was. A mixin of :class:`~.strategy.HotSPaStrategy`, which provides ``tracker`` and ``root_device``."""
+rank was. Inside a step, ``reduce`` keeps a logged value local for the step's one metric reduction
+(``metric_sync.StepMetricSync``). A mixin of :class:`~.strategy.HotSPaStrategy`, which provides
+``tracker``, ``metric_sync`` and ``root_device``."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import torch.distributed as dist
-from lightning.fabric.utilities.distributed import (
-    _distributed_is_initialized,
-    _sync_ddp_if_available,
-)
 from torch import Tensor
+
+from .lightning_compat import distributed_is_initialized, sync_ddp_if_available
 
 __all__ = ["GuardedCollectives"]
 
 
 class GuardedCollectives:
     tracker: Any
+    metric_sync: Any
     root_device: Any
 
     def barrier(self, name: str | None = None) -> None:
-        if not _distributed_is_initialized():
+        if not distributed_is_initialized():
             return
         with self.tracker.guard(f"barrier {name!r}" if name else "a barrier"):
             if dist.get_backend() == "nccl":
@@ -30,7 +31,7 @@ class GuardedCollectives:
                 dist.barrier()
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
-        if not _distributed_is_initialized():
+        if not distributed_is_initialized():
             return obj
         box = [obj]
         with self.tracker.guard("a broadcast"):
@@ -39,8 +40,10 @@ class GuardedCollectives:
 
     def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
         if isinstance(tensor, Tensor):
+            if self.metric_sync.active:  # self.log(sync_dist=True) inside a step: reduced at its end
+                return self.metric_sync.intercept(tensor, reduce_op)
             if not tensor.is_floating_point() and isinstance(reduce_op, str) and reduce_op.lower() in ("mean", "avg"):
                 tensor = tensor.double()  # Lightning's mean of an int tensor truncates (e.g. summed batch sizes)
             with self.tracker.guard("a reduce"):
-                return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+                return sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor

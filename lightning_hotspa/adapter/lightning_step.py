@@ -15,7 +15,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from lightning.pytorch.trainer import call
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 
@@ -23,6 +22,7 @@ from ..engine.records import StepResult
 from ..engine.step_runner import StepHooks
 from ..layout import Layout, LayoutError
 from ..plan import RankPlan, RankStage
+from .lightning_compat import call_callback_hooks, call_module_hook, trainer_results
 from .reliability import StepTracker
 from .stats import step_metrics
 
@@ -51,11 +51,11 @@ class LightningStepHooks(StepHooks):
         self.tracker.record_loss(loss, micro_batch)
 
     def backward(self, scaled_loss: Tensor) -> None:
-        call._call_callback_hooks(self.trainer, "on_before_backward", scaled_loss)
-        call._call_lightning_module_hook(self.trainer, "on_before_backward", scaled_loss)
+        call_callback_hooks(self.trainer, "on_before_backward", scaled_loss)
+        call_module_hook(self.trainer, "on_before_backward", scaled_loss)
         self.module.backward(scaled_loss)
-        call._call_callback_hooks(self.trainer, "on_after_backward")
-        call._call_lightning_module_hook(self.trainer, "on_after_backward")
+        call_callback_hooks(self.trainer, "on_after_backward")
+        call_module_hook(self.trainer, "on_after_backward")
 
 
 def as_scalar_loss(loss: Any, module: Any) -> Tensor:
@@ -113,8 +113,16 @@ def run_training_step(strategy: Any, batch: Any, batch_idx: int) -> tuple[StepRe
     plan = batch if isinstance(batch, RankPlan) else plain_plan(
         batch, layout, strategy.root_device, strategy.activation_checkpointing_for(layout))
     hooks = LightningStepHooks(module.trainer, module, strategy.tracker, strategy.precision_plugin)
-    result = strategy.runner.run(plan, lambda mb: as_scalar_loss(module.training_step(mb, batch_idx), module),
-                                 hooks, on_nonfinite=strategy.nonfinite)
+    results = trainer_results(module.trainer)
+
+    def loss_of(mb: Any) -> Tensor:
+        loss = as_scalar_loss(module.training_step(mb, batch_idx), module)
+        strategy.metric_sync.after_micro_batch(results)
+        return loss
+
+    with strategy.metric_sync.step(results):
+        result = strategy.runner.run(plan, loss_of, hooks, on_nonfinite=strategy.nonfinite)
+    strategy.metric_sync.finish(results, strategy.reduce, strategy.root_device)
     metrics = step_metrics(result.records)
     if result.skip_update:
         metrics["hotspa/skipped_steps"] = float(len(strategy.nonfinite.skipped_steps))
@@ -141,6 +149,16 @@ def run_eval_step(strategy: Any, hook: str, args: tuple, kwargs: dict) -> Any:
         raise LayoutError(f"plain batches need a pure data-parallel default layout, got {layout}")
     plan = batch if isinstance(batch, RankPlan) else RankPlan(-1, (RankStage(layout, (batch,)),), -1)
     fn = getattr(strategy.lightning_module, hook)
+    results = trainer_results(trainer)
+
+    def output_of(mb: Any) -> Any:
+        output = fn(mb, *rest, **kwargs)
+        strategy.metric_sync.after_micro_batch(results)
+        return output
+
     with strategy.tracker.guard():
-        return strategy.runner.run_forward(plan, lambda mb: fn(mb, *rest, **kwargs),
-                                           getattr(strategy.precision_plugin, _EVAL_CONTEXTS[hook]))
+        with strategy.metric_sync.step(results):
+            output = strategy.runner.run_forward(plan, output_of,
+                                                 getattr(strategy.precision_plugin, _EVAL_CONTEXTS[hook]))
+        strategy.metric_sync.finish(results, strategy.reduce, strategy.root_device)
+    return output

@@ -21,13 +21,8 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.distributed import (
-    _get_default_process_group_backend_for_device,
-    _init_dist_connection,
-)
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
@@ -56,7 +51,13 @@ from .layout_choice import (
     parse_layout_spec,
     resolve_layouts,
 )
+from .lightning_compat import (
+    SubprocessScriptLauncher,
+    default_process_group_backend,
+    init_dist_connection,
+)
 from .lightning_step import check_trainer, open_breadcrumbs, run_eval_step, run_training_step
+from .metric_sync import StepMetricSync
 from .node_checkpoint import placement_for
 from .nonfinite import NonFiniteHandler
 from .planner_factory import PLANNER_NAMES, build_planner, check_planner_spec
@@ -130,6 +131,7 @@ class HotSPaStrategy(GuardedCollectives, StrategyCheckpoints, ParallelStrategy):
         self.tracker = StepTracker()  # this rank's breadcrumb and the step's micro-batch losses
         self.nonfinite = NonFiniteHandler(nonfinite, self.tracker)
         self.profiling = ProfilingFeedback()
+        self.metric_sync = StepMetricSync()  # sync_dist logging: one reduction per step (metric_sync.py)
         self._skip_update = False
         self.num_nodes = 1
         self.world: WorldMesh | None = None
@@ -202,20 +204,20 @@ class HotSPaStrategy(GuardedCollectives, StrategyCheckpoints, ParallelStrategy):
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         if not self.cluster_environment.creates_processes_externally:
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+            self._launcher = SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
         reset_seed()
         self.set_world_ranks()
-        self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
+        self._process_group_backend = self._process_group_backend or default_process_group_backend(
             self.root_device)
         kwargs: dict[str, Any] = {"timeout": self._timeout}
         if self.root_device.type != "cpu":
             kwargs["device_id"] = self.root_device
         enable_nccl_flight_recorder(self._process_group_backend)  # before the process group exists
-        _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
+        init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
         self.tracker.rank = self.global_rank
         world_size = dist.get_world_size()
         self.layouts = resolve_layouts(self._layout_spec, world_size, type(self).__name__,

@@ -1,0 +1,118 @@
+"""Everyday Lightning features under ``strategy="hotspa"`` behave as under DDP or are refused at setup
+(issue 27): 2 gloo ranks, the tiny preset, uneven and empty dp groups."""
+
+from __future__ import annotations
+
+import lightning as L
+import torch
+import torch.distributed as dist
+from strategy_helpers import deal, lightning_rank_env, rank_plans
+
+import lightning_hotspa  # noqa: F401  (registers "hotspa")
+from lightning_hotspa import HotSPaStrategy
+from lightning_hotspa.layout import Layout
+from lightning_hotspa.models import LlamaLM
+from lightning_hotspa.plan import StepPlan
+
+DP2 = [Layout.parse("dp2")]
+
+
+class LoggingLM(LlamaLM):
+    """The tiny LlamaLM logging a synced value per micro-batch, and remembering what it logged."""
+
+    def __init__(self) -> None:
+        super().__init__("tiny", seed=3, lr=2e-3)
+        self.train_logged: list[list[float]] = []
+        self.val_logged: list[tuple[float, int]] = []
+
+    def training_step(self, batch, batch_idx=0):
+        loss = self._loss(batch)
+        if not self.train_logged or self.train_logged[-1][0] != self.trainer.global_step:
+            self.train_logged.append([self.trainer.global_step])
+        self.train_logged[-1].append(float(loss))
+        self.log("mb_loss", loss.detach(), on_step=True, on_epoch=True, sync_dist=True,
+                 batch_size=int(batch.num_target_tokens))
+        self.log("mb_max", loss.detach(), on_step=True, on_epoch=False, sync_dist=True, reduce_fx="max")
+        return loss
+
+    def validation_step(self, batch, batch_idx=0):
+        loss = self._loss(batch)
+        self.val_logged.append((float(loss), int(batch.num_target_tokens)))
+        self.log("val/loss", loss, sync_dist=True, batch_size=int(batch.num_target_tokens))
+        return loss
+
+
+def _uneven_plans(steps: int, docs: int) -> list[StepPlan]:
+    """dp2 plans of ``docs`` documents, two per micro-batch, group 0 holding the most (3 docs pairs:
+    rank 0 two micro-batches, rank 1 one; 1 pair: rank 1 none)."""
+    lengths = [[9, 20, 14, 6, 31, 12][:docs], [17, 5, 26, 11, 8, 23][:docs]]
+    return [StepPlan(s, tuple(lengths[s % 2]), (deal(DP2[0], list(range(docs))),)) for s in range(steps)]
+
+
+def _loader(batches):
+    return torch.utils.data.DataLoader(batches, batch_size=None, collate_fn=lambda x: x)
+
+
+def _trainer(steps: int, **kwargs) -> L.Trainer:
+    return L.Trainer(accelerator="cpu", devices=dist.get_world_size(), strategy=HotSPaStrategy(["dp2"], timeout=20),
+                     max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                     enable_model_summary=False, use_distributed_sampler=False, **kwargs)
+
+
+def _gather(obj):
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def log_with_uneven_micro_batches() -> dict:
+    """Row 1: ``self.log(sync_dist=True)`` per micro-batch; rank 0 runs 2 micro-batches, rank 1 one."""
+    batches = rank_plans(_uneven_plans(2, 6), DP2, dist.get_rank())
+    with lightning_rank_env():
+        trainer = _trainer(2, num_sanity_val_steps=0)
+        model = LoggingLM()
+        trainer.fit(model, train_dataloaders=_loader(batches))
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("mb_")}
+    return {"counts": [len(b.micro_batches) for b in batches], "logged": _gather(model.train_logged),
+            "tokens": _gather([[int(m.num_target_tokens) for m in b.micro_batches] for b in batches]),
+            "metrics": metrics}
+
+
+def test_sync_dist_logging_with_uneven_micro_batches_per_rank(ranks):
+    results = ranks(2).run(log_with_uneven_micro_batches, timeout_s=240)
+    assert results[0]["counts"] == [2, 2] and results[1]["counts"] == [1, 1]  # really uneven
+    logged, tokens = results[0]["logged"], results[0]["tokens"]
+    last = [v for rank in logged for v in rank[-1][1:]]  # every micro-batch's loss of the last step
+    values = [v for rank in logged for step in rank for v in step[1:]]
+    weights = [t for rank in tokens for step in rank for t in step]
+    for r in results:  # the same on every rank
+        m = r["metrics"]
+        assert abs(m["mb_loss_step"] - sum(last) / len(last)) <= 1e-6 * abs(m["mb_loss_step"]), (m, last)
+        assert m["mb_max"] == max(last), (m, last)
+        epoch = sum(v * w for v, w in zip(values, weights)) / sum(weights)
+        assert abs(m["mb_loss_epoch"] - epoch) <= 1e-6 * epoch, (m, epoch)
+
+
+def validate_with_an_empty_rank(mode: str) -> dict:
+    """Row 2: validation where rank 1 holds no micro-batch at all (one pair of documents per plan)."""
+    train = rank_plans(_uneven_plans(1, 6), DP2, dist.get_rank())
+    val = rank_plans(_uneven_plans(2, 2), DP2, dist.get_rank())
+    with lightning_rank_env():
+        trainer = _trainer(1, num_sanity_val_steps=0)
+        model = LoggingLM()
+        if mode == "fit":
+            trainer.fit(model, train_dataloaders=_loader(train), val_dataloaders=_loader(val))
+            value = float(trainer.callback_metrics["val/loss"])
+        else:
+            value = trainer.validate(model, dataloaders=_loader(val), verbose=False)[0]["val/loss"]
+    return {"counts": [len(b.micro_batches) for b in val], "value": value, "logged": _gather(model.val_logged)}
+
+
+def test_validation_with_a_rank_holding_no_micro_batch(ranks):
+    for mode in ("fit", "validate"):
+        results = ranks(2).run(validate_with_an_empty_rank, mode, timeout_s=240)
+        assert results[1]["counts"] == [0, 0] and results[0]["counts"] == [1, 1]
+        logged = [x for rank in results[0]["logged"] for x in rank]
+        expected = sum(v * t for v, t in logged) / sum(t for _, t in logged)
+        for r in results:
+            assert abs(r["value"] - expected) <= 1e-6 * expected, (mode, r["value"], expected)
