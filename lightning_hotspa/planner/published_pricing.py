@@ -1,0 +1,87 @@
+"""Prices a published run (:mod:`.published_runs`) through the planner's own path.
+
+A run's step is one stage of its layout: every dp group runs ``grad_accum`` micro-batches of
+``micro_batch`` sequences of ``seq_len`` tokens, priced by :meth:`AnalyticCostModel.option` and
+:meth:`OptionCost.stage_seconds` (lockstep rounds for a sharded copy, as the planner prices them),
+plus the stage's gradient reduction. The capacity is the source's own micro-batch; whether it would
+fit OUR runtime's memory is reported beside it (``fits_ours``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from .cost_model import AnalyticCostModel
+from .parallelism import Parallelism
+from .published_runs import PublishedRun
+
+__all__ = ["PricedRun", "price_run", "summarize", "attention_bands"]
+
+#: attention share bands for ``by_attention_share`` (the issue's "attention-heavy": share > 0.5)
+attention_bands = ((0.0, 0.25), (0.25, 0.5), (0.5, 1.0))
+
+
+@dataclass(frozen=True)
+class PricedRun:
+    """One run's prediction: ``predicted`` tokens/s/GPU; the step's seconds split into ``dense_s``
+    (GEMMs), ``attention_s`` and ``other_s`` (exposed communication, overheads) per micro-batch
+    round of one dp group; ``fits_ours``: OUR memory model holds its micro-batch."""
+
+    run: PublishedRun
+    predicted: float
+    step_s: float
+    dense_s: float
+    attention_s: float
+    other_s: float
+    fits_ours: bool
+
+    @property
+    def ratio(self) -> float:
+        return self.predicted / self.run.tokens_per_s_per_gpu
+
+    @property
+    def attention_share(self) -> float:
+        return self.attention_s / self.step_s
+
+
+def parallelism_of(run: PublishedRun) -> Parallelism:
+    """The run's layout as the cost model's :class:`Parallelism` (ZeRO-2 priced as a sharded copy)."""
+    return Parallelism(run.dp, run.tp, run.cp, run.pp, fsdp=run.sharding != "none")
+
+
+def price_run(run: PublishedRun, model_for: Callable[[PublishedRun], AnalyticCostModel]) -> PricedRun:
+    """Predicted tokens/s/GPU of ``run`` with the cost model ``model_for(run)`` builds."""
+    cm = model_for(run)
+    par, ac = parallelism_of(run), run.checkpointing == "full"
+    tokens = run.micro_batch * run.seq_len
+    opt = cm.option(par, ac, capacity=tokens)
+    doc = opt.doc_seconds(opt.padded([run.seq_len] * run.micro_batch))
+    groups = [[list(range(run.micro_batch))] * run.grad_accum] * run.dp
+    step = opt.stage_seconds(doc, groups) + opt.stage_fixed
+    dense = cm._dense_seconds_per_token(par, ac) * tokens * run.grad_accum
+    attention = opt.quadratic * float(np.sum(np.asarray(opt.padded([run.seq_len] * run.micro_batch), float) ** 2 +
+                                             np.asarray(opt.padded([run.seq_len] * run.micro_batch), float)))
+    attention *= run.grad_accum
+    predicted = run.dp * run.grad_accum * tokens / (step * run.world)
+    fits = cm.capacity(par, ac) >= tokens
+    return PricedRun(run, predicted, step, dense, attention, step - dense - attention, fits)
+
+
+def _geomean(ratios: Sequence[float]) -> float:
+    return math.exp(sum(math.log(r) for r in ratios) / len(ratios)) if ratios else float("nan")
+
+
+def summarize(priced: Sequence[PricedRun], held_out: set[str] | None = None) -> dict:
+    """The recipe's statistics over ``priced`` (held-out rows only when ``held_out`` is given)."""
+    rows = [p for p in priced if held_out is None or p.run.id in held_out]
+    logs = [abs(math.log(p.ratio)) for p in rows]
+    bands = {}
+    for lo, hi in attention_bands:
+        band = [p.ratio for p in rows if lo < p.attention_share <= hi or (lo == 0 and p.attention_share == 0)]
+        bands[f"({lo}, {hi}]"] = {"rows": len(band), "geomean_ratio": _geomean(band)}
+    return {"count": len(rows), "geomean_ratio": _geomean([p.ratio for p in rows]),
+            "max_abs_log_ratio": max(logs) if logs else float("nan"), "by_attention_share": bands}
