@@ -126,8 +126,11 @@ class WorldMesh:
             raise LayoutError(f"mesh dims {dims} are not a contiguous range of {self.shape.sizes}")
         return self._groups[dims]
 
-    def layout_groups(self, layout: Layout | str | Mapping[str, int]) -> LayoutGroups:
-        layout = Layout.parse(layout)
+    def layout_groups(self, layout: Layout) -> LayoutGroups:
+        """This rank's tp / cp / dp groups (and the two parts of cp) of ``layout``, one of the mesh's."""
+        if not isinstance(layout, Layout):
+            raise LayoutError(f"expected a Layout, got {layout!r} ({type(layout).__name__}); parse names at the "
+                              f"edge with Layout.parse")
         if layout not in self.layouts:
             raise LayoutError(f"layout {layout} is not among this mesh's layouts {[str(x) for x in self.layouts]}")
         return LayoutGroups(

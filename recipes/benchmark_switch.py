@@ -103,11 +103,11 @@ def bench_rank(layout_names: list[str], hidden: int, ffn: int, layers: int, repe
         for _ in range(repeats):
             # ours
             if src is not None:
-                engine.materialize(src)
+                engine.materialize(Layout.parse(src))
             dist.barrier()
             with count_collective_bytes() as ours_log:
                 start = time.perf_counter()
-                engine.materialize(dst) if src is None else engine.switch(dst)
+                engine.materialize(dst_layout) if src is None else engine.switch(dst_layout)
                 elapsed = time.perf_counter() - start
             ours_t.append(_slowest(elapsed))
             ours = {n: w.detach() for n, w in engine.working.items()}
@@ -115,7 +115,7 @@ def bench_rank(layout_names: list[str], hidden: int, ffn: int, layers: int, repe
             if src is None:
                 sources = home
             else:
-                engine.materialize(src)
+                engine.materialize(Layout.parse(src))
                 sources = {n: _as_dtensor(engine.working[n].detach(), world, sh, Layout.parse(src))
                            for n, sh in shardings.items()}
             dist.barrier()

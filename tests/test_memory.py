@@ -66,7 +66,7 @@ def test_bf16_working_gradients_accumulate_in_fp32_by_choice() -> None:
         sums = {}
         for accum in (torch.float32, None):
             engine = _tiny_engine(world, accum)
-            engine.materialize("dp1")
+            engine.materialize(Layout.parse("dp1"))
             w = engine.working["norm.weight"]
             for scale in [1.0] + [1e-3] * 16:
                 (w.float().sum() * scale).backward()
@@ -116,11 +116,11 @@ def test_a_switch_holds_both_copies_of_at_most_one_bucket() -> None:
                 [b - a if i == d else x for i, x in enumerate(s)]))
             engine = SwitchEngine(world, shardings, home, working_dtype=torch.bfloat16, bucket_bytes=bucket)
             with MemoryTracker() as mem:
-                engine.materialize("dp2xtp2")
+                engine.materialize(Layout.parse("dp2xtp2"))
                 old = sum(w.numel() * 2 for w in engine.working.values())
                 mem.reset_peak()
                 start = sum(mem.current().values())
-                engine.switch("dp4")
+                engine.switch(Layout.parse("dp4"))
                 new = sum(w.numel() * 2 for w in engine.working.values())
                 peak = sum(mem.peak().values())
     largest = SMALLISH.padded_vocab_size * SMALLISH.hidden * 2

@@ -245,7 +245,7 @@ def run_equivalence(model_key: str, layouts: list[str], tolerance_probe: bool = 
 def run_collectives_order() -> dict:
     """tp4 / cp4 groups are NOT in shard order on a 2x2 mesh: gathers and all-to-alls must map."""
     world = WorldMesh(LAYOUTS)
-    group = world.layout_groups("tp4").tp
+    group = world.layout_groups(Layout.parse("tp4")).tp
     mine = torch.full((2, 3), float(group.index))
     gathered = gather_last_dim(mine, group)
     heads = torch.arange(8.0).repeat(2, 1).unsqueeze(-1) + 100 * group.index  # [T=2, H=8, 1]

@@ -30,6 +30,7 @@ from lightning_hotspa.adapter.recipe import (
 from lightning_hotspa.adapter.telemetry import RunSummary, StageRecord, detect_hardware
 from lightning_hotspa.adapter.wandb_utils import decide_wandb_mode
 from lightning_hotspa.data import SOURCE_KINDS, HotSPaDataModule
+from lightning_hotspa.layout import Layout
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = ROOT / "recipes" / "train.py"
@@ -165,7 +166,7 @@ def _run_main(argv: list[str], tmp: Path, capsys: pytest.CaptureFixture[str]) ->
 
 @pytest.mark.parametrize(("argv", "expected"), [
     (["strategy.layouts=[{dp:2,tp:4}]"], ["strategy.layouts", "covers 8 ranks", "dp*tp*cp = 4", "{dp: 4}"]),
-    (["strategy.layouts=[{dp:2,pp:2}]"], ["strategy.layouts", "unknown keys ['pp']"]),
+    (["strategy.layouts=[{dp:2,pp:2}]"], ["strategy.layouts", "layout dp2xpp2 has pipeline parallelism (pp=2)"]),
     (["strategy.layouts=dp4"], ["strategy.layouts", "write a list"]),
     (["data.context_length=4096"], ["data.context_length=4096", "strategy.tokens_per_rank"]),
     (["data=jsonl"], ["data.source_kwargs.path is required"]),
@@ -216,7 +217,7 @@ def test_summary_skips_start_up_and_reports_the_loss_ratio() -> None:
     summary = RunSummary(skip_first=1, peak_flops_total=1e9)
     for step, loss in enumerate([6.0, 5.0, 3.0], start=1):
         summary.add_loss(loss)
-        record = StageRecord(step, 0, "dp4", "(0,256]", tokens=100, documents=2, micro_batches=1, switch_s=0.5,
+        record = StageRecord(step, 0, Layout(dp=4), "(0,256]", tokens=100, documents=2, micro_batches=1, switch_s=0.5,
                              switch_mb=1.0, compute_s=1.5 if step > 1 else 99.0, reduce_s=0.0, flops=1e9)
         summary.add(step, [record], step_s=2.0)
     (row,) = summary.rows()

@@ -194,6 +194,33 @@ def test_one_layout_runs_a_checkpointed_and_a_plain_stage_back_to_back(world_of_
         assert torch.allclose(split[name], g, rtol=1e-5, atol=1e-7), name
 
 
+def test_metrics_of_a_layout_split_into_two_stages_keep_both(world_of_one) -> None:
+    """A plan with ``dp1+ac, dp1`` (the cost planner's split checkpointing): each stage gets its own
+    metric keys, the per-stage tokens add up to the step's, and the plan text counts each stage."""
+    import dataclasses
+
+    from lightning_hotspa.adapter.callbacks import plan_text
+    from lightning_hotspa.adapter.stats import monitor_metrics, step_metrics
+
+    lengths = [9, 5, 7, 6, 12, 4, 8, 10]
+    g = torch.Generator().manual_seed(0)
+    docs = [torch.randint(0, 32, (2 * n,), generator=g) for n in lengths]
+    dp1, module = Layout.parse("dp1"), TinyLlama()
+    _, world, home, parallel, engine = _setup(["dp1"], module)
+    plan = StepPlan(0, tuple(2 * n for n in lengths), (Stage(dp1, (((0, 1), (2,)),), True, "short"),
+                                                        Stage(dp1, (((3, 4), (5,), (6, 7)),), False, "long")))
+    batch = slice_plan(plan, docs, world.shape, world.rank)
+    result = StepRunner(engine, parallel).run(batch, module)
+    records = [dataclasses.replace(r, predicted_s=float(r.order + 1)) for r in result.records]
+    metrics, monitor = step_metrics(records), monitor_metrics(records, result.step_s, None, None)
+    first, second = records
+    assert (metrics["hotspa/dp1+ac/tokens"], metrics["hotspa/dp1/tokens"]) == (first.tokens, second.tokens)
+    assert metrics["hotspa/dp1+ac/tokens"] + metrics["hotspa/dp1/tokens"] == sum(2 * n for n in lengths)
+    assert (metrics["hotspa/dp1+ac/documents"], metrics["hotspa/dp1/documents"]) == (3, 5)
+    assert (monitor["hotspa/dp1+ac/predicted_s"], monitor["hotspa/dp1/predicted_s"]) == (1.0, 2.0)
+    assert plan_text(batch, records) == "short->dp1 x2, long->dp1 x3"
+
+
 def _grads_under_options(overlap: bool, share: bool) -> dict:
     layouts = ["dp4", "dp2xtp2", "tp2xcp2"]  # the last two share gradients (same tp)
     module, world, home, parallel, engine = _setup(layouts, TinyLlama())
@@ -289,17 +316,18 @@ def run_fsdp_traffic() -> dict:
         runner.run_forward(plan, module)  # evaluation: idle rounds only gather
     out["eval_gathers"] = units.collectives["forward"] - start
     for stage in result.stages:
-        name, log = stage.layout, traffic.logs[stage.layout]
+        name, log = stage.layout.name, traffic.logs[stage.layout.name]
         out[name] = {"log_bytes": log.bytes_received, "log_calls": [c for c, _ in log.calls],
                      "fsdp_bytes": before[name][0], "fsdp_calls": before[name][1],
                      "switch_bytes": stage.switch_bytes, "reduce_bytes": stage.reduce_bytes,
                      "stage_fsdp_bytes": stage.fsdp_bytes}
-    from lightning_hotspa.adapter.stats import step_metrics
+    from lightning_hotspa.adapter.stats import stage_keys, step_metrics
 
     local = torch.tensor([float(s.fsdp_bytes) for s in result.stages], dtype=torch.float64)
     dist.all_reduce(local)  # every rank's bytes: what the records and the logged metrics carry
     metrics = step_metrics(result.records)
-    out["records_fsdp_mb"] = {r.layout: (r.fsdp_mb, local[i].item() / 1e6, metrics.get(f"hotspa/{r.layout}/fsdp_MB"))
+    keys = stage_keys(result.records)
+    out["records_fsdp_mb"] = {r.layout.name: (r.fsdp_mb, local[i].item() / 1e6, metrics.get(f"hotspa/{keys[i]}/fsdp_MB"))
                               for i, r in enumerate(result.records)}
     return out
 
@@ -387,7 +415,7 @@ def test_fsdp_working_copies_sit_at_home_and_share_gradients_with_fsdp_peers_onl
         module, world, home, parallel, engine = _setup(layouts, TinyLlama())
         StepRunner(engine, parallel)  # registers the units: every parameter but the final norm
         assert engine.fsdp_names == set(home) - {"model.norm.weight"}
-        engine.materialize("dp2xtp2:fsdp")
+        engine.materialize(Layout.parse("dp2xtp2:fsdp"))
         for name, w in engine.working.items():
             sharding = engine.shardings[name]
             tp_replicated = sharding.role.tp_grad == "replicate"
@@ -395,10 +423,10 @@ def test_fsdp_working_copies_sit_at_home_and_share_gradients_with_fsdp_peers_onl
                 tp_replicated else sharding.home_prefix
             assert tuple(w.shape) == sharding.local_shape(want), name
         engine.release()
-        assert engine.shares_gradients("dp4:fsdp", "dp2xcp2:fsdp")
-        assert not engine.shares_gradients("dp4:fsdp", "dp4")
-        assert not engine.shares_gradients("dp2xtp2:fsdp", "dp2xtp2")
-        assert not engine.shares_gradients("dp2xtp2:fsdp", "dp4:fsdp")
+        assert engine.shares_gradients(Layout.parse("dp4:fsdp"), Layout.parse("dp2xcp2:fsdp"))
+        assert not engine.shares_gradients(Layout.parse("dp4:fsdp"), Layout.parse("dp4"))
+        assert not engine.shares_gradients(Layout.parse("dp2xtp2:fsdp"), Layout.parse("dp2xtp2"))
+        assert not engine.shares_gradients(Layout.parse("dp2xtp2:fsdp"), Layout.parse("dp4:fsdp"))
 
 
 class _DeadBranch(nn.Module):
@@ -425,7 +453,7 @@ def test_fsdp_backward_prefetch_nobody_consumes_is_dropped_at_the_backward_end()
         module, world, home, parallel, engine = _setup(["dp4:fsdp"], _DeadBranch())
         runner = StepRunner(engine, parallel)
         units = runner.units
-        engine.materialize("dp4:fsdp")
+        engine.materialize(Layout.parse("dp4:fsdp"))
         parallel.activate(world.layouts[0], engine.working)
         for micro_batch in range(2):
             with units.forward_prefetch():
@@ -466,7 +494,7 @@ def test_fsdp_layouts_refuse_what_they_cannot_shard() -> None:
         with pytest.raises(LayoutError, match=r"\['dp4:fsdp'\] shard the working copy per unit, but TinyLM has no units"):
             StepRunner(engine, parallel)
         with pytest.raises(LayoutError, match="layout dp4:fsdp shards the working copy per unit, but no fsdp units"):
-            engine.materialize("dp4:fsdp")
+            engine.materialize(Layout.parse("dp4:fsdp"))
         with pytest.raises(LayoutError, match=r"fsdp units name parameters \['nope'\]"):
             engine.set_fsdp_units({"nope"})
         with pytest.raises(LayoutError, match="fsdp unit 'missing' is not a submodule of TinyLM"):
@@ -554,7 +582,7 @@ def test_metrics_come_from_records_with_the_documented_keys() -> None:
 
     from lightning_hotspa.adapter.stats import monitor_metrics, step_metrics
 
-    record = StageRecord(step=1, order=0, layout="dp2xtp2", label="b", tokens=100.0, documents=3.0,
+    record = StageRecord(step=1, order=0, layout=Layout(dp=2, tp=2), label="b", tokens=100.0, documents=3.0,
                          micro_batches=2.0, switch_s=1.0, switch_mb=2.5, compute_s=3.0, reduce_s=0.5, stage_s=4.0,
                          flops=1e9, predicted_s=5.0)
     metrics = step_metrics([record])

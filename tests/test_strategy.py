@@ -48,7 +48,7 @@ class _Recorder(Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.losses.append(float(outputs["loss"]))
-        self.reductions.append([(s.layout, s.tp, s.reduce_collectives, s.reduce_bytes, s.reduce_s)
+        self.reductions.append([(s.layout.name, s.layout.tp, s.reduce_collectives, s.reduce_bytes, s.reduce_s)
                                 for s in trainer.strategy.last_step.stages])
 
 

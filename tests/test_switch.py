@@ -62,9 +62,10 @@ def switch_every_pair(layouts, dtype=None):
     for src in [None, *layouts]:
         for dst in layouts:
             if src is not None:
-                engine.materialize(src)
+                engine.materialize(Layout.parse(src))
             with count_collective_bytes() as log:
-                report = engine.materialize(dst) if src is None else engine.switch(dst)
+                target = Layout.parse(dst)
+                report = engine.materialize(target) if src is None else engine.switch(target)
             for name, sh in shardings.items():
                 got = engine.working[name]
                 assert got.requires_grad and got.is_leaf
@@ -101,9 +102,9 @@ def test_switch_every_pair_exact_and_minimal(ranks, dtype):
 
 def tp_up_is_free():
     world, shardings, home, engine = _engine(FOUNDATION)
-    engine.materialize("dp2xtp2")
+    engine.materialize(Layout.parse("dp2xtp2"))
     with count_collective_bytes() as log:
-        engine.switch("tp4")
+        engine.switch(Layout.parse("tp4"))
     return log.count
 
 
@@ -211,8 +212,9 @@ def test_switch_and_reduce_on_8_ranks(ranks):
 def engine_misuse():
     world, shardings, home, engine = _engine(FOUNDATION)
     messages = []
-    for call in (lambda: engine.switch("dp4"), lambda: engine.reduce_gradients({}),
-                 lambda: engine.materialize("dp2xtp2xcp1x"), lambda: engine.materialize("tp2xcp2xdp1")):
+    for call in (lambda: engine.switch(Layout.parse("dp4")), lambda: engine.reduce_gradients({}),
+                 lambda: engine.materialize("dp2xtp2"), lambda: engine.materialize(Layout.parse("tp2xcp2xdp1")),
+                 lambda: engine.materialize(Layout(dp=2, cp=2, cp_kv=2))):
         try:
             call()
             messages.append(None)
@@ -224,19 +226,19 @@ def engine_misuse():
     except LayoutError as e:
         messages.append(str(e))
     # gradients carried between layouts of one tp degree: kept as they are; across tp: refused
-    shares = [engine.shares_gradients(a, b) for a, b in itertools.combinations(FOUNDATION, 2)]
-    engine.materialize("dp4")
+    shares = [engine.shares_gradients(Layout.parse(a), Layout.parse(b)) for a, b in itertools.combinations(FOUNDATION, 2)]
+    engine.materialize(Layout.parse("dp4"))
     for w in engine.working.values():
         w.grad = torch.ones_like(w)
     grads = {n: w.grad for n, w in engine.working.items()}
-    engine.switch("dp2xcp2", keep_grads=True)
+    engine.switch(Layout.parse("dp2xcp2"), keep_grads=True)
     kept = all(engine.working[n].grad is g for n, g in grads.items())
     try:
-        engine.switch("tp2xcp2", keep_grads=True)
+        engine.switch(Layout.parse("tp2xcp2"), keep_grads=True)
         messages.append(None)
     except LayoutError as e:
         messages.append(str(e))
-    engine.switch("dp4")
+    engine.switch(Layout.parse("dp4"))
     dropped = all(w.grad is None for w in engine.working.values())
     return messages, shares, kept, dropped
 
@@ -245,10 +247,11 @@ def test_engine_misuse_raises_clear_errors(ranks):
     messages, shares, kept, dropped = ranks(4).run(engine_misuse)[0]
     assert "materialize() first" in messages[0]
     assert "no active layout" in messages[1]
-    assert "cannot parse layout 'dp2xtp2xcp1x'" in messages[2]
+    assert "expected a Layout, got 'dp2xtp2' (str)" in messages[2]  # names are parsed at the edge only
     assert messages[3] is None  # tp2xcp2xdp1 is the same layout as tp2xcp2
-    assert "['wq']" in messages[4]
-    assert "cannot keep the working gradients from dp2xcp2 to tp2xcp2" in messages[5]
+    assert "layout dp2xcp2:kv is not among ['dp4', 'dp2xtp2', 'tp4', 'dp2xcp2', 'tp2xcp2']" in messages[4]
+    assert "['wq']" in messages[5]
+    assert "cannot keep the working gradients from dp2xcp2 to tp2xcp2" in messages[6]
     same_tp = [Layout.parse(a).tp == Layout.parse(b).tp for a, b in itertools.combinations(FOUNDATION, 2)]
     assert shares == same_tp and any(shares)
     assert kept and dropped

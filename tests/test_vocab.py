@@ -55,12 +55,13 @@ def test_tokenizer_larger_than_the_model_fails_at_datamodule_setup(tmp_path):
 def run_tp_refusals() -> dict[str, str]:
     """dp2xtp2: an id outside every rank's vocab shard (the model's own check switched off, as for a model
     that is not ours) is refused by the parallel embedding and the vocab-parallel loss alike."""
+    from lightning_hotspa.layout import Layout
     from lightning_hotspa.mesh import WorldMesh
     from lightning_hotspa.parallel.loss import vocab_parallel_cross_entropy
     from lightning_hotspa.parallel.model import ParallelModel
 
     world = WorldMesh(["dp2xtp2"])
-    group = world.layout_groups("dp2xtp2").tp
+    group = world.layout_groups(Layout.parse("dp2xtp2")).tp
     out = {}
     emb = torch.nn.Module()
     emb.tok = torch.nn.Embedding(8, 4)  # each tp rank would hold 8 of 16 rows

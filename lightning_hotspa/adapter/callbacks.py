@@ -53,11 +53,11 @@ def last_step_of(trainer: L.Trainer) -> StepResult | None:
 
 def plan_text(batch: RankPlan, records: Sequence[StageRecord] = ()) -> str:
     """``bucket->layout xN`` per stage in run order; N = micro-batches of the whole step where known."""
-    counts = {r.layout: int(r.micro_batches) for r in records}
+    counts = {r.order: int(r.micro_batches) for r in records}
     parts = []
-    for stage in batch.stages:
+    for k, stage in enumerate(batch.stages):
         name = stage.layout.name
-        count = counts.get(name, len(stage.micro_batches))
+        count = counts.get(k, len(stage.micro_batches))
         parts.append(f"{stage.label + '->' if stage.label else ''}{name} x{count}")
     return ", ".join(parts)
 

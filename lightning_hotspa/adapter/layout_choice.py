@@ -7,7 +7,7 @@ data-parallel candidate unless chosen).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
@@ -69,9 +69,19 @@ def choose_default_layout(spec: Layout | None, layouts: Sequence[Layout]) -> Lay
 
 
 def check_checkpointing_spec(spec: Any) -> Any:
+    """The strategy's ``activation_checkpointing`` argument, its layouts parsed once.
+
+    Args:
+        spec: True / False, ``"auto"`` or a list of layouts (names, mappings or Layouts); a list
+            comes back as a tuple of :class:`Layout`.
+    """
     if isinstance(spec, str) and spec != "auto":
         raise ValueError(f"activation_checkpointing must be a bool, 'auto' or a list of layouts, got {spec!r}")
-    return spec
+    if isinstance(spec, bool) or spec == "auto":
+        return spec
+    if isinstance(spec, Mapping) or not isinstance(spec, Iterable):
+        raise ValueError(f"activation_checkpointing must be a bool, 'auto' or a list of layouts, got {spec!r}")
+    return tuple(Layout.parse(x) for x in spec)
 
 
 def checkpointing_for(spec: Any, layout: Layout) -> bool:
@@ -80,4 +90,4 @@ def checkpointing_for(spec: Any, layout: Layout) -> bool:
         return spec
     if spec == "auto":
         return layout.tp * layout.cp > 1
-    return layout in {Layout.parse(x) for x in spec}
+    return layout in spec

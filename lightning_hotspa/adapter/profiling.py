@@ -11,7 +11,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ..engine.records import StepResult, rank_stage_fields
-from ..layout import Layout
 from ..plan import RankPlan
 from ..planner.base import Planner
 
@@ -31,7 +30,7 @@ def gathered_observations(result: StepResult, activation_checkpointing: Sequence
         for s, flag, cols in zip(result.stages, ac, row):
             if cols["micro_batches"] < 1:
                 continue
-            out.append(Observation(Layout.parse(s.layout), bool(flag), cols["sum_sq"], cols["sum_len"],
+            out.append(Observation(s.layout, bool(flag), cols["sum_sq"], cols["sum_len"],
                                    int(cols["micro_batches"]), cols["compute_s"], int(cols["documents"])))
     return out
 

@@ -98,7 +98,7 @@ class RunSummary:
         if step_s is not None:
             self.step_seconds.append(float(step_s))
         for r in records:
-            t = self.buckets.setdefault((r.layout, r.label), _Totals())
+            t = self.buckets.setdefault((r.name, r.label), _Totals())  # a table row per stage kind
             t.steps += 1
             t.tokens += r.tokens
             t.documents += r.documents
@@ -205,7 +205,7 @@ def records_as_rows(records: Sequence[StageRecord], peak_flops_total: float | No
     """Table rows (the W&B plan table and plan_table.csv)."""
     rows = []
     for r in records:
-        d = {k: v for k, v in asdict(r).items() if k not in ("plan", "stage_s")}
+        d = {k: (r.name if k == "layout" else v) for k, v in asdict(r).items() if k not in ("plan", "stage_s")}
         d.update(seconds=r.seconds, tokens_per_s=r.tokens_per_s, mfu=r.mfu(peak_flops_total))
         for key in ("fill", "padding", "imbalance"):
             d[key] = r.plan.get(key)

@@ -35,7 +35,7 @@ __all__ = ["GradReport", "GradientReduction", "sub_chunk", "reduce_dtype"]
 
 @dataclass(frozen=True)
 class GradReport:
-    layout: str
+    layout: Layout
     bytes_received: int  # reduce-scatter: (g-1)/g of its input; all-reduce: 2(g-1)/g (ring)
     collectives: int
     seconds: float
@@ -183,7 +183,7 @@ class GradientReduction:
         self.grad_store: dict[str, torch.Tensor] = {}
         self.main_grads: dict[str, torch.Tensor] = {}  # fp32 accumulators (grad_accum_dtype set)
         self._accum_hooks: dict[str, object] = {}
-        self._reduce_plans: dict[str, _ReducePlan] = {}
+        self._reduce_plans: dict[Layout, _ReducePlan] = {}
         self._overlap: _Overlap | None = None
 
     # ---------------------------------------------------------------- accumulation
@@ -245,7 +245,7 @@ class GradientReduction:
     def _reduce_plan(self, layout: Layout) -> _ReducePlan:
         """Buckets of at most ``bucket_bytes`` (fp32) per (scatter, reduce) kind, filled in reverse
         parameter order, which is roughly the order backward produces gradients in (as DDP)."""
-        if layout.name not in self._reduce_plans:
+        if layout not in self._reduce_plans:
             plan = _ReducePlan()
             open_: dict[tuple[tuple[int, ...], tuple[int, ...]], tuple[_GradBucket, int]] = {}
             for name in reversed(list(self.shardings)):
@@ -266,8 +266,8 @@ class GradientReduction:
                 bucket.names.append(name)
                 open_[key] = (bucket, size + nbytes)
             plan.bucket_of = {n: i for i, b in enumerate(plan.buckets) for n in b.names}
-            self._reduce_plans[layout.name] = plan
-        return self._reduce_plans[layout.name]
+            self._reduce_plans[layout] = plan
+        return self._reduce_plans[layout]
 
     def overlap_next_backward(self) -> None:
         """Reduces each gradient bucket as soon as the coming backward has accumulated all of it.
@@ -366,7 +366,7 @@ class GradientReduction:
         while overlap.in_flight:
             self._land(*overlap.in_flight.pop(0), overlap)
         collectives = sum(bool(b.scatter) + bool(b.reduce) for b in plan.buckets)
-        return GradReport(layout.name, overlap.received, collectives, time.perf_counter() - start)
+        return GradReport(layout, overlap.received, collectives, time.perf_counter() - start)
 
     def _store(self, names: list[str], tensors: list[torch.Tensor]) -> None:
         for name, t in zip(names, tensors):

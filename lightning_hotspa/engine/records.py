@@ -5,7 +5,8 @@ small collective (:func:`gather_step`) all-gathers every rank's loss contributio
 numbers; from that table come the exact global loss and one :class:`StageRecord` per stage (token
 counts summed over ranks with tp copies counted once, times the slowest rank's). Everything that
 reports a step (logger metrics, the monitor, the timeline, the profiled planner) reads these
-records, never strings parsed back from logged metrics.
+records, never strings parsed back from logged metrics: a record carries its :class:`Layout` and
+its stage index; names are written only where metrics, JSON and logs are (:attr:`StageRecord.name`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..layout import Layout
 from ..plan import RankStage
 
 __all__ = ["FIELDS", "StageRecord", "StageStats", "StepResult", "gather_step", "rank_stage_fields"]
@@ -36,9 +38,9 @@ class StageStats:
     whole run's gradients, so its ``reduce_s`` pays for all of them.
     """
 
-    layout: str
+    layout: Layout
+    order: int  # the stage's index in the step
     label: str
-    tp: int
     tokens: int
     documents: int
     micro_batches: int
@@ -58,15 +60,17 @@ class StageStats:
     fsdp_bytes: int = 0
 
     @classmethod
-    def measure(cls, stage: RankStage, switch_report: Any, grad_report: Any, *, switch_s: float,
+    def measure(cls, stage: RankStage, switch_report: Any, grad_report: Any, *, order: int, switch_s: float,
                 compute_s: float, reduce_s: float, compute_cpu_s: float = 0.0,
                 activation_checkpointing: bool = False, fsdp_bytes: int = 0) -> StageStats:
+        """This rank's stats of ``stage``, the ``order``-th of the step, from its switch and gradient
+        reports and its measured seconds (see the class docstring for each field)."""
         mbs = [m for m in stage.micro_batches if hasattr(m, "num_tokens")]
         sum_sq = sum_len = 0.0
         if mbs:  # a local document of a cp rank is 1/cp of its padded row; one host copy per stage
             s = torch.cat([m.cu_seqlens.diff() for m in mbs]).double() * stage.layout.cp
             sum_sq, sum_len = torch.stack([(s * s).sum(), s.sum()]).tolist()
-        return cls(stage.layout.name, stage.label, stage.layout.tp,
+        return cls(stage.layout, order, stage.label,
                    tokens=sum(m.num_tokens for m in mbs), documents=sum(m.num_documents for m in mbs),
                    micro_batches=len(stage.micro_batches), target_tokens=sum(m.num_target_tokens for m in mbs),
                    switch_bytes=switch_report.bytes_received, switch_s=switch_s, compute_s=compute_s,
@@ -82,11 +86,12 @@ class StageRecord:
 
     ``switch_s`` / ``compute_s`` / ``reduce_s`` are each the slowest rank's; ``stage_s`` is the
     slowest rank's sum of the three (what the step waited for). ``flops`` (model FLOPs),
-    ``predicted_s`` (cost model) and ``plan`` (packing stats) are added by the monitor."""
+    ``predicted_s`` (cost model) and ``plan`` (packing stats) are added by the monitor. A stage is
+    identified by ``order`` (its index in the step); :attr:`name` is what metrics and tables show."""
 
     step: int
     order: int
-    layout: str
+    layout: Layout
     label: str
     tokens: float
     documents: float
@@ -100,6 +105,12 @@ class StageRecord:
     flops: float | None = None
     predicted_s: float | None = None
     plan: Mapping[str, Any] = field(default_factory=dict)  # packing stats: fill, padding, imbalance
+    activation_checkpointing: bool = False  # what the stage ran with
+
+    @property
+    def name(self) -> str:
+        """``"dp8"``, ``"dp8+ac"``: the layout's name, ``+ac`` when the stage checkpointed activations."""
+        return self.layout.name + ("+ac" if self.activation_checkpointing else "")
 
     @property
     def seconds(self) -> float:
@@ -153,13 +164,13 @@ def gather_step(loss_sum: torch.Tensor, stats: list[StageStats], device: torch.d
     for i, s in enumerate(stats):
         cols = {f: gathered[:, 1 + i * len(FIELDS) + j] for j, f in enumerate(FIELDS)}
         records.append(StageRecord(
-            step=step, order=i, layout=s.layout, label=s.label,
-            tokens=float(cols["tokens"].sum()) / s.tp, documents=float(cols["documents"].sum()) / s.tp,
-            micro_batches=float(cols["micro_batches"].sum()) / s.tp,
+            step=step, order=s.order, layout=s.layout, label=s.label,
+            tokens=float(cols["tokens"].sum()) / s.layout.tp, documents=float(cols["documents"].sum()) / s.layout.tp,
+            micro_batches=float(cols["micro_batches"].sum()) / s.layout.tp,
             switch_s=float(cols["switch_s"].max()), switch_mb=float(cols["switch_bytes"].sum()) / 1e6,
             compute_s=float(cols["compute_s"].max()), reduce_s=float(cols["reduce_s"].max()),
             stage_s=float((cols["switch_s"] + cols["compute_s"] + cols["reduce_s"]).max()),
-            fsdp_mb=float(cols["fsdp_bytes"].sum()) / 1e6))
+            fsdp_mb=float(cols["fsdp_bytes"].sum()) / 1e6, activation_checkpointing=s.activation_checkpointing))
     return loss, tuple(records), gathered
 
 

@@ -170,7 +170,7 @@ class StepRunner:
                 t2, cpu_s = clock.mark(), self.cpu_clock() - c1
                 fsdp_end = self._fsdp_bytes()
                 if carry:  # same tp next: keep accumulating, the run's last stage reduces once
-                    grad_report = GradReport(stage.layout.name, 0, 0, 0.0)
+                    grad_report = GradReport(stage.layout, 0, 0, 0.0)
                 else:
                     hooks.enter_phase("reduce")
                     grad_report = engine.reduce_gradients()
@@ -180,9 +180,10 @@ class StepRunner:
             parallel.restore(engine.home)
             engine.release()
         stats = []
-        for stage, (t0, t1, t2, t3), (report, grad_report, cpu_s, ac, fsdp) in zip(plan.stages, marks, parts):
+        for k, (stage, (t0, t1, t2, t3), (report, grad_report, cpu_s, ac, fsdp)) in enumerate(
+                zip(plan.stages, marks, parts)):
             stats.append(StageStats.measure(
-                stage, report, grad_report, switch_s=clock.seconds(t0, t1), compute_s=clock.seconds(t1, t2),
+                stage, report, grad_report, order=k, switch_s=clock.seconds(t0, t1), compute_s=clock.seconds(t1, t2),
                 reduce_s=clock.seconds(t2, t3), compute_cpu_s=cpu_s, activation_checkpointing=ac,
                 fsdp_bytes=fsdp))
         hooks.enter_phase("metrics")  # the one small collective of the step

@@ -48,17 +48,15 @@ from .gradients import GradientReduction, GradReport
 from .gradients import sub_chunk as _sub_chunk
 from .home import build_home_parameters
 
-__all__ = ["SwitchReport", "GradReport", "SwitchEngine", "build_home_parameters", "HOME"]
-
-HOME = "home"
+__all__ = ["SwitchReport", "GradReport", "SwitchEngine", "build_home_parameters"]
 
 
 @dataclass(frozen=True)
 class SwitchReport:
     """One switch as seen by this rank. Bytes are what this rank receives."""
 
-    source: str
-    target: str
+    source: Layout | None  # None: the home state (a materialization)
+    target: Layout
     bytes_received: int
     lower_bound_bytes: int  # bytes of this rank's destination shards it did not already hold
     collectives: int
@@ -67,7 +65,8 @@ class SwitchReport:
 
 @dataclass
 class _MovePlan:
-    """Cached per (source, target): which params are sliced locally, which gathered over which dims."""
+    """Cached per (source, target), source None for home: which params are sliced locally, which
+    gathered over which dims."""
 
     slices: list[tuple[str, int, int]] = field(default_factory=list)  # (name, src_prefix, dst_prefix)
     gathers: dict[tuple[int, int], list[str]] = field(default_factory=dict)  # (dst, src) prefix -> names
@@ -113,7 +112,8 @@ class SwitchEngine(GradientReduction):
         self.bucket_bytes = bucket_bytes
         self.active: Layout | None = None
         self.working: dict[str, torch.Tensor] = {}
-        self._move_plans: dict[tuple[str, str], _MovePlan] = {}
+        self._layouts = frozenset(world.layouts)
+        self._move_plans: dict[tuple[Layout | None, Layout], _MovePlan] = {}
         #: parameters inside the model's fsdp units (:meth:`set_fsdp_units`)
         self.fsdp_names: frozenset[str] = frozenset()
         self._init_gradients(grad_accum_dtype, max_buckets_in_flight)
@@ -155,10 +155,11 @@ class SwitchEngine(GradientReduction):
         sharding = self.shardings[name]
         return min(sharding.home_prefix, self.world.shape.fsdp_dims(layout).stop)
 
-    def _prefix(self, name: str, key: str) -> int:
-        if key == HOME:
+    def _prefix(self, name: str, layout: Layout | None) -> int:
+        """The prefix ``name`` is split over in ``layout``'s working copy (None: at home)."""
+        if layout is None:
             return self.shardings[name].home_prefix
-        return self._working_prefix(name, self._layout(key))
+        return self._working_prefix(name, layout)
 
     def _working_prefix(self, name: str, layout: Layout) -> int:
         """The mesh-dim prefix ``name``'s working copy in ``layout`` is sharded over."""
@@ -176,13 +177,16 @@ class SwitchEngine(GradientReduction):
             return ["shard"] * shard + ["partial"] * (sharding.mesh.ndim - shard)
         return sharding.grad_states(layout)
 
-    def _layout(self, key: str) -> Layout:
-        for layout in self.world.layouts:
-            if layout.name == key:
-                return layout
-        raise LayoutError(f"layout {key!r} is not among {[str(x) for x in self.world.layouts]}")
+    def _member(self, layout: Layout) -> Layout:
+        """``layout`` if it is one of the mesh's layouts, else a :class:`LayoutError` naming it."""
+        if not isinstance(layout, Layout):
+            raise LayoutError(f"expected a Layout, got {layout!r} ({type(layout).__name__}); parse names at the "
+                              f"edge with Layout.parse")
+        if layout not in self._layouts:
+            raise LayoutError(f"layout {layout} is not among {[str(x) for x in self.world.layouts]}")
+        return layout
 
-    def _move_plan(self, source: str, target: str) -> _MovePlan:
+    def _move_plan(self, source: Layout | None, target: Layout) -> _MovePlan:
         key = (source, target)
         if key not in self._move_plans:
             plan = _MovePlan()
@@ -200,7 +204,7 @@ class SwitchEngine(GradientReduction):
             self._move_plans[key] = plan
         return self._move_plans[key]
 
-    def _move(self, source: str, target: str, locals_: Mapping[str, torch.Tensor],
+    def _move(self, source: Layout | None, target: Layout, locals_: Mapping[str, torch.Tensor],
               keep_grads: bool = False) -> SwitchReport:
         if self._overlap is not None:
             raise RuntimeError("switching layouts with gradient reductions in flight; call reduce_gradients() first")
@@ -208,18 +212,18 @@ class SwitchEngine(GradientReduction):
             raise LayoutError(f"cannot keep the working gradients from {source} to {target}: their tp degrees "
                               f"differ, so the parameters' working shards or gradient states differ; call "
                               f"reduce_gradients() before switching")
-        if self._layout(target).fsdp and not self.fsdp_names:
+        if target.fsdp and not self.fsdp_names:
             raise LayoutError(f"layout {target} shards the working copy per unit, but no fsdp units were "
                               f"registered (set_fsdp_units; the StepRunner does it from the model)")
         start = time.perf_counter()
         plan = self._move_plan(source, target)
         dtype = self.working_dtype
         rank = self.world.rank
-        free_old = source != HOME  # home params are never freed; old working copies are
+        free_old = source is not None  # home params are never freed; old working copies are
         out: dict[str, torch.Tensor] = {}
         for name, s, t in plan.slices:
             x = locals_[name]
-            if s == t and source != HOME:  # same placement in both layouts: keep the working tensor
+            if s == t and source is not None:  # same placement in both layouts: keep the working tensor
                 if not keep_grads:
                     x.grad = None
                 out[name] = x
@@ -243,13 +247,13 @@ class SwitchEngine(GradientReduction):
                         _free(sources[i])
                 collectives += 1
         lower_bound = sum(n * (dtype or locals_[name].dtype).itemsize for name, n in plan.lower_bound_elems.items())
-        old = dict(locals_) if source != HOME else {}
+        old = dict(locals_) if source is not None else {}
         self.working = {n: out[n] for n in self.shardings}
         for name, p in self.working.items():
             if old.get(name) is not p:
                 self._label("params", p)
         self._track_accumulation(old, self.working, keep_grads)
-        self.active = self._layout(target)
+        self.active = target
         return SwitchReport(source, target, received, lower_bound, collectives, time.perf_counter() - start)
 
     def _buckets(self, pieces: list[torch.Tensor], dtype: torch.dtype | None = None) -> list[list[int]]:
@@ -267,12 +271,11 @@ class SwitchEngine(GradientReduction):
             size += nbytes
         return buckets
 
-    def materialize(self, layout: Layout | str) -> SwitchReport:
-        """Working params of ``layout`` from the home state (start of a step)."""
-        target = Layout.parse(layout).name
-        return self._move(HOME, target, {n: self._home_local(n) for n in self.shardings})
+    def materialize(self, layout: Layout) -> SwitchReport:
+        """Working params of ``layout`` (one of the mesh's) from the home state (start of a step)."""
+        return self._move(None, self._member(layout), {n: self._home_local(n) for n in self.shardings})
 
-    def switch(self, layout: Layout | str, keep_grads: bool = False) -> SwitchReport:
+    def switch(self, layout: Layout, keep_grads: bool = False) -> SwitchReport:
         """Working params from the active layout to ``layout`` (zero traffic if it is the same).
 
         ``keep_grads``: keep accumulating into the working ``.grad`` instead of dropping it (the
@@ -280,15 +283,14 @@ class SwitchEngine(GradientReduction):
         """
         if self.active is None:
             raise RuntimeError("no active layout: call materialize() first")
-        target = Layout.parse(layout).name
-        return self._move(self.active.name, target, self.working, keep_grads)
+        return self._move(self.active, self._member(layout), self.working, keep_grads)
 
-    def shares_gradients(self, a: Layout | str, b: Layout | str) -> bool:
+    def shares_gradients(self, a: Layout, b: Layout) -> bool:
         """True if every parameter has the same working shard and gradient states in ``a`` and
         ``b`` (same tp degree: tp dims are a mesh prefix), so one reduction after stages in both
         equals one after each: the working gradients of both are partial sums of the same kind. Two
         fsdp layouts of one tp degree share; an fsdp and a replicated layout do not (other shards)."""
-        la, lb = self._layout(Layout.parse(a).name), self._layout(Layout.parse(b).name)
+        la, lb = self._member(a), self._member(b)
         return all(self._working_prefix(n, la) == self._working_prefix(n, lb)
                    and self._grad_states(n, la) == self._grad_states(n, lb) for n in self.shardings)
 

@@ -261,8 +261,8 @@ def encode_observations(observations: Sequence[Observation], layouts: Sequence[L
     """``[k, 7]`` float64 rows ``(layout index, ac, sum s^2, sum s, micro-batches, seconds, documents)``
     to all-gather across ranks. ``layouts`` None: index into the sorted names of the observed layouts."""
     if layouts is None:
-        names = sorted({o.layout.name for o in observations})
-        index = {Layout.parse(n): i for i, n in enumerate(names)}
+        observed = sorted({o.layout for o in observations}, key=lambda lay: lay.name)
+        index = {lay: i for i, lay in enumerate(observed)}
     else:
         index = {lay: i for i, lay in enumerate(layouts)}
     out = np.zeros((len(observations), ROW_WIDTH), dtype=np.float64)
