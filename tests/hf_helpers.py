@@ -61,8 +61,9 @@ def hf_reference(model, documents):
     loss = total / targets
     loss.backward()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-    return [lg.detach() for lg in logits], float(loss), grads
+    return [lg.detach() for lg in logits], float(loss.detach()), grads
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-30))
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).norm() / b.norm().clamp(min=1e-30))
