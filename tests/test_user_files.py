@@ -149,3 +149,14 @@ def test_strategy_arguments_that_would_be_ignored_or_crash_later_are_named():
         HotSPaStrategy(None)
     with pytest.raises(TypeError, match=r"breadcrumb_dir must be a folder path.*got 123"):
         HotSPaStrategy(["dp1"], breadcrumb_dir=123)
+
+
+def test_layouts_that_do_not_fit_the_world_fail_when_the_trainer_is_built():
+    import lightning as L
+
+    from lightning_hotspa import HotSPaStrategy
+    from lightning_hotspa.layout import LayoutError
+
+    with pytest.raises(LayoutError, match=r"HotSPaStrategy\(layouts=\['dp4'\]\).*devices x num_nodes"):
+        L.Trainer(accelerator="cpu", devices=2, strategy=HotSPaStrategy(["dp4"]), logger=False)
+

@@ -202,6 +202,8 @@ class HotSPaStrategy(GuardedCollectives, StrategyCheckpoints, ParallelStrategy):
     @override
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
+        if self._layout_spec != "auto":  # the world is known here, before any process starts
+            resolve_layouts(self._layout_spec, self.num_processes * self.num_nodes, type(self).__name__)
         if not self.cluster_environment.creates_processes_externally:
             self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
