@@ -191,8 +191,8 @@ def chain(tmp_path_factory):
     (fake / "commit.json").write_text(json.dumps({**marker, "global_step": 9}))
     shared = merge_node_copies([n / "epoch=0-step=2.ckpt" for n in node], base / "shared" / "epoch=0-step=2.ckpt")
     jobs = forked_jobs(base, {
-        # latest in an empty folder: no step anywhere, so it starts from scratch (what a first launch does)
-        "ref14": {"nodes": 1, "per_node": 4, "overrides": COMMON + ["ckpt_path=latest",
+        # latest_or_scratch in an empty folder: no step anywhere, so it starts from scratch (a first launch)
+        "ref14": {"nodes": 1, "per_node": 4, "overrides": COMMON + ["ckpt_path=latest_or_scratch",
                                                                    f"checkpoint.dirpath={base}/empty"]},
         "local22": {"nodes": 2, "per_node": 2, "overrides": COMMON + ["ckpt_path=latest", f'checkpoint.dirpath="{ckpt}"']},
         "reshape14": {"nodes": 1, "per_node": 4, "overrides": COMMON + ["ckpt_path=latest",
@@ -334,11 +334,13 @@ def test_tp_groups_that_span_nodes_are_named():
 
 def _node_copy(folder: Path, node: int, ranks: list[int], step: int = 2) -> Path:
     """A stand-in for one node's copy of a node-local checkpoint (files only, no tensors)."""
+    from lightning_hotspa.adapter.checkpoint_trust import file_entries, write_marker
+
     folder.mkdir(parents=True)
     (folder / ".metadata").write_bytes(pickle.dumps({}))
     torch.save({"global_step": step}, folder / "meta.pt")
-    (folder / "commit.json").write_text(json.dumps({"node": node, "ranks": ranks, "world_size": 4, "global_step": step,
-                                                    "node_map": [0, 0, 1, 1], "layouts": ["dp4"]}))
+    write_marker(folder, {"kind": "node-local", "node": node, "ranks": ranks, "world_size": 4, "global_step": step,
+                          "node_map": [0, 0, 1, 1], "layouts": ["dp4"]}, file_entries(folder, [".metadata", "meta.pt"]))
     return folder
 
 

@@ -369,8 +369,8 @@ def test_interrupted_saves_leave_the_previous_checkpoint_usable(tmp_path, monkey
     # 1) a new checkpoint dies while DCP writes its shards
     real_save = dcp.save
 
-    def dying_save(state, checkpoint_id):
-        (ck.Path(checkpoint_id) / "__0_0.distcp").write_bytes(b"partial")
+    def dying_save(state, *, storage_writer):
+        (ck.Path(storage_writer.path) / "__0_0.distcp").write_bytes(b"partial")
         raise KeyboardInterrupt("killed mid-write")
 
     monkeypatch.setattr(dcp, "save", dying_save)

@@ -17,12 +17,23 @@ def _batch(last_id: int):
     return pack_micro_batch([torch.tensor([1, 2, 3, last_id, 5]), torch.tensor([7, 8, 9])])
 
 
-@pytest.mark.parametrize("bad", [260, 319, 32000, -1])  # 260..319: the padded rows of the tiny preset
+@pytest.mark.parametrize("bad", [260, 319, 32000])  # 260..319: the padded rows of the tiny preset
 def test_out_of_range_input_ids_are_refused(bad):
     lm = LlamaLM("tiny")
     lm.training_step(_batch(259))  # the largest real id is fine
     with pytest.raises(VocabularyError, match=rf"token id {bad}, outside the model's vocabulary of 260"):
         lm.training_step(_batch(bad))
+
+
+def test_a_negative_id_is_named_as_a_data_bug_not_a_vocabulary_size():
+    lm = LlamaLM("tiny")
+    with pytest.raises(VocabularyError, match=r"hold token id -1: token ids are never negative") as info:
+        lm.training_step(_batch(-1))
+    assert "vocab_size >=" not in str(info.value)
+    mb = _batch(4)
+    mb.labels[0] = -5
+    with pytest.raises(VocabularyError, match=r"labels hold token id -5.*only -100 \(no loss\)"):
+        lm.training_step(mb)
 
 
 def test_out_of_range_labels_are_refused():

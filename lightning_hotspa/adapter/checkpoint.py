@@ -1,10 +1,12 @@
 """Distributed checkpoints (torch DCP) of the home state, optimizer state and Lightning's metadata.
 
 A checkpoint is a folder: DCP shards of the model and optimizer states (DCP's ``.metadata`` is
-written last, after every rank's shards), plus ``meta.pt`` (loops, schedulers, callbacks, data and
-planner state) from rank 0. It is written into ``<path>.tmp`` and renamed into place only when
-complete, so a crash mid-write leaves the previous checkpoint usable; :func:`latest_checkpoint`
-finds the newest complete one and skips (and names) what an interrupted save left behind.
+written last, after every rank's shards), ``meta.pt`` (loops, schedulers, callbacks, data and
+planner state, read weights-only) from rank 0, and last the commit marker ``commit.json`` (every
+file's size and sha256, :mod:`.checkpoint_trust`), checked before anything in the folder is
+unpickled. It is written into ``<path>.tmp`` and renamed into place only when complete, so a
+crash mid-write leaves the previous checkpoint usable; :func:`latest_checkpoint` finds the newest
+committed one from the markers alone and skips (and names) what an interrupted save left behind.
 DTensors record their global shapes, so a checkpoint written at one world size loads at another,
 into any layout set.
 """
@@ -21,33 +23,83 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
     set_optimizer_state_dict,
 )
 
+from .checkpoint_trust import (
+    COMMIT_FILE,
+    DCP_METADATA,
+    KIND_SHARED,
+    LEGACY_HINT,
+    META_FILE,
+    CheckpointError,
+    LegacyCheckpointError,
+    encode_meta,
+    file_entries,
+    has_legacy_layout,
+    read_marker,
+    read_meta,
+    verify_checkpoint,
+    write_fsync,
+    write_marker,
+)
 from .reliability import is_collective_failure
 
 __all__ = ["save_distributed_checkpoint", "load_distributed_checkpoint", "export_consolidated", "latest_checkpoint",
            "is_complete_checkpoint", "resolve_checkpoint", "check_checkpoint_dirs", "CheckpointError", "META_FILE",
-           "DCP_METADATA"]
+           "DCP_METADATA", "COMMIT_FILE", "all_gather_objects", "scan_checkpoints", "RecordingWriter"]
 
 log = logging.getLogger(__name__)
 
-META_FILE = "meta.pt"
-DCP_METADATA = ".metadata"
 _PARTIAL_SUFFIXES = (".tmp", ".old")
 
 
-class CheckpointError(OSError):
-    """A checkpoint that cannot be written or read; the message names the path."""
+def all_gather_objects(obj: Any) -> list[Any]:
+    """Every rank's ``obj`` (one all-gather); ``[obj]`` without a process group.
+
+    Args:
+        obj: this rank's picklable value (our own, never a file's content).
+    """
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+class RecordingWriter(FileSystemWriter):
+    """DCP's file writer, noting the files this rank wrote (their checksums go into the commit marker).
+
+    Args:
+        path: the folder DCP writes into.
+    """
+
+    def __init__(self, path: str) -> None:
+        super().__init__(path)
+        self.written: list[str] = []
+
+    def write_data(self, plan, planner):  # noqa: ANN001, ANN201 - torch's types
+        """Writes as DCP does, then records the relative paths of this rank's files."""
+        future = super().write_data(plan, planner)
+        results = future.wait()
+        self.written = sorted({wr.storage_data.relative_path for wr in results})
+        return future
 
 
 def is_complete_checkpoint(path: str | os.PathLike) -> bool:
-    """A folder with both rank 0's ``meta.pt`` and DCP's ``.metadata`` (written after all shards)."""
+    """A folder with its commit marker (written last), ``meta.pt`` and DCP's ``.metadata``.
+
+    Args:
+        path: a candidate folder (nothing in it is read).
+    """
     path = Path(path)
-    return path.is_dir() and (path / META_FILE).is_file() and (path / DCP_METADATA).is_file()
+    return path.is_dir() and all((path / n).is_file() for n in (COMMIT_FILE, META_FILE, DCP_METADATA))
 
 
 def _prepare(tmp: Path) -> str | None:
@@ -100,26 +152,58 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
+def encoded_meta_or_problem(checkpoint: dict[str, Any], path: Path) -> tuple[bytes | None, str | None]:
+    """``meta.pt``'s bytes for the checkpoint dict less its states, or the reason it cannot be stored.
+
+    Args:
+        checkpoint: Lightning's dict (``state_dict`` and ``optimizer_states`` are left out).
+        path: the folder being written (named in the reason).
+    """
+    meta = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+    try:
+        return encode_meta(meta, path / META_FILE), None
+    except CheckpointError as exc:
+        return None, str(exc)
+
+
 def save_distributed_checkpoint(checkpoint: dict[str, Any], path: str | os.PathLike, *, is_rank_zero: bool,
                                 barrier: Callable[[], None],
-                                broadcast: Callable[[Any], Any] = lambda x: x) -> None:
-    """Every rank calls this. ``broadcast(obj)`` returns rank 0's ``obj`` on every rank: a folder
-    rank 0 cannot create fails on all ranks at once instead of leaving the others in a barrier."""
+                                broadcast: Callable[[Any], Any] = lambda x: x,
+                                gather: Callable[[Any], list[Any]] = all_gather_objects) -> None:
+    """Every rank calls this; the folder appears complete (commit marker last) or not at all.
+
+    Args:
+        checkpoint: Lightning's checkpoint dict (its ``state_dict`` and ``optimizer_states`` go to DCP).
+        path: the checkpoint folder.
+        is_rank_zero: this rank writes ``meta.pt``, the marker and renames.
+        barrier: waits for every rank.
+        broadcast: returns rank 0's ``obj`` on every rank, so a folder rank 0 cannot create (or
+            metadata it cannot store) fails on all ranks at once instead of leaving the others in a barrier.
+        gather: every rank's value (the files each rank wrote and their checksums).
+    """
     path = Path(path)
     if path.name.endswith(_PARTIAL_SUFFIXES):
         raise CheckpointError(f"checkpoint path {str(path)!r} ends in {path.suffix!r}, a name reserved for "
                               f"checkpoints being written or replaced; choose another name")
     tmp = path.with_name(path.name + ".tmp")
-    problem = broadcast(_prepare(tmp) if is_rank_zero else None)
+    meta_bytes, problem = encoded_meta_or_problem(checkpoint, path) if is_rank_zero else (None, None)
+    problem = broadcast(problem or (_prepare(tmp) if is_rank_zero else None))
     if problem is not None:
-        raise CheckpointError(f"cannot write a checkpoint to {str(path)!r}: {problem}")
+        raise CheckpointError(problem if problem.startswith("cannot write") else
+                              f"cannot write a checkpoint to {str(path)!r}: {problem}")
     state = {"model": checkpoint.pop("state_dict")}
     for i, optimizer_state in enumerate(checkpoint.pop("optimizer_states", [])):
         state[f"optimizer_{i}"] = optimizer_state
-    dcp.save(state, checkpoint_id=str(tmp))
+    writer = RecordingWriter(str(tmp))
+    dcp.save(state, storage_writer=writer)
+    everyone = gather(file_entries(tmp, writer.written))  # each rank hashes the shards it wrote
     if is_rank_zero:
-        torch.save(checkpoint, tmp / META_FILE)
-        _fsync(tmp / META_FILE)
+        assert meta_bytes is not None
+        write_fsync(tmp / META_FILE, meta_bytes)
+        files = {name: entry for entries in everyone for name, entry in entries.items()}
+        files.update(file_entries(tmp, [DCP_METADATA, META_FILE]))
+        write_marker(tmp, {"kind": KIND_SHARED, "global_step": checkpoint.get("global_step"), "world_size": len(everyone),
+                           "layouts": (checkpoint.get("hotspa") or {}).get("layouts")}, files)
     barrier()
     if is_rank_zero:
         old = path.with_name(path.name + ".old")
@@ -133,13 +217,17 @@ def save_distributed_checkpoint(checkpoint: dict[str, Any], path: str | os.PathL
 
 
 def resolve_checkpoint(path: str | os.PathLike) -> Path:
-    """``path`` if it is a complete checkpoint; else ``path.old`` when a save that was replacing
-    ``path`` died between its two renames; else a clear error."""
+    """``path`` if it is a committed checkpoint; else ``path.old`` when a save that was replacing
+    ``path`` died between its two renames; else a clear error (nothing in the folder is read).
+
+    Args:
+        path: the checkpoint folder asked for.
+    """
     path = Path(path)
-    if is_complete_checkpoint(path):
+    if is_complete_checkpoint(path) and not has_legacy_layout(path):
         return path
     old = path.with_name(path.name + ".old")
-    if not path.exists() and is_complete_checkpoint(old):
+    if not path.exists() and is_complete_checkpoint(old) and not has_legacy_layout(old):
         log.warning("hotspa: %s is missing but %s is complete (a save replacing it was interrupted); using it",
                     path, old)
         return old
@@ -147,51 +235,85 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
         raise CheckpointError(f"checkpoint {str(path)!r} does not exist")
     if path.is_file():
         raise CheckpointError(f"{str(path)!r} is a file, not a hotspa checkpoint (a folder written by HotSPaStrategy)")
-    missing = [n for n in (META_FILE, DCP_METADATA) if not (path / n).is_file()]
+    if has_legacy_layout(path):
+        raise LegacyCheckpointError(f"cannot load {str(path)!r}: {LEGACY_HINT}")
+    missing = [n for n in (META_FILE, DCP_METADATA, COMMIT_FILE) if not (path / n).is_file()]
     raise CheckpointError(f"{str(path)!r} is not a complete hotspa checkpoint (no {' and no '.join(missing)}); "
                           f"its save was interrupted: resume from an earlier one (see latest_checkpoint)")
 
 
-def _saved_step(path: Path) -> tuple[int, float]:
-    try:
-        meta = torch.load(path / META_FILE, map_location="cpu", weights_only=False)
-        step = int(meta.get("global_step", -1))
-    except Exception:  # noqa: BLE001 - an unreadable meta file makes the checkpoint a poor candidate, not fatal
-        step = -1
-    return step, (path / META_FILE).stat().st_mtime
+def scan_checkpoints(directory: Path) -> tuple[dict[str, tuple[int, float]], list[str]]:
+    """The committed checkpoints in ``directory`` by name -> (step, marker mtime), and what was
+    skipped, each with its reason; reads only the JSON commit markers, never a pickle.
+
+    Args:
+        directory: a folder of checkpoint folders.
+    """
+    found: dict[str, tuple[int, float]] = {}
+    skipped: list[str] = []
+    for entry in sorted(directory.iterdir()) if directory.is_dir() else []:
+        if not entry.is_dir() or entry.name.startswith(".hotspa-probe"):
+            continue
+        if entry.name.endswith(".tmp"):
+            skipped.append(f"{entry.name} (an interrupted save)")  # only ever written into
+            continue
+        if entry.name.endswith(".old") and entry.with_name(entry.name[:-4]).exists():
+            continue  # its replacement arrived
+        if has_legacy_layout(entry):
+            skipped.append(f"{entry.name} (older format without checksums: convert it with "
+                           f"`hotspa upgrade-checkpoint` if you trust it)")
+            continue
+        if not (entry / COMMIT_FILE).is_file():
+            if (entry / DCP_METADATA).exists() or any(entry.glob("*.distcp")):
+                skipped.append(f"{entry.name} (no {COMMIT_FILE}: never committed)")
+            continue
+        try:
+            marker = read_marker(entry)
+        except CheckpointError as exc:
+            skipped.append(f"{entry.name} ({exc})")
+            continue
+        step = marker.get("global_step")
+        found[entry.name] = (-1 if step is None else step, (entry / COMMIT_FILE).stat().st_mtime)
+    return found, skipped
 
 
 def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
-    """The complete checkpoint in ``directory`` with the highest saved global step (newest on a tie),
-    or None. Folders an interrupted save left (``*.tmp``, incomplete ones) are skipped and named in
-    a warning; a ``*.old`` counts only when its replacement never arrived."""
+    """The committed checkpoint in ``directory`` with the highest saved global step (newest on a tie),
+    or None when it holds none. Folders an interrupted save left (``*.tmp``, uncommitted ones) and
+    unreadable markers are skipped and named in a warning; a ``*.old`` counts only when its
+    replacement never arrived. Reads the JSON commit markers only.
+
+    Args:
+        directory: a folder of checkpoint folders (it must exist).
+    """
     directory = Path(directory)
     if not directory.is_dir():
-        return None
-    complete, skipped = [], []
-    for entry in sorted(directory.iterdir()):
-        if not entry.is_dir():
-            continue
-        if entry.name.endswith(".old"):
-            base = entry.with_name(entry.name[:-4])
-            if not base.exists() and is_complete_checkpoint(entry):
-                complete.append(entry)
-            continue
-        if entry.name.endswith(".tmp"):
-            skipped.append(entry.name)  # only ever written into: its save did not finish
-        elif is_complete_checkpoint(entry):
-            complete.append(entry)
+        raise CheckpointError(f"checkpoint folder {str(directory)!r} "
+                              f"{'is not a folder' if directory.exists() else 'does not exist'}")
+    found, skipped = scan_checkpoints(directory)
     if skipped:
-        log.warning("hotspa: skipping incomplete checkpoint(s) in %s left by an interrupted save: %s",
-                    directory, ", ".join(skipped))
-    if not complete:
+        log.warning("hotspa: skipping checkpoint folder(s) in %s: %s", directory, "; ".join(skipped))
+    if not found:
         return None
-    return max(complete, key=_saved_step)
+    return directory / max(found, key=lambda name: found[name])
 
 
-def load_distributed_checkpoint(path: str | os.PathLike, module: nn.Module, optimizers: Sequence[Any]) -> dict[str, Any]:
+def load_distributed_checkpoint(path: str | os.PathLike, module: nn.Module, optimizers: Sequence[Any], *,
+                                share: tuple[int, int] = (0, 1),
+                                gather: Callable[[Any], list[Any]] = lambda x: [x]) -> dict[str, Any]:
+    """Checks the folder against its commit marker, then loads the states into ``module`` and
+    ``optimizers`` (resharded) and returns our metadata (read weights-only).
+
+    Args:
+        path: the checkpoint folder.
+        module: the LightningModule (its state dict holds DTensors at any world size).
+        optimizers: its optimizers.
+        share: ``(index, count)`` of this rank among the ranks checking this folder's files.
+        gather: every such rank's value (one all-gather per check; single process: ``[x]``).
+    """
     path = resolve_checkpoint(path)
-    meta = torch.load(path / META_FILE, map_location="cpu", weights_only=False)
+    verify_checkpoint(path, share=share, gather=gather)
+    meta = read_meta(path / META_FILE)
     optimizers = [getattr(o, "_optimizer", o) for o in optimizers]
     state: dict[str, Any] = {"model": module.state_dict()}
     for i, optimizer in enumerate(optimizers):
@@ -204,7 +326,7 @@ def load_distributed_checkpoint(path: str | os.PathLike, module: nn.Module, opti
         if is_collective_failure(exc):
             raise
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise CheckpointError(f"checkpoint {str(path)!r} does not fit {type(module).__name__} "
+        raise CheckpointError(f"checkpoint {str(path)!r} (its files intact) does not fit {type(module).__name__} "
                               f"(a different model or optimizer?): {type(exc).__name__}: {first[:600]}") from exc
     module.load_state_dict(state["model"])
     for i, optimizer in enumerate(optimizers):
@@ -212,19 +334,40 @@ def load_distributed_checkpoint(path: str | os.PathLike, module: nn.Module, opti
     return meta
 
 
-def export_consolidated(checkpoint_dir: str | os.PathLike, output_file: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """One ``torch.save`` file with the full (unsharded) model state dict, for inference.
+def read_model_tensors(path: Path, prefix: str = "model.") -> dict[str, torch.Tensor]:
+    """Every tensor under ``prefix`` of a VERIFIED checkpoint, in full, in this process (no process group).
 
-    Runs in a single process without a process group; loads every shard, so it needs the memory of
-    one full model.
+    Args:
+        path: a folder that passed :func:`verify_checkpoint`.
+        prefix: the DCP key prefix (``model.``: the LightningModule's state dict); stripped in the result.
     """
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+    metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    keys = [k for k, v in metadata.state_dict_metadata.items()
+            if k.startswith(prefix) and isinstance(v, TensorStorageMetadata)]
+    if not keys:
+        raise CheckpointError(f"{str(path)!r} holds no tensors under {prefix!r}")
+    buffer = {k.removeprefix(prefix): torch.empty(metadata.state_dict_metadata[k].size,
+                                                  dtype=metadata.state_dict_metadata[k].properties.dtype)
+              for k in keys}
+    dcp.load({prefix.rstrip("."): buffer}, checkpoint_id=str(path), no_dist=True)
+    return buffer
+
+
+def export_consolidated(checkpoint_dir: str | os.PathLike, output_file: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """One ``torch.save`` file with the full (unsharded) model state dict (its tensors), for inference.
+
+    Runs in a single process without a process group; checks every file's checksum first, then
+    loads every shard, so it needs the memory of one full model.
+
+    Args:
+        checkpoint_dir: the checkpoint folder.
+        output_file: the file to write (atomically: never half-written under this name).
+    """
     checkpoint_dir, output_file = resolve_checkpoint(checkpoint_dir), Path(output_file)
-    tmp = output_file.with_name(output_file.name + ".all.tmp")
-    dcp_to_torch_save(str(checkpoint_dir), str(tmp))
-    state = torch.load(tmp, map_location="cpu", weights_only=False)["model"]
-    tmp.unlink()
+    verify_checkpoint(checkpoint_dir)
+    state = read_model_tensors(checkpoint_dir)
     part = output_file.with_name(output_file.name + ".tmp")
     torch.save(state, part)
     os.replace(part, output_file)  # never a half-written export under the final name

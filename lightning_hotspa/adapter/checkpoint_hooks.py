@@ -16,7 +16,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from ..layout import Layout
 from ..planner.base import Planner
-from .checkpoint import load_distributed_checkpoint
+from .checkpoint import all_gather_objects, load_distributed_checkpoint
 from .node_checkpoint import CheckpointPlacement, no_checkpoint
 from .reliability import StepTracker
 
@@ -38,10 +38,12 @@ def load_with_planner(checkpoint_path: str, module: Any, optimizers: Sequence[An
                       placement: CheckpointPlacement) -> dict[str, Any]:
     with tracker.guard("finding the checkpoint to resume from"):
         found = placement.resolve(checkpoint_path, [x.name for x in layouts])
-    if found is None:  # latest:<dir> with no step every rank has: start from scratch
+    if found is None:  # latest_or_scratch:<dir> with no step every rank has: start from scratch
         return no_checkpoint()
     path = str(found)
-    checkpoint = load_distributed_checkpoint(path, module, optimizers)
+    with tracker.guard("loading the checkpoint"):
+        checkpoint = load_distributed_checkpoint(path, module, optimizers, share=placement.verify_share(found),
+                                                 gather=all_gather_objects)
     saved = checkpoint.get("hotspa", {})
     rank_zero_info(f"hotspa: resuming from {path} (epoch {checkpoint.get('epoch')}, global step "
                    f"{checkpoint.get('global_step')}; saved by {saved.get('world_size', '?')} ranks with layouts "

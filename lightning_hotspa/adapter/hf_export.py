@@ -1,9 +1,12 @@
 """``hotspa export CKPT_DIR OUT_DIR``: one of our DCP checkpoints as a Hugging Face folder.
 
-Runs in ONE process, whatever world size wrote the checkpoint: DCP records every tensor's global
-shape, so each parameter is read in full through DCP's public API (``FileSystemReader`` metadata,
-``dcp.load`` of just that key), one at a time. The model config comes from the LightningModule's
-hyper-parameters in the checkpoint's metadata file (a :class:`LlamaLM` checkpoint).
+Runs in ONE process, whatever world size wrote the checkpoint: every file of the folder is first
+checked against its commit marker (``commit.json``: size and sha256, :mod:`.checkpoint_trust`),
+our metadata is read weights-only, and only then DCP's metadata (a pickle); each parameter is read
+in full through DCP's public API (``dcp.load`` of just that key), one at a time. The model config
+comes from the LightningModule's hyper-parameters in the metadata (a :class:`LlamaLM` checkpoint).
+The output folder must be empty or absent unless ``overwrite``, which leaves in it only what the
+export writes (no stale shard or index can win over the new weights).
 """
 
 from __future__ import annotations
@@ -17,37 +20,55 @@ import torch.distributed.checkpoint as dcp
 
 from ..models.hf_config import config_to_hf
 from ..models.hf_weights import hf_name, save_hf_folder
+from .checkpoint import META_FILE, CheckpointError, resolve_checkpoint
+from .checkpoint_trust import read_meta, verify_checkpoint
 
 __all__ = ["export_hf"]
 
 _PREFIX = "model.model."  # DCP key = "model" (the state dict) + LlamaLM's "model." + the Llama name
 
 
-def _config(meta: dict[str, Any]) -> Any:
+def _config(meta: dict[str, Any], path: Path) -> Any:
     from ..models.lightning_module import _as_config
 
     hparams = meta.get("hyper_parameters") or {}
     if "config" not in hparams:
-        raise ValueError("the checkpoint's hyper_parameters hold no model `config`: only LlamaLM "
-                         f"checkpoints can be exported (found keys {sorted(hparams)})")
+        raise CheckpointError(f"{str(path / META_FILE)!r}: the hyper_parameters hold no model `config`: only "
+                              f"LlamaLM checkpoints can be exported (found keys {sorted(hparams)})")
     return _as_config(hparams["config"])
 
 
-def export_hf(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathLike,
-              dtype: torch.dtype | None = None) -> list[str]:
-    """Writes ``out_dir`` (config.json + safetensors) from the DCP checkpoint folder; returns the
-    Hugging Face tensor names written. ``dtype``: cast on the way (default: as stored, fp32)."""
-    from .checkpoint import META_FILE
+def _check_out_dir(out: Path, overwrite: bool) -> None:
+    """Refuses a non-empty output folder unless ``overwrite`` (then it is replaced wholesale)."""
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"export output {str(out)!r} is a file, not a folder")
+    entries = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    if entries and not overwrite:
+        shown = ", ".join(entries[:5]) + (f", ... ({len(entries)} entries)" if len(entries) > 5 else "")
+        raise FileExistsError(f"export output {str(out)!r} is not empty ({shown}); choose an empty folder, or pass "
+                              f"--overwrite (overwrite=True) to replace it: only the exported files remain")
 
-    path = Path(checkpoint_dir)
-    if not (path / META_FILE).is_file():
-        raise FileNotFoundError(f"{str(path)!r} is not one of our checkpoints (no {META_FILE})")
-    meta = torch.load(path / META_FILE, map_location="cpu", weights_only=False)
-    config = _config(meta)
+
+def export_hf(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathLike,
+              dtype: torch.dtype | None = None, *, overwrite: bool = False) -> list[str]:
+    """Writes ``out_dir`` (config.json + safetensors) from the DCP checkpoint folder; returns the
+    Hugging Face tensor names written.
+
+    Args:
+        checkpoint_dir: a committed checkpoint folder of a :class:`LlamaLM`.
+        out_dir: the Hugging Face folder to write (absent or empty unless ``overwrite``).
+        dtype: cast on the way (default: as stored, fp32).
+        overwrite: replace a non-empty ``out_dir``; only the exported files remain in it.
+    """
+    out = Path(out_dir).expanduser()
+    _check_out_dir(out, overwrite)
+    path = resolve_checkpoint(checkpoint_dir)
+    verify_checkpoint(path)  # before anything in the folder is unpickled
+    config = _config(read_meta(path / META_FILE), path)
     metadata = dcp.FileSystemReader(str(path)).read_metadata()
     keys = [k for k in metadata.state_dict_metadata if k.startswith(_PREFIX)]
     if not keys:
-        raise ValueError(f"{str(path)!r} holds no LlamaLM parameters (keys like {_PREFIX}...)")
+        raise CheckpointError(f"{str(path)!r} holds no LlamaLM parameters (keys like {_PREFIX}...)")
 
     def tensors():
         for key in keys:
@@ -65,6 +86,6 @@ def export_hf(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathLike,
             names.append(name)
             yield name, value
 
-    save_hf_folder(out_dir, config_to_hf(config, str(stored).removeprefix("torch.")), recorded())
+    save_hf_folder(out, config_to_hf(config, str(stored).removeprefix("torch.")), recorded(),
+                   replace_folder=out.exists())
     return names
-

@@ -11,16 +11,17 @@ de-duplication of replicated tensors is done per node (every node keeps a copy o
 read back); DCP's ``.metadata``, made by the coordinator (rank 0) only, is split per node (each
 lists the shard files on that node) and reaches every node over the process group; each node's
 first rank then writes ``meta.pt`` and its marker ``commit.json`` (node, its ranks, step, world
-size, layouts) and renames the folder into place. ``latest:<dir>`` resumes from the newest step
-every rank has committed (the steps are gathered and intersected: one collective). A node-local
-checkpoint holds only its node's shards, so it loads only into the same world size, layouts and
-rank -> node map; anything else is refused before training starts.
+size, layouts, and the size and sha256 of every file of the node's copy: each rank hashes the
+shards it wrote) and renames the folder into place. ``latest:<dir>`` resumes from the newest step
+every rank has committed (read from the JSON markers only; the steps are gathered and
+intersected: one collective); none is an error unless asked for with ``latest_or_scratch:<dir>``.
+A node-local checkpoint holds only its node's shards, so it loads only into the same world size,
+layouts and rank -> node map; anything else is refused before training starts.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 import pickle
@@ -30,41 +31,51 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
+from torch.distributed.checkpoint import DefaultSavePlanner
 
 from .checkpoint import (
+    COMMIT_FILE,
     DCP_METADATA,
     META_FILE,
     CheckpointError,
+    RecordingWriter,
+    encoded_meta_or_problem,
     is_complete_checkpoint,
     resolve_checkpoint,
     save_distributed_checkpoint,
+    scan_checkpoints,
 )
+from .checkpoint import all_gather_objects as _all_gather
+from .checkpoint_trust import (
+    KIND_NODE_LOCAL,
+    KIND_SHARED,
+    file_entries,
+    read_marker,
+    write_fsync,
+    write_marker,
+)
+from .node_merge import merge_node_copies
 
-__all__ = ["NODE_FIELD", "LATEST_PREFIX", "COMMIT_FILE", "CheckpointPlacement", "expand_node", "gather_node_map",
-           "merge_node_copies",            "tp_groups_across_nodes"]
+__all__ = ["NODE_FIELD", "LATEST_PREFIX", "LATEST_OR_SCRATCH_PREFIX", "COMMIT_FILE", "CheckpointPlacement",
+           "expand_node", "gather_node_map", "merge_node_copies", "tp_groups_across_nodes"]
 
 log = logging.getLogger(__name__)
 
 NODE_FIELD = "{node}"  # in a checkpoint path: this rank's node rank (one folder per node)
-LATEST_PREFIX = "latest:"  # ckpt_path="latest:<dir>": the newest step every rank has in <dir>
-COMMIT_FILE = "commit.json"  # a node-local checkpoint's marker: this node's part is complete
-SHARED, NODE_LOCAL = "shared", "node-local"
+LATEST_PREFIX = "latest:"  # ckpt_path="latest:<dir>": the newest step every rank has in <dir> (none: an error)
+LATEST_OR_SCRATCH_PREFIX = "latest_or_scratch:"  # the same, starting from scratch when there is none
+SHARED, NODE_LOCAL = KIND_SHARED, KIND_NODE_LOCAL
 
 
 def expand_node(path: str | os.PathLike, node: int) -> str:
+    """``path`` with ``{node}`` replaced by ``node``.
+
+    Args:
+        path: a checkpoint path, maybe with ``{node}`` in it.
+        node: this rank's node rank.
+    """
     return str(path).replace(NODE_FIELD, str(node))
-
-
-def _all_gather(obj: Any) -> list[Any]:
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return [obj]
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
 
 
 def gather_node_map(node_rank: int) -> tuple[int, ...]:
@@ -115,7 +126,7 @@ class _PerNodePlanner(DefaultSavePlanner):
         return global_plan, metadata
 
 
-class _PerNodeWriter(FileSystemWriter):
+class _PerNodeWriter(RecordingWriter):
     """On the coordinator, keeps one ``.metadata`` per node (each listing that node's shard files)
     instead of writing the global one; :meth:`CheckpointPlacement.save` ships them to the nodes."""
 
@@ -135,16 +146,13 @@ class _PerNodeWriter(FileSystemWriter):
             self.per_node[node] = pickle.dumps(dataclasses.replace(metadata, storage_data=storage))
 
 
-def _fsync_write(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
 def is_committed(path: str | os.PathLike) -> bool:
-    """A node's part of a node-local checkpoint is complete: DCP metadata, meta.pt and its marker."""
-    return is_complete_checkpoint(path) and (Path(path) / COMMIT_FILE).is_file()
+    """A node's part of a node-local checkpoint is complete: DCP metadata, meta.pt and its marker.
+
+    Args:
+        path: the folder (nothing in it is read).
+    """
+    return is_complete_checkpoint(path)
 
 
 class CheckpointPlacement:
@@ -213,7 +221,7 @@ class CheckpointPlacement:
             raise CheckpointError(f"cannot write a checkpoint to {str(filepath)!r}: {exc}") from None
         if mode == SHARED:
             save_distributed_checkpoint(checkpoint, expand_node(filepath, self.node), is_rank_zero=self.rank == 0,
-                                        barrier=self.barrier, broadcast=self.broadcast)
+                                        barrier=self.barrier, broadcast=self.broadcast, gather=_all_gather)
             return
         self._save_node_local(checkpoint, self.local(filepath), list(layouts))
 
@@ -224,22 +232,29 @@ class CheckpointPlacement:
             raise CheckpointError(f"checkpoint path {str(path)!r} ends in {path.suffix!r}, a name reserved for "
                                   f"checkpoints being written or replaced; choose another name")
         tmp = path.with_name(path.name + ".tmp")
-        problems = [p for p in _all_gather(_prepare(tmp) if self.is_node_leader else None) if p]
+        meta_bytes, problem = encoded_meta_or_problem(checkpoint, path) if self.rank == 0 else (None, None)
+        if problem is None and self.is_node_leader:
+            problem = _prepare(tmp)
+            problem = problem and f"cannot write a checkpoint to {str(path)!r} (node {self.node}): {problem}"
+        problems = [p for p in _all_gather(problem) if p]
         if problems:
-            raise CheckpointError(f"cannot write a checkpoint to {str(path)!r} (node {self.node}): {problems[0]}")
+            raise CheckpointError(problems[0])
         state = {"model": checkpoint.pop("state_dict")}
         for i, optimizer_state in enumerate(checkpoint.pop("optimizer_states", [])):
             state[f"optimizer_{i}"] = optimizer_state
         writer = _PerNodeWriter(str(tmp), self.node_map)
         dcp.save(state, storage_writer=writer, planner=_PerNodePlanner(self.node_map))
         per_node = self.broadcast(writer.per_node if self.rank == 0 else None)  # rank 0's metadata to every node
-        meta = self.broadcast(checkpoint if self.rank == 0 else None)
+        meta_bytes = self.broadcast(meta_bytes)
+        hashed = _all_gather(file_entries(tmp, writer.written))  # each rank hashes the shards it wrote
         if self.is_node_leader:
-            _fsync_write(tmp / DCP_METADATA, per_node[self.node])
-            torch.save(meta, tmp / META_FILE)
-            marker = {"node": self.node, "ranks": self.node_ranks, "world_size": self.world_size,
-                      "node_map": list(self.node_map), "global_step": meta.get("global_step"), "layouts": layouts}
-            _fsync_write(tmp / COMMIT_FILE, json.dumps(marker).encode())
+            write_fsync(tmp / DCP_METADATA, per_node[self.node])
+            write_fsync(tmp / META_FILE, meta_bytes)
+            files = {name: entry for r in self.node_ranks for name, entry in hashed[r].items()}
+            files.update(file_entries(tmp, [DCP_METADATA, META_FILE]))
+            write_marker(tmp, {"kind": NODE_LOCAL, "node": self.node, "ranks": self.node_ranks,
+                               "world_size": self.world_size, "node_map": list(self.node_map),
+                               "global_step": checkpoint.get("global_step"), "layouts": layouts}, files)
             old = path.with_name(path.name + ".old")
             if path.exists():
                 shutil.rmtree(old, ignore_errors=True)
@@ -258,14 +273,21 @@ class CheckpointPlacement:
 
     # ------------------------------------------------------------------ load
     def resolve(self, spec: str, layouts: Sequence[str]) -> Path | None:
-        """This rank's folder to load: ``latest:<dir>`` picks the newest step every rank has
-        (None: there is none, start from scratch); a node-local checkpoint must fit this run."""
+        """This rank's folder to load: ``latest:<dir>`` picks the newest step every rank has (none:
+        an error), ``latest_or_scratch:<dir>`` the same or None (start from scratch); a node-local
+        checkpoint must fit this run. Reads the JSON commit markers only.
+
+        Args:
+            spec: ``ckpt_path``.
+            layouts: this run's layout names.
+        """
         spec = str(spec)
-        if spec.startswith(LATEST_PREFIX):
-            directory = spec[len(LATEST_PREFIX):]
+        prefix = next((p for p in (LATEST_PREFIX, LATEST_OR_SCRATCH_PREFIX) if spec.startswith(p)), None)
+        if prefix is not None:
+            directory = spec[len(prefix):]
             if not directory:
-                raise CheckpointError(f"ckpt_path={spec!r}: give the folder after {LATEST_PREFIX!r}")
-            path = self._agreed_latest(directory)
+                raise CheckpointError(f"ckpt_path={spec!r}: give the folder after {prefix!r}")
+            path = self._agreed_latest(directory, strict=prefix == LATEST_PREFIX)
         else:
             path = self.local(spec)
             found = _all_gather(path.exists() or path.with_name(path.name + ".old").exists())
@@ -277,41 +299,72 @@ class CheckpointPlacement:
             self._check_fits(path, layouts)
         return path
 
-    def _agreed_latest(self, directory: str) -> Path | None:
+    def _agreed_latest(self, directory: str, *, strict: bool) -> Path | None:
         folder = self.local(directory)
+        found, skipped = scan_checkpoints(folder)
         steps: dict[int, str] = {}
-        for entry in sorted(folder.iterdir()) if folder.is_dir() else []:
-            if entry.name.endswith(".tmp") or not is_complete_checkpoint(entry):
-                continue  # an interrupted save
-            if entry.name.endswith(".old") and entry.with_name(entry.name[:-4]).exists():
-                continue  # its replacement arrived
-            steps.setdefault(_step_of(entry), entry.name)
-        everyone = _all_gather(sorted(steps))
-        common = set(everyone[0]).intersection(*map(set, everyone[1:]))
+        for name, (step, _) in sorted(found.items(), key=lambda kv: kv[1][1], reverse=True):
+            steps.setdefault(step, name)  # the newest marker of a step
+        everyone = _all_gather((sorted(steps), skipped, folder.is_dir()))
+        if self.rank == 0 and any(s for _, s, _ in everyone):
+            named = sorted({f"{x}" for _, s, _ in everyone for x in s})
+            log.warning("hotspa: latest: skipping checkpoint folder(s) in %s: %s", directory, "; ".join(named))
+        common = set(everyone[0][0]).intersection(*(set(e[0]) for e in everyone[1:]))
         if not common:
-            if self.rank == 0 and not any(everyone):
-                log.warning("hotspa: latest: no complete checkpoint in %s; starting from scratch", directory)
-            elif self.rank == 0:
-                newest = {r: (s[-1] if s else None) for r, s in enumerate(everyone)}
-                log.warning("hotspa: no checkpoint step in %s that every rank has (newest per rank: %s); "
-                            "starting from scratch", directory, newest)
+            absent = [r for r, (_, _, is_dir) in enumerate(everyone) if not is_dir]
+            if not any(e[0] for e in everyone):
+                what = (f"no complete checkpoint in {directory!r}" if not absent else
+                        f"{directory!r} is not a folder{'' if len(absent) == len(everyone) else f' on ranks {absent}'}")
+            else:
+                newest = {r: (e[0][-1] if e[0] else None) for r, e in enumerate(everyone)}
+                what = f"no checkpoint step in {directory!r} that every rank has (newest per rank: {newest})"
+            if strict:
+                raise CheckpointError(f"ckpt_path={LATEST_PREFIX}{directory}: {what}. To start from scratch when "
+                                      f"there is none, ask for it: {LATEST_OR_SCRATCH_PREFIX}{directory} (Hydra: "
+                                      f"ckpt_path=latest_or_scratch)")
+            if self.rank == 0:
+                log.warning("hotspa: %s: %s; starting from scratch", LATEST_OR_SCRATCH_PREFIX.rstrip(":"), what)
             return None
         step = max(common)
-        if self.rank == 0 and any(s and s[-1] != step for s in everyone):
+        if self.rank == 0 and any(e[0] and e[0][-1] != step for e in everyone):
             log.warning("hotspa: resuming from step %d, the newest every node has committed in %s (newest per "
-                        "rank: %s)", step, directory, [s[-1] if s else None for s in everyone])
+                        "rank: %s)", step, directory, [e[0][-1] if e[0] else None for e in everyone])
         return folder / steps[step]
 
+    def verify_share(self, path: Path) -> tuple[int, int]:
+        """This rank's share of a folder's file checks: over the ranks that see the folder (its
+        node's for a node-local copy, every rank for a shared one).
+
+        Args:
+            path: a resolved checkpoint folder.
+        """
+        return (self.node_ranks.index(self.rank), len(self.node_ranks)) if self.mode_of(path) == NODE_LOCAL \
+            else (self.rank, self.world_size)
+
+    def mode_of(self, path: Path) -> str:
+        """``node-local`` when the folder's marker says so, else ``shared`` (a bad marker: checked later).
+
+        Args:
+            path: a checkpoint folder.
+        """
+        try:
+            return NODE_LOCAL if read_marker(path).get("kind") == NODE_LOCAL else SHARED
+        except CheckpointError:
+            return SHARED
+
     def _check_fits(self, path: Path, layouts: Sequence[str]) -> None:
-        """A node-local checkpoint (it has a marker) loads only into the ranks that wrote it."""
+        """A node-local checkpoint (its marker says so) loads only into the ranks that wrote it."""
         problem = None
-        marker_file = path / COMMIT_FILE
-        if marker_file.is_file():
-            marker = json.loads(marker_file.read_text())
-            saved = (marker.get("world_size"), list(marker.get("layouts", [])), marker.get("node_map"))
-            if saved != (self.world_size, list(layouts), list(self.node_map)) or self.rank not in marker["ranks"]:
-                problem = (f"node {self.node}'s copy {str(path)!r} holds the shards of ranks {marker['ranks']} only, "
-                           f"written by {marker.get('world_size')} ranks on nodes {marker.get('node_map')} with "
+        try:
+            marker = read_marker(path)
+        except CheckpointError:
+            marker = {}  # named by the integrity check that follows, on every rank alike
+        if marker.get("kind") == NODE_LOCAL:
+            saved = (marker.get("world_size"), list(marker.get("layouts") or []), marker.get("node_map"))
+            if saved != (self.world_size, list(layouts), list(self.node_map)) or \
+                    self.rank not in (marker.get("ranks") or []):
+                problem = (f"node {self.node}'s copy {str(path)!r} holds the shards of ranks {marker.get('ranks')} "
+                           f"only, written by {marker.get('world_size')} ranks on nodes {marker.get('node_map')} with "
                            f"layouts {marker.get('layouts')}; this run: {self.world_size} ranks on nodes "
                            f"{list(self.node_map)} with layouts {list(layouts)}")
         problems = [p for p in _all_gather(problem) if p]
@@ -323,53 +376,6 @@ class CheckpointPlacement:
                 f"size, layouts or rank -> node map reads other ranks' shards, so it needs a checkpoint on a shared "
                 f"filesystem: resume at the same shape, or copy every node's folder into one shared folder first "
                 f"and pass that")
-
-
-def _step_of(path: Path) -> int:
-    marker = path / COMMIT_FILE
-    if marker.is_file():
-        try:
-            return int(json.loads(marker.read_text()).get("global_step", -1))
-        except (ValueError, TypeError):
-            return -1
-    try:
-        return int(torch.load(path / META_FILE, map_location="cpu", weights_only=False).get("global_step", -1))
-    except Exception:  # noqa: BLE001 - unreadable: a poor candidate, not fatal
-        return -1
-
-
-def merge_node_copies(folders: Sequence[str | os.PathLike], output: str | os.PathLike) -> Path:
-    """One shared checkpoint (loadable at any world size) from every node's copy of a node-local
-    one, once they are reachable from one machine: shard files copied, per-node metadata merged.
-    Runs in one process, without a process group."""
-    folders = [resolve_checkpoint(f) for f in folders]
-    markers = []
-    for folder in folders:
-        if not (folder / COMMIT_FILE).is_file():
-            raise CheckpointError(f"{str(folder)!r} has no {COMMIT_FILE}: not one node's copy of a node-local checkpoint")
-        markers.append(json.loads((folder / COMMIT_FILE).read_text()))
-    world = markers[0]["world_size"]
-    covered = sorted(r for m in markers for r in m["ranks"])
-    if covered != list(range(world)) or len({m["global_step"] for m in markers}) != 1:
-        raise CheckpointError(f"the copies {[str(f) for f in folders]} do not add up to one checkpoint of {world} ranks: "
-                              f"they hold ranks {covered} of steps {sorted({m['global_step'] for m in markers})}")
-    output = Path(output)
-    tmp = output.with_name(output.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    merged = None
-    for folder in folders:
-        metadata = pickle.loads((folder / DCP_METADATA).read_bytes())
-        if merged is None:
-            merged = metadata
-        else:
-            merged.storage_data.update(metadata.storage_data)
-        for shard in folder.glob("*.distcp"):
-            shutil.copy2(shard, tmp / shard.name)
-    shutil.copy2(folders[0] / META_FILE, tmp / META_FILE)
-    _fsync_write(tmp / DCP_METADATA, pickle.dumps(merged))
-    os.replace(tmp, output)
-    return output
 
 
 class _NoCheckpoint(dict):

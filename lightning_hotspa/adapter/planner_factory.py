@@ -29,7 +29,11 @@ def check_planner_spec(planner: Any, hardware: str | None) -> None:
             raise ValueError(f"unknown planner {planner!r}; use one of {list(PLANNER_NAMES)} or a Planner instance")
     else:
         check_planner(planner, f"planner must be one of {list(PLANNER_NAMES)} or a Planner", ValueError)
-    if hardware is not None and planner in ("cost", "cost-profiled"):
+    if hardware is not None and planner not in ("cost", "cost-profiled"):
+        shown = planner if isinstance(planner, str) else type(planner).__name__
+        raise ValueError(f"hardware={hardware!r} prices plans for planner='cost' or 'cost-profiled' only; "
+                         f"planner={shown!r} would ignore it: drop hardware= or choose planner='cost'")
+    if hardware is not None:
         from ..planner.hardware import get_profile
 
         get_profile(hardware)  # an unknown profile name fails here, naming the known ones

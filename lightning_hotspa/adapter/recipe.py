@@ -242,18 +242,18 @@ def checkpoint_callback(node: Any) -> Any:
 def resolve_ckpt_path(cfg: DictConfig) -> str | None:
     """``ckpt_path``, with ``latest`` meaning the newest checkpoint in ``checkpoint.dirpath`` that
     every rank has (``latest:<dirpath>``, which HotSPaStrategy resolves with one collective once the
-    processes are up: with node-local folders, the newest step every node has committed; none:
-    start from scratch)."""
-    from .node_checkpoint import LATEST_PREFIX
+    processes are up: with node-local folders, the newest step every node has committed; none: an
+    error), and ``latest_or_scratch`` the same, starting from scratch when there is none."""
+    from .node_checkpoint import LATEST_OR_SCRATCH_PREFIX, LATEST_PREFIX
 
     spec = cfg.get("ckpt_path")
-    if spec != "latest":
+    if spec not in ("latest", "latest_or_scratch"):
         return spec
     node = cfg.get("checkpoint") or {}
     dirpath = node.get("dirpath")
     if not dirpath:
-        raise ConfigError("ckpt_path=latest needs checkpoint.dirpath (the folder to look in)")
-    return f"{LATEST_PREFIX}{dirpath}"
+        raise ConfigError(f"ckpt_path={spec} needs checkpoint.dirpath (the folder to look in)")
+    return f"{LATEST_PREFIX if spec == 'latest' else LATEST_OR_SCRATCH_PREFIX}{dirpath}"
 
 
 def build_trainer(cfg: DictConfig) -> Any:

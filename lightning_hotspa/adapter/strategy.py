@@ -127,6 +127,8 @@ class HotSPaStrategy(GuardedCollectives, StrategyCheckpoints, ParallelStrategy):
         self._default_layout_spec = Layout.parse(default_layout) if default_layout is not None else None
         self._process_group_backend = process_group_backend
         self._timeout = as_timeout(timeout)
+        if breadcrumb_dir is not None and not isinstance(breadcrumb_dir, (str, os.PathLike)):
+            raise TypeError(f"breadcrumb_dir must be a folder path (str or os.PathLike) or None, got {breadcrumb_dir!r}")
         self._breadcrumb_dir = breadcrumb_dir if breadcrumb_dir is not None else os.environ.get("HOTSPA_BREADCRUMB_DIR")
         self.tracker = StepTracker()  # this rank's breadcrumb and the step's micro-batch losses
         self.nonfinite = NonFiniteHandler(nonfinite, self.tracker)
@@ -203,6 +205,8 @@ class HotSPaStrategy(GuardedCollectives, StrategyCheckpoints, ParallelStrategy):
     @override
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
+        if self._layout_spec != "auto":  # the world is known here, before any process starts
+            resolve_layouts(self._layout_spec, self.num_processes * self.num_nodes, type(self).__name__)
         if not self.cluster_environment.creates_processes_externally:
             self._launcher = SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 

@@ -52,7 +52,19 @@ def _messages(row: Any, fields: Mapping[str, str]) -> list[dict[str, str]]:
             raise ValueError(f"a message needs a role in {list(ROLES)} and a string content, got {m!r:.80}")
     if not any(m["role"] == "assistant" for m in messages):
         raise ValueError("the conversation has no assistant message: nothing to train on")
+    empty = [i for i, m in enumerate(messages) if m["role"] == "assistant" and not m["content"].strip()]
+    if empty:
+        raise ValueError(f"assistant message {empty[0]} (of {len(messages)}) has empty content: its reply would be "
+                         f"only the template's end token")
     return [{"role": m["role"], "content": m["content"]} for m in messages]
+
+
+def _utf8(raw: bytes) -> str:
+    """One line as text; a line that is not UTF-8 is a ``ValueError`` naming the byte (a bad record)."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"not UTF-8 text (byte {exc.start}: {raw[exc.start:exc.start + 1]!r})") from None
 
 
 class ChatJsonlSource(DocumentSource):
@@ -71,13 +83,13 @@ class ChatJsonlSource(DocumentSource):
 
     def _documents(self) -> Iterator[Document]:
         for file in self.files:
-            with open(file, encoding="utf-8") as f:
-                for lineno, line in enumerate(f, 1):
-                    if not line.strip():
+            with open(file, "rb") as f:
+                for lineno, raw in enumerate(f, 1):
+                    if not raw.strip():
                         continue
                     where = f"{file}:{lineno}"
                     try:
-                        messages = _messages(json.loads(line), self.fields)
+                        messages = _messages(json.loads(_utf8(raw)), self.fields)
                     except (ValueError, json.JSONDecodeError) as exc:
                         self._bad(where, str(exc))
                         continue

@@ -92,6 +92,23 @@ class _ChunkTokens(Sequence[np.ndarray]):
         return chunk_tokens(self._corpus, self._refs[i])
 
 
+def _check_chat_pairing(source: Any, tokenizer: Any, name: str) -> None:
+    """Chat sources need the chat tokenizer (prompt masking) and the chat tokenizer needs chat documents."""
+    from .chat import ChatJsonlSource
+    from .tokenizer import ChatTemplateTokenizer
+
+    if source is None:
+        return
+    chat_source, chat_tokenizer = isinstance(source, ChatJsonlSource), isinstance(tokenizer, ChatTemplateTokenizer)
+    if chat_source and not chat_tokenizer:
+        raise DataError(f"{name}: a {type(source).__name__} needs the chat tokenizer (tokenizer='chat', "
+                        f"path=<a tokenizer folder with a chat_template>); {type(tokenizer).__name__} would train on "
+                        f"the raw JSON text, with loss on the prompts")
+    if chat_tokenizer and not chat_source:
+        raise DataError(f"{name}: the chat tokenizer renders conversations of a ChatJsonlSource (source='chat_jsonl'); "
+                        f"{type(source).__name__} yields plain text: use tokenizer='hf' with the same path for it")
+
+
 class StepPlanDataset(Dataset[RankPlan]):
     """Item ``(epoch, step)`` (or ``step`` of the cursor's epoch) is this rank's plan of that step.
 
@@ -231,6 +248,7 @@ class HotSPaDataModule(L.LightningDataModule):
                 source, **dict(source_kwargs or {}))
         self._tokenizer = tokenizer if isinstance(tokenizer, Tokenizer) else build_tokenizer(
             tokenizer, **dict(tokenizer_kwargs or {}))
+        _check_chat_pairing(self._source, self._tokenizer, name)
         if not (isinstance(val_fraction, (int, float)) and 0.0 <= val_fraction < 1.0):
             raise DataError(f"{name}: val_fraction must be in [0, 1), got {val_fraction!r}")
         check_int(num_workers, f"{name}: num_workers", minimum=0, hint=" (0: load in the training process)",
@@ -274,9 +292,15 @@ class HotSPaDataModule(L.LightningDataModule):
             self._planning()  # fail early on a misconfigured strategy
 
     def _check_vocabulary(self) -> None:
-        """The tokenizer's largest id must be a row of the Trainer's model (``config.vocab_size``)."""
+        """The tokenizer's largest id must be a row of the Trainer's model (``config.vocab_size``),
+        and ``context_length`` within the model's ``max_seq_len``."""
         module = getattr(getattr(self, "trainer", None), "lightning_module", None)
         model_vocab = getattr(getattr(module, "config", None), "vocab_size", None)
+        max_seq_len = getattr(getattr(module, "config", None), "max_seq_len", None)
+        if isinstance(max_seq_len, int) and isinstance(self.context_length, int) and self.context_length > max_seq_len:
+            raise DataError(f"{type(self).__name__}: context_length={self.context_length} is longer than the model's "
+                            f"max_seq_len={max_seq_len} (positions past it were never trained or are out of the "
+                            f"model's RoPE range); lower context_length or use a model config with a longer max_seq_len")
         if self._source is not None and isinstance(model_vocab, int):
             from ..models.vocab import check_tokenizer_fits
 

@@ -32,7 +32,16 @@ def read_hf_config(path: str | os.PathLike[str]) -> dict[str, Any]:
     file = Path(path).expanduser() / "config.json"
     if not file.is_file():
         raise HFConfigError(f"{str(Path(path))!r} is not a Hugging Face model folder: it has no config.json")
-    return json.loads(file.read_text())
+    try:
+        hf = json.loads(file.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise HFConfigError(f"{str(file)!r} is not UTF-8 text (byte {exc.start})") from None
+    except json.JSONDecodeError as exc:
+        raise HFConfigError(f"{str(file)!r} is not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg}); "
+                            f"cut off or not a config.json?") from None
+    if not isinstance(hf, dict):
+        raise HFConfigError(f"{str(file)!r} holds a JSON {type(hf).__name__}, not a config object")
+    return hf
 
 
 def _architecture(hf: Mapping[str, Any]) -> str:
@@ -82,12 +91,22 @@ def _refuse(hf: Mapping[str, Any], arch: str) -> None:
             raise HFConfigError(f"{arch} config field {field}={hf.get(field)!r}: {why}")
 
 
+_REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
+
+
 def config_from_hf(hf: Mapping[str, Any], **overrides: Any) -> LlamaConfig:
     """A :class:`LlamaConfig` equal in math to the Hugging Face config ``hf`` (a parsed config.json).
 
     ``vocab_multiple`` defaults to 1: the checkpoint's vocabulary is kept exactly (padded rows would
     add logits the released model does not have). ``overrides`` replace any field.
     """
+    missing = [k for k in _REQUIRED if hf.get(k) is None]
+    if missing:
+        raise HFConfigError(f"the Hugging Face config has no {', '.join(repr(k) for k in missing)} "
+                            f"(a {hf.get('model_type', 'model')!r} config.json needs {list(_REQUIRED)})")
+    for key in _REQUIRED:
+        if isinstance(hf[key], bool) or not isinstance(hf[key], int) or hf[key] <= 0:
+            raise HFConfigError(f"the Hugging Face config's {key!r} must be a positive integer, got {hf[key]!r}")
     arch = _architecture(hf)
     _refuse(hf, arch)
     theta, scaling = _rope(hf)
@@ -110,10 +129,16 @@ def config_from_hf(hf: Mapping[str, Any], **overrides: Any) -> LlamaConfig:
 
 
 def config_to_hf(config: LlamaConfig, torch_dtype: str = "float32") -> dict[str, Any]:
-    """A config.json that ``transformers`` loads into the matching ``*ForCausalLM`` (4.x and 5 keys)."""
-    if config.padded_vocab_size != config.vocab_size:
-        raise HFConfigError(f"vocab_size={config.vocab_size} is padded to {config.padded_vocab_size} rows "
-                            f"(vocab_multiple={config.vocab_multiple}); Hugging Face models have no padded rows")
+    """A config.json that ``transformers`` loads into the matching ``*ForCausalLM`` (4.x and 5 keys).
+
+    A padded vocabulary is written as what the model has: ``vocab_size`` = the padded row count, so
+    the Hugging Face model computes the same logits (and softmax) over the same rows; ids at or past
+    the original ``vocab_size`` are padding no data ever holds.
+
+    Args:
+        config: the model's config.
+        torch_dtype: the stored dtype's name.
+    """
     if config.qkv_bias and config.sliding_window is not None:
         raise HFConfigError(f"q/k/v biases (Qwen2) with sliding_window={config.sliding_window}: no supported "
                             f"Hugging Face architecture has both")
@@ -126,7 +151,7 @@ def config_to_hf(config: LlamaConfig, torch_dtype: str = "float32") -> dict[str,
                 "low_freq_factor": s.low_freq_factor, "high_freq_factor": s.high_freq_factor,
                 "original_max_position_embeddings": s.original_max_position_embeddings}
     out: dict[str, Any] = {
-        "architectures": [arch], "model_type": ARCHITECTURES[arch], "vocab_size": config.vocab_size,
+        "architectures": [arch], "model_type": ARCHITECTURES[arch], "vocab_size": config.padded_vocab_size,
         "hidden_size": config.hidden, "num_hidden_layers": config.n_layers,
         "num_attention_heads": config.n_heads, "num_key_value_heads": config.n_kv_heads,
         "intermediate_size": config.ffn_hidden, "hidden_act": "silu", "rms_norm_eps": config.norm_eps,

@@ -11,12 +11,13 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from torch import Tensor
 
-__all__ = ["HFCheckpoint", "hf_name", "our_name", "save_hf_folder"]
+__all__ = ["HFCheckpoint", "HFWeightsError", "hf_name", "our_name", "save_hf_folder"]
 
 # ours (inside Llama) <-> Hugging Face, per layer; the {i} is the layer index
 _LAYER = {
@@ -75,18 +76,16 @@ class HFCheckpoint:
         self.path = Path(path).expanduser()
         index = self.path / "model.safetensors.index.json"
         if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
-            self.files = {name: self.path / file for name, file in weight_map.items()}
+            self.files = _index_files(index, self.path)
         else:
             files = sorted(self.path.glob("*.safetensors"))
             if not files:
                 raise FileNotFoundError(f"{str(self.path)!r} holds no *.safetensors weights (.bin checkpoints "
                                         f"are not read: convert them with transformers' save_pretrained)")
-            from safetensors import safe_open
 
             self.files = {}
             for file in files:
-                with safe_open(str(file), framework="pt") as f:
+                with _safe_open(file) as f:
                     self.files.update(dict.fromkeys(f.keys(), file))
         for name, file in self.files.items():
             if not file.is_file():
@@ -96,11 +95,9 @@ class HFCheckpoint:
         return list(self.files)
 
     def _open(self, name: str):
-        from safetensors import safe_open
-
         if name not in self.files:
             raise KeyError(f"{str(self.path)!r} has no tensor {name!r}")
-        return safe_open(str(self.files[name]), framework="pt")
+        return _safe_open(self.files[name])
 
     def shape(self, name: str) -> tuple[int, ...]:
         with self._open(name) as f:
@@ -109,20 +106,75 @@ class HFCheckpoint:
     def read(self, name: str, dim: int | None = None, start: int = 0, stop: int | None = None) -> Tensor:
         """Tensor ``name``, or only ``[start, stop)`` along ``dim`` (read from disk, nothing else)."""
         with self._open(name) as f:
-            if dim is None:
-                return f.get_tensor(name)
-            sl = f.get_slice(name)
-            index = tuple([slice(None)] * dim + [slice(start, stop)])
-            return sl[index]
+            try:
+                if dim is None:
+                    return f.get_tensor(name)
+                sl = f.get_slice(name)
+                index = tuple([slice(None)] * dim + [slice(start, stop)])
+                return sl[index]
+            except Exception as exc:  # noqa: BLE001 - safetensors' errors do not name the file
+                raise HFWeightsError(f"cannot read tensor {name!r} from {str(self.files[name])!r}: "
+                                     f"{type(exc).__name__}: {exc}") from None
+
+
+class HFWeightsError(ValueError):
+    """A Hugging Face weights file or index that cannot be read; the message names the file."""
+
+
+def _index_files(index: Path, folder: Path) -> dict[str, Path]:
+    """The index's ``weight_map`` as tensor name -> file, refusing entries that leave ``folder``.
+
+    Args:
+        index: ``model.safetensors.index.json``.
+        folder: the model folder every shard must lie in.
+    """
+    try:
+        weight_map = json.loads(index.read_bytes().decode("utf-8")).get("weight_map")
+    except (UnicodeDecodeError, json.JSONDecodeError, AttributeError) as exc:
+        raise HFWeightsError(f"{str(index)!r} is not a JSON object: {type(exc).__name__}: {exc}") from None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise HFWeightsError(f"{str(index)!r}: field 'weight_map' must be a non-empty object, got {weight_map!r:.200}")
+    root = folder.resolve()
+    files = {}
+    for name, file in weight_map.items():
+        target = (folder / str(file)).resolve() if isinstance(file, str) else None
+        if target is None or Path(file).is_absolute() or root not in target.parents:
+            raise HFWeightsError(f"{str(index)!r}: weight_map[{name!r}] = {file!r} leaves the model folder "
+                                 f"{str(folder)!r}; shards must be files inside it")
+        files[name] = folder / file
+    return files
+
+
+def _safe_open(file: Path):
+    """``safetensors.safe_open`` of one file; a truncated or garbage file is an error naming it."""
+    from safetensors import safe_open
+
+    try:
+        return safe_open(str(file), framework="pt")
+    except Exception as exc:  # noqa: BLE001 - safetensors' errors do not name the file
+        raise HFWeightsError(f"{str(file)!r} is not a readable safetensors file (truncated or not safetensors?): "
+                             f"{type(exc).__name__}: {exc}") from None
 
 
 def save_hf_folder(path: str | os.PathLike[str], config_json: Mapping, tensors: Iterable[tuple[str, Tensor]],
-                   max_shard_bytes: int = 4 << 30) -> list[str]:
-    """Writes ``config.json`` and the tensors (Hugging Face names) as safetensors shards of at most
-    ``max_shard_bytes`` each, with an index when there is more than one; returns the file names."""
+                   max_shard_bytes: int = 4 << 30, *, replace_folder: bool = False) -> list[str]:
+    """Writes ``config.json`` and the tensors (Hugging Face names) as safetensors shards; returns the file names.
+
+    Args:
+        path: the model folder.
+        config_json: the config.
+        tensors: (Hugging Face name, tensor) pairs.
+        max_shard_bytes: at most this many bytes per shard, with an index when there is more than one.
+        replace_folder: the folder ends up holding only these files (written beside it, then swapped
+            in); else they are written into it and stale weight files (other ``model*.safetensors``,
+            an index, ``pytorch_model*.bin``) are removed, so no loader can pick old weights.
+    """
     from safetensors.torch import save_file
 
-    out = Path(path).expanduser()
+    final = Path(path).expanduser()
+    out = final.with_name(f".{final.name}.hotspa-export.tmp") if replace_folder else final
+    if replace_folder:
+        shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True, exist_ok=True)
     shards: list[dict[str, Tensor]] = [{}]
     size = 0
@@ -137,12 +189,24 @@ def save_hf_folder(path: str | os.PathLike[str], config_json: Mapping, tensors: 
              [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
     for file, shard in zip(names, shards):
         save_file(shard, str(out / file), metadata={"format": "pt"})
+    written = [*names, "config.json"]
     if len(shards) > 1:
         weight_map = {name: file for file, shard in zip(names, shards) for name in shard}
         total = sum(t.numel() * t.element_size() for shard in shards for t in shard.values())
         (out / "model.safetensors.index.json").write_text(
             json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+        written.append("model.safetensors.index.json")
     (out / "config.json").write_text(json.dumps(dict(config_json), indent=2))
+    if replace_folder:
+        old = final.with_name(f".{final.name}.hotspa-export.old")
+        shutil.rmtree(old, ignore_errors=True)
+        if final.exists():
+            os.replace(final, old)
+        os.replace(out, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        for stale in [*out.glob("model*.safetensors"), *out.glob("model.safetensors.index.json"),
+                      *out.glob("pytorch_model*.bin"), *out.glob("pytorch_model.bin.index.json")]:
+            if stale.name not in written:
+                stale.unlink()
     return names
-
-

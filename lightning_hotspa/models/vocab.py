@@ -53,10 +53,15 @@ def check_token_ids(ids: Tensor, vocab_size: int, what: str = "input_ids",
             # ignore_index is never a valid id, so mapping it to 0 leaves min/max of the rest unchanged
             ids = ids.masked_fill(ids == ignore_index, 0)
         low, high = (int(v) for v in torch.stack(torch.aminmax(ids)).tolist())
-    if low < 0 or high >= vocab_size:
-        bad = low if low < 0 else high
+    if low < 0:
+        hint = (f"; only {ignore_index} (no loss) may stand for a missing label" if ignore_index is not None
+                else "")
+        raise VocabularyError(f"{what} hold token id {low}: token ids are never negative{hint}; a negative id is a "
+                              f"tokenizer or data bug, not a vocabulary size")
+    if high >= vocab_size:
+        bad = high
         raise VocabularyError(f"{what} hold token id {bad}, outside the model's vocabulary of {vocab_size} "
-                              f"ids (0..{vocab_size - 1}); {_fix(max(high, 0), vocab_size)}")
+                              f"ids (0..{vocab_size - 1}); {_fix(high, vocab_size)}")
     if version is None:
         return
     if len(_PASSED) >= 64:  # only the current micro-batch's few tensors matter

@@ -435,7 +435,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from . import export, memory
 
     commands = {"plan": _cmd_plan, "simulate": _cmd_simulate, "calibrate": _cmd_calibrate,
-                "check-calibration": _cmd_check_calibration, "export": export.run, "memory": memory.run}
+                "check-calibration": _cmd_check_calibration, "export": export.run, "memory": memory.run,
+                "upgrade-checkpoint": export.run_upgrade}
     try:
         result = commands[args.command](args)
     except (CliError, ValueError, KeyError, OSError) as err:

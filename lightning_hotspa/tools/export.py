@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-__all__ = ["add_parser", "run"]
+__all__ = ["add_parser", "run", "run_upgrade"]
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
@@ -14,6 +14,11 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     exp.add_argument("checkpoint_dir")
     exp.add_argument("out_dir")
     exp.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"], help="default: as stored")
+    exp.add_argument("--overwrite", action="store_true",
+                     help="replace a non-empty OUT_DIR: only the exported files remain in it")
+    up = sub.add_parser("upgrade-checkpoint", help="convert a checkpoint written before commit markers (it unpickles "
+                        "its meta.pt: only for folders you trust)")
+    up.add_argument("folder")
     return exp
 
 
@@ -22,6 +27,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     from ..adapter.hf_export import export_hf
 
-    names = export_hf(args.checkpoint_dir, args.out_dir, getattr(torch, args.dtype) if args.dtype else None)
+    names = export_hf(args.checkpoint_dir, args.out_dir, getattr(torch, args.dtype) if args.dtype else None,
+                      overwrite=args.overwrite)
     print(f"wrote {len(names)} tensors and config.json to {args.out_dir}")
     return {"out_dir": args.out_dir, "tensors": len(names)}
+
+
+def run_upgrade(args: argparse.Namespace) -> dict[str, Any]:
+    """Converts an old-format checkpoint folder in place (see :mod:`..adapter.checkpoint_upgrade`)."""
+    from ..adapter.checkpoint_upgrade import upgrade_legacy_checkpoint
+
+    path = upgrade_legacy_checkpoint(args.folder)
+    print(f"converted {path}: weights-only metadata and a commit marker with checksums")
+    return {"folder": str(path)}

@@ -1,0 +1,269 @@
+"""What a checkpoint folder must pass before anything in it is unpickled (docs/checkpoint-trust.md).
+
+Every checkpoint folder ends with ``commit.json``, written last before the folder is renamed into
+place: the format version, the step, the world that wrote it and the size and sha256 of every file
+in it. Our own metadata (``meta.pt``: Lightning's loops, callbacks, schedulers, hyper-parameters,
+the data position and the planner's state) is read with ``torch.load(weights_only=True)`` and a
+short allow-list of plain-data types, and a save that would store anything else is refused when it
+is written. DCP's ``.metadata`` and its non-tensor items are pickles by torch's design: they are
+read only after every file of the folder matched its checksum. A checksum stops corruption, not an
+author: whoever can write the folder can rewrite ``commit.json`` too, so a checkpoint folder is
+trusted code (load only folders you, or someone you trust, wrote).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import re
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["COMMIT_FILE", "META_FILE", "DCP_METADATA", "KIND_SHARED", "KIND_NODE_LOCAL", "FORMAT", "VERSION", "CheckpointError", "LegacyCheckpointError", "sha256_file",
+           "file_entries", "encode_meta", "write_fsync", "read_meta", "write_marker", "read_marker", "verify_files",
+           "has_legacy_layout", "verify_checkpoint", "LEGACY_HINT"]
+
+COMMIT_FILE = "commit.json"  # the commit marker: the last file a save writes
+META_FILE = "meta.pt"  # our metadata (rank 0 / each node's first rank)
+DCP_METADATA = ".metadata"  # DCP's, written after every rank's shards
+KIND_SHARED, KIND_NODE_LOCAL = "shared", "node-local"  # the marker's "kind"
+FORMAT = "lightning_hotspa checkpoint"
+VERSION = 2  # 1: main before commit markers (pickled meta.pt, no checksums): refused
+_CHUNK = 1 << 22
+LEGACY_HINT = ("it was written by an older lightning_hotspa: no commit.json with checksums, and its meta.pt is a "
+               "pickle that runs code when loaded. If you wrote it yourself (or trust who did), convert it once with "
+               "`hotspa upgrade-checkpoint FOLDER` (that one command unpickles it), then resume from it")
+
+
+class CheckpointError(OSError):
+    """A checkpoint that cannot be written or read; the message names the path."""
+
+
+class LegacyCheckpointError(CheckpointError):
+    """A folder in the pre-commit-marker format (version 1), refused unconverted."""
+
+
+def _allowed_types() -> list[Any]:
+    """Plain-data types our metadata may hold beyond torch's weights-only defaults."""
+    from ..models.config import Llama3RopeScaling, LlamaConfig
+
+    allowed: list[Any] = [LlamaConfig, Llama3RopeScaling]
+    try:
+        from lightning.fabric.utilities.data import AttributeDict
+
+        allowed.append(AttributeDict)
+    except ImportError:  # pragma: no cover - Lightning is a dependency of the adapter
+        pass
+    return allowed
+
+
+def sha256_file(path: Path) -> str:
+    """The sha256 of one file, read in 4 MiB chunks.
+
+    Args:
+        path: the file.
+    """
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def file_entries(folder: Path, names: Iterable[str]) -> dict[str, dict[str, Any]]:
+    """``{name: {"bytes", "sha256"}}`` of files in ``folder``, as the commit marker lists them.
+
+    Args:
+        folder: where the files are.
+        names: their names (no folders).
+    """
+    return {n: {"bytes": (folder / n).stat().st_size, "sha256": sha256_file(folder / n)} for n in sorted(set(names))}
+
+
+def _weights_only_load(data: bytes | Path) -> Any:
+    with torch.serialization.safe_globals(_allowed_types()):
+        return torch.load(io.BytesIO(data) if isinstance(data, bytes) else data, map_location="cpu", weights_only=True)
+
+
+def encode_meta(meta: Mapping[str, Any], path: Path) -> bytes:
+    """Our metadata as ``torch.save`` bytes, refused (naming ``path``) if a weights-only load could not read it.
+
+    Args:
+        meta: Lightning's checkpoint dict without the model and optimizer states.
+        path: the file it is meant for (named in the error).
+    """
+    buffer = io.BytesIO()
+    try:
+        torch.save(dict(meta), buffer)
+        _weights_only_load(buffer.getvalue())
+    except Exception as exc:  # noqa: BLE001 - torch's errors name the type
+        found = re.search(r"GLOBAL ([\w.]+)", str(exc))
+        what = f"type {found.group(1)}" if found else (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+        raise CheckpointError(
+            f"cannot write {str(path)!r}: the checkpoint's metadata (Lightning's loops, callbacks, LR schedulers, "
+            f"hyper-parameters) holds a value a weights-only load cannot read back ({what}); a checkpoint must "
+            f"load without running code, so store plain data there (dict, list, str, numbers, tensors, LlamaConfig)"
+        ) from None
+    return buffer.getvalue()
+
+
+def write_fsync(path: Path, data: bytes) -> None:
+    """Writes ``data`` to ``path`` and fsyncs it.
+
+    Args:
+        path: the file.
+        data: its bytes.
+    """
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def read_meta(path: Path) -> dict[str, Any]:
+    """Our metadata, read with ``weights_only=True`` (no code runs); errors name the file.
+
+    Args:
+        path: a ``meta.pt`` of a checkpoint folder.
+    """
+    try:
+        meta = _weights_only_load(path)
+    except Exception as exc:  # noqa: BLE001 - a bad file is a CheckpointError naming it
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise CheckpointError(f"cannot read the checkpoint metadata {str(path)!r}: {type(exc).__name__}: "
+                              f"{first[:400]}") from None
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{str(path)!r} holds a {type(meta).__name__}, not a checkpoint's metadata dict")
+    return meta
+
+
+def write_marker(folder: Path, fields: Mapping[str, Any], files: Mapping[str, Mapping[str, Any]]) -> None:
+    """Writes (and fsyncs) ``commit.json``: ``fields`` plus the format, version and file checksums.
+
+    Args:
+        folder: the checkpoint folder being committed.
+        fields: ``kind``, ``global_step``, ``world_size`` and, node-local, ``node`` / ``ranks`` / ``node_map``.
+        files: :func:`file_entries` of every file in the folder.
+    """
+    marker = {"format": FORMAT, "version": VERSION, **fields, "files": dict(sorted(files.items()))}
+    write_fsync(folder / COMMIT_FILE, json.dumps(marker, indent=1).encode())
+
+
+def has_legacy_layout(folder: Path) -> bool:
+    """A folder main wrote before commit markers: ``meta.pt`` and ``.metadata``, no versioned marker.
+
+    Args:
+        folder: a candidate checkpoint folder.
+    """
+    if not ((folder / META_FILE).is_file() and (folder / DCP_METADATA).is_file()):
+        return False
+    marker = folder / COMMIT_FILE
+    if not marker.is_file():
+        return True
+    try:
+        return "version" not in json.loads(marker.read_text())
+    except (ValueError, OSError, AttributeError, TypeError):
+        return False
+
+
+def read_marker(folder: Path) -> dict[str, Any]:
+    """The folder's ``commit.json``, checked field by field; errors name the file and the field.
+
+    Args:
+        folder: a checkpoint folder.
+    """
+    file = folder / COMMIT_FILE
+    if not file.is_file():
+        if has_legacy_layout(folder):
+            raise LegacyCheckpointError(f"cannot load {str(folder)!r}: {LEGACY_HINT}")
+        raise CheckpointError(f"{str(folder)!r} has no {COMMIT_FILE}: not a committed hotspa checkpoint")
+    try:
+        marker = json.loads(file.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise CheckpointError(f"{str(file)!r} is not UTF-8 text (byte {exc.start}): a corrupt commit marker") from None
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{str(file)!r} is not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg}): "
+                              f"a corrupt commit marker") from None
+    if not isinstance(marker, dict):
+        raise CheckpointError(f"{str(file)!r} holds a JSON {type(marker).__name__}, not a commit marker object")
+    if "version" not in marker and has_legacy_layout(folder):
+        raise LegacyCheckpointError(f"cannot load {str(folder)!r}: {LEGACY_HINT}")
+    if marker.get("format") != FORMAT or marker.get("version") != VERSION:
+        raise CheckpointError(f"{str(file)!r}: format {marker.get('format')!r} version {marker.get('version')!r}; "
+                              f"this lightning_hotspa reads {FORMAT!r} version {VERSION}")
+    files = marker.get("files")
+    if not isinstance(files, dict) or not files:
+        raise CheckpointError(f"{str(file)!r}: field 'files' must be a non-empty object of file checksums, "
+                              f"got {files!r:.200}")
+    for name, entry in files.items():
+        if not name or name != Path(name).name or name in (".", ".."):
+            raise CheckpointError(f"{str(file)!r}: 'files' lists {name!r}, which is not a plain file name in the folder")
+        if not (isinstance(entry, dict) and isinstance(entry.get("bytes"), int) and isinstance(entry.get("sha256"), str)):
+            raise CheckpointError(f"{str(file)!r}: files[{name!r}] must be {{\"bytes\": int, \"sha256\": str}}, "
+                                  f"got {entry!r:.200}")
+    step = marker.get("global_step")
+    if step is not None and (isinstance(step, bool) or not isinstance(step, int)):
+        raise CheckpointError(f"{str(file)!r}: field 'global_step' must be an integer, got {step!r}")
+    return marker
+
+
+def verify_files(folder: Path, marker: Mapping[str, Any], required: Iterable[str], *, share: tuple[int, int] = (0, 1),
+                 gather: Callable[[Any], list[Any]] = lambda x: [x]) -> None:
+    """Checks every listed file's size and sha256 (this caller: its ``share`` of them); raises, on every
+    caller alike, a :class:`CheckpointError` naming each file that differs.
+
+    Args:
+        folder: the checkpoint folder.
+        marker: its :func:`read_marker`.
+        required: names the marker must list (``meta.pt``, ``.metadata``).
+        share: ``(index, count)``: this process checks the files whose sorted position is ``index`` mod ``count``.
+        gather: returns every caller's value (one all-gather; single process: ``[x]``).
+    """
+    files = marker["files"]
+    problems = [f"{COMMIT_FILE} lists no {name!r}" for name in required if name not in files]
+    index, count = share
+    for i, name in enumerate(sorted(files)):
+        if i % count != index:
+            continue
+        path, entry = folder / name, files[name]
+        if not path.is_file():
+            problems.append(f"{name}: missing")
+            continue
+        size = path.stat().st_size
+        if size != entry["bytes"]:
+            problems.append(f"{name}: {size} bytes, {COMMIT_FILE} says {entry['bytes']} (truncated or replaced)")
+        elif sha256_file(path) != entry["sha256"]:
+            problems.append(f"{name}: sha256 differs from {COMMIT_FILE} (corrupted bytes)")
+    everyone = sorted({p for ps in gather(problems) for p in ps})
+    if everyone:
+        raise CheckpointError(f"checkpoint {str(folder)!r} failed its integrity check, nothing was loaded: "
+                              f"{'; '.join(everyone)}. Resume from another checkpoint (an earlier step)")
+
+
+def verify_checkpoint(folder: Path, *, share: tuple[int, int] = (0, 1),
+                      gather: Callable[[Any], list[Any]] = lambda x: [x]) -> dict[str, Any]:
+    """Reads the commit marker and checks the files against it, before anything in the folder is
+    unpickled; every caller raises the same error (one all-gather each) or gets the marker.
+
+    Args:
+        folder: the checkpoint folder.
+        share: ``(index, count)`` of this caller among those checking this folder.
+        gather: returns every caller's value.
+    """
+    marker, problem = None, None
+    try:
+        marker = read_marker(folder)
+    except CheckpointError as exc:
+        problem = (type(exc).__name__, str(exc))
+    problems = [p for p in gather(problem) if p]
+    if problems:
+        kind, text = problems[0]
+        raise (LegacyCheckpointError if kind == LegacyCheckpointError.__name__ else CheckpointError)(text)
+    assert marker is not None
+    verify_files(folder, marker, (META_FILE, DCP_METADATA), share=share, gather=gather)
+    return marker

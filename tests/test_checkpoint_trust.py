@@ -1,0 +1,191 @@
+"""Files a user hands us (issue 32): a checkpoint folder runs no code before our checks, a corrupt
+file is named instead of loaded, ``latest:`` reads only JSON markers, an HF index cannot point
+outside its folder, and an export leaves no stale weights. All in one process, tiny tensors."""
+
+from __future__ import annotations
+
+import json
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_hotspa.adapter import checkpoint as ck
+from lightning_hotspa.adapter.checkpoint import CheckpointError
+
+
+class _Payload:
+    """Unpickling this creates ``marker`` (what a planted payload could do with any code)."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def _save(path: Path, value: float, step: int, **extra) -> Path:
+    checkpoint = {"state_dict": {"w": torch.full((4,), value)}, "global_step": step, **extra}
+    ck.save_distributed_checkpoint(checkpoint, path, is_rank_zero=True, barrier=lambda: None)
+    return path
+
+
+def _load(path: Path) -> tuple[float, int]:
+    module = torch.nn.Module()
+    module.w = torch.nn.Parameter(torch.zeros(4))
+    meta = ck.load_distributed_checkpoint(path, module, [])
+    return float(module.w[0]), meta["global_step"]
+
+
+def _plant(folder: Path, name: str, marker: Path) -> None:
+    if name == "meta.pt":
+        torch.save(_Payload(marker), folder / name)
+    else:
+        (folder / name).write_bytes(pickle.dumps(_Payload(marker)))
+
+
+def _try(fn, *args) -> Exception | None:
+    try:
+        fn(*args)
+    except Exception as exc:  # noqa: BLE001 - returned for the caller to check
+        return exc
+    return None
+
+
+@pytest.mark.parametrize("name", ["meta.pt", ".metadata"])
+def test_a_payload_in_a_checkpoint_never_runs_on_resume_or_export(tmp_path, name):
+    from lightning_hotspa.adapter.hf_export import export_hf
+
+    folder = _save(tmp_path / "step=2", 2.0, 2)
+    marker = tmp_path / "PWNED"
+    _plant(folder, name, marker)
+    error = _try(_load, folder)
+    assert not marker.exists(), "resume ran code from the checkpoint folder"
+    assert isinstance(error, CheckpointError) and name in str(error) and "integrity" in str(error), error
+    for export in (lambda: export_hf(folder, tmp_path / "hf"), lambda: ck.export_consolidated(folder, tmp_path / "m")):
+        assert isinstance(_try(export), CheckpointError)
+        assert not marker.exists(), "export ran code from the checkpoint folder"
+
+
+def test_meta_is_read_weights_only_even_when_its_checksum_was_forged(tmp_path):
+    folder = _save(tmp_path / "step=2", 2.0, 2)
+    marker = tmp_path / "PWNED"
+    _plant(folder, "meta.pt", marker)
+    commit = json.loads((folder / "commit.json").read_text())
+    commit["files"]["meta.pt"] = {"bytes": (folder / "meta.pt").stat().st_size,
+                                  "sha256": ck.file_entries(folder, ["meta.pt"])["meta.pt"]["sha256"]}
+    (folder / "commit.json").write_text(json.dumps(commit))
+    error = _try(_load, folder)
+    assert not marker.exists()
+    assert isinstance(error, CheckpointError) and "cannot read the checkpoint metadata" in str(error), error
+
+
+def test_latest_reads_only_commit_markers_and_never_unpickles_other_folders(tmp_path):
+    from lightning_hotspa.adapter.node_checkpoint import CheckpointPlacement
+
+    old, new = _save(tmp_path / "step=2", 2.0, 2), _save(tmp_path / "step=4", 4.0, 4)
+    marker = tmp_path / "PWNED"
+    _plant(old, "meta.pt", marker)
+    _plant(old, ".metadata", marker)
+    placement = CheckpointPlacement(0, (0,), broadcast=lambda x: x, barrier=lambda: None)
+    assert ck.latest_checkpoint(tmp_path) == new
+    assert not marker.exists(), "latest_checkpoint unpickled a folder it did not pick"
+    assert placement.resolve(f"latest:{tmp_path}", ["dp1"]) == new
+    assert not marker.exists(), "latest: unpickled a folder it did not pick"
+    assert _load(new) == (4.0, 4)
+
+
+def test_merge_of_node_copies_checks_them_before_reading_their_dcp_metadata(tmp_path):
+    from lightning_hotspa.adapter.node_checkpoint import CheckpointPlacement, merge_node_copies
+
+    placement = CheckpointPlacement(0, (0,), broadcast=lambda x: x, barrier=lambda: None)
+    copy = tmp_path / "node0" / "step=2"
+    placement._save_node_local({"state_dict": {"w": torch.full((4,), 2.0)}, "global_step": 2}, copy, ["dp1"])
+    merged = merge_node_copies([copy], tmp_path / "merged")
+    assert _load(merged) == (2.0, 2)  # a merged checkpoint carries its own commit marker
+    marker = tmp_path / "PWNED"
+    _plant(copy, ".metadata", marker)
+    error = _try(merge_node_copies, [copy], tmp_path / "merged2")
+    assert not marker.exists(), "merge_node_copies unpickled an unchecked .metadata"
+    assert isinstance(error, CheckpointError) and ".metadata" in str(error), error
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate"])
+def test_a_corrupt_shard_is_named_and_nothing_is_loaded(tmp_path, damage):
+    folder = _save(tmp_path / "step=2", 2.0, 2)
+    shard = folder / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    if damage == "flip":
+        for i in range(len(data) - 40, len(data) - 24):  # the tensor bytes sit at the end of the file
+            data[i] ^= 0xFF
+    else:
+        data = data[: len(data) // 2]
+    shard.write_bytes(bytes(data))
+    module = torch.nn.Module()
+    module.w = torch.nn.Parameter(torch.zeros(4))
+    what = "sha256 differs" if damage == "flip" else "truncated"
+    with pytest.raises(CheckpointError, match=rf"__0_0\.distcp: .*{what}"):
+        ck.load_distributed_checkpoint(folder, module, [])
+    assert float(module.w.abs().sum()) == 0.0
+
+
+def test_old_format_folders_are_refused_with_the_way_to_convert_them(tmp_path):
+    from lightning_hotspa.tools.cli import main
+
+    folder = _save(tmp_path / "step=2", 2.0, 2)
+    (folder / "commit.json").unlink()  # what main wrote: a pickled meta.pt and DCP files, nothing else
+    torch.save({"global_step": 2}, folder / "meta.pt")
+    with pytest.raises(ck.LegacyCheckpointError, match=r"older lightning_hotspa.*hotspa upgrade-checkpoint"):
+        _load(folder)
+    assert ck.latest_checkpoint(tmp_path) is None
+    assert main(["upgrade-checkpoint", str(folder)]) == 0
+    assert _load(folder) == (2.0, 2) and ck.latest_checkpoint(tmp_path) == folder
+
+
+class _Custom:
+    """A user type in hyper-parameters: loading it back would need to run its module's code."""
+
+
+def test_a_save_whose_metadata_would_need_unpickling_code_is_refused_when_written(tmp_path):
+    with pytest.raises(CheckpointError, match=r"weights-only load cannot read back.*_Custom"):
+        _save(tmp_path / "step=2", 2.0, 2, hyper_parameters={"thing": _Custom()})
+    assert not (tmp_path / "step=2").exists()
+
+
+def test_latest_with_nothing_to_resume_is_an_error_unless_asked_for(tmp_path):
+    from lightning_hotspa.adapter.node_checkpoint import CheckpointPlacement
+
+    placement = CheckpointPlacement(0, (0,), broadcast=lambda x: x, barrier=lambda: None)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError, match=r"latest:.*empty.*no complete checkpoint.*latest_or_scratch:"):
+        placement.resolve(f"latest:{tmp_path / 'empty'}", ["dp1"])
+    with pytest.raises(CheckpointError, match=r"typo.*is not a folder"):
+        placement.resolve(f"latest:{tmp_path / 'typo'}", ["dp1"])
+    assert placement.resolve(f"latest_or_scratch:{tmp_path / 'empty'}", ["dp1"]) is None
+    with pytest.raises(CheckpointError, match=r"typo.*does not exist"):
+        ck.latest_checkpoint(tmp_path / "typo")
+
+
+def test_latest_names_a_folder_whose_marker_is_unreadable(tmp_path, caplog):
+    _save(tmp_path / "step=2", 2.0, 2)
+    newest = _save(tmp_path / "step=4", 4.0, 4)
+    (newest / "commit.json").write_text('{"format": "lightning_hotspa checkpoint", "vers')
+    with caplog.at_level("WARNING"):
+        assert ck.latest_checkpoint(tmp_path) == tmp_path / "step=2"
+    assert "step=4" in caplog.text and "not valid JSON (line 1" in caplog.text
+
+
+def test_hf_index_entries_that_leave_the_model_folder_are_refused(tmp_path):
+    pytest.importorskip("safetensors")
+    from safetensors.torch import save_file
+
+    from lightning_hotspa.models.hf_weights import HFCheckpoint, HFWeightsError
+
+    save_file({"x": torch.zeros(2)}, str(tmp_path / "outside.safetensors"))
+    model = tmp_path / "model"
+    model.mkdir()
+    for target in ("../outside.safetensors", str(tmp_path / "outside.safetensors")):
+        (model / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"x": target}}))
+        with pytest.raises(HFWeightsError, match=r"weight_map\['x'\].*leaves the model folder"):
+            HFCheckpoint(model)
