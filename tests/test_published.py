@@ -13,7 +13,12 @@ from lightning_hotspa.layout import Layout
 from lightning_hotspa.planner.cost_model import AnalyticCostModel
 from lightning_hotspa.planner.hardware import PROFILES, get_profile
 from lightning_hotspa.planner.published_runs import PUBLISHED_RUNS
-from lightning_hotspa.planner.runtime_profile import HOTSPA, RUNTIME_PROFILES, RuntimeProfile, UnknownRuntimeError
+from lightning_hotspa.planner.runtime_profile import (
+    HOTSPA,
+    RUNTIME_PROFILES,
+    RuntimeProfile,
+    UnknownRuntimeError,
+)
 
 _RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "benchmark_published.py"
 

@@ -73,7 +73,6 @@ from ..models.config import LlamaConfig
 from .hardware import HardwareProfile, get_profile
 from .memory_model import MemoryModel, MemoryUse
 from .packing import cp_padded_lengths, max_doc_length
-from .runtime_profile import RuntimeProfile, get_runtime
 from .parallelism import (
     CostModelError,
     Parallelism,
@@ -82,6 +81,7 @@ from .parallelism import (
     resolve_model,
     shares_gradients,
 )
+from .runtime_profile import RuntimeProfile, get_runtime
 
 __all__ = [
     "AnalyticCostModel",

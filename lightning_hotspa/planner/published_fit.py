@@ -12,6 +12,7 @@ time through the overlap credit, so the fit re-prices and solves again (a few fi
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -52,6 +53,12 @@ class FitResult:
     rows: tuple[dict, ...]
 
 
+def _priced_on(model_for: Callable[[PublishedRun, HardwareProfile], AnalyticCostModel], profile: HardwareProfile,
+               run: PublishedRun) -> AnalyticCostModel:
+    """``model_for(run, profile)``: the cost model of a run on a candidate profile."""
+    return model_for(run, profile)
+
+
 def fit_profile(gpu: str, runs: Sequence[PublishedRun], model_for: Callable[[PublishedRun, HardwareProfile],
                 AnalyticCostModel], passes: int = 4) -> FitResult:
     """Fits ``gpu``'s GEMM curve and attention efficiency on ``runs`` (all on that GPU, one kernel
@@ -67,7 +74,7 @@ def fit_profile(gpu: str, runs: Sequence[PublishedRun], model_for: Callable[[Pub
     attn = profile.attention_efficiency_for(kernel, head_dim)
     for _ in range(passes):
         current = with_constants(profile, e_max, h_half, attn, kernel, head_dim)
-        priced = [price_run(r, lambda run: model_for(run, current)) for r in runs]
+        priced = [price_run(r, functools.partial(_priced_on, model_for, current)) for r in runs]
         mat, rhs, info = [], [], []
         for p in priced:
             h = model_for(p.run, current).model.hidden
