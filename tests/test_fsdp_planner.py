@@ -3,6 +3,8 @@ and memory terms of the cost model, the candidates, and the solver's choice. Sin
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -13,6 +15,7 @@ from lightning_hotspa.planner.cost_model import (
     CostModelError,
     shares_gradients,
 )
+from lightning_hotspa.planner.hardware import get_profile
 from lightning_hotspa.planner.packing import DocumentTooLongError
 from lightning_hotspa.planner.solver import CostModelPlanner
 
@@ -45,8 +48,9 @@ def test_sharded_working_copy_memory_70b():
 def test_per_micro_batch_exchange_grows_with_dp_cp_and_crosses_nodes():
     """Per micro-batch: the tp shard gathered in bf16 twice (forward, backward; the embedding once)
     and its gradient reduce-scattered in fp32, (g-1)/g of it over the dp*cp group's bus bandwidth
-    (+ a latency per collective); the group strides over the world: 16 GPUs are inter-node, 8 not."""
-    for world, bw in ((8, 360e9), (16, 45e9), (32, 45e9)):
+    (+ a latency per collective); the group strides over the world: 16 GPUs are inter-node, 8 not,
+    and across nodes its 4 ranks per node (stride tp = 2) drive 4 NICs."""
+    for world, bw in ((8, 360e9), (16, 4 * 45e9), (32, 4 * 45e9)):
         cm = AnalyticCostModel("llama7b", "H100", world)
         split, full = cm._param_split(2)
         g = world // 2
@@ -78,9 +82,16 @@ def test_exchange_hides_behind_gemms_on_gpus_not_on_cpu_gloo(hardware, hidden):
         full = sh.capacity
         gemm = cm._dense_seconds_per_token(sh_lay, ac) * full
         exposed = (sh.linear * full + sh.per_micro_batch) - (rep.linear * full + rep.per_micro_batch)
-        if hidden:
-            assert exposed == pytest.approx(max(0.0, exchange - gemm), abs=1e-9)
-            assert gemm > exchange  # 7B on one node: a full micro-batch hides the gathers
+        gathers, reduce = cm.fsdp_exchange_parts(sh_lay)
+        assert gathers + reduce == pytest.approx(exchange)
+        if hidden:  # our runtime prefetches the gathers; it waits for each reduce-scatter (runtime_profile.HOTSPA)
+            assert exposed == pytest.approx(exchange - min(gathers, gemm), abs=1e-9)
+            assert gemm > gathers  # 7B on one node: a full micro-batch hides the gathers
+            # a runtime that also overlaps the reduce-scatter (FSDP1/2) hides it too
+            other = AnalyticCostModel(model, hardware, world, runtime="llm-foundry")
+            osh, orep = other.option(sh_lay, ac), other.option(rep_lay, ac, capacity=sh.capacity)
+            oexposed = (osh.linear * full + osh.per_micro_batch) - (orep.linear * full + orep.per_micro_batch)
+            assert oexposed == pytest.approx(max(0.0, exchange - gemm), abs=1e-9) and oexposed < exposed
         else:
             assert exposed == pytest.approx(exchange) and sh.linear == rep.linear
 
@@ -115,7 +126,7 @@ def test_an_hsdp_copy_gathers_inside_the_node_and_sums_its_replicas_at_the_stage
     cm = AnalyticCostModel("llama3-70b", "H200", 64)
     plain, hsdp = Layout.parse("dp64:fsdp"), Layout.parse("dp64:fsdp8")
     hw = cm.hardware
-    ratio = (7 / 8) / (63 / 64) * hw.inter_node_bw / hw.intra_node_bw  # bytes alike: bandwidth and group size
+    ratio = (7 / 8) / (63 / 64) * hw.bandwidth(64) / hw.intra_node_bw  # bytes alike: bandwidth and group size
     assert cm.fsdp_exchange_seconds(hsdp) == pytest.approx(cm.fsdp_exchange_seconds(plain) * ratio, rel=0.02)
     fp32_shard = cm.params / 8 * cm.grad_bytes
     assert cm.grad_reduce_seconds(hsdp) == pytest.approx(7 / 8 * fp32_shard / hw.inter_node_bw, rel=0.01)
@@ -231,14 +242,16 @@ def test_set_plans_no_slower_than_its_best_single_layout():
 
 
 def test_a_sparse_last_round_moves_to_another_layout(monkeypatch):
-    """70B on 64 H100, dp64:fsdp holds 14,592 tokens per micro-batch with checkpointing and every
+    """70B on 64 H100 (one NIC per node), dp64:fsdp holds 14,592 tokens per micro-batch with checkpointing and every
     round gathers the whole model across 8 nodes (~12 s): 16,384 tokens per group would need a
     second, nearly empty round. The heuristic sheds it: the overflow goes to the other layout."""
     from lightning_hotspa.planner import assign
 
-    layouts = ["dp64:fsdp", "dp2xtp4xcp8:kv4:fsdp"]
+    layouts = ["dp64:fsdp", "dp8xtp8:fsdp"]
     lengths = [2048] * 512  # 16,384 tokens per dp64 group
-    planner = CostModelPlanner(layouts, model="llama3-70b", hardware="H100", static_margin=0.0)
+    # a cluster with ONE 400 Gb/s NIC per node (with one per GPU the whole-node group moves 8x faster)
+    one_nic = dataclasses.replace(get_profile("H100"), inter_node_bw=45e9 / 8)
+    planner = CostModelPlanner(layouts, model="llama3-70b", hardware=one_nic, static_margin=0.0)
     shard = planner.option(Layout.parse("dp64:fsdp"), True)
     assert 14000 < shard.capacity < 16384 and shard.per_micro_batch > 10
     trimmed, stages = planner.solve(lengths)
@@ -250,7 +263,8 @@ def test_a_sparse_last_round_moves_to_another_layout(monkeypatch):
     monkeypatch.setattr(assign, "_TRIM_TRIES", 0)
     untrimmed, stages = planner.solve(lengths)
     assert [len(g) for g in stages[0][1]] == [2] * 64  # the planted bug: two rounds in dp64
-    assert trimmed < 0.8 * untrimmed
+    assert trimmed < untrimmed  # (0.945x: since issue 30 our runtime's exposed reduce-scatter makes
+    # the other sharded layout costlier to shed into than the 0.8x this test once saw)
 
 
 def test_trimmed_documents_keep_one_stage_per_layout_without_split_checkpointing():

@@ -46,13 +46,21 @@ W8 = ["dp8", "dp4xtp2", "dp2xtp2xcp2", "tp4xcp2"]
 W4_SAME_TP = ["dp4", "dp2xcp2", "dp2xtp2", "tp2xcp2"]  # two pairs that share gradients
 
 
+# Solver-quality tests run on the A800 constants as they were before the calibration of issue 30:
+# with the fitted ones, instance (5, 10, 4) gains from a free run (a checkpointed and a plain stage of
+# dp2xtp2 packed around each other, planner/timeline.py) that brute_force below, which sums the two
+# stages, cannot see; the brute force is exact only where no free run pays.
+A800_SOLVER = dataclasses.replace(PROFILES["A800-80G"], dense_efficiency=0.65, gemm_half_width=0.0,
+                                  attention_efficiency=0.55, attention_kernels=())
+
+
 def planner4(**kw) -> CostModelPlanner:
     kw.setdefault("static_margin", 0.0)  # solver-quality tests: no guard margin (static_guard.py)
-    return CostModelPlanner(W4, model="artifact-llama7b", hardware="A800-80G", **kw)
+    return CostModelPlanner(W4, model="artifact-llama7b", hardware=A800_SOLVER, **kw)
 
 
 def planner8(**kw) -> CostModelPlanner:
-    return CostModelPlanner(W8, model="artifact-llama7b", hardware="A800-80G", **{"static_margin": 0.0, **kw})
+    return CostModelPlanner(W8, model="artifact-llama7b", hardware=A800_SOLVER, **{"static_margin": 0.0, **kw})
 
 
 def lognormal(seed: int, n: int, cap: int, mu: float = 7.5, sigma: float = 1.3) -> np.ndarray:
@@ -74,8 +82,11 @@ def test_unknown_profile_lists_the_known_ones() -> None:
 
 
 def test_bandwidth_is_intra_node_within_a_node_only() -> None:
-    hw = PROFILES["A800-80G"]
-    assert hw.bandwidth(8) == hw.intra_node_bw and hw.bandwidth(16) == hw.inter_node_bw
+    """Across nodes a group drives one NIC per member rank in a node (capped by the intra-node rate)."""
+    hw = PROFILES["H100"]
+    assert hw.bandwidth(8) == hw.intra_node_bw and hw.bandwidth(16, stride=8) == hw.inter_node_bw
+    assert hw.bandwidth(64, stride=4) == 2 * hw.inter_node_bw
+    assert hw.bandwidth(64) == min(hw.intra_node_bw, 8 * hw.inter_node_bw)
 
 
 # ------------------------------------------------------------------------------------ cost model
@@ -112,7 +123,9 @@ def test_communication_terms() -> None:
     cm = AnalyticCostModel("artifact-llama7b", "A800-80G", 8)
     hw = cm.hardware
     ideal = AnalyticCostModel("artifact-llama7b", _ideal(peak_flops=hw.peak_flops, dense_efficiency=hw.dense_efficiency,
-                                                attention_efficiency=hw.attention_efficiency), 8)
+                                                gemm_half_width=hw.gemm_half_width,
+                                                attention_efficiency=hw.attention_efficiency,
+                                                attention_kernels=hw.attention_kernels), 8)
     # tp: 4 all-reduces per layer (+1 embedding) of [s, h] bf16, ring factor 2(tp-1)/tp = 1
     tp, tp0 = cm.option(Layout(dp=4, tp=2), False), ideal.option(Layout(dp=4, tp=2), False)
     assert tp.linear - tp0.linear == pytest.approx((4 * 32 + 1) * 4096 * 2 / hw.intra_node_bw)
@@ -139,7 +152,10 @@ def test_switch_bytes_follow_the_tp_prefix_rule() -> None:
     assert cm.switch_bytes(Layout(dp=8), Layout(tp=4, cp=2)) == 0.0  # tp up: a local slice
     assert cm.switch_seconds(Layout(dp=4, tp=2), Layout(dp=2, tp=2, cp=2)) == 0.0
     cm16 = AnalyticCostModel("artifact-llama7b", "A800-80G", 16)
-    assert cm16.switch_seconds(None, Layout(dp=16)) > 5 * cm16.switch_seconds(Layout(dp=2, tp=8), Layout(dp=16))
+    # home (16 ranks, 2 whole nodes: 8 NICs each) gathers 15/16 of the weights, tp8 (one node) 7/8
+    assert cm16.switch_seconds(None, Layout(dp=16)) == pytest.approx(
+        p2 * 15 / 16 / cm16.hardware.bandwidth(16) + cm16.hardware.latency(16), rel=0.01)
+    assert cm16.switch_seconds(None, Layout(dp=16)) > cm16.switch_seconds(Layout(dp=2, tp=8), Layout(dp=16))
 
 
 def test_memory_capacity_grows_with_sharding_and_model_splits_are_checked() -> None:
@@ -316,10 +332,10 @@ def brute_force(planner: CostModelPlanner, lengths: np.ndarray) -> float:
                                           (6, 9, 8), (0, 7, "4-same-tp"), (3, 8, "4-same-tp")])
 def test_exact_on_tiny_instances_equals_brute_force(seed: int, n: int, world) -> None:
     if world == "4-same-tp":
-        p = CostModelPlanner(W4_SAME_TP, model="artifact-llama7b", hardware="A800-80G", static_margin=0.0)
+        p = CostModelPlanner(W4_SAME_TP, model="artifact-llama7b", hardware=A800_SOLVER, static_margin=0.0)
     else:
         p = planner4() if world == 4 else CostModelPlanner(["dp8", "dp4xtp2", "dp2xtp2xcp2"], model="artifact-llama7b",
-                                                           hardware="A800-80G")
+                                                           hardware=A800_SOLVER)
     lengths = lognormal(seed, n, 16384, mu=8.0, sigma=1.2)
     objective, _ = p.solve(lengths)
     assert objective == pytest.approx(brute_force(p, lengths), rel=1e-9)
@@ -586,7 +602,9 @@ def test_guard_keeps_a_large_gain_and_rejects_a_bad_margin():
     # one 128K document that only tp4xcp8 holds (4 nodes): a static layout runs every short document
     # there too, the multi-layout plan runs them in dp16xtp2 (predicted ~1.2x). (Checkpointing is
     # no such gain any more: a static layout runs a checkpointed stage for that document only.)
-    lengths = np.concatenate([np.full(400, 2000), [131072]])
+    # (800 short documents: with attention priced as the published runs measure it, issue 30, the
+    # 128K document weighs more and 400 left a gain under the margin)
+    lengths = np.concatenate([np.full(800, 2000), [131072]])
     p = CostModelPlanner(["dp16xtp2", "tp4xcp8"], model="llama7b", hardware="H100")
     plan = p.plan(0, lengths)
     assert p.last_decision.predicted_gain > p.static_margin and not p.last_decision.fell_back

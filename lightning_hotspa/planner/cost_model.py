@@ -22,7 +22,8 @@ rows); the cost is padding (``s`` rounded up to ``2*cp``) and communication:
 
 * TP (Megatron-style; no sequence parallelism, the runtime has none): 2 all-reduces of ``[s/cp, h]``
   per layer forward, 2 backward, 2 more when checkpointing recomputes the forward; ring cost
-  ``2(tp-1)/tp * bytes / busbw``. Not overlapped with compute (as in our runtime).
+  ``2(tp-1)/tp * bytes / busbw``. Exposed unless the runtime overlaps it
+  (``RuntimeProfile.tp_comm_overlap``; ours does not).
 * CP (Ulysses): per layer one all-to-all of fused q/k/v and one of the output forward, the same
   backward (+ forward again with checkpointing); each moves ``(cp-1)/cp`` of its ``1/tp`` head slice.
 * Local shapes are smaller than the unsharded ones, so a rank's kernels may run below the
@@ -41,7 +42,8 @@ rows); the cost is padding (``s`` rounded up to ``2*cp``) and communication:
   ``devices_per_node``; the mesh puts tp on the most local dims, then cp, then dp.
 * Sharded working copy (``fsdp``, :meth:`AnalyticCostModel.fsdp_exchange_seconds`): per micro-batch
   every unit gathered twice in the working dtype and reduce-scattered once in fp32 over the dp*cp
-  ranks; its exposed part (GEMMs hide it per ``hardware.layer_comm_overlap``) goes into ``linear``
+  ranks; its exposed part (GEMMs hide the parts the runtime overlaps, :mod:`.runtime_profile`, up to
+  ``hardware.layer_comm_overlap``) goes into ``linear``
   and ``per_micro_batch``; no stage-end reduction (``stage_fixed`` 0); switches into it are local;
   its dp groups run in lockstep rounds (:meth:`OptionCost.stage_seconds`). HSDP (``:fsdp8``): the
   same over its ``fsdp_shard`` ranks (the span tp x shard: one node when it fits), a stage-end
@@ -72,6 +74,7 @@ from ..models.config import LlamaConfig
 from .hardware import HardwareProfile, get_profile
 from .memory_model import MemoryModel, MemoryUse
 from .packing import cp_padded_lengths, max_doc_length
+from .runtime_profile import RuntimeProfile, get_runtime
 from .terms import (
     CostModelError,
     gradient_kind,
@@ -174,14 +177,19 @@ class AnalyticCostModel(MemoryModel):
     down to it, so tables read cleanly. ``grad_accum_bytes``: working gradient accumulators (4: fp32
     main grads, the bf16-mixed default; 2: ``grad_accumulation="bf16"``). ``attention_backend``:
     ``"flash"`` (linear memory) or ``"math"`` (SDPA's fallback, quadratic in the document length).
+    ``runtime``: what the runtime overlaps (:mod:`.runtime_profile`); OUR runtime, ``"hotspa"``, unless
+    pricing another system's published run. GEMM and attention efficiencies come from the hardware
+    profile's curves (:mod:`.efficiency`, fitted to published runs: docs/cost-model.md).
     """
 
     def __init__(self, model: LlamaConfig | str, hardware: HardwareProfile | str, world_size: int, *,
                  grad_bytes: int = 4, param_bytes: int = 2, capacity_multiple: int = 128,
-                 grad_accum_bytes: int = 4, attention_backend: str = "flash") -> None:
+                 grad_accum_bytes: int = 4, attention_backend: str = "flash",
+                 runtime: RuntimeProfile | str = "hotspa") -> None:
         check_int(world_size, "world size", error=CostModelError)
         self.model = resolve_model(model)
         self.hardware = get_profile(hardware)
+        self.runtime = get_runtime(runtime)  # what the runtime overlaps (ours unless pricing a published run)
         self.world_size = world_size
         self.grad_bytes = grad_bytes
         self.param_bytes = param_bytes
@@ -227,29 +235,31 @@ class AnalyticCostModel(MemoryModel):
         layers = m.n_layers / par.pp
         recompute = 1.0 + (1.0 / 3.0 if ac else 0.0)
         # compute: attention 6*L*H*hd*s*(s+1) (models/config.py), dense 6*P*s (+2*P_layers*s recompute)
-        attn = 6.0 * m.n_layers * self.attn_width * recompute / (div * hw.peak_flops * hw.attention_efficiency)
+        attn_eff = hw.attention_efficiency_for(self.runtime.attention_kernel, m.head_dim)
+        attn = 6.0 * m.n_layers * self.attn_width * recompute / (div * hw.peak_flops * attn_eff)
         a, b = attn, attn + self._dense_seconds_per_token(par, ac)
         d = layers * hw.layer_overhead_s * recompute
         if par.tp > 1:
             calls = (4 + (2 if ac else 0)) * layers + 1  # + the vocab-parallel embedding
             bw, lat = hw.bandwidth(par.tp), hw.latency(par.tp)
-            b += calls * 2.0 * (par.tp - 1) / par.tp * m.hidden * self.param_bytes / par.cp / bw
+            exposed = self._exposed(self.runtime.tp_comm_overlap)
+            b += exposed * calls * 2.0 * (par.tp - 1) / par.tp * m.hidden * self.param_bytes / par.cp / bw
             d += calls * lat
         # ---- context parallelism (Ulysses part, then all-gather-KV part) ----
         u, g = par.cp_ulysses, par.cp_kv
         if u > 1:
             span = par.tp * u
-            bw, lat = hw.bandwidth(span), hw.latency(span)
+            bw, lat = hw.bandwidth(span, par.tp), hw.latency(span)
             per_token = (2 * self.attn_width + 2 * self.kv_width) / par.tp * self.param_bytes / par.cp
             rounds = 2 + (1 if ac else 0)  # forward, backward, recomputed forward
-            b += rounds * layers * (u - 1) / u * per_token / bw
+            b += self._exposed(self.runtime.cp_comm_overlap) * rounds * layers * (u - 1) / u * per_token / bw
             d += rounds * 2 * layers * lat
         if g > 1:
             span = par.tp * par.cp
-            bw, lat = hw.bandwidth(span), hw.latency(span)
+            bw, lat = hw.bandwidth(span, par.tp * u), hw.latency(span)
             per_token = 2 * self.kv_width / par.tp * self.param_bytes / par.cp  # local K and V per token
             rounds = 3 + (1 if ac else 0)  # gather, re-gather + reduce-scatter backward, recompute
-            b += rounds * layers * (g - 1) * per_token / bw
+            b += self._exposed(self.runtime.cp_comm_overlap) * rounds * layers * (g - 1) * per_token / bw
             d += rounds * layers * lat
             recompute_attn = 1.0 / 3.0  # backward recomputes the attention forward (K/V not saved)
             a += attn * recompute_attn / recompute
@@ -266,7 +276,12 @@ class AnalyticCostModel(MemoryModel):
         m, hw = self.model, self.hardware
         div = par.tp * par.cp * par.pp * hw.shard_efficiency(par.tp, par.cp)
         dense_flops = 6.0 * self.dense_params + (2.0 * self.layer_params * m.n_layers if ac else 0.0)
-        return dense_flops / (div * hw.peak_flops * hw.dense_efficiency)
+        return dense_flops / (div * hw.peak_flops * hw.gemm_efficiency(m.hidden))
+
+    def _exposed(self, overlapped: bool) -> float:
+        """Fraction of a collective the runtime leaves on the critical path: all of it unless the
+        runtime overlaps it, then ``1 - hardware.layer_comm_overlap`` (cpu-gloo: 1, nothing hides)."""
+        return 1.0 - self.hardware.layer_comm_overlap if overlapped else 1.0
 
     def fsdp_exchange_seconds(self, par: Layout) -> float:
         """Seconds per micro-batch of a sharded working copy's (``:fsdp``) traffic, before overlap:
@@ -281,11 +296,23 @@ class AnalyticCostModel(MemoryModel):
         g = par.fsdp_shard
         if not par.fsdp or g == 1:
             return 0.0
+        gathers, reduce = self.fsdp_exchange_parts(par)
+        return gathers + reduce
+
+    def fsdp_exchange_parts(self, par: Layout) -> tuple[float, float]:
+        """(gathers, reduce-scatters) seconds per micro-batch of :meth:`fsdp_exchange_seconds`, each with
+        its calls' latencies: the runtime description says which of them hide behind compute."""
+        g = par.fsdp_shard
+        if not par.fsdp or g == 1:
+            return 0.0, 0.0
         split, full = self._param_split(par.tp)
+        units = split / par.tp + full
         embedding = self.model.padded_vocab_size * self.model.hidden / par.tp  # its backward needs no weight
-        nbytes = (split / par.tp + full) * (2 * self.param_bytes + self.grad_bytes) - embedding * self.param_bytes
-        hw, calls, span = self.hardware, 3 * (self.model.n_layers + 2) - 1, par.tp * g
-        return (g - 1) / g * nbytes / hw.bandwidth(span) + calls * hw.latency(span)
+        gather_bytes = units * 2 * self.param_bytes - embedding * self.param_bytes
+        hw, span, n = self.hardware, par.tp * g, self.model.n_layers + 2
+        bw, lat = hw.bandwidth(span, par.tp), hw.latency(span)
+        return ((g - 1) / g * gather_bytes / bw + (2 * n - 1) * lat,
+                (g - 1) / g * units * self.grad_bytes / bw + n * lat)
 
     def _fsdp_exposed(self, par: Layout, ac: bool, capacity: int, b: float, d: float) -> tuple[float, float]:
         """(linear, per_micro_batch) with the exposed part of the per-layer traffic ``C``: each layer's
@@ -294,9 +321,12 @@ class AnalyticCostModel(MemoryModel):
         priced by its chord over ``[0, capacity]`` (exact for empty and full micro-batches, an upper
         bound between): ``C`` per micro-batch minus ``min(C, overlap * k * capacity) / capacity`` per
         token. On cpu-gloo (overlap 0) all of ``C`` is paid."""
-        exchange = self.fsdp_exchange_seconds(par)
+        gathers, reduce = self.fsdp_exchange_parts(par)
+        exchange = gathers + reduce
+        rt = self.runtime  # what the runtime overlaps: prefetched gathers, a reduce-scatter on its own stream
+        hideable = (gathers if rt.fsdp_gather_prefetch else 0.0) + (reduce if rt.fsdp_reduce_scatter_overlap else 0.0)
         hide = self.hardware.layer_comm_overlap * self._dense_seconds_per_token(par, ac)
-        credit = min(exchange, hide * capacity) / capacity if capacity > 0 else 0.0
+        credit = min(hideable, hide * capacity) / capacity if capacity > 0 else 0.0
         return b - credit, d + exchange
 
     def grad_reduce_seconds(self, par: Layout) -> float:
@@ -309,7 +339,7 @@ class AnalyticCostModel(MemoryModel):
             return 0.0
         nbytes = self.params / self._working_shards(par) * self.grad_bytes
         hw = self.hardware
-        return (g - 1) / g * nbytes / hw.bandwidth(self.world_size) + hw.latency(self.world_size)
+        return (g - 1) / g * nbytes / hw.bandwidth(self.world_size, self.world_size // g) + hw.latency(self.world_size)
 
     def reductions_seconds(self, layouts: Sequence[Layout]) -> float:
         """The gradient reductions of a plan whose stages run ``layouts``: one per gradient kind

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ..checks import check_number
+from .efficiency import attention_efficiency, check_attention_table, gemm_efficiency
 
 __all__ = ["CPU_GLOO_CALIBRATION", "HardwareProfile", "PROFILES", "UnknownProfileError", "get_profile",
            "profile_for_device", "UPDATABLE_FIELDS", "ProfileUpdateError",
@@ -45,7 +46,7 @@ class HardwareProfile:
     memory_reserved_bytes: float = 4 * GiB  # context, communicator buffers, kernel workspaces
     devices_per_node: int = 8
     intra_node_bw: float  # collective bus bandwidth inside a node
-    inter_node_bw: float  # collective bus bandwidth per device across nodes
+    inter_node_bw: float  # collective bus bandwidth across nodes of ONE rank per node (its NIC), see bandwidth()
     intra_node_latency_s: float = 10e-6  # per collective call
     inter_node_latency_s: float = 25e-6
     layer_overhead_s: float = 30e-6  # per layer and micro-batch (launches, small kernels), exposed part
@@ -60,12 +61,21 @@ class HardwareProfile:
     # Empty (the default): 1.0 at every degree, i.e. work divides perfectly by tp*cp.
     tp_efficiency: tuple[tuple[int, float], ...] = ()
     cp_efficiency: tuple[tuple[int, float], ...] = ()
+    # GEMM efficiency by model width h: dense_efficiency * h / (h + gemm_half_width) (planner/efficiency.py);
+    # 0: the constant dense_efficiency
+    gemm_half_width: float = 0.0
+    # attention efficiency per (kernel family, head dim): ((kernel, head_dim, efficiency), ...); a kernel
+    # without an entry takes attention_efficiency
+    attention_kernels: tuple[tuple[str, int, float], ...] = ()
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if f.name in _CURVES:
                 object.__setattr__(self, f.name, _check_curve(self.name, f.name, value))
+                continue
+            if f.name == "attention_kernels":
+                object.__setattr__(self, f.name, check_attention_table(self.name, value))
                 continue
             if f.name in ("name", "source"):
                 continue
@@ -83,9 +93,24 @@ class HardwareProfile:
         the tp and cp curves, each interpolated linearly in log2(degree) and held flat past its ends."""
         return _interpolate(self.tp_efficiency, tp) * _interpolate(self.cp_efficiency, cp)
 
-    def bandwidth(self, span: int) -> float:
-        """Bus bandwidth of a collective whose ranks lie within ``span`` consecutive devices."""
-        return self.intra_node_bw if span <= self.devices_per_node else self.inter_node_bw
+    def gemm_efficiency(self, width: float) -> float:
+        """Fraction of peak the dense GEMMs of a model of this width reach (planner/efficiency.py)."""
+        return gemm_efficiency(self.dense_efficiency, self.gemm_half_width, width)
+
+    def attention_efficiency_for(self, kernel: str, head_dim: int) -> float:
+        """Fraction of peak an attention kernel family reaches at this head dim, fwd + bwd."""
+        return attention_efficiency(self.attention_kernels, self.attention_efficiency, kernel, head_dim)
+
+    def bandwidth(self, span: int, stride: int = 1) -> float:
+        """Bus bandwidth of a collective whose ranks lie within ``span`` consecutive devices, every
+        ``stride``-th one. Across nodes each member rank drives its own NIC and NCCL runs one ring per
+        NIC, so a group with ``k = devices_per_node / stride`` ranks per node moves ``k *
+        inter_node_bw`` (nccl-tests' busbw: ~8 NICs' worth for a whole-node group), capped by the
+        intra-node bandwidth its rings also cross."""
+        if span <= self.devices_per_node:
+            return self.intra_node_bw
+        per_node = max(1, self.devices_per_node // max(1, stride))
+        return min(self.intra_node_bw, self.inter_node_bw * per_node)
 
     def latency(self, span: int) -> float:
         return self.intra_node_latency_s if span <= self.devices_per_node else self.inter_node_latency_s
@@ -128,37 +153,52 @@ def _interpolate(curve: tuple[tuple[int, float], ...], degree: int) -> float:
     return points[-1][1]
 
 
-_AMPERE_NOTE = ("bf16 dense peak 312 TFLOP/s (NVIDIA A100 data sheet). ASSUMED: GEMMs at 65% of peak, "
-                "flash-attention fwd+bwd at 55% (FlashAttention-2 paper reports 50-73% on A100).")
-_HOPPER_NOTE = ("bf16 dense peak 989 TFLOP/s (NVIDIA H100 SXM data sheet). ASSUMED: GEMMs at 55% of peak, "
-                "FlashAttention-2 at 40% (it was tuned for Ampere; FA3 reaches more).")
+_FIT = ("FITTED by recipes/benchmark_published.py on every other llm-foundry bf16 row of this GPU "
+        "(planner/published_runs.py; residuals printed there): GEMMs e(h) = {e} * h / (h + {hh}) of peak by model "
+        "width h (planner/efficiency.py), FlashAttention-2 (fa2) fwd+bwd at head dim 128: {a} of peak; other kernel "
+        "families and head dims: not measured, they take the fa2 value (ASSUMED). ")
+_AMPERE = dict(peak_flops=312e12, dense_efficiency=0.823, gemm_half_width=746.0, attention_efficiency=0.310,
+               attention_kernels=(("fa2", 128, 0.310),))
+_AMPERE_NOTE = "bf16 dense peak 312 TFLOP/s (NVIDIA A100 data sheet). " + _FIT.format(e=0.823, hh=746, a=0.310)
+_HOPPER = dict(peak_flops=989e12, dense_efficiency=0.507, gemm_half_width=478.0, attention_efficiency=0.175,
+               attention_kernels=(("fa2", 128, 0.175),))
+_HOPPER_NOTE = "bf16 dense peak 989 TFLOP/s (NVIDIA H100 SXM data sheet). " + _FIT.format(e=0.507, hh=478, a=0.175)
+_LINKS = (" Across nodes a group with k ranks per node drives k NICs (NCCL: one ring per NIC), so its busbw is "
+          "k x the per-NIC rate, capped by the intra-node busbw (HardwareProfile.bandwidth).")
 
 #: The known profiles. Add one by adding an entry here (or pass a HardwareProfile object).
 PROFILES: dict[str, HardwareProfile] = {
     "A100-80G": HardwareProfile(
-        name="A100-80G", peak_flops=312e12, dense_efficiency=0.65, attention_efficiency=0.55,
-        memory_bytes=80 * GiB, intra_node_bw=230e9, inter_node_bw=22e9,
-        source=_AMPERE_NOTE + " NVLink3 600 GB/s bidirectional, ~230 GB/s all-reduce busbw (nccl-tests on "
-        "DGX A100); ASSUMED one 200 Gb/s HDR NIC per GPU (~22 GB/s effective).",
+        name="A100-80G", **_AMPERE, memory_bytes=80 * GiB, intra_node_bw=230e9, inter_node_bw=22e9,
+        source=_AMPERE_NOTE + "NVLink3 600 GB/s bidirectional, ~230 GB/s all-reduce busbw (nccl-tests on "
+        "DGX A100); one 200 Gb/s HDR NIC per GPU (~22 GB/s effective; llm-foundry's A100 table states 1600 "
+        "Gbps per node)." + _LINKS,
     ),
     "A800-80G": HardwareProfile(
-        name="A800-80G", peak_flops=312e12, dense_efficiency=0.65, attention_efficiency=0.55,
-        memory_bytes=80 * GiB, intra_node_bw=155e9, inter_node_bw=22e9,
-        source=_AMPERE_NOTE + " The A800 is an A100 with NVLink capped at 400 GB/s bidirectional: "
-        "ASSUMED ~155 GB/s busbw. The HotSPa paper's cluster (nodes of 8, InfiniBand between): "
-        "ASSUMED one 200 Gb/s NIC per GPU (~22 GB/s effective); the paper does not state it.",
+        name="A800-80G", **_AMPERE, memory_bytes=80 * GiB, intra_node_bw=155e9, inter_node_bw=22e9,
+        source=_AMPERE_NOTE + "The A800 is an A100 (same compute constants) with NVLink capped at 400 GB/s "
+        "bidirectional: ASSUMED ~155 GB/s busbw. The HotSPa paper's cluster (nodes of 8, InfiniBand between): "
+        "ASSUMED one 200 Gb/s NIC per GPU (~22 GB/s effective); the paper does not state it." + _LINKS,
     ),
     "H100": HardwareProfile(
-        name="H100", peak_flops=989e12, dense_efficiency=0.55, attention_efficiency=0.40,
-        memory_bytes=80 * GiB, intra_node_bw=360e9, inter_node_bw=45e9,
-        source=_HOPPER_NOTE + " NVLink4 900 GB/s bidirectional, ASSUMED ~360 GB/s busbw; ASSUMED one "
-        "400 Gb/s NDR NIC per GPU (~45 GB/s).",
+        name="H100", **_HOPPER, memory_bytes=80 * GiB, intra_node_bw=360e9, inter_node_bw=45e9,
+        source=_HOPPER_NOTE + "NVLink4 900 GB/s bidirectional, ASSUMED ~360 GB/s busbw; ASSUMED one "
+        "400 Gb/s NDR NIC per GPU (~45 GB/s)." + _LINKS,
+    ),
+    "H100-GT500W": HardwareProfile(
+        name="H100-GT500W", **{**_HOPPER, "peak_flops": 912e12},
+        memory_bytes=96 * GiB, intra_node_bw=360e9, inter_node_bw=45e9,
+        source="Meta's Grand Teton H100 (96 GB HBM2e, 500 W power limit) that torchtitan's benchmarks ran on: "
+        "its peak is 'between SXM and NVL' (torchtitan benchmarks/llama3_h100_202412_torchtitan.md): ASSUMED "
+        "the midpoint of 989 (SXM) and 835 (NVL) TFLOP/s; efficiencies (fractions of that peak) and links as "
+        "the H100's; 400 Gb/s RDMA per GPU (the same file). Prices only those published rows." + _LINKS,
     ),
     "H200": HardwareProfile(
-        name="H200", peak_flops=989e12, dense_efficiency=0.55, attention_efficiency=0.40,
-        memory_bytes=141e9, intra_node_bw=360e9, inter_node_bw=45e9,
-        source=_HOPPER_NOTE + " 141 GB HBM3e (H200 data sheet), same compute and NVLink as H100; "
-        "ASSUMED one 400 Gb/s NDR NIC per GPU.",
+        name="H200", **_HOPPER, memory_bytes=141e9, intra_node_bw=360e9, inter_node_bw=45e9,
+        source="DERIVED from the H100 profile: no published dense bf16 training figures were found for it. The "
+        "H200 is the H100's GH100 chip with 141 GB HBM3e at 4.8 TB/s (vs 80 GB at 3.35 TB/s; H200 data sheet): "
+        "same peak, NVLink and efficiencies (the model has no memory-bandwidth term, so the faster HBM is not "
+        "credited), its memory size. " + _HOPPER_NOTE + "ASSUMED one 400 Gb/s NDR NIC per GPU." + _LINKS,
     ),
     # Measured once on the development machine (2 shared cores, 4 gloo ranks, 1 thread each):
     # see CPU_GLOO_CALIBRATION for the raw numbers and the command.

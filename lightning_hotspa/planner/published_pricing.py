@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..layout import Layout
 from .cost_model import AnalyticCostModel
-from .parallelism import Parallelism
 from .published_runs import PublishedRun
 
 __all__ = ["PricedRun", "price_run", "summarize", "attention_bands"]
@@ -48,9 +48,9 @@ class PricedRun:
         return self.attention_s / self.step_s
 
 
-def parallelism_of(run: PublishedRun) -> Parallelism:
-    """The run's layout as the cost model's :class:`Parallelism` (ZeRO-2 priced as a sharded copy)."""
-    return Parallelism(run.dp, run.tp, run.cp, run.pp, fsdp=run.sharding != "none")
+def parallelism_of(run: PublishedRun) -> Layout:
+    """The run's layout as the cost model's :class:`Layout` (ZeRO-2 priced as a sharded copy)."""
+    return Layout(dp=run.dp, tp=run.tp, cp=run.cp, pp=run.pp, fsdp=run.sharding != "none")
 
 
 def price_run(run: PublishedRun, model_for: Callable[[PublishedRun], AnalyticCostModel]) -> PricedRun:
