@@ -160,7 +160,7 @@ PUBLISHED_RUNS: tuple[PublishedRun, ...] = (
     PublishedRun("titan-405b-fsdp8-tp8-pp8", TORCHTITAN_2412.format(table="Table 5 row '1F1B'", size="405b"),
                  "torchtitan", "H100-GT500W", "llama3-70b", 512, 8, 8, 1, 8, "full", 8192, 32, 1, "full", "fp8", 100,
                  excluded="405B, pipeline parallel (pp 8) and Float8: not expressible"),
-    PublishedRun("nemo-llama3-70b-tp4-pp8", "NVIDIA-NeMo/Megatron-Bridge docs/performance-summary-archive.md @ "
+    PublishedRun("nemo-llama3-70b-tp4-pp8", "NVIDIA-NeMo/Megatron-Bridge, file performance-summary-archive.md under its docs folder, @ "
                  "4ab94dfad36641cabdeb96452b21bf676aac4772, 25.09 DGX-H100 table, LLAMA3_70B row", "megatron-2022",
                  "H100", "llama3-70b", 64, 2, 4, 1, 8, "none", 8192, 1, 64, "selective", "fp8", 1619,
                  excluded="pipeline parallel (pp 8, vp 5) and FP8 (the H100 Llama rows there are FP8)"),
