@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from ..host import host_reads
+from ..host_facts import recall
 
 __all__ = ["VocabularyError", "check_token_ids", "check_tokenizer_fits"]
 
@@ -43,6 +44,11 @@ def check_token_ids(ids: Tensor, vocab_size: int, what: str = "input_ids",
     """
     if ids.numel() == 0:
         return
+    known = recall(ids, "id_range")  # checked where the batch was built (plan.MicroBatch): no device read
+    if known is not None and known[1] == ignore_index:
+        low, high = known[0] or (0, 0)
+        _raise_outside(low, high, vocab_size, what)
+        return
     version = _version(ids)
     seen = _PASSED.get(id(ids))
     if (version is not None and seen is not None and seen[0]() is ids and seen[1] == version
@@ -53,15 +59,20 @@ def check_token_ids(ids: Tensor, vocab_size: int, what: str = "input_ids",
             # ignore_index is never a valid id, so mapping it to 0 leaves min/max of the rest unchanged
             ids = ids.masked_fill(ids == ignore_index, 0)
         low, high = (int(v) for v in torch.stack(torch.aminmax(ids)).tolist())
-    if low < 0 or high >= vocab_size:
-        bad = low if low < 0 else high
-        raise VocabularyError(f"{what} hold token id {bad}, outside the model's vocabulary of {vocab_size} "
-                              f"ids (0..{vocab_size - 1}); {_fix(max(high, 0), vocab_size)}")
+    _raise_outside(low, high, vocab_size, what)
     if version is None:
         return
     if len(_PASSED) >= 64:  # only the current micro-batch's few tensors matter
         _PASSED.clear()
     _PASSED[id(ids)] = (weakref.ref(ids), version, ignore_index, vocab_size)
+
+
+def _raise_outside(low: int, high: int, vocab_size: int, what: str) -> None:
+    """Raises :class:`VocabularyError` naming the id outside ``[0, vocab_size)``, if any."""
+    if low < 0 or high >= vocab_size:
+        bad = low if low < 0 else high
+        raise VocabularyError(f"{what} hold token id {bad}, outside the model's vocabulary of {vocab_size} "
+                              f"ids (0..{vocab_size - 1}); {_fix(max(high, 0), vocab_size)}")
 
 
 def _version(t: Tensor) -> int | None:
