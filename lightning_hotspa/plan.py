@@ -15,10 +15,11 @@ Context-parallel slicing happens here, not in the model: each document is padded
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 
+from .host_facts import remember
 from .layout import Layout, LayoutError, MeshShape
 
 __all__ = [
@@ -61,6 +62,16 @@ def _check_cu_seqlens(name: str, cu: torch.Tensor, total: int) -> list[int]:
     return values
 
 
+def _id_range(ids: torch.Tensor, ignore_index: int | None = None) -> tuple[int, ...]:
+    """(min, max) of the ids, ``ignore_index`` left out; ``()`` if none is left."""
+    if ignore_index is not None:
+        ids = ids[ids != ignore_index]
+    if ids.numel() == 0:
+        return ()
+    low, high = torch.aminmax(ids)
+    return int(low), int(high)
+
+
 @dataclass(frozen=True)
 class MicroBatch:
     """Packed documents one tp x cp group processes in one forward/backward (this rank's slice).
@@ -94,6 +105,7 @@ class MicroBatch:
             if getattr(self, name).numel() != total:
                 raise PlanError(f"MicroBatch.{name} has {getattr(self, name).numel()} tokens, input_ids has {total}")
         bounds = _check_cu_seqlens("cu_seqlens", self.cu_seqlens, total)
+        full = None
         longest = max(b - a for a, b in zip(bounds, bounds[1:]))
         if self.max_seqlen != longest:
             raise PlanError(f"MicroBatch.max_seqlen is {self.max_seqlen} but the longest document is {longest}")
@@ -113,6 +125,30 @@ class MicroBatch:
             ):
                 raise PlanError(f"MicroBatch cp_cu_seqlens {full} does not match local cu_seqlens {bounds} "
                                 f"split over cp_size={self.cp_size} in 2*cp chunks")
+        self._remember(tuple(bounds), None if full is None else tuple(full), _id_range(self.input_ids),
+                       _id_range(self.labels, IGNORE_INDEX))
+
+    def _remember(self, bounds: tuple[int, ...], full: tuple[int, ...] | None, ids: tuple[int, ...],
+                  labels: tuple[int, ...]) -> None:
+        """Files the host-side values validated here (:mod:`..host_facts`): the hot path then never
+        reads them back from the device."""
+        object.__setattr__(self, "_facts", (bounds, full, ids, labels))
+        remember(self.cu_seqlens, "bounds", bounds)
+        if full is not None:
+            remember(self.cp_cu_seqlens, "bounds", full)
+        remember(self.input_ids, "id_range", (ids, None))
+        remember(self.labels, "id_range", (labels, IGNORE_INDEX))
+
+    def __setstate__(self, state: dict) -> None:
+        """Unpickled in another process (a loader worker's batch): its facts are filed again."""
+        for name, value in state.items():
+            object.__setattr__(self, name, value)
+        self._remember(*self._facts)
+
+    @property
+    def bounds(self) -> tuple[int, ...]:
+        """``cu_seqlens`` as host ints (validated when the micro-batch was built)."""
+        return self._facts[0]
 
     @property
     def num_tokens(self) -> int:
@@ -127,9 +163,13 @@ class MicroBatch:
         def apply(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else fn(t)
 
-        return MicroBatch(apply(self.input_ids), apply(self.labels), apply(self.position_ids), apply(self.cu_seqlens),
-                          self.max_seqlen, self.num_target_tokens, self.cp_size, self.cp_rank,
-                          apply(self.cp_cu_seqlens), self.doc_ids)
+        # validated where it was built: a copy is not read back (on a device that would sync the host)
+        out = object.__new__(MicroBatch)
+        for f in fields(MicroBatch):
+            value = getattr(self, f.name)
+            object.__setattr__(out, f.name, apply(value) if isinstance(value, torch.Tensor) else value)
+        out._remember(*self._facts)
+        return out
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> MicroBatch:
         """Lightning moves any object with ``.to`` to the device."""

@@ -8,6 +8,10 @@ message, for those two calls only. Importing this module installs the filter.
 :func:`outer_saved_tensor_hooks` peeks at torch's stack of saved-tensor hooks (a private binding,
 kept here): the sharded working copy (``engine/fsdp.py``) installs its own hooks only where no one
 else's (activation checkpointing's) own the saved tensors.
+
+:func:`causal_lower_right` builds torch's bottom-right causal bias (a tensor subclass) outside any
+active dispatch mode (creating it inside one raises; the memory estimator's ``FakeTensorMode`` and
+the benchmark counters are such modes), through a private helper kept here.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import warnings
 
 import torch
 
-__all__ = ["C10D_DEPRECATION_MESSAGE", "outer_saved_tensor_hooks"]
+__all__ = ["C10D_DEPRECATION_MESSAGE", "causal_lower_right", "outer_saved_tensor_hooks"]
 
 #: The warning-message pattern of the two deprecated collectives (regex, as ``warnings`` wants).
 C10D_DEPRECATION_MESSAGE = ".*(all_gather_into_tensor|reduce_scatter_tensor).*deprecated"
@@ -31,3 +35,26 @@ def outer_saved_tensor_hooks() -> bool:
     if top is None:  # not in this torch: assume none (checked on 2.11-2.13, where it exists)
         return False
     return top(False) is not None
+
+
+_BIASES: dict[tuple[int, int], object] = {}
+
+
+def causal_lower_right(seq_len_q: int, seq_len_kv: int) -> object:
+    """torch's ``causal_lower_right(seq_len_q, seq_len_kv)`` bias for SDPA (query i sees keys
+    ``<= i + seq_len_kv - seq_len_q``), one object per shape, created outside dispatch modes.
+
+    Args:
+        seq_len_q: query rows.
+        seq_len_kv: key rows (>= ``seq_len_q``).
+    """
+    key = (seq_len_q, seq_len_kv)
+    if key not in _BIASES:
+        from torch.nn.attention.bias import causal_lower_right as build
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        with _disable_current_modes():
+            _BIASES[key] = build(seq_len_q, seq_len_kv)
+        if len(_BIASES) > 256:  # one entry per (chunk, prefix) shape seen: drop the oldest
+            del _BIASES[next(iter(_BIASES))]
+    return _BIASES[key]

@@ -62,7 +62,7 @@ def host_syncs_rank() -> dict[str, dict]:
     """On one gloo rank: per layout kind, syncs per micro-batch in the second step, and their ops."""
     from lightning_hotspa.engine.step_runner import StepHooks, StepRunner
     from lightning_hotspa.engine.switch import SwitchEngine, build_home_parameters
-    from lightning_hotspa.layout import WorldMesh
+    from lightning_hotspa.mesh import WorldMesh
     from lightning_hotspa.models import LlamaConfig, llama_tp_plan, param_roles
     from lightning_hotspa.parallel.model import ParallelModel
     from lightning_hotspa.placements import build_shardings
@@ -142,7 +142,7 @@ def _qkv(tokens: int, heads: int, kv_heads: int, dim: int):
 
 def kv_work_rank(tokens: int, heads: int, kv_heads: int, dim: int) -> float:
     """This rank's CPU seconds of forward+backward of its share of one document at cp4 ``:kv``."""
-    from lightning_hotspa.layout import WorldMesh
+    from lightning_hotspa.mesh import WorldMesh
     from lightning_hotspa.parallel.kv_gather import kv_gather_attention
     from lightning_hotspa.plan import pack_micro_batch
 
@@ -192,7 +192,7 @@ def collectives_for(layout_name: str) -> dict:
     from lightning_hotspa.engine.home import build_home_parameters
     from lightning_hotspa.engine.switch import SwitchEngine
     from lightning_hotspa.host import set_host_reads
-    from lightning_hotspa.layout import WorldMesh
+    from lightning_hotspa.mesh import WorldMesh
     from lightning_hotspa.models import LlamaConfig, llama_tp_plan, param_roles
     from lightning_hotspa.parallel.model import ParallelModel
     from lightning_hotspa.placements import build_shardings
@@ -269,7 +269,7 @@ def process_groups(world_size: int) -> dict:
     """Groups rank 0 joins and group creations every rank calls, for the auto set of llama3-8b."""
     import torch.distributed.distributed_c10d as c10d
 
-    from lightning_hotspa.layout import WorldMesh
+    from lightning_hotspa.mesh import WorldMesh
     from lightning_hotspa.planner.candidates import auto_layouts
     from lightning_hotspa.testing.fake_world import FakeWorld
 

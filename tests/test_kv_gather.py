@@ -1,42 +1,102 @@
-"""All-gather-KV geometry and its bottom-right causal blocks, single process (the 4-rank equivalence
-is in test_parallel.py and test_strategy.py)."""
+"""All-gather-KV geometry and its one-kernel-call-per-chunk attention, single process (the 4-rank
+equivalence, sliding window and GQA with fewer kv heads than cp included, is in test_parallel.py)."""
 
+import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
+from lightning_hotspa.models.attention import sdpa_attention
 from lightning_hotspa.parallel import kv_gather
 from lightning_hotspa.plan import pack_micro_batch
+from lightning_hotspa.testing.host_syncs import count_host_syncs
 
 
-def _cu(lengths, cp, rank):
-    docs = [torch.zeros(n, dtype=torch.long) for n in lengths]
-    return pack_micro_batch(docs, cp_size=cp, cp_rank=rank).cu_seqlens
+def _mb(lengths, cp, rank):
+    return pack_micro_batch([torch.zeros(n, dtype=torch.long) for n in lengths], cp_size=cp, cp_rank=rank)
 
 
-def test_geometry_covers_every_position_once_and_blocks_stay_bounded(monkeypatch):
-    monkeypatch.setattr(kv_gather, "BLOCK_ELEMENTS", 300)
-    lengths, cp, ulysses, kv, heads = [45, 7, 130, 19], 4, 2, 2, 2
-    cu = _cu(lengths, cp, 0)  # every cp rank has the same local lengths
+@pytest.mark.parametrize("window", [None, 20])
+def test_geometry_is_one_kernel_call_per_local_chunk(window):
+    lengths, cp, ulysses, kv = [45, 7, 130, 19], 4, 2, 2
+    cu = _mb(lengths, cp, 0).cu_seqlens  # every cp rank has the same local lengths
     for kv_index in range(kv):
-        g = kv_gather._build_geometry(cu, cp, ulysses, kv, kv_index, heads, "test")
+        g = kv_gather.kv_geometry(cu, cp, ulysses, kv, kv_index, window)
         assert sorted(g.perm.tolist()) == list(range(g.full_tokens))  # a permutation of all rows
         assert torch.equal(g.perm[g.full_index], torch.arange(g.full_tokens))
         rows = sorted(r for q0, q1, *_ in g.blocks for r in range(q0, q1))
-        assert rows == list(range(ulysses * int(cu[-1])))  # each query row in exactly one block
-        for q0, q1, k0, k1, first in g.blocks:
-            assert (q1 - q0) * (k1 - k0) * heads <= 300 or q1 - q0 == 1  # bounded mask / scores
-            assert k1 - k0 == first + (q1 - q0)  # keys up to the block's last query position
-        assert len(g.blocks) > 2 * ulysses * len(lengths)  # long chunks were split into blocks
+        assert rows == list(range(ulysses * int(cu[-1])))  # each query row in exactly one call
+        assert len(g.blocks) == 2 * ulysses * len(lengths)  # one call per local query chunk
+        for q0, q1, k0, k1, first, lo in g.blocks:
+            assert k1 - k0 == first + (q1 - q0) - lo  # keys up to the chunk's last query position
+            assert lo == (0 if window is None else max(0, first - window + 1))
 
 
-def test_offset_block_is_bottom_right_causal():
+def test_geometry_reads_no_device_value_when_the_batch_filed_its_bounds():
+    mb = _mb([45, 130], 4, 1)
+    with count_host_syncs() as log:
+        kv_gather.kv_geometry(mb.cu_seqlens, 4, 1, 4, 1)
+    assert log.count == 0, dict(log.ops)
+
+
+class _Calls(TorchDispatchMode):
+    """Counts attention-kernel calls (the SDPA kernels' forward ops)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func._overloadpacket.__name__
+        if name.startswith("_scaled_dot_product") and not name.endswith("backward"):
+            self.calls += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("window", [None, 5, 11, 40])
+def test_chunk_is_bottom_right_causal_in_one_gqa_call(window):
+    """Each chunk of a document, with the window's keys only, equals the same rows of the whole
+    document's attention (fp64), in one kernel call, with K/V of 2 heads for 4 query heads."""
     torch.manual_seed(0)
-    full, first, n, heads = 24, 10, 6, 4
-    q = torch.randn(full, heads, 8, dtype=torch.float64)
+    full, n = 24, 6
+    q = torch.randn(full, 4, 8, dtype=torch.float64)
     k, v = torch.randn(full, 2, 8, dtype=torch.float64), torch.randn(full, 2, 8, dtype=torch.float64)
-    kr, vr = (t.repeat_interleave(2, dim=1).transpose(0, 1) for t in (k, v))
-    ref = F.scaled_dot_product_attention(q.transpose(0, 1), kr, vr, is_causal=True).transpose(0, 1)
-    out = kv_gather._block_attention(q[first:first + n], k[:first + n], v[:first + n], first)
-    torch.testing.assert_close(out, ref[first:first + n])
-    out0 = kv_gather._block_attention(q[:n], k[:n], v[:n], 0)
-    torch.testing.assert_close(out0, ref[:n])
+    cu = torch.tensor([0, full], dtype=torch.int32)
+    ref = sdpa_attention(q, k, v, cu, full, window=window) if window else sdpa_attention(q, k, v, cu, full)
+    for first in range(0, full, n):
+        lo = 0 if window is None else max(0, first - window + 1)
+        mode = _Calls()
+        with mode:
+            out = kv_gather.chunk_attention(q[first:first + n], k[lo:first + n], v[lo:first + n], first, lo, window)
+        assert mode.calls == 1, (first, mode.calls)
+        torch.testing.assert_close(out, ref[first:first + n])
+
+
+def test_chunk_backward_matches_the_whole_document():
+    torch.manual_seed(1)
+    full, n, first, window = 32, 8, 16, 12
+    q, k, v = (torch.randn(full, h, 8, dtype=torch.float64, requires_grad=True) for h in (4, 2, 2))
+    cu = torch.tensor([0, full], dtype=torch.int32)
+    grad = torch.randn(n, 4, 8, dtype=torch.float64)
+    ref = sdpa_attention(q, k, v, cu, full, window=window)[first:first + n]
+    expected = torch.autograd.grad(ref, (q, k, v), grad)
+    lo = first - window + 1
+    out = kv_gather.chunk_attention(q[first:first + n], k[lo:first + n], v[lo:first + n], first, lo, window)
+    for got, want in zip(torch.autograd.grad(out, (q, k, v), grad), expected):
+        torch.testing.assert_close(got, want)
+
+
+def test_chunk_rejects_a_too_small_window():
+    from lightning_hotspa.layout import LayoutError
+
+    with pytest.raises(LayoutError, match="window must be >= 1, got 0"):
+        kv_gather.kv_gather_attention(*(torch.zeros(4, 2, 8) for _ in range(3)), torch.tensor([0, 4]),
+                                      _groups(), window=0)
+
+
+def _groups():
+    from lightning_hotspa.layout import Layout
+    from lightning_hotspa.mesh import LayoutGroups, RankGroup
+
+    one = RankGroup((), (0,), 0, None)
+    return LayoutGroups(Layout.parse("dp1"), one, one, one, one, one)

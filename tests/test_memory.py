@@ -198,17 +198,14 @@ def test_capacity_keeps_the_model_error_margin_so_a_capacity_micro_batch_fits() 
 
 @pytest.mark.parametrize("layout", ["cp4:kv", "tp2xcp2:kv", "cp4:kv2"])
 def test_memory_model_counts_the_kv_gather_buffers(layout: str) -> None:
-    """All-gather-KV holds the whole micro-batch's K/V, an fp32 dK/dV sum and SDPA block scores per
+    """All-gather-KV holds the whole micro-batch's K/V, an fp32 dK/dV sum and one chunk's dK/dV per
     layer: without that term the prediction was 1.8x-2.9x below the measured peak at 4096 tokens."""
-    from lightning_hotspa.parallel.kv_gather import BLOCK_ELEMENTS
-    from lightning_hotspa.planner.kv_gather_memory import KV_BLOCK_ELEMENTS
-
-    assert KV_BLOCK_ELEMENTS == BLOCK_ELEMENTS
     tokens = 4096
     got = estimate_layout(SMALLISH, 4, layout, tokens)
     cm = AnalyticCostModel(SMALLISH, "H100", 4)
     lay = Layout.parse(layout)
-    assert cm.kv_gather_extra_bytes(lay, False, tokens) > 0
+    # one SDPA call per query chunk, no score blocks: for this model the gathered K/V's transients stay
+    # below what the layer's backward has freed by then (the term is 0 here), and the peak still agrees
     assert cm.kv_gather_extra_bytes(Layout.parse(layout.split(":")[0]), False, tokens) == 0  # Ulysses
     predicted = cm.peak_bytes(lay, False, tokens)
     assert abs(got["peak_bytes"] / predicted - 1) < 0.05, (got["peak"], predicted)

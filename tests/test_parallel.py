@@ -25,7 +25,6 @@ from lightning_hotspa.layout import Layout, LayoutError
 from lightning_hotspa.mesh import LayoutGroups, RankGroup, WorldMesh
 from lightning_hotspa.models import Llama, LlamaConfig, llama_tp_plan, param_roles
 from lightning_hotspa.models.attention import sdpa_attention
-from lightning_hotspa.parallel import kv_gather
 from lightning_hotspa.parallel.attention import ParallelCoreAttention, kv_head_range
 from lightning_hotspa.parallel.collectives import (
     all_to_all_heads_to_tokens,
@@ -143,6 +142,10 @@ class TinyGPT(nn.Module):
 
 
 MODELS = {"llama": (lambda: LlamaLoss(TINY), LlamaLoss.plan, 256), "gpt": (TinyGPT, TinyGPT.plan, TinyGPT.VOCAB)}
+# GQA with 2 kv heads (fewer than cp=4) and a sliding window shorter than 5 of the 8 documents
+TINY_WINDOW = LlamaConfig.preset("tiny", sliding_window=16)
+WINDOW_MODELS = {"llama-window": (lambda: LlamaLoss(TINY_WINDOW), lambda: LlamaLoss.plan(TINY_WINDOW), 256)}
+CP_KINDS = ["cp4", "cp4:kv", "cp4:kv2", "tp2xcp2:kv"]  # Ulysses, all-gather-KV, hybrid, KV under tp
 
 
 def _docs(vocab: int) -> list[torch.Tensor]:
@@ -187,8 +190,7 @@ def _fingerprint(module: nn.Module) -> list[tuple]:
 
 def run_equivalence(model_key: str, layouts: list[str], tolerance_probe: bool = False) -> dict:
     """On every rank: each case's loss and max per-tensor gradient error vs single process."""
-    build, plan_fn, vocab = MODELS[model_key]
-    kv_gather.BLOCK_ELEMENTS = 512  # a few query rows per SDPA call: the bounded-memory blocking runs
+    build, plan_fn, vocab = (MODELS | WINDOW_MODELS)[model_key]
     docs = _docs(vocab)
     ref_loss, init, ref_grads = _reference(build, docs)
     world = WorldMesh(layouts)
@@ -303,6 +305,14 @@ def test_switching_rewraps_nothing(equivalence, model_key):
     # + 2 attention cores for cp
     expected = {"llama": (16 + 2 + 1 + 2, 16), "gpt": (2 * 4 + 2 + 2, 2 * 4 + 2)}[model_key]
     assert (equivalence[model_key][0]["hooks"], equivalence[model_key][0]["tp_forwards"]) == expected
+
+
+def test_sliding_window_matches_single_process_on_every_cp_kind(ranks):
+    """The window reaches every cp kind's attention (all-gather-KV once dropped it silently)."""
+    for rank_result in ranks(4).run(run_equivalence, "llama-window", CP_KINDS, timeout_s=600):
+        assert set(rank_result["cases"]) >= set(CP_KINDS) | {"multi-stage", "cp4+ac", "cp4:kv2+ac"}
+        for case, r in rank_result["cases"].items():
+            assert r["loss_err"] <= TOLERANCE and r["max_grad_err"] <= TOLERANCE, (case, r)
 
 
 def test_single_rank_world_matches(tmp_path):

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..host import host_reads
+from ..host_facts import recall
 
 __all__ = [
     "CoreAttention",
@@ -54,8 +55,12 @@ def repeat_kv(kv: Tensor, n_q_heads: int) -> Tensor:
 
 
 def _document_bounds(cu_seqlens: Tensor, total: int) -> list[int]:
-    with host_reads():  # metadata: real values even under the memory estimator's FakeTensorMode
-        bounds = [int(b) for b in cu_seqlens.tolist()]
+    known = recall(cu_seqlens, "bounds")  # filed where the batch was built: no read of the device
+    if known is not None:
+        bounds = list(known)
+    else:
+        with host_reads():  # metadata: real values even under the memory estimator's FakeTensorMode
+            bounds = [int(b) for b in cu_seqlens.tolist()]
     if not bounds or bounds[0] != 0 or bounds[-1] != total:
         raise ValueError(
             f"cu_seqlens must start at 0 and end at the token count {total}, got {bounds}"

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from ..host import host_reads
+from ..host_facts import recall
 
 __all__ = ["VocabularyError", "check_token_ids", "check_tokenizer_fits"]
 
@@ -43,6 +44,11 @@ def check_token_ids(ids: Tensor, vocab_size: int, what: str = "input_ids",
     """
     if ids.numel() == 0:
         return
+    known = recall(ids, "id_range")  # checked where the batch was built (plan.MicroBatch): no device read
+    if known is not None and known[1] == ignore_index:
+        low, high = known[0] or (0, 0)
+        _raise_outside(low, high, vocab_size, what, ignore_index)
+        return
     version = _version(ids)
     seen = _PASSED.get(id(ids))
     if (version is not None and seen is not None and seen[0]() is ids and seen[1] == version
@@ -53,20 +59,31 @@ def check_token_ids(ids: Tensor, vocab_size: int, what: str = "input_ids",
             # ignore_index is never a valid id, so mapping it to 0 leaves min/max of the rest unchanged
             ids = ids.masked_fill(ids == ignore_index, 0)
         low, high = (int(v) for v in torch.stack(torch.aminmax(ids)).tolist())
+    _raise_outside(low, high, vocab_size, what, ignore_index)
+    if version is None:
+        return
+    if len(_PASSED) >= 64:  # only the current micro-batch's few tensors matter
+        _PASSED.clear()
+    _PASSED[id(ids)] = (weakref.ref(ids), version, ignore_index, vocab_size)
+
+
+def _raise_outside(low: int, high: int, vocab_size: int, what: str, ignore_index: int | None) -> None:
+    """Raises :class:`VocabularyError` naming the id outside ``[0, vocab_size)``, if any.
+
+    Args:
+        low, high: the smallest and largest id (``ignore_index`` excluded).
+        vocab_size: the model's vocabulary.
+        what: the tensor's name in the message.
+        ignore_index: the label that stands for "no loss" (None for inputs).
+    """
     if low < 0:
         hint = (f"; only {ignore_index} (no loss) may stand for a missing label" if ignore_index is not None
                 else "")
         raise VocabularyError(f"{what} hold token id {low}: token ids are never negative{hint}; a negative id is a "
                               f"tokenizer or data bug, not a vocabulary size")
     if high >= vocab_size:
-        bad = high
-        raise VocabularyError(f"{what} hold token id {bad}, outside the model's vocabulary of {vocab_size} "
+        raise VocabularyError(f"{what} hold token id {high}, outside the model's vocabulary of {vocab_size} "
                               f"ids (0..{vocab_size - 1}); {_fix(high, vocab_size)}")
-    if version is None:
-        return
-    if len(_PASSED) >= 64:  # only the current micro-batch's few tensors matter
-        _PASSED.clear()
-    _PASSED[id(ids)] = (weakref.ref(ids), version, ignore_index, vocab_size)
 
 
 def _version(t: Tensor) -> int | None:

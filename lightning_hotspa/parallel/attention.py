@@ -42,6 +42,12 @@ def kv_head_range(q_heads: int, kv_heads: int, tp: int, tp_rank: int) -> tuple[i
     return start, stop
 
 
+def sliding_window(core: object) -> int | None:
+    """The sliding window bound into a core attention (``models.attention.with_sliding_window``), or None."""
+    keywords = getattr(core, "keywords", None)
+    return keywords.get("window") if isinstance(keywords, dict) else None
+
+
 class ParallelCoreAttention:
     """Callable with the core-attention signature ``(q, k, v, cu_seqlens, max_seqlen) -> out``."""
 
@@ -64,8 +70,9 @@ class ParallelCoreAttention:
             start, stop = kv_head_range(*self.heads, tp, groups.tp.index)
             k, v = k[:, start:stop], v[:, start:stop]
         if self.context_parallel and groups.cp.size > 1 and groups.layout.cp_kv > 1:
-            # its own bottom-right-causal SDPA blocks: the inner backend's kernel is not used
-            return kv_gather_attention(q, k, v, cu_seqlens, groups, self.state.micro_batch, self.owner)
+            # its own bottom-right-causal SDPA chunks: the inner backend's kernel is not used, its window is
+            return kv_gather_attention(q, k, v, cu_seqlens, groups, self.state.micro_batch, self.owner,
+                                       window=sliding_window(self.inner))
         if self.context_parallel and groups.cp.size > 1:
             return ulysses_attention(self.inner, q, k, v, cu_seqlens, max_seqlen, groups.cp,
                                      self.state.micro_batch, self.owner)

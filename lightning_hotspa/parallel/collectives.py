@@ -44,6 +44,18 @@ def _shard_of_slot(group: RankGroup) -> list[int]:
     return out
 
 
+def _order(group: RankGroup, kind: str, device: torch.device) -> Tensor:
+    """The slot<->shard permutation (``kind``: "slot_of_shard" or "shard_of_slot") as an index tensor
+    on ``device``, built once per group and device: indexing with a Python list would copy the list
+    from the host on every call (a host-to-device copy that waits, docs/DESIGN.md §4)."""
+    cache = group.__dict__.setdefault("_index_tensors", {})
+    key = (kind, str(device))
+    if key not in cache:
+        order = group.slot_of_shard if kind == "slot_of_shard" else _shard_of_slot(group)
+        cache[key] = torch.tensor(order, dtype=torch.int64, device=device)
+    return cache[key]
+
+
 def _all_reduce(x: Tensor, group: RankGroup) -> Tensor:
     """Sum over the group into a fresh contiguous tensor (inputs may be saved or shared)."""
     out = x.clone(memory_format=torch.contiguous_format)
@@ -84,7 +96,7 @@ def _gather_last(x: Tensor, group: RankGroup) -> Tensor:
     dist.all_gather_into_tensor(buffer, flat, group=group.group)
     buffer = buffer.view(n, *x.shape)
     if not group.in_shard_order:
-        buffer = buffer[list(group.slot_of_shard)]  # row s := the slot that holds shard s
+        buffer = buffer.index_select(0, _order(group, "slot_of_shard", buffer.device))  # row s := shard s's slot
     return buffer.movedim(0, -2).reshape(*x.shape[:-1], n * x.shape[-1])
 
 
@@ -105,12 +117,12 @@ class _GatherLastDim(torch.autograd.Function):
 def _exchange(send: Tensor, group: RankGroup) -> Tensor:
     """``send[s]`` goes to shard s; returns ``recv`` with ``recv[s]`` from shard s."""
     if not group.in_shard_order:
-        send = send[_shard_of_slot(group)]  # slot k carries the block for the shard in slot k
+        send = send.index_select(0, _order(group, "shard_of_slot", send.device))  # slot k: its shard's block
     send = send.contiguous()
     recv = torch.empty_like(send)
     dist.all_to_all_single(recv, send, group=group.group)
     if not group.in_shard_order:
-        recv = recv[list(group.slot_of_shard)]
+        recv = recv.index_select(0, _order(group, "slot_of_shard", recv.device))
     return recv
 
 
@@ -203,7 +215,8 @@ def all_gather_rows(x: Tensor, group: RankGroup) -> Tensor:
     buffer = flat.new_empty((n * flat.shape[0], *flat.shape[1:]))
     dist.all_gather_into_tensor(buffer, flat, group=group.group)
     if not group.in_shard_order:
-        buffer = buffer.view(n, *flat.shape)[list(group.slot_of_shard)].reshape(buffer.shape)
+        buffer = buffer.view(n, *flat.shape).index_select(0, _order(group, "slot_of_shard", buffer.device)) \
+            .reshape(buffer.shape)
     return buffer
 
 
@@ -216,7 +229,7 @@ def reduce_scatter_rows(x: Tensor, group: RankGroup) -> Tensor:
     if group.group is not None and dist.get_backend(group.group) != "gloo":
         send = x.reshape(n, tokens, *x.shape[1:])
         if not group.in_shard_order:
-            send = send[_shard_of_slot(group)]
+            send = send.index_select(0, _order(group, "shard_of_slot", send.device))
         out = x.new_empty((tokens, *x.shape[1:]))
         dist.reduce_scatter_tensor(out, send.reshape(x.shape).contiguous(), group=group.group)
         return out

@@ -14,14 +14,18 @@ over ``b'`` then yields every row of every document, permuted here into document
 
 Attention. A query chunk at offset ``s`` of its document attends keys ``[0, s + C)`` of that
 document, query ``i`` seeing keys ``<= s + i`` (bottom-right causal; top-left ``is_causal`` is wrong
-for ``s > 0``). One SDPA call per block of query rows with an explicit document-and-offset mask;
-blocks hold at most :data:`BLOCK_ELEMENTS` mask / score entries, so memory stays bounded whatever
-the document length (no full score matrix, even on the math kernel).
+for ``s > 0``). ONE 4-D SDPA call per local query chunk: ``is_causal`` for the document's first
+chunk, torch's ``causal_lower_right`` bias otherwise (flash on CUDA; the CPU flash kernel with the
+materialized mask on CPU), ``enable_gqa`` (K/V never repeated). A sliding window narrows the keys to
+``[s - window + 1, s + C)`` and masks the band explicitly (SDPA's memory-efficient kernel on CUDA).
 
-Backward (:class:`_KVGatherAttention`): only q and the LOCAL k, v are saved; K and V are re-gathered,
-each block's attention is recomputed under autograd and back-propagated block by block (one extra
-attention forward, the price of not holding ~0.5 GB per layer of gathered K/V at 128K), and dK / dV
-are reduce-scattered over the KV group: every rank contributes part of every rank's gradient.
+Backward (:class:`_KVGatherAttention`): only q and the LOCAL k, v are saved; K and V are re-gathered
+and each chunk's SDPA is recomputed and back-propagated through SDPA's own backward kernel, one
+chunk at a time (one extra attention forward, the price of not holding ~0.5 GB per layer of
+gathered K/V at 128K); dK / dV are summed in fp32 and reduce-scattered over the KV group.
+
+Host syncs: none per micro-batch. The chunks come from the micro-batch's host-side boundaries
+(:mod:`..host_facts`), the row permutations are computed on the device from ``cu_seqlens``.
 """
 
 from __future__ import annotations
@@ -35,21 +39,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..host import host_reads
 from ..layout import LayoutError
 from ..mesh import LayoutGroups, RankGroup
 from ..plan import MicroBatch
-from .collectives import (
-    all_gather_rows,
-    all_to_all_tokens_to_heads,
-    reduce_scatter_rows,
-)
-from .ulysses import check_micro_batch, exchange_qkv
+from ..torch_compat import causal_lower_right
+from .collectives import all_gather_rows, all_to_all_tokens_to_heads, reduce_scatter_rows
+from .ulysses import check_micro_batch, exchange_qkv, host_bounds
 
-__all__ = ["BLOCK_ELEMENTS", "KVGeometry", "kv_geometry", "kv_gather_attention"]
-
-#: Most (query rows x keys x heads) entries one SDPA call holds (mask and, on the math kernel, scores).
-BLOCK_ELEMENTS = 2**24
+__all__ = ["KVGeometry", "kv_geometry", "kv_gather_attention"]
 
 
 @dataclass(frozen=True)
@@ -57,93 +54,113 @@ class KVGeometry:
     """Where this rank's query rows sit in their documents, and how gathered K/V rows map to them.
 
     ``perm``: document-order K/V = gathered rows ``[perm]``; ``full_index``: the inverse (gathered row
-    -> document-order row). ``blocks``: (q_start, q_stop, k_start, k_stop, first query position) per
-    SDPA call; keys are the document's first ``k_stop - k_start`` rows.
+    -> document-order row). ``blocks``: one (q_start, q_stop, k_start, k_stop, first query position,
+    first key position) per local query chunk, i.e. per attention-kernel call.
     """
 
     perm: Tensor
     full_index: Tensor
     full_tokens: int
-    blocks: tuple[tuple[int, int, int, int, int], ...]
+    blocks: tuple[tuple[int, int, int, int, int, int], ...]
 
 
-def _chunk_positions(cu: Tensor, cp: int, cp_ranks: list[int]) -> tuple[Tensor, Tensor]:
-    """(document, position in its padded document) of the concatenated local rows of ``cp_ranks``."""
+def _full_index(cu_seqlens: Tensor, tokens: int, cp: int, cp_ranks: list[int]) -> Tensor:
+    """Document-order row of each gathered row (the local rows of ``cp_ranks``, concatenated),
+    computed on ``cu_seqlens``' device from its values (no host read)."""
+    cu = cu_seqlens.to(torch.int64)
     lengths = cu[1:] - cu[:-1]
-    tokens = int(cu[-1])
-    doc = torch.repeat_interleave(torch.arange(lengths.numel()), lengths, output_size=tokens)
-    within = torch.arange(tokens) - cu[doc]
+    device = cu.device
+    doc = torch.repeat_interleave(torch.arange(lengths.numel(), device=device), lengths, output_size=tokens)
+    within = torch.arange(tokens, device=device) - cu[doc]
     chunk = lengths[doc] // 2
     second = within >= chunk
-    positions = [torch.where(second, 2 * cp - 1 - r, r) * chunk + within - second.long() * chunk for r in cp_ranks]
-    return doc.repeat(len(cp_ranks)), torch.cat(positions)
+    full_start = torch.cumsum(lengths * cp, 0) - lengths * cp
+    out = [full_start[doc] + torch.where(second, 2 * cp - 1 - r, r) * chunk + within - second.long() * chunk
+           for r in cp_ranks]
+    return torch.cat(out)
 
 
-def _build_geometry(cu_seqlens: Tensor, cp: int, ulysses: int, kv: int, kv_index: int, heads: int,
+def _build_geometry(cu_seqlens: Tensor, cp: int, ulysses: int, kv: int, kv_index: int, window: int | None,
                     where: str) -> KVGeometry:
-    cu = cu_seqlens.detach().cpu().to(torch.int64)
-    local = (cu[1:] - cu[:-1]).tolist()
+    bounds = host_bounds(cu_seqlens)
+    local = [b - a for a, b in zip(bounds, bounds[1:])]
     if not local or min(local) < 2 or any(n % 2 for n in local):
         raise LayoutError(f"{where}: with cp={cp} every local document must be two equal chunks (the plan "
                           f"splits each padded document in 2*cp), got local lengths {local[:8]}; was the "
                           f"micro-batch packed for this cp size?")
-    tokens = int(cu[-1])
+    tokens = bounds[-1]
     full_cu = [0]
     for n in local:
         full_cu.append(full_cu[-1] + n * cp)
     gathered = [a * kv + b for b in range(kv) for a in range(ulysses)]
-    doc, pos = _chunk_positions(cu, cp, gathered)
-    full_index = torch.tensor(full_cu[:-1], dtype=torch.int64)[doc] + pos
+    full_index = _full_index(cu_seqlens, tokens, cp, gathered)
     perm = torch.empty_like(full_index)
-    perm[full_index] = torch.arange(full_index.numel())
+    perm[full_index] = torch.arange(full_index.numel(), device=full_index.device)
     blocks = []
     for a in range(ulysses):
         r = a * kv + kv_index
         for d, n in enumerate(local):
-            c = n // 2
-            for row, start in ((a * tokens + int(cu[d]), r * c), (a * tokens + int(cu[d]) + c, (2 * cp - 1 - r) * c)):
-                rows_per = max(1, BLOCK_ELEMENTS // (heads * (start + c)))
-                for i in range(0, c, rows_per):
-                    m = min(rows_per, c - i)
-                    blocks.append((row + i, row + i + m, full_cu[d], full_cu[d] + start + i + m, start + i))
-    device = cu_seqlens.device
-    return KVGeometry(perm.to(device), full_index.to(device), full_cu[-1], tuple(blocks))
+            c, row = n // 2, a * tokens + bounds[d]
+            for q0, first in ((row, r * c), (row + c, (2 * cp - 1 - r) * c)):
+                lo = 0 if window is None else max(0, first - window + 1)
+                blocks.append((q0, q0 + c, full_cu[d] + lo, full_cu[d] + first + c, first, lo))
+    return KVGeometry(perm, full_index, full_cu[-1], tuple(blocks))
 
 
 _CACHE: OrderedDict[tuple, tuple[weakref.ref, KVGeometry]] = OrderedDict()
 _CACHE_SIZE = 8
 
 
-def kv_geometry(cu_seqlens: Tensor, cp: int, ulysses: int, kv: int, kv_index: int, heads: int,
+def kv_geometry(cu_seqlens: Tensor, cp: int, ulysses: int, kv: int, kv_index: int, window: int | None = None,
                 where: str = "context parallel") -> KVGeometry:
     """The geometry of one micro-batch, cached by the identity of its ``cu_seqlens`` (every layer and
-    checkpoint recomputation pass the same tensor)."""
-    key = (id(cu_seqlens), cp, ulysses, kv, kv_index, heads, str(cu_seqlens.device))
+    checkpoint recomputation pass the same tensor).
+
+    Args:
+        cu_seqlens: this rank's local document boundaries (as packed for cp rank ``ulysses index * kv
+            + kv_index``).
+        cp, ulysses, kv: the cp degree and its Ulysses and KV parts.
+        kv_index: this rank's index in the KV group.
+        window: the model's sliding window (None: full causal).
+        where: the module, for error messages.
+    """
+    key = (id(cu_seqlens), cp, ulysses, kv, kv_index, window, str(cu_seqlens.device))
     hit = _CACHE.get(key)
     if hit is not None and hit[0]() is cu_seqlens:
         _CACHE.move_to_end(key)
         return hit[1]
-    with host_reads():  # metadata: real values even under the memory estimator's FakeTensorMode
-        geometry = _build_geometry(cu_seqlens, cp, ulysses, kv, kv_index, heads, where)
+    geometry = _build_geometry(cu_seqlens, cp, ulysses, kv, kv_index, window, where)
     _CACHE[key] = (weakref.ref(cu_seqlens), geometry)
     while len(_CACHE) > _CACHE_SIZE:
         _CACHE.popitem(last=False)
     return geometry
 
 
-def _block_attention(q: Tensor, k: Tensor, v: Tensor, first: int) -> Tensor:
-    """q [n, h, d] at positions ``first..first+n-1`` over keys [first+n, hkv, d] at 0.. (bottom-right causal)."""
-    heads, n = q.shape[1], q.shape[0]
-    if heads != k.shape[1]:
-        k, v = (t.repeat_interleave(heads // t.shape[1], dim=1) for t in (k, v))
-    qh, kh, vh = (t.transpose(0, 1) for t in (q, k, v))
-    if first == 0:
-        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True)
+def chunk_attention(q: Tensor, k: Tensor, v: Tensor, first: int, key_start: int = 0,
+                    window: int | None = None) -> Tensor:
+    """ONE kernel call: q [C, h, d] at positions ``first..first+C-1`` over k / v [S, hkv, d] at
+    positions ``key_start..first+C-1`` (bottom-right causal, optionally a sliding window); GQA native.
+
+    Args:
+        q: the query chunk, [C, h, d].
+        k, v: its keys and values, [S, hkv, d], S = first + C - key_start.
+        first: the document position of the chunk's first query.
+        key_start: the document position of the first key.
+        window: the sliding window (query i sees keys in (i - window, i]); None: full causal.
+    """
+    n, s = q.shape[0], k.shape[0]
+    gqa = q.shape[1] != k.shape[1]
+    qh, kh, vh = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+    if window is not None and first + n - key_start > window and n > 1:
+        rows = first + torch.arange(n, device=q.device)[:, None]
+        keys = key_start + torch.arange(s, device=q.device)[None, :]
+        mask = (keys <= rows) & (keys > rows - window)
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, enable_gqa=gqa)
+    elif n == s:
+        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=gqa)
     else:
-        keys = torch.arange(k.shape[0], device=q.device)
-        mask = keys[None, :] <= (first + torch.arange(n, device=q.device))[:, None]
-        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask)
-    return out.transpose(0, 1)
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=causal_lower_right(n, s), enable_gqa=gqa)
+    return out.squeeze(0).transpose(0, 1)
 
 
 def _gather_kv(k: Tensor, v: Tensor, geometry: KVGeometry, group: RankGroup) -> tuple[Tensor, Tensor]:
@@ -153,13 +170,13 @@ def _gather_kv(k: Tensor, v: Tensor, geometry: KVGeometry, group: RankGroup) -> 
 
 class _KVGatherAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, geometry: KVGeometry, group: RankGroup) -> Tensor:
+    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, geometry: KVGeometry, group: RankGroup,
+                window: int | None) -> Tensor:
         kf, vf = _gather_kv(k, v, geometry, group)
-        out = q.new_empty(q.shape)
-        for q0, q1, k0, k1, first in geometry.blocks:
-            out[q0:q1] = _block_attention(q[q0:q1], kf[k0:k1], vf[k0:k1], first)
+        out = torch.cat([chunk_attention(q[q0:q1], kf[k0:k1], vf[k0:k1], first, lo, window)
+                         for q0, q1, k0, k1, first, lo in geometry.blocks])
         ctx.save_for_backward(q, k, v)
-        ctx.geometry, ctx.group = geometry, group
+        ctx.geometry, ctx.group, ctx.window = geometry, group, window
         return out
 
     @staticmethod
@@ -167,14 +184,13 @@ class _KVGatherAttention(torch.autograd.Function):
         q, k, v = ctx.saved_tensors
         geometry, group = ctx.geometry, ctx.group
         kf, vf = _gather_kv(k, v, geometry, group)  # re-gathered, never saved
-        dq = torch.zeros_like(q)
-        dkv = torch.zeros((kf.shape[0], kf.shape[1] + vf.shape[1], kf.shape[2]), dtype=torch.float32,
-                          device=kf.device)
+        dq = torch.empty_like(q)
         width = kf.shape[1]
-        for q0, q1, k0, k1, first in geometry.blocks:
+        dkv = torch.zeros((kf.shape[0], width + vf.shape[1], kf.shape[2]), dtype=torch.float32, device=kf.device)
+        for q0, q1, k0, k1, first, lo in geometry.blocks:  # one chunk's graph alive at a time
             qb, kb, vb = (t.detach().requires_grad_() for t in (q[q0:q1], kf[k0:k1], vf[k0:k1]))
             with torch.enable_grad():
-                out = _block_attention(qb, kb, vb, first)
+                out = chunk_attention(qb, kb, vb, first, lo, ctx.window)
             gq, gk, gv = torch.autograd.grad(out, (qb, kb, vb), grad[q0:q1])
             dq[q0:q1] = gq
             dkv[k0:k1, :width] += gk
@@ -182,13 +198,14 @@ class _KVGatherAttention(torch.autograd.Function):
         # summed in fp32 here, reduced in the K/V dtype (bf16 under mixed precision: half the bytes)
         local = reduce_scatter_rows(dkv.index_select(0, geometry.full_index).to(k.dtype), group)
         dk, dv = local.split([width, vf.shape[1]], dim=1)
-        return dq, dk.contiguous(), dv.contiguous(), None, None
+        return dq, dk.contiguous(), dv.contiguous(), None, None, None
 
 
 def kv_gather_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, groups: LayoutGroups,
-                        micro_batch: MicroBatch | None = None, where: str = "context parallel") -> Tensor:
+                        micro_batch: MicroBatch | None = None, where: str = "context parallel",
+                        window: int | None = None) -> Tensor:
     """Causal document attention for ``groups.layout``'s all-gather-KV / hybrid cp; q [T, h, d] and
-    k / v [T, hkv, d] local rows, as packed for this cp rank."""
+    k / v [T, hkv, d] local rows, as packed for this cp rank; ``window``: the model's sliding window."""
     ulysses, kv = groups.cp_ulysses, groups.cp_kv
     if ulysses is None or kv is None or ulysses.size * kv.size != groups.cp.size:
         raise LayoutError(f"{where}: layout {groups.layout} needs its Ulysses and KV sub-groups of cp "
@@ -197,11 +214,13 @@ def kv_gather_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, gro
     if q.shape[1] % ulysses.size:
         raise LayoutError(f"{where}: the Ulysses part of cp ({ulysses.size}) does not divide the "
                           f"{q.shape[1]} local query heads")
+    if window is not None and window < 1:
+        raise LayoutError(f"{where}: sliding window must be >= 1, got {window}")
     # validated before any collective: a bad micro-batch fails on every rank alike
-    geometry = kv_geometry(cu_seqlens, groups.cp.size, ulysses.size, kv.size, kv.index,
-                           q.shape[1] // ulysses.size, where)
+    geometry = kv_geometry(cu_seqlens, groups.cp.size, ulysses.size, kv.size, kv.index, window, where)
     if ulysses.size > 1:
         q, k, v = exchange_qkv(q, k, v, ulysses)
-    out = _KVGatherAttention.apply(q, k, v, geometry, kv)
+    if q.shape[1] % k.shape[1]:
+        raise LayoutError(f"{where}: {k.shape[1]} kv heads do not divide the {q.shape[1]} query heads")
+    out = _KVGatherAttention.apply(q, k, v, geometry, kv, window)
     return all_to_all_tokens_to_heads(out, ulysses) if ulysses.size > 1 else out
-

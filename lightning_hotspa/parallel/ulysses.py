@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from ..host import host_reads
+from ..host_facts import recall, remember
 from ..layout import LayoutError
 from ..mesh import RankGroup
 from ..plan import MicroBatch
@@ -47,15 +48,26 @@ _CACHE: OrderedDict[tuple[int, int, str], tuple[weakref.ref, RowOrder]] = Ordere
 _CACHE_SIZE = 8
 
 
+def host_bounds(cu_seqlens: Tensor) -> list[int]:
+    """``cu_seqlens`` as host ints: filed where the batch was built (:mod:`..host_facts`), else read
+    (a host sync on a device; a micro-batch built by hand)."""
+    known = recall(cu_seqlens, "bounds")
+    if known is not None:
+        return list(known)
+    with host_reads():  # metadata: real values even under the memory estimator's FakeTensorMode
+        return [int(b) for b in cu_seqlens.tolist()]
+
+
 def _build_row_order(cu_seqlens: Tensor, cp: int, where: str) -> RowOrder:
     cu = cu_seqlens.to(torch.int64)
     local = cu[1:] - cu[:-1]
-    lengths = local.tolist()
+    bounds = host_bounds(cu_seqlens)
+    lengths = [b - a for a, b in zip(bounds, bounds[1:])]
     if not lengths or min(lengths) < 2 or any(n % 2 for n in lengths):
         raise LayoutError(f"{where}: with cp={cp} every local document must be two equal chunks (the plan "
                           f"splits each padded document in 2*cp), got local lengths {lengths[:8]}; was the "
                           f"micro-batch packed for this cp size?")
-    tokens = int(cu[-1])
+    tokens = bounds[-1]
     chunk = local // 2
     full_len = local * cp
     full_cu = torch.zeros(len(lengths) + 1, dtype=torch.int64, device=cu.device)
@@ -70,7 +82,12 @@ def _build_row_order(cu_seqlens: Tensor, cp: int, where: str) -> RowOrder:
     perm = owner * tokens + cu[doc] + second * c + within
     inverse = torch.empty_like(perm)
     inverse[perm] = torch.arange(perm.numel(), device=cu.device)
-    return RowOrder(perm, inverse, full_cu.to(torch.int32), max(lengths) * cp)
+    full_bounds = [0]
+    for n in lengths:
+        full_bounds.append(full_bounds[-1] + n * cp)
+    order = RowOrder(perm, inverse, full_cu.to(torch.int32), max(lengths) * cp)
+    remember(order.cu_seqlens, "bounds", tuple(full_bounds))  # the inner attention reads no device value
+    return order
 
 
 def row_order(cu_seqlens: Tensor, cp: int, where: str = "context parallel") -> RowOrder:
@@ -81,8 +98,7 @@ def row_order(cu_seqlens: Tensor, cp: int, where: str = "context parallel") -> R
     if hit is not None and hit[0]() is cu_seqlens:
         _CACHE.move_to_end(key)
         return hit[1]
-    with host_reads():  # metadata: real values even under the memory estimator's FakeTensorMode
-        order = _build_row_order(cu_seqlens, cp, where)
+    order = _build_row_order(cu_seqlens, cp, where)
     _CACHE[key] = (weakref.ref(cu_seqlens), order)
     while len(_CACHE) > _CACHE_SIZE:
         _CACHE.popitem(last=False)

@@ -13,11 +13,7 @@ from typing import Any
 
 from ..layout import Layout
 
-__all__ = ["KV_BLOCK_ELEMENTS", "kv_gather_extra_bytes", "kv_gather_saved_delta"]
-
-#: parallel.kv_gather.BLOCK_ELEMENTS (the planner does not import parallel): most (query rows x keys x
-#: heads) entries one SDPA call of the KV gather holds; tests/test_memory.py checks they agree
-KV_BLOCK_ELEMENTS = 2**24
+__all__ = ["kv_gather_extra_bytes", "kv_gather_saved_delta"]
 
 
 def _local_kv_heads(m: Any, par: Layout) -> int:
@@ -50,8 +46,10 @@ def kv_gather_extra_bytes(mm: Any, par: Layout, tokens: int) -> float:
     Each layer's attention gathers K and V of the whole micro-batch (``tokens`` rows, the kv heads a
     rank holds after the Ulysses exchange); its backward holds the re-gathered K/V (working dtype),
     an fp32 dK/dV sum, its fp32 row permutation and the cast for the reduce-scatter: ``2 * wb + 8``
-    bytes per gathered element; per query block SDPA (3-D inputs: the math kernel) holds fp32 scores,
-    probabilities and their gradient for at most ``KV_BLOCK_ELEMENTS`` entries (12 B each); the
+    bytes per gathered element; one query chunk at a time is recomputed and back-propagated through
+    SDPA's own kernel, whose dK / dV of the chunk's keys (at most the whole micro-batch's) add
+    ``2 * wb`` per gathered element (the kernel's lower-right mask, materialized on CPU only, is
+    ``t^2 / 2cp`` bytes and not counted: flash on CUDA holds none); the
     layer's gradients in flight (dq, d out, the fp32 residual-stream gradient). That happens inside a
     layer's backward, after the loss head's transients and the layer's SwiGLU tensors are freed: it
     counts only where it exceeds them."""
@@ -59,11 +57,10 @@ def kv_gather_extra_bytes(mm: Any, par: Layout, tokens: int) -> float:
         return 0.0
     m, wb, t = mm.model, mm.param_bytes, float(tokens)
     h, a = m.hidden, mm.attn_width
-    q_heads = m.n_heads / (par.tp * par.cp_ulysses)
     gathered = (2.0 * wb + 8.0) * 2 * _local_kv_heads(m, par) * m.head_dim * t
-    largest_block = max(min(float(KV_BLOCK_ELEMENTS), q_heads * t * t / (2 * par.cp)), q_heads * t)  # >= 1 row
+    chunk_grads = 2.0 * wb * 2 * _local_kv_heads(m, par) * m.head_dim * t
     in_flight = (2.0 * wb * a / par.tp + 4.0 * h) / par.cp * t
-    transient = gathered + 12.0 * largest_block + in_flight
+    transient = gathered + chunk_grads + in_flight
     norm = 4.0 * h + 2.0 * wb * h
     freed = norm / par.cp + mm.logits_bytes_per_token(par.tp, par.cp)  # the loss head's transients
     freed += norm / par.cp + 4.0 * wb * m.ffn_hidden / (par.tp * par.cp)  # this layer's ffn side
