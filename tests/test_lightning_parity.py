@@ -248,3 +248,77 @@ def test_accumulated_plans_equal_one_plan_of_all_their_tokens(ranks):
     model.training_step(pack_micro_batch(docs), 0).backward()
     errors = rel_errors(result["grads"][0], {n: p.grad for n, p in model.named_parameters()})
     assert max(errors.values()) <= 1e-5, max(errors.items(), key=lambda kv: kv[1])
+
+
+class PlainNet(L.LightningModule):
+    """A plain module (no tp plan), AdamW, an ordinary DataLoader."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.1)
+
+
+class _NormRecorder(L.Callback):
+    """Lightning's ``grad_norm`` (DDP) or ours (hotspa) in every ``on_before_optimizer_step``."""
+
+    def __init__(self, ours: bool):
+        self.ours, self.totals = ours, []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        from lightning.pytorch.utilities import grad_norm as lightning_grad_norm
+
+        norms = (lightning_hotspa.grad_norm if self.ours else lightning_grad_norm)(pl_module, 2)
+        self.totals.append(float(norms["grad_2.0_norm_total"]))
+
+
+def _plain_data():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(64, 8, generator=g)  # 2 ranks x 4 batches of 8: one epoch = 2 steps of 2 batches
+    return torch.utils.data.TensorDataset(x, x[:, :1].sin() + 0.1 * torch.randn(64, 1, generator=g))
+
+
+def plain_module_vs_ddp_accumulating(ckpt_dir: str) -> dict:
+    """4 AdamW steps with clipping and accumulate_grad_batches=2; hotspa resumes after 2 of them."""
+    from lightning.pytorch.strategies import DDPStrategy
+
+    def fit(strategy, epochs, model, recorder, ckpt_path=None):
+        trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=epochs, logger=False,
+                            accumulate_grad_batches=2, gradient_clip_val=0.05, enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False, callbacks=[recorder])
+        trainer.fit(model, torch.utils.data.DataLoader(_plain_data(), batch_size=8), ckpt_path=ckpt_path)
+        return trainer
+
+    out = {}
+    with lightning_rank_env():
+        ddp, ddp_norms = PlainNet(), _NormRecorder(ours=False)
+        fit(DDPStrategy(), 2, ddp, ddp_norms)
+        ours, our_norms = PlainNet(), _NormRecorder(ours=True)
+        first = fit("hotspa", 1, ours, our_norms)
+        path = f"{ckpt_dir}/after_epoch_0.ckpt"
+        first.save_checkpoint(path)
+        resumed = PlainNet()
+        out["steps"] = fit(HotSPaStrategy(), 2, resumed, our_norms, ckpt_path=path).global_step
+    finals = {n: p.detach().full_tensor() for n, p in resumed.named_parameters()}
+    from strategy_helpers import rel_errors
+
+    out["errors"] = rel_errors(finals, {n: p.detach() for n, p in ddp.named_parameters()})
+    out["norms"], out["ddp_norms"] = our_norms.totals, ddp_norms.totals
+    return out
+
+
+def test_plain_module_equals_ddp_with_clipping_accumulation_and_resume(ranks, tmp_path):
+    r = ranks(2).run(plain_module_vs_ddp_accumulating, str(tmp_path), timeout_s=300)[0]
+    assert r["steps"] == 4 and len(r["norms"]) == len(r["ddp_norms"]) == 4
+    assert min(r["ddp_norms"]) > 0.05  # clipping acts in every step
+    for ours, ddp in zip(r["norms"], r["ddp_norms"]):
+        assert abs(ours - ddp) <= 1e-6 * ddp, (r["norms"], r["ddp_norms"])
+    worst = max(r["errors"], key=r["errors"].get)
+    assert r["errors"][worst] <= 1e-6, (worst, r["errors"][worst])
