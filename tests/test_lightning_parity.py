@@ -322,3 +322,39 @@ def test_plain_module_equals_ddp_with_clipping_accumulation_and_resume(ranks, tm
         assert abs(ours - ddp) <= 1e-6 * ddp, (r["norms"], r["ddp_norms"])
     worst = max(r["errors"], key=r["errors"].get)
     assert r["errors"][worst] <= 1e-6, (worst, r["errors"][worst])
+
+
+class PlainNetSeeing(PlainNet):
+    """PlainNet remembering each training loss's dtype and value."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen = []
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.seen.append((str(loss.dtype), float(loss)))
+        return loss
+
+
+def plain_module_bf16_mixed() -> dict:
+    """Row 5: ``precision="bf16-mixed"`` on a plain module with fp32 inputs, hotspa and DDP."""
+    from lightning.pytorch.strategies import DDPStrategy
+
+    out = {}
+    with lightning_rank_env():
+        for name, strategy in (("ddp", DDPStrategy()), ("hotspa", HotSPaStrategy())):
+            model = PlainNetSeeing()
+            trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=2, precision="bf16-mixed",
+                                logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                                enable_model_summary=False)
+            trainer.fit(model, torch.utils.data.DataLoader(_plain_data(), batch_size=8))
+            out[name] = model.seen
+    return out
+
+
+def test_bf16_mixed_on_a_plain_module_runs_under_autocast_like_ddp(ranks):
+    for r in ranks(2).run(plain_module_bf16_mixed, timeout_s=240):
+        assert [d for d, _ in r["hotspa"]] == ["torch.float32"] * 2, r
+        (_, ours), (_, ddp) = r["hotspa"][0], r["ddp"][0]  # the same weights: the first step's loss
+        assert abs(ours - ddp) <= 1e-6 * ddp, r

@@ -274,6 +274,10 @@ class HotSPaStrategy(GuardedCollectives, StrategyCheckpoints, ParallelStrategy):
         self.accelerator.setup(trainer)
         module = self.lightning_module
         check_trainer(trainer, module, type(self).__name__)
+        if self._precision_plugin is None:
+            self._precision_plugin = HotSPaPrecision()
+        self.hotspa_precision.enable_autocast(self.root_device.type if getattr(module, "tp_plan", None) is None
+                                              else None)
         if not (self.home and all(p is self.home.get(n) for n, p in module.named_parameters())):
             # a new module (not fit, then validate on the same one: hooks and home state stay)
             state = build_home_state(module, self.world, home_dtype=self.hotspa_precision.home_dtype,
