@@ -16,10 +16,11 @@ from .plan import MicroBatch, RankPlan, StepPlan
 __version__ = "0.1.0"
 
 #: name -> module that defines it, imported on first access (they import Lightning)
-_LAZY = {"HotSPaStrategy": ".adapter.strategy", "HotSPaDataModule": ".data.datamodule"}
+_LAZY = {"HotSPaStrategy": ".adapter.strategy", "HotSPaDataModule": ".data.datamodule",
+         "grad_norm": ".adapter.grad_norms"}
 
 __all__ = ["HotSPaDataModule", "HotSPaStrategy", "Layout", "LayoutError", "MeshShape", "MicroBatch",
-           "RankPlan", "StepPlan", "WorldMesh", "parse_layouts"]
+           "RankPlan", "StepPlan", "WorldMesh", "grad_norm", "parse_layouts"]
 
 
 def __getattr__(name: str) -> Any:

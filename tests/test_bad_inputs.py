@@ -402,7 +402,6 @@ def bad_fits_at_world_2(base: str, world4_checkpoint: str) -> dict[str, str | No
         "non_scalar_loss": lambda: _fit(NonScalar("tiny"), ["dp2", "tp2"]),
         "float_loss": lambda: _fit(FloatLoss("tiny"), ["dp2", "tp2"]),
         "no_tp_plan_with_tp_layouts": lambda: _fit(Plain("tiny"), ["dp2", "tp2"]),
-        "accumulate_grad_batches": lambda: _fit(LlamaLM("tiny"), ["dp2", "tp2"], accumulate_grad_batches=2),
         "unwritable_checkpoint_dir": lambda: _fit(LlamaLM("tiny"), ["dp2", "tp2"], callbacks=[ModelCheckpoint(
             dirpath=str(base_path / "blocker" / "ckpts"), every_n_train_steps=1)]),
         "save_checkpoint_into_a_file": lambda: _save_after_fit(str(base_path / "blocker" / "last")),
@@ -440,7 +439,6 @@ MULTI = {
                         "a tensor of shape (2,)"),
     "float_loss": ("ValueError", "FloatLoss.training_step must return a scalar loss tensor", "got float"),
     "no_tp_plan_with_tp_layouts": ("LayoutError", "layouts with tp=2 need a tensor-parallel plan", "Plain"),
-    "accumulate_grad_batches": ("ValueError", "accumulate_grad_batches=2"),
     "unwritable_checkpoint_dir": ("CheckpointError", "ModelCheckpoint(dirpath=", "blocker/ckpts",
                                   "NotADirectoryError"),
     "save_checkpoint_into_a_file": ("CheckpointError", "cannot write a checkpoint to", "blocker/last"),

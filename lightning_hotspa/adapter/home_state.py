@@ -22,7 +22,7 @@ from ..engine.home import build_home_parameters, region_initializer
 from ..engine.switch import SwitchEngine
 from ..layout import LayoutError
 from ..mesh import WorldMesh
-from ..parallel.model import ParallelModel
+from ..parallel.model import ParallelModel, uninstall_parallel
 from ..placements import build_shardings
 
 __all__ = ["HomeState", "build_home_state", "param_roles_of"]
@@ -73,6 +73,7 @@ def build_home_state(module: nn.Module, world: WorldMesh, *, home_dtype: torch.d
     # a module that can initialize (or read from disk) one region alone: each rank makes only its shard
     init_shard = region_initializer(init_parameter) if on_meta else None
     home = build_home_parameters(world, shardings, full, dtype=home_dtype, device=device, init_shard=init_shard)
+    uninstall_parallel(module)  # a module an earlier Trainer ran: its old forwards give way to ours
     parallel = ParallelModel(module, {n: s.role.name for n, s in shardings.items()}, world)
     if parallel.loss_parallel:
         rank_zero_info(f"hotspa: {type(module).__name__}.vocab_parallel_loss is True: under tp its "

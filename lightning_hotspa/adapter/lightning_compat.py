@@ -27,7 +27,7 @@ from lightning.pytorch.trainer.connectors.logger_connector.result import (
     _Sync,
 )
 
-__all__ = ["ResultMetric", "SubprocessScriptLauncher", "Sync", "call_callback_hooks", "call_module_hook",
+__all__ = ["ResultMetric", "accumulates", "SubprocessScriptLauncher", "Sync", "call_callback_hooks", "call_module_hook",
            "default_process_group_backend", "distributed_is_initialized", "init_dist_connection",
            "result_metadata", "sync_ddp_if_available", "trainer_results"]
 
@@ -80,3 +80,12 @@ def trainer_results(trainer: Any) -> Any:
         trainer: the Trainer, or None.
     """
     return getattr(trainer, "_results", None) if trainer is not None else None
+
+
+def accumulates(trainer: Any) -> bool:
+    """Whether the running training batch only accumulates (no optimizer step after it).
+
+    Args:
+        trainer: the fitting Trainer.
+    """
+    return bool(trainer.fit_loop.epoch_loop._should_accumulate())

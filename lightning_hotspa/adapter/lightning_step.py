@@ -91,9 +91,6 @@ def check_trainer(trainer: Any, module: Any, owner: str) -> None:
     if not module.automatic_optimization:
         raise ValueError(f"{owner} needs automatic optimization; "
                          f"{type(module).__name__}.automatic_optimization is False")
-    if trainer.accumulate_grad_batches != 1:
-        raise ValueError(f"{owner} does not support accumulate_grad_batches={trainer.accumulate_grad_batches}: "
-                         f"one step plan is one optimizer step; raise the data module's tokens_per_batch instead")
 
 
 def open_breadcrumbs(tracker: StepTracker, directory: Any, backend: str | None, trainer: Any, rank: int) -> None:
@@ -106,9 +103,10 @@ def open_breadcrumbs(tracker: StepTracker, directory: Any, backend: str | None, 
         rank_zero_info(f"hotspa: each rank's position in the step is kept in {path.parent}")
 
 
-def run_training_step(strategy: Any, batch: Any, batch_idx: int) -> tuple[StepResult, dict[str, float]]:
+def run_training_step(strategy: Any, batch: Any, batch_idx: int) -> tuple[StepResult, dict[str, float], int]:
     """One Lightning batch through the strategy's step runner: the user's ``training_step`` is the
-    loss callable; then the profiled planner's feedback and the step's metrics, logged on rank 0."""
+    loss callable; then the profiled planner's feedback and the step's metrics, logged on rank 0.
+    Returns the step's records, its metrics and its global target tokens (-1: not counted)."""
     module, layout = strategy.lightning_module, strategy.default_layout
     plan = batch if isinstance(batch, RankPlan) else plain_plan(
         batch, layout, strategy.root_device, strategy.activation_checkpointing_for(layout))
@@ -130,7 +128,7 @@ def run_training_step(strategy: Any, batch: Any, batch_idx: int) -> tuple[StepRe
         strategy.profiling.after_step(strategy.built_planner, plan, result)
     if metrics and not plan.extras.get("plain"):
         module.log_dict(metrics, on_step=True, on_epoch=False, sync_dist=False, rank_zero_only=True, batch_size=1)
-    return result, metrics
+    return result, metrics, plan.global_target_tokens
 
 
 # Lightning's Precision names its per-hook contexts differently from the hooks themselves
@@ -140,7 +138,9 @@ _EVAL_CONTEXTS = {"validation_step": "val_step_context", "test_step": "test_step
 
 def run_eval_step(strategy: Any, hook: str, args: tuple, kwargs: dict) -> Any:
     """``validation_step`` / ``test_step`` / ``predict_step`` of every micro-batch, each stage in its
-    layout (a plain batch in the default layout, which must then be pure data parallel)."""
+    layout (a plain batch in the default layout, which must then be pure data parallel). Returns the
+    last output, except for ``predict_step`` of a step plan: every micro-batch's output, in document
+    order (by each micro-batch's first document), with a vocab-parallel head's logits gathered."""
     trainer = getattr(strategy.lightning_module, "_trainer", None)
     strategy.tracker.between_steps(hook, trainer.global_step if trainer is not None else -1)
     batch, rest = args[0], args[1:]
@@ -150,15 +150,22 @@ def run_eval_step(strategy: Any, hook: str, args: tuple, kwargs: dict) -> Any:
     plan = batch if isinstance(batch, RankPlan) else RankPlan(-1, (RankStage(layout, (batch,)),), -1)
     fn = getattr(strategy.lightning_module, hook)
     results = trainer_results(trainer)
+    outputs: list[tuple[int, int, Any]] = []
 
     def output_of(mb: Any) -> Any:
         output = fn(mb, *rest, **kwargs)
         strategy.metric_sync.after_micro_batch(results)
+        doc_ids = getattr(mb, "doc_ids", ())
+        outputs.append((min(doc_ids) if doc_ids else -1, len(outputs), output))
         return output
 
+    predicting = hook == "predict_step"
     with strategy.tracker.guard():
-        with strategy.metric_sync.step(results):
+        with strategy.metric_sync.step(results), \
+                (strategy.parallel.full_logits() if predicting else contextlib.nullcontext()):
             output = strategy.runner.run_forward(plan, output_of,
                                                  getattr(strategy.precision_plugin, _EVAL_CONTEXTS[hook]))
         strategy.metric_sync.finish(results, strategy.reduce, strategy.root_device)
+    if predicting and isinstance(batch, RankPlan):
+        return [o for _, _, o in sorted(outputs, key=lambda t: (t[0], t[1]))]
     return output

@@ -17,7 +17,8 @@ the world), counting each replicated shard once, with one all-reduce.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+from collections.abc import Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -47,6 +48,26 @@ class HotSPaPrecision(Precision):
             raise ValueError(f"grad_accumulation must be one of {GRAD_ACCUMULATION}, got {grad_accumulation!r}")
         self.precision = precision
         self.grad_accumulation = grad_accumulation
+        self.autocast_device: str | None = None  # set by the strategy for modules it does not own
+
+    def enable_autocast(self, device_type: str | None) -> None:
+        """Under ``bf16-mixed``, compute inside ``torch.autocast(device_type, bfloat16)``, as DDP does:
+        for a module the strategy does not own (no ``tp_plan``), whose inputs and losses are fp32.
+        Our own models run on their bf16 working copies without it. None turns it off.
+
+        Args:
+            device_type: the device type (``"cpu"``, ``"cuda"``) or None.
+        """
+        self.autocast_device = device_type if self.precision == "bf16-mixed" else None
+
+    @contextlib.contextmanager
+    def forward_context(self) -> Iterator[None]:
+        """Every training / evaluation micro-batch's compute (autocast where enabled)."""
+        if self.autocast_device is None:
+            yield
+        else:
+            with torch.autocast(self.autocast_device, dtype=torch.bfloat16, cache_enabled=False):
+                yield
 
     @property
     def grad_accum_dtype(self) -> torch.dtype | None:

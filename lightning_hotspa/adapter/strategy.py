@@ -39,6 +39,7 @@ from ..mesh import WorldMesh
 from ..parallel.model import ParallelModel
 from ..plan import RankPlan
 from ..planner.base import Planner
+from .accumulation import GradAccumulation
 from .checkpoint import check_checkpoint_dirs
 from .checkpoint_hooks import StrategyCheckpoints
 from .guarded_collectives import GuardedCollectives
@@ -53,6 +54,7 @@ from .layout_choice import (
 )
 from .lightning_compat import (
     SubprocessScriptLauncher,
+    accumulates,
     default_process_group_backend,
     init_dist_connection,
 )
@@ -135,6 +137,8 @@ class HotSPaStrategy(GuardedCollectives, StrategyCheckpoints, ParallelStrategy):
         self.profiling = ProfilingFeedback()
         self.metric_sync = StepMetricSync()  # sync_dist logging: one reduction per step (metric_sync.py)
         self._skip_update = False
+        self._plan_tokens = -1  # the last training batch's global target tokens (-1: not counted)
+        self.accumulation = GradAccumulation()
         self.num_nodes = 1
         self.world: WorldMesh | None = None
         self.layouts: tuple[Layout, ...] = ()
@@ -275,6 +279,10 @@ class HotSPaStrategy(GuardedCollectives, StrategyCheckpoints, ParallelStrategy):
         self.accelerator.setup(trainer)
         module = self.lightning_module
         check_trainer(trainer, module, type(self).__name__)
+        if self._precision_plugin is None:
+            self._precision_plugin = HotSPaPrecision()
+        self.hotspa_precision.enable_autocast(self.root_device.type if getattr(module, "tp_plan", None) is None
+                                              else None)
         if not (self.home and all(p is self.home.get(n) for n, p in module.named_parameters())):
             # a new module (not fit, then validate on the same one: hooks and home state stay)
             state = build_home_state(module, self.world, home_dtype=self.hotspa_precision.home_dtype,
@@ -312,7 +320,7 @@ class HotSPaStrategy(GuardedCollectives, StrategyCheckpoints, ParallelStrategy):
         self.tracker.begin_step(module.trainer.global_step, batch_idx,
                                 len(batch.stages) if isinstance(batch, RankPlan) else 1)
         with self.tracker.guard():
-            result, self.last_metrics = run_training_step(self, batch, batch_idx)
+            result, self.last_metrics, self._plan_tokens = run_training_step(self, batch, batch_idx)
             self.last_step, self._skip_update = result, result.skip_update
             return result.loss.to(torch.float64 if self.hotspa_precision.home_dtype == torch.float64
                                    else torch.float32)
@@ -322,7 +330,11 @@ class HotSPaStrategy(GuardedCollectives, StrategyCheckpoints, ParallelStrategy):
         """Gradients were computed and reduced inside ``training_step``; hand them to the home params
         now, after Lightning's ``zero_grad`` (docs/DESIGN.md §7, trap "Lightning's closure order")."""
         assert self.engine is not None
-        if self._skip_update:  # a non-finite step under nonfinite="skip": no gradients, no update
+        trainer = self.lightning_module.trainer
+        if trainer.accumulate_grad_batches > 1:  # N step plans per optimizer step: a token-weighted sum
+            self.accumulation.add(self.home, self.engine, self._plan_tokens, skip=self._skip_update,
+                                  last=not accumulates(trainer))
+        elif self._skip_update:  # a non-finite step under nonfinite="skip": no gradients, no update
             for p in self.home.values():
                 p.grad = None
         else:

@@ -74,9 +74,58 @@ class ParallelModel:
             m.set_activation_checkpointing(False)
 
     @contextlib.contextmanager
+    def full_logits(self) -> Iterator[None]:
+        """Inside: a vocab-parallel head returns whole logits (gathered over tp), as prediction needs;
+        outside its logits stay sharded for the vocab-parallel loss."""
+        from .tensor_parallel import TPForward
+
+        heads = [f for m in self.module.modules() if isinstance(f := m.__dict__.get("forward"), TPForward)
+                 and f.local_output]
+        for f in heads:
+            f.local_output = False
+        try:
+            yield
+        finally:
+            for f in heads:
+                f.local_output = True
+
+    @contextlib.contextmanager
     def micro_batch(self, mb: MicroBatch | None) -> Iterator[None]:
         self.state.micro_batch = mb
         try:
             yield
         finally:
             self.state.micro_batch = None
+
+
+def uninstall_parallel(module: nn.Module) -> int:
+    """Removes what an earlier :class:`ParallelModel` installed on ``module`` (its tensor-parallel
+    forwards, attention wrappers and vocab-parallel loss), so a new one can install its own: a module
+    fitted by one Trainer, used by another. Returns how many were removed.
+
+    Args:
+        module: the root module a ParallelModel was built on.
+    """
+    from .attention import ParallelCoreAttention
+    from .loss import VocabParallelLoss
+    from .tensor_parallel import TPForward
+
+    removed = 0
+    for sub in module.modules():
+        if isinstance(sub.__dict__.get("forward"), TPForward):
+            del sub.forward
+            removed += 1
+        wrapper = sub.__dict__.get("_hotspa_attention")
+        if isinstance(wrapper, ParallelCoreAttention):
+            sub.core_attention = wrapper.inner if sub.core_attention is wrapper else sub.core_attention
+            del sub._hotspa_attention
+            removed += 1
+    loss = module.__dict__.get("loss_fn")
+    if isinstance(loss, VocabParallelLoss):
+        original = loss.original
+        if getattr(original, "__self__", None) is module and getattr(type(module), "loss_fn", None) is not None:
+            del module.loss_fn  # the class's own method again
+        else:
+            module.loss_fn = original
+        removed += 1
+    return removed
