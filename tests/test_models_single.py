@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import sys
 import types
@@ -144,8 +145,8 @@ def _shard(linear: nn.Linear, role: str, tp: int, rank: int) -> nn.Linear:
     weight = linear.weight.detach()
     if dim is not None:
         weight = weight.chunk(tp, dim=dim)[rank]
-    local = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
-    local.weight.data.copy_(weight)
+    local = copy.deepcopy(linear)  # the same module type: w2 is a SwiGLUDown
+    local.weight = nn.Parameter(weight.clone())
     return local
 
 

@@ -76,6 +76,18 @@ class LlamaLoss(nn.Module):
         return llama_tp_plan(config, 4, prefix="model.")  # the largest tp: kv replicated_partial
 
 
+class LlamaFusedLoss(LlamaLoss):
+    """LlamaLM's default: the loss through the model's blocked head (labels into its forward), the
+    vocabulary walked in blocks of 48 rows (several per tp shard of the 320 padded rows)."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__(config)
+        self.model.output.vocab_block = 48
+
+    def training_step(self, mb):
+        return self.model(mb.input_ids, mb.position_ids, mb.cu_seqlens, mb.max_seqlen, labels=mb.labels)
+
+
 class GPTAttention(nn.Module):
     def __init__(self, hidden: int, heads: int) -> None:
         super().__init__()
@@ -141,7 +153,9 @@ class TinyGPT(nn.Module):
         }
 
 
-MODELS = {"llama": (lambda: LlamaLoss(TINY), LlamaLoss.plan, 256), "gpt": (TinyGPT, TinyGPT.plan, TinyGPT.VOCAB)}
+MODELS = {"llama": (lambda: LlamaLoss(TINY), LlamaLoss.plan, 256),
+          "llama_fused": (lambda: LlamaFusedLoss(TINY), LlamaLoss.plan, 256),
+          "gpt": (TinyGPT, TinyGPT.plan, TinyGPT.VOCAB)}
 # GQA with 2 kv heads (fewer than cp=4) and a sliding window shorter than 5 of the 8 documents
 TINY_WINDOW = LlamaConfig.preset("tiny", sliding_window=16)
 WINDOW_MODELS = {"llama-window": (lambda: LlamaLoss(TINY_WINDOW), lambda: LlamaLoss.plan(TINY_WINDOW), 256)}
@@ -303,7 +317,8 @@ def test_switching_rewraps_nothing(equivalence, model_key):
         assert not rank_result["rewrapped"]
     # llama: 2 layers x 7 linears + embedding + head = 16 forwards, 2 kv selections, 1 loss;
     # + 2 attention cores for cp
-    expected = {"llama": (16 + 2 + 1 + 2, 16), "gpt": (2 * 4 + 2 + 2, 2 * 4 + 2)}[model_key]
+    expected = {"llama": (16 + 2 + 1 + 2, 16), "llama_fused": (16 + 2 + 1 + 2, 16),
+                "gpt": (2 * 4 + 2 + 2, 2 * 4 + 2)}[model_key]
     assert (equivalence[model_key][0]["hooks"], equivalence[model_key][0]["tp_forwards"]) == expected
 
 

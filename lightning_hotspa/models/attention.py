@@ -45,13 +45,18 @@ _LOW_PRECISION = (torch.float16, torch.bfloat16)
 def repeat_kv(kv: Tensor, n_q_heads: int) -> Tensor:
     """Repeat kv heads [T, hkv, d] to [T, n_q_heads, d], each kv head over a contiguous group."""
     n_kv_heads = kv.shape[1]
+    _check_groups(n_q_heads, n_kv_heads)
+    if n_q_heads == n_kv_heads:
+        return kv
+    return kv.repeat_interleave(n_q_heads // n_kv_heads, dim=1)
+
+
+def _check_groups(n_q_heads: int, n_kv_heads: int) -> None:
+    """Raises unless the local kv heads divide the local q heads."""
     if n_q_heads % n_kv_heads:
         raise ValueError(
             f"local q heads ({n_q_heads}) are not a multiple of local kv heads ({n_kv_heads})"
         )
-    if n_q_heads == n_kv_heads:
-        return kv
-    return kv.repeat_interleave(n_q_heads // n_kv_heads, dim=1)
 
 
 def _document_bounds(cu_seqlens: Tensor, total: int) -> list[int]:
@@ -97,17 +102,22 @@ def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seql
     lengths = [end - start for start, end in zip(bounds[:-1], bounds[1:], strict=True)]
     if not lengths:  # no documents, no tokens
         return q.new_zeros(q.shape)
-    k, v = repeat_kv(k, q.shape[1]), repeat_kv(v, q.shape[1])
+    _check_groups(q.shape[1], k.shape[1])
+    gqa = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}  # K/V saved unrepeated
     # [T, h, d] -> [1, h, T, d]: 4-D inputs take the memory-bounded CPU flash kernel (3-D ones fall
     # back to the math kernel and materialize each document's s x s scores); documents split along T.
     pieces = zip(*(t.transpose(0, 1).unsqueeze(0).split(lengths, dim=2) for t in (q, k, v)), strict=True)
     outs = [
         qd if not qd.shape[2] else
-        F.scaled_dot_product_attention(qd, kd, vd, is_causal=True) if window is None or qd.shape[2] <= window
-        else F.scaled_dot_product_attention(qd, kd, vd, attn_mask=_window_mask(qd.shape[2], window, qd.device))
+        F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, **gqa) if window is None or qd.shape[2] <= window
+        else F.scaled_dot_product_attention(qd, kd, vd, attn_mask=_window_mask(qd.shape[2], window, qd.device),
+                                            **gqa)
         for qd, kd, vd in pieces
     ]
-    return torch.cat(outs, dim=2).squeeze(0).transpose(0, 1)
+    # the kernel's output is [1, h, s, d] over [s, h, d] memory: back to [s, h, d] is a view, so one
+    # document's output IS what the output projection saves (no second copy); several are joined once
+    outs = [o.squeeze(0).transpose(0, 1) for o in outs]
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
 
 
 def flash_varlen_attention(

@@ -75,6 +75,9 @@ class LlamaLM(L.LightningModule):
     #: so the strategy may keep them vocab-sharded and wrap ``loss_fn`` (a subclass that reads the
     #: logits elsewhere sets this to False and gets gathered logits).
     vocab_parallel_loss = True
+    #: the loss goes through the model's blocked head (``Llama.forward(..., labels)``, models/loss_head.py:
+    #: no fp32 [tokens, vocab] is ever held, vocab-parallel under tp); False: ``loss_fn(logits, labels)``
+    fused_loss_head = True
 
     def __init__(
         self,
@@ -126,6 +129,9 @@ class LlamaLM(L.LightningModule):
     def _loss(self, batch: PackedBatch) -> Tensor:
         # before the forward: the check's host read then waits for the copy in, not for the forward
         check_token_ids(batch.labels, self.config.vocab_size, "labels", ignore_index=IGNORE_INDEX)
+        if self.fused_loss_head:
+            return self.model(batch.input_ids, batch.position_ids, batch.cu_seqlens, batch.max_seqlen,
+                              labels=batch.labels)
         logits = self(batch.input_ids, batch.position_ids, batch.cu_seqlens, batch.max_seqlen)
         return self.loss_fn(logits, batch.labels)
 

@@ -15,6 +15,8 @@ from torch.utils.checkpoint import checkpoint
 
 from .attention import CoreAttention, select_attention_backend, with_sliding_window
 from .config import LlamaConfig
+from .kernels import SwiGLUDown, rms_norm
+from .loss_head import LMHead, linear_cross_entropy
 from .rope import apply_rotary, rotary_cos_sin
 from .vocab import check_token_ids
 
@@ -22,7 +24,8 @@ __all__ = ["Attention", "Block", "FeedForward", "Llama", "RMSNorm"]
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square norm, computed in fp32 whatever the working precision."""
+    """Root-mean-square norm, computed in fp32 whatever the working precision; saves only the input
+    and the fp32 inverse rms for backward (:func:`.kernels.rms_norm`)."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -30,9 +33,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        x32 = x if x.dtype == torch.float64 else x.float()  # at least fp32
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + self.eps)
-        return normed.type_as(x) * self.weight
+        return rms_norm(x, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -68,16 +69,17 @@ class Attention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    """SwiGLU MLP: ``w2(silu(w1 x) * w3 x)``; the hidden width is whatever w1 holds locally."""
+    """SwiGLU MLP: ``w2(silu(w1 x) * w3 x)``; the hidden width is whatever w1 holds locally. ``w2``
+    takes both projections and recomputes the gate in backward (:class:`.kernels.SwiGLUDown`)."""
 
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
         self.w1 = nn.Linear(config.hidden, config.ffn_hidden, bias=False)
-        self.w2 = nn.Linear(config.ffn_hidden, config.hidden, bias=False)
+        self.w2 = SwiGLUDown(config.ffn_hidden, config.hidden)
         self.w3 = nn.Linear(config.hidden, config.ffn_hidden, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.w2(self.w1(x), self.w3(x))
 
 
 class Block(nn.Module):
@@ -111,7 +113,7 @@ class Llama(nn.Module):
         self.layers = nn.ModuleList(Block(config) for _ in range(config.n_layers))
         self.norm = RMSNorm(config.hidden, config.norm_eps)
         if not config.tie_embeddings:  # tied: the head reads tok_embeddings.weight (one parameter)
-            self.output = nn.Linear(config.hidden, config.padded_vocab_size, bias=False)
+            self.output = LMHead(config.hidden, config.padded_vocab_size)
         self.activation_checkpointing = False
 
     def set_activation_checkpointing(self, enabled: bool) -> None:
@@ -134,8 +136,11 @@ class Llama(nn.Module):
             layer.attention.core_attention = fn
 
     def forward(
-        self, input_ids: Tensor, position_ids: Tensor, cu_seqlens: Tensor, max_seqlen: int
+        self, input_ids: Tensor, position_ids: Tensor, cu_seqlens: Tensor, max_seqlen: int,
+        labels: Tensor | None = None,
     ) -> Tensor:
+        """Logits ``[T, vocab]``; with ``labels`` the token-mean cross-entropy instead, through the
+        blocked loss head that never holds fp32 logits (:mod:`.loss_head`)."""
         if input_ids.dim() != 1:
             raise ValueError(
                 f"Llama expects packed 1-D input_ids, got shape {tuple(input_ids.shape)}"
@@ -151,6 +156,9 @@ class Llama(nn.Module):
                 x = checkpoint(layer, x, cos, sin, cu_seqlens, max_seqlen, use_reentrant=False)
             else:
                 x = layer(x, cos, sin, cu_seqlens, max_seqlen)
+        x = self.norm(x)
         if self.config.tie_embeddings:
-            return F.linear(self.norm(x), self.tok_embeddings.weight)
-        return self.output(self.norm(x))
+            if labels is not None:
+                return linear_cross_entropy(x, self.tok_embeddings.weight, labels)
+            return F.linear(x, self.tok_embeddings.weight)
+        return self.output(x) if labels is None else self.output(x, labels)

@@ -90,7 +90,7 @@ def module_kinds(module: nn.Module, roles: Mapping[str, str]) -> dict[str, str]:
             continue
         label = name or type(module).__name__
         for base in (nn.Linear, nn.Embedding):
-            if isinstance(sub, base) and type(sub).forward is not base.forward:
+            if isinstance(sub, base) and type(sub).forward is not base.forward and not _linear_like(sub):
                 raise _fail(label, f"{type(sub).__name__} overrides {base.__name__}.forward; tensor parallel "
                             f"replaces that forward, so it splits only plain {base.__name__} modules")
         if isinstance(sub, nn.Linear):
@@ -109,6 +109,13 @@ def module_kinds(module: nn.Module, roles: Mapping[str, str]) -> dict[str, str]:
         if kind is not None:
             kinds[name] = kind
     return kinds
+
+
+def _linear_like(module: nn.Module) -> bool:
+    """An ``nn.Linear`` subclass whose own forward is linear in its weight as ``F.linear`` is
+    (``tp_linear_forward = True``: models.kernels.SwiGLUDown, models.loss_head.LMHead): run as is on
+    the shard, with the role's collectives around it."""
+    return isinstance(module, nn.Linear) and getattr(type(module), "tp_linear_forward", False) is True
 
 
 class _SharedInputCopy:
@@ -143,11 +150,13 @@ class TPForward:
         self.copies = copies
         self.local_output = local_output  # vocab head whose loss is vocab-parallel
 
-    def __call__(self, x: Tensor) -> Tensor:
+    def __call__(self, x: Tensor, *rest: Tensor) -> Tensor:
         m, groups = self.module, self.state.groups
         tp = groups.tp if groups is not None and groups.tp.size > 1 else None
         if self.kind == "vocab_embedding":
             return self._embedding(x, tp)
+        if _linear_like(m):
+            return self._linear_like(x, rest, tp)
         if tp is None:
             return F.linear(x, m.weight, m.bias)
         if self.kind == "rowwise":
@@ -157,6 +166,21 @@ class TPForward:
         if self.kind == "gather" and not self.local_output:
             out = gather_last_dim(out, tp)
         return out
+
+    def _linear_like(self, x: Tensor, rest: tuple[Tensor, ...], tp: RankGroup | None) -> Tensor:
+        """A ``tp_linear_forward`` module's own forward on its shard; a vocab head called with
+        labels computes the vocab-parallel loss itself (``group=``)."""
+        m, own = self.module, type(self.module).forward
+        if tp is None:
+            return own(m, x, *rest)
+        if self.kind == "rowwise":
+            out = reduce_from_group(own(m, x, *rest), tp)
+            return out if m.bias is None else out + m.bias
+        x = self.copies(x, tp)
+        if self.kind == "gather" and rest:
+            return own(m, x, *rest, group=tp)
+        out = own(m, x, *rest)
+        return gather_last_dim(out, tp) if self.kind == "gather" and not self.local_output else out
 
     def _embedding(self, ids: Tensor, tp: RankGroup | None) -> Tensor:
         m = self.module

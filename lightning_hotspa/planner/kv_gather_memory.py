@@ -1,8 +1,8 @@
 """The memory terms of all-gather-KV / hybrid context parallelism (``cp_kv > 1``,
 :mod:`lightning_hotspa.parallel.kv_gather`) for :class:`~.memory_model.MemoryModel`.
 
-Why its own terms: the KV gather saves different tensors than Ulysses or no cp (the memory model's
-base term) and holds, per layer, transient buffers the size of the WHOLE micro-batch's K/V. Checked
+Why its own terms: the KV gather saves different tensors than Ulysses or no cp (those the memory
+model's ``attention_saved_bytes`` counts) and holds, per layer, transient buffers the size of the WHOLE micro-batch's K/V. Checked
 against the real code path by ``hotspa memory`` (tests/test_memory.py, BENCHMARKS.md).
 """
 
@@ -13,7 +13,7 @@ from typing import Any
 
 from ..layout import Layout
 
-__all__ = ["kv_gather_extra_bytes", "kv_gather_saved_delta"]
+__all__ = ["kv_gather_extra_bytes"]
 
 
 def _local_kv_heads(m: Any, par: Layout) -> int:
@@ -21,22 +21,6 @@ def _local_kv_heads(m: Any, par: Layout) -> int:
     u = par.cp_ulysses
     heads = m.n_kv_heads // par.tp if m.n_kv_heads % par.tp == 0 else 1
     return heads * (u // math.gcd(heads, u)) // u
-
-
-def kv_gather_saved_delta(mm: Any, par: Layout, activation_checkpointing: bool) -> float:
-    """Bytes per micro-batch token the KV gather's saved tensors differ from the base term's: it saves
-    q, the LOCAL k and v (not repeated for GQA) and its output (plus the output after the Ulysses
-    all-to-all back in the hybrid); the base counts q, k, v (repeated under GQA), the output and a
-    contiguous copy of it for wo. Negative: fewer bytes. Per layer saved (one layer with checkpointing)."""
-    if par.cp_kv == 1:
-        return 0.0
-    m, wb = mm.model, mm.param_bytes
-    a = mm.attn_width
-    base_kv = a if m.n_heads != m.n_kv_heads else mm.kv_width
-    kv_local = _local_kv_heads(m, par) * par.cp_ulysses * par.tp * m.head_dim  # in full-width units
-    saved = 2 * a + 2 * kv_local + (a if par.cp_ulysses > 1 else 0)
-    layers = 1 if activation_checkpointing else m.n_layers
-    return layers * wb * (saved - (3 * a + 2 * base_kv)) / (par.tp * par.cp)
 
 
 def kv_gather_extra_bytes(mm: Any, par: Layout, tokens: int) -> float:
@@ -61,7 +45,7 @@ def kv_gather_extra_bytes(mm: Any, par: Layout, tokens: int) -> float:
     chunk_grads = 2.0 * wb * 2 * _local_kv_heads(m, par) * m.head_dim * t
     in_flight = (2.0 * wb * a / par.tp + 4.0 * h) / par.cp * t
     transient = gathered + chunk_grads + in_flight
-    norm = 4.0 * h + 2.0 * wb * h
+    norm = mm.norm_bytes_per_token()
     freed = norm / par.cp + mm.logits_bytes_per_token(par.tp, par.cp)  # the loss head's transients
-    freed += norm / par.cp + 4.0 * wb * m.ffn_hidden / (par.tp * par.cp)  # this layer's ffn side
+    freed += norm / par.cp + 2.0 * wb * m.ffn_hidden / (par.tp * par.cp)  # this layer's ffn side
     return max(0.0, transient - freed * t)

@@ -13,9 +13,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..layout import Layout
-from .kv_gather_memory import kv_gather_extra_bytes, kv_gather_saved_delta
+from .kv_gather_memory import _local_kv_heads, kv_gather_extra_bytes
 
-__all__ = ["MODEL_ERROR_MARGIN", "MemoryModel", "MemoryUse"]
+__all__ = ["HEAD_STATE_BYTES", "HEAD_VOCAB_BLOCK", "MODEL_ERROR_MARGIN", "MemoryModel", "MemoryUse"]
+
+#: models.loss_head.DEFAULT_VOCAB_BLOCK (the planner does not import the model's modules; a test checks
+#: they agree): vocabulary rows the blocked loss head computes at once
+HEAD_VOCAB_BLOCK = 8192
+#: per token, what the blocked loss head keeps until its backward: the label index (int64), two masks,
+#: the fp32 log-sum-exp
+HEAD_STATE_BYTES = 8.0 + 1.0 + 1.0 + 4.0
 
 #: The planner plans against ``predicted peak x (1 + margin) <= usable``: a margin for the memory model's
 #: OWN error (not for what the tracker cannot see: that is the hardware profile's reserve). Derived from
@@ -75,30 +82,59 @@ class MemoryModel:
         full = norms + (kv if m.n_kv_heads % tp else 0)  # kv heads fewer than tp: replicated_partial
         return self.params - full, full
 
-    def activation_bytes_per_token(self, activation_checkpointing: bool, tp: int = 1, cp: int = 1) -> float:
+    def norm_bytes_per_token(self) -> float:
+        """One RMSNorm per token: its input in the working dtype and an fp32 inverse rms (what
+        models.kernels.rms_norm saves), and its output (saved by the linears it feeds)."""
+        return 2.0 * self.param_bytes * self.model.hidden + 4.0
+
+    def attention_saved_bytes(self, tp: int = 1, cp: int = 1, cp_kv: int = 1) -> float:
+        """Per token per layer, what one rank's attention saves: q, k and v as the kernel sees them
+        (GQA K/V unrepeated: SDPA ``enable_gqa`` / flash), the output once (a view of it feeds wo),
+        the kernel's fp32 log-sum-exp per head (flash kernels); Ulysses adds the output after its
+        all-to-all back (a new tensor, wo's input) and saves the kv heads it repeated for the
+        exchange; the KV gather saves q, its LOCAL k / v and the output (+ the Ulysses output in the
+        hybrid). Under tp with kv heads fewer than tp (replicated_partial) each rank's k / v are views
+        of the whole kv projection, which is what stays alive."""
+        m, wb, a = self.model, self.param_bytes, self.attn_width
+        par = Layout(dp=1, tp=tp, cp=cp, cp_kv=cp_kv)
+        state = self._attention_state_bytes() / (tp * cp)
+        if cp_kv > 1:
+            kv_local = _local_kv_heads(m, par) * par.cp_ulysses * tp * m.head_dim  # full-width units
+            saved = 2 * a + 2 * kv_local + (a if par.cp_ulysses > 1 else 0)
+            return wb * saved / (tp * cp) + state
+        if cp > 1:  # Ulysses: the kv heads each rank holds after the exchange, for the whole row
+            return wb * (3 * a / (tp * cp) + 2 * _local_kv_heads(m, par) * m.head_dim) + state
+        kv = self.kv_width if m.n_kv_heads % tp else self.kv_width / tp
+        return wb * (2 * a / tp + 2 * kv) + state
+
+    def activation_bytes_per_token(self, activation_checkpointing: bool, tp: int = 1, cp: int = 1,
+                                   cp_kv: int = 1) -> float:
         """Bytes one token of a micro-batch adds to the peak of one rank in a tp x cp group: the
-        tensors autograd saves (module docstring of models/llama.py; attention per
-        ``attention_backend``) plus the loss head's transients at the forward/backward turn."""
+        tensors autograd saves (models/llama.py and models/kernels.py; attention per
+        ``attention_backend`` and cp kind) plus the loss head's transients at the forward/backward turn."""
         m = self.model
-        h, f, hd, wb = m.hidden, m.ffn_hidden, m.head_dim, self.param_bytes
-        a = self.attn_width
-        kv = a if m.n_heads != m.n_kv_heads else self.kv_width  # GQA: SDPA saves the repeated k, v
-        norm = 4.0 * h + 2.0 * wb * h  # fp32 input copy, normed, weighted output (saved by the linears)
-        replicated = 2 * norm
-        attention = wb * (3 * a + 2 * kv) + self._attention_state_bytes()  # q, k, v, out, wo input
-        sharded = attention + 4.0 * wb * f  # SwiGLU: w1 out, silu, w3 out, product
-        layer = replicated / cp + sharded / (tp * cp)
+        f, hd, wb = m.ffn_hidden, m.head_dim, self.param_bytes
+        replicated = 2 * self.norm_bytes_per_token()  # no sequence parallelism: whole on every tp rank
+        ffn = 2.0 * wb * f / (tp * cp)  # SwiGLU: the w1 and w3 outputs (models.kernels.SwiGLUDown)
+        layer = replicated / cp + ffn + self.attention_saved_bytes(tp, cp, cp_kv)
         rope = 2.0 * wb * hd / cp  # cos, sin tables shared by the layers
-        # loss head: final norm; logits (working dtype), fp32 logits/softmax and their gradients
-        head = norm / cp + self.logits_bytes_per_token(tp, cp)
+        # loss head: final norm, the blocked head's per-token state and its transients
+        head = (self.norm_bytes_per_token() + HEAD_STATE_BYTES) / cp + self.logits_bytes_per_token(tp, cp)
         if activation_checkpointing:  # each layer's input, plus one layer recomputed
-            return m.n_layers * wb * h / cp + layer + rope + head
+            return m.n_layers * wb * m.hidden / cp + layer + rope + head
         return m.n_layers * layer + rope + head
 
     def logits_bytes_per_token(self, tp: int = 1, cp: int = 1) -> float:
-        """The loss head's transients per token (logits in the working dtype, fp32 logits / softmax
-        and their gradients; the vocab-parallel loss under tp keeps one fp32 copy fewer)."""
-        return (12.0 if tp == 1 else 10.0) * self.model.padded_vocab_size / tp / cp
+        """The blocked loss head's transients per token (models/loss_head.py): the larger of the
+        forward (one block's logits in the working dtype and fp32, and logsumexp's fp32 exponentials)
+        and the backward (one block's recomputed logits in fp32 and as the working-dtype gradient,
+        plus the fp32 hidden-gradient sum), a block being ``HEAD_VOCAB_BLOCK`` of this rank's rows."""
+        m, wb = self.model, self.param_bytes
+        block = min(float(HEAD_VOCAB_BLOCK), m.padded_vocab_size / tp)
+        low = wb if wb < 4 else 0.0  # a working-dtype copy next to the fp32 one (none in fp32)
+        forward = 8.0 * block
+        backward = (4.0 + low) * block + 4.0 * m.hidden
+        return max(forward, backward) / cp
 
     def _attention_state_bytes(self) -> float:
         """Per token per layer beyond q, k, v and out: flash kernels keep an fp32 log-sum-exp per
@@ -140,8 +176,7 @@ class MemoryModel:
         home = self.params * 16.0 / self.world_size
         split, full = self._param_split(par.tp)
         per_rank = split / par.shards + full / par.pp
-        act = self.activation_bytes_per_token(activation_checkpointing, par.tp, par.cp) + \
-            kv_gather_saved_delta(self, par, activation_checkpointing)
+        act = self.activation_bytes_per_token(activation_checkpointing, par.tp, par.cp, par.cp_kv)
         usable = hw.memory_bytes * hw.memory_usable_fraction - hw.memory_reserved_bytes
         if par.fsdp:
             working = per_rank / par.fsdp_shard * (self.param_bytes + self.grad_accum_bytes)
@@ -149,9 +184,14 @@ class MemoryModel:
             return MemoryUse(home, working, act, usable, margin=self.model_error_margin, transient=transient,
                              head_per_token=self.logits_bytes_per_token(par.tp, par.cp))
         largest = self.model.padded_vocab_size * self.model.hidden / par.tp  # the LM head
-        working = per_rank * (self.param_bytes + self.grad_accum_bytes) + \
-            (largest * self.param_bytes if self.grad_accum_bytes != self.param_bytes else 0.0)
-        return MemoryUse(home, working, act, usable, margin=self.model_error_margin)
+        in_working = largest * self.param_bytes if self.grad_accum_bytes != self.param_bytes else 0.0
+        working = per_rank * (self.param_bytes + self.grad_accum_bytes) + in_working
+        # its overlapped reduction early in backward: an fp32 bucket of it and its reduce-scatter output
+        # (1 / (dp*cp) of it), while nearly every activation but the head's transients is alive
+        reduce = largest * 4.0 * (1.0 + par.tp / self.world_size)
+        return MemoryUse(home, working, act, usable, margin=self.model_error_margin,
+                         transient=max(0.0, reduce - in_working),
+                         head_per_token=self.logits_bytes_per_token(par.tp, par.cp))
 
     def peak_bytes(self, par: Layout, activation_checkpointing: bool, tokens: int) -> float:
         """Predicted peak bytes per rank with a micro-batch of ``tokens`` (no reserve: compare with

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
-__all__ = ["CATEGORIES", "FakeWorld", "fake_mode", "host_reads_real", "MemoryTracker"]
+__all__ = ["CATEGORIES", "FakeWorld", "fake_mode", "host_reads_real", "is_fake", "MemoryTracker"]
 
 #: categories reported, in order (MemTracker's reference types folded into the issue's five)
 CATEGORIES = ("params", "grads", "optimizer", "activations", "temporaries")
@@ -45,6 +45,13 @@ def fake_mode():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def is_fake(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a ``FakeTensor`` (shapes only, no bytes behind it)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(t, FakeTensor)
 
 
 @contextlib.contextmanager

@@ -32,13 +32,15 @@ from ..models.config import LlamaConfig
 from ..planner.cost_model import AnalyticCostModel, CostModelError
 from ..planner.memory_model import MODEL_ERROR_MARGIN
 
-__all__ = ["ROWS", "QUICK_ROWS", "add_parser", "candidate_layouts", "estimate_layout", "estimate_rows", "run"]
+__all__ = ["ATTENTION_PATHS", "ROWS", "QUICK_ROWS", "add_parser", "candidate_layouts", "estimate_layout", "estimate_rows", "run"]
 
 GiB = 2**30
 
 #: (model, world size) of the full table; the Llama-3 shapes are presets ``llama3-8b`` / ``llama3-70b``
 ROWS = (("llama7b", 8), ("llama7b", 16), ("llama13b", 8), ("llama13b", 16), ("llama30b", 32),
         ("llama3-8b", 8), ("llama3-70b", 64))
+#: what ``--attention`` may name: the CPU kernels, or the tensors the GPU's flash-attn varlen kernel keeps
+ATTENTION_PATHS = ("cpu", "gpu")
 #: ``--quick``: one 7B and one 70B row, a few layouts each (under 5 minutes on the 2-core box)
 QUICK_ROWS = (("llama7b", 8, ("dp8", "dp4xtp2", "dp2xtp2xcp2")), ("llama3-70b", 64, ("dp8xtp8", "dp4xtp8xcp2")))
 
@@ -59,8 +61,9 @@ def candidate_layouts(cm: AnalyticCostModel) -> list[Layout]:
 
 
 class _Wrapped(torch.nn.Module):
-    """The Llama decoder with its loss as ``loss_fn``, opted into the vocab-parallel loss as
-    ``LlamaLM`` is (without the opt-in, tp layouts gather full-vocabulary logits: +2.2 GiB at 7B)."""
+    """The Llama decoder with its loss computed as ``LlamaLM`` does by default: through the model's
+    blocked loss head (``fused_loss_head``; vocab-parallel under tp). ``loss_fn`` and the opt-in
+    stay for the contract's sake (without it, tp layouts would gather full-vocabulary logits)."""
 
     vocab_parallel_loss = True
 
@@ -72,7 +75,7 @@ class _Wrapped(torch.nn.Module):
         self.loss_fn = token_mean_cross_entropy
 
     def forward(self, mb: Any) -> torch.Tensor:
-        return self.loss_fn(self.model(mb.input_ids, mb.position_ids, mb.cu_seqlens, mb.max_seqlen), mb.labels)
+        return self.model(mb.input_ids, mb.position_ids, mb.cu_seqlens, mb.max_seqlen, labels=mb.labels)
 
 
 def _micro_batch(layout: Layout, world: Any, tokens: int) -> Any:
@@ -88,10 +91,14 @@ def estimate_layout(config: LlamaConfig, world_size: int, layout: Layout | str, 
                     activation_checkpointing: bool = False, working_dtype: torch.dtype = torch.bfloat16,
                     grad_accum_dtype: torch.dtype | None = torch.float32,
                     bucket_bytes: int = 4 * 2**20, max_buckets_in_flight: int = 2,
-                    overlap: bool = True) -> dict[str, Any]:
+                    overlap: bool = True, attention: str = "cpu") -> dict[str, Any]:
     """Peak bytes of rank 0 by category for one training step in ``layout``; also the peak of the
     gradient-reduction phase alone (``reduce_peak``, ``reduce_start``: bytes when it began).
-    ``overlap``: reduce buckets during the backward (the strategy's way) or all after it."""
+    ``overlap``: reduce buckets during the backward (the strategy's way) or all after it.
+    ``attention``: "cpu" runs the model's CPU kernel (SDPA's flash kernel per document); "gpu" keeps
+    what flash-attn's varlen kernel keeps (:mod:`lightning_hotspa.testing.gpu_attention`)."""
+    if attention not in ATTENTION_PATHS:
+        raise ValueError(f"attention must be one of {ATTENTION_PATHS}, got {attention!r}")
     from ..engine.fsdp import ShardedUnits
     from ..engine.home import build_home_parameters
     from ..engine.switch import SwitchEngine
@@ -109,6 +116,10 @@ def estimate_layout(config: LlamaConfig, world_size: int, layout: Layout | str, 
         mb = _micro_batch(layout, world, tokens)
         with torch.device("meta"):
             module = _Wrapped(config)
+        if attention == "gpu":
+            from ..testing.gpu_attention import flash_varlen_standin
+
+            module.model.set_attention_backend(flash_varlen_standin)
         roles = param_roles(module, llama_tp_plan(config, layout.tp, prefix="model.")) if layout.tp > 1 \
             else {n: "replicated" for n, _ in module.named_parameters()}
         shapes = {n: tuple(p.shape) for n, p in module.named_parameters()}
@@ -209,7 +220,8 @@ def _empty_shard(name: str, shape: tuple[int, ...], dim: int | None, start: int,
     return torch.empty(local)
 
 
-def estimate_rows(rows: Sequence[tuple], hardware: str = "H100", *, log: Any = print) -> dict[str, Any]:
+def estimate_rows(rows: Sequence[tuple], hardware: str = "H100", *, log: Any = print,
+                  attention: str = "cpu") -> dict[str, Any]:
     """The table: each (model, world[, layouts]) row's layouts, measured vs predicted peak.
 
     A layout's micro-batch is its capacity with the cheaper checkpointing option that holds any tokens
@@ -229,7 +241,7 @@ def estimate_rows(rows: Sequence[tuple], hardware: str = "H100", *, log: Any = p
             cap = cm.capacity(lay, ac)
             feasible = cap >= 2 * lay.cp
             tokens = cap - cap % (2 * lay.cp) if feasible else 2 * lay.cp * 64
-            measured = estimate_layout(config, world, lay, tokens, activation_checkpointing=ac)
+            measured = estimate_layout(config, world, lay, tokens, activation_checkpointing=ac, attention=attention)
             predicted = cm.peak_bytes(lay, ac, tokens)
             use = cm.memory(lay, ac)
             limit = use.usable  # "fits": the measured peak within the hardware's usable bytes
@@ -250,7 +262,7 @@ def estimate_rows(rows: Sequence[tuple], hardware: str = "H100", *, log: Any = p
                 f"{entry['measured_gib']} ({entry['seconds']} s)")
     fit = sum(1 for e in out if e["planner_feasible"] and e["fits"])
     feasible = sum(1 for e in out if e["planner_feasible"])
-    return {"hardware": hardware, "rows": out, "max_rel_error": round(worst, 4), "reserve": _reserve(hardware),
+    return {"hardware": hardware, "attention": attention, "rows": out, "max_rel_error": round(worst, 4), "reserve": _reserve(hardware),
             "model_error_margin": MODEL_ERROR_MARGIN, "feasible_rows": feasible, "feasible_rows_that_fit": fit}
 
 
@@ -270,6 +282,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     mem.add_argument("--hardware", default="H100", help="hardware profile: memory, reserve, capacity")
     mem.add_argument("--rows", default=None, help="e.g. llama7b:8,llama3-70b:64 (default: the full table)")
     mem.add_argument("--layouts", default=None, help="comma list applied to every row (default: all)")
+    mem.add_argument("--attention", default="cpu", choices=ATTENTION_PATHS,
+                     help="measure the CPU attention kernel, or what the GPU's flash-attn varlen kernel keeps")
     mem.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     return mem
 
@@ -286,6 +300,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.layouts:
         rows = [(r[0], r[1], tuple(args.layouts.split(","))) for r in rows]
     start = time.perf_counter()
-    result = estimate_rows(rows, args.hardware)
+    result = estimate_rows(rows, args.hardware, attention=args.attention)
     result["seconds"] = round(time.perf_counter() - start, 1)
     return result
