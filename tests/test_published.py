@@ -52,6 +52,8 @@ def test_profiles_hold_what_the_fit_gives(result):
 
 
 def test_held_out_rows_meet_the_geomean_targets(result):
+    assert {"rows", "geomean_ratio", "max_abs_log_ratio", "by_attention_share", "held_out"} <= set(result)
+    assert all({"id", "source", "predicted", "published", "ratio"} <= set(r) for r in result["rows"])
     held = result["held_out"]
     assert held["count"] >= 15 and not any(r["held_out"] for r in result["rows"] if r["id"] in
                                            {i for f in result["fit"].values() for i in f["fit_rows"]})

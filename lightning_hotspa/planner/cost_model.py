@@ -296,22 +296,22 @@ class AnalyticCostModel(MemoryModel):
         g = par.fsdp_shard
         if not par.fsdp or g == 1:
             return 0.0
-        gathers, reduce = self.fsdp_exchange_parts(par)
-        return gathers + reduce
+        return sum(self.fsdp_exchange_parts(par))
 
-    def fsdp_exchange_parts(self, par: Layout) -> tuple[float, float]:
-        """(gathers, reduce-scatters) seconds per micro-batch of :meth:`fsdp_exchange_seconds`, each with
-        its calls' latencies: the runtime description says which of them hide behind compute."""
+    def fsdp_exchange_parts(self, par: Layout) -> tuple[float, float, float]:
+        """(forward gathers, backward re-gathers, reduce-scatters) seconds per micro-batch of
+        :meth:`fsdp_exchange_seconds`, each with its calls' latencies: the runtime description says
+        which of them hide behind compute."""
         g = par.fsdp_shard
         if not par.fsdp or g == 1:
-            return 0.0, 0.0
+            return 0.0, 0.0, 0.0
         split, full = self._param_split(par.tp)
         units = split / par.tp + full
         embedding = self.model.padded_vocab_size * self.model.hidden / par.tp  # its backward needs no weight
-        gather_bytes = units * 2 * self.param_bytes - embedding * self.param_bytes
         hw, span, n = self.hardware, par.tp * g, self.model.n_layers + 2
         bw, lat = hw.bandwidth(span, par.tp), hw.latency(span)
-        return ((g - 1) / g * gather_bytes / bw + (2 * n - 1) * lat,
+        ring = (g - 1) / g * self.param_bytes / bw
+        return (ring * units + n * lat, ring * (units - embedding) + (n - 1) * lat,
                 (g - 1) / g * units * self.grad_bytes / bw + n * lat)
 
     def _fsdp_exposed(self, par: Layout, ac: bool, capacity: int, b: float, d: float) -> tuple[float, float]:
@@ -321,10 +321,13 @@ class AnalyticCostModel(MemoryModel):
         priced by its chord over ``[0, capacity]`` (exact for empty and full micro-batches, an upper
         bound between): ``C`` per micro-batch minus ``min(C, overlap * k * capacity) / capacity`` per
         token. On cpu-gloo (overlap 0) all of ``C`` is paid."""
-        gathers, reduce = self.fsdp_exchange_parts(par)
-        exchange = gathers + reduce
+        forward, backward, reduce = self.fsdp_exchange_parts(par)
+        exchange = forward + backward + reduce
         rt = self.runtime  # what the runtime overlaps: prefetched gathers, a reduce-scatter on its own stream
-        hideable = (gathers if rt.fsdp_gather_prefetch else 0.0) + (reduce if rt.fsdp_reduce_scatter_overlap else 0.0)
+        # with checkpointing the backward re-gather happens in the unit's recomputation
+        regather = rt.fsdp_gather_prefetch and (rt.fsdp_recompute_gather_prefetch or not ac)
+        hideable = ((forward if rt.fsdp_gather_prefetch else 0.0) + (backward if regather else 0.0)
+                    + (reduce if rt.fsdp_reduce_scatter_overlap else 0.0))
         hide = self.hardware.layer_comm_overlap * self._dense_seconds_per_token(par, ac)
         credit = min(hideable, hide * capacity) / capacity if capacity > 0 else 0.0
         return b - credit, d + exchange

@@ -30,6 +30,8 @@ class RuntimeProfile:
 
     Args: ``name``; ``fsdp_gather_prefetch`` (a sharded working copy's unit all-gathers, forward and
     backward re-gather, are started while the previous unit computes: hidden behind GEMMs);
+    ``fsdp_recompute_gather_prefetch`` (with activation checkpointing the backward re-gather happens
+    in the unit's recomputation: prefetched there too; False: it waits);
     ``fsdp_reduce_scatter_overlap`` (a unit's gradient reduce-scatter runs while the next unit's
     backward computes; False: the backward waits for it); ``dp_reduce_overlap`` (the replicated
     gradient reduction runs inside the last micro-batch's backward, bucket by bucket);
@@ -40,6 +42,7 @@ class RuntimeProfile:
 
     name: str
     fsdp_gather_prefetch: bool
+    fsdp_recompute_gather_prefetch: bool
     fsdp_reduce_scatter_overlap: bool
     dp_reduce_overlap: bool
     tp_comm_overlap: bool
@@ -48,8 +51,8 @@ class RuntimeProfile:
     source: str
 
     def __post_init__(self) -> None:
-        for f in ("fsdp_gather_prefetch", "fsdp_reduce_scatter_overlap", "dp_reduce_overlap",
-                  "tp_comm_overlap", "cp_comm_overlap"):
+        for f in ("fsdp_gather_prefetch", "fsdp_recompute_gather_prefetch", "fsdp_reduce_scatter_overlap",
+                  "dp_reduce_overlap", "tp_comm_overlap", "cp_comm_overlap"):
             if not isinstance(getattr(self, f), bool):
                 raise ValueError(f"RuntimeProfile {self.name!r}: {f} must be True or False, got {getattr(self, f)!r}")
         if self.attention_kernel not in ATTENTION_KERNELS:
@@ -59,8 +62,8 @@ class RuntimeProfile:
 
 #: OUR runtime on this commit (engine/fsdp.py, engine/switch.py, parallel/*); update it with the runtime.
 HOTSPA = RuntimeProfile(
-    name="hotspa", fsdp_gather_prefetch=True, fsdp_reduce_scatter_overlap=False, dp_reduce_overlap=True,
-    tp_comm_overlap=False, cp_comm_overlap=False, attention_kernel="fa2",
+    name="hotspa", fsdp_gather_prefetch=True, fsdp_recompute_gather_prefetch=False,
+    fsdp_reduce_scatter_overlap=False, dp_reduce_overlap=True, tp_comm_overlap=False, cp_comm_overlap=False, attention_kernel="fa2",
     source="engine/fsdp.py: a unit's forward starts the next unit's all-gather asynchronously and each "
     "backward re-gather starts the previous one's (one in flight); a checkpointed unit's recompute gathers "
     "synchronously; the per-unit fp32 reduce-scatter is waited for at once (pending.result()). "
@@ -73,20 +76,24 @@ HOTSPA = RuntimeProfile(
 RUNTIME_PROFILES: dict[str, RuntimeProfile] = {
     "hotspa": HOTSPA,
     "llm-foundry": RuntimeProfile(
-        name="llm-foundry", fsdp_gather_prefetch=True, fsdp_reduce_scatter_overlap=True, dp_reduce_overlap=True,
+        name="llm-foundry", fsdp_gather_prefetch=True, fsdp_recompute_gather_prefetch=True,
+        fsdp_reduce_scatter_overlap=True, dp_reduce_overlap=True,
         tp_comm_overlap=False, cp_comm_overlap=False, attention_kernel="fa2",
-        source="Composer + PyTorch FSDP1 (backward_prefetch BACKWARD_PRE, reduce-scatter on its own stream: "
-        "FSDP1's design); MPT attn_impl 'flash' (flash-attn) in scripts/train/yamls/pretrain/mpt-*.yaml; no tp/cp.",
+        source="Composer + PyTorch FSDP1 (backward_prefetch BACKWARD_PRE, also ahead of a checkpointed unit's "
+        "recomputation, whose forward pre-hook unshards; reduce-scatter on its own stream: FSDP1's design); MPT attn_impl 'flash' (flash-attn) in scripts/train/yamls/pretrain/mpt-*.yaml; no tp/cp.",
     ),
     "torchtitan": RuntimeProfile(
-        name="torchtitan", fsdp_gather_prefetch=True, fsdp_reduce_scatter_overlap=True, dp_reduce_overlap=True,
+        name="torchtitan", fsdp_gather_prefetch=True, fsdp_recompute_gather_prefetch=True,
+        fsdp_reduce_scatter_overlap=True, dp_reduce_overlap=True,
         tp_comm_overlap=False, cp_comm_overlap=True, attention_kernel="fa2",
-        source="FSDP2 (implicit one-unit prefetch, reduce-scatter on a separate stream); the bf16 rows use "
+        source="FSDP2 (implicit one-unit prefetch, in a checkpointed unit's recomputation too; reduce-scatter on "
+        "a separate stream); the bf16 rows use "
         "vanilla TP (AsyncTP off: the asyncTP benchmark's 'Vanilla TP' column); CP is ring attention "
         "(overlapped; its rows are Float8, outside the statistics); attention: SDPA's flash kernel (FA2).",
     ),
     "megatron-2022": RuntimeProfile(
-        name="megatron-2022", fsdp_gather_prefetch=False, fsdp_reduce_scatter_overlap=False, dp_reduce_overlap=True,
+        name="megatron-2022", fsdp_gather_prefetch=False, fsdp_recompute_gather_prefetch=False,
+        fsdp_reduce_scatter_overlap=False, dp_reduce_overlap=True,
         tp_comm_overlap=False, cp_comm_overlap=False, attention_kernel="fa2",
         source="Megatron-LM as in arXiv 2205.05198: tp all-gathers / reduce-scatters (sequence parallel) on the "
         "critical path, dp gradient all-reduce overlapped with backward (its README), no FSDP; its 2022 attention "
