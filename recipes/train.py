@@ -7,7 +7,7 @@
 With ``trainer.devices=N`` Lightning re-runs this script in N-1 more processes and passes them this
 run's ``hydra.run.dir``, so all ranks share one output folder. Do not use Hydra's ``--multirun`` with
 Lightning's launcher (each job would launch its own processes from a sweep process); run sweeps as
-separate invocations (e.g. a shell loop over torchrun), see README.
+separate invocations (e.g. a shell loop over torchrun), see docs/configuration.md.
 """
 
 from __future__ import annotations

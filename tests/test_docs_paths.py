@@ -72,12 +72,12 @@ def test_every_path_named_in_the_markdown_files_exists() -> None:
 def test_the_path_check_catches_missing_paths(tmp_path: Path) -> None:
     (tmp_path / "lightning_hotspa" / "engine").mkdir(parents=True)
     (tmp_path / "lightning_hotspa" / "engine" / "switch.py").write_text("")
-    (tmp_path / "docs").mkdir()
-    (tmp_path / "docs" / "a.md").write_text("")
+    (tmp_path / "pages").mkdir()
+    (tmp_path / "pages" / "a.md").write_text("")
     page = tmp_path / "README.md"
     page.write_text("the switch (`lightning_hotspa/switch.py`) and `engine/switch.py`\n"
-                    "see [a](docs/a.md), [b](docs/b.md#x), [web](https://x.org), [top](#top)\n"
+                    "see [a](pages/a.md), [b](pages/b.md#x), [web](https://x.org), [top](#top)\n"
                     "`engine/nope.py`, `tests/test_x.py::test_y`, `benchmarks/YYYY-MM-DD-<recipe>.md`\n")
     assert missing_paths(page, tmp_path) == [
-        "README.md:1: lightning_hotspa/switch.py", "README.md:2: docs/b.md",
+        "README.md:1: lightning_hotspa/switch.py", "README.md:2: pages/b.md",
         "README.md:3: tests/test_x.py", "README.md:3: engine/nope.py"]
