@@ -1,7 +1,7 @@
 """Lightning callbacks that make a HotSPa run legible: per-bucket metrics, plan tables, timelines,
 the current plan in the progress bar, and a summary table at the end.
 
-``HotSPaStrategy`` already logs the measured numbers of every stage (``hotspa/<layout>/...``, one small
+``HotSPaStrategy`` already logs the measured numbers of every stage (``hotspa/<stage>/...``, one small
 all-gather per step) and keeps them as typed records (``strategy.last_step``, a :class:`StepResult`:
 every rank's stage numbers, the same on every rank). :class:`HotSPaMonitor` adds what needs the
 model or the plan: model FLOPs and MFU, the cost model's predicted time next to the measured one,
