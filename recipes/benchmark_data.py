@@ -37,7 +37,7 @@ from lightning_hotspa.data import (  # noqa: E402
 from lightning_hotspa.data.datamodule import HotSPaDataModule, _ChunkTokens  # noqa: E402
 from lightning_hotspa.layout import MeshShape  # noqa: E402
 from lightning_hotspa.plan import slice_plan  # noqa: E402
-from lightning_hotspa.planner import ThresholdPlanner, plan_stats  # noqa: E402
+from lightning_hotspa.planner import ThresholdPlanner, balance_cost, plan_stats  # noqa: E402
 
 FOUNDATION = ["dp4", "dp2xtp2", "tp4", "dp2xcp2", "tp2xcp2"]
 GENERATORS = ["commoncrawl", "github", "uniform", "bimodal"]
@@ -70,7 +70,7 @@ def measure(corpus: TokenizedCorpus, args: argparse.Namespace) -> dict[str, floa
         elapsed = time.perf_counter() - start
         if step < 0:
             continue
-        stats = plan_stats(plan, planner.capacity, planner.cost_fn)
+        stats = plan_stats(plan, planner.capacity, balance_cost(planner))
         times.append(elapsed * 1e3)
         fills.append(stats.fill)
         paddings.append(stats.padding_fraction)

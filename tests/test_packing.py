@@ -18,10 +18,12 @@ from lightning_hotspa.planner import (
     Planner,
     QuadraticCost,
     ThresholdPlanner,
+    plan_stats,
+)
+from lightning_hotspa.planner.packing import (
     cp_padded_lengths,
     first_fit_decreasing,
     pack_layout,
-    plan_stats,
     spread_over_groups,
 )
 

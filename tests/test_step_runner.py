@@ -327,7 +327,8 @@ def run_fsdp_traffic() -> dict:
     dist.all_reduce(local)  # every rank's bytes: what the records and the logged metrics carry
     metrics = step_metrics(result.records)
     keys = stage_keys(result.records)
-    out["records_fsdp_mb"] = {r.layout.name: (r.fsdp_mb, local[i].item() / 1e6, metrics.get(f"hotspa/{keys[i]}/fsdp_MB"))
+    out["records_fsdp_mb"] = {r.layout.name: (r.fsdp_mb, local[i].item() / 1e6,
+                                              metrics.get(f"hotspa/{keys[i]}/fsdp_MB"))
                               for i, r in enumerate(result.records)}
     return out
 
@@ -509,8 +510,17 @@ def test_fsdp_layouts_refuse_what_they_cannot_shard() -> None:
 
 # ------------------------------------------------------------------ typed seams
 def test_the_one_planner_check_names_what_is_missing() -> None:
-    from lightning_hotspa.planner.base import Planner, PlannerBase, check_planner
-    from lightning_hotspa.planner.rule import ThresholdPlanner
+    from lightning_hotspa.planner import (
+        BalancedPlanner,
+        CostModelPlanner,
+        Planner,
+        PlannerBase,
+        PricedPlanner,
+        ProfiledPlanner,
+        StatefulPlanner,
+        ThresholdPlanner,
+        check_planner,
+    )
 
     class Bare:
         layouts = (Layout(dp=1),)
@@ -518,7 +528,7 @@ def test_the_one_planner_check_names_what_is_missing() -> None:
         def plan(self, step, doc_lengths):
             raise NotImplementedError
 
-    with pytest.raises(TypeError, match="capacity.*longest_document.*predict") as err:
+    with pytest.raises(TypeError, match="lacks capacity, longest_document \\(") as err:
         check_planner(Bare(), "Test")
     assert "PlannerBase" in str(err.value)
 
@@ -532,9 +542,16 @@ def test_the_one_planner_check_names_what_is_missing() -> None:
             raise NotImplementedError
 
     assert isinstance(check_planner(Minimal(), "Test"), Planner)
-    assert Minimal().longest_document() == 64 and Minimal().predict(None) is None  # type: ignore[arg-type]
+    assert Minimal().longest_document() == 64
     rule = ThresholdPlanner(["dp2", "tp2"], tokens_per_rank=64)
     assert check_planner(rule, "Test") is rule and rule.longest_document() == rule.buckets[-1].high
+    # the optional protocols: what each planner offers beyond the core, checked with isinstance
+    cost = CostModelPlanner(["dp2", "tp2"], model="tiny")
+    optional = (PricedPlanner, StatefulPlanner, ProfiledPlanner, BalancedPlanner)
+    assert [isinstance(Minimal(), p) for p in optional] == [False, False, False, False]
+    assert [isinstance(rule, p) for p in optional] == [False, True, False, True]
+    assert [isinstance(cost, p) for p in optional] == [True, True, True, False]
+    assert not hasattr(cost, "hand_set_bounds") and rule.hand_set_bounds == ()
 
 
 def test_the_datamodule_plans_with_the_strategys_context_only() -> None:

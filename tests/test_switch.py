@@ -226,7 +226,8 @@ def engine_misuse():
     except LayoutError as e:
         messages.append(str(e))
     # gradients carried between layouts of one tp degree: kept as they are; across tp: refused
-    shares = [engine.shares_gradients(Layout.parse(a), Layout.parse(b)) for a, b in itertools.combinations(FOUNDATION, 2)]
+    shares = [engine.shares_gradients(Layout.parse(a), Layout.parse(b))
+              for a, b in itertools.combinations(FOUNDATION, 2)]
     engine.materialize(Layout.parse("dp4"))
     for w in engine.working.values():
         w.grad = torch.ones_like(w)

@@ -1,7 +1,7 @@
 """Lightning callbacks that make a HotSPa run legible: per-bucket metrics, plan tables, timelines,
 the current plan in the progress bar, and a summary table at the end.
 
-``HotSPaStrategy`` already logs the measured numbers of every stage (``hotspa/<layout>/...``, one small
+``HotSPaStrategy`` already logs the measured numbers of every stage (``hotspa/<stage>/...``, one small
 all-gather per step) and keeps them as typed records (``strategy.last_step``, a :class:`StepResult`:
 every rank's stage numbers, the same on every rank). :class:`HotSPaMonitor` adds what needs the
 model or the plan: model FLOPs and MFU, the cost model's predicted time next to the measured one,
@@ -31,6 +31,7 @@ from lightning.pytorch.loggers import WandbLogger
 from ..checks import check_int
 from ..engine.records import StageRecord, StepResult, rank_stage_fields
 from ..plan import RankPlan, StepPlan
+from ..planner.base import PricedPlanner
 from .stats import monitor_metrics
 from .strategy import HotSPaStrategy
 from .telemetry import RunSummary, detect_hardware, records_as_rows, stage_flops
@@ -132,7 +133,7 @@ class HotSPaMonitor(L.Callback):
 
         def price(plan: StepPlan) -> Any:
             nonlocal pricing
-            prediction = planner.predict(plan)
+            prediction = planner.predict(plan) if isinstance(planner, PricedPlanner) else None
             if prediction is None and pricing is None:
                 if self.hardware is None or config is None:
                     return None

@@ -15,7 +15,7 @@ from typing import Any
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from ..layout import Layout
-from ..planner.base import Planner
+from ..planner.base import Planner, StatefulPlanner
 from .checkpoint import all_gather_objects, load_distributed_checkpoint
 from .node_checkpoint import CheckpointPlacement, no_checkpoint
 from .reliability import StepTracker
@@ -25,7 +25,8 @@ __all__ = ["StrategyCheckpoints", "load_with_planner", "save_with_planner"]
 
 def save_with_planner(checkpoint: dict[str, Any], path: str, *, planner: Planner, layouts: Sequence[Layout],
                       world_size: int, tracker: StepTracker, placement: CheckpointPlacement) -> None:
-    checkpoint.setdefault("hotspa", {})["planner"] = planner.state_dict()
+    state = planner.state_dict() if isinstance(planner, StatefulPlanner) else {}
+    checkpoint.setdefault("hotspa", {})["planner"] = state
     checkpoint["hotspa"]["layouts"] = [x.name for x in layouts]
     checkpoint["hotspa"]["world_size"] = world_size
     tracker.between_steps(f"checkpoint save to {path}", checkpoint.get("global_step", -1))
@@ -48,7 +49,7 @@ def load_with_planner(checkpoint_path: str, module: Any, optimizers: Sequence[An
     rank_zero_info(f"hotspa: resuming from {path} (epoch {checkpoint.get('epoch')}, global step "
                    f"{checkpoint.get('global_step')}; saved by {saved.get('world_size', '?')} ranks with layouts "
                    f"{saved.get('layouts', '?')}, now {world_size} ranks with {[x.name for x in layouts]})")
-    if saved.get("planner"):
+    if saved.get("planner") and isinstance(planner, StatefulPlanner):
         planner.load_state_dict(saved["planner"])
     return checkpoint
 

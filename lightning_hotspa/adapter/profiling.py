@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 from ..engine.records import StepResult, rank_stage_fields
 from ..plan import RankPlan
-from ..planner.base import Planner
+from ..planner.base import Planner, ProfiledPlanner, is_profiled
 
 __all__ = ["ProfilingFeedback", "gathered_observations"]
 
@@ -46,8 +46,9 @@ class ProfilingFeedback:
         self.timed_steps = 0
 
     def after_step(self, planner: Planner, plan: RankPlan, result: StepResult) -> None:
-        if not planner.profiled or plan.step < 0 or plan.extras.get("plain"):
+        if not is_profiled(planner) or plan.step < 0 or plan.extras.get("plain"):
             return
+        assert isinstance(planner, ProfiledPlanner)
         self.timed_steps += 1
         if self.timed_steps > 1:
             planner.observe(gathered_observations(result))

@@ -38,7 +38,7 @@ from ..layout import Layout, MeshShape
 from ..mesh import WorldMesh
 from ..parallel.model import ParallelModel
 from ..plan import RankPlan
-from ..planner.base import Planner
+from ..planner.base import Planner, PricedPlanner
 from .accumulation import GradAccumulation
 from .checkpoint import check_checkpoint_dirs
 from .checkpoint_hooks import StrategyCheckpoints
@@ -268,7 +268,7 @@ class HotSPaStrategy(GuardedCollectives, StrategyCheckpoints, ParallelStrategy):
         """What the strategy adds to a stage's own flag. Under ``"auto"`` a planner that decides
         checkpointing per stage (the cost planner) is followed: forcing it on every tp*cp > 1 layout
         would recompute stages it planned (and priced) without recomputation."""
-        if self._ac_spec == "auto" and self._planner is not None and self._planner.decides_checkpointing:
+        if self._ac_spec == "auto" and isinstance(self._planner, PricedPlanner) and self._planner.decides_checkpointing:
             return False
         return checkpointing_for(self._ac_spec, layout)
 

@@ -50,7 +50,7 @@ from torch.utils.data import Dataset
 from ..checks import check_int, is_int
 from ..layout import MeshShape
 from ..plan import RankPlan, StepPlan, slice_plan
-from ..planner.base import Planner, check_planner
+from ..planner.base import Planner, ProfiledPlanner, balance_cost, check_planner, is_profiled
 from ..planner.plan_stats import plan_stats
 from .cache import TokenizedCorpus
 from .context import PlanningContext, PlanningProvider
@@ -167,7 +167,7 @@ class StepPlanDataset(Dataset[RankPlan]):
         position = self.locate(epoch, step)[0]
         refs = self.minibatch(epoch, step)
         lengths = [r.length for r in refs]
-        return self.planner.plan(position, lengths, latest=self.split != "train" and self.planner.profiled), refs
+        return self.planner.plan(position, lengths, latest=self.split != "train" and is_profiled(self.planner)), refs
 
     def __getitem__(self, index: int | tuple[int, int]) -> RankPlan:
         epoch, step = index if isinstance(index, tuple) else (self.cursor.epoch, index)
@@ -178,7 +178,7 @@ class StepPlanDataset(Dataset[RankPlan]):
             from .chat import apply_prompt_mask
 
             rank_plan = apply_prompt_mask(rank_plan, _ChunkTokens(self.corpus, refs), self.prompt_offset)
-        stats = plan_stats(plan, self.planner.capacity, self.planner.cost_fn)
+        stats = plan_stats(plan, self.planner.capacity, balance_cost(self.planner))
         extras = {
             "split": self.split,
             "epoch": int(epoch),
@@ -193,8 +193,8 @@ class StepPlanDataset(Dataset[RankPlan]):
             "planner": dict(plan.notes),  # e.g. the never-worse-than-static guard's decision
             **stats.as_dict(),
         }
-        if self.planner.profiled:  # which coefficients planned it, and what it planned
-            extras["planner_version"] = int(self.planner.last_version)
+        if is_profiled(self.planner):  # which coefficients planned it, and what it planned
+            extras["planner_version"] = int(self.planner.last_version)  # type: ignore[attr-defined]
             extras["plan_digest"] = zlib.crc32(repr([(s.layout.name, s.activation_checkpointing, s.micro_batches)
                                                      for s in plan.stages]).encode())
         return dataclasses.replace(rank_plan, extras=extras)
@@ -369,7 +369,10 @@ class HotSPaDataModule(L.LightningDataModule):
                             f"({[str(x) for x in mesh.layouts]})")
         if not is_int(rank) or not 0 <= rank < mesh.world_size:
             raise DataError(f"{name}: rank {rank!r} is outside the mesh of {mesh.world_size} ranks")
-        above = [b for b in planner.hand_set_bounds if b > self.context_length]
+        from ..planner.rule import ThresholdPlanner
+
+        hand_set = planner.hand_set_bounds if isinstance(planner, ThresholdPlanner) else ()
+        above = [b for b in hand_set if b > self.context_length]
         if isinstance(self.context_length, int) and above:
             raise DataError(f"{name}: context_length={self.context_length} is smaller than the hand-set bucket "
                             f"bound(s) {above} of {type(planner).__name__}: no document is longer than the "
@@ -400,8 +403,8 @@ class HotSPaDataModule(L.LightningDataModule):
                                prompt_offset=getattr(self._tokenizer, "prompt_offset", None))
 
     def _loader(self, dataset: StepPlanDataset, resumable: bool) -> PlanDataLoader:
-        if dataset.split == "train" and self.num_workers > 0:  # workers prefetch 2 plans each (the default)
-            dataset.planner.ensure_plan_lag(self.num_workers * 2 + 2)
+        if dataset.split == "train" and self.num_workers > 0 and isinstance(dataset.planner, ProfiledPlanner):
+            dataset.planner.ensure_plan_lag(self.num_workers * 2 + 2)  # workers prefetch 2 plans each
         return PlanDataLoader(dataset, num_workers=self.num_workers, pin_memory=self.pin_memory,
                               persistent_workers=self.persistent_workers,
                               multiprocessing_context=self.multiprocessing_context, resumable=resumable)

@@ -1,48 +1,53 @@
-"""Planning: which layout runs which documents, packed into which micro-batches (docs/DESIGN.md §3, §5).
+"""Planning: which layout runs which documents, packed into which micro-batches (docs/DESIGN.md §3, §5;
+the objective the cost-model solver minimizes: planner/README.md).
 
-``planner`` never imports ``data``: it sees document lengths, never tokens.
+``planner`` never imports ``data``: it sees document lengths, never tokens. The names here are the
+user-facing ones; the packing and solver internals are imported from their own modules.
 """
 
-from .base import Planner, PlannerBase, check_planner
-from .candidates import auto_layouts, auto_planner
-from .packing import (
-    DEFAULT_QUADRATIC_SCALE,
-    DocCost,
-    DocumentTooLongError,
-    PackedLayout,
-    QuadraticCost,
-    StagePlanStats,
-    cp_padded_lengths,
-    first_fit_decreasing,
-    max_doc_length,
-    pack_layout,
-    spread_over_groups,
+from .base import (
+    BalancedPlanner,
+    Planner,
+    PlannerBase,
+    PricedPlanner,
+    ProfiledPlanner,
+    StatefulPlanner,
+    balance_cost,
+    check_planner,
+    is_profiled,
 )
-from .plan_stats import PlanStats, plan_stats, stage_stats
+from .candidates import auto_layouts, auto_planner
+from .cost_model import AnalyticCostModel, CostModelError
+from .hardware import PROFILES, HardwareProfile, UnknownProfileError, get_profile
+from .packing import DocCost, DocumentTooLongError, QuadraticCost
+from .plan_stats import PlanStats, plan_stats
 from .rule import Bucket, ThresholdPlanner
 from .solver import CostModelPlanner
 
 __all__ = [
-    "DEFAULT_QUADRATIC_SCALE",
+    "PROFILES",
+    "AnalyticCostModel",
+    "BalancedPlanner",
     "Bucket",
+    "CostModelError",
     "CostModelPlanner",
     "DocCost",
     "DocumentTooLongError",
-    "PackedLayout",
+    "HardwareProfile",
     "PlanStats",
     "Planner",
     "PlannerBase",
+    "PricedPlanner",
+    "ProfiledPlanner",
     "QuadraticCost",
-    "StagePlanStats",
+    "StatefulPlanner",
     "ThresholdPlanner",
-    "check_planner",
+    "UnknownProfileError",
     "auto_layouts",
     "auto_planner",
-    "cp_padded_lengths",
-    "first_fit_decreasing",
-    "max_doc_length",
-    "pack_layout",
+    "balance_cost",
+    "check_planner",
+    "get_profile",
+    "is_profiled",
     "plan_stats",
-    "spread_over_groups",
-    "stage_stats",
 ]

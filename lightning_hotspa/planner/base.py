@@ -1,4 +1,5 @@
-"""What every planner offers: the one interface the DataModule, the strategy and the monitor use.
+"""What every planner offers, and what some planners add: the interfaces the DataModule, the
+strategy and the monitor use.
 
 A planner turns the document lengths of one global mini-batch into a :class:`StepPlan`. It must be
 deterministic: every rank (and every loader worker) calls it with the same inputs and must get the
@@ -7,10 +8,13 @@ coefficients) changes only at deterministic step boundaries (``refit`` after a t
 ``load_state_dict``), must make the plan of a step independent of when and in which process it is
 built (:mod:`.schedule`), and is saved with checkpoints.
 
-:class:`Planner` lists every member its users call; nothing else is looked up on a planner.
-:class:`PlannerBase` gives the optional parts their "does nothing" defaults, so a new planner
-writes only ``layouts``, ``capacity`` and ``plan``. :func:`check_planner` is the one "is this a
-planner" test, used by the strategy and the DataModule alike.
+:class:`Planner` is the small core every planner writes: ``layouts``, ``capacity``,
+``longest_document`` and ``plan``. What only some planners do is an optional protocol, checked with
+``isinstance`` where it is used: :class:`PricedPlanner` (prices its plans and decides checkpointing
+per stage), :class:`StatefulPlanner` (saved with checkpoints), :class:`ProfiledPlanner` (measured
+timings feed back into its plans) and :class:`BalancedPlanner` (its packing balanced a per-document
+cost). :class:`PlannerBase` gives the core a default ``longest_document``; :func:`check_planner` is
+the one "is this a planner" test, used by the strategy and the DataModule alike.
 """
 
 from __future__ import annotations
@@ -26,23 +30,16 @@ if TYPE_CHECKING:
     from .packing import DocCost
     from .predict import StepPrediction
 
-__all__ = ["Planner", "PlannerBase", "check_planner"]
+__all__ = ["BalancedPlanner", "Planner", "PlannerBase", "PricedPlanner", "ProfiledPlanner", "StatefulPlanner",
+           "balance_cost", "check_planner", "is_profiled"]
 
 
 @runtime_checkable
 class Planner(Protocol):
+    """The core every planner offers: its candidate layouts, their micro-batch capacity, the
+    longest document it can place, and the plan of one step."""
+
     layouts: tuple[Layout, ...]
-    #: True if timings feed back into the plans (``observe`` / ``refit`` change them)
-    profiled: bool
-    #: the coefficient version the last ``plan`` call used (-1: the planner has no versions)
-    last_version: int
-    #: the per-document cost the packing balanced (None: token counts); plan statistics use it
-    cost_fn: DocCost | None
-    #: bucket upper bounds the user set by hand (a document must be able to reach each)
-    hand_set_bounds: tuple[int, ...]
-    #: True if each stage's ``activation_checkpointing`` flag is this planner's decision, which the
-    #: strategy's ``activation_checkpointing="auto"`` then follows (False: the strategy's rule adds to it)
-    decides_checkpointing: bool
 
     def capacity(self, layout: Layout) -> int:
         """Most tokens one micro-batch may hold in ``layout`` (a tp x cp group's activation budget)."""
@@ -57,9 +54,39 @@ class Planner(Protocol):
         plan with the newest coefficients instead of those decided for ``step`` (evaluation)."""
         ...
 
-    def predict(self, plan: StepPlan) -> StepPrediction | None:
-        """Predicted seconds of ``plan`` per stage, or None if this planner cannot price plans."""
+
+@runtime_checkable
+class PricedPlanner(Planner, Protocol):
+    """A planner that prices its plans (the monitor's predicted seconds) and decides each stage's
+    activation checkpointing as part of the price."""
+
+    #: True if each stage's ``activation_checkpointing`` flag is this planner's decision, which the
+    #: strategy's ``activation_checkpointing="auto"`` then follows (False: the strategy's rule adds to it)
+    decides_checkpointing: bool
+
+    def predict(self, plan: StepPlan) -> StepPrediction:
+        """Predicted seconds of ``plan`` per stage."""
         ...
+
+
+@runtime_checkable
+class StatefulPlanner(Planner, Protocol):
+    """A planner saved with checkpoints (``hotspa.planner`` in the checkpoint)."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+@runtime_checkable
+class ProfiledPlanner(StatefulPlanner, Protocol):
+    """A planner whose measured stage timings may feed back into its plans (``observe`` /
+    ``refit``), at deterministic steps; ``profiled`` says whether they do in this run."""
+
+    #: True if timings feed back into the plans (``observe`` / ``refit`` change them)
+    profiled: bool
+    #: the coefficient version the last ``plan`` call used
+    last_version: int
 
     def ensure_plan_lag(self, lag: int) -> None:
         """Plans may be built ``lag`` steps ahead (loader workers): keep refits that far ahead."""
@@ -73,20 +100,29 @@ class Planner(Protocol):
         """Called after every training step; True if the coefficients changed."""
         ...
 
-    def state_dict(self) -> dict[str, Any]: ...
 
-    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+@runtime_checkable
+class BalancedPlanner(Planner, Protocol):
+    """A planner whose packing balanced a per-document cost over dp groups (plan statistics use it)."""
+
+    cost_fn: DocCost
+
+
+def is_profiled(planner: Planner) -> bool:
+    """True if ``planner`` is a :class:`ProfiledPlanner` whose timings feed back in this run."""
+    return isinstance(planner, ProfiledPlanner) and planner.profiled
+
+
+def balance_cost(planner: Planner) -> DocCost | None:
+    """The per-document cost ``planner``'s packing balanced (None: token counts)."""
+    return planner.cost_fn if isinstance(planner, BalancedPlanner) else None
 
 
 class PlannerBase:
-    """Defaults for a planner that is not profiled, has no versions and cannot price plans."""
+    """A default ``longest_document`` (the longest any layout's capacity holds) for a core planner;
+    subclasses write ``layouts``, ``capacity`` and ``plan``."""
 
     layouts: tuple[Layout, ...] = ()
-    profiled: bool = False
-    last_version: int = -1
-    cost_fn: DocCost | None = None
-    hand_set_bounds: tuple[int, ...] = ()
-    decides_checkpointing: bool = False
 
     def capacity(self, layout: Layout) -> int:
         raise NotImplementedError
@@ -96,28 +132,8 @@ class PlannerBase:
 
         return max(max_doc_length(self.capacity(x), x.cp) for x in self.layouts)
 
-    def predict(self, plan: StepPlan) -> StepPrediction | None:
-        return None
 
-    def ensure_plan_lag(self, lag: int) -> None:
-        pass
-
-    def observe(self, observations: Iterable[Observation]) -> None:
-        pass
-
-    def refit(self, step: int) -> bool:
-        return False
-
-    def state_dict(self) -> dict[str, Any]:
-        return {}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        pass
-
-
-_MEMBERS = ("layouts", "profiled", "last_version", "cost_fn", "hand_set_bounds", "decides_checkpointing", "capacity",
-            "longest_document",
-            "plan", "predict", "ensure_plan_lag", "observe", "refit", "state_dict", "load_state_dict")
+_MEMBERS = ("layouts", "capacity", "longest_document", "plan")
 
 
 def check_planner(obj: Any, owner: str, error: type[Exception] = TypeError) -> Planner:
@@ -126,4 +142,4 @@ def check_planner(obj: Any, owner: str, error: type[Exception] = TypeError) -> P
         return obj
     missing = [m for m in _MEMBERS if not hasattr(obj, m)]
     raise error(f"{owner}: {type(obj).__name__} is not a Planner: it lacks {', '.join(missing)} "
-                    f"(subclass lightning_hotspa.planner.PlannerBase for the optional ones)")
+                    f"(subclass lightning_hotspa.planner.PlannerBase for a default longest_document)")
