@@ -385,3 +385,32 @@ def test_consolidated_checkpoint_loads_with_load_from_checkpoint(ranks, tmp_path
     assert model.hparams.lr == 2e-3 and model.hparams.seed == 3
     for name, p in model.named_parameters():
         assert torch.equal(p.detach(), weights[name]), name
+
+
+def compiled_vs_eager() -> dict:
+    """Row 8: ``compile_blocks`` (aot_eager: dynamo and AOT autograd, no C++ build) against eager."""
+    from strategy_helpers import rel_errors
+
+    layouts = [Layout.parse(x) for x in TP_LAYOUTS]
+    batches = rank_plans(_tp_plans(2), layouts, dist.get_rank())
+    grads, compiled = {}, None
+    with lightning_rank_env():
+        for name, option in (("eager", False), ("compiled", {"backend": "aot_eager"})):
+            recorder = _GradRecorder()
+            trainer = L.Trainer(accelerator="cpu", devices=2, max_steps=2, logger=False, enable_checkpointing=False,
+                                strategy=HotSPaStrategy(TP_LAYOUTS, timeout=60, compile_blocks=option),
+                                enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
+                                callbacks=[recorder])
+            model = LlamaLM("tiny", seed=3, lr=2e-3)
+            trainer.fit(model, train_dataloaders=_loader(batches))
+            grads[name] = recorder.grads
+            if option:
+                compiled = [getattr(b, "_compiled_call_impl", None) is not None for b in model.model.layers]
+    return {"compiled": compiled, "errors": [max(rel_errors(c, e).values())
+                                             for c, e in zip(grads["compiled"], grads["eager"])]}
+
+
+def test_per_block_compile_equals_eager(ranks):
+    for r in ranks(2).run(compiled_vs_eager, timeout_s=290):
+        assert r["compiled"] and all(r["compiled"]), r
+        assert len(r["errors"]) == 2 and max(r["errors"]) <= 1e-5, r
