@@ -55,6 +55,7 @@ def _try(fn, *args) -> Exception | None:
 
 @pytest.mark.parametrize("name", ["meta.pt", ".metadata"])
 def test_a_payload_in_a_checkpoint_never_runs_on_resume_or_export(tmp_path, name):
+    from lightning_hotspa.adapter.consolidate import consolidate_checkpoint
     from lightning_hotspa.adapter.hf_export import export_hf
 
     folder = _save(tmp_path / "step=2", 2.0, 2)
@@ -63,7 +64,8 @@ def test_a_payload_in_a_checkpoint_never_runs_on_resume_or_export(tmp_path, name
     error = _try(_load, folder)
     assert not marker.exists(), "resume ran code from the checkpoint folder"
     assert isinstance(error, CheckpointError) and name in str(error) and "integrity" in str(error), error
-    for export in (lambda: export_hf(folder, tmp_path / "hf"), lambda: ck.export_consolidated(folder, tmp_path / "m")):
+    for export in (lambda: export_hf(folder, tmp_path / "hf"), lambda: ck.export_consolidated(folder, tmp_path / "m"),
+                   lambda: consolidate_checkpoint(folder, tmp_path / "c.ckpt")):
         assert isinstance(_try(export), CheckpointError)
         assert not marker.exists(), "export ran code from the checkpoint folder"
 

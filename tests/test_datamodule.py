@@ -359,10 +359,15 @@ def test_a_sampler_injected_by_lightning_is_ignored() -> None:
     with _replace_dunder_methods(DataLoader, "dataset"):
         loader = dm.train_dataloader()  # as Lightning requests it: init arguments recorded
     sampler = DistributedSampler(loader.dataset, num_replicas=2, rank=1, shuffle=True)
-    with pytest.warns(UserWarning, match="ignores the sampler DistributedSampler"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # Lightning's default sampler: dropped without a warning
         replaced = _update_dataloader(loader, sampler, mode=RunningStage.TRAINING)
     assert isinstance(replaced, PlanDataLoader)
     assert_same_plans(list(replaced), expected)
+    with _replace_dunder_methods(DataLoader, "dataset"):
+        loader = dm.train_dataloader()
+    with pytest.warns(UserWarning, match="ignores the sampler RandomSampler"):  # a user's own sampler
+        _update_dataloader(loader, torch.utils.data.RandomSampler(loader.dataset), mode=RunningStage.TRAINING)
     with _replace_dunder_methods(DataLoader, "dataset"):
         predict = dm.predict_dataloader()
     with warnings.catch_warnings():
@@ -391,7 +396,12 @@ def test_validation_holds_out_documents_and_covers_them_once() -> None:
         for plan in epoch_plans(dm):
             assert {r.doc for r in dm.train_dataloader().dataset.minibatch(0, plan.extras["step"])} <= train
     assert seen == corpus_tokens(corpus, sorted(val))
-    assert make_dm(corpus).val_dataloader() == []
+    no_val = make_dm(corpus)
+    assert no_val.val_dataloader() == []
+    from lightning.pytorch.utilities.model_helpers import is_overridden
+
+    # Lightning sees no val_dataloader, so it skips validation without an empty-loader warning
+    assert not is_overridden("val_dataloader", no_val) and is_overridden("val_dataloader", dm)
 
 
 # -- bad data and bad configuration ---------------------------------------------------------------

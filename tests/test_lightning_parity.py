@@ -358,3 +358,59 @@ def test_bf16_mixed_on_a_plain_module_runs_under_autocast_like_ddp(ranks):
         assert [d for d, _ in r["hotspa"]] == ["torch.float32"] * 2, r
         (_, ours), (_, ddp) = r["hotspa"][0], r["ddp"][0]  # the same weights: the first step's loss
         assert abs(ours - ddp) <= 1e-6 * ddp, r
+
+
+def fit_and_save(path: str) -> dict:
+    """Row 9: a checkpoint folder of a LlamaLM fitted with tp layouts; its full weights."""
+    layouts = [Layout.parse(x) for x in TP_LAYOUTS]
+    with lightning_rank_env():
+        trainer = L.Trainer(accelerator="cpu", devices=2, strategy=HotSPaStrategy(TP_LAYOUTS, timeout=20), max_steps=1,
+                            logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                            enable_model_summary=False, use_distributed_sampler=False)
+        model = LlamaLM("tiny", seed=3, lr=2e-3)
+        trainer.fit(model, train_dataloaders=_loader(rank_plans(_tp_plans(1), layouts, dist.get_rank())))
+        trainer.save_checkpoint(path)
+    return {n: p.detach().full_tensor() for n, p in model.named_parameters()}
+
+
+def test_consolidated_checkpoint_loads_with_load_from_checkpoint(ranks, tmp_path):
+    from lightning_hotspa.tools.cli import main
+
+    weights = ranks(2).run(fit_and_save, str(tmp_path / "step1"), timeout_s=240)[0]
+    out = tmp_path / "step1.ckpt"
+    assert main(["consolidate", str(tmp_path / "step1"), str(out)]) == 0
+    ckpt = torch.load(out, weights_only=True)  # plain types only
+    assert ckpt["global_step"] == 1
+    model = LlamaLM.load_from_checkpoint(out)
+    assert model.hparams.lr == 2e-3 and model.hparams.seed == 3
+    for name, p in model.named_parameters():
+        assert torch.equal(p.detach(), weights[name]), name
+
+
+def compiled_vs_eager() -> dict:
+    """Row 8: ``compile_blocks`` (aot_eager: dynamo and AOT autograd, no C++ build) against eager."""
+    from strategy_helpers import rel_errors
+
+    layouts = [Layout.parse(x) for x in TP_LAYOUTS]
+    batches = rank_plans(_tp_plans(2), layouts, dist.get_rank())
+    grads, compiled = {}, None
+    with lightning_rank_env():
+        for name, option in (("eager", False), ("compiled", {"backend": "aot_eager"})):
+            recorder = _GradRecorder()
+            trainer = L.Trainer(accelerator="cpu", devices=2, max_steps=2, logger=False, enable_checkpointing=False,
+                                strategy=HotSPaStrategy(TP_LAYOUTS, timeout=60, compile_blocks=option),
+                                enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
+                                callbacks=[recorder])
+            model = LlamaLM("tiny", seed=3, lr=2e-3)
+            trainer.fit(model, train_dataloaders=_loader(batches))
+            grads[name] = recorder.grads
+            if option:
+                compiled = [getattr(b, "_compiled_call_impl", None) is not None for b in model.model.layers]
+    return {"compiled": compiled, "errors": [max(rel_errors(c, e).values())
+                                             for c, e in zip(grads["compiled"], grads["eager"])]}
+
+
+def test_per_block_compile_equals_eager(ranks):
+    for r in ranks(2).run(compiled_vs_eager, timeout_s=290):
+        assert r["compiled"] and all(r["compiled"]), r
+        assert len(r["errors"]) == 2 and max(r["errors"]) <= 1e-5, r

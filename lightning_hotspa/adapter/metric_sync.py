@@ -163,9 +163,11 @@ def _neutral_metric(description: dict[str, Any], reduce: Any, device: torch.devi
 
 
 def _epoch_descriptions(results: Any) -> dict[str, dict[str, Any]]:
-    """This rank's logged epoch metrics (tensors with something accumulated), described."""
+    """This rank's logged epoch metrics that sync (tensors with something accumulated), described;
+    unsynced ones make no collective and are left as they are."""
     return {key: _metric_description(m) for key, m in results.items()
-            if m.is_tensor and not m.has_reset and m.meta.on_epoch}
+            if m.is_tensor and not m.has_reset and m.meta.on_epoch and m.meta.sync.should
+            and not m.meta.sync.rank_zero_only}
 
 
 def align_epoch_metrics(results: Any, gathered: list[dict[str, dict[str, Any]]], reduce: Any,

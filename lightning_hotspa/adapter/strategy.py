@@ -42,6 +42,7 @@ from ..planner.base import Planner, PricedPlanner
 from .accumulation import GradAccumulation
 from .checkpoint import check_checkpoint_dirs
 from .checkpoint_hooks import StrategyCheckpoints
+from .compile_blocks import check_compile_spec, compile_blocks
 from .guarded_collectives import GuardedCollectives
 from .home_state import build_home_state
 from .layout_choice import (
@@ -95,6 +96,8 @@ class HotSPaStrategy(GuardedCollectives, StrategyCheckpoints, ParallelStrategy):
             raises an error naming it), ``<default_root_dir>/hotspa_breadcrumbs`` on NCCL.
         timeout: the process-group timeout (a ``timedelta`` or seconds): how long a rank waits in a
             collective for a peer that hangs (a peer that dies is noticed at once on gloo).
+        compile_blocks: ``torch.compile`` each block (child of an ``nn.ModuleList``) after the layouts
+            are installed: True, or a dict of torch.compile arguments (e.g. ``{"backend": "aot_eager"}``).
     """
 
     strategy_name = "hotspa"
@@ -117,6 +120,7 @@ class HotSPaStrategy(GuardedCollectives, StrategyCheckpoints, ParallelStrategy):
         precision_plugin: Precision | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | float = default_pg_timeout,
+        compile_blocks: bool | Mapping[str, Any] = False,
     ) -> None:
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
@@ -131,6 +135,7 @@ class HotSPaStrategy(GuardedCollectives, StrategyCheckpoints, ParallelStrategy):
         self._timeout = as_timeout(timeout)
         if breadcrumb_dir is not None and not isinstance(breadcrumb_dir, (str, os.PathLike)):
             raise TypeError(f"breadcrumb_dir must be a folder path (str or os.PathLike) or None, got {breadcrumb_dir!r}")
+        self._compile = check_compile_spec(compile_blocks)
         self._breadcrumb_dir = breadcrumb_dir if breadcrumb_dir is not None else os.environ.get("HOTSPA_BREADCRUMB_DIR")
         self.tracker = StepTracker()  # this rank's breadcrumb and the step's micro-batch losses
         self.nonfinite = NonFiniteHandler(nonfinite, self.tracker)
@@ -291,6 +296,8 @@ class HotSPaStrategy(GuardedCollectives, StrategyCheckpoints, ParallelStrategy):
             self.home, self.parallel, self.engine = state.home, state.parallel, state.engine
             self.runner = StepRunner(self.engine, self.parallel, device=self.root_device,
                                      activation_checkpointing=self.activation_checkpointing_for)
+            if self._compile is not None:
+                compile_blocks(module, self._compile)  # after the parallel forwards: they are traced
         open_breadcrumbs(self.tracker, self._breadcrumb_dir, self._process_group_backend, trainer, self.global_rank)
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:

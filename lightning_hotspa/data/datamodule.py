@@ -200,6 +200,15 @@ class StepPlanDataset(Dataset[RankPlan]):
         return dataclasses.replace(rank_plan, extras=extras)
 
 
+def _no_validation() -> list:
+    """``val_dataloader`` without held-out documents: none. It reads as the base method to Lightning
+    (``__wrapped__``), which then skips validation instead of warning about an empty loader."""
+    return []
+
+
+_no_validation.__wrapped__ = L.LightningDataModule.val_dataloader  # type: ignore[attr-defined]
+
+
 class HotSPaDataModule(L.LightningDataModule):
     """Token-budget mini-batches as per-rank step plans, resumable at any world size.
 
@@ -322,6 +331,10 @@ class HotSPaDataModule(L.LightningDataModule):
         if k:
             self._val_sampler = self._sampler_over(
                 corpus, self._val_ids, self.val_tokens_per_batch or self.tokens_per_batch)
+            self.__dict__.pop("val_dataloader", None)
+        else:
+            self._val_sampler = None
+            self.val_dataloader = _no_validation  # Lightning sees no val_dataloader: no validation, no warning
         self.batches_per_epoch = self._requested_batches_per_epoch or self._train_sampler.num_batches(0)
 
     def _sampler_over(self, corpus: TokenizedCorpus, ids: np.ndarray, budget: int) -> MiniBatchSampler:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, Sampler
+from torch.utils.data import DataLoader, DistributedSampler, Sampler
 
 from ..plan import RankPlan
 from .errors import DataError
@@ -122,10 +122,12 @@ class PlanDataLoader(DataLoader):
         **ignored: Any,
     ) -> None:
         foreign = ignored.get("sampler")
-        if foreign is not None and not isinstance(foreign, _StepSampler):
+        # Lightning's own DistributedSampler (use_distributed_sampler=True, its default) is dropped
+        # silently: plans are already per rank, and nothing needs changing; any other sampler warns
+        if foreign is not None and not isinstance(foreign, (_StepSampler, DistributedSampler)):
             warnings.warn(
                 f"{type(self).__name__} ignores the sampler {type(foreign).__name__} it was given: "
-                "step plans are already per rank (run the Trainer with use_distributed_sampler=False)",
+                "step plans are already per rank and ordered by the data module's own sampler",
                 stacklevel=2,
             )
         self.resumable = resumable

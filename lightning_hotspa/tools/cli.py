@@ -422,21 +422,21 @@ def build_parser() -> argparse.ArgumentParser:
     chk.add_argument("--clock", default="cpu", help="cpu (each rank's CPU seconds: see CLOCKS) or wall")
     chk.add_argument("--rows-out", default=None, help="save the raw observation rows (np.savetxt) here")
     chk.add_argument("--json", action="store_true")
-    from . import export, memory
+    from . import consolidate, export, memory
 
-    export.add_parser(sub)
-    memory.add_parser(sub)
+    for command in (export, consolidate, memory):
+        command.add_parser(sub)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``hotspa`` console script; returns the exit code."""
     args = build_parser().parse_args(argv)
-    from . import export, memory
+    from . import consolidate, export, memory
 
     commands = {"plan": _cmd_plan, "simulate": _cmd_simulate, "calibrate": _cmd_calibrate,
                 "check-calibration": _cmd_check_calibration, "export": export.run, "memory": memory.run,
-                "upgrade-checkpoint": export.run_upgrade}
+                "upgrade-checkpoint": export.run_upgrade, "consolidate": consolidate.run}
     try:
         result = commands[args.command](args)
     except (CliError, ValueError, KeyError, OSError) as err:
