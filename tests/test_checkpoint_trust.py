@@ -160,7 +160,7 @@ def test_latest_with_nothing_to_resume_is_an_error_unless_asked_for(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(CheckpointError, match=r"latest:.*empty.*no complete checkpoint.*latest_or_scratch:"):
         placement.resolve(f"latest:{tmp_path / 'empty'}", ["dp1"])
-    with pytest.raises(CheckpointError, match=r"typo.*is not a folder"):
+    with pytest.raises(CheckpointError, match=r"no complete checkpoint in '.*typo' \(no such folder\)"):
         placement.resolve(f"latest:{tmp_path / 'typo'}", ["dp1"])
     assert placement.resolve(f"latest_or_scratch:{tmp_path / 'empty'}", ["dp1"]) is None
     with pytest.raises(CheckpointError, match=r"typo.*does not exist"):
