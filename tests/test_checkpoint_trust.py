@@ -162,7 +162,7 @@ def test_latest_with_nothing_to_resume_is_an_error_unless_asked_for(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(CheckpointError, match=r"latest:.*empty.*no complete checkpoint.*latest_or_scratch:"):
         placement.resolve(f"latest:{tmp_path / 'empty'}", ["dp1"])
-    with pytest.raises(CheckpointError, match=r"typo.*is not a folder"):
+    with pytest.raises(CheckpointError, match=r"no complete checkpoint in '.*typo' \(no such folder\)"):
         placement.resolve(f"latest:{tmp_path / 'typo'}", ["dp1"])
     assert placement.resolve(f"latest_or_scratch:{tmp_path / 'empty'}", ["dp1"]) is None
     with pytest.raises(CheckpointError, match=r"typo.*does not exist"):
@@ -191,3 +191,13 @@ def test_hf_index_entries_that_leave_the_model_folder_are_refused(tmp_path):
         (model / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"x": target}}))
         with pytest.raises(HFWeightsError, match=r"weight_map\['x'\].*leaves the model folder"):
             HFCheckpoint(model)
+
+
+def test_numpy_values_in_the_metadata_are_stored_as_plain_numbers(tmp_path):
+    import numpy as np
+
+    folder = _save(tmp_path / "step=2", 2.0, 2, hotspa={"planner": {"scale": np.float64(1.25), "fit": np.arange(3)}})
+    module = torch.nn.Module()
+    module.w = torch.nn.Parameter(torch.zeros(4))
+    planner = ck.load_distributed_checkpoint(folder, module, [])["hotspa"]["planner"]
+    assert planner["scale"] == 1.25 and type(planner["scale"]) is float and planner["fit"].tolist() == [0, 1, 2]

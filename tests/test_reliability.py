@@ -132,7 +132,7 @@ def test_crash_while_writing_a_checkpoint_keeps_the_previous_one(chain):
 
 def test_resume_picks_the_last_complete_checkpoint_and_says_which(chain):
     log = chain["stage"]["logs"][0]
-    assert "skipping incomplete checkpoint(s)" in log and "epoch=0-step=4.ckpt.tmp" in log, log[-3000:]
+    assert "skipping checkpoint folder(s)" in log and "epoch=0-step=4.ckpt.tmp (an interrupted save)" in log, log[-3000:]
     assert "hotspa: resuming from" in log and "epoch=0-step=2.ckpt (epoch 0, global step 2" in log, log[-3000:]
 
 

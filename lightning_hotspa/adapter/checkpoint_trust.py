@@ -18,6 +18,7 @@ import io
 import json
 import os
 import re
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -90,6 +91,21 @@ def _weights_only_load(data: bytes | Path) -> Any:
         return torch.load(io.BytesIO(data) if isinstance(data, bytes) else data, map_location="cpu", weights_only=True)
 
 
+def _plain(obj: Any) -> Any:
+    """``obj`` with numpy scalars and arrays made Python numbers and tensors (weights-only readable)."""
+    import numpy as np
+
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if isinstance(obj, np.ndarray):
+        return torch.from_numpy(obj.copy())
+    if type(obj) in (dict, OrderedDict):
+        return type(obj)((k, _plain(v)) for k, v in obj.items())
+    if isinstance(obj, (list, tuple)) and type(obj) in (list, tuple):
+        return type(obj)(_plain(v) for v in obj)
+    return obj
+
+
 def encode_meta(meta: Mapping[str, Any], path: Path) -> bytes:
     """Our metadata as ``torch.save`` bytes, refused (naming ``path``) if a weights-only load could not read it.
 
@@ -99,7 +115,7 @@ def encode_meta(meta: Mapping[str, Any], path: Path) -> bytes:
     """
     buffer = io.BytesIO()
     try:
-        torch.save(dict(meta), buffer)
+        torch.save(_plain(dict(meta)), buffer)
         _weights_only_load(buffer.getvalue())
     except Exception as exc:  # noqa: BLE001 - torch's errors name the type
         found = re.search(r"GLOBAL ([\w.]+)", str(exc))

@@ -34,7 +34,7 @@ def default_layouts(world_size: int) -> list[Layout]:
 def parse_layout_spec(layouts: Any) -> list[Layout] | str:
     """``HotSPaStrategy(layouts=...)``: ``"auto"`` or a non-empty list of layouts."""
     if (isinstance(layouts, str) and layouts != "auto") or not isinstance(layouts, (str, Sequence)):
-        raise LayoutError(f"layouts must be 'auto' or a list of layouts (e.g. ['dp4', 'dp2xtp2']), got {layouts!r}")
+        raise LayoutError(f"layouts must be 'auto' or a list of layouts, got {layouts!r}")
     spec = layouts if layouts == "auto" else [Layout.parse(x) for x in layouts]
     if spec != "auto" and not spec:
         raise LayoutError("HotSPaStrategy(layouts=[]) is empty; give at least one layout or 'auto'")

@@ -313,8 +313,8 @@ class CheckpointPlacement:
         if not common:
             absent = [r for r, (_, _, is_dir) in enumerate(everyone) if not is_dir]
             if not any(e[0] for e in everyone):
-                what = (f"no complete checkpoint in {directory!r}" if not absent else
-                        f"{directory!r} is not a folder{'' if len(absent) == len(everyone) else f' on ranks {absent}'}")
+                what = f"no complete checkpoint in {directory!r}" + (
+                    "" if not absent else f" (no such folder{'' if len(absent) == len(everyone) else f' on ranks {absent}'})")
             else:
                 newest = {r: (e[0][-1] if e[0] else None) for r, e in enumerate(everyone)}
                 what = f"no checkpoint step in {directory!r} that every rank has (newest per rank: {newest})"
