@@ -140,9 +140,8 @@ def _loss_head(preset: str, tokens: int) -> dict[str, int]:
     """Peak bytes of the loss head alone (hidden states in, loss and gradients out): plain vs blocked."""
     import torch.nn.functional as F
 
-    from lightning_hotspa.models import LlamaConfig, token_mean_cross_entropy
-
     from lightning_hotspa.host import set_host_reads
+    from lightning_hotspa.models import LlamaConfig, token_mean_cross_entropy
 
     c = LlamaConfig.preset(preset)
     out = {}
@@ -193,7 +192,6 @@ def main() -> None:
     args = parser.parse_args()
     start = time.perf_counter()
     per_token: dict[str, dict[str, int]] = {"ours_cpu": {}, "ours_gpu": {}, "hf_sdpa": {}, "torchtitan": {}}
-    flat: dict[str, list[int]] = {}
     for shape, preset in SHAPES.items():
         for tokens in TOKENS:
             rows = {"ours_cpu": _ours(preset, tokens, gpu=False), "ours_gpu": _ours(preset, tokens, gpu=True)}
