@@ -43,6 +43,7 @@ from .checkpoint import (
     resolve_checkpoint,
     save_distributed_checkpoint,
 )
+from .nccl_runtime import objects_to_cpu
 
 __all__ = ["NODE_FIELD", "LATEST_PREFIX", "COMMIT_FILE", "CheckpointPlacement", "expand_node", "gather_node_map",
            "merge_node_copies",            "tp_groups_across_nodes"]
@@ -63,7 +64,7 @@ def _all_gather(obj: Any) -> list[Any]:
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return [obj]
     out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
+    dist.all_gather_object(out, objects_to_cpu(obj))  # no CUDA tensor in a pickle (it lands on cuda:0)
     return out
 
 

@@ -36,6 +36,7 @@ from typing_extensions import override
 
 from ..checks import check_int
 from ..data.context import PlanningContext
+from ..engine.buckets import bucket_defaults
 from ..engine.records import StepResult
 from ..engine.step_runner import StepRunner
 from ..engine.switch import SwitchEngine
@@ -47,6 +48,7 @@ from .checkpoint import check_checkpoint_dirs
 from .checkpoint_hooks import StrategyCheckpoints
 from .guarded_collectives import GuardedCollectives
 from .home_state import build_home_state
+from .nccl_runtime import apply_allocator_settings
 from .layout_choice import (
     check_checkpointing_spec,
     checkpointing_for,
@@ -64,6 +66,9 @@ from .profiling import ProfilingFeedback
 from .reliability import StepTracker, as_timeout, enable_nccl_flight_recorder
 
 __all__ = ["PLANNER_NAMES", "HotSPaStrategy", "default_layouts"]
+
+
+_REDUCE_DTYPES = {"fp32": None, "bf16": torch.bfloat16}
 
 
 class HotSPaStrategy(GuardedCollectives, StrategyCheckpoints, ParallelStrategy):
@@ -91,6 +96,12 @@ class HotSPaStrategy(GuardedCollectives, StrategyCheckpoints, ParallelStrategy):
             raises an error naming it), ``<default_root_dir>/hotspa_breadcrumbs`` on NCCL.
         timeout: the process-group timeout (a ``timedelta`` or seconds): how long a rank waits in a
             collective for a peer that hangs (a peer that dies is noticed at once on gloo).
+        bucket_mb, switch_buckets_in_flight, reduce_buckets_in_flight: how the switch engine fuses and
+            overlaps its collectives (MiB per fused all-gather / reduction bucket; buckets in flight);
+            None: the backend's defaults, 100 MiB / 2 / 4 on NCCL, 4 MiB / 1 / 2 on gloo
+            (``engine/buckets.py``, docs/gpu-runtime.md).
+        fsdp_reduce_dtype: ``"fp32"`` (default) or ``"bf16"``: the dtype ``:fsdp`` units reduce-scatter
+            their gradients in (bf16: half the bytes, summed in bf16 as FSDP2's ``reduce_dtype``).
     """
 
     strategy_name = "hotspa"
@@ -113,6 +124,10 @@ class HotSPaStrategy(GuardedCollectives, StrategyCheckpoints, ParallelStrategy):
         precision_plugin: Precision | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | float = default_pg_timeout,
+        bucket_mb: float | None = None,
+        switch_buckets_in_flight: int | None = None,
+        reduce_buckets_in_flight: int | None = None,
+        fsdp_reduce_dtype: str = "fp32",
     ) -> None:
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
@@ -125,6 +140,12 @@ class HotSPaStrategy(GuardedCollectives, StrategyCheckpoints, ParallelStrategy):
         self._default_layout_spec = Layout.parse(default_layout) if default_layout is not None else None
         self._process_group_backend = process_group_backend
         self._timeout = as_timeout(timeout)
+        # collective bucket sizes (None: the backend's default, engine/buckets.py); checked here, sized at setup
+        self._bucket_args = (bucket_mb, switch_buckets_in_flight, reduce_buckets_in_flight)
+        bucket_defaults(process_group_backend, *self._bucket_args)
+        if fsdp_reduce_dtype not in _REDUCE_DTYPES:
+            raise ValueError(f"fsdp_reduce_dtype must be one of {sorted(_REDUCE_DTYPES)}, got {fsdp_reduce_dtype!r}")
+        self._fsdp_reduce_dtype = _REDUCE_DTYPES[fsdp_reduce_dtype]
         self._breadcrumb_dir = breadcrumb_dir if breadcrumb_dir is not None else os.environ.get("HOTSPA_BREADCRUMB_DIR")
         self.tracker = StepTracker()  # this rank's breadcrumb and the step's micro-batch losses
         self.nonfinite = NonFiniteHandler(nonfinite, self.tracker)
@@ -205,6 +226,8 @@ class HotSPaStrategy(GuardedCollectives, StrategyCheckpoints, ParallelStrategy):
 
     @override
     def setup_environment(self) -> None:
+        if self.root_device.type == "cuda":  # before the first CUDA allocation; the user's setting wins
+            apply_allocator_settings()
         super().setup_environment()
         reset_seed()
         self.set_world_ranks()
@@ -272,10 +295,13 @@ class HotSPaStrategy(GuardedCollectives, StrategyCheckpoints, ParallelStrategy):
             # a new module (not fit, then validate on the same one: hooks and home state stay)
             state = build_home_state(module, self.world, home_dtype=self.hotspa_precision.home_dtype,
                                      working_dtype=self.hotspa_precision.working_dtype, device=self.root_device,
-                                     grad_accum_dtype=self.hotspa_precision.grad_accum_dtype)
+                                     grad_accum_dtype=self.hotspa_precision.grad_accum_dtype,
+                                     buckets=bucket_defaults(self._process_group_backend,
+                                                             *self._bucket_args).engine_kwargs())
             self.home, self.parallel, self.engine = state.home, state.parallel, state.engine
             self.runner = StepRunner(self.engine, self.parallel, device=self.root_device,
-                                     activation_checkpointing=self.activation_checkpointing_for)
+                                     activation_checkpointing=self.activation_checkpointing_for,
+                                     fsdp_reduce_dtype=self._fsdp_reduce_dtype)
         open_breadcrumbs(self.tracker, self._breadcrumb_dir, self._process_group_backend, trainer, self.global_rank)
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
