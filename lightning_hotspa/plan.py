@@ -62,6 +62,12 @@ def _check_cu_seqlens(name: str, cu: torch.Tensor, total: int) -> list[int]:
     return values
 
 
+def _moved(t: torch.Tensor, device: torch.device | str, non_blocking: bool) -> torch.Tensor:
+    """``t`` on ``device``; asynchronous from pinned host memory even if the caller did not ask
+    (Lightning's batch transfer passes ``non_blocking`` to tensors only, not to a plan's ``.to``)."""
+    return t.to(device, non_blocking=non_blocking or (t.device.type == "cpu" and t.is_pinned()))
+
+
 def _id_range(ids: torch.Tensor, ignore_index: int | None = None) -> tuple[int, ...]:
     """(min, max) of the ids, ``ignore_index`` left out; ``()`` if none is left."""
     if ignore_index is not None:
@@ -173,7 +179,7 @@ class MicroBatch:
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> MicroBatch:
         """Lightning moves any object with ``.to`` to the device."""
-        return self.map_tensors(lambda t: t.to(device, non_blocking=non_blocking))
+        return self.map_tensors(lambda t: _moved(t, device, non_blocking))
 
     def pin_memory(self) -> MicroBatch:
         """torch's DataLoader pin thread calls this on custom batch types."""
@@ -318,7 +324,7 @@ class RankStage:
         return RankStage(self.layout, mbs, self.activation_checkpointing, self.label, self.rounds)
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> RankStage:
-        return self.map_tensors(lambda t: t.to(device, non_blocking=non_blocking))
+        return self.map_tensors(lambda t: _moved(t, device, non_blocking))
 
     def pin_memory(self) -> RankStage:
         return self.map_tensors(torch.Tensor.pin_memory)
@@ -340,7 +346,7 @@ class RankPlan:
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> RankPlan:
         """Lightning moves any object with ``.to`` to the device."""
-        return self.map_tensors(lambda t: t.to(device, non_blocking=non_blocking))
+        return self.map_tensors(lambda t: _moved(t, device, non_blocking))
 
     def pin_memory(self) -> RankPlan:
         """torch's DataLoader pin thread calls this on custom batch types."""

@@ -18,7 +18,11 @@ after every part (``$OUT`` defaults to ./gpu_check_out), so a run cut short stil
 * (c) ``shards`` and (d) memory: one llama7b and one Llama-3 8B decoder layer on the local shapes of
   tp and cp 1/2/4/8, shard efficiency and bytes per token against the memory model (gpu_check_layers.py);
 * (e) ``timers``: device events against host clocks of a training step's stages (and, in part (a),
-  of the strategy's own stage timers).
+  of the strategy's own stage timers);
+* (f) ``hotpath``: host syncs per steady-state step (``torch.cuda.set_sync_debug_mode("warn")``) and
+  the all-gather-KV chunk kernel against ``torch_varlen`` on one 32K document (gpu_check_hotpath.py).
+
+Parts run in the order of ``PARTS``, the backends part (with its flex-attention compile) last.
 
 It writes ``$OUT/h200_profile_update.json`` (dense and attention efficiency, the tp and cp shard
 efficiency curves) for ``lightning_hotspa.planner.profile_update``; any ``--hardware`` option takes
@@ -51,17 +55,18 @@ from gpu_check_summary import profile_update, summarize  # noqa: E402
 from lightning_hotspa.models.config import LlamaConfig  # noqa: E402
 from lightning_hotspa.planner.hardware import get_profile  # noqa: E402
 
-PARTS = ("matmul", "train", "backends", "shards", "timers")
-PART_SHARES = {"matmul": 0.03, "train": 0.33, "backends": 0.37, "shards": 0.18, "timers": 0.09}
+# the backends part runs last: its flex-attention compile is the one step that can take minutes
+PARTS = ("matmul", "train", "hotpath", "shards", "timers", "backends")
+PART_SHARES = {"matmul": 0.03, "train": 0.33, "hotpath": 0.08, "backends": 0.30, "shards": 0.17, "timers": 0.09}
 
 REAL = {"preset": "1b", "steps": 20, "tokens_per_batch": 16384, "context_length": 8192, "tokens_per_rank": 8192,
         "lr": 3e-4, "lengths": [2048, 4096, 8192, 16384, 32768], "tokens": 32768, "matmul_n": 8192,
         "layer_tokens": 16384, "layer_length": 4096, "timer_tokens": 8192, "timer_length": 2048,
-        "hardware": "H200", "budget_s": 225.0}
+        "kv_tokens": 32768, "hardware": "H200", "budget_s": 225.0}
 DRY = {"preset": "tiny", "steps": 8, "tokens_per_batch": 1024, "context_length": 256, "tokens_per_rank": 512,
        "lr": 3e-3, "lengths": [64, 128], "tokens": 256, "matmul_n": 256,
        "layer_tokens": 256, "layer_length": 64, "timer_tokens": 256, "timer_length": 64,
-       "hardware": "cpu-gloo", "budget_s": 120.0}
+       "kv_tokens": 256, "hardware": "cpu-gloo", "budget_s": 120.0}
 
 
 class Report:
@@ -121,7 +126,10 @@ def _run_part(report: Report, name: str, fn: Any, budget: Budget) -> Any:
     if isinstance(value, dict):
         value.setdefault("status", "ok")
         value.setdefault("budget_s", budget.seconds)
-    report.set(name, value, seconds)
+    try:  # a report that cannot be written (e.g. the profile update fails on a part's figures) must
+        report.set(name, value, seconds)  # not abort the parts after it
+    except Exception as err:  # noqa: BLE001
+        print(f"gpu_check: writing part {name} failed: {err!r}", file=sys.stderr, flush=True)
     print(f"gpu_check: {name} done in {seconds:.1f} s (budget {budget.seconds:.0f} s)", flush=True)
     return value
 
@@ -178,9 +186,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             shared["dtype"] = dtype
         return shared["model"]
 
-    if "backends" in args.parts:
-        _run_part(report, "backends", lambda b: _backends(config, model(), cfg, device, dtype, peaks, b),
-                  budget("backends"))
+    if "hotpath" in args.parts:
+        from gpu_check_hotpath import hotpath_check
+
+        _run_part(report, "hotpath", lambda b: hotpath_check(cfg["kv_tokens"], device, dtype, b), budget("hotpath"))
     if "shards" in args.parts:
         _run_part(report, "shards", lambda b: _shards(cfg, device, dtype, b, args.dry_run), budget("shards"))
     if "timers" in args.parts:
@@ -193,6 +202,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             return stage_timings(m, config, cfg["timer_tokens"], cfg["timer_length"], device, b)
 
         _run_part(report, "timers", timers, budget("timers"))
+    if "backends" in args.parts:  # last: flex attention's compile, behind the part's own budget
+        _run_part(report, "backends", lambda b: _backends(config, model(), cfg, device, dtype, peaks, b),
+                  budget("backends"))
     report.data["meta"]["total_s"] = time.monotonic() - start
     report.write()
     faulthandler.cancel_dump_traceback_later()

@@ -42,7 +42,7 @@ def dry_run(tmp_path_factory):
 def test_every_part_ran_within_its_budget(dry_run):
     summary, report, _ = dry_run
     assert summary["gpu_check"] == "summary" and summary["dry_run"] is True and summary["watchdog"] is None
-    assert set(report["part_seconds"]) == {"matmul", "train", "backends", "shards", "timers"}
+    assert list(report["part_seconds"]) == ["matmul", "train", "hotpath", "shards", "timers", "backends"]  # flex last
     for part, value in report["parts"].items():
         assert "traceback" not in value, (part, value.get("status"), value.get("traceback"))
         assert report["part_seconds"][part] <= value["budget_s"] + 5, part
@@ -115,3 +115,10 @@ def test_timers_and_profile_update(dry_run):
     assert profile.tp_efficiency == tuple((d, e) for d, e in update["set"]["tp_efficiency"])
     assert get_profile(str(out / "h200_profile_update.json")) == profile
     assert summary["profile_update_check"]["applies"] is True
+
+
+def test_hotpath_part_counts_no_host_sync_and_times_the_chunk_kernel(dry_run):
+    hotpath = dry_run[1]["parts"]["hotpath"]
+    assert hotpath["host_syncs"]["per_step"] == 0, hotpath["host_syncs"]
+    chunks = hotpath["kv_chunks"]
+    assert chunks["kernel_calls"] == 2 * chunks["cp"] and chunks["chunks_s"] > 0 and chunks["single_s"] > 0

@@ -51,10 +51,10 @@ def _geometry_bounds(world, shardings, layouts, itemsize):
             for src in [None, *layouts] for dst in layouts}
 
 
-def switch_every_pair(layouts, dtype=None):
+def switch_every_pair(layouts, dtype=None, **engine_kwargs):
     """Home -> each layout and every ordered pair: exact shards, and bytes == counted == the bound
     DTensor's shard geometry gives."""
-    world, shardings, home, engine = _engine(layouts, dtype)
+    world, shardings, home, engine = _engine(layouts, dtype, **engine_kwargs)
     geometry = _geometry_bounds(world, shardings, layouts, (dtype or torch.float32).itemsize)
     rows = []
     for name, p in home.items():  # the home state equals the single-process init, as DTensor sees it
@@ -98,6 +98,29 @@ def test_switch_every_pair_exact_and_minimal(ranks, dtype):
     # every tensor splits over 4 at home except 'bias' (6 elements: over 2), so dp4 misses 3/4 resp. 1/2
     assert home_row[2] == ((total - 6) * 3 // 4 + 6 // 2) * itemsize
     assert row[2] < home_row[2]
+
+
+def test_switch_with_several_buckets_in_flight_is_exact_and_minimal(ranks):
+    """64-byte buckets, 3 gathers in flight (the NCCL way): the same shards and bytes as one at a time."""
+    results = ranks(4).run(switch_every_pair, FOUNDATION, None, bucket_bytes=64, switch_buckets_in_flight=3)
+    for rank_rows in results:
+        for src, dst, ours, bound, counted, collectives, calls, reported_bound in rank_rows:
+            assert ours == counted == bound == reported_bound, (src, dst, ours, counted, bound)
+            assert collectives == calls
+    assert max(r[5] for r in results[0]) > 3  # several buckets per switch: the window really slides
+
+
+def test_bucket_defaults_by_backend_and_overrides():
+    from lightning_hotspa.engine.buckets import bucket_defaults
+
+    nccl, gloo = bucket_defaults("nccl"), bucket_defaults("gloo")
+    assert nccl.engine_kwargs()["bucket_bytes"] >= 25 * 2**20 > gloo.engine_kwargs()["bucket_bytes"]
+    assert nccl.switch_in_flight > 1 and gloo.switch_in_flight == 1
+    assert bucket_defaults("nccl", bucket_mb=8).engine_kwargs()["bucket_bytes"] == 8 * 2**20
+    with pytest.raises(ValueError, match="bucket_mb must be a positive number of MiB, got -1"):
+        bucket_defaults("nccl", bucket_mb=-1)
+    with pytest.raises(ValueError, match="switch_in_flight must be an int >= 1, got 0"):
+        bucket_defaults("gloo", switch_in_flight=0)
 
 
 def tp_up_is_free():

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .lightning_compat import distributed_is_initialized, sync_ddp_if_available
+from .nccl_runtime import objects_to_cpu
 
 __all__ = ["GuardedCollectives"]
 
@@ -33,7 +34,7 @@ class GuardedCollectives:
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         if not distributed_is_initialized():
             return obj
-        box = [obj]
+        box = [objects_to_cpu(obj)]  # CUDA tensors in a pickle land on cuda:0 of every rank
         with self.tracker.guard("a broadcast"):
             dist.broadcast_object_list(box, src)
         return box[0]

@@ -52,8 +52,9 @@ def param_roles_of(module: nn.Module, max_tp: int) -> dict[str, str]:
 
 def build_home_state(module: nn.Module, world: WorldMesh, *, home_dtype: torch.dtype,
                      working_dtype: torch.dtype | None, device: torch.device,
-                     grad_accum_dtype: torch.dtype | None = None) -> HomeState:
-    """Home parameters, parallel model and switch engine of ``module`` on ``world``."""
+                     grad_accum_dtype: torch.dtype | None = None, buckets: dict | None = None) -> HomeState:
+    """Home parameters, parallel model and switch engine of ``module`` on ``world``; ``buckets``: the
+    engine's bucket keyword arguments (``engine.buckets.BucketSizes.engine_kwargs``)."""
     shapes = {n: tuple(p.shape) for n, p in module.named_parameters()}
     roles = param_roles_of(module, max(x.tp for x in world.layouts))
     shardings = build_shardings(shapes, roles, world.shape)
@@ -81,4 +82,4 @@ def build_home_state(module: nn.Module, world: WorldMesh, *, home_dtype: torch.d
     parallel.restore(home)
     module.to(device)  # buffers; parameters already live there
     return HomeState(home, parallel, SwitchEngine(world, shardings, home, working_dtype=working_dtype,
-                                                  grad_accum_dtype=grad_accum_dtype))
+                                                  grad_accum_dtype=grad_accum_dtype, **(buckets or {})))

@@ -26,6 +26,8 @@ from lightning.pytorch.plugins.precision import Precision
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
+from .nccl_runtime import collective_device
+
 __all__ = ["HotSPaPrecision", "SUPPORTED_PRECISION", "as_hotspa_precision", "clip_grad_norm_global", "global_grad_norm"]
 
 SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "bf16-true", "64-true")
@@ -112,6 +114,7 @@ def global_grad_norm(params: Iterable[torch.Tensor]) -> torch.Tensor:
     if device is not None:
         total = total.to(device)
     if dist.is_initialized():
+        total = total.to(collective_device())  # NCCL refuses a CPU tensor (a rank with no local grads)
         dist.all_reduce(total)
     return total.sqrt()
 

@@ -31,6 +31,7 @@ from typing_extensions import override
 
 from ..checks import check_int
 from ..data.context import PlanningContext
+from ..engine.buckets import bucket_defaults
 from ..engine.records import StepResult
 from ..engine.step_runner import StepRunner
 from ..engine.switch import SwitchEngine
@@ -61,6 +62,7 @@ from .lightning_compat import (
 )
 from .lightning_step import check_trainer, open_breadcrumbs, run_eval_step, run_training_step
 from .metric_sync import StepMetricSync
+from .nccl_runtime import apply_allocator_settings
 from .node_checkpoint import placement_for
 from .nonfinite import NonFiniteHandler
 from .planner_factory import PLANNER_NAMES, build_planner, check_planner_spec
@@ -69,6 +71,9 @@ from .profiling import ProfilingFeedback
 from .reliability import StepTracker, as_timeout, enable_nccl_flight_recorder
 
 __all__ = ["PLANNER_NAMES", "HotSPaStrategy", "default_layouts"]
+
+
+_REDUCE_DTYPES = {"fp32": None, "bf16": torch.bfloat16}
 
 
 class HotSPaStrategy(GuardedCollectives, StrategyCheckpoints, ParallelStrategy):
@@ -98,6 +103,12 @@ class HotSPaStrategy(GuardedCollectives, StrategyCheckpoints, ParallelStrategy):
             collective for a peer that hangs (a peer that dies is noticed at once on gloo).
         compile_blocks: ``torch.compile`` each block (child of an ``nn.ModuleList``) after the layouts
             are installed: True, or a dict of torch.compile arguments (e.g. ``{"backend": "aot_eager"}``).
+        bucket_mb, switch_buckets_in_flight, reduce_buckets_in_flight: how the switch engine fuses and
+            overlaps its collectives (MiB per fused all-gather / reduction bucket; buckets in flight);
+            None: the backend's defaults, 100 MiB / 2 / 4 on NCCL, 4 MiB / 1 / 2 on gloo
+            (``engine/buckets.py``, docs/gpu-runtime.md).
+        fsdp_reduce_dtype: ``"fp32"`` (default) or ``"bf16"``: the dtype ``:fsdp`` units reduce-scatter
+            their gradients in (bf16: half the bytes, summed in bf16 as FSDP2's ``reduce_dtype``).
     """
 
     strategy_name = "hotspa"
@@ -121,6 +132,10 @@ class HotSPaStrategy(GuardedCollectives, StrategyCheckpoints, ParallelStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | float = default_pg_timeout,
         compile_blocks: bool | Mapping[str, Any] = False,
+        bucket_mb: float | None = None,
+        switch_buckets_in_flight: int | None = None,
+        reduce_buckets_in_flight: int | None = None,
+        fsdp_reduce_dtype: str = "fp32",
     ) -> None:
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
@@ -136,6 +151,12 @@ class HotSPaStrategy(GuardedCollectives, StrategyCheckpoints, ParallelStrategy):
         if breadcrumb_dir is not None and not isinstance(breadcrumb_dir, (str, os.PathLike)):
             raise TypeError(f"breadcrumb_dir must be a folder path (str or os.PathLike) or None, got {breadcrumb_dir!r}")
         self._compile = check_compile_spec(compile_blocks)
+        # collective bucket sizes (None: the backend's default, engine/buckets.py); checked here, sized at setup
+        self._bucket_args = (bucket_mb, switch_buckets_in_flight, reduce_buckets_in_flight)
+        bucket_defaults(process_group_backend, *self._bucket_args)
+        if fsdp_reduce_dtype not in _REDUCE_DTYPES:
+            raise ValueError(f"fsdp_reduce_dtype must be one of {sorted(_REDUCE_DTYPES)}, got {fsdp_reduce_dtype!r}")
+        self._fsdp_reduce_dtype = _REDUCE_DTYPES[fsdp_reduce_dtype]
         self._breadcrumb_dir = breadcrumb_dir if breadcrumb_dir is not None else os.environ.get("HOTSPA_BREADCRUMB_DIR")
         self.tracker = StepTracker()  # this rank's breadcrumb and the step's micro-batch losses
         self.nonfinite = NonFiniteHandler(nonfinite, self.tracker)
@@ -221,6 +242,8 @@ class HotSPaStrategy(GuardedCollectives, StrategyCheckpoints, ParallelStrategy):
 
     @override
     def setup_environment(self) -> None:
+        if self.root_device.type == "cuda":  # before the first CUDA allocation; the user's setting wins
+            apply_allocator_settings()
         super().setup_environment()
         reset_seed()
         self.set_world_ranks()
@@ -292,10 +315,13 @@ class HotSPaStrategy(GuardedCollectives, StrategyCheckpoints, ParallelStrategy):
             # a new module (not fit, then validate on the same one: hooks and home state stay)
             state = build_home_state(module, self.world, home_dtype=self.hotspa_precision.home_dtype,
                                      working_dtype=self.hotspa_precision.working_dtype, device=self.root_device,
-                                     grad_accum_dtype=self.hotspa_precision.grad_accum_dtype)
+                                     grad_accum_dtype=self.hotspa_precision.grad_accum_dtype,
+                                     buckets=bucket_defaults(self._process_group_backend,
+                                                             *self._bucket_args).engine_kwargs())
             self.home, self.parallel, self.engine = state.home, state.parallel, state.engine
             self.runner = StepRunner(self.engine, self.parallel, device=self.root_device,
-                                     activation_checkpointing=self.activation_checkpointing_for)
+                                     activation_checkpointing=self.activation_checkpointing_for,
+                                     fsdp_reduce_dtype=self._fsdp_reduce_dtype)
             if self._compile is not None:
                 compile_blocks(module, self._compile)  # after the parallel forwards: they are traced
         open_breadcrumbs(self.tracker, self._breadcrumb_dir, self._process_group_backend, trainer, self.global_rank)

@@ -176,17 +176,20 @@ class _Unit:
             self.prefetched = None
 
     def reduce_scatter(self, names: Sequence[str], grads: Sequence[Tensor]) -> None:
-        engine = self.owner.engine
+        """Starts this unit's gradient reduce-scatters asynchronously; the previous unit's land first
+        (one unit in flight, as FSDP2: backward goes on while it runs)."""
+        owner = self.owner
+        owner.land_reduce_scatter()
+        engine = owner.engine
         for (lo, hi), idx in self._ranges(names, engine.active).items():
             group = engine.world.group(range(lo, hi))
             local = [grads[i] for i in idx]
-            dtype = reduce_dtype(local[0].dtype)
+            dtype = owner.reduce_dtype or reduce_dtype(local[0].dtype)
             pending = _reduce_scatter_start(local, [engine.shardings[names[i]].dim for i in idx], group, dtype)
             engine._label("temporaries", pending.buffer)
             nbytes = sum(g.numel() for g in local) * dtype.itemsize * (group.size - 1) // group.size
-            self.owner.count("reduce_scatter", nbytes)
-            for i, g in zip(idx, pending.result()):
-                engine.add_main_grad(names[i], g)
+            owner.count("reduce_scatter", nbytes)
+            owner.reducing.append(([names[i] for i in idx], pending))
 
     # -------------------------------------------------------------- module hooks
     def gathered_names(self) -> list[str]:
@@ -261,8 +264,13 @@ class ShardedUnits:
     ``reduce_scatter``), prefetched ones included; ``prefetches`` and ``backward_prefetches`` how
     many gathers of each phase were started ahead."""
 
-    def __init__(self, engine: Any, module: nn.Module, units: Sequence[str] | None = None) -> None:
+    def __init__(self, engine: Any, module: nn.Module, units: Sequence[str] | None = None,
+                 reduce_dtype: torch.dtype | None = None) -> None:
         self.engine = engine
+        #: the dtype gradients are reduce-scattered in (None: fp32, or fp64 for fp64 gradients); bf16
+        #: halves the bytes and sums in bf16 (main grads still accumulate in their own dtype)
+        self.reduce_dtype = reduce_dtype
+        self.reducing: list[tuple[list[str], Any]] = []  # one unit's reduce-scatters in flight
         paths = list(find_fsdp_units(module) if units is None else units)
         fsdp_layouts = [str(x) for x in engine.world.layouts if x.fsdp]
         if not paths:
@@ -362,9 +370,18 @@ class ShardedUnits:
             _discard(self.regather[2])
             self.regather = None
 
+    def land_reduce_scatter(self) -> None:
+        """Waits for the reduce-scatters in flight and adds their shards to the main grads."""
+        reducing, self.reducing = self.reducing, []
+        for names, pending in reducing:
+            for name, g in zip(names, pending.result()):
+                self.engine.add_main_grad(name, g)
+
     def end_backward(self) -> None:
-        """After a micro-batch's backward (the step runner calls it, idle rounds too): a re-gather
-        no unit consumed is finished and dropped, so no async work outlives the backward."""
+        """After a micro-batch's backward (the step runner calls it, idle rounds too): the last unit's
+        reduce-scatters land and a re-gather no unit consumed is finished and dropped, so no async
+        work outlives the backward."""
+        self.land_reduce_scatter()
         self.drop_backward_prefetch()
         self.previous_saver, self.last_saver = {}, None
 

@@ -89,12 +89,14 @@ class StepRunner:
         overlap: start a stage's gradient reduction during its last backward.
         share_gradients: let a run of same-tp stages accumulate and reduce once (else every
             stage reduces at its end).
+        fsdp_reduce_dtype: the dtype fsdp units reduce-scatter their gradients in (None: fp32;
+            ``torch.bfloat16`` halves the bytes, summing in bf16).
     """
 
     def __init__(self, engine: SwitchEngine, parallel: ParallelModel, *, device: torch.device | str = "cpu",
                  activation_checkpointing: Callable[[Layout], bool] | None = None, clock: Clock | None = None,
                  cpu_clock: Callable[[], float] = cpu_seconds, overlap: bool = True,
-                 share_gradients: bool = True) -> None:
+                 share_gradients: bool = True, fsdp_reduce_dtype: torch.dtype | None = None) -> None:
         self.engine, self.parallel = engine, parallel
         self.device = torch.device(device)
         self.activation_checkpointing = activation_checkpointing or (lambda layout: False)
@@ -102,7 +104,8 @@ class StepRunner:
         self.cpu_clock = cpu_clock
         self.overlap, self.share_gradients = overlap, share_gradients
         #: the model's fsdp units, when some layout shards its working copy (:mod:`.fsdp`)
-        self.units = ShardedUnits(engine, parallel.module) if any(x.fsdp for x in engine.world.layouts) else None
+        self.units = ShardedUnits(engine, parallel.module, reduce_dtype=fsdp_reduce_dtype) \
+            if any(x.fsdp for x in engine.world.layouts) else None
 
     def _prefetch(self) -> contextlib.AbstractContextManager:
         """A forward's context: fsdp units prefetch the next unit's gather (:mod:`.fsdp`)."""

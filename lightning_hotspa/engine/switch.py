@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -89,7 +90,9 @@ class SwitchEngine(GradientReduction):
     gradients are what :meth:`reduce_gradients` reads). All-gathers and reductions are fused into
     buckets of at most ``bucket_bytes`` per rank. ``grad_accum_dtype`` (e.g. fp32 under bf16-mixed):
     sum micro-batch gradients in that dtype (:mod:`.gradients`); ``max_buckets_in_flight``: reduction
-    buckets pending at once.
+    buckets pending at once; ``switch_buckets_in_flight``: a switch's all-gathers launched before the
+    oldest is waited on (its old and new copies are both held meanwhile). The strategy sets all
+    three from the backend's defaults (:mod:`.buckets`) or the user's arguments.
     """
 
     def __init__(
@@ -101,6 +104,7 @@ class SwitchEngine(GradientReduction):
         bucket_bytes: int = 4 * 2**20,
         grad_accum_dtype: torch.dtype | None = None,
         max_buckets_in_flight: int = 2,
+        switch_buckets_in_flight: int = 1,
     ) -> None:
         missing = sorted(set(shardings) ^ set(home))
         if missing:
@@ -110,6 +114,10 @@ class SwitchEngine(GradientReduction):
         self.home = dict(home)
         self.working_dtype = working_dtype
         self.bucket_bytes = bucket_bytes
+        if isinstance(switch_buckets_in_flight, bool) or not isinstance(switch_buckets_in_flight, int) \
+                or switch_buckets_in_flight < 1:
+            raise ValueError(f"switch_buckets_in_flight must be an int >= 1, got {switch_buckets_in_flight!r}")
+        self.switch_buckets_in_flight = switch_buckets_in_flight
         self.active: Layout | None = None
         self.working: dict[str, torch.Tensor] = {}
         self._layouts = frozenset(world.layouts)
@@ -233,19 +241,30 @@ class SwitchEngine(GradientReduction):
             if free_old:
                 _free(x)
         received = collectives = 0
+        pending: deque[tuple[list[str], FusedGather, list[torch.Tensor]]] = deque()
+
+        def land() -> None:  # the oldest bucket in flight: its shards into place, its old copies freed
+            bucket_names, gather, old = pending.popleft()
+            out.update((n, nn.Parameter(g)) for n, g in zip(bucket_names, gather.finish()))
+            if free_old:
+                for x in old:
+                    _free(x)
+
+        overlap = self.switch_buckets_in_flight > 1
         for (t, s), names in plan.gathers.items():
             group = self.world.group(range(t, s))
             sources = [locals_[n] for n in names]
             for bucket in self._buckets(sources, dtype):
                 pieces = [sources[i].detach().to(dtype=dtype or sources[i].dtype) for i in bucket]
-                gathered = FusedGather(pieces, [self.shardings[names[i]].dim for i in bucket], group).finish()
-                out.update((names[i], nn.Parameter(g)) for i, g in zip(bucket, gathered))
+                gather = FusedGather(pieces, [self.shardings[names[i]].dim for i in bucket], group, async_op=overlap)
+                pending.append(([names[i] for i in bucket], gather, [sources[i] for i in bucket]))
                 received += sum(p.numel() * p.element_size() for p in pieces) * (group.size - 1)
-                del pieces, gathered
-                if free_old:  # this bucket's old copies: gone before the next bucket is gathered
-                    for i in bucket:
-                        _free(sources[i])
+                del pieces
                 collectives += 1
+                while len(pending) >= self.switch_buckets_in_flight:  # at most this many buckets held twice
+                    land()
+        while pending:
+            land()
         lower_bound = sum(n * (dtype or locals_[name].dtype).itemsize for name, n in plan.lower_bound_elems.items())
         old = dict(locals_) if source is not None else {}
         self.working = {n: out[n] for n in self.shardings}

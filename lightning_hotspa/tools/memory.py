@@ -154,6 +154,8 @@ def estimate_layout(config: LlamaConfig, world_size: int, layout: Layout | str, 
                     if overlap:  # as the strategy does before a stage's last backward
                         engine.overlap_next_backward()
                     loss.backward()
+                    if units is not None:  # the last unit's reduce-scatter lands, as the runner does
+                        units.end_backward()
                     del loss
                     reduce_start = mem.current()
                     peak_before = mem.peak()
