@@ -610,6 +610,6 @@ def test_metrics_come_from_records_with_the_documented_keys() -> None:
     readme = (Path(__file__).resolve().parents[1] / "docs" / "metrics.md").read_text()
     for key in [*metrics, *(k for k in extra if k.startswith("hotspa/"))]:  # all in docs/metrics.md
         short = key.replace("hotspa/dp2xtp2/", "")
-        assert f"`{key.replace('dp2xtp2', '<layout>')}`" in readme or f"`{short}`" in readme, key
+        assert f"`{key.replace('dp2xtp2', '<stage>')}`" in readme or f"`{short}`" in readme, key
     assert metrics["hotspa/dp2xtp2/tokens_per_s"] == 25.0  # over the slowest rank's stage time
     assert metrics["hotspa/step_s"] == 4.0 and metrics["hotspa/switch_fraction"] == 0.25
