@@ -126,7 +126,6 @@ def check_chat_pairing(source: Any, tokenizer: Any, name: str) -> None:
         tokenizer: its tokenizer.
         name: the owner named in the error.
     """
-
     if source is None:
         return
     chat_source, chat_tokenizer = isinstance(source, ChatJsonlSource), isinstance(tokenizer, ChatTemplateTokenizer)
