@@ -27,7 +27,6 @@ from lightning.fabric.utilities.distributed import (
 )
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
@@ -47,6 +46,7 @@ from .checkpoint import check_checkpoint_dirs
 from .checkpoint_hooks import StrategyCheckpoints
 from .guarded_collectives import GuardedCollectives
 from .home_state import build_home_state
+from .launch_checks import CheckingLauncher
 from .layout_choice import (
     check_checkpointing_spec,
     checkpointing_for,
@@ -205,7 +205,7 @@ class HotSPaStrategy(GuardedCollectives, StrategyCheckpoints, ParallelStrategy):
         if self._layout_spec != "auto":  # the world is known here, before any process starts
             resolve_layouts(self._layout_spec, self.num_processes * self.num_nodes, type(self).__name__)
         if not self.cluster_environment.creates_processes_externally:
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+            self._launcher = CheckingLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
     @override
     def setup_environment(self) -> None:
