@@ -160,3 +160,21 @@ def test_layouts_that_do_not_fit_the_world_fail_when_the_trainer_is_built():
     with pytest.raises(LayoutError, match=r"HotSPaStrategy\(layouts=\['dp4'\]\).*devices x num_nodes"):
         L.Trainer(accelerator="cpu", devices=2, strategy=HotSPaStrategy(["dp4"]), logger=False)
 
+
+
+def test_a_missing_ckpt_path_fails_before_any_process_or_group_starts(tmp_path):
+    import lightning as L
+    import torch.distributed as dist
+
+    from lightning_hotspa import HotSPaStrategy
+    from lightning_hotspa.adapter.checkpoint import CheckpointError
+    from lightning_hotspa.models import LlamaLM
+
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=HotSPaStrategy(["dp1"]), logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        max_steps=1)
+    for spec, match in ((str(tmp_path / "nope"), r"nope' does not exist \(checked before starting the processes"),
+                        (f"latest:{tmp_path / 'typo'}", r"typo' \(no such folder; checked before.*latest_or_scratch:")):
+        with pytest.raises(CheckpointError, match=match):
+            trainer.fit(LlamaLM("tiny"), train_dataloaders=[], ckpt_path=spec)
+        assert not dist.is_initialized()

@@ -87,6 +87,7 @@ def file_entries(folder: Path, names: Iterable[str]) -> dict[str, dict[str, Any]
 
 
 def _weights_only_load(data: bytes | Path) -> Any:
+    """``torch.load(weights_only=True)`` of bytes or a file, our allow-list added."""
     with torch.serialization.safe_globals(_allowed_types()):
         return torch.load(io.BytesIO(data) if isinstance(data, bytes) else data, map_location="cpu", weights_only=True)
 

@@ -29,6 +29,7 @@ _PREFIX = "model.model."  # DCP key = "model" (the state dict) + LlamaLM's "mode
 
 
 def _config(meta: dict[str, Any], path: Path) -> Any:
+    """The LlamaConfig in the checkpoint's hyper-parameters; an error naming ``meta.pt`` without one."""
     from ..models.lightning_module import _as_config
 
     hparams = meta.get("hyper_parameters") or {}

@@ -300,6 +300,7 @@ class CheckpointPlacement:
         return path
 
     def _agreed_latest(self, directory: str, *, strict: bool) -> Path | None:
+        """The newest step every rank has committed in ``directory`` (markers only; one all-gather)."""
         folder = self.local(directory)
         found, skipped = scan_checkpoints(folder)
         steps: dict[int, str] = {}

@@ -46,6 +46,7 @@ from .checkpoint_hooks import StrategyCheckpoints
 from .compile_blocks import check_compile_spec, compile_blocks
 from .guarded_collectives import GuardedCollectives
 from .home_state import build_home_state
+from .launch_checks import CheckingLauncher
 from .layout_choice import (
     check_checkpointing_spec,
     checkpointing_for,
@@ -55,7 +56,6 @@ from .layout_choice import (
     resolve_layouts,
 )
 from .lightning_compat import (
-    SubprocessScriptLauncher,
     accumulates,
     default_process_group_backend,
     init_dist_connection,
@@ -238,7 +238,7 @@ class HotSPaStrategy(GuardedCollectives, StrategyCheckpoints, ParallelStrategy):
         if self._layout_spec != "auto":  # the world is known here, before any process starts
             resolve_layouts(self._layout_spec, self.num_processes * self.num_nodes, type(self).__name__)
         if not self.cluster_environment.creates_processes_externally:
-            self._launcher = SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+            self._launcher = CheckingLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
     @override
     def setup_environment(self) -> None:

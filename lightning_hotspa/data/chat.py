@@ -22,11 +22,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from .errors import BadRecordPolicy
+from .errors import BadRecordPolicy, DataError
 from .source_base import Document, DocumentSource, _existing, files_fingerprint, list_files
 from .tokenizer import ChatTemplateTokenizer
 
-__all__ = ["ChatJsonlSource", "ChatTemplateTokenizer", "apply_prompt_mask", "response_targets"]
+__all__ = ["ChatJsonlSource", "ChatTemplateTokenizer", "apply_prompt_mask", "check_chat_pairing", "response_targets"]
 
 ROLES = ("system", "user", "assistant", "tool")
 
@@ -116,3 +116,23 @@ def apply_prompt_mask(plan: Any, docs: Sequence[np.ndarray], offset: int) -> Any
     stages = tuple(dataclasses.replace(s, micro_batches=tuple(_unmask(mb, offset) for mb in s.micro_batches))
                    for s in plan.stages)
     return dataclasses.replace(plan, stages=stages, global_target_tokens=response_targets(docs, offset))
+
+
+def check_chat_pairing(source: Any, tokenizer: Any, name: str) -> None:
+    """Chat sources need the chat tokenizer (prompt masking) and the chat tokenizer needs chat documents.
+
+    Args:
+        source: the DataModule's document source (None: a tokenized corpus).
+        tokenizer: its tokenizer.
+        name: the owner named in the error.
+    """
+    if source is None:
+        return
+    chat_source, chat_tokenizer = isinstance(source, ChatJsonlSource), isinstance(tokenizer, ChatTemplateTokenizer)
+    if chat_source and not chat_tokenizer:
+        raise DataError(f"{name}: a {type(source).__name__} needs the chat tokenizer (tokenizer='chat', "
+                        f"path=<a tokenizer folder with a chat_template>); {type(tokenizer).__name__} would train on "
+                        f"the raw JSON text, with loss on the prompts")
+    if chat_tokenizer and not chat_source:
+        raise DataError(f"{name}: the chat tokenizer renders conversations of a ChatJsonlSource (source='chat_jsonl'); "
+                        f"{type(source).__name__} yields plain text: use tokenizer='hf' with the same path for it")

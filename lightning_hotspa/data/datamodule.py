@@ -53,6 +53,7 @@ from ..plan import RankPlan, StepPlan, slice_plan
 from ..planner.base import Planner, ProfiledPlanner, balance_cost, check_planner, is_profiled
 from ..planner.plan_stats import plan_stats
 from .cache import TokenizedCorpus
+from .chat import check_chat_pairing
 from .context import PlanningContext, PlanningProvider
 from .errors import DataError
 from .loader import STATE_FORMAT, PlanDataLoader, _Cursor, _identity, _load_position, pin_rank_plan
@@ -90,23 +91,6 @@ class _ChunkTokens(Sequence[np.ndarray]):
 
     def __getitem__(self, i: int) -> np.ndarray:  # type: ignore[override]
         return chunk_tokens(self._corpus, self._refs[i])
-
-
-def _check_chat_pairing(source: Any, tokenizer: Any, name: str) -> None:
-    """Chat sources need the chat tokenizer (prompt masking) and the chat tokenizer needs chat documents."""
-    from .chat import ChatJsonlSource
-    from .tokenizer import ChatTemplateTokenizer
-
-    if source is None:
-        return
-    chat_source, chat_tokenizer = isinstance(source, ChatJsonlSource), isinstance(tokenizer, ChatTemplateTokenizer)
-    if chat_source and not chat_tokenizer:
-        raise DataError(f"{name}: a {type(source).__name__} needs the chat tokenizer (tokenizer='chat', "
-                        f"path=<a tokenizer folder with a chat_template>); {type(tokenizer).__name__} would train on "
-                        f"the raw JSON text, with loss on the prompts")
-    if chat_tokenizer and not chat_source:
-        raise DataError(f"{name}: the chat tokenizer renders conversations of a ChatJsonlSource (source='chat_jsonl'); "
-                        f"{type(source).__name__} yields plain text: use tokenizer='hf' with the same path for it")
 
 
 class StepPlanDataset(Dataset[RankPlan]):
@@ -257,7 +241,7 @@ class HotSPaDataModule(L.LightningDataModule):
                 source, **dict(source_kwargs or {}))
         self._tokenizer = tokenizer if isinstance(tokenizer, Tokenizer) else build_tokenizer(
             tokenizer, **dict(tokenizer_kwargs or {}))
-        _check_chat_pairing(self._source, self._tokenizer, name)
+        check_chat_pairing(self._source, self._tokenizer, name)
         if not (isinstance(val_fraction, (int, float)) and 0.0 <= val_fraction < 1.0):
             raise DataError(f"{name}: val_fraction must be in [0, 1), got {val_fraction!r}")
         check_int(num_workers, f"{name}: num_workers", minimum=0, hint=" (0: load in the training process)",
