@@ -7,7 +7,11 @@ import pickle
 import pytest
 import torch
 
-from lightning_hotspa.adapter.nccl_runtime import ALLOCATOR_SETTINGS, apply_allocator_settings, objects_to_cpu
+from lightning_hotspa.adapter.nccl_runtime import (
+    ALLOCATOR_SETTINGS,
+    apply_allocator_settings,
+    objects_to_cpu,
+)
 from lightning_hotspa.host_facts import recall
 from lightning_hotspa.models import Llama, LlamaConfig, token_mean_cross_entropy
 from lightning_hotspa.models.vocab import VocabularyError

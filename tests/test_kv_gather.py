@@ -3,7 +3,6 @@ equivalence, sliding window and GQA with fewer kv heads than cp included, is in 
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_hotspa.models.attention import sdpa_attention

@@ -48,7 +48,6 @@ from .checkpoint import check_checkpoint_dirs
 from .checkpoint_hooks import StrategyCheckpoints
 from .guarded_collectives import GuardedCollectives
 from .home_state import build_home_state
-from .nccl_runtime import apply_allocator_settings
 from .layout_choice import (
     check_checkpointing_spec,
     checkpointing_for,
@@ -58,6 +57,7 @@ from .layout_choice import (
     resolve_layouts,
 )
 from .lightning_step import check_trainer, open_breadcrumbs, run_eval_step, run_training_step
+from .nccl_runtime import apply_allocator_settings
 from .node_checkpoint import placement_for
 from .nonfinite import NonFiniteHandler
 from .planner_factory import PLANNER_NAMES, build_planner, check_planner_spec
