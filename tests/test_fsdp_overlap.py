@@ -13,13 +13,13 @@ def run_fsdp_reduce(reduce_dtype) -> tuple:
     module, world, home, parallel, engine = _setup(layouts, TinyLlama())
     runner = StepRunner(engine, parallel, fsdp_reduce_dtype=reduce_dtype)
     units, in_flight = runner.units, []
-    land = units.land_reduce_scatter
+    for unit in units.units:  # reduce-scatters still pending when each unit's own start
 
-    def spy():
-        in_flight.append(len({id(p) for _, p in units.reducing}))
-        land()
+        def spy(names, grads, start=unit.reduce_scatter):
+            in_flight.append(len({id(p) for _, p in units.reducing}))
+            start(names, grads)
 
-    units.land_reduce_scatter = spy
+        unit.reduce_scatter = spy
     grads = []
     for names in (layouts[:1], layouts[1:]):
         runner.run(_uneven_plan(world, names), module)
