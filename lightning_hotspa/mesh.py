@@ -111,7 +111,9 @@ class WorldMesh:
             if key in seen:
                 continue
             seen.add(key)
-            pg = dist.new_group(list(key), timeout=self.timeout) if len(key) > 1 else None
+            # the description names the group in NCCL's watchdog / flight-recorder errors (a timeout)
+            desc = f"hotspa mesh dims {list(dims)} ranks {key[0]}..{key[-1]} ({len(key)})"
+            pg = dist.new_group(list(key), timeout=self.timeout, group_desc=desc) if len(key) > 1 else None
             if self.rank in ranks:
                 mine = RankGroup(dims, ranks, ranks.index(self.rank), pg)
         assert mine is not None

@@ -170,3 +170,14 @@ def test_home_sharding_rules():
     with pytest.raises(LayoutError, match="no role given for parameters \\['w'\\]"):
         build_shardings({"w": (8, 4)}, {}, shape)
     assert torch.Size(sh["col"].shape) == torch.Size([8, 4])
+
+
+def test_world_mesh_groups_carry_a_description_naming_them():
+    """NCCL's watchdog and flight recorder name a timed-out group by its description."""
+    from lightning_hotspa.layout import WorldMesh
+    from lightning_hotspa.testing.fake_world import FakeWorld
+
+    with FakeWorld(8, rank=5):
+        world = WorldMesh(["dp2xtp4", "dp4xtp2"])
+        tp = world.layout_groups("dp2xtp4").tp
+        assert tp.group.group_desc == f"hotspa mesh dims {list(tp.dims)} ranks 4..7 (4)"
