@@ -174,7 +174,7 @@ def test_home_sharding_rules():
 
 def test_world_mesh_groups_carry_a_description_naming_them():
     """NCCL's watchdog and flight recorder name a timed-out group by its description."""
-    from lightning_hotspa.layout import WorldMesh
+    from lightning_hotspa.mesh import WorldMesh
     from lightning_hotspa.testing.fake_world import FakeWorld
 
     with FakeWorld(8, rank=5):
