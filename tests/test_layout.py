@@ -179,5 +179,5 @@ def test_world_mesh_groups_carry_a_description_naming_them():
 
     with FakeWorld(8, rank=5):
         world = WorldMesh(["dp2xtp4", "dp4xtp2"])
-        tp = world.layout_groups("dp2xtp4").tp
+        tp = world.layout_groups(Layout.parse("dp2xtp4")).tp
         assert tp.group.group_desc == f"hotspa mesh dims {list(tp.dims)} ranks 4..7 (4)"
