@@ -122,9 +122,13 @@ def test_mixed_stages_refuse_what_they_cannot_run():
         slice_plan(foreign, docs[:1], mesh, 0)
 
 
-def run_mixed_evaluation():
+def run_mixed_evaluation(**overrides):
     """Evaluation of every mixed plan (``StepRunner.run_forward``): the token-weighted sum of the
-    micro-batch losses over all ranks, and the single process's loss on the same documents."""
+    micro-batch losses over all ranks, and the single process's loss on the same documents.
+
+    Args:
+        overrides: the tiny preset's config changes (``n_kv_heads=1``: fewer kv heads than cp).
+    """
     import torch.distributed as dist
     from strategy_helpers import make_docs
     from test_step_runner import TinyLlama, _setup
@@ -132,7 +136,7 @@ def run_mixed_evaluation():
     from lightning_hotspa.engine.step_runner import StepRunner
     from lightning_hotspa.plan import pack_micro_batch
 
-    module, world, home, parallel, engine = _setup(MIXED_LAYOUTS, TinyLlama())
+    module, world, home, parallel, engine = _setup(MIXED_LAYOUTS, TinyLlama(**overrides))
     runner = StepRunner(engine, parallel)
     out = []
     for plan in mixed_block_plans():
@@ -148,13 +152,15 @@ def run_mixed_evaluation():
             runner.run_forward(slice_plan(plan, docs, world.shape, world.rank), weighted)
         dist.all_reduce(total)
         with torch.no_grad():
-            reference = float(TinyLlama()(pack_micro_batch(docs)))
+            reference = float(TinyLlama(**overrides)(pack_micro_batch(docs)))
         out.append((float(total) / plan.global_target_tokens, reference))
     return out
 
 
-def test_mixed_stages_evaluate_like_the_single_process(ranks):
+@pytest.mark.parametrize("overrides", [{}, {"n_kv_heads": 1}], ids=["gqa2", "one_kv_head"])
+def test_mixed_stages_evaluate_like_the_single_process(ranks, overrides):
     """Evaluation runs each block in its own layout and the idle rounds' gathers: the global token
-    mean of every mixed plan's losses equals the single process's at 1e-5 (fp32)."""
-    for ours, reference in ranks(4).run(run_mixed_evaluation)[0]:
+    mean of every mixed plan's losses equals the single process's at 1e-5 (fp32), also with fewer
+    kv heads than a block's cp."""
+    for ours, reference in ranks(4).run(run_mixed_evaluation, **overrides)[0]:
         assert abs(ours - reference) <= 1e-5 * abs(reference), (ours, reference)
