@@ -56,21 +56,36 @@ def mixed_block_plans() -> list[StepPlan]:
     return plans
 
 
-def run_mixed_blocks(precision="32-true"):
-    return fit_and_compare(MIXED_LAYOUTS, 3, precision, plans=mixed_block_plans(),
-                           activation_checkpointing=["dp2xcp2:fsdp"])
+def run_mixed_blocks(precision="32-true", kv_heads=None):
+    """:func:`fit_and_compare` over :func:`mixed_block_plans`; ``kv_heads`` swaps in a tiny model
+    with that many kv heads (fewer than the cp2 blocks' cp with 1) for this call."""
+    import test_strategy
+
+    from lightning_hotspa.models import LlamaConfig, LlamaLM
+
+    original = test_strategy._model
+    if kv_heads is not None:
+        config = LlamaConfig.preset("tiny", n_kv_heads=kv_heads)
+        test_strategy._model = lambda dtype=torch.float32: LlamaLM(config, seed=3, lr=2e-3, weight_decay=0.1).to(dtype)
+    try:
+        return fit_and_compare(MIXED_LAYOUTS, 3, precision, plans=mixed_block_plans(),
+                               activation_checkpointing=["dp2xcp2:fsdp"])
+    finally:
+        test_strategy._model = original
 
 
-@pytest.mark.parametrize("precision, grad_tol, loss_tol, weight_tol", [
-    ("32-true", 1e-5, 1e-5, 1e-4),
+@pytest.mark.parametrize("precision, kv_heads, grad_tol, loss_tol, weight_tol", [
+    ("32-true", None, 1e-5, 1e-5, 1e-4),
+    # one kv head: fewer than the cp2 blocks' cp (Ulysses and all-gather-KV)
+    pytest.param("32-true", 1, 1e-5, 1e-5, 1e-4, marks=pytest.mark.slow),
     # fp64 removes the reduction-order noise: the whole 3-step trajectory must match
-    pytest.param("64-true", 1e-10, 1e-12, 1e-9, marks=pytest.mark.slow),
+    pytest.param("64-true", None, 1e-10, 1e-12, 1e-9, marks=pytest.mark.slow),
 ])
-def test_mixed_cp_blocks_in_one_sharded_stage_match_single_process(ranks, precision, grad_tol, loss_tol,
-                                                                    weight_tol):
+def test_mixed_cp_blocks_in_one_sharded_stage_match_single_process(ranks, precision, kv_heads, grad_tol,
+                                                                    loss_tol, weight_tol):
     """The core invariant for mixed-cp rounds: per step the gradients equal the single process's on
     the same weights, and after 3 AdamW steps the weights equal the single process's."""
-    result = ranks(4).run(run_mixed_blocks, precision)[0]
+    result = ranks(4).run(run_mixed_blocks, precision, kv_heads)[0]
     assert result["global_step"] == 3
     for step, errors in enumerate(result["grads"]):
         assert _worst(errors)[1] <= grad_tol, (step, _worst(errors))
