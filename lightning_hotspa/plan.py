@@ -7,25 +7,31 @@ Two levels:
 * :class:`RankPlan` / :class:`RankStage` / :class:`MicroBatch` — one rank's slice of it, with
   tensors, produced by :func:`slice_plan`. This is what one Lightning batch carries.
 
-Context-parallel slicing happens here, not in the model: each document is padded to a multiple of
-``2*cp`` (the only padding in the system), cut into ``2*cp`` chunks, and cp rank ``r`` takes chunks
-``r`` and ``2*cp-1-r`` so causal attention work is balanced across cp ranks.
+The micro-batch itself and its cp slicing live in :mod:`.micro_batch` (re-exported here).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 import torch
 
-from .host_facts import remember
 from .layout import Layout, LayoutError, MeshShape
+from .micro_batch import (
+    IGNORE_INDEX,
+    MicroBatch,
+    PlanError,
+    idle_micro_batch,
+    moved,
+    pack_micro_batch,
+)
 
 __all__ = [
     "IGNORE_INDEX",
     "PlanError",
     "MicroBatch",
+    "Block",
     "Stage",
     "StepPlan",
     "RankStage",
@@ -36,216 +42,60 @@ __all__ = [
     "single_stage_plan",
 ]
 
-#: The label of a token with no loss (document ends, padding, prompt tokens); torch's own default.
-IGNORE_INDEX = -100
-
-
-class PlanError(ValueError):
-    """An inconsistent plan or micro-batch; the message names the offending value."""
-
-
-def _check_1d(name: str, t: torch.Tensor, dtypes: tuple[torch.dtype, ...]) -> None:
-    if not isinstance(t, torch.Tensor) or t.dim() != 1:
-        raise PlanError(f"MicroBatch.{name} must be a 1-D tensor, got {type(t).__name__} "
-                        f"of shape {tuple(getattr(t, 'shape', ()))}")
-    if t.dtype not in dtypes:
-        raise PlanError(f"MicroBatch.{name} must have dtype in {dtypes}, got {t.dtype}")
-
-
-def _check_cu_seqlens(name: str, cu: torch.Tensor, total: int) -> list[int]:
-    _check_1d(name, cu, (torch.int32, torch.int64))
-    values = cu.tolist()
-    if len(values) < 2 or values[0] != 0 or values[-1] != total:
-        raise PlanError(f"MicroBatch.{name} must start at 0 and end at {total}, got {values}")
-    if any(b <= a for a, b in zip(values, values[1:])):
-        raise PlanError(f"MicroBatch.{name} must be strictly increasing (no empty documents), got {values}")
-    return values
-
-
-def _moved(t: torch.Tensor, device: torch.device | str, non_blocking: bool) -> torch.Tensor:
-    """``t`` on ``device``; asynchronous from pinned host memory even if the caller did not ask
-    (Lightning's batch transfer passes ``non_blocking`` to tensors only, not to a plan's ``.to``)."""
-    return t.to(device, non_blocking=non_blocking or (t.device.type == "cpu" and t.is_pinned()))
-
-
-def _id_range(ids: torch.Tensor, ignore_index: int | None = None) -> tuple[int, ...]:
-    """(min, max) of the ids, ``ignore_index`` left out; ``()`` if none is left."""
-    if ignore_index is not None:
-        ids = ids[ids != ignore_index]
-    if ids.numel() == 0:
-        return ()
-    low, high = torch.aminmax(ids)
-    return int(low), int(high)
-
 
 @dataclass(frozen=True)
-class MicroBatch:
-    """Packed documents one tp x cp group processes in one forward/backward (this rank's slice).
+class Block:
+    """Some dp groups of one compute layout inside a mixed stage (docs/DESIGN.md §4, mixed-cp rounds).
 
-    ``labels`` are already shifted inside each document (``IGNORE_INDEX`` at document ends, padding
-    and masked positions); ``position_ids`` restart at every document; ``cu_seqlens`` are the
-    document boundaries as this rank holds them. With ``cp_size > 1`` each local document is this
-    rank's two chunks, and ``cp_cu_seqlens`` gives the boundaries of the whole (padded) row.
+    Args:
+        layout: the block's compute layout (its tp x cp groups), one of the mesh's fsdp layouts with
+            the stage's working copy.
+        dp_groups: which of ``layout``'s dp groups the block covers (their ranks are the block's).
+        micro_batches: ``micro_batches[i]`` lists dp group ``dp_groups[i]``'s micro-batches, each a
+            tuple of document indices.
     """
 
-    input_ids: torch.Tensor
-    labels: torch.Tensor
-    position_ids: torch.Tensor
-    cu_seqlens: torch.Tensor
-    max_seqlen: int
-    num_target_tokens: int
-    cp_size: int = 1
-    cp_rank: int = 0
-    cp_cu_seqlens: torch.Tensor | None = None
-    doc_ids: tuple[int, ...] = ()
+    layout: Layout
+    dp_groups: tuple[int, ...]
+    micro_batches: tuple[tuple[tuple[int, ...], ...], ...]
 
     def __post_init__(self) -> None:
-        long = (torch.int64,)
-        _check_1d("input_ids", self.input_ids, long)
-        _check_1d("labels", self.labels, long)
-        _check_1d("position_ids", self.position_ids, long)
-        total = self.input_ids.numel()
-        if total == 0:
-            raise PlanError("MicroBatch is empty (no tokens)")
-        for name in ("labels", "position_ids"):
-            if getattr(self, name).numel() != total:
-                raise PlanError(f"MicroBatch.{name} has {getattr(self, name).numel()} tokens, input_ids has {total}")
-        bounds = _check_cu_seqlens("cu_seqlens", self.cu_seqlens, total)
-        full = None
-        longest = max(b - a for a, b in zip(bounds, bounds[1:]))
-        if self.max_seqlen != longest:
-            raise PlanError(f"MicroBatch.max_seqlen is {self.max_seqlen} but the longest document is {longest}")
-        targets = int((self.labels != IGNORE_INDEX).sum())
-        if self.num_target_tokens != targets:
-            raise PlanError(f"MicroBatch.num_target_tokens is {self.num_target_tokens} but labels hold {targets}")
-        if not (1 <= self.cp_size and 0 <= self.cp_rank < self.cp_size):
-            raise PlanError(f"MicroBatch cp_rank={self.cp_rank} is not within cp_size={self.cp_size}")
-        if self.cp_size > 1:
-            if self.cp_cu_seqlens is None:
-                raise PlanError(f"MicroBatch with cp_size={self.cp_size} needs cp_cu_seqlens")
-            full = _check_cu_seqlens("cp_cu_seqlens", self.cp_cu_seqlens, total * self.cp_size)
-            local_lengths = [b - a for a, b in zip(bounds, bounds[1:])]
-            full_lengths = [b - a for a, b in zip(full, full[1:])]
-            if [n * self.cp_size for n in local_lengths] != full_lengths or any(
-                n % (2 * self.cp_size) for n in full_lengths
-            ):
-                raise PlanError(f"MicroBatch cp_cu_seqlens {full} does not match local cu_seqlens {bounds} "
-                                f"split over cp_size={self.cp_size} in 2*cp chunks")
-        self._remember(tuple(bounds), None if full is None else tuple(full), _id_range(self.input_ids),
-                       _id_range(self.labels, IGNORE_INDEX))
-
-    def _remember(self, bounds: tuple[int, ...], full: tuple[int, ...] | None, ids: tuple[int, ...],
-                  labels: tuple[int, ...]) -> None:
-        """Files the host-side values validated here (:mod:`..host_facts`): the hot path then never
-        reads them back from the device."""
-        object.__setattr__(self, "_facts", (bounds, full, ids, labels))
-        remember(self.cu_seqlens, "bounds", bounds)
-        if full is not None:
-            remember(self.cp_cu_seqlens, "bounds", full)
-        remember(self.input_ids, "id_range", (ids, None))
-        remember(self.labels, "id_range", (labels, IGNORE_INDEX))
-
-    def __setstate__(self, state: dict) -> None:
-        """Unpickled in another process (a loader worker's batch): its facts are filed again."""
-        for name, value in state.items():
-            object.__setattr__(self, name, value)
-        self._remember(*self._facts)
-
-    @property
-    def bounds(self) -> tuple[int, ...]:
-        """``cu_seqlens`` as host ints (validated when the micro-batch was built)."""
-        return self._facts[0]
-
-    @property
-    def num_tokens(self) -> int:
-        return self.input_ids.numel()
-
-    @property
-    def num_documents(self) -> int:
-        return self.cu_seqlens.numel() - 1
-
-    def map_tensors(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> MicroBatch:
-        """A copy with ``fn`` applied to every tensor (moving, pinning: one definition of each)."""
-        def apply(t: torch.Tensor | None) -> torch.Tensor | None:
-            return None if t is None else fn(t)
-
-        # validated where it was built: a copy is not read back (on a device that would sync the host)
-        out = object.__new__(MicroBatch)
-        for f in fields(MicroBatch):
-            value = getattr(self, f.name)
-            object.__setattr__(out, f.name, apply(value) if isinstance(value, torch.Tensor) else value)
-        out._remember(*self._facts)
-        return out
-
-    def to(self, device: torch.device | str, non_blocking: bool = False) -> MicroBatch:
-        """Lightning moves any object with ``.to`` to the device."""
-        return self.map_tensors(lambda t: _moved(t, device, non_blocking))
-
-    def pin_memory(self) -> MicroBatch:
-        """torch's DataLoader pin thread calls this on custom batch types."""
-        return self.map_tensors(torch.Tensor.pin_memory)
-
-
-def pack_micro_batch(
-    docs: Sequence[torch.Tensor], cp_size: int = 1, cp_rank: int = 0, doc_ids: Sequence[int] = ()
-) -> MicroBatch:
-    """Packs whole documents (1-D token tensors) into one micro-batch, cp-sliced for ``cp_rank``.
-
-    Every document's labels are its next tokens; the last token of a document has no target.
-    """
-    if not docs:
-        raise PlanError("cannot pack a micro-batch from zero documents")
-    if cp_size < 1 or not 0 <= cp_rank < cp_size:
-        raise PlanError(f"cp_rank={cp_rank} is not within cp_size={cp_size}")
-    inputs, labels, positions, local_lengths, full_lengths = [], [], [], [], []
-    for i, doc in enumerate(docs):
-        doc = torch.as_tensor(doc).long().reshape(-1)
-        n = doc.numel()
-        if n == 0:
-            raise PlanError(f"document {doc_ids[i] if doc_ids else i} is empty; empty documents must be skipped earlier")
-        lab = torch.full((n,), IGNORE_INDEX, dtype=torch.long)
-        lab[:-1] = doc[1:]
-        pos = torch.arange(n, dtype=torch.long)
-        if cp_size > 1:
-            chunks = 2 * cp_size
-            padded = -(-n // chunks) * chunks
-            pad = padded - n
-            doc = torch.cat([doc, doc.new_zeros(pad)])
-            lab = torch.cat([lab, lab.new_full((pad,), IGNORE_INDEX)])
-            pos = torch.arange(padded, dtype=torch.long)
-            c = padded // chunks
-            head, tail = cp_rank * c, (chunks - 1 - cp_rank) * c  # two slices: cheaper than fancy indexing
-            doc, lab, pos = (torch.cat([t[head:head + c], t[tail:tail + c]]) for t in (doc, lab, pos))
-            full_lengths.append(padded)
-        inputs.append(doc)
-        labels.append(lab)
-        positions.append(pos)
-        local_lengths.append(doc.numel())
-    cu = torch.zeros(len(docs) + 1, dtype=torch.int32)
-    cu[1:] = torch.tensor(local_lengths).cumsum(0)
-    cp_cu = None
-    if cp_size > 1:
-        cp_cu = torch.zeros(len(docs) + 1, dtype=torch.int32)
-        cp_cu[1:] = torch.tensor(full_lengths).cumsum(0)
-    label = torch.cat(labels)
-    return MicroBatch(torch.cat(inputs), label, torch.cat(positions), cu, max(local_lengths),
-                      int((label != IGNORE_INDEX).sum()), cp_size, cp_rank, cp_cu, tuple(doc_ids))
+        if not isinstance(self.layout, Layout):
+            raise PlanError(f"Block.layout must be a Layout, got {self.layout!r}")
+        groups = self.dp_groups
+        if not groups or len(set(groups)) != len(groups) or any(
+                isinstance(g, bool) or not isinstance(g, int) or not 0 <= g < self.layout.dp for g in groups):
+            raise PlanError(f"block in layout {self.layout} has dp_groups {groups!r}; they must be distinct "
+                            f"ints in [0, {self.layout.dp}), at least one")
+        if len(self.micro_batches) != len(groups):
+            raise PlanError(f"block in layout {self.layout} lists {len(self.micro_batches)} dp groups of "
+                            f"micro-batches for its {len(groups)} dp_groups {groups}")
+        if any(not mb for group in self.micro_batches for mb in group):
+            raise PlanError(f"block in layout {self.layout} has an empty micro-batch")
 
 
 @dataclass(frozen=True)
 class Stage:
     """All micro-batches of one layout in one step: ``micro_batches[dp_rank]`` lists that dp group's
-    micro-batches, each a tuple of document indices into the step's document list."""
+    micro-batches, each a tuple of document indices into the step's document list.
+
+    A MIXED stage (``blocks`` given, ``micro_batches`` empty) holds its working copy in ``layout``
+    (sharded: ``:fsdp`` or HSDP) and computes in each block's layout on that block's ranks; all its
+    dp groups run lockstep rounds (:func:`slice_plan` checks that the blocks tile the world).
+    """
 
     layout: Layout
     micro_batches: tuple[tuple[tuple[int, ...], ...], ...]
     activation_checkpointing: bool = False
     label: str = ""  # bucket / length band, for metrics
+    blocks: tuple[Block, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.layout, Layout):
             raise PlanError(f"Stage.layout must be a Layout, got {self.layout!r}")
-        if len(self.micro_batches) != self.layout.dp:
+        if self.blocks:
+            self._check_blocks()
+        elif len(self.micro_batches) != self.layout.dp:
             raise PlanError(f"stage in layout {self.layout} has {len(self.micro_batches)} dp groups of "
                             f"micro-batches; the layout has dp={self.layout.dp}")
         for group in self.micro_batches:
@@ -253,9 +103,33 @@ class Stage:
                 if not mb:
                     raise PlanError(f"stage in layout {self.layout} has an empty micro-batch")
 
+    def _check_blocks(self) -> None:
+        """A mixed stage: a sharded working copy, and blocks that compute on that same copy."""
+        lay = self.layout
+        if self.micro_batches:
+            raise PlanError(f"mixed stage in layout {lay} has both blocks and micro_batches; give its "
+                            f"micro-batches in its blocks only")
+        if not lay.fsdp:
+            raise PlanError(f"mixed stage in layout {lay}: blocks of different layouts need a sharded working "
+                            f"copy (':fsdp' or ':fsdp<n>'), {lay} replicates it")
+        for block in self.blocks:
+            if not isinstance(block, Block):
+                raise PlanError(f"mixed stage in layout {lay} has a block {block!r}, not a Block")
+            b = block.layout
+            if not b.fsdp or b.tp != lay.tp or b.world_size != lay.world_size or \
+                    b.tp * b.fsdp_shard != lay.tp * lay.fsdp_shard:
+                raise PlanError(f"mixed stage in layout {lay} has a block in layout {b}: a block must shard the "
+                                f"same working copy (fsdp, tp={lay.tp}, shard group of {lay.tp * lay.fsdp_shard} "
+                                f"ranks, world {lay.world_size})")
+
+    @property
+    def groups(self) -> list[tuple[tuple[int, ...], ...]]:
+        """Every dp group's micro-batches, blocks' included."""
+        return list(self.micro_batches) + [g for b in self.blocks for g in b.micro_batches]
+
     @property
     def doc_ids(self) -> list[int]:
-        return [d for group in self.micro_batches for mb in group for d in mb]
+        return [d for group in self.groups for mb in group for d in mb]
 
 
 @dataclass(frozen=True)
@@ -314,17 +188,24 @@ class RankStage:
     activation_checkpointing: bool = False
     label: str = ""
     rounds: int = 0
+    block: Layout | None = None  # a mixed stage: this rank's block's compute layout
 
     @property
     def num_rounds(self) -> int:
         return max(self.rounds, len(self.micro_batches))
 
+    @property
+    def compute_layout(self) -> Layout:
+        """The layout whose tp / cp groups compute: the block's in a mixed stage, else ``layout``
+        (which always names the working copy)."""
+        return self.block if self.block is not None else self.layout
+
     def map_tensors(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> RankStage:
         mbs = tuple(m.map_tensors(fn) for m in self.micro_batches)
-        return RankStage(self.layout, mbs, self.activation_checkpointing, self.label, self.rounds)
+        return RankStage(self.layout, mbs, self.activation_checkpointing, self.label, self.rounds, self.block)
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> RankStage:
-        return self.map_tensors(lambda t: _moved(t, device, non_blocking))
+        return self.map_tensors(lambda t: moved(t, device, non_blocking))
 
     def pin_memory(self) -> RankStage:
         return self.map_tensors(torch.Tensor.pin_memory)
@@ -346,7 +227,7 @@ class RankPlan:
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> RankPlan:
         """Lightning moves any object with ``.to`` to the device."""
-        return self.map_tensors(lambda t: _moved(t, device, non_blocking))
+        return self.map_tensors(lambda t: moved(t, device, non_blocking))
 
     def pin_memory(self) -> RankPlan:
         """torch's DataLoader pin thread calls this on custom batch types."""
@@ -366,18 +247,39 @@ def slice_plan(plan: StepPlan, docs: Sequence[torch.Tensor], mesh: MeshShape, ra
         if stage.layout not in mesh.layouts:
             raise LayoutError(f"step plan {plan.step} uses layout {stage.layout}, which is not among the "
                               f"mesh's layouts {[str(x) for x in mesh.layouts]}")
-        dp_rank, _, cp_rank = mesh.rank_coords(stage.layout, rank)
-        mbs = tuple(pack_micro_batch([docs[i] for i in ids], stage.layout.cp, cp_rank, ids)
-                    for ids in stage.micro_batches[dp_rank])
-        rounds = max(len(g) for g in stage.micro_batches) if stage.layout.lockstep else 0
-        stages.append(RankStage(stage.layout, mbs, stage.activation_checkpointing, stage.label, rounds))
+        compute, own = stage.layout, None
+        if stage.blocks:
+            compute, own = _own_block(stage, mesh, rank, plan.step)
+        else:
+            own = stage.micro_batches[mesh.rank_coords(compute, rank)[0]]
+        cp_rank = mesh.rank_coords(compute, rank)[2]
+        mbs = tuple(pack_micro_batch([docs[i] for i in ids], compute.cp, cp_rank, ids) for ids in own)
+        lockstep = stage.layout.lockstep or bool(stage.blocks)
+        rounds = max(len(g) for g in stage.groups) if lockstep else 0
+        stages.append(RankStage(stage.layout, mbs, stage.activation_checkpointing, stage.label, rounds,
+                                compute if stage.blocks else None))
     return RankPlan(plan.step, tuple(stages), plan.global_target_tokens)
 
 
-def idle_micro_batch(cp_size: int = 1, cp_rank: int = 0) -> MicroBatch:
-    """A one-token document without targets: what a dp group with fewer micro-batches than the
-    busiest computes (loss weight 0) so that an fsdp stage's per-unit collectives line up."""
-    return pack_micro_batch([torch.zeros(1, dtype=torch.long)], cp_size, cp_rank)
+def _own_block(stage: Stage, mesh: MeshShape, rank: int, step: int) -> tuple[Layout, tuple[tuple[int, ...], ...]]:
+    """``rank``'s block layout and micro-batches in a mixed stage, once the blocks are checked to
+    tile the world (every rank in exactly one block: each rank checks the whole stage alike)."""
+    owner: dict[int, int] = {}
+    for k, block in enumerate(stage.blocks):
+        if block.layout not in mesh.layouts:
+            raise LayoutError(f"step plan {step}: a block of stage {stage.layout} uses layout {block.layout}, "
+                              f"which is not among the mesh's layouts {[str(x) for x in mesh.layouts]}")
+        for r in range(mesh.world_size):
+            if mesh.rank_coords(block.layout, r)[0] in block.dp_groups:
+                if r in owner:
+                    raise PlanError(f"step plan {step}: rank {r} is in block {owner[r]} ({stage.blocks[owner[r]].layout}) "
+                                    f"and block {k} ({block.layout}) of mixed stage {stage.layout}")
+                owner[r] = k
+    missing = [r for r in range(mesh.world_size) if r not in owner]
+    if missing:
+        raise PlanError(f"step plan {step}: ranks {missing} are in no block of mixed stage {stage.layout}")
+    block = stage.blocks[owner[rank]]
+    return block.layout, block.micro_batches[block.dp_groups.index(mesh.rank_coords(block.layout, rank)[0])]
 
 
 def single_stage_plan(step: int, doc_lengths: Sequence[int], layout: Layout) -> StepPlan:

@@ -67,9 +67,9 @@ def _reference_grads(weights, plan, dtype):
     return float(loss), {n: p.grad for n, p in model.named_parameters()}
 
 
-def fit_and_compare(layout_names, steps=3, precision="32-true", stage_orders=None, **strategy_kwargs):
+def fit_and_compare(layout_names, steps=3, precision="32-true", stage_orders=None, plans=None, **strategy_kwargs):
     """3 optimizer steps of mixed plans (every layout a stage, uneven dp groups, stage orders of
-    :data:`STAGE_ORDERS`) under a real Trainer.
+    :data:`STAGE_ORDERS`, or the given ``plans``) under a real Trainer.
 
     Returns, per step, the gradient error against the single process started from the SAME weights
     (the update's input: the core invariant), the loss errors, the error of the final weights
@@ -78,8 +78,8 @@ def fit_and_compare(layout_names, steps=3, precision="32-true", stage_orders=Non
     dtype = torch.float64 if precision == "64-true" else torch.float32
     layouts = [Layout.parse(x) for x in layout_names]
     orders = stage_orders or STAGE_ORDERS
-    plans = [mixed_plan(s, LENGTHS[s % len(LENGTHS)], [Layout.parse(x) for x in orders[s % len(orders)]])
-             for s in range(steps)]
+    plans = plans or [mixed_plan(s, LENGTHS[s % len(LENGTHS)], [Layout.parse(x) for x in orders[s % len(orders)]])
+                      for s in range(steps)]
     batches = rank_plans(plans, layouts, dist.get_rank())
     recorder = _Recorder()
     with lightning_rank_env():

@@ -68,7 +68,7 @@ class StageStats:
         mbs = [m for m in stage.micro_batches if hasattr(m, "num_tokens")]
         sum_sq = sum_len = 0.0
         if mbs:  # a local document of a cp rank is 1/cp of its padded row; one host copy per stage
-            s = torch.cat([m.cu_seqlens.diff() for m in mbs]).double() * stage.layout.cp
+            s = torch.cat([m.cu_seqlens.diff() for m in mbs]).double() * stage.compute_layout.cp
             sum_sq, sum_len = torch.stack([(s * s).sum(), s.sum()]).tolist()
         return cls(stage.layout, order, stage.label,
                    tokens=sum(m.num_tokens for m in mbs), documents=sum(m.num_documents for m in mbs),

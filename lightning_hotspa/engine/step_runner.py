@@ -9,7 +9,9 @@ run accumulates into the same ``.grad`` and reduces once, at its last stage. The
 last backward of a reducing stage starts while that backward runs
 (:meth:`SwitchEngine.overlap_next_backward`). Then the step's one small collective gathers every
 rank's loss and stage numbers (:func:`.records.gather_step`), and a non-finite global loss goes to
-the caller's policy (a callable: the engine does not know what "stop" or "skip" mean).
+the caller's policy (a callable: the engine does not know what "stop" or "skip" mean). A mixed
+stage (``RankStage.block``) switches to its working copy's layout and computes in its rank's block
+layout (docs/DESIGN.md §4, "Mixed-cp lockstep rounds").
 
 The runner knows no Lightning: the strategy, the CLI's calibration and the benchmark recipes all
 call it, each adding what it needs through :class:`StepHooks` (Lightning's backward hooks, the
@@ -115,7 +117,8 @@ class StepRunner:
         return sum(self.units.bytes.values()) if self.units is not None else 0
 
     def _idle(self, layout: Layout) -> MicroBatch:
-        """The micro-batch of an idle round (fsdp stages: fewer micro-batches than the busiest group)."""
+        """The micro-batch of an idle round (fsdp stages: fewer micro-batches than the busiest group),
+        cp-sliced for ``layout``, the stage's compute layout on this rank."""
         cp_rank = self.engine.world.shape.rank_coords(layout, self.engine.world.rank)[2]
         return idle_micro_batch(layout.cp, cp_rank).to(self.device)
 
@@ -143,14 +146,16 @@ class StepRunner:
                 # the same decision on every rank: the stage list is the global plan's
                 carry = self.share_gradients and k + 1 < len(plan.stages) and engine.shares_gradients(
                     stage.layout, plan.stages[k + 1].layout)
+                # ac follows the working copy's layout: one choice for every block of a mixed stage, so
+                # every rank's backward gathers alike; the compute groups are this rank's block's
                 ac = bool(stage.activation_checkpointing or self.activation_checkpointing(stage.layout))
-                parallel.activate(stage.layout, engine.working, ac)
+                parallel.activate(stage.compute_layout, engine.working, ac)
                 hooks.before_compute(stage)
                 t1, c1 = clock.mark(), self.cpu_clock()
                 fsdp_start = self._fsdp_bytes()
                 real = len(stage.micro_batches)
                 rounds = stage.num_rounds
-                idle = self._idle(stage.layout) if rounds > real else None  # built once per stage
+                idle = self._idle(stage.compute_layout) if rounds > real else None  # built once per stage
                 for i in range(rounds):
                     mb = stage.micro_batches[i] if i < real else idle
                     if i < real:
@@ -160,7 +165,7 @@ class StepRunner:
                         loss = loss_fn(mb)
                     if i < real:
                         hooks.record_loss(loss, mb)
-                    scaled = loss * (loss_weight(mb, plan, stage.layout) if i < real else 0.0)
+                    scaled = loss * (loss_weight(mb, plan, stage.compute_layout) if i < real else 0.0)
                     if self.overlap and i == rounds - 1 and not carry:
                         engine.overlap_next_backward()  # reduce buckets while the last backward runs
                     if i < real:
@@ -206,7 +211,7 @@ class StepRunner:
         try:
             for stage in plan.stages:
                 self.switch_to(stage.layout)
-                self.parallel.activate(stage.layout, self.engine.working)
+                self.parallel.activate(stage.compute_layout, self.engine.working)
                 for mb in stage.micro_batches:
                     with self.parallel.micro_batch(mb if isinstance(mb, MicroBatch) else None), context(), \
                             self._prefetch():

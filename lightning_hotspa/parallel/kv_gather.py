@@ -186,7 +186,8 @@ class _KVGatherAttention(torch.autograd.Function):
         kf, vf = _gather_kv(k, v, geometry, group)  # re-gathered, never saved
         dq = torch.empty_like(q)
         width = kf.shape[1]
-        dkv = torch.zeros((kf.shape[0], width + vf.shape[1], kf.shape[2]), dtype=torch.float32, device=kf.device)
+        acc = torch.promote_types(kf.dtype, torch.float32)  # fp32 at least: fp64 stays fp64
+        dkv = torch.zeros((kf.shape[0], width + vf.shape[1], kf.shape[2]), dtype=acc, device=kf.device)
         for q0, q1, k0, k1, first, lo in geometry.blocks:  # one chunk's graph alive at a time
             qb, kb, vb = (t.detach().requires_grad_() for t in (q[q0:q1], kf[k0:k1], vf[k0:k1]))
             with torch.enable_grad():
@@ -195,7 +196,7 @@ class _KVGatherAttention(torch.autograd.Function):
             dq[q0:q1] = gq
             dkv[k0:k1, :width] += gk
             dkv[k0:k1, width:] += gv
-        # summed in fp32 here, reduced in the K/V dtype (bf16 under mixed precision: half the bytes)
+        # summed in fp32 (fp64) here, reduced in the K/V dtype (bf16 under mixed precision: half the bytes)
         local = reduce_scatter_rows(dkv.index_select(0, geometry.full_index).to(k.dtype), group)
         dk, dv = local.split([width, vf.shape[1]], dim=1)
         return dq, dk.contiguous(), dv.contiguous(), None, None, None
