@@ -209,3 +209,20 @@ def test_memory_model_counts_the_kv_gather_buffers(layout: str) -> None:
     assert cm.kv_gather_extra_bytes(Layout.parse(layout.split(":")[0]), False, tokens) == 0  # Ulysses
     predicted = cm.peak_bytes(lay, False, tokens)
     assert abs(got["peak_bytes"] / predicted - 1) < 0.05, (got["peak"], predicted)
+
+
+@pytest.mark.parametrize("attention", ["cpu", "gpu"])
+@pytest.mark.parametrize("layout", ["dp4", "dp2xtp2", "tp2xcp2", "cp4:kv"])
+def test_memory_model_counts_what_each_token_keeps_on_both_attention_paths(layout: str, attention: str) -> None:
+    """The measured peak's growth per token (between 1024 and 2048 tokens, where the loss head's turn
+    is the peak) equals the model's, on the CPU kernels and on what
+    flash-attn's varlen kernel keeps (docs/DESIGN.md §11)."""
+    small, large = (estimate_layout(SMALLISH, 4, layout, t, attention=attention)["peak_bytes"] for t in (1024, 2048))
+    cm, lay = AnalyticCostModel(SMALLISH, "H100", 4), Layout.parse(layout)
+    predicted = (cm.peak_bytes(lay, False, 2048) - cm.peak_bytes(lay, False, 1024)) / 1024
+    assert abs((large - small) / 1024 / predicted - 1) < 0.02, ((large - small) / 1024, predicted)
+
+
+def test_memory_cli_names_a_bad_attention_path() -> None:
+    with pytest.raises(ValueError, match="attention must be one of \\('cpu', 'gpu'\\), got 'tpu'"):
+        estimate_layout(SMALLISH, 4, "dp4", 64, attention="tpu")

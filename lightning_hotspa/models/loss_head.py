@@ -52,10 +52,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
         for lo in range(0, rows, block):
             hi = min(lo + block, rows)
             z = _wide(F.linear(hidden, weight[lo:hi]))
-            lse = torch.logaddexp(lse, torch.logsumexp(z, dim=-1))
             inside = mine & (index >= lo) & (index < hi)
             picked = z.gather(-1, (index - lo).clamp(0, hi - lo - 1).unsqueeze(-1)).squeeze(-1)
             target = target + picked.masked_fill(~inside, 0.0)
+            top = z.amax(dim=-1)  # the block's log-sum-exp in place (torch.logsumexp holds a second copy)
+            block_lse = z.sub_(top.unsqueeze(-1)).exp_().sum(dim=-1).log_().add_(top)
+            lse = torch.logaddexp(lse, block_lse)
             del z
         if group is not None and group.size > 1:
             top = lse.clone()

@@ -42,9 +42,9 @@ class MemoryUse:
     activation_per_token: float  # per token of the micro-batch (already divided by tp*cp)
     usable: float  # the hardware's usable bytes (after its reserve): what "fits" compares with
     margin: float = 0.0  # the model's own error margin (:data:`MODEL_ERROR_MARGIN`)
-    # An fsdp unit's gathered weights and gradient (bytes): live while a unit runs backward, which
-    # is not while the loss head's logits transients (``head_per_token``, part of the activations)
-    # are: the peak holds the larger of the two.
+    # Bytes live when the loss head's transients (``head_per_token``, part of the activations) are
+    # not: an fsdp unit's gathered weights and gradient while it runs backward, or (replicated
+    # copies) the overlapped reduction of the head's gradient; the peak holds the larger of the two.
     transient: float = 0.0
     head_per_token: float = 0.0
 
@@ -125,16 +125,14 @@ class MemoryModel:
         return m.n_layers * layer + rope + head
 
     def logits_bytes_per_token(self, tp: int = 1, cp: int = 1) -> float:
-        """The blocked loss head's transients per token (models/loss_head.py): the larger of the
-        forward (one block's logits in the working dtype and fp32, and logsumexp's fp32 exponentials)
-        and the backward (one block's recomputed logits in fp32 and as the working-dtype gradient,
-        plus the fp32 hidden-gradient sum), a block being ``HEAD_VOCAB_BLOCK`` of this rank's rows."""
+        """The blocked loss head's transients per token (models/loss_head.py) at its backward, the
+        larger end: one block's recomputed logits in fp32 next to their working-dtype copy (the
+        forward holds the same and its log-sum-exp works in place), plus the fp32 hidden-gradient
+        sum; a block is ``HEAD_VOCAB_BLOCK`` of this rank's vocabulary rows."""
         m, wb = self.model, self.param_bytes
         block = min(float(HEAD_VOCAB_BLOCK), m.padded_vocab_size / tp)
         low = wb if wb < 4 else 0.0  # a working-dtype copy next to the fp32 one (none in fp32)
-        forward = 8.0 * block
-        backward = (4.0 + low) * block + 4.0 * m.hidden
-        return max(forward, backward) / cp
+        return ((4.0 + low) * block + 4.0 * m.hidden) / cp
 
     def _attention_state_bytes(self) -> float:
         """Per token per layer beyond q, k, v and out: flash kernels keep an fp32 log-sum-exp per
