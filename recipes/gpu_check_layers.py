@@ -50,7 +50,16 @@ def layer_activation_bytes_per_token(config: LlamaConfig) -> float:
 
 
 def _local_linear(full: nn.Linear, out_div: int = 1, in_div: int = 1) -> nn.Linear:
-    return nn.Linear(full.in_features // in_div, full.out_features // out_div, bias=False, device="meta")
+    """A meta Linear of ``full``'s type (SwiGLU's gated down projection stays one) with one tp shard's shape.
+
+    Args:
+        full: the unsharded projection.
+        out_div, in_div: by how much its output / input features are split.
+    """
+    shape = (full.in_features // in_div, full.out_features // out_div)
+    if type(full) is nn.Linear:
+        return nn.Linear(*shape, bias=False, device="meta")
+    return type(full)(*shape, device="meta")
 
 
 def local_block(config: LlamaConfig, tp: int, device: torch.device, dtype: torch.dtype) -> Block:

@@ -160,8 +160,9 @@ def test_switch_bytes_follow_the_tp_prefix_rule() -> None:
 def test_memory_capacity_grows_with_sharding_and_model_splits_are_checked() -> None:
     cm = AnalyticCostModel("artifact-llama7b", "A800-80G", 8)
     caps = [cm.capacity(x, False) for x in (Layout(dp=8), Layout(dp=4, tp=2), Layout(dp=2, tp=2, cp=2))]
-    # 7B, dp8: ~3K tokens without checkpointing (fp32 main grads and the measured activation terms)
-    assert caps == sorted(caps) and 2048 < caps[0] < 4096
+    # 7B, dp8: ~5K tokens without checkpointing (fp32 main grads and the measured activation terms of
+    # the blocked loss head and the norms / SwiGLU that save only what backward needs; ~3K before them)
+    assert caps == sorted(caps) and 4096 < caps[0] < 6144
     assert AnalyticCostModel("artifact-llama30b", "A800-80G", 1).capacity(Layout(), True) == 0  # weights alone
     with pytest.raises(CostModelError, match="heads"):
         AnalyticCostModel("artifact-llama7b", "A800-80G", 3).option(Layout(tp=3), False)
