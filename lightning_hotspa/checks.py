@@ -1,4 +1,4 @@
-"""Validation of plain numbers, written once: every bad input gets an error naming its value.
+"""Validation of plain numbers and JSON files, written once: every bad input gets an error naming its value.
 
 ``bool`` is rejected where an int is wanted (``True`` is an ``int`` in Python, and a YAML ``yes``
 would otherwise pass as 1); numpy integers are accepted and returned as ``int``. Each caller
@@ -8,10 +8,12 @@ stay the ones its callers catch.
 
 from __future__ import annotations
 
+import json
 import numbers
+from pathlib import Path
 from typing import Any
 
-__all__ = ["check_int", "check_number", "is_int"]
+__all__ = ["check_int", "check_number", "is_int", "read_json_object"]
 
 
 def is_int(value: Any) -> bool:
@@ -39,3 +41,25 @@ def check_number(value: Any, what: str, *, strict: bool = True, error: type[Exce
     if not ok:
         raise error(f"{what} must be {'a positive number' if strict else 'a number >= 0'}, got {value!r}")
     return float(value)
+
+
+def read_json_object(file: Path, *, error: type[Exception] = ValueError, hint: str = "",
+                     what: str = "object") -> dict[str, Any]:
+    """The JSON object in ``file``; else ``error`` naming the file and where it is broken.
+
+    Args:
+        file: the file to read (it exists).
+        error: the exception type the caller's callers catch.
+        hint: appended to the message of a file that is not valid JSON (e.g. "; cut off?").
+        what: what the object is, for the message of a file that holds another JSON value.
+    """
+    try:
+        value = json.loads(file.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise error(f"{str(file)!r} is not UTF-8 text (byte {exc.start}){hint}") from None
+    except json.JSONDecodeError as exc:
+        raise error(f"{str(file)!r} is not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg})"
+                    f"{hint}") from None
+    if not isinstance(value, dict):
+        raise error(f"{str(file)!r} holds a JSON {type(value).__name__}, not a {what}")
+    return value

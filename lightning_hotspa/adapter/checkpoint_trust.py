@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from ..checks import read_json_object
+
 __all__ = ["COMMIT_FILE", "META_FILE", "DCP_METADATA", "KIND_SHARED", "KIND_NODE_LOCAL", "FORMAT", "VERSION", "CheckpointError", "LegacyCheckpointError", "sha256_file",
            "file_entries", "encode_meta", "write_fsync", "read_meta", "write_marker", "read_marker", "verify_files",
            "has_legacy_layout", "verify_checkpoint", "LEGACY_HINT"]
@@ -199,15 +201,8 @@ def read_marker(folder: Path) -> dict[str, Any]:
         if has_legacy_layout(folder):
             raise LegacyCheckpointError(f"cannot load {str(folder)!r}: {LEGACY_HINT}")
         raise CheckpointError(f"{str(folder)!r} has no {COMMIT_FILE}: not a committed hotspa checkpoint")
-    try:
-        marker = json.loads(file.read_bytes().decode("utf-8"))
-    except UnicodeDecodeError as exc:
-        raise CheckpointError(f"{str(file)!r} is not UTF-8 text (byte {exc.start}): a corrupt commit marker") from None
-    except json.JSONDecodeError as exc:
-        raise CheckpointError(f"{str(file)!r} is not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg}): "
-                              f"a corrupt commit marker") from None
-    if not isinstance(marker, dict):
-        raise CheckpointError(f"{str(file)!r} holds a JSON {type(marker).__name__}, not a commit marker object")
+    marker = read_json_object(file, error=CheckpointError, hint=": a corrupt commit marker",
+                              what="commit marker object")
     if "version" not in marker and has_legacy_layout(folder):
         raise LegacyCheckpointError(f"cannot load {str(folder)!r}: {LEGACY_HINT}")
     if marker.get("format") != FORMAT or marker.get("version") != VERSION:

@@ -9,12 +9,12 @@ read: transformers 4.x writes ``rope_theta`` + ``rope_scaling``, transformers 5 
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from ..checks import read_json_object
 from .config import Llama3RopeScaling, LlamaConfig
 
 __all__ = ["ARCHITECTURES", "HFConfigError", "config_from_hf", "config_to_hf", "read_hf_config"]
@@ -32,16 +32,8 @@ def read_hf_config(path: str | os.PathLike[str]) -> dict[str, Any]:
     file = Path(path).expanduser() / "config.json"
     if not file.is_file():
         raise HFConfigError(f"{str(Path(path))!r} is not a Hugging Face model folder: it has no config.json")
-    try:
-        hf = json.loads(file.read_bytes().decode("utf-8"))
-    except UnicodeDecodeError as exc:
-        raise HFConfigError(f"{str(file)!r} is not UTF-8 text (byte {exc.start})") from None
-    except json.JSONDecodeError as exc:
-        raise HFConfigError(f"{str(file)!r} is not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg}); "
-                            f"cut off or not a config.json?") from None
-    if not isinstance(hf, dict):
-        raise HFConfigError(f"{str(file)!r} holds a JSON {type(hf).__name__}, not a config object")
-    return hf
+    return read_json_object(file, error=HFConfigError, hint="; cut off or not a config.json?",
+                            what="config object")
 
 
 def _architecture(hf: Mapping[str, Any]) -> str:
