@@ -13,11 +13,9 @@ composed exactly as :class:`MiniBatchSampler` composes it. Nothing is dropped or
 with more mini-batches than an epoch simply continues into the next epoch, and epoch ``e`` step ``s``
 is stream position ``e * batches_per_epoch + s``. Validation and prediction always use data pass 0.
 
-**Samplers.** Plans are already per rank, so Lightning must not shard them again. The recipe's trainer
-configs set ``use_distributed_sampler=False``; the strategy does not force it (plain DataLoaders want
-Lightning's DistributedSampler). The loader works even when Lightning re-creates it with a
-sampler of its own (``DistributedSampler``, prediction's index tracking): it ignores a foreign
-sampler (with a warning) and keeps its own.
+**Samplers.** Plans are already per rank, so Lightning must not shard them again. When Lightning
+re-creates the loader with a sampler of its own (its default ``DistributedSampler``, prediction's
+index tracking) the loader keeps its own, silently; it warns only about a sampler the user set.
 
 **Resume (Lightning 2.6).** The fit loop saves ``state_dict()`` of every training loader that has
 ``state_dict``/``load_state_dict`` (``_Stateful``, ``CombinedLoader._state_dicts``) and, when

@@ -423,7 +423,6 @@ def build_parser() -> argparse.ArgumentParser:
     chk.add_argument("--rows-out", default=None, help="save the raw observation rows (np.savetxt) here")
     chk.add_argument("--json", action="store_true")
     from . import consolidate, export, memory
-
     for command in (export, consolidate, memory):
         command.add_parser(sub)
     return parser
@@ -433,10 +432,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``hotspa`` console script; returns the exit code."""
     args = build_parser().parse_args(argv)
     from . import consolidate, export, memory
-
-    commands = {"plan": _cmd_plan, "simulate": _cmd_simulate, "calibrate": _cmd_calibrate,
-                "check-calibration": _cmd_check_calibration, "export": export.run, "memory": memory.run,
-                "upgrade-checkpoint": export.run_upgrade, "consolidate": consolidate.run}
+    commands = {"plan": _cmd_plan, "simulate": _cmd_simulate, "calibrate": _cmd_calibrate, "memory": memory.run,
+                "check-calibration": _cmd_check_calibration, "export": export.run, "consolidate": consolidate.run,
+                "upgrade-checkpoint": export.run_upgrade}
     try:
         result = commands[args.command](args)
     except (CliError, ValueError, KeyError, OSError) as err:
