@@ -19,14 +19,15 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from .checks import check_int
 
-__all__ = ["Layout", "LayoutError", "MeshShape", "parse_layouts"]
+__all__ = ["Layout", "LayoutError", "MeshShape", "parse_layouts", "require_member"]
 
 
 class LayoutError(ValueError):
@@ -213,6 +214,22 @@ class Layout:
                 degrees["cp_kv"] = int(kv.group(1)) if kv.group(1) else cp
             return cls(**degrees, fsdp=fsdp, fsdp_shard=shard)
         raise LayoutError(f"cannot interpret {spec!r} (type {type(spec).__name__}) as a layout")
+
+
+def require_member(layout: Any, layouts: Collection[Layout], among: str = "") -> Layout:
+    """``layout`` if it is a :class:`Layout` in ``layouts``; else a :class:`LayoutError` naming it.
+
+    Args:
+        layout: what a caller passed (names are parsed at the edge, never here).
+        layouts: the layouts it must be one of.
+        among: how the message names ``layouts`` (e.g. "this mesh's layouts ").
+    """
+    if not isinstance(layout, Layout):
+        raise LayoutError(f"expected a Layout, got {layout!r} ({type(layout).__name__}); parse names at the "
+                          f"edge with Layout.parse")
+    if layout not in layouts:
+        raise LayoutError(f"layout {layout} is not among {among}{[str(x) for x in layouts]}")
+    return layout
 
 
 def parse_layouts(specs: Iterable[Layout | str | Mapping[str, int]], world_size: int) -> tuple[Layout, ...]:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from functools import cached_property
 
-from .layout import Layout, LayoutError, MeshShape
+from .layout import Layout, LayoutError, MeshShape, require_member
 
 __all__ = ["RankGroup", "LayoutGroups", "WorldMesh"]
 
@@ -130,11 +130,7 @@ class WorldMesh:
 
     def layout_groups(self, layout: Layout) -> LayoutGroups:
         """This rank's tp / cp / dp groups (and the two parts of cp) of ``layout``, one of the mesh's."""
-        if not isinstance(layout, Layout):
-            raise LayoutError(f"expected a Layout, got {layout!r} ({type(layout).__name__}); parse names at the "
-                              f"edge with Layout.parse")
-        if layout not in self.layouts:
-            raise LayoutError(f"layout {layout} is not among this mesh's layouts {[str(x) for x in self.layouts]}")
+        require_member(layout, self.layouts, among="this mesh's layouts ")
         return LayoutGroups(
             layout,
             tp=self.group(self.shape.tp_dims(layout)),

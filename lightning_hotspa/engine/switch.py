@@ -40,7 +40,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from ..layout import Layout, LayoutError
+from ..layout import Layout, LayoutError, require_member
 from ..mesh import WorldMesh
 from ..placements import ParamSharding
 from ..torch_compat import C10D_DEPRECATION_MESSAGE  # noqa: F401  (installs the warning filter)
@@ -120,7 +120,6 @@ class SwitchEngine(GradientReduction):
         self.switch_buckets_in_flight = switch_buckets_in_flight
         self.active: Layout | None = None
         self.working: dict[str, torch.Tensor] = {}
-        self._layouts = frozenset(world.layouts)
         self._move_plans: dict[tuple[Layout | None, Layout], _MovePlan] = {}
         #: parameters inside the model's fsdp units (:meth:`set_fsdp_units`)
         self.fsdp_names: frozenset[str] = frozenset()
@@ -187,12 +186,7 @@ class SwitchEngine(GradientReduction):
 
     def _member(self, layout: Layout) -> Layout:
         """``layout`` if it is one of the mesh's layouts, else a :class:`LayoutError` naming it."""
-        if not isinstance(layout, Layout):
-            raise LayoutError(f"expected a Layout, got {layout!r} ({type(layout).__name__}); parse names at the "
-                              f"edge with Layout.parse")
-        if layout not in self._layouts:
-            raise LayoutError(f"layout {layout} is not among {[str(x) for x in self.world.layouts]}")
-        return layout
+        return require_member(layout, self.world.layouts)
 
     def _move_plan(self, source: Layout | None, target: Layout) -> _MovePlan:
         key = (source, target)
