@@ -193,12 +193,17 @@ def collectives_for(layout_name: str) -> dict:
     from lightning_hotspa.engine.switch import SwitchEngine
     from lightning_hotspa.host import set_host_reads
     from lightning_hotspa.mesh import WorldMesh
-    from lightning_hotspa.models import LlamaConfig, llama_tp_plan, param_roles
+    from lightning_hotspa.models import LlamaConfig
     from lightning_hotspa.parallel.model import ParallelModel
-    from lightning_hotspa.placements import build_shardings
     from lightning_hotspa.testing.comm_bytes import count_collective_bytes
     from lightning_hotspa.testing.fake_world import FakeWorld, fake_mode, host_reads_real
-    from lightning_hotspa.tools.memory import _as_if_mid_step, _empty_shard, _micro_batch, _Wrapped
+    from lightning_hotspa.tools.memory import (
+        _as_if_mid_step,
+        _empty_shard,
+        _micro_batch,
+        _Wrapped,
+        llama_roles_and_shardings,
+    )
 
     config = LlamaConfig.preset("llama7b")
     layout = Layout.parse(layout_name)
@@ -208,9 +213,7 @@ def collectives_for(layout_name: str) -> dict:
         mb = _micro_batch(layout, world, 64)
         with torch.device("meta"):
             module = _Wrapped(config)
-        roles = param_roles(module, llama_tp_plan(config, layout.tp, prefix="model.")) if layout.tp > 1 \
-            else {n: "replicated" for n, _ in module.named_parameters()}
-        shardings = build_shardings({n: tuple(p.shape) for n, p in module.named_parameters()}, roles, world.shape)
+        roles, shardings = llama_roles_and_shardings(module, config, layout, world)
         previous = set_host_reads(host_reads_real)
         try:
             with fake_mode():

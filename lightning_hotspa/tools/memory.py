@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from torch import nn
 
 from ..layout import Layout
 from ..models.config import LlamaConfig
@@ -87,6 +88,24 @@ def _micro_batch(layout: Layout, world: Any, tokens: int) -> Any:
     return slice_plan(plan, docs, world.shape, 0).stages[0].micro_batches[0]
 
 
+def llama_roles_and_shardings(module: nn.Module, config: LlamaConfig, layout: Layout, world: Any) -> tuple[dict, dict]:
+    """The tensor-parallel roles and home shardings of a wrapped Llama (``model.`` prefix) in ``layout``.
+
+    Args:
+        module: the model wrapped as the estimator wraps it (its parameters under ``model.``).
+        config: its configuration.
+        layout: the layout it runs in (replicated roles without tp).
+        world: the ``WorldMesh``.
+    """
+    from ..models import llama_tp_plan, param_roles
+    from ..placements import build_shardings
+
+    roles = param_roles(module, llama_tp_plan(config, layout.tp, prefix="model.")) if layout.tp > 1 \
+        else {n: "replicated" for n, _ in module.named_parameters()}
+    shardings = build_shardings({n: tuple(p.shape) for n, p in module.named_parameters()}, roles, world.shape)
+    return roles, shardings
+
+
 def estimate_layout(config: LlamaConfig, world_size: int, layout: Layout | str, tokens: int, *,
                     activation_checkpointing: bool = False, working_dtype: torch.dtype = torch.bfloat16,
                     grad_accum_dtype: torch.dtype | None = torch.float32,
@@ -104,9 +123,7 @@ def estimate_layout(config: LlamaConfig, world_size: int, layout: Layout | str, 
     from ..engine.switch import SwitchEngine
     from ..host import set_host_reads
     from ..mesh import WorldMesh
-    from ..models import llama_tp_plan, param_roles
     from ..parallel.model import ParallelModel
-    from ..placements import build_shardings
     from ..testing.fake_world import FakeWorld, MemoryTracker, fake_mode, host_reads_real
 
     layout = Layout.parse(layout)
@@ -120,10 +137,7 @@ def estimate_layout(config: LlamaConfig, world_size: int, layout: Layout | str, 
             from ..testing.gpu_attention import flash_varlen_standin
 
             module.model.set_attention_backend(flash_varlen_standin)
-        roles = param_roles(module, llama_tp_plan(config, layout.tp, prefix="model.")) if layout.tp > 1 \
-            else {n: "replicated" for n, _ in module.named_parameters()}
-        shapes = {n: tuple(p.shape) for n, p in module.named_parameters()}
-        shardings = build_shardings(shapes, roles, world.shape)
+        roles, shardings = llama_roles_and_shardings(module, config, layout, world)
         previous = set_host_reads(host_reads_real)
         try:
             with fake_mode():
