@@ -197,12 +197,12 @@ PROFILES: dict[str, HardwareProfile] = {
     ),
     "H100-GT500W": HardwareProfile(
         name="H100-GT500W", **{**_HOPPER, "peak_flops": 912e12},
-        memory_bytes=96 * GiB, intra_node_bw=360e9, inter_node_bw=45e9, hbm_bandwidth=3.35e12 * HBM_FRACTION,
+        memory_bytes=96 * GiB, intra_node_bw=360e9, inter_node_bw=45e9, hbm_bandwidth=2.4e12 * HBM_FRACTION,
         source="Meta's Grand Teton H100 (96 GB HBM2e, 500 W power limit) that torchtitan's benchmarks ran on: "
         "its peak is 'between SXM and NVL' (torchtitan benchmarks/llama3_h100_202412_torchtitan.md): ASSUMED "
         "the midpoint of 989 (SXM) and 835 (NVL) TFLOP/s; efficiencies (fractions of that peak) and links as "
-        "the H100's; 400 Gb/s RDMA per GPU (the same file); HBM bandwidth ASSUMED the H100 SXM's (its HBM2e's is not "
-        "stated). Prices only those published rows." + _LINKS,
+        "the H100's; 400 Gb/s RDMA per GPU (the same file); HBM2e at 2.4 TB/s peak (torchtitan docs/performance.md) x "
+        "0.8 reached (ASSUMED, as every profile). Prices only those published rows." + _LINKS,
     ),
     "H200": HardwareProfile(
         name="H200", **_HOPPER, memory_bytes=141e9, intra_node_bw=360e9, inter_node_bw=45e9,
