@@ -201,7 +201,7 @@ PROFILES: dict[str, HardwareProfile] = {
         source="Meta's Grand Teton H100 (96 GB HBM2e, 500 W power limit) that torchtitan's benchmarks ran on: "
         "its peak is 'between SXM and NVL' (torchtitan benchmarks/llama3_h100_202412_torchtitan.md): ASSUMED "
         "the midpoint of 989 (SXM) and 835 (NVL) TFLOP/s; efficiencies (fractions of that peak) and links as "
-        "the H100's; 400 Gb/s RDMA per GPU (the same file); HBM2e at 2.4 TB/s peak (torchtitan docs/performance.md) x "
+        "the H100's; 400 Gb/s RDMA per GPU (the same file); HBM2e at 2.4 TB/s peak (torchtitan's performance.md in its docs folder) x "
         "0.8 reached (ASSUMED, as every profile). Prices only those published rows." + _LINKS,
     ),
     "H200": HardwareProfile(
