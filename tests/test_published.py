@@ -154,6 +154,8 @@ def test_bad_runtime_and_attention_table_name_the_value():
         dataclasses.replace(HOTSPA, optimizer_bytes_per_param=-1)
     with pytest.raises(ValueError, match="attention kernel 'fa9'"):
         dataclasses.replace(PROFILES["H100"], attention_kernels=(("fa9", 128, 0.3),))
+    with pytest.raises(ValueError, match="attention kernel 'unfused' takes no efficiency"):
+        dataclasses.replace(PROFILES["A100-80G"], attention_kernels=(("unfused", 96, 0.3),))
     with pytest.raises(ValueError, match="efficiency of 'fa2' at head dim 128 must be in"):
         dataclasses.replace(PROFILES["H100"], attention_kernels=(("fa2", 128, 1.5),))
     assert all(isinstance(r, RuntimeProfile) for r in RUNTIME_PROFILES.values())

@@ -58,6 +58,9 @@ def check_attention_table(profile: str, value: object) -> tuple[tuple[str, int, 
     for k, hd, e in rows:
         if k not in ATTENTION_KERNELS:
             raise ValueError(f"HardwareProfile {profile!r}: attention kernel {k!r} is not one of {ATTENTION_KERNELS}")
+        if k in UNFUSED_KERNELS:
+            raise ValueError(f"HardwareProfile {profile!r}: attention kernel {k!r} takes no efficiency: it is priced "
+                             f"by its FLOPs and score bytes (unfused_attention_seconds, hbm_bandwidth)")
         if isinstance(hd, bool) or not isinstance(hd, int) or hd < 1:
             raise ValueError(f"HardwareProfile {profile!r}: attention head_dim must be an int >= 1, got {hd!r}")
         if isinstance(e, bool) or not isinstance(e, (int, float)) or not 0 < e <= 1:
