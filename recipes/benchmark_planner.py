@@ -6,7 +6,9 @@ each; target < 50 ms), a wall-clock figure kept out of the test suite.
 For each candidate set (the paper's 8-GPU set, larger long-context sets with all-gather-KV and
 hybrid layouts, and sets with sharded working copies, plain and HSDP) it times ``CostModelPlanner.plan`` (guarded: the multi-layout solve plus one solve
 per single layout) and the unguarded multi-layout solve alone, median of ``--repeats`` after one
-warm-up, on the same 512 documents. Prints one JSON line last.
+warm-up, on the same 512 documents; the guarded plan also in this process's CPU time
+(``guarded_plan_cpu_ms``: on a shared box the wall clock includes waiting for a core). Prints one
+JSON line last.
 
     python recipes/benchmark_planner.py --repeats 7
 """
@@ -43,14 +45,17 @@ SETS = {
 }
 
 
-def _median_ms(fn, repeats: int) -> float:
+def _median_ms(fn, repeats: int) -> tuple[float, float]:
+    """(wall, CPU) milliseconds of ``fn``, medians of ``repeats`` after one warm-up. The CPU figure is
+    this process's own time: on a shared, oversubscribed box it moves far less than the wall clock."""
     fn()
-    samples = []
+    wall, cpu = [], []
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         fn()
-        samples.append(1e3 * (time.perf_counter() - t0))
-    return statistics.median(samples)
+        wall.append(1e3 * (time.perf_counter() - t0))
+        cpu.append(1e3 * (time.process_time() - c0))
+    return statistics.median(wall), statistics.median(cpu)
 
 
 def paper_set_cpu_ms() -> float:
@@ -86,13 +91,16 @@ def main() -> None:
         while (lengths := token_batch(data, context, tokens, 0)).size < args.documents:
             tokens *= 2
         lengths = lengths[: args.documents]
-        guarded = _median_ms(lambda p=planner, x=lengths: p.plan(0, x), args.repeats)
+        guarded, guarded_cpu = _median_ms(lambda p=planner, x=lengths: p.plan(0, x), args.repeats)
         options = planner._option_list
-        multi = _median_ms(lambda p=planner, x=lengths, o=options: p._solve_over(x, list(o)), args.repeats)
-        out[name] = {"guarded_plan_ms": guarded, "unguarded_solve_ms": multi, "layouts": layouts, "context": context,
+        multi, _ = _median_ms(lambda p=planner, x=lengths, o=options: p._solve_over(x, list(o)), args.repeats)
+        out[name] = {"guarded_plan_ms": guarded, "guarded_plan_cpu_ms": guarded_cpu, "unguarded_solve_ms": multi,
+                     "layouts": layouts, "context": context,
                      "fell_back": bool(planner.last_decision and planner.last_decision.fell_back)}
-        print(f"{name}: plan {guarded:.1f} ms with the guard, {multi:.1f} ms multi-layout solve alone")
+        print(f"{name}: plan {guarded:.1f} ms ({guarded_cpu:.1f} ms CPU) with the guard, {multi:.1f} ms "
+              f"multi-layout solve alone")
     out["max_guarded_plan_ms"] = max(v["guarded_plan_ms"] for k, v in out.items() if isinstance(v, dict))
+    out["max_guarded_plan_cpu_ms"] = max(v["guarded_plan_cpu_ms"] for k, v in out.items() if isinstance(v, dict))
     out["target_50ms_met"] = out["max_guarded_plan_ms"] <= 50
     out["paper_set_median_cpu_ms"] = paper_set_cpu_ms()
     out["target_paper_set_cpu_50ms_met"] = out["paper_set_median_cpu_ms"] < 50

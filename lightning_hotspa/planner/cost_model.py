@@ -71,6 +71,7 @@ import numpy as np
 from ..checks import check_int
 from ..layout import Layout
 from ..models.config import LlamaConfig
+from .efficiency import UNFUSED_KERNELS, unfused_attention_seconds
 from .hardware import HardwareProfile, get_profile
 from .memory_model import MemoryModel, MemoryUse
 from .packing import cp_padded_lengths, max_doc_length
@@ -235,8 +236,7 @@ class AnalyticCostModel(MemoryModel):
         layers = m.n_layers / par.pp
         recompute = 1.0 + (1.0 / 3.0 if ac else 0.0)
         # compute: attention 6*L*H*hd*s*(s+1) (models/config.py), dense 6*P*s (+2*P_layers*s recompute)
-        attn_eff = hw.attention_efficiency_for(self.runtime.attention_kernel, m.head_dim)
-        attn = 6.0 * m.n_layers * self.attn_width * recompute / (div * hw.peak_flops * attn_eff)
+        attn = self._attention_seconds(div) * recompute
         a, b = attn, attn + self._dense_seconds_per_token(par, ac)
         d = layers * hw.layer_overhead_s * recompute
         if par.tp > 1:
@@ -270,6 +270,19 @@ class AnalyticCostModel(MemoryModel):
             b += 2.0 * m.hidden * self.param_bytes / (par.tp * par.cp) / bw
             d += 2.0 * hw.latency(self.world_size)
         return a, b, d
+
+    def _attention_seconds(self, div: float) -> float:
+        """Attention seconds per squared document length on one rank (fwd + bwd) with the runtime's
+        kernel: causal FLOPs at the kernel's fraction of peak, or an unfused kernel's roofline sum."""
+        m, hw, kernel = self.model, self.hardware, self.runtime.attention_kernel
+        if kernel in UNFUSED_KERNELS:
+            try:
+                return unfused_attention_seconds(m.n_layers, m.n_heads / div, m.head_dim, hw.peak_flops,
+                                                 hw.dense_efficiency, hw.hbm_bandwidth)
+            except ValueError as err:
+                raise CostModelError(f"{hw.name} with runtime {self.runtime.name!r}: {err}") from None
+        attn_eff = hw.attention_efficiency_for(kernel, m.head_dim)
+        return 6.0 * m.n_layers * self.attn_width / (div * hw.peak_flops * attn_eff)
 
     def _dense_seconds_per_token(self, par: Layout, ac: bool) -> float:
         """GEMM seconds per token of a micro-batch on one rank (recompute included with ``ac``)."""

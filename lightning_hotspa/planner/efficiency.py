@@ -8,11 +8,28 @@ gives a constant ``e_max`` (the cpu-gloo profile, calibrated by measurement, kee
 
 Attention efficiency is kept per (kernel family, head dim); a family or head dim with no entry
 takes the nearest head dim of that family, else the profile's ``attention_efficiency``.
+
+An UNFUSED attention (:data:`UNFUSED_KERNELS`: the score matrix materialized in memory, as
+Megatron-LM's 2022 core attention) is not a fraction of peak: it computes the whole square (no
+causal skipping) as batched GEMMs and moves every score element through HBM several times, so
+:func:`unfused_attention_seconds` prices its FLOPs at the GEMM ceiling plus those bytes at the
+device's memory bandwidth (a roofline sum; no fitted constant).
 """
 
 from __future__ import annotations
 
-__all__ = ["attention_efficiency", "check_attention_table", "gemm_efficiency"]
+__all__ = ["UNFUSED_KERNELS", "UNFUSED_SCORE_BYTES", "attention_efficiency", "check_attention_table",
+           "gemm_efficiency", "unfused_attention_seconds"]
+
+#: kernel families that materialize the score matrix (priced by :func:`unfused_attention_seconds`)
+UNFUSED_KERNELS = ("unfused",)
+
+#: bytes moved through HBM per score element per head, forward + backward, by the unfused sequence
+#: baddbmm -> fused scale-mask-softmax -> dropout -> bmm (bf16 scores, a 1-byte dropout mask):
+#: forward 13 (write S 2; softmax read S, write P 4; dropout read P, write P' and mask 5; bmm read
+#: P' 2), backward 19 (write dP' 2; dV reads P' 2; dropout backward 5; softmax backward reads P and
+#: dP, writes dS 6; dQ and dK each read dS 4). A count of the kernels' operands, not a measurement.
+UNFUSED_SCORE_BYTES = 32.0
 
 
 def gemm_efficiency(e_max: float, h_half: float, width: float) -> float:
@@ -41,6 +58,9 @@ def check_attention_table(profile: str, value: object) -> tuple[tuple[str, int, 
     for k, hd, e in rows:
         if k not in ATTENTION_KERNELS:
             raise ValueError(f"HardwareProfile {profile!r}: attention kernel {k!r} is not one of {ATTENTION_KERNELS}")
+        if k in UNFUSED_KERNELS:
+            raise ValueError(f"HardwareProfile {profile!r}: attention kernel {k!r} takes no efficiency: it is priced "
+                             f"by its FLOPs and score bytes (unfused_attention_seconds, hbm_bandwidth)")
         if isinstance(hd, bool) or not isinstance(hd, int) or hd < 1:
             raise ValueError(f"HardwareProfile {profile!r}: attention head_dim must be an int >= 1, got {hd!r}")
         if isinstance(e, bool) or not isinstance(e, (int, float)) or not 0 < e <= 1:
@@ -50,3 +70,18 @@ def check_attention_table(profile: str, value: object) -> tuple[tuple[str, int, 
     if len(set(keys)) != len(keys):
         raise ValueError(f"HardwareProfile {profile!r}: attention_kernels repeats an entry: {keys}")
     return tuple((str(k), int(hd), float(e)) for k, hd, e in rows)
+
+
+def unfused_attention_seconds(layers: int, heads: float, head_dim: int, peak_flops: float, gemm_ceiling: float,
+                              hbm_bandwidth: float) -> float:
+    """Seconds per squared document length of an unfused attention's forward + backward on one rank.
+
+    Args: ``layers``; ``heads`` (attention heads on the rank, after tp / cp); ``head_dim``;
+    ``peak_flops``; ``gemm_ceiling`` (the GEMM curve's ``e_max``: the batched score GEMMs run at
+    most there); ``hbm_bandwidth`` (bytes/s). FLOPs: the full square, ``12 s^2 head_dim`` per head
+    (forward 4, backward 8); bytes: :data:`UNFUSED_SCORE_BYTES` per score element per head."""
+    if hbm_bandwidth <= 0:
+        raise ValueError("an unfused attention is priced by memory bandwidth: the hardware profile has no "
+                         f"hbm_bandwidth (got {hbm_bandwidth!r})")
+    flops = 12.0 * layers * heads * head_dim / (peak_flops * gemm_ceiling)
+    return flops + UNFUSED_SCORE_BYTES * layers * heads / hbm_bandwidth

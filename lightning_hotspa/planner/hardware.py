@@ -67,6 +67,9 @@ class HardwareProfile:
     # attention efficiency per (kernel family, head dim): ((kernel, head_dim, efficiency), ...); a kernel
     # without an entry takes attention_efficiency
     attention_kernels: tuple[tuple[str, int, float], ...] = ()
+    # HBM bytes/s that memory-bound kernels reach (an unfused attention's score passes, an optimizer step);
+    # 0: unknown (nothing that needs it can be priced on this profile)
+    hbm_bandwidth: float = 0.0
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -157,12 +160,16 @@ _FIT = ("FITTED by recipes/benchmark_published.py on every other llm-foundry bf1
         "(planner/published_runs.py; residuals printed there): GEMMs e(h) = {e} * h / (h + {hh}) of peak by model "
         "width h (planner/efficiency.py), FlashAttention-2 (fa2) fwd+bwd at head dim 128: {a} of peak; other kernel "
         "families and head dims: not measured, they take the fa2 value (ASSUMED). ")
-_AMPERE = dict(peak_flops=312e12, dense_efficiency=0.823, gemm_half_width=746.0, attention_efficiency=0.310,
+_AMPERE = dict(peak_flops=312e12, dense_efficiency=0.824, gemm_half_width=746.0, attention_efficiency=0.310,
                attention_kernels=(("fa2", 128, 0.310),))
-_AMPERE_NOTE = "bf16 dense peak 312 TFLOP/s (NVIDIA A100 data sheet). " + _FIT.format(e=0.823, hh=746, a=0.310)
-_HOPPER = dict(peak_flops=989e12, dense_efficiency=0.507, gemm_half_width=478.0, attention_efficiency=0.175,
+_AMPERE_NOTE = "bf16 dense peak 312 TFLOP/s (NVIDIA A100 data sheet). " + _FIT.format(e=0.824, hh=746, a=0.310)
+_HOPPER = dict(peak_flops=989e12, dense_efficiency=0.507, gemm_half_width=476.0, attention_efficiency=0.175,
                attention_kernels=(("fa2", 128, 0.175),))
-_HOPPER_NOTE = "bf16 dense peak 989 TFLOP/s (NVIDIA H100 SXM data sheet). " + _FIT.format(e=0.507, hh=478, a=0.175)
+_HOPPER_NOTE = "bf16 dense peak 989 TFLOP/s (NVIDIA H100 SXM data sheet). " + _FIT.format(e=0.507, hh=476, a=0.175)
+#: fraction of the data-sheet HBM bandwidth memory-bound kernels reach: ASSUMED (STREAM-style copies
+#: reach roughly 80-90 % on A100 / H100)
+HBM_FRACTION = 0.8
+_HBM = " HBM: {tb} TB/s ({sheet}) x {f} reached (ASSUMED) = hbm_bandwidth."
 _LINKS = (" Across nodes a group with k ranks per node drives k NICs (NCCL: one ring per NIC), so its busbw is "
           "k x the per-NIC rate, capped by the intra-node busbw (HardwareProfile.bandwidth).")
 
@@ -170,35 +177,41 @@ _LINKS = (" Across nodes a group with k ranks per node drives k NICs (NCCL: one 
 PROFILES: dict[str, HardwareProfile] = {
     "A100-80G": HardwareProfile(
         name="A100-80G", **_AMPERE, memory_bytes=80 * GiB, intra_node_bw=230e9, inter_node_bw=22e9,
-        source=_AMPERE_NOTE + "NVLink3 600 GB/s bidirectional, ~230 GB/s all-reduce busbw (nccl-tests on "
+        hbm_bandwidth=2.039e12 * HBM_FRACTION,
+        source=_AMPERE_NOTE + _HBM.format(tb=2.039, sheet="A100 80GB SXM data sheet", f=HBM_FRACTION) + "NVLink3 600 GB/s bidirectional, ~230 GB/s all-reduce busbw (nccl-tests on "
         "DGX A100); one 200 Gb/s HDR NIC per GPU (~22 GB/s effective; llm-foundry's A100 table states 1600 "
         "Gbps per node)." + _LINKS,
     ),
     "A800-80G": HardwareProfile(
         name="A800-80G", **_AMPERE, memory_bytes=80 * GiB, intra_node_bw=155e9, inter_node_bw=22e9,
-        source=_AMPERE_NOTE + "The A800 is an A100 (same compute constants) with NVLink capped at 400 GB/s "
+        hbm_bandwidth=2.039e12 * HBM_FRACTION,
+        source=_AMPERE_NOTE + _HBM.format(tb=2.039, sheet="as the A100 80GB", f=HBM_FRACTION) + "The A800 is an A100 (same compute constants) with NVLink capped at 400 GB/s "
         "bidirectional: ASSUMED ~155 GB/s busbw. The HotSPa paper's cluster (nodes of 8, InfiniBand between): "
         "ASSUMED one 200 Gb/s NIC per GPU (~22 GB/s effective); the paper does not state it." + _LINKS,
     ),
     "H100": HardwareProfile(
         name="H100", **_HOPPER, memory_bytes=80 * GiB, intra_node_bw=360e9, inter_node_bw=45e9,
-        source=_HOPPER_NOTE + "NVLink4 900 GB/s bidirectional, ASSUMED ~360 GB/s busbw; ASSUMED one "
+        hbm_bandwidth=3.35e12 * HBM_FRACTION,
+        source=_HOPPER_NOTE + _HBM.format(tb=3.35, sheet="H100 SXM data sheet", f=HBM_FRACTION) + "NVLink4 900 GB/s bidirectional, ASSUMED ~360 GB/s busbw; ASSUMED one "
         "400 Gb/s NDR NIC per GPU (~45 GB/s)." + _LINKS,
     ),
     "H100-GT500W": HardwareProfile(
         name="H100-GT500W", **{**_HOPPER, "peak_flops": 912e12},
-        memory_bytes=96 * GiB, intra_node_bw=360e9, inter_node_bw=45e9,
+        memory_bytes=96 * GiB, intra_node_bw=360e9, inter_node_bw=45e9, hbm_bandwidth=2.4e12 * HBM_FRACTION,
         source="Meta's Grand Teton H100 (96 GB HBM2e, 500 W power limit) that torchtitan's benchmarks ran on: "
         "its peak is 'between SXM and NVL' (torchtitan benchmarks/llama3_h100_202412_torchtitan.md): ASSUMED "
         "the midpoint of 989 (SXM) and 835 (NVL) TFLOP/s; efficiencies (fractions of that peak) and links as "
-        "the H100's; 400 Gb/s RDMA per GPU (the same file). Prices only those published rows." + _LINKS,
+        "the H100's; 400 Gb/s RDMA per GPU (the same file); HBM2e at 2.4 TB/s peak (torchtitan's performance.md in its docs folder) x "
+        "0.8 reached (ASSUMED, as every profile). Prices only those published rows." + _LINKS,
     ),
     "H200": HardwareProfile(
         name="H200", **_HOPPER, memory_bytes=141e9, intra_node_bw=360e9, inter_node_bw=45e9,
+        hbm_bandwidth=4.8e12 * HBM_FRACTION,
         source="DERIVED from the H100 profile: no published dense bf16 training figures were found for it. The "
         "H200 is the H100's GH100 chip with 141 GB HBM3e at 4.8 TB/s (vs 80 GB at 3.35 TB/s; H200 data sheet): "
-        "same peak, NVLink and efficiencies (the model has no memory-bandwidth term, so the faster HBM is not "
-        "credited), its memory size. " + _HOPPER_NOTE + "ASSUMED one 400 Gb/s NDR NIC per GPU." + _LINKS,
+        "same peak, NVLink and efficiencies, its memory size and HBM bandwidth (x the same reached fraction; "
+        "only unfused attention and an optimizer step are priced by it, so our runtime's prices do not credit "
+        "it). " + _HOPPER_NOTE + "ASSUMED one 400 Gb/s NDR NIC per GPU." + _LINKS,
     ),
     # Measured once on the development machine (2 shared cores, 4 gloo ranks, 1 thread each):
     # see CPU_GLOO_CALIBRATION for the raw numbers and the command.

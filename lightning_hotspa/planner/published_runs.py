@@ -23,6 +23,9 @@ TORCHTITAN_2412 = ("pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.
 TORCHTITAN_ASYNC_TP = ("pytorch/torchtitan benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md @ "
                        "4a61bd87d3c7e92bcfeb5d5464d9e6bd13ef440a, {table}, row 'None (bfloat16)', Vanilla TP; "
                        "seq_len 8192 from train_configs/llama3_{size}.toml @ 9dec370ad26b")
+TORCHTITAN_H200 = ("pytorch/torchtitan benchmarks/llama3_8b_h200_2025-06_torchtitan.md @ "
+                   "bcdeaa37c92d1eaceeec3351e7ac81be6a1488af, NUM_NODES 4 row (Trainy, 4 x 8 H200, local batch 2, "
+                   "torch.compile, --model.converters float8)")
 MEGATRON_22B = ("NVIDIA/Megatron-LM README.md @ 2e90a342f5006a3e4f8cacf44002dbae0e10aa17 (MFU table, 22B: 41.5 %, "
                 "dp 1); configuration: Korthikanti et al. 2022, arXiv 2205.05198, Table 3 (22B: 64 heads, hidden 6144, "
                 "48 layers, tp 8, pp 1, 8 GPUs, global batch 4, seq 2048, vocab 51200); tokens/s/GPU = MFU x 312e12 / "
@@ -135,6 +138,9 @@ PUBLISHED_RUNS: tuple[PublishedRun, ...] = (
     PublishedRun("titan-8b-fsdp8", TORCHTITAN_2412.format(table="Table 1 row 'FSDP'", size="8b"), "torchtitan",
                  "H100-GT500W", "llama3-8b", 8, 8, 1, 1, 1, "full", 8192, 2, 1, "selective", "bf16", 5762,
                  note="eager; selective (op) AC priced as no recompute"),
+    PublishedRun("titan-8b-fsdp8-compile", TORCHTITAN_2412.format(table="Table 1 row 'FSDP + torch.compile'", size="8b"),
+                 "torchtitan", "H100-GT500W", "llama3-8b", 8, 8, 1, 1, 1, "full", 8192, 2, 1, "selective", "bf16", 6667,
+                 note="torch.compile: the model does not price compilation (same prediction as the eager row)"),
     PublishedRun("titan-8b-fsdp128", TORCHTITAN_2412.format(table="Table 3 row 'FSDP'", size="8b"), "torchtitan",
                  "H100-GT500W", "llama3-8b", 128, 128, 1, 1, 1, "full", 8192, 2, 1, "selective", "bf16", 5605,
                  note="eager; selective (op) AC priced as no recompute"),
@@ -160,6 +166,9 @@ PUBLISHED_RUNS: tuple[PublishedRun, ...] = (
     PublishedRun("titan-405b-fsdp8-tp8-pp8", TORCHTITAN_2412.format(table="Table 5 row '1F1B'", size="405b"),
                  "torchtitan", "H100-GT500W", "llama3-70b", 512, 8, 8, 1, 8, "full", 8192, 32, 1, "full", "fp8", 100,
                  excluded="405B, pipeline parallel (pp 8) and Float8: not expressible"),
+    PublishedRun("titan-8b-h200-fsdp32-fp8", TORCHTITAN_H200, "torchtitan", "H200", "llama3-8b", 32, 32, 1, 1, 1, "full",
+                 8192, 2, 1, "selective", "fp8", 10938,
+                 excluded="Float8 linears and Float8 FSDP all-gather (the only published H200 figures found)"),
     PublishedRun("nemo-llama3-70b-tp4-pp8", "NVIDIA-NeMo/Megatron-Bridge, file performance-summary-archive.md under its docs folder, @ "
                  "4ab94dfad36641cabdeb96452b21bf676aac4772, 25.09 DGX-H100 table, LLAMA3_70B row", "megatron-2022",
                  "H100", "llama3-70b", 64, 2, 4, 1, 8, "none", 8192, 1, 64, "selective", "fp8", 1619,

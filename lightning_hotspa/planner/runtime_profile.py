@@ -13,11 +13,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["ATTENTION_KERNELS", "HOTSPA", "RUNTIME_PROFILES", "RuntimeProfile", "UnknownRuntimeError",
-           "get_runtime"]
+__all__ = ["ATTENTION_KERNELS", "HOTSPA", "RUNTIME_PROFILES", "RuntimeProfile", "SELECTIVE_POLICIES",
+           "UnknownRuntimeError", "get_runtime"]
 
 #: attention kernel families a hardware profile may rate (``HardwareProfile.attention_kernels``)
-ATTENTION_KERNELS = ("fa2", "fa3", "cudnn", "flex", "sdpa-math", "cpu")
+ATTENTION_KERNELS = ("fa2", "fa3", "cudnn", "flex", "sdpa-math", "cpu", "unfused")
+
+#: what a runtime's "selective" activation checkpointing recomputes (``RuntimeProfile.selective_recompute``):
+#: nothing; the core attention (scores, softmax, dropout, context: Megatron-LM's selective recompute);
+#: every second matmul of a block (torchtitan's per-op policy, which saves attention's output)
+SELECTIVE_POLICIES = ("none", "core-attention", "every-other-mm")
 
 
 class UnknownRuntimeError(ValueError):
@@ -38,7 +43,10 @@ class RuntimeProfile:
     ``tp_comm_overlap`` (tensor-parallel collectives overlapped with GEMMs, async TP);
     ``cp_comm_overlap`` (context-parallel exchanges overlapped with attention, as ring attention);
     ``attention_kernel`` (one of :data:`ATTENTION_KERNELS`, the kernel its GPU rows run);
-    ``source`` (where each field comes from)."""
+    ``selective_recompute`` (one of :data:`SELECTIVE_POLICIES`: what its selective checkpointing
+    recomputes); ``optimizer_bytes_per_param`` (HBM bytes its optimizer step moves per parameter a
+    rank holds: state reads and writes, the gradient-norm read; 0: not priced); ``source`` (where
+    each field comes from)."""
 
     name: str
     fsdp_gather_prefetch: bool
@@ -49,6 +57,8 @@ class RuntimeProfile:
     cp_comm_overlap: bool
     attention_kernel: str
     source: str
+    selective_recompute: str = "none"
+    optimizer_bytes_per_param: float = 0.0
 
     def __post_init__(self) -> None:
         for f in ("fsdp_gather_prefetch", "fsdp_recompute_gather_prefetch", "fsdp_reduce_scatter_overlap",
@@ -58,19 +68,29 @@ class RuntimeProfile:
         if self.attention_kernel not in ATTENTION_KERNELS:
             raise ValueError(f"RuntimeProfile {self.name!r}: attention_kernel must be one of {ATTENTION_KERNELS}, "
                              f"got {self.attention_kernel!r}")
+        if self.selective_recompute not in SELECTIVE_POLICIES:
+            raise ValueError(f"RuntimeProfile {self.name!r}: selective_recompute must be one of {SELECTIVE_POLICIES}, "
+                             f"got {self.selective_recompute!r}")
+        opt = self.optimizer_bytes_per_param
+        if isinstance(opt, bool) or not isinstance(opt, (int, float)) or not opt >= 0:
+            raise ValueError(f"RuntimeProfile {self.name!r}: optimizer_bytes_per_param must be a number >= 0, "
+                             f"got {opt!r}")
 
 
 #: OUR runtime on this commit (engine/fsdp.py, engine/switch.py, parallel/*); update it with the runtime.
 HOTSPA = RuntimeProfile(
     name="hotspa", fsdp_gather_prefetch=True, fsdp_recompute_gather_prefetch=False,
     fsdp_reduce_scatter_overlap=False, dp_reduce_overlap=True, tp_comm_overlap=False, cp_comm_overlap=False, attention_kernel="fa2",
+    selective_recompute="none", optimizer_bytes_per_param=28.0,
     source="engine/fsdp.py: a unit's forward starts the next unit's all-gather asynchronously and each "
     "backward re-gather starts the previous one's (one in flight); a checkpointed unit's recompute gathers "
     "synchronously; the per-unit fp32 reduce-scatter is waited for at once (pending.result()). "
     "engine/switch.py overlap_next_backward: the stage's last micro-batch starts the replicated gradient "
     "reductions bucket by bucket inside its backward (2 in flight). parallel/collectives.py: tp all-reduces "
     "and Ulysses / KV-gather exchanges run synchronously between the GEMMs. models/attention.py: 'auto' on "
-    "CUDA bf16 takes flash-attn's varlen kernel (FlashAttention-2).",
+    "CUDA bf16 takes flash-attn's varlen kernel (FlashAttention-2). No selective checkpointing. Optimizer: "
+    "torch Adam on the fp32 home shard (reads gradient, weight, m, v; writes weight, m, v: 28 B per parameter; "
+    "not in the planner's prices: the same for every plan).",
 )
 
 RUNTIME_PROFILES: dict[str, RuntimeProfile] = {
@@ -78,26 +98,40 @@ RUNTIME_PROFILES: dict[str, RuntimeProfile] = {
     "llm-foundry": RuntimeProfile(
         name="llm-foundry", fsdp_gather_prefetch=True, fsdp_recompute_gather_prefetch=True,
         fsdp_reduce_scatter_overlap=True, dp_reduce_overlap=True,
-        tp_comm_overlap=False, cp_comm_overlap=False, attention_kernel="fa2",
+        tp_comm_overlap=False, cp_comm_overlap=False, attention_kernel="fa2", optimizer_bytes_per_param=32.0,
         source="Composer + PyTorch FSDP1 (backward_prefetch BACKWARD_PRE, also ahead of a checkpointed unit's "
-        "recomputation, whose forward pre-hook unshards; reduce-scatter on its own stream: FSDP1's design); MPT attn_impl 'flash' (flash-attn) in scripts/train/yamls/pretrain/mpt-*.yaml; no tp/cp.",
+        "recomputation, whose forward pre-hook unshards; reduce-scatter on its own stream: FSDP1's design); MPT attn_impl 'flash' (flash-attn) in scripts/train/yamls/pretrain/mpt-*.yaml; no tp/cp. "
+        "Optimizer (the same yamls): decoupled_adamw on fp32 sharded weights with norm gradient clipping: "
+        "reads gradient, weight, m, v, writes weight, m, v, reads the gradient for its norm: 32 B per parameter.",
     ),
     "torchtitan": RuntimeProfile(
         name="torchtitan", fsdp_gather_prefetch=True, fsdp_recompute_gather_prefetch=True,
         fsdp_reduce_scatter_overlap=True, dp_reduce_overlap=True,
         tp_comm_overlap=False, cp_comm_overlap=True, attention_kernel="fa2",
+        selective_recompute="every-other-mm", optimizer_bytes_per_param=32.0,
         source="FSDP2 (implicit one-unit prefetch, in a checkpointed unit's recomputation too; reduce-scatter on "
         "a separate stream); the bf16 rows use "
         "vanilla TP (AsyncTP off: the asyncTP benchmark's 'Vanilla TP' column); CP is ring attention "
-        "(overlapped; its rows are Float8, outside the statistics); attention: SDPA's flash kernel (FA2).",
+        "(overlapped; its rows are Float8, outside the statistics); attention: SDPA's flash kernel (FA2). Selective "
+        "'op' checkpointing (torchtitan/models/llama/parallelize_llama.py @ 82010c7934150aaa55e5b8ee0aa03f372ec90cc2, "
+        "_custom_policy): saves every compute op's output (matmuls, SDPA) 'except every second mm' of a block, "
+        "whose forward the backward re-runs. Optimizer: AdamW on the fp32 FSDP2 shards with gradient-norm "
+        "clipping: 32 B per parameter (as llm-foundry's).",
     ),
     "megatron-2022": RuntimeProfile(
         name="megatron-2022", fsdp_gather_prefetch=False, fsdp_recompute_gather_prefetch=False,
         fsdp_reduce_scatter_overlap=False, dp_reduce_overlap=True,
-        tp_comm_overlap=False, cp_comm_overlap=False, attention_kernel="fa2",
+        tp_comm_overlap=False, cp_comm_overlap=False, attention_kernel="unfused",
+        selective_recompute="core-attention", optimizer_bytes_per_param=42.0,
         source="Megatron-LM as in arXiv 2205.05198: tp all-gathers / reduce-scatters (sequence parallel) on the "
-        "critical path, dp gradient all-reduce overlapped with backward (its README), no FSDP; its 2022 attention "
-        "was the fused-softmax path, priced as FA2 (ASSUMED; 2K sequences, attention ~5 % of the step).",
+        "critical path, dp gradient all-reduce overlapped with backward (its README), no FSDP. Attention: its "
+        "CoreAttention materializes the scores: baddbmm into [b*np, sq, sk], FusedScaleMaskSoftmax, dropout, "
+        "bmm (megatron/model/transformer.py @ b35d061efc6e88dc656c42ba328728679c2e3e02; flash-attn came to "
+        "Megatron-LM only in 2023), priced as 'unfused' (planner/efficiency.py). Selective recompute = that core "
+        "attention, re-run in backward (the paper's definition). Optimizer: apex FusedAdam on fp32 main weights "
+        "and main grads: norm read 4, Adam reads 16 and writes 12, copy to the bf16 weights 6, zeroing the "
+        "main grads 4: 42 B per parameter; the README: its FLOPs are 'measured for end-to-end training, i.e., "
+        "includes all operations including data loading, optimization'.",
     ),
 }
 
