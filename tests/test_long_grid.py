@@ -12,9 +12,10 @@ from lightning_hotspa.tools.long_grid import SMOKE_GRID, long_grid, oracle_secon
 from lightning_hotspa.tools.oracles import LADDER, charged_oracle
 
 # Frozen before the long grid was first run: the simulator must not be tuned to its own
-# targets. Changing a number here needs a before/after table (BENCHMARKS.md). Re-frozen when the cost model was calibrated:
-# the GEMM curve and attention efficiency FITTED to published runs (recipes/benchmark_published.py,
-# docs/cost-model.md), the NIC count read into the inter-node bandwidth (HardwareProfile.bandwidth).
+# targets. Changing a number here needs a before/after table (BENCHMARKS.md). Re-frozen when the cost
+# model was calibrated: the GEMM curve and attention efficiency FITTED to published runs
+# (recipes/benchmark_published.py, docs/cost-model.md), the NIC count read into the inter-node bandwidth
+# (HardwareProfile.bandwidth).
 _HOPPER = dict(peak_flops=989e12, dense_efficiency=0.507, gemm_half_width=478.0, attention_efficiency=0.175,
                attention_kernels=(("fa2", 128, 0.175),), intra_node_bw=360e9, inter_node_bw=45e9, devices_per_node=8)
 FROZEN = {

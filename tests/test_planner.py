@@ -424,7 +424,8 @@ def check_plan(planner: CostModelPlanner, plan: StepPlan, lengths: np.ndarray) -
 def test_plans_are_feasible_complete_and_deterministic(kind: str) -> None:
     from lightning_hotspa.data.lengths import LengthGenerator
 
-    lengths = LengthGenerator(kind=kind, seed=5, max_length=32768, scale=1 / 3.5 if kind == "github" else 1).lengths(300)
+    scale = 1 / 3.5 if kind == "github" else 1
+    lengths = LengthGenerator(kind=kind, seed=5, max_length=32768, scale=scale).lengths(300)
     a, b = planner8(), planner8()
     plan = a.plan(7, lengths)
     check_plan(a, plan, lengths)

@@ -63,7 +63,8 @@ class RuntimeProfile:
 #: OUR runtime on this commit (engine/fsdp.py, engine/switch.py, parallel/*); update it with the runtime.
 HOTSPA = RuntimeProfile(
     name="hotspa", fsdp_gather_prefetch=True, fsdp_recompute_gather_prefetch=False,
-    fsdp_reduce_scatter_overlap=False, dp_reduce_overlap=True, tp_comm_overlap=False, cp_comm_overlap=False, attention_kernel="fa2",
+    fsdp_reduce_scatter_overlap=False, dp_reduce_overlap=True, tp_comm_overlap=False, cp_comm_overlap=False,
+    attention_kernel="fa2",
     source="engine/fsdp.py: a unit's forward starts the next unit's all-gather asynchronously and each "
     "backward re-gather starts the previous one's (one in flight); a checkpointed unit's recompute gathers "
     "synchronously; the per-unit fp32 reduce-scatter is waited for at once (pending.result()). "
@@ -80,7 +81,8 @@ RUNTIME_PROFILES: dict[str, RuntimeProfile] = {
         fsdp_reduce_scatter_overlap=True, dp_reduce_overlap=True,
         tp_comm_overlap=False, cp_comm_overlap=False, attention_kernel="fa2",
         source="Composer + PyTorch FSDP1 (backward_prefetch BACKWARD_PRE, also ahead of a checkpointed unit's "
-        "recomputation, whose forward pre-hook unshards; reduce-scatter on its own stream: FSDP1's design); MPT attn_impl 'flash' (flash-attn) in scripts/train/yamls/pretrain/mpt-*.yaml; no tp/cp.",
+        "recomputation, whose forward pre-hook unshards; reduce-scatter on its own stream: FSDP1's design); MPT "
+        "attn_impl 'flash' (flash-attn) in scripts/train/yamls/pretrain/mpt-*.yaml; no tp/cp.",
     ),
     "torchtitan": RuntimeProfile(
         name="torchtitan", fsdp_gather_prefetch=True, fsdp_recompute_gather_prefetch=True,
