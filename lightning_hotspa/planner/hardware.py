@@ -154,9 +154,9 @@ def _interpolate(curve: tuple[tuple[int, float], ...], degree: int) -> float:
 
 
 _FIT = ("FITTED by recipes/benchmark_published.py on every other llm-foundry bf16 row of this GPU "
-        "(planner/published_runs.py; residuals printed there): GEMMs e(h) = {e} * h / (h + {hh}) of peak by model "
-        "width h (planner/efficiency.py), FlashAttention-2 (fa2) fwd+bwd at head dim 128: {a} of peak; other kernel "
-        "families and head dims: not measured, they take the fa2 value (ASSUMED). ")
+        "(planner/published_runs.py; residuals printed there): GEMMs e(h) = {e} * h / (h + {hh}) of peak by "
+        "model width h (planner/efficiency.py), FlashAttention-2 (fa2) fwd+bwd at head dim 128: {a} of peak; "
+        "other kernel families and head dims: not measured, they take the fa2 value (ASSUMED). ")
 _AMPERE = dict(peak_flops=312e12, dense_efficiency=0.823, gemm_half_width=746.0, attention_efficiency=0.310,
                attention_kernels=(("fa2", 128, 0.310),))
 _AMPERE_NOTE = "bf16 dense peak 312 TFLOP/s (NVIDIA A100 data sheet). " + _FIT.format(e=0.823, hh=746, a=0.310)

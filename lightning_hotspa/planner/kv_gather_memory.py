@@ -3,7 +3,8 @@
 
 Why its own terms: the KV gather saves different tensors than Ulysses or no cp (those the memory
 model's ``attention_saved_bytes`` counts) and holds, per layer, transient buffers the size of the
-WHOLE micro-batch's K/V. Checked against the real code path by ``hotspa memory`` (tests/test_memory.py, BENCHMARKS.md).
+WHOLE micro-batch's K/V. Checked against the real code path by ``hotspa memory``
+(tests/test_memory.py, BENCHMARKS.md).
 """
 
 from __future__ import annotations
