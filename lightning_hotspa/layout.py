@@ -187,33 +187,67 @@ class Layout:
                                   f"pp, cp_kv, fsdp, fsdp_shard")
             return cls(**{k: spec[k] for k in spec})
         if isinstance(spec, str):
-            text = spec.strip().lower()
-            if not _LAYOUT_RE.match(text):
-                raise LayoutError(f"cannot parse layout {spec!r}; expected e.g. 'dp2xtp2', 'tp2xcp2', "
-                                  f"'tp2xcp4:kv', 'cp8:kv2', 'dp4:fsdp' or 'dp8:fsdp4'")
-            fsdp_match = _FSDP_RE.search(text)
-            fsdp, shard = fsdp_match is not None, 0
-            if fsdp_match:
-                shard = int(fsdp_match.group(1)) if fsdp_match.group(1) else 0
-                if fsdp_match.group(1) and shard < 2:
-                    raise LayoutError(f"layout {spec!r}: ':fsdp{fsdp_match.group(1)}' must shard over 2 ranks or "
-                                      f"more (a working copy on 1 rank is a replicated one: drop ':fsdp')")
-                text = text[:fsdp_match.start()]
-            kv = _KV_RE.search(text)
-            base = text[:kv.start()] if kv else text
-            degrees: dict[str, int] = {}
-            for role, value in _PART_RE.findall(base):
-                if role in degrees:
-                    raise LayoutError(f"layout {spec!r} names {role} twice")
-                degrees[role] = int(value)
-            if kv:
-                cp = degrees.get("cp", 1)
-                if cp == 1:
-                    raise LayoutError(f"layout {spec!r}: ':kv' names a kind of context parallelism, but the "
-                                      f"layout has no cp > 1")
-                degrees["cp_kv"] = int(kv.group(1)) if kv.group(1) else cp
-            return cls(**degrees, fsdp=fsdp, fsdp_shard=shard)
+            return _from_name(spec)
         raise LayoutError(f"cannot interpret {spec!r} (type {type(spec).__name__}) as a layout")
+
+    def to_state(self) -> dict[str, int | bool]:
+        """The layout as a record of its fields, for saved state (checkpointed planner coefficients);
+        :meth:`from_state` reads it back without parsing a name."""
+        return {"dp": self.dp, "tp": self.tp, "cp": self.cp, "pp": self.pp, "cp_kv": self.cp_kv,
+                "fsdp": self.fsdp, "fsdp_shard": self.fsdp_shard}
+
+    @classmethod
+    def from_state(cls, record: Mapping[str, Any] | str) -> Layout:
+        """Reads a layout that :meth:`to_state` saved.
+
+        Args:
+            record: a mapping with exactly the fields :meth:`to_state` writes, or a layout name (what
+                planner states saved before the typed record).
+        """
+        if isinstance(record, str):
+            return _from_name(record)
+        if not isinstance(record, Mapping):
+            raise LayoutError(f"a saved layout must be a mapping of its fields (Layout.to_state) or a name, got "
+                              f"{record!r} ({type(record).__name__})")
+        fields = {"dp", "tp", "cp", "pp", "cp_kv", "fsdp", "fsdp_shard"}
+        if set(record) != fields:
+            raise LayoutError(f"saved layout {dict(record)!r}: expected the fields {sorted(fields)}, missing "
+                              f"{sorted(fields - set(record))}, unknown {sorted(set(record) - fields)}")
+        return cls(**{k: record[k] for k in fields})
+
+
+def _from_name(spec: str) -> Layout:
+    """The layout a name such as ``"dp2xtp2"`` or ``"tp2xcp4:kv"`` denotes (:meth:`Layout.parse`).
+
+    Args:
+        spec: the name, as a user or an old saved state wrote it.
+    """
+    text = spec.strip().lower()
+    if not _LAYOUT_RE.match(text):
+        raise LayoutError(f"cannot parse layout {spec!r}; expected e.g. 'dp2xtp2', 'tp2xcp2', "
+                          f"'tp2xcp4:kv', 'cp8:kv2', 'dp4:fsdp' or 'dp8:fsdp4'")
+    fsdp_match = _FSDP_RE.search(text)
+    fsdp, shard = fsdp_match is not None, 0
+    if fsdp_match:
+        shard = int(fsdp_match.group(1)) if fsdp_match.group(1) else 0
+        if fsdp_match.group(1) and shard < 2:
+            raise LayoutError(f"layout {spec!r}: ':fsdp{fsdp_match.group(1)}' must shard over 2 ranks or "
+                              f"more (a working copy on 1 rank is a replicated one: drop ':fsdp')")
+        text = text[:fsdp_match.start()]
+    kv = _KV_RE.search(text)
+    base = text[:kv.start()] if kv else text
+    degrees: dict[str, int] = {}
+    for role, value in _PART_RE.findall(base):
+        if role in degrees:
+            raise LayoutError(f"layout {spec!r} names {role} twice")
+        degrees[role] = int(value)
+    if kv:
+        cp = degrees.get("cp", 1)
+        if cp == 1:
+            raise LayoutError(f"layout {spec!r}: ':kv' names a kind of context parallelism, but the "
+                              f"layout has no cp > 1")
+        degrees["cp_kv"] = int(kv.group(1)) if kv.group(1) else cp
+    return Layout(**degrees, fsdp=fsdp, fsdp_shard=shard)
 
 
 def require_member(layout: Any, layouts: Collection[Layout], among: str = "") -> Layout:

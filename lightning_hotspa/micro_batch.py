@@ -188,7 +188,8 @@ def pack_micro_batch(
         doc = torch.as_tensor(doc).long().reshape(-1)
         n = doc.numel()
         if n == 0:
-            raise PlanError(f"document {doc_ids[i] if doc_ids else i} is empty; empty documents must be skipped earlier")
+            raise PlanError(f"document {doc_ids[i] if doc_ids else i} is empty; empty documents must be skipped "
+                            f"earlier")
         lab = torch.full((n,), IGNORE_INDEX, dtype=torch.long)
         lab[:-1] = doc[1:]
         pos = torch.arange(n, dtype=torch.long)

@@ -117,7 +117,8 @@ def build_shardings(
         role, shape = role_of(roles[name]), tuple(int(s) for s in shape)
         if role.shard_dim is not None:
             if len(shape) <= role.shard_dim:
-                raise LayoutError(f"parameter {name!r} of shape {shape} has no dim {role.shard_dim} for role {role.name!r}")
+                raise LayoutError(f"parameter {name!r} of shape {shape} has no dim {role.shard_dim} for role "
+                                  f"{role.name!r}")
             dim = role.shard_dim
             for layout in mesh.layouts:
                 if shape[dim] % layout.tp:

@@ -272,8 +272,9 @@ def _own_block(stage: Stage, mesh: MeshShape, rank: int, step: int) -> tuple[Lay
         for r in range(mesh.world_size):
             if mesh.rank_coords(block.layout, r)[0] in block.dp_groups:
                 if r in owner:
-                    raise PlanError(f"step plan {step}: rank {r} is in block {owner[r]} ({stage.blocks[owner[r]].layout}) "
-                                    f"and block {k} ({block.layout}) of mixed stage {stage.layout}")
+                    raise PlanError(f"step plan {step}: rank {r} is in block {owner[r]} "
+                                    f"({stage.blocks[owner[r]].layout}) and block {k} ({block.layout}) of mixed "
+                                    f"stage {stage.layout}")
                 owner[r] = k
     missing = [r for r in range(mesh.world_size) if r not in owner]
     if missing:

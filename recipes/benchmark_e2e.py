@@ -297,7 +297,8 @@ def run_hotspa(planner, plans, args: argparse.Namespace, calibrate: bool = False
     planner_arg = "rule" if isinstance(planner, BandPlanner) else planner
     strategy = HotSPaStrategy(list(planner.layouts), tokens_per_rank=args.tokens_per_rank, planner=planner_arg)
     with own_process_groups():
-        _trainer(strategy, len(plans), [recorder]).fit(LlamaLM(MODEL, seed=0, lr=args.lr), train_dataloaders=_loader(plans))
+        _trainer(strategy, len(plans), [recorder]).fit(LlamaLM(MODEL, seed=0, lr=args.lr),
+                                                      train_dataloaders=_loader(plans))
     return recorder
 
 
@@ -379,7 +380,8 @@ def bench_rank(args: argparse.Namespace) -> dict[str, Any]:
     if rank != 0:
         return {}
     pricing = cost_planner(sets["every"], args, calibration)
-    return {"cores": len(os.sched_getaffinity(0)), "sets": {k: [str(x) for x in v] if k != "rule" else [(b, str(x)) for b, x in v] for k, v in sets.items()},
+    named = {k: [str(x) for x in v] if k != "rule" else [(b, str(x)) for b, x in v] for k, v in sets.items()}
+    return {"cores": len(os.sched_getaffinity(0)), "sets": named,
             "calibration": calibration, "calibration_s": calibration_s, "plan_ms": plan_ms,
             "results": results, "mp_layout": str(mp_layout) if mp_layout is not None else None,
             "tokens": {name: [sum(int(d.size) for d in docs) for docs in measured[name]] for name in data},

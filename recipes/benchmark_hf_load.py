@@ -87,9 +87,11 @@ def main() -> None:
     out = run_on_ranks(load_on_rank, args.ranks, str(path), args.layouts.split(","), timeout_s=1800)
     full_fp32_mib, full_file_mib = params * 4 / 2**20, params * 2 / 2**20
     for r in sorted(out, key=lambda r: r["rank"]):
-        print(f"rank {r['rank']}: peak RSS {r['peak_rss_mib']:.0f} MiB while loading (RSS before {r['rss_before_mib']:.0f}); "
-              f"anonymous {r['anon_before_mib']:.0f} -> {r['anon_after_mib']:.0f} MiB; home shard {r['home_shard_mib']:.0f} MiB")
-    print(f"full model: {params / 1e9:.2f}B parameters = {full_fp32_mib:.0f} MiB fp32 ({full_file_mib:.0f} MiB bf16 on disk)")
+        print(f"rank {r['rank']}: peak RSS {r['peak_rss_mib']:.0f} MiB while loading (RSS before "
+              f"{r['rss_before_mib']:.0f}); anonymous {r['anon_before_mib']:.0f} -> {r['anon_after_mib']:.0f} MiB; "
+              f"home shard {r['home_shard_mib']:.0f} MiB")
+    print(f"full model: {params / 1e9:.2f}B parameters = {full_fp32_mib:.0f} MiB fp32 ({full_file_mib:.0f} MiB bf16 "
+          f"on disk)")
     print(json.dumps({"params": params, "full_fp32_mib": full_fp32_mib, "checkpoint_mib": full_file_mib,
                       "layouts": args.layouts, "per_rank": sorted(out, key=lambda r: r["rank"]),
                       "max_peak_rss_mib": max(r["peak_rss_mib"] for r in out)}))

@@ -4,11 +4,11 @@ Also the paper set's median CPU time per plan over 6 batches (CommonCrawl- and G
 each; target < 50 ms), a wall-clock figure kept out of the test suite.
 
 For each candidate set (the paper's 8-GPU set, larger long-context sets with all-gather-KV and
-hybrid layouts, and sets with sharded working copies, plain and HSDP) it times ``CostModelPlanner.plan`` (guarded: the multi-layout solve plus one solve
-per single layout) and the unguarded multi-layout solve alone, median of ``--repeats`` after one
-warm-up, on the same 512 documents; the guarded plan also in this process's CPU time
-(``guarded_plan_cpu_ms``: on a shared box the wall clock includes waiting for a core). Prints one
-JSON line last.
+hybrid layouts, and sets with sharded working copies, plain and HSDP) it times
+``CostModelPlanner.plan`` (guarded: the multi-layout solve plus one solve per single layout) and
+the unguarded multi-layout solve alone, median of ``--repeats`` after one warm-up, on the same 512
+documents; the guarded plan also in this process's CPU time (``guarded_plan_cpu_ms``: on a shared
+box the wall clock includes waiting for a core). Prints one JSON line last.
 
     python recipes/benchmark_planner.py --repeats 7
 """

@@ -77,7 +77,8 @@ def _lower_bound_bytes(global_shape, mesh, src_placements, dst_placements, items
 
 def _as_dtensor(local: torch.Tensor, world: WorldMesh, sharding, layout: Layout) -> DTensor:
     return DTensor.from_local(local, world.device_mesh, sharding.layout_placements(layout), run_check=False,
-                              shape=torch.Size(sharding.shape), stride=torch.empty(sharding.shape, device="meta").stride())
+                              shape=torch.Size(sharding.shape),
+                              stride=torch.empty(sharding.shape, device="meta").stride())
 
 
 def _slowest(seconds: float) -> float:

@@ -237,7 +237,8 @@ def _shards(cfg: dict[str, Any], device: torch.device, dtype: torch.dtype, budge
     core = backends_for(device)[name]
     per_shape = shard_efficiency(shapes, [1, 2, 4, 8], cfg["layer_tokens"], cfg["layer_length"], core, device,
                                  dtype, budget)
-    return {"attention_backend": name, "attention_backend_note": note, "shapes": per_shape, "curves": mean_curves(per_shape),
+    return {"attention_backend": name, "attention_backend_note": note, "shapes": per_shape,
+            "curves": mean_curves(per_shape),
             "stand_ins": "tp: local weight shards; cp: Ulysses all-to-all replaced by a local reshape"}
 
 

@@ -30,12 +30,28 @@ from lightning_hotspa.testing.forked_ranks import free_port, run_forked_ranks  #
 class Recorder(Callback):
     """Per optimizer step and rank: the step loss, the chunks this rank trained on (ranks with
     tp and cp coordinate 0 of each stage: every micro-batch counted once) and its target tokens
-    (tp coordinate 0: cp ranks hold disjoint chunks); at the end, rank 0 saves the full weights."""
+    (tp coordinate 0: cp ranks hold disjoint chunks); at the end, rank 0 saves the full weights.
 
-    def __init__(self, out: str) -> None:
+    ``pause_node`` / ``pause_at_step``: the ranks of that node stop at the start of that global step
+    (the previous step's checkpoint committed everywhere), write ``OUT/paused<rank>.json`` and wait
+    to be killed, so the test kills the node at a known point however slowly it reacts."""
+
+    def __init__(self, out: str, pause_node: int | None = None, pause_at_step: int | None = None,
+                 pause_limit_s: float = 600.0) -> None:
         self.out = Path(out)
         self.out.mkdir(parents=True, exist_ok=True)
         self.rank = int(os.environ.get("RANK", "0"))
+        self.pause_node, self.pause_at_step, self.pause_limit_s = pause_node, pause_at_step, pause_limit_s
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.node_rank != self.pause_node or trainer.global_step != self.pause_at_step:
+            return
+        (self.out / f"paused{self.rank}.json").write_text(json.dumps({"time": time.time()}))
+        end = time.monotonic() + self.pause_limit_s
+        while time.monotonic() < end:  # the test SIGKILLs this node; nothing else ends the wait
+            time.sleep(0.1)
+        raise RuntimeError(f"rank {self.rank} paused at global step {self.pause_at_step} was not killed within "
+                           f"{self.pause_limit_s:.0f} s")
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         shape = trainer.strategy.mesh_shape

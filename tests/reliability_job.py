@@ -3,13 +3,16 @@
 The parent imports torch and Lightning once, then forks the ranks (cheap on a loaded 2-core machine),
 each with torchrun-style environment variables, so Lightning sees externally created processes. Each
 rank trains a tiny LlamaLM on HotSPaDataModule step plans with HotSPaStrategy and a ModelCheckpoint
-every ``--every`` steps for one epoch (one pass over the data), records what it trained on, and may be told to SIGKILL itself (rank 1) at a
-given global step and phase. This file, not the product, does the killing.
+every ``--every`` steps for one epoch (one pass over the data), records what it trained on, and may
+be told to SIGKILL itself (rank 1) at a given global step and phase. This file, not the product, does the killing.
 
     python tests/reliability_job.py JOBS.json [--timeout S] [--deadline S]
 
-runs the listed jobs one after another ({"out", "ckpt", "every", "resume", "timeout", "kill": "switch:2"
-| "stage:4" | "checkpoint:6" | "hang:0"}), each forked from one process that imported everything once. A job writes
+runs the listed jobs one after another ({"out", "ckpt", "every", "resume", "hang_timeout", "kill": "switch:2"
+| "stage:4" | "checkpoint:6" | "hang:0"}), each forked from one process that imported everything once.
+Every job sets up under the generous ``--timeout``; in a "hang" job every rank meets at a barrier at
+the start of the hang step and only then shortens its groups' timeout to ``hang_timeout``, so the
+short timeout covers the hang and nothing a loaded machine may make slow (rendezvous, set-up). A job writes
 OUT_DIR/job.json (per-rank exit codes and exit times, the kill time), OUT_DIR/rank<r>.log,
 OUT_DIR/record<r>.jsonl (per optimizer step: data position and target-token histogram) and, when the
 fit finishes, OUT_DIR/weights.pt (rank 0, full tensors).
@@ -128,6 +131,26 @@ def install_kill(kind: str, at_step: int, strategy: HotSPaStrategy, out: Path) -
         raise SystemExit(f"unknown kill kind {kind!r}")
 
 
+class ShortTimeoutAt(Callback):
+    """At the start of global step ``step``, after a barrier every rank meets (under the set-up
+    timeout), set every process group of this rank to ``seconds``: the hang job's short timeout
+    starts only once all ranks are in step, whatever the load was before."""
+
+    def __init__(self, step: int, seconds: float) -> None:
+        self.step, self.seconds = step, seconds
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step != self.step:
+            return
+        import torch.distributed as dist
+        from torch.distributed import distributed_c10d as c10d
+
+        dist.barrier()
+        for group in list(c10d._world.pg_map):
+            c10d._set_pg_timeout(datetime.timedelta(seconds=self.seconds), group)
+        print(f"job: {time.time() - T0:.1f}s process-group timeouts now {self.seconds}s", flush=True)
+
+
 def rank_main(rank: int, args: argparse.Namespace) -> None:
     global T0
     T0 = time.time()
@@ -144,6 +167,8 @@ def rank_main(rank: int, args: argparse.Namespace) -> None:
         kind, step = args.kill.split(":")
         install_kill(kind, int(step), strategy, out)
     callbacks: list[Callback] = [Recorder(out / f"record{rank}.jsonl")]
+    if args.kill and args.kill.startswith("hang"):
+        callbacks.append(ShortTimeoutAt(int(args.kill.split(":")[1]), args.hang_timeout))
     if args.every:
         callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=args.every, save_top_k=-1))
     trainer = L.Trainer(accelerator="cpu", devices=WORLD, strategy=strategy, max_epochs=1,
@@ -172,10 +197,9 @@ def launch(job: dict, timeout_s: float, deadline_s: float) -> None:
     """One job: fork the ranks, wait (killing any rank still alive at the deadline), write job.json."""
     out = Path(job["out"])
     out.mkdir(parents=True, exist_ok=True)
-    timeout_s = job.get("timeout", timeout_s)
     args = argparse.Namespace(out=str(out), ckpt_dir=job["ckpt"], every=job.get("every", 2),
                               resume=job.get("resume", False), kill=job.get("kill"), timeout=timeout_s,
-                              port=free_port())
+                              hang_timeout=job.get("hang_timeout", timeout_s), port=free_port())
     hanging = 1 if str(job.get("kill")).startswith("hang") else None
     start = time.time()
     ended = run_forked_ranks(WORLD, lambda rank: rank_main(rank, args), deadline_s, end_if_alone=hanging)
@@ -191,7 +215,7 @@ def launch(job: dict, timeout_s: float, deadline_s: float) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("jobs", help="a JSON list of jobs: {out, ckpt, every, resume, kill}, run in order")
+    parser.add_argument("jobs", help="a JSON list of jobs: {out, ckpt, every, resume, kill, hang_timeout}, in order")
     parser.add_argument("--timeout", type=float, default=30.0, help="process-group timeout, seconds")
     parser.add_argument("--deadline", type=float, default=150.0, help="kill a job's ranks after this many seconds")
     args = parser.parse_args()

@@ -298,7 +298,8 @@ def _load_missing(tmp: Path) -> Callable[[], Any]:
 
 API = [
     Bad("negative_degree", "api", _raises(_layout(dp=-2)), LayoutError, ("Layout.dp must be a positive int, got -2",)),
-    Bad("fractional_degree", "api", _raises(_layout(tp=2.5)), LayoutError, ("Layout.tp must be a positive int, got 2.5",)),
+    Bad("fractional_degree", "api", _raises(_layout(tp=2.5)), LayoutError,
+        ("Layout.tp must be a positive int, got 2.5",)),
     Bad("layouts_as_a_string", "api", _raises(_strategy("dp4")), LayoutError,
         ("layouts must be 'auto' or a list of layouts, got 'dp4'",)),
     Bad("unparsable_layout", "api", _raises(_strategy(["dp2xfoo"])), LayoutError, ("cannot parse layout 'dp2xfoo'",)),

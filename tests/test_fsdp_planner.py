@@ -154,7 +154,8 @@ def test_an_hsdp_copy_gathers_inside_the_node_and_sums_its_replicas_at_the_stage
     over_dp = cm.option(hsdp, True)
     d = over_dp.per_micro_batch
     assert over_dp.stage_seconds(secs, [[(0,), (1,)], [(2,)]] + [[]] * 62) == pytest.approx((4 + d) + (1 + d))
-    assert not any(lay.fsdp and lay.fsdp_replicas > 1 for lay in enumerate_layouts(8, AnalyticCostModel("llama7b", "H200", 8)))
+    layouts = enumerate_layouts(8, AnalyticCostModel("llama7b", "H200", 8))
+    assert not any(lay.fsdp and lay.fsdp_replicas > 1 for lay in layouts)
 
 
 def test_candidates_offer_both_copies_and_mix_them_in_one_mesh():

@@ -111,6 +111,21 @@ def test_bad_layouts_name_the_value(bad, match):
         bad()
 
 
+def test_saved_layouts_are_records_of_fields_and_old_names_still_load():
+    for layout in [Layout(dp=4), Layout(tp=2, cp=4, cp_kv=2), Layout(dp=8, tp=2, fsdp=True, fsdp_shard=4),
+                   Layout(dp=2, tp=2, pp=2)]:
+        record = layout.to_state()
+        assert record == {"dp": layout.dp, "tp": layout.tp, "cp": layout.cp, "pp": layout.pp,
+                          "cp_kv": layout.cp_kv, "fsdp": layout.fsdp, "fsdp_shard": layout.fsdp_shard}
+        assert Layout.from_state(record) == layout and Layout.from_state(layout.name) == layout  # old states
+    with pytest.raises(LayoutError, match=r"missing \['fsdp_shard'\], unknown \['cp_kind'\]"):
+        Layout.from_state({**{k: v for k, v in Layout(dp=4).to_state().items() if k != "fsdp_shard"}, "cp_kind": 1})
+    with pytest.raises(LayoutError, match=r"got 4 \(int\)"):
+        Layout.from_state(4)
+    with pytest.raises(LayoutError, match="cp_kv=3 must divide cp=4"):  # the record is validated like any layout
+        Layout.from_state({**Layout(cp=4).to_state(), "cp_kv": 3})
+
+
 def test_factorization_for_foundation_set():
     shape = MeshShape.for_layouts(FOUNDATION, 4)
     assert shape.sizes == (2, 2)

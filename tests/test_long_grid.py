@@ -11,12 +11,12 @@ from lightning_hotspa.planner.solver import CostModelPlanner
 from lightning_hotspa.tools.long_grid import SMOKE_GRID, long_grid, oracle_seconds, token_batch
 from lightning_hotspa.tools.oracles import LADDER, charged_oracle
 
-# Frozen before the long grid was first run: the simulator must not be tuned to its own
-# targets. Changing a number here needs a before/after table (BENCHMARKS.md). Re-frozen when the cost model was calibrated:
-# the GEMM curve and attention efficiency FITTED to published runs (recipes/benchmark_published.py,
-# docs/cost-model.md), the NIC count read into the inter-node bandwidth (HardwareProfile.bandwidth).
-# 2026-12-02: gemm_half_width 478 -> 476, the refit once the published rows' optimizer step was priced
-# (before/after long grid: benchmarks/2026-12-02-published.md).
+# Frozen before the long grid was first run: the simulator must not be tuned to its own targets. Changing a
+# number here needs a before/after table (BENCHMARKS.md). Re-frozen when the cost model was calibrated: the GEMM
+# curve and attention efficiency FITTED to published runs (recipes/benchmark_published.py, docs/cost-model.md),
+# the NIC count read into the inter-node bandwidth (HardwareProfile.bandwidth). 2026-12-02: gemm_half_width 478
+# -> 476, the refit once the published rows' optimizer step was priced (before/after long grid:
+# benchmarks/2026-12-02-published.md).
 _HOPPER = dict(peak_flops=989e12, dense_efficiency=0.507, gemm_half_width=476.0, attention_efficiency=0.175,
                attention_kernels=(("fa2", 128, 0.175),), intra_node_bw=360e9, inter_node_bw=45e9, devices_per_node=8)
 FROZEN = {

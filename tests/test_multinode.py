@@ -4,9 +4,10 @@ checkpoints, a killed node, resume at the same shape and at other node counts.
 One chain, as few process launches as possible (this is the costly test of the suite):
 
     torchrun x 2 (2 nodes x 2, recipes/train.py, checkpoint folder per node "node{node}", one
-                 checkpoint per step): the test SIGKILLs node 1 (its agent and workers) as soon as
-                 both nodes have committed step 2, i.e. in step 3; node 0 must fail fast with a
-                 CollectiveError
+                 checkpoint per step): node 1's ranks stop at the start of step 3 (both nodes have
+                 committed step 2; the Recorder pauses them) and the test then SIGKILLs node 1 (its
+                 agent and workers); node 0, waiting in step 3's first collective, must fail with a
+                 CollectiveError from the closed connection (not by waiting out its timeout)
     forked jobs (tests/multinode_job.py: train(cfg) on forked ranks posing as torchrun workers):
       ref14       1 node x 4 from scratch, uninterrupted (the reference)
       local22     2 x 2 resumes with ckpt_path=latest from the node-local folders, where node 0
@@ -38,14 +39,18 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 TORCHRUN = Path(sys.executable).with_name("torchrun")
-# the strategy's collective timeout in every run here: short, so nothing can hang for long, yet it
-# also bounds process-group creation, where the ranks of a loaded 2-core machine may arrive 10 s
-# apart (8 s failed there). A killed peer closes its sockets: the survivors fail at once anyway.
-PG_TIMEOUT_S = 30
+# the strategy's collective timeout in every run here: it also bounds process-group creation, where
+# the ranks of a loaded 2-core machine may arrive 10 s apart or more (8 s failed there), so it is
+# generous. A killed peer closes its sockets: the survivors fail at once, never by this timeout.
+PG_TIMEOUT_S = 120
+# bounds on waiting for the torchrun nodes (imports, rendezvous, two steps): generous on a loaded
+# machine; they only stop a hang
+START_LIMIT_S = 600
 STEPS = 4
 COMMON = [
-    "model=tiny", "data=synthetic_bimodal", "data.source_kwargs.kind=uniform", "+data.source_kwargs.params={low:2,high:256}",
-    "data.source_kwargs.num_documents=128", "data.context_length=256", "data.tokens_per_batch=1024",
+    "model=tiny", "data=synthetic_bimodal", "data.source_kwargs.kind=uniform",
+    "+data.source_kwargs.params={low:2,high:256}", "data.source_kwargs.num_documents=128", "data.context_length=256",
+    "data.tokens_per_batch=1024",
     "strategy.tokens_per_rank=64", f"+strategy.timeout={PG_TIMEOUT_S}", "hardware=cpu-gloo", "logger=none",
     "callbacks.hotspa_monitor.timeline_every_n_steps=0", "callbacks.hotspa_monitor.table_every_n_steps=0",
     "callbacks.progress_bar=null", f"trainer.max_steps={STEPS}", "trainer.accelerator=cpu",
@@ -54,7 +59,7 @@ COMMON = [
 TIMINGS: dict[str, float] = {}
 # the module fixture (every launch) runs inside the first test: ~50 s of CPU, minutes of wall time
 # when the machine is shared; the limits below only stop a hang
-pytestmark = pytest.mark.timeout(900)
+pytestmark = pytest.mark.timeout(2400)
 
 
 def _free_port() -> int:
@@ -97,15 +102,17 @@ def _wait_for(predicate, timeout_s: float, what: str, procs=()) -> None:
 
 
 def two_torchrun_nodes(base: Path, ckpt: str) -> dict:
-    """The README's two-node command, twice, on localhost; node 1 is killed in step 3."""
+    """The README's two-node command, twice, on localhost; node 1 pauses at the start of step 3 and
+    is killed there."""
     port, env = _free_port(), {**os.environ, "OMP_NUM_THREADS": "1",
                                "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
     overrides = COMMON + ["trainer.num_nodes=2", "trainer.devices=2", "checkpoint.every_n_steps=1",
                           "checkpoint.keep=-1", f'checkpoint.dirpath="{ckpt}"',
-                          "+callbacks.recorder._target_=multinode_job.Recorder", f"+callbacks.recorder.out={base}/A"]
-    cmd = ["timeout", "300", str(TORCHRUN), "--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
-           "--rdzv-endpoint", f"localhost:{port}", "--rdzv-id", "hotspa-test", str(ROOT / "recipes" / "train.py"),
-           *overrides]
+                          "+callbacks.recorder._target_=multinode_job.Recorder", f"+callbacks.recorder.out={base}/A",
+                          "+callbacks.recorder.pause_node=1", "+callbacks.recorder.pause_at_step=2"]
+    cmd = ["timeout", str(3 * START_LIMIT_S), str(TORCHRUN), "--nnodes", "2", "--nproc-per-node", "2",
+           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"localhost:{port}", "--rdzv-id", "hotspa-test",
+           str(ROOT / "recipes" / "train.py"), *overrides]
     t0 = time.perf_counter()
     logs = [base / f"node_launch{i}.log" for i in range(2)]
     procs = [subprocess.Popen(cmd, cwd=base, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT,
@@ -117,10 +124,10 @@ def two_torchrun_nodes(base: Path, ckpt: str) -> dict:
             text[:] = [log.read_text(errors="replace") for log in logs]
             return all("writes to run folder" in t for t in text)
 
-        _wait_for(both_started, 240, "both nodes to start", procs)
+        _wait_for(both_started, START_LIMIT_S, "both nodes to start", procs)
         node1 = next(i for i in range(2) if "hotspa: node 1 " in text[i])  # the rendezvous chose who is node 1
-        committed = [Path(ckpt.replace("{node}", str(n))) / "epoch=0-step=2.ckpt" / "commit.json" for n in (0, 1)]
-        _wait_for(lambda: all(p.is_file() for p in committed), 240, "both nodes to commit step 2", procs)
+        paused = [base / "A" / f"paused{r}.json" for r in (2, 3)]  # node 1's ranks, stopped at step 3's start
+        _wait_for(lambda: all(p.is_file() for p in paused), START_LIMIT_S, "node 1 to pause in step 3", procs)
         kill_time = time.time()
         _kill_tree(procs[node1])
         procs[1 - node1].wait(timeout=PG_TIMEOUT_S + 60)
@@ -194,7 +201,8 @@ def chain(tmp_path_factory):
         # latest_or_scratch in an empty folder: no step anywhere, so it starts from scratch (a first launch)
         "ref14": {"nodes": 1, "per_node": 4, "overrides": COMMON + ["ckpt_path=latest_or_scratch",
                                                                    f"checkpoint.dirpath={base}/empty"]},
-        "local22": {"nodes": 2, "per_node": 2, "overrides": COMMON + ["ckpt_path=latest", f'checkpoint.dirpath="{ckpt}"']},
+        "local22": {"nodes": 2, "per_node": 2,
+                    "overrides": COMMON + ["ckpt_path=latest", f'checkpoint.dirpath="{ckpt}"']},
         "reshape14": {"nodes": 1, "per_node": 4, "overrides": COMMON + ["ckpt_path=latest",
                                                                        f'checkpoint.dirpath="{ckpt}"']},
         "merged14": {"nodes": 1, "per_node": 4, "overrides": COMMON + [f'ckpt_path="{shared}"']},
@@ -249,18 +257,14 @@ def test_a_killed_node_makes_the_other_fail_fast_with_a_collective_error(chain):
     assert run["survivor_rc"] != 0
     assert "CollectiveError: a collective failed" in survivor and "global step 2" in survivor, survivor[-3000:]
     assert "another rank has probably died" in survivor
-    # the survivors (ranks 0 and 1: node 0) raised it themselves, within the timeout, naming where
-    # they were: inside step 3, or (the kill follows the commit markers at once) still in the barrier
-    # that ends step 2's checkpoint save
+    # the survivors (ranks 0 and 1: node 0) raised it themselves, naming where they were: inside step 3
+    # (node 1 paused at its start, after step 2's checkpoint was committed everywhere), failed by the
+    # closed connection of the killed node, not by waiting out the timeout; its torchrun then ended
+    # (two_torchrun_nodes waits for it, bounded)
     assert sorted(run["errors"]) == [0, 1], run["errors"]
     for rank, error in run["errors"].items():
-        mid_step = error.startswith(f"CollectiveError: a collective failed at rank {rank}, global step 2") \
-            and re.search(r"stage \d+/\d+ \(layout \w+", error)
-        in_save = error.startswith("CollectiveError: a collective failed in barrier 'Trainer.save_checkpoint' "
-                                   f"at rank {rank}, global step 2, phase checkpoint save")
-        assert mid_step or in_save, error
-        assert run["error_after_kill_s"][rank] < PG_TIMEOUT_S, run["error_after_kill_s"]
-    assert run["survivor_exit_s"] < PG_TIMEOUT_S + 30  # and its torchrun ended (no hang)
+        assert error.startswith(f"CollectiveError: a collective failed at rank {rank}, global step 2"), error
+        assert re.search(r"stage \d+/\d+ \(layout \w+", error) and "timed out" not in error.lower(), error
 
 
 @pytest.mark.slow

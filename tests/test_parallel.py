@@ -375,7 +375,10 @@ def test_kv_head_range_matches_the_llama_plan():
             if q % tp:
                 continue
             for r in range(tp):
-                expected = (r * kv // tp, (r + 1) * kv // tp) if kv % tp == 0 else (r // (tp // kv), r // (tp // kv) + 1)
+                if kv % tp == 0:
+                    expected = (r * kv // tp, (r + 1) * kv // tp)
+                else:
+                    expected = (r // (tp // kv), r // (tp // kv) + 1)
                 assert kv_head_range(q, kv, tp, r) == expected, (config, tp, r)
 
 

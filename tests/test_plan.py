@@ -58,7 +58,8 @@ def test_cp_slices_take_balanced_chunks_and_rebuild_the_row(cp):
         seen = {}
         for mb in slices:
             lo, hi = mb.cu_seqlens[d].item(), mb.cu_seqlens[d + 1].item()
-            for p, t, lab in zip(mb.position_ids[lo:hi].tolist(), mb.input_ids[lo:hi].tolist(), mb.labels[lo:hi].tolist()):
+            rows = zip(mb.position_ids[lo:hi].tolist(), mb.input_ids[lo:hi].tolist(), mb.labels[lo:hi].tolist())
+            for p, t, lab in rows:
                 assert p not in seen
                 seen[p] = (t, lab)
         for p in range(len(doc)):

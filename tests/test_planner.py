@@ -251,6 +251,15 @@ def test_coefficients_change_only_at_refit_steps_and_round_trip() -> None:
     assert groups_of(q.plan(7, lengths)) == groups_of(p.plan(7, lengths)) and q.last_version == 1
     rows = encode_observations(obs, p.layouts)
     assert decode_observations(rows, p.layouts) == obs
+    # the saved coefficients name layouts by typed records; a state saved with names (older runs) loads the same
+    coefficients = state["coefficients"]
+    assert all(isinstance(lay, dict) for lay, _, _ in coefficients["fitted"]) and coefficients["layouts"]
+    assert all(isinstance(lay, dict) for lay in coefficients["layouts"])
+    old = {**coefficients, "fitted": [[Layout.from_state(lay).name, ac, v] for lay, ac, v in coefficients["fitted"]],
+           "layouts": [Layout.from_state(lay).name for lay in coefficients["layouts"]]}
+    r = CostModelPlanner(["dp4", "dp2xcp2"], model="tiny", hardware="cpu-gloo", profiled=True, refit_every=5)
+    r.load_state_dict({**state, "coefficients": old})
+    assert r.option(Layout(dp=4), False) == after and r.coefficients.observations == p.coefficients.observations
 
 
 # ------------------------------------------------------------------------------------ brute force
@@ -415,7 +424,8 @@ def check_plan(planner: CostModelPlanner, plan: StepPlan, lengths: np.ndarray) -
 def test_plans_are_feasible_complete_and_deterministic(kind: str) -> None:
     from lightning_hotspa.data.lengths import LengthGenerator
 
-    lengths = LengthGenerator(kind=kind, seed=5, max_length=32768, scale=1 / 3.5 if kind == "github" else 1).lengths(300)
+    scale = 1 / 3.5 if kind == "github" else 1
+    lengths = LengthGenerator(kind=kind, seed=5, max_length=32768, scale=scale).lengths(300)
     a, b = planner8(), planner8()
     plan = a.plan(7, lengths)
     check_plan(a, plan, lengths)

@@ -37,7 +37,8 @@ def test_cost_model_divides_compute_by_the_efficiency():
     assert after.quadratic == pytest.approx(2 * before.quadratic)  # attention: compute only
     assert after.linear > before.linear
     dp = Layout.parse("dp8")
-    assert AnalyticCostModel("llama7b", slow, 8).option(dp, False) == AnalyticCostModel("llama7b", base, 8).option(dp, False)
+    assert (AnalyticCostModel("llama7b", slow, 8).option(dp, False)
+            == AnalyticCostModel("llama7b", base, 8).option(dp, False))
 
 
 @pytest.mark.parametrize(("curve", "message"), [

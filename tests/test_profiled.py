@@ -56,6 +56,13 @@ def test_schedule_plans_each_step_with_the_version_decided_lag_steps_before() ->
     t = CoefficientSchedule([key], refit_every=3, lag=2)
     t.load(*CoefficientSchedule.entries_from_state(s.state()))
     assert t.read() == s.read()
+    # saved states carry typed layout records (never names parsed back); states saved as names still load
+    assert all(isinstance(lay, dict) for e in s.state()["entries"] for lay, _, _ in e[3])
+    old = s.state()
+    old["entries"] = [[*e[:3], [[Layout.from_state(lay).name, ac, v] for lay, ac, v in e[3]]] for e in old["entries"]]
+    u = CoefficientSchedule([key], refit_every=3, lag=2)
+    u.load(*CoefficientSchedule.entries_from_state(old))
+    assert u.read() == s.read()
     with pytest.raises(PlanError, match="refits must run in step order"):
         s.publish(3, version=3, scale=1.0, fitted={})
     with pytest.raises(PlanError, match="plan_lag must be an int >= 0, got -1"):

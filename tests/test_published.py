@@ -132,7 +132,8 @@ def test_the_planner_prices_our_runtime_and_on_cpu_gloo_nothing_hides():
     assert AnalyticCostModel("llama7b", "H100", 8).runtime is HOTSPA
     ideal = dataclasses.replace(HOTSPA, name="ideal", fsdp_reduce_scatter_overlap=True, tp_comm_overlap=True,
                                 cp_comm_overlap=True)
-    for hw, model, world, lay in (("H100", "llama7b", 16, "dp4xtp2xcp2:fsdp"), ("cpu-gloo", "small", 4, "dp2xtp2:fsdp")):
+    cases = (("H100", "llama7b", 16, "dp4xtp2xcp2:fsdp"), ("cpu-gloo", "small", 4, "dp2xtp2:fsdp"))
+    for hw, model, world, lay in cases:
         ours = AnalyticCostModel(model, hw, world).option(Layout.parse(lay), False)
         other = AnalyticCostModel(model, hw, world, runtime=ideal).option(Layout.parse(lay), False, ours.capacity)
         if hw == "cpu-gloo":

@@ -205,12 +205,14 @@ def test_ranks_started_by_a_launcher_agree_on_the_run_dir(monkeypatch: pytest.Mo
 def test_wandb_goes_offline_without_a_key_and_respects_explicit_modes(tmp_path: Path) -> None:
     assert decide_wandb_mode("auto", env={}, home=tmp_path).mode == "offline"
     assert decide_wandb_mode("auto", env={"WANDB_API_KEY": "x" * 40}, home=tmp_path).mode == "online"
-    assert decide_wandb_mode("auto", env={"WANDB_MODE": "disabled", "WANDB_API_KEY": "k"}, home=tmp_path).mode == "disabled"
+    disabled = {"WANDB_MODE": "disabled", "WANDB_API_KEY": "k"}
+    assert decide_wandb_mode("auto", env=disabled, home=tmp_path).mode == "disabled"
     assert decide_wandb_mode(True, env={"WANDB_API_KEY": "k"}, home=tmp_path).mode == "offline"
     (tmp_path / ".netrc").write_text("machine api.wandb.ai\n  login user\n  password " + "k" * 40 + "\n")
     os.chmod(tmp_path / ".netrc", 0o600)
     assert decide_wandb_mode("auto", env={}, home=tmp_path).mode == "online"
-    assert decide_wandb_mode("auto", env={"WANDB_BASE_URL": "https://wandb.example.com"}, home=tmp_path).mode == "offline"
+    own_server = {"WANDB_BASE_URL": "https://wandb.example.com"}
+    assert decide_wandb_mode("auto", env=own_server, home=tmp_path).mode == "offline"
 
 
 def test_summary_skips_start_up_and_reports_the_loss_ratio() -> None:

@@ -31,9 +31,16 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 JOB = ROOT / "tests" / "reliability_job.py"
-PG_TIMEOUT_S = 30.0  # the strategy's process-group timeout in the jobs
-HANG_TIMEOUT_S = 4.0  # ... in the job where rank 1 hangs instead of dying
+# the strategy's process-group timeout in the jobs: it also bounds the rendezvous and set-up, where the
+# ranks of a loaded machine may arrive seconds apart; a killed rank's peers fail at once anyway (its
+# sockets close), so no test waits it out
+PG_TIMEOUT_S = 60.0
+# the job where rank 1 hangs: every rank meets at a barrier at the start of the hang step and only then
+# sets this timeout (tests/reliability_job.py, ShortTimeoutAt), so a slow set-up cannot hit it
+HANG_TIMEOUT_S = 10.0
 TIMINGS: dict[str, float] = {}
+# the chain's jobs run inside its first test: a few minutes on a loaded machine; the bound only stops a hang
+pytestmark = pytest.mark.timeout(1200)
 
 
 def run_jobs(base: Path, jobs: dict[str, dict], deadline_s: float = 150.0) -> dict[str, dict]:
@@ -81,16 +88,17 @@ def chain(tmp_path_factory):
         "checkpoint": {"ckpt": ckpt, "resume": True, "kill": "checkpoint:4"},
         "stage": {"ckpt": ckpt, "resume": True, "kill": "stage:2"},
         "final": {"ckpt": ckpt, "resume": True, "every": 0},
-        "hang": {"ckpt": str(base / "unused"), "every": 0, "kill": "hang:0", "timeout": HANG_TIMEOUT_S},
+        "hang": {"ckpt": str(base / "unused"), "every": 0, "kill": "hang:0", "hang_timeout": HANG_TIMEOUT_S},
     })
     jobs["base"] = base
     yield jobs
     print(f"\ncrash-test jobs (s, after imports): {', '.join(f'{k} {v:.1f}' for k, v in TIMINGS.items())}")
 
 
-def _assert_crashed_cleanly(job: dict, step: int, within_s: float = PG_TIMEOUT_S) -> list[str]:
-    """Rank 1 was SIGKILLed; every other rank exited non-zero, within the collective timeout, with an
-    error naming where it was. Returns the survivors' error lines."""
+def _assert_crashed_cleanly(job: dict, step: int, timed_out: bool = False) -> list[str]:
+    """Rank 1 was SIGKILLed; every other rank exited non-zero before the job's deadline with an error
+    naming where it was: a closed connection (``timed_out`` False: it failed because rank 1 died, not
+    by waiting out the collective timeout) or a timeout (True: rank 1 hung). Returns the error lines."""
     assert job["kill"] is not None, "rank 1 never reached its kill point"
     assert job["hung"] == [], f"ranks {job['hung']} were still running at the deadline"
     assert job["exit_codes"][1] == -signal.SIGKILL
@@ -98,11 +106,10 @@ def _assert_crashed_cleanly(job: dict, step: int, within_s: float = PG_TIMEOUT_S
     for rank in (0, 2, 3):
         log = job["logs"][rank]
         assert job["exit_codes"][rank] != 0, f"rank {rank} exited 0 after rank 1 died:\n{log[-2000:]}"
-        waited = job["exit_times"][rank] - job["kill"]["time"]
-        assert waited < within_s, f"rank {rank} took {waited:.1f}s to fail"
         error = [x for x in log.splitlines() if "CollectiveError:" in x]
         assert error, f"rank {rank} failed without naming where it was:\n{log[-3000:]}"
         assert f"rank {rank}, " in error[-1] and f"global step {step}" in error[-1], error[-1]
+        assert ("timed out" in error[-1].lower()) == timed_out, error[-1]
         lines.append(error[-1])
     return lines
 
@@ -132,7 +139,8 @@ def test_crash_while_writing_a_checkpoint_keeps_the_previous_one(chain):
 
 def test_resume_picks_the_last_complete_checkpoint_and_says_which(chain):
     log = chain["stage"]["logs"][0]
-    assert "skipping checkpoint folder(s)" in log and "epoch=0-step=4.ckpt.tmp (an interrupted save)" in log, log[-3000:]
+    assert "skipping checkpoint folder(s)" in log, log[-3000:]
+    assert "epoch=0-step=4.ckpt.tmp (an interrupted save)" in log, log[-3000:]
     assert "hotspa: resuming from" in log and "epoch=0-step=2.ckpt (epoch 0, global step 2" in log, log[-3000:]
 
 
@@ -145,11 +153,11 @@ def test_killed_rank_during_a_stage_fails_the_others_fast(chain):
 
 def test_a_hung_rank_makes_the_others_time_out_with_their_breadcrumb(chain):
     job = chain["hang"]
-    # they wait out the process-group timeout, then fail (allowing for Python's exit on a loaded machine)
-    lines = _assert_crashed_cleanly(job, step=0, within_s=HANG_TIMEOUT_S + 15)
-    waits = [job["exit_times"][r] - job["kill"]["time"] for r in (0, 2, 3)]
-    assert min(waits) >= HANG_TIMEOUT_S - 1, waits  # a timeout, not a closed connection
-    assert all("Timed out" in x or "timed out" in x for x in lines), lines
+    # they wait out the (short) process-group timeout, then fail naming where they were
+    _assert_crashed_cleanly(job, step=0, timed_out=True)
+    assert "process-group timeouts now" in job["logs"][0]  # the short timeout began once all ranks were in step
+    # rank 1 stayed alive and silent until every other rank had given up (then the job runner ended it)
+    assert all(job["exit_times"][1] >= job["exit_times"][r] for r in (0, 2, 3)), job["exit_times"]
 
 
 def _trained(records: dict, upto: int | None = None) -> dict[int, dict]:
@@ -258,9 +266,14 @@ def nonfinite_phase(policy: str | None, value: float | None, steps: list[int]) -
             "global_step": trainer.global_step, "skipped": strategy.skipped_steps}
 
 
+# each test fits twice on 4 ranks: a minute or two each on a loaded 2-core machine; the bounds only stop a hang
+NF_FIT_TIMEOUT_S = 600.0
+
+
+@pytest.mark.timeout(1500)
 def test_nonfinite_loss_stops_every_rank_before_the_update_by_default(ranks):
-    results = ranks(4).run(nonfinite_phase, None, float("nan"), [0, 1, 2])
-    clean = ranks(4).run(nonfinite_phase, "stop", None, [0, 2])[0]
+    results = ranks(4).run(nonfinite_phase, None, float("nan"), [0, 1, 2], timeout_s=NF_FIT_TIMEOUT_S)
+    clean = ranks(4).run(nonfinite_phase, "stop", None, [0, 2], timeout_s=NF_FIT_TIMEOUT_S)[0]
     where = results[2]["poisoned"][0]  # e.g. "rank 2, global step 1 (batch 1), stage 2/3 (layout dp2xtp2), ..."
     stage = where.split("stage ")[1].split("/")[0]
     layout = where.split("(layout ")[1].split(")")[0].split(",")[0]
@@ -275,9 +288,10 @@ def test_nonfinite_loss_stops_every_rank_before_the_update_by_default(ranks):
         assert torch.equal(results[0]["weights"][n], w), n
 
 
+@pytest.mark.timeout(1500)
 def test_nonfinite_loss_skip_policy_drops_only_that_update(ranks):
-    results = ranks(4).run(nonfinite_phase, "skip", float("inf"), [0, 1, 2])
-    clean = ranks(4).run(nonfinite_phase, "skip", None, [0, 2])[0]
+    results = ranks(4).run(nonfinite_phase, "skip", float("inf"), [0, 1, 2], timeout_s=NF_FIT_TIMEOUT_S)
+    clean = ranks(4).run(nonfinite_phase, "skip", None, [0, 2], timeout_s=NF_FIT_TIMEOUT_S)[0]
     for r in results:
         assert r["error"] is None and r["global_step"] == 3
         assert [s["global_step"] for s in r["skipped"]] == [1]
@@ -357,7 +371,7 @@ def _load(path) -> float:
     module = torch.nn.Module()
     module.w = torch.nn.Parameter(torch.zeros(4))
     meta = load_distributed_checkpoint(path, module, [])
-    return float(module.w[0]), meta["global_step"]
+    return float(module.w.detach()[0]), meta["global_step"]
 
 
 def test_interrupted_saves_leave_the_previous_checkpoint_usable(tmp_path, monkeypatch):

@@ -492,7 +492,8 @@ def test_fsdp_layouts_refuse_what_they_cannot_shard() -> None:
 
     with FakeWorld(4):  # collectives are no-ops: only the checks run
         module, world, home, parallel, engine = _setup(["dp4:fsdp", "dp4"])  # TinyLM: no blocks
-        with pytest.raises(LayoutError, match=r"\['dp4:fsdp'\] shard the working copy per unit, but TinyLM has no units"):
+        with pytest.raises(LayoutError,
+                           match=r"\['dp4:fsdp'\] shard the working copy per unit, but TinyLM has no units"):
             StepRunner(engine, parallel)
         with pytest.raises(LayoutError, match="layout dp4:fsdp shards the working copy per unit, but no fsdp units"):
             engine.materialize(Layout.parse("dp4:fsdp"))
@@ -502,7 +503,8 @@ def test_fsdp_layouts_refuse_what_they_cannot_shard() -> None:
             ShardedUnits(engine, module, ["missing"])
         tied, _, _, _, engine = _setup(["dp4:fsdp"], _TiedBlocks())
         tied.blocks[1].weight = tied.blocks[0].weight  # installing the home params untied them: tie again
-        with pytest.raises(LayoutError, match=r"'blocks.1': parameter blocks.1.weight is shared \(also 'blocks.0.weight'\)"):
+        with pytest.raises(LayoutError,
+                           match=r"'blocks.1': parameter blocks.1.weight is shared \(also 'blocks.0.weight'\)"):
             ShardedUnits(engine, tied)
     with pytest.raises(LayoutError, match="fsdp shards the working copy over the dp and cp ranks, but dp = cp = 1"):
         Layout.parse("tp4:fsdp")

@@ -83,7 +83,8 @@ def fit_and_compare(layout_names, steps=3, precision="32-true", stage_orders=Non
     batches = rank_plans(plans, layouts, dist.get_rank())
     recorder = _Recorder()
     with lightning_rank_env():
-        trainer = L.Trainer(accelerator="cpu", devices=dist.get_world_size(), strategy=HotSPaStrategy(layout_names, **strategy_kwargs),
+        trainer = L.Trainer(accelerator="cpu", devices=dist.get_world_size(),
+                            strategy=HotSPaStrategy(layout_names, **strategy_kwargs),
                             max_steps=steps, precision=precision, logger=False, enable_checkpointing=False,
                             enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
                             callbacks=[recorder])
@@ -373,7 +374,8 @@ def validate_and_log(log_dir):
     batches = rank_plans(plans, layouts, dist.get_rank())
     loader = torch.utils.data.DataLoader(batches, batch_size=None, collate_fn=lambda x: x)
     with lightning_rank_env():
-        trainer = L.Trainer(accelerator="cpu", devices=4, strategy=HotSPaStrategy(FOUNDATION, activation_checkpointing="auto"),
+        trainer = L.Trainer(accelerator="cpu", devices=4,
+                            strategy=HotSPaStrategy(FOUNDATION, activation_checkpointing="auto"),
                             max_steps=2, logger=CSVLogger(log_dir, name="run", version=0), log_every_n_steps=1,
                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                             use_distributed_sampler=False, num_sanity_val_steps=0)

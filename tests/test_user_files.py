@@ -120,8 +120,9 @@ def test_chat_sources_and_the_chat_tokenizer_only_go_together(tmp_path):
 
     (tmp_path / "p.jsonl").write_text(json.dumps({"text": "hello world"}) + "\n")
     with pytest.raises(DataError, match=r"the chat tokenizer renders conversations.*JsonlSource yields plain text"):
-        HotSPaDataModule("jsonl", {"path": str(tmp_path / "p.jsonl")}, "chat", {"path": str(make_tokenizer(tmp_path / "t"))},
-                         tokens_per_batch=64, context_length=32, use_cache=False)
+        HotSPaDataModule("jsonl", {"path": str(tmp_path / "p.jsonl")}, "chat",
+                         {"path": str(make_tokenizer(tmp_path / "t"))}, tokens_per_batch=64, context_length=32,
+                         use_cache=False)
 
 
 def test_context_longer_than_the_model_is_refused(tmp_path):

@@ -59,7 +59,8 @@ def test_tokenizer_larger_than_the_model_fails_at_datamodule_setup(tmp_path):
                           tokens_per_batch=64, context_length=32)
     dm.trainer = SimpleNamespace(lightning_module=SimpleNamespace(config=LlamaConfig.preset("tiny", vocab_size=200)),
                                  strategy=None)
-    with pytest.raises(VocabularyError, match=r"tokenizer has 257 ids \(largest 256\) but the model's vocabulary has 200"):
+    with pytest.raises(VocabularyError,
+                       match=r"tokenizer has 257 ids \(largest 256\) but the model's vocabulary has 200"):
         dm.setup("fit")
 
 

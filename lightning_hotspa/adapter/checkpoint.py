@@ -204,8 +204,9 @@ def save_distributed_checkpoint(checkpoint: dict[str, Any], path: str | os.PathL
         write_fsync(tmp / META_FILE, meta_bytes)
         files = {name: entry for entries in everyone for name, entry in entries.items()}
         files.update(file_entries(tmp, [DCP_METADATA, META_FILE]))
-        write_marker(tmp, {"kind": KIND_SHARED, "global_step": checkpoint.get("global_step"), "world_size": len(everyone),
-                           "layouts": (checkpoint.get("hotspa") or {}).get("layouts")}, files)
+        write_marker(tmp, {"kind": KIND_SHARED, "global_step": checkpoint.get("global_step"),
+                           "world_size": len(everyone), "layouts": (checkpoint.get("hotspa") or {}).get("layouts")},
+                     files)
     barrier()
     if is_rank_zero:
         old = path.with_name(path.name + ".old")

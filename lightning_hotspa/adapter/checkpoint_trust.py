@@ -27,9 +27,10 @@ import torch
 
 from ..checks import read_json_object
 
-__all__ = ["COMMIT_FILE", "META_FILE", "DCP_METADATA", "KIND_SHARED", "KIND_NODE_LOCAL", "FORMAT", "VERSION", "CheckpointError", "LegacyCheckpointError", "sha256_file",
-           "file_entries", "encode_meta", "write_fsync", "read_meta", "write_marker", "read_marker", "verify_files",
-           "has_legacy_layout", "verify_checkpoint", "LEGACY_HINT"]
+__all__ = ["COMMIT_FILE", "META_FILE", "DCP_METADATA", "KIND_SHARED", "KIND_NODE_LOCAL", "FORMAT", "VERSION",
+           "CheckpointError", "LegacyCheckpointError", "sha256_file", "file_entries", "encode_meta", "write_fsync",
+           "read_meta", "write_marker", "read_marker", "verify_files", "has_legacy_layout", "verify_checkpoint",
+           "LEGACY_HINT"]
 
 COMMIT_FILE = "commit.json"  # the commit marker: the last file a save writes
 META_FILE = "meta.pt"  # our metadata (rank 0 / each node's first rank)
@@ -214,8 +215,10 @@ def read_marker(folder: Path) -> dict[str, Any]:
                               f"got {files!r:.200}")
     for name, entry in files.items():
         if not name or name != Path(name).name or name in (".", ".."):
-            raise CheckpointError(f"{str(file)!r}: 'files' lists {name!r}, which is not a plain file name in the folder")
-        if not (isinstance(entry, dict) and isinstance(entry.get("bytes"), int) and isinstance(entry.get("sha256"), str)):
+            raise CheckpointError(f"{str(file)!r}: 'files' lists {name!r}, which is not a plain file name in the "
+                                  f"folder")
+        if not (isinstance(entry, dict) and isinstance(entry.get("bytes"), int)
+                and isinstance(entry.get("sha256"), str)):
             raise CheckpointError(f"{str(file)!r}: files[{name!r}] must be {{\"bytes\": int, \"sha256\": str}}, "
                                   f"got {entry!r:.200}")
     step = marker.get("global_step")

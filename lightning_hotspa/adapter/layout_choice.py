@@ -1,8 +1,9 @@
 """Which layouts a run uses: the candidate set, the default layout and activation checkpointing.
 
 ``HotSPaStrategy(layouts="auto")`` takes :func:`default_layouts` of the world size (the one place
-that decides it), or for a module without a tensor-parallel plan the layouts it supports; plain batches, validation and prediction run in the default layout (the most
-data-parallel candidate unless chosen).
+that decides it), or for a module without a tensor-parallel plan the layouts it supports; plain
+batches, validation and prediction run in the default layout (the most data-parallel candidate
+unless chosen).
 """
 
 from __future__ import annotations

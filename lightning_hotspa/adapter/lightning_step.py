@@ -26,7 +26,8 @@ from .lightning_compat import call_callback_hooks, call_module_hook, trainer_res
 from .reliability import StepTracker
 from .stats import step_metrics
 
-__all__ = ["LightningStepHooks", "as_scalar_loss", "check_trainer", "open_breadcrumbs", "plain_plan", "run_eval_step", "run_training_step"]
+__all__ = ["LightningStepHooks", "as_scalar_loss", "check_trainer", "open_breadcrumbs", "plain_plan", "run_eval_step",
+           "run_training_step"]
 
 
 class LightningStepHooks(StepHooks):

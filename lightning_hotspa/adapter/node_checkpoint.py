@@ -208,9 +208,9 @@ class CheckpointPlacement:
                for rank, (s, _) in enumerate(reports)):
             return NODE_LOCAL
         seen_by = "; ".join(f"rank {r} (node {self.node_map[r]}) sees ranks {s}" for r, (s, _) in enumerate(reports))
-        raise CheckpointError(f"checkpoint folder {str(folder)!r} is neither shared by all ranks nor local to each node: "
-                              f"{seen_by}; use one shared folder, or one per node (a node-local disk, or a path with "
-                              f"{NODE_FIELD} in it)")
+        raise CheckpointError(f"checkpoint folder {str(folder)!r} is neither shared by all ranks nor local to each "
+                              f"node: {seen_by}; use one shared folder, or one per node (a node-local disk, or a "
+                              f"path with {NODE_FIELD} in it)")
 
     # ------------------------------------------------------------------ save
     def save(self, checkpoint: dict[str, Any], filepath: str | os.PathLike, layouts: Sequence[str]) -> None:
@@ -314,8 +314,8 @@ class CheckpointPlacement:
         if not common:
             absent = [r for r, (_, _, is_dir) in enumerate(everyone) if not is_dir]
             if not any(e[0] for e in everyone):
-                what = f"no complete checkpoint in {directory!r}" + (
-                    "" if not absent else f" (no such folder{'' if len(absent) == len(everyone) else f' on ranks {absent}'})")
+                where = "" if len(absent) == len(everyone) else f" on ranks {absent}"
+                what = f"no complete checkpoint in {directory!r}" + ("" if not absent else f" (no such folder{where})")
             else:
                 newest = {r: (e[0][-1] if e[0] else None) for r, e in enumerate(everyone)}
                 what = f"no checkpoint step in {directory!r} that every rank has (newest per rank: {newest})"

@@ -51,8 +51,9 @@ def merge_node_copies(folders: Sequence[str | os.PathLike], output: str | os.Pat
     world = markers[0]["world_size"]
     covered = sorted(r for m in markers for r in m["ranks"])
     if covered != list(range(world)) or len({m["global_step"] for m in markers}) != 1:
-        raise CheckpointError(f"the copies {[str(f) for f in folders]} do not add up to one checkpoint of {world} ranks: "
-                              f"they hold ranks {covered} of steps {sorted({m['global_step'] for m in markers})}")
+        raise CheckpointError(f"the copies {[str(f) for f in folders]} do not add up to one checkpoint of {world} "
+                              f"ranks: they hold ranks {covered} of steps "
+                              f"{sorted({m['global_step'] for m in markers})}")
     output = Path(output)
     if output.exists():
         raise CheckpointError(f"merge output {str(output)!r} already exists; choose a new folder")

@@ -50,7 +50,8 @@ def hardware_for(hardware: str | None, device: torch.device) -> str:
     if found is None:
         raise ValueError(f"planner='cost' has no hardware profile for this {device.type} device "
                          f"{name or str(device)!r}; pass one with HotSPaStrategy(hardware=NAME) (known: "
-                         f"{', '.join(PROFILES)}) or add a HardwareProfile to lightning_hotspa/planner/hardware.py")
+                         f"{', '.join(PROFILES)}) or add a HardwareProfile to "
+                         f"lightning_hotspa/planner/hardware.py")
     rank_zero_info(f"hotspa: planner='cost' prices plans for hardware profile {found!r} "
                    f"(the {device.type} device {name or str(device)!r})")
     return found

@@ -30,8 +30,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["NONFINITE_POLICIES", "CollectiveError", "as_timeout", "NonFiniteLossError", "StepTracker", "check_nonfinite_policy",
-           "enable_nccl_flight_recorder", "is_collective_failure"]
+__all__ = ["NONFINITE_POLICIES", "CollectiveError", "as_timeout", "NonFiniteLossError", "StepTracker",
+           "check_nonfinite_policy", "enable_nccl_flight_recorder", "is_collective_failure"]
 
 log = logging.getLogger(__name__)
 

@@ -149,7 +149,8 @@ class HotSPaStrategy(GuardedCollectives, StrategyCheckpoints, ParallelStrategy):
         self._process_group_backend = process_group_backend
         self._timeout = as_timeout(timeout)
         if breadcrumb_dir is not None and not isinstance(breadcrumb_dir, (str, os.PathLike)):
-            raise TypeError(f"breadcrumb_dir must be a folder path (str or os.PathLike) or None, got {breadcrumb_dir!r}")
+            raise TypeError(f"breadcrumb_dir must be a folder path (str or os.PathLike) or None, got "
+                            f"{breadcrumb_dir!r}")
         self._compile = check_compile_spec(compile_blocks)
         # collective bucket sizes (None: the backend's default, engine/buckets.py); checked here, sized at setup
         self._bucket_args = (bucket_mb, switch_buckets_in_flight, reduce_buckets_in_flight)

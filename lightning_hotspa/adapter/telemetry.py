@@ -177,7 +177,8 @@ class RunSummary:
         widths = [max(len(h), *(len(row[i]) for row in lines)) if lines else len(h) for i, h in enumerate(head)]
 
         def fmt(row: Sequence[str]) -> str:
-            return "  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True)))
+            cells = enumerate(zip(row, widths, strict=True))
+            return "  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in cells)
 
         out = [f"HotSPa summary (steps after the first {self.skip_first}; times are the slowest rank's; "
                f"switch s / MB per step)", fmt(head), fmt(["-" * w for w in widths])]

@@ -291,7 +291,8 @@ class HotSPaDataModule(L.LightningDataModule):
         if isinstance(max_seq_len, int) and isinstance(self.context_length, int) and self.context_length > max_seq_len:
             raise DataError(f"{type(self).__name__}: context_length={self.context_length} is longer than the model's "
                             f"max_seq_len={max_seq_len} (positions past it were never trained or are out of the "
-                            f"model's RoPE range); lower context_length or use a model config with a longer max_seq_len")
+                            f"model's RoPE range); lower context_length or use a model config with a longer "
+                            f"max_seq_len")
         if self._source is not None and isinstance(model_vocab, int):
             from ..models.vocab import check_tokenizer_fits
 

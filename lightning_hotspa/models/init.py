@@ -6,8 +6,9 @@ from (seed, parameter name, i, j) through a stable hash. CPU ``randn`` cannot pr
 tensor alone, but a rank can generate just the tiles its shard overlaps: the tiles depend on the
 parameter's shape only, never on the world size or the region asked for, so every rank's shard and
 the single-process model agree exactly, and one rank's start-up costs its shard's elements (plus
-edge tiles), not the full model's. Random init of sharded CPU DTensors is wrong (docs/DESIGN.md §7, trap "random init of sharded
-DTensors"), which is why this exists. Values are generated on CPU in fp32 whatever device the shard goes to.
+edge tiles), not the full model's. Random init of sharded CPU DTensors is wrong (docs/DESIGN.md §7,
+trap "random init of sharded DTensors"), which is why this exists. Values are generated on CPU in
+fp32 whatever device the shard goes to.
 """
 
 from __future__ import annotations

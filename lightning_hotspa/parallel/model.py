@@ -51,7 +51,8 @@ class ParallelModel:
             self.hooks += install_context_parallel(module, self.state)
         self._checkpointers = [m for m in module.modules() if hasattr(m, "set_activation_checkpointing")]
 
-    def activate(self, layout: Layout, params: Mapping[str, nn.Parameter], activation_checkpointing: bool = False) -> None:
+    def activate(self, layout: Layout, params: Mapping[str, nn.Parameter],
+                 activation_checkpointing: bool = False) -> None:
         """Computes in ``layout`` with ``params`` (the switch engine's working parameters) from now on."""
         if activation_checkpointing and not self._checkpointers:
             raise LayoutError(f"activation checkpointing was asked for layout {layout}, but "

@@ -237,18 +237,20 @@ class ProfiledCoefficients:
             "version": self.version,
             "last_refit_step": self.last_refit_step,
             "scale": self.scale,
-            "fitted": [[k[0].name, k[1], list(v)] for k, v in sorted(self.fitted.items(), key=lambda kv: (kv[0][0].name, kv[0][1]))],
+            "fitted": [[k[0].to_state(), k[1], list(v)]
+                       for k, v in sorted(self.fitted.items(), key=lambda kv: (kv[0][0].name, kv[0][1]))],
+            # the observations' layout indices point into this list (encode_observations: sorted by name)
             "observations": encode_observations(self.observations, None).tolist(),
-            "layouts": sorted({o.layout.name for o in self.observations}),
+            "layouts": [lay.to_state() for lay in sorted({o.layout for o in self.observations}, key=lambda x: x.name)],
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.version = int(state.get("version", 0))
         self.last_refit_step = int(state.get("last_refit_step", -1))
         self.scale = float(state.get("scale", 1.0))
-        self.fitted = {(Layout.parse(n), bool(ac)): tuple(float(x) for x in v)  # type: ignore[misc]
-                       for n, ac, v in state.get("fitted", [])}
-        layouts = [Layout.parse(n) for n in state.get("layouts", [])]
+        self.fitted = {(Layout.from_state(lay), bool(ac)): tuple(float(x) for x in v)  # type: ignore[misc]
+                       for lay, ac, v in state.get("fitted", [])}
+        layouts = [Layout.from_state(lay) for lay in state.get("layouts", [])]
         rows = np.asarray(state.get("observations", []), dtype=np.float64)
         self.observations = decode_observations(rows, layouts) if rows.size else []
 

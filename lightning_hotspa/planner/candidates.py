@@ -313,7 +313,8 @@ def _refine(cm: AnalyticCostModel, layouts: Sequence[Layout],
 
 
 def _oracle_seeded(cm: AnalyticCostModel, layouts: Sequence[Layout], batches: Sequence[np.ndarray],
-                   star: int | None, context: int, max_layouts: int, k: int) -> list[tuple[float, int, tuple[int, ...]]]:
+                   star: int | None, context: int, max_layouts: int,
+                   k: int) -> list[tuple[float, int, tuple[int, ...]]]:
     """Sets built from the layouts the step's lower bound uses (:func:`~.oracle_bound.charged_oracle`
     over ALL layouts, on each sample batch): its ``k`` most used layouts, with ``star``, in every
     combination that shares a mesh and holds the context, scored by the same bound over only the

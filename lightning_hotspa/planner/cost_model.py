@@ -5,9 +5,10 @@ checkpointing on or off), collected in :class:`OptionCost`:
 
 * ``quadratic`` and ``linear``: a document of cp-padded length ``s`` costs ``a*s^2 + b*s`` seconds on
   its tp x cp group (plus ``per_document``, zero analytically, fitted in profiled mode: the CPU
-  attention backend runs one kernel per document). Why per document: with varlen attention (``cu_seqlens``) packed documents do not
-  attend to each other, so a micro-batch's work is the sum over its documents. Why this form: dense
-  FLOPs are linear in ``s`` and causal attention FLOPs are ``~s^2`` (Hydraulis' ``a s^2 + b s + c``).
+  attention backend runs one kernel per document). Why per document: with varlen attention
+  (``cu_seqlens``) packed documents do not attend to each other, so a micro-batch's work is the sum
+  over its documents. Why this form: dense FLOPs are linear in ``s`` and causal attention FLOPs are
+  ``~s^2`` (Hydraulis' ``a s^2 + b s + c``).
 * ``per_micro_batch``: fixed seconds per micro-batch (collective latencies, launches).
 * ``stage_fixed``: seconds per stage: the dp gradient reduce-scatter into the world-sharded home state.
   Consecutive stages of one tp degree keep accumulating into the same working gradients and reduce
@@ -35,7 +36,8 @@ rows); the cost is padding (``s`` rounded up to ``2*cp``) and communication:
   with checkpointing); each moves ``(cp_kv-1)`` local K/V slices of ``s/cp`` tokens x ``2 kv_width/tp``.
   The gathered K/V are not saved, so backward recomputes the attention forward: attention FLOPs x 4/3.
 * Activation checkpointing recomputes each layer's forward: +1/3 of the layers' training FLOPs.
-* dp: one reduce-scatter of the stage's fp32 gradients per run of same-tp stages (docs/DESIGN.md §4, "Gradients live in the engine's store").
+* dp: one reduce-scatter of the stage's fp32 gradients per run of same-tp stages (docs/DESIGN.md §4,
+  "Gradients live in the engine's store").
 * Switches (switch.py): a move from tp ``s`` to tp ``t < s`` all-gathers ``1/t - 1/s`` of the bf16
   weights over a group spanning ``s`` consecutive ranks; ``t >= s`` is a local slice (free). Home is
   sharded over the whole world. Group spans decide intra- (NVLink) vs inter-node bandwidth, nodes of
@@ -51,13 +53,15 @@ rows); the cost is padding (``s`` rounded up to ``2*cp``) and communication:
 * pp (simulation of the artifact's (dp, tp, pp) layouts only): each rank runs ``L/pp`` layers, a dp
   group's ``m`` micro-batches take ``sum/pp * (m + pp - 1)/m`` (1F1B bubble).
 
-Memory per rank (:mod:`.memory_model`, :meth:`AnalyticCostModel.memory`, checked against the real step by ``hotspa memory``):
-home state over the world (fp32 weights, Adam m and v, fp32 gradient store: 16 B per parameter /
-world), bf16 working weights and their fp32 main-grad accumulators (6 B / (tp*pp) for the tp-split
-parameters, norms in full; ``fsdp``: / (tp*fsdp_shard), plus gathered units), and activations per token as the runtime saves them (norms and residual
-stream full on every tp rank: no sequence parallelism; attention per ``attention_backend``; SwiGLU;
-the blocked loss head's transients, DESIGN §11) over cp: without checkpointing every layer's saved tensors, with it only
-each layer's input plus one layer being recomputed. What is left decides the option's token capacity.
+Memory per rank (:mod:`.memory_model`, :meth:`AnalyticCostModel.memory`, checked against the real
+step by ``hotspa memory``): home state over the world (fp32 weights, Adam m and v, fp32 gradient
+store: 16 B per parameter / world), bf16 working weights and their fp32 main-grad accumulators
+(6 B / (tp*pp) for the tp-split parameters, norms in full; ``fsdp``: / (tp*fsdp_shard), plus
+gathered units), and activations per token as the runtime saves them (norms and residual stream
+full on every tp rank: no sequence parallelism; attention per ``attention_backend``; SwiGLU; the
+blocked loss head's transients, DESIGN §11) over cp: without checkpointing every layer's saved
+tensors, with it only each layer's input plus one layer being recomputed. What is left decides the
+option's token capacity.
 """
 
 from __future__ import annotations

@@ -178,21 +178,24 @@ PROFILES: dict[str, HardwareProfile] = {
     "A100-80G": HardwareProfile(
         name="A100-80G", **_AMPERE, memory_bytes=80 * GiB, intra_node_bw=230e9, inter_node_bw=22e9,
         hbm_bandwidth=2.039e12 * HBM_FRACTION,
-        source=_AMPERE_NOTE + _HBM.format(tb=2.039, sheet="A100 80GB SXM data sheet", f=HBM_FRACTION) + "NVLink3 600 GB/s bidirectional, ~230 GB/s all-reduce busbw (nccl-tests on "
+        source=_AMPERE_NOTE + _HBM.format(tb=2.039, sheet="A100 80GB SXM data sheet", f=HBM_FRACTION)
+        + "NVLink3 600 GB/s bidirectional, ~230 GB/s all-reduce busbw (nccl-tests on "
         "DGX A100); one 200 Gb/s HDR NIC per GPU (~22 GB/s effective; llm-foundry's A100 table states 1600 "
         "Gbps per node)." + _LINKS,
     ),
     "A800-80G": HardwareProfile(
         name="A800-80G", **_AMPERE, memory_bytes=80 * GiB, intra_node_bw=155e9, inter_node_bw=22e9,
         hbm_bandwidth=2.039e12 * HBM_FRACTION,
-        source=_AMPERE_NOTE + _HBM.format(tb=2.039, sheet="as the A100 80GB", f=HBM_FRACTION) + "The A800 is an A100 (same compute constants) with NVLink capped at 400 GB/s "
+        source=_AMPERE_NOTE + _HBM.format(tb=2.039, sheet="as the A100 80GB", f=HBM_FRACTION)
+        + "The A800 is an A100 (same compute constants) with NVLink capped at 400 GB/s "
         "bidirectional: ASSUMED ~155 GB/s busbw. The HotSPa paper's cluster (nodes of 8, InfiniBand between): "
         "ASSUMED one 200 Gb/s NIC per GPU (~22 GB/s effective); the paper does not state it." + _LINKS,
     ),
     "H100": HardwareProfile(
         name="H100", **_HOPPER, memory_bytes=80 * GiB, intra_node_bw=360e9, inter_node_bw=45e9,
         hbm_bandwidth=3.35e12 * HBM_FRACTION,
-        source=_HOPPER_NOTE + _HBM.format(tb=3.35, sheet="H100 SXM data sheet", f=HBM_FRACTION) + "NVLink4 900 GB/s bidirectional, ASSUMED ~360 GB/s busbw; ASSUMED one "
+        source=_HOPPER_NOTE + _HBM.format(tb=3.35, sheet="H100 SXM data sheet", f=HBM_FRACTION)
+        + "NVLink4 900 GB/s bidirectional, ASSUMED ~360 GB/s busbw; ASSUMED one "
         "400 Gb/s NDR NIC per GPU (~45 GB/s)." + _LINKS,
     ),
     "H100-GT500W": HardwareProfile(
@@ -201,7 +204,8 @@ PROFILES: dict[str, HardwareProfile] = {
         source="Meta's Grand Teton H100 (96 GB HBM2e, 500 W power limit) that torchtitan's benchmarks ran on: "
         "its peak is 'between SXM and NVL' (torchtitan benchmarks/llama3_h100_202412_torchtitan.md): ASSUMED "
         "the midpoint of 989 (SXM) and 835 (NVL) TFLOP/s; efficiencies (fractions of that peak) and links as "
-        "the H100's; 400 Gb/s RDMA per GPU (the same file); HBM2e at 2.4 TB/s peak (torchtitan's performance.md in its docs folder) x "
+        "the H100's; 400 Gb/s RDMA per GPU (the same file); HBM2e at 2.4 TB/s peak (torchtitan's performance.md "
+        "in its docs folder) x "
         "0.8 reached (ASSUMED, as every profile). Prices only those published rows." + _LINKS,
     ),
     "H200": HardwareProfile(

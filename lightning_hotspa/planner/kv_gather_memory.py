@@ -2,8 +2,9 @@
 :mod:`lightning_hotspa.parallel.kv_gather`) for :class:`~.memory_model.MemoryModel`.
 
 Why its own terms: the KV gather saves different tensors than Ulysses or no cp (those the memory
-model's ``attention_saved_bytes`` counts) and holds, per layer, transient buffers the size of the WHOLE micro-batch's K/V. Checked
-against the real code path by ``hotspa memory`` (tests/test_memory.py, BENCHMARKS.md).
+model's ``attention_saved_bytes`` counts) and holds, per layer, transient buffers the size of the
+WHOLE micro-batch's K/V. Checked against the real code path by ``hotspa memory``
+(tests/test_memory.py, BENCHMARKS.md).
 """
 
 from __future__ import annotations

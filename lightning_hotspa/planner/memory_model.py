@@ -165,9 +165,10 @@ class MemoryModel:
         the largest gradient in the working dtype before its accumulation hook folds it in.
 
         A sharded working copy (``fsdp``): weights and main grads over tp x fsdp_shard (tp x dp x cp
-        for plain ``:fsdp``: the home shard in the working dtype; main grads at the sharded size); its ``transient``: two gathered
-        units (the current and the prefetched one, :meth:`largest_gathered_unit`) and the current
-        unit's gradient in the working dtype and in fp32 for its reduce-scatter (``grad_bytes``).
+        for plain ``:fsdp``: the home shard in the working dtype; main grads at the sharded size); its
+        ``transient``: two gathered units (the current and the prefetched one,
+        :meth:`largest_gathered_unit`) and the current unit's gradient in the working dtype and in fp32
+        for its reduce-scatter (``grad_bytes``).
         Measured (``hotspa memory``, BENCHMARKS.md): the peak holds the larger of that and the loss
         head's logits transients, not both."""
         hw = self.hardware

@@ -55,7 +55,8 @@ class PlanStats:
 
 
 
-def stage_stats(stage: Stage, doc_lengths: Sequence[int], capacity: int, cost_fn: DocCost | None = None) -> StagePlanStats:
+def stage_stats(stage: Stage, doc_lengths: Sequence[int], capacity: int,
+                cost_fn: DocCost | None = None) -> StagePlanStats:
     """Stats of any planner's stage (so metrics do not depend on which planner made the plan)."""
     cost_fn = cost_fn or QuadraticCost()
     lengths = np.asarray(doc_lengths, dtype=np.int64)

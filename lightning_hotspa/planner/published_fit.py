@@ -34,7 +34,8 @@ def measured_step_s(run: PublishedRun) -> float:
 def with_constants(profile: HardwareProfile, e_max: float, h_half: float, attn: float, kernel: str,
                    head_dim: int, note: str = "") -> HardwareProfile:
     """``profile`` with the GEMM curve and one attention (kernel, head dim) entry set."""
-    table = tuple(e for e in profile.attention_kernels if (e[0], e[1]) != (kernel, head_dim)) + ((kernel, head_dim, attn),)
+    kept = tuple(e for e in profile.attention_kernels if (e[0], e[1]) != (kernel, head_dim))
+    table = kept + ((kernel, head_dim, attn),)
     return dataclasses.replace(profile, dense_efficiency=e_max, gemm_half_width=h_half, attention_kernels=table,
                                source=profile.source + note)
 

@@ -81,7 +81,9 @@ def price_run(run: PublishedRun, model_for: Callable[[PublishedRun], AnalyticCos
     return PricedRun(run, predicted, step, dense, attention, step - dense - attention, fits)
 
 
-def selective_extra(run: PublishedRun, cm: AnalyticCostModel, dense_s: float, attention_s: float) -> tuple[float, float]:
+def selective_extra(
+    run: PublishedRun, cm: AnalyticCostModel, dense_s: float, attention_s: float
+) -> tuple[float, float]:
     """(GEMM, attention) seconds a ``"selective"`` run's recomputation adds, by its runtime's policy:
     ``core-attention`` re-runs the attention forward (1/3 of its forward + backward FLOPs);
     ``every-other-mm`` re-runs the forward of every second matmul of a block (Llama order wq wk wv

@@ -18,8 +18,9 @@ __all__ = ["PublishedRun", "PUBLISHED_RUNS", "mpt_config", "megatron_gpt_config"
 
 LLM_FOUNDRY = ("mosaicml/llm-foundry scripts/train/benchmarking/README.md @ 495218376830947dce625efabc4d86be7c47cc45, "
                "table '{table}'; model shape scripts/train/yamls/pretrain/mpt-{size}.yaml @ 8c8dd48f7216")
-TORCHTITAN_2412 = ("pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md @ 820504e20d1149fbf0b98c567af24c4b0433b22d, "
-                   "{table}; seq_len 8192 from train_configs/llama3_{size}.toml @ 9dec370ad26b")
+TORCHTITAN_2412 = ("pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md @ "
+                   "820504e20d1149fbf0b98c567af24c4b0433b22d, {table}; seq_len 8192 from "
+                   "train_configs/llama3_{size}.toml @ 9dec370ad26b")
 TORCHTITAN_ASYNC_TP = ("pytorch/torchtitan benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md @ "
                        "4a61bd87d3c7e92bcfeb5d5464d9e6bd13ef440a, {table}, row 'None (bfloat16)', Vanilla TP; "
                        "seq_len 8192 from train_configs/llama3_{size}.toml @ 9dec370ad26b")
@@ -85,7 +86,9 @@ def _foundry(gpu: str, table: str, size: str, seq: int, world: int, mbs: int, ga
              tps: float, sharding: str = "full", precision: str = "bf16", excluded: str = "",
              note: str = "") -> PublishedRun:
     tag = "a100" if gpu.startswith("A100") else "h100"
-    return PublishedRun(id=f"foundry-{tag}-mpt{size}-{seq // 1024}k-{world}g" + ("" if precision == "bf16" else "-" + precision), source=LLM_FOUNDRY.format(table=table, size=size),
+    suffix = "" if precision == "bf16" else "-" + precision
+    return PublishedRun(id=f"foundry-{tag}-mpt{size}-{seq // 1024}k-{world}g" + suffix,
+                        source=LLM_FOUNDRY.format(table=table, size=size),
                         system="llm-foundry", gpu=gpu, model=mpt_config(size), world=world, dp=world, tp=1, cp=1,
                         pp=1, sharding=sharding, seq_len=seq, micro_batch=mbs, grad_accum=ga,
                         checkpointing="full" if ac else "none", precision=precision, tokens_per_s_per_gpu=tps,
@@ -138,17 +141,20 @@ PUBLISHED_RUNS: tuple[PublishedRun, ...] = (
     PublishedRun("titan-8b-fsdp8", TORCHTITAN_2412.format(table="Table 1 row 'FSDP'", size="8b"), "torchtitan",
                  "H100-GT500W", "llama3-8b", 8, 8, 1, 1, 1, "full", 8192, 2, 1, "selective", "bf16", 5762,
                  note="eager; selective (op) AC priced as no recompute"),
-    PublishedRun("titan-8b-fsdp8-compile", TORCHTITAN_2412.format(table="Table 1 row 'FSDP + torch.compile'", size="8b"),
+    PublishedRun("titan-8b-fsdp8-compile",
+                 TORCHTITAN_2412.format(table="Table 1 row 'FSDP + torch.compile'", size="8b"),
                  "torchtitan", "H100-GT500W", "llama3-8b", 8, 8, 1, 1, 1, "full", 8192, 2, 1, "selective", "bf16", 6667,
                  note="torch.compile: the model does not price compilation (same prediction as the eager row)"),
     PublishedRun("titan-8b-fsdp128", TORCHTITAN_2412.format(table="Table 3 row 'FSDP'", size="8b"), "torchtitan",
                  "H100-GT500W", "llama3-8b", 128, 128, 1, 1, 1, "full", 8192, 2, 1, "selective", "bf16", 5605,
                  note="eager; selective (op) AC priced as no recompute"),
     PublishedRun("titan-70b-fsdp32-tp8", TORCHTITAN_ASYNC_TP.format(table="Llama3 70b on 256 H100s table", size="70b"),
-                 "torchtitan", "H100-GT500W", "llama3-70b", 256, 32, 8, 1, 1, "full", 8192, 16, 1, "full", "bf16", 597.3,
+                 "torchtitan", "H100-GT500W", "llama3-70b", 256, 32, 8, 1, 1, "full", 8192, 16, 1, "full", "bf16",
+                 597.3,
                  note="torch.compile; local batch 16 per dp rank"),
     PublishedRun("titan-8b-fsdp8-tp8", TORCHTITAN_ASYNC_TP.format(table="Llama3 8b on 64 H100s table", size="8b"),
-                 "torchtitan", "H100-GT500W", "llama3-8b", 64, 8, 8, 1, 1, "full", 8192, 12, 1, "selective", "bf16", 4378,
+                 "torchtitan", "H100-GT500W", "llama3-8b", 64, 8, 8, 1, 1, "full", 8192, 12, 1, "selective", "bf16",
+                 4378,
                  note="torch.compile; per-op SAC priced as no recompute"),
     # ---- Megatron-LM (tp 8 with sequence parallel, selective recompute), A100 80GB
     PublishedRun("megatron-22b-tp8", MEGATRON_22B, "megatron-2022", "A100-80G", megatron_gpt_config(6144, 48, 64),
@@ -166,10 +172,12 @@ PUBLISHED_RUNS: tuple[PublishedRun, ...] = (
     PublishedRun("titan-405b-fsdp8-tp8-pp8", TORCHTITAN_2412.format(table="Table 5 row '1F1B'", size="405b"),
                  "torchtitan", "H100-GT500W", "llama3-70b", 512, 8, 8, 1, 8, "full", 8192, 32, 1, "full", "fp8", 100,
                  excluded="405B, pipeline parallel (pp 8) and Float8: not expressible"),
-    PublishedRun("titan-8b-h200-fsdp32-fp8", TORCHTITAN_H200, "torchtitan", "H200", "llama3-8b", 32, 32, 1, 1, 1, "full",
+    PublishedRun("titan-8b-h200-fsdp32-fp8", TORCHTITAN_H200, "torchtitan", "H200", "llama3-8b", 32, 32, 1, 1, 1,
+                 "full",
                  8192, 2, 1, "selective", "fp8", 10938,
                  excluded="Float8 linears and Float8 FSDP all-gather (the only published H200 figures found)"),
-    PublishedRun("nemo-llama3-70b-tp4-pp8", "NVIDIA-NeMo/Megatron-Bridge, file performance-summary-archive.md under its docs folder, @ "
+    PublishedRun("nemo-llama3-70b-tp4-pp8", "NVIDIA-NeMo/Megatron-Bridge, file performance-summary-archive.md under "
+                 "its docs folder, @ "
                  "4ab94dfad36641cabdeb96452b21bf676aac4772, 25.09 DGX-H100 table, LLAMA3_70B row", "megatron-2022",
                  "H100", "llama3-70b", 64, 2, 4, 1, 8, "none", 8192, 1, 64, "selective", "fp8", 1619,
                  excluded="pipeline parallel (pp 8, vp 5) and FP8 (the H100 Llama rows there are FP8)"),

@@ -80,8 +80,8 @@ class RuntimeProfile:
 #: OUR runtime on this commit (engine/fsdp.py, engine/switch.py, parallel/*); update it with the runtime.
 HOTSPA = RuntimeProfile(
     name="hotspa", fsdp_gather_prefetch=True, fsdp_recompute_gather_prefetch=False,
-    fsdp_reduce_scatter_overlap=False, dp_reduce_overlap=True, tp_comm_overlap=False, cp_comm_overlap=False, attention_kernel="fa2",
-    selective_recompute="none", optimizer_bytes_per_param=28.0,
+    fsdp_reduce_scatter_overlap=False, dp_reduce_overlap=True, tp_comm_overlap=False, cp_comm_overlap=False,
+    attention_kernel="fa2", selective_recompute="none", optimizer_bytes_per_param=28.0,
     source="engine/fsdp.py: a unit's forward starts the next unit's all-gather asynchronously and each "
     "backward re-gather starts the previous one's (one in flight); a checkpointed unit's recompute gathers "
     "synchronously; the per-unit fp32 reduce-scatter is waited for at once (pending.result()). "
@@ -100,7 +100,9 @@ RUNTIME_PROFILES: dict[str, RuntimeProfile] = {
         fsdp_reduce_scatter_overlap=True, dp_reduce_overlap=True,
         tp_comm_overlap=False, cp_comm_overlap=False, attention_kernel="fa2", optimizer_bytes_per_param=32.0,
         source="Composer + PyTorch FSDP1 (backward_prefetch BACKWARD_PRE, also ahead of a checkpointed unit's "
-        "recomputation, whose forward pre-hook unshards; reduce-scatter on its own stream: FSDP1's design); MPT attn_impl 'flash' (flash-attn) in scripts/train/yamls/pretrain/mpt-*.yaml; no tp/cp. "
+        "recomputation, whose forward pre-hook unshards; reduce-scatter on its own stream: FSDP1's design); "
+        "MPT attn_impl 'flash' (flash-attn) "
+        "in scripts/train/yamls/pretrain/mpt-*.yaml; no tp/cp. "
         "Optimizer (the same yamls): decoupled_adamw on fp32 sharded weights with norm gradient clipping: "
         "reads gradient, weight, m, v, writes weight, m, v, reads the gradient for its norm: 32 B per parameter.",
     ),

@@ -345,8 +345,8 @@ class CostModelPlanner(PlannerBase):
         stages = []
         for s in plan.stages:
             key = (s.layout, s.activation_checkpointing)
-            opt = self.options.get(key) or self.cost_model.option(s.layout, s.activation_checkpointing,
-                                                                  self._capacity_override(s.layout, s.activation_checkpointing))
+            opt = self.options.get(key) or self.cost_model.option(
+                s.layout, s.activation_checkpointing, self._capacity_override(s.layout, s.activation_checkpointing))
             stages.append((opt, s.micro_batches))
         return predict_stages(stages, plan.doc_lengths, self.cost_model, self.blocks)
 

@@ -135,9 +135,11 @@ def _cmd_plan(args: argparse.Namespace) -> dict[str, Any]:
                      str(s.micro_batches), f"{s.seconds:.3f}"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     print(f"{cm.model.n_layers}-layer model ({cm.params / 1e9:.2f}B) on {args.world_size} x {cm.hardware.name}; "
-          f"{lengths.size} documents, {int(lengths.sum())} tokens; candidates {', '.join(x.name for x in planner.layouts)}")
+          f"{lengths.size} documents, {int(lengths.sum())} tokens; candidates "
+          f"{', '.join(x.name for x in planner.layouts)}")
     for r in rows:
-        print("  ".join(c.rjust(w) if i in (1, 2, 5, 6) else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True))))
+        cells = enumerate(zip(r, widths, strict=True))
+        print("  ".join(c.rjust(w) if i in (1, 2, 5, 6) else c.ljust(w) for i, (c, w) in cells))
     print(f"switches {pred.switch_seconds:.3f} s; step {pred.seconds:.3f} s; {pred.tokens_per_s:,.0f} tokens/s")
     speedup = static[best] / pred.seconds if best else None
     if best:

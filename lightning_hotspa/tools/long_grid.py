@@ -147,7 +147,9 @@ def long_cell(model: str, gpus: int, context: int, data: str, hardware: str, bat
     planners: dict[Layout, CostModelPlanner] = {}
     fallbacks, rows_layout, has_rule = 0, "", True
     ladder = {k: 0.0 for k in (*LADDER, "ours_margin0")}
-    free = CostModelPlanner(layouts, model=cm.model, hardware=cm.hardware, static_margin=0.0) if breakdown and margin > 0 else None
+    free = None
+    if breakdown and margin > 0:
+        free = CostModelPlanner(layouts, model=cm.model, hardware=cm.hardware, static_margin=0.0)
     for b in range(batches):
         lengths = token_batch(data, context, tokens, seed + b)
         sums["ours"] += planner.solve(lengths)[0]

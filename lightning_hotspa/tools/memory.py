@@ -33,7 +33,8 @@ from ..models.config import LlamaConfig
 from ..planner.cost_model import AnalyticCostModel, CostModelError
 from ..planner.memory_model import MODEL_ERROR_MARGIN
 
-__all__ = ["ATTENTION_PATHS", "ROWS", "QUICK_ROWS", "add_parser", "candidate_layouts", "estimate_layout", "estimate_rows", "run"]
+__all__ = ["ATTENTION_PATHS", "ROWS", "QUICK_ROWS", "add_parser", "candidate_layouts", "estimate_layout",
+           "estimate_rows", "run"]
 
 GiB = 2**30
 
@@ -278,8 +279,9 @@ def estimate_rows(rows: Sequence[tuple], hardware: str = "H100", *, log: Any = p
                 f"{entry['measured_gib']} ({entry['seconds']} s)")
     fit = sum(1 for e in out if e["planner_feasible"] and e["fits"])
     feasible = sum(1 for e in out if e["planner_feasible"])
-    return {"hardware": hardware, "attention": attention, "rows": out, "max_rel_error": round(worst, 4), "reserve": _reserve(hardware),
-            "model_error_margin": MODEL_ERROR_MARGIN, "feasible_rows": feasible, "feasible_rows_that_fit": fit}
+    return {"hardware": hardware, "attention": attention, "rows": out, "max_rel_error": round(worst, 4),
+            "reserve": _reserve(hardware), "model_error_margin": MODEL_ERROR_MARGIN, "feasible_rows": feasible,
+            "feasible_rows_that_fit": fit}
 
 
 def _reserve(hardware: str) -> dict[str, float]:

@@ -227,7 +227,8 @@ def simulate_grid(hardware: str = "A800-80G", batches: int = 2, sequences: int =
         "geomean_speedup_vs_best_static": geometric_mean([c.speedup_static for c in cells]),
         "geomean_speedup_vs_hand_set": geometric_mean([c.speedup_rule for c in cells]),
         "geomean_speedup_vs_best_static_no_cp": geometric_mean([c.speedup_static_no_cp for c in cells]),
-        "geomean_speedup_vs_hand_set_artifact_packing": geometric_mean([c.speedup_rule_artifact_packing for c in cells]),
+        "geomean_speedup_vs_hand_set_artifact_packing": geometric_mean(
+            [c.speedup_rule_artifact_packing for c in cells]),
         "min_speedup_vs_best_static": min(c.speedup_static for c in cells),
         "seconds": time.perf_counter() - start,
     }
