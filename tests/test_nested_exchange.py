@@ -2,6 +2,8 @@
 working copy in its own block's tp degree, and every rank's working gradients -> the home shards,
 on 4 gloo ranks with a tp2 block {0, 1} beside two tp1 blocks {2}, {3}, against tensors built whole."""
 
+import functools
+
 import pytest
 import torch
 
@@ -17,50 +19,68 @@ ROLES = {"col": "colwise", "row": "rowwise", "vocab": "vocab", "norm": "replicat
          "kv": "replicated_partial", "odd": "colwise", "scale": "replicated"}
 
 
-def _full(name: str, salt: int, dtype=torch.float64) -> torch.Tensor:
-    """A whole tensor of parameter ``name``, different per ``salt``."""
-    g = torch.Generator().manual_seed(sorted(SHAPES).index(name) * 1000 + salt + 1)
-    return torch.randn(SHAPES[name], generator=g, dtype=dtype)
+#: on 8 ranks "odd" has 12 rows (home prefix 2 of 3, tp4 inside it)
+SHAPES8 = {**SHAPES, "odd": (12, 2)}
+
+
+def _full(name: str, salt: int, dtype=torch.float64, shapes=SHAPES) -> torch.Tensor:
+    """A whole tensor of parameter ``name`` (its shape from ``shapes``), different per ``salt``."""
+    g = torch.Generator().manual_seed(sorted(shapes).index(name) * 1000 + salt + 1)
+    return torch.randn(shapes[name], generator=g, dtype=dtype)
 
 
 def _cut(t, sharding, interval):
     return t if sharding.dim is None else t[(slice(None),) * sharding.dim + (slice(*interval),)]
 
 
-def run_exchange(bucket_bytes, dtype=torch.float64):
+#: 8 ranks on a 2x2x2 mesh: a tp4 block {0..3}, a tp2 block {4, 5}, tp1 blocks {6}, {7}
+LAYOUTS8 = ["dp8", "dp4xtp2", "dp2xtp4"]
+PEERS8 = ("dp2xtp4",) * 4 + ("dp4xtp2",) * 2 + ("dp8",) * 2
+
+
+def run_exchange(bucket_bytes, dtype=torch.float64, layout_names=None, peers=None, block=None):
     """Gathers working copies from home shards, then reduces fabricated working gradients; returns
-    the largest error of each against the whole-tensor arithmetic, and the bytes received."""
+    the largest error of each against the whole-tensor arithmetic, and the bytes received.
+
+    Args:
+        bucket_bytes: the exchange's bucket size.
+        dtype: the tensors' dtype.
+        layout_names: the mesh's layouts (default :data:`LAYOUTS`).
+        peers: each rank's layout name (default: a tp2 block {0, 1}, tp1 on 2 and 3).
+        block: each rank's block index (ranks of one block hold the same replicated gradients).
+    """
     import torch.distributed as dist
 
     from lightning_hotspa.engine.nested_exchange import NestedExchange, working_interval
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    mesh = MeshShape.for_layouts(LAYOUTS, world)
-    tp2, tp1 = Layout.parse("dp2xtp2"), Layout.parse("dp4")
-    layouts = (tp2, tp2, tp1, tp1)
-    block = (0, 0, 1, 2)  # ranks 0 and 1 are one tp2 block; 2 and 3 a tp1 block each
-    shardings = build_shardings(SHAPES, ROLES, mesh)
-    home = {n: _cut(_full(n, -1, dtype), s, s.interval(rank, s.home_prefix)).contiguous()
+    mesh = MeshShape.for_layouts(layout_names or LAYOUTS, world)
+    layouts = tuple(Layout.parse(x) for x in (peers or ("dp2xtp2", "dp2xtp2", "dp4", "dp4")))
+    block = block or (0, 0, 1, 2)  # ranks 0 and 1 are one tp2 block; 2 and 3 a tp1 block each
+    shapes = SHAPES if world == 4 else SHAPES8
+    full = functools.partial(_full, shapes=shapes)
+    shardings = build_shardings(shapes, ROLES, mesh)
+    home = {n: _cut(full(n, -1, dtype), s, s.interval(rank, s.home_prefix)).contiguous()
             for n, s in shardings.items()}
     exchange = NestedExchange(shardings, mesh, layouts, rank, bucket_bytes)
     working, gathered, gather_calls = exchange.gather(home)
-    gather_err = max(float((working[n] - _cut(_full(n, -1, dtype), s, working_interval(s, layouts[rank], rank)))
+    gather_err = max(float((working[n] - _cut(full(n, -1, dtype), s, working_interval(s, layouts[rank], rank)))
                            .abs().max()) for n, s in shardings.items())
 
     def held(name, r):  # what rank r's working gradient is: a tp shard, a copy per block, a partial sum
         s = shardings[name]
         if s.role.tp_grad == "replicate":
-            return _full(name, 100 + block[r], dtype)
-        return _cut(_full(name, r, dtype), s, working_interval(s, layouts[r], r))
+            return full(name, 100 + block[r], dtype)
+        return _cut(full(name, r, dtype), s, working_interval(s, layouts[r], r))
 
     grads = {n: held(n, rank) for n in shardings}
     shards, reduced, reduce_calls = exchange.reduce(grads, working)
     reduce_err = 0.0
     for name, s in shardings.items():
-        expected = torch.zeros(SHAPES[name], dtype=dtype)
+        expected = torch.zeros(shapes[name], dtype=dtype)
         if s.role.tp_grad == "replicate":
             for b in sorted(set(block)):
-                expected += _full(name, 100 + b, dtype)
+                expected += full(name, 100 + b, dtype)
         else:
             for r in range(world):
                 _cut(expected, s, working_interval(s, layouts[r], r)).add_(held(name, r))
@@ -82,6 +102,17 @@ def test_nested_exchange_moves_shards_and_sums_gradients_exactly(ranks, bucket_b
     assert received[0] == received[1] < received[2] == received[3], received
     calls = {o[4] for o in out}
     assert calls == ({1} if bucket_bytes > 2**10 else {len(SHAPES)}), calls
+
+
+@pytest.mark.slow
+def test_nested_exchange_on_a_three_dim_mesh(ranks):
+    """8 ranks (2x2x2): a tp4, a tp2 and two tp1 blocks; the same exactness, and the wider the
+    block's tp, the fewer bytes its ranks receive."""
+    out = ranks(8).run(run_exchange, 64, torch.float64, LAYOUTS8, PEERS8, (0,) * 4 + (1,) * 2 + (2, 3))
+    for gather_err, reduce_err, *_ in out:
+        assert gather_err == 0.0 and reduce_err <= 1e-12, (gather_err, reduce_err)
+    received = [o[2] for o in out]
+    assert max(received[:4]) < min(received[4:6]) and max(received[4:6]) < min(received[6:]), received
 
 
 def test_nested_exchange_refuses_sharded_or_foreign_layouts():
