@@ -70,24 +70,39 @@ def mixed_tp_plans() -> list[StepPlan]:
     return plans
 
 
-def run_mixed_tp(precision="32-true"):
-    """:func:`fit_and_compare` over :func:`mixed_tp_plans` (3 AdamW steps under a real Trainer)."""
-    return fit_and_compare(MIXED_TP_LAYOUTS, 3, precision, plans=mixed_tp_plans())
+def run_mixed_tp(precision="32-true", kv_heads=None):
+    """:func:`fit_and_compare` over :func:`mixed_tp_plans` (3 AdamW steps under a real Trainer);
+    ``kv_heads`` swaps in a tiny model with that many kv heads for this call (1: fewer than the tp2
+    blocks' tp, so the kv projections are ``replicated_partial``)."""
+    import test_strategy
+
+    from lightning_hotspa.models import LlamaConfig, LlamaLM
+
+    original = test_strategy._model
+    if kv_heads is not None:
+        config = LlamaConfig.preset("tiny", n_kv_heads=kv_heads)
+        test_strategy._model = lambda dtype=torch.float32: LlamaLM(config, seed=3, lr=2e-3, weight_decay=0.1).to(dtype)
+    try:
+        return fit_and_compare(MIXED_TP_LAYOUTS, 3, precision, plans=mixed_tp_plans())
+    finally:
+        test_strategy._model = original
 
 
-@pytest.mark.parametrize("precision, grad_tol, loss_tol, weight_tol", [
-    ("32-true", 1e-5, 1e-5, 1e-4),
+@pytest.mark.parametrize("precision, kv_heads, grad_tol, loss_tol, weight_tol", [
+    ("32-true", None, 1e-5, 1e-5, 1e-4),
+    # one kv head, fewer than tp2: the kv projections' gradients are partial sums over tp
+    pytest.param("32-true", 1, 1e-5, 1e-5, 1e-4, marks=pytest.mark.slow),
     # fp64 removes the reduction-order noise: the whole 3-step trajectory must match
-    pytest.param("64-true", 1e-10, 1e-12, 1e-9, marks=pytest.mark.slow),
+    pytest.param("64-true", None, 1e-10, 1e-12, 1e-9, marks=pytest.mark.slow),
     # bf16 working copies: the gather sends bf16, the joint reduction sums the fp32 main grads
-    pytest.param("bf16-mixed", 5e-2, 1e-2, 5e-2, marks=pytest.mark.slow),
+    pytest.param("bf16-mixed", None, 5e-2, 1e-2, 5e-2, marks=pytest.mark.slow),
 ])
-def test_mixed_tp_blocks_in_one_replicated_stage_match_single_process(ranks, precision, grad_tol, loss_tol,
-                                                                      weight_tol):
+def test_mixed_tp_blocks_in_one_replicated_stage_match_single_process(ranks, precision, kv_heads, grad_tol,
+                                                                      loss_tol, weight_tol):
     """The core invariant for mixed tp: per step the gradients equal the single process's on the
     same weights (tp2 and tp1 blocks at once, uneven blocks, next to normal stages), and after 3
     AdamW steps the weights equal the single process's."""
-    result = ranks(4).run(run_mixed_tp, precision)[0]
+    result = ranks(4).run(run_mixed_tp, precision, kv_heads)[0]
     assert result["global_step"] == 3
     for step, errors in enumerate(result["grads"]):
         assert _worst(errors)[1] <= grad_tol, (step, _worst(errors))
