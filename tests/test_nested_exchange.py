@@ -127,3 +127,40 @@ def test_nested_exchange_refuses_sharded_or_foreign_layouts():
         NestedExchange(shardings, mesh, (Layout.parse("tp4"),) * 4, 0)
     with pytest.raises(LayoutError, match=r"needs one layout per rank \(4\), got 3"):
         NestedExchange(shardings, mesh, (tp1,) * 3, 0)
+
+
+@pytest.mark.parametrize("world, layout_names, peers, block", [
+    (4, LAYOUTS, ("dp2xtp2", "dp2xtp2", "dp4", "dp4"), (0, 0, 1, 2)),
+    (8, LAYOUTS8, PEERS8, (0,) * 4 + (1,) * 2 + (2, 3)),
+], ids=["4ranks", "8ranks"])
+def test_routes_agree_between_ranks_and_cover_each_copy_and_each_block_once(world, layout_names, peers, block):
+    """Pure arithmetic, every rank's routes built in one process: what h sends r is what r expects
+    from h; each working copy is tiled exactly once by what its rank receives; each home element
+    receives one piece per block (a tp shard or a replicated role: the block's ranks split it) or
+    one per rank (``replicated_partial``: every tp rank's partial sum)."""
+    from lightning_hotspa.engine.nested_exchange import NestedExchange, working_interval
+
+    mesh = MeshShape.for_layouts(layout_names, world)
+    shapes = SHAPES if world == 4 else SHAPES8
+    shardings = build_shardings(shapes, ROLES, mesh)
+    layouts = tuple(Layout.parse(x) for x in peers)
+    ex = [NestedExchange(shardings, mesh, layouts, r, bucket_bytes=64) for r in range(world)]
+    for kind in ("gather_routes", "reduce_routes"):
+        for h in range(world):
+            for r in range(world):
+                assert getattr(ex[h], kind).send[r] == getattr(ex[r], kind).recv[h], (kind, h, r)
+    for r in range(world):
+        for name, s in shardings.items():
+            lo, hi = working_interval(s, layouts[r], r)
+            pieces = sorted((a, b) for got in ex[r].gather_routes.recv for n, a, b in got if n == name)
+            assert pieces[0][0] == lo and pieces[-1][1] == hi, (r, name, pieces)
+            assert all(p[1] == q[0] for p, q in zip(pieces, pieces[1:])), (r, name, pieces)
+            lo, hi = s.interval(r, s.home_prefix)
+            count = [0] * (hi - lo)
+            for got in ex[r].reduce_routes.recv:
+                for n, a, b in got:
+                    if n == name:
+                        for i in range(a, b):
+                            count[i - lo] += 1
+            want = world if s.role.tp_grad == "partial" else len(set(block))
+            assert count == [want] * (hi - lo), (r, name, count)
