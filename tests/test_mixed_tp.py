@@ -230,3 +230,26 @@ def test_mixed_tp_stages_evaluate_like_the_single_process(ranks):
     for ours, reference, active in ranks(4).run(run_mixed_tp_evaluation)[0]:
         assert abs(ours - reference) <= 1e-5 * abs(reference), (ours, reference)
         assert active is None
+
+
+@pytest.mark.parametrize("layout, peers", [
+    ("dp4", ("dp4", "dp4", "dp2xtp2", "dp2xtp2")),
+    ("dp2xtp2", ("dp2xtp2", "dp2xtp2", "dp4", "dp4")),
+], ids=["tp1_block", "tp2_block"])
+def test_estimator_runs_a_mixed_tp_block_within_the_memory_models_term(layout, peers):
+    """``hotspa memory``'s estimator through a real mixed-tp step of rank 0's block (FakeTensorMode,
+    the joint exchange each way): its peak agrees with the model's, and what the joint reduction
+    adds (one parameter per bucket, the model's assumption) stays within the model's mixed-tp term
+    but not within the overlapped reduction's."""
+    from test_memory import SMALLISH
+
+    from lightning_hotspa.planner.cost_model import AnalyticCostModel
+    from lightning_hotspa.tools.memory import estimate_layout
+
+    got = estimate_layout(SMALLISH, 4, layout, 512, peers=peers, overlap=False, bucket_bytes=1)
+    lay, cm = Layout.parse(layout), AnalyticCostModel(SMALLISH, "H100", 4)
+    assert abs(got["peak_bytes"] / cm.peak_bytes(lay, False, 512, mixed_tp=True) - 1) < 0.10
+    added = sum(got["reduce_peak"].values()) - sum(got["reduce_start"].values())
+    in_working = SMALLISH.padded_vocab_size * SMALLISH.hidden / lay.tp * cm.param_bytes  # netted out of the term
+    assert added <= cm.memory(lay, False, mixed_tp=True).transient + in_working, added
+    assert added > cm.memory(lay, False).transient + in_working, added

@@ -26,7 +26,7 @@ shardings, the mesh and ``layouts``: every rank computes the same ones without c
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -190,6 +190,7 @@ class NestedExchange:
             dist.all_to_all_single(received, flat, in_sizes, out_sizes)
         else:
             received.copy_(flat)
+        del flat  # the send buffer: only the receive buffer outlives the collective
         out, offset = [], 0
         for pieces in recvs:
             got = []
@@ -224,35 +225,35 @@ class NestedExchange:
                     _cut(out[name], sharding.dim, start - lo, stop - start).copy_(piece)
         return out, received, len(buckets)
 
-    def reduce(self, grads: Mapping[str, Tensor | None], working: Mapping[str, Tensor]
-               ) -> tuple[dict[str, Tensor], int, int]:
+    def reduce(self, grads: dict[str, Tensor | None], working: Mapping[str, Tensor],
+               into: Callable[[list[str], list[Tensor]], None]) -> tuple[int, int]:
         """The sum over all ranks of their gradient contributions, as this rank's home-local shards
-        (fp32 at least). ``grads[name]``: this rank's accumulated working gradient (None: zeros);
-        ``working``: the working params (shapes, dtype, device). Returns the shards, the bytes
-        received from other ranks and the number of collectives."""
+        (fp32 at least), handed bucket by bucket to ``into(names, shards)`` (so only one bucket's
+        shards and buffers are alive at once). ``grads[name]``: this rank's accumulated working
+        gradient (None: zeros), popped once its bucket is sent; ``working``: the working params
+        (shapes, dtype, device). Returns the bytes received from other ranks and the number of
+        collectives."""
         any_w = next(iter(working.values()))
         dtype = reduce_dtype(any_w.dtype)
-        source: dict[str, Tensor] = {}
-        base: dict[str, int] = {}
-        for name, w in working.items():
-            g = grads.get(name)
-            source[name] = torch.zeros(w.shape, dtype=dtype, device=w.device) if g is None else g.detach()
-            base[name] = working_interval(self.shardings[name], self.layouts[self.rank], self.rank)[0]
-        out: dict[str, Tensor] = {}
+        base = {n: working_interval(self.shardings[n], self.layouts[self.rank], self.rank)[0] for n in working}
         received = 0
         buckets = self._buckets(dtype.itemsize)
         for bucket in buckets:
+            source = {}
+            for name in bucket:
+                g, w = grads.pop(name, None), working[name]
+                source[name] = torch.zeros(w.shape, dtype=dtype, device=w.device) if g is None else g.detach()
             got, nbytes = self._exchange(self.reduce_routes, bucket, source, base, dtype, any_w.device)
+            del source
             received += nbytes
+            names = [n for n in self.shardings if n in bucket]
+            out = {n: torch.zeros(self.shardings[n].local_shape(self.shardings[n].home_prefix), dtype=dtype,
+                                  device=any_w.device) for n in names}
             for pieces in got:  # rank order: the same sum on every holder of a home chunk
                 for (name, start, stop), piece in pieces:
                     sharding = self.shardings[name]
-                    if name not in out:
-                        out[name] = torch.zeros(sharding.local_shape(sharding.home_prefix), dtype=dtype,
-                                                device=any_w.device)
                     lo = self._home(name, self.rank)[0]
                     _cut(out[name], sharding.dim, start - lo, stop - start).add_(piece)
-        for name, sharding in self.shardings.items():  # a home chunk nobody's contribution met: zeros
-            if name not in out:
-                out[name] = torch.zeros(sharding.local_shape(sharding.home_prefix), dtype=dtype, device=any_w.device)
-        return out, received, len(buckets)
+            del got
+            into(names, [out.pop(n) for n in names])
+        return received, len(buckets)

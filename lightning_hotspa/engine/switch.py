@@ -332,10 +332,9 @@ class SwitchEngine(GradientReduction):
         if self.mixed is None:
             raise RuntimeError("reduce_blocks() without a mixed-tp working copy (materialize_blocks)")
         start = time.perf_counter()
-        names = list(self.shardings)
-        shards, received, collectives = self.mixed.reduce({n: self.working_grad(n) for n in names}, self.working)
-        self.main_grads = {}
-        self._store(names, [shards[n] for n in names])
+        grads = {n: self.working_grad(n) for n in self.shardings}
+        self.main_grads = {}  # the exchange reads them from ``grads``; each bucket's dropped once sent
+        received, collectives = self.mixed.reduce(grads, self.working, self._store)
         return GradReport(self.active, received, collectives, time.perf_counter() - start)
 
     def shares_gradients(self, a: Layout, b: Layout) -> bool:

@@ -201,10 +201,10 @@ class MemoryModel:
                          transient=max(0.0, reduce - in_working),
                          head_per_token=self.logits_bytes_per_token(par.tp, par.cp))
 
-    def peak_bytes(self, par: Layout, activation_checkpointing: bool, tokens: int) -> float:
+    def peak_bytes(self, par: Layout, activation_checkpointing: bool, tokens: int, mixed_tp: bool = False) -> float:
         """Predicted peak bytes per rank with a micro-batch of ``tokens`` (no reserve: compare with
-        the memory estimator, ``hotspa memory``)."""
-        mem = self.memory(par, activation_checkpointing)
+        the memory estimator, ``hotspa memory``); ``mixed_tp``: as a block of a mixed-tp stage."""
+        mem = self.memory(par, activation_checkpointing, mixed_tp)
         quadratic = self.attention_quadratic_bytes(par) * float(tokens) ** 2  # one document: the worst
         kv = self.kv_gather_extra_bytes(par, activation_checkpointing, tokens)
         return mem.peak(tokens, quadratic) + kv
@@ -232,7 +232,8 @@ class MemoryModel:
             lo, hi = 0, tokens
             while lo < hi:
                 mid = (lo + hi + 1) // 2
-                lo, hi = (mid, hi) if self.peak_bytes(par, activation_checkpointing, mid) <= budget else (lo, mid - 1)
+                fits = self.peak_bytes(par, activation_checkpointing, mid, mixed_tp) <= budget
+                lo, hi = (mid, hi) if fits else (lo, mid - 1)
             tokens = lo
         q = self.capacity_multiple
         return (tokens // q) * q if tokens >= q else tokens
