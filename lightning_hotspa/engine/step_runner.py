@@ -138,7 +138,7 @@ class StepRunner:
         if not getattr(stage, "peers", ()):
             return self.switch_to(stage.layout, keep_grads=keep_grads)
         if self.engine.active is not None:
-            self.engine.release()
+            self.engine.release(free=True)  # one copy at a time: the new one comes from home
         return self.engine.materialize_blocks(stage.peers)
 
     def run(self, plan: RankPlan, loss_fn: LossFn, hooks: StepHooks | None = None, *,
@@ -199,7 +199,7 @@ class StepRunner:
                 elif stage.peers:  # mixed tp: the joint reduction, then the next stage starts from home
                     hooks.enter_phase("reduce")
                     grad_report = engine.reduce_blocks()
-                    engine.release()
+                    engine.release(free=True)
                 else:
                     hooks.enter_phase("reduce")
                     grad_report = engine.reduce_gradients()
@@ -240,7 +240,7 @@ class StepRunner:
                 for _ in range(stage.num_rounds - len(stage.micro_batches)):
                     self.units.idle_forward()  # fsdp: the busier dp groups' gathers
                 if getattr(stage, "peers", ()):
-                    self.engine.release()  # the next stage materializes from home
+                    self.engine.release(free=True)  # the next stage materializes from home
         finally:
             self.parallel.restore(self.engine.home)
             self.engine.release()

@@ -346,9 +346,14 @@ class SwitchEngine(GradientReduction):
         return all(self._working_prefix(n, la) == self._working_prefix(n, lb)
                    and self._grad_states(n, la) == self._grad_states(n, lb) for n in self.shardings)
 
-    def release(self) -> None:
+    def release(self, free: bool = False) -> None:
         """Drops the working params (e.g. after the optimizer step, which makes them stale) and any
-        gradient hooks of an unfinished :meth:`overlap_next_backward`."""
+        gradient hooks of an unfinished :meth:`overlap_next_backward`. ``free``: also release their
+        storage now (a mixed-tp stage's neighbours: the model's modules still hold the old copies
+        until the next ``activate``; one used before then fails loudly)."""
+        if free:
+            for p in self.working.values():
+                _free(p)
         if self._overlap is not None:
             for handle in self._overlap.handles:
                 handle.remove()
