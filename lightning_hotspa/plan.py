@@ -39,6 +39,7 @@ __all__ = [
     "pack_micro_batch",
     "idle_micro_batch",
     "slice_plan",
+    "check_block_capacity",
     "single_stage_plan",
 ]
 
@@ -79,9 +80,12 @@ class Stage:
     """All micro-batches of one layout in one step: ``micro_batches[dp_rank]`` lists that dp group's
     micro-batches, each a tuple of document indices into the step's document list.
 
-    A MIXED stage (``blocks`` given, ``micro_batches`` empty) holds its working copy in ``layout``
-    (sharded: ``:fsdp`` or HSDP) and computes in each block's layout on that block's ranks; all its
-    dp groups run lockstep rounds (:func:`slice_plan` checks that the blocks tile the world).
+    A MIXED stage (``blocks`` given, ``micro_batches`` empty) computes in each block's layout on
+    that block's ranks (:func:`slice_plan` checks that the blocks tile the world). With a sharded
+    ``layout`` (``:fsdp`` or HSDP) every block computes on that one working copy and all dp groups
+    run lockstep rounds (mixed cp). With a replicated ``layout`` (mixed tp) each block holds its
+    own replicated working copy in its own layout (any tp x cp), runs its micro-batches on its own,
+    and the stage ends with one joint gradient reduction; ``layout`` then only names the stage.
     """
 
     layout: Layout
@@ -109,13 +113,16 @@ class Stage:
         if self.micro_batches:
             raise PlanError(f"mixed stage in layout {lay} has both blocks and micro_batches; give its "
                             f"micro-batches in its blocks only")
-        if not lay.fsdp:
-            raise PlanError(f"mixed stage in layout {lay}: blocks of different layouts need a sharded working "
-                            f"copy (':fsdp' or ':fsdp<n>'), {lay} replicates it")
         for block in self.blocks:
             if not isinstance(block, Block):
                 raise PlanError(f"mixed stage in layout {lay} has a block {block!r}, not a Block")
             b = block.layout
+            if not lay.fsdp:  # mixed tp: each block its own replicated working copy
+                if b.fsdp or b.world_size != lay.world_size:
+                    raise PlanError(f"mixed stage in layout {lay} (replicated: each block holds its own working "
+                                    f"copy) has a block in layout {b}: a block must be a replicated layout of "
+                                    f"world {lay.world_size}")
+                continue
             if not b.fsdp or b.tp != lay.tp or b.world_size != lay.world_size or \
                     b.tp * b.fsdp_shard != lay.tp * lay.fsdp_shard:
                 raise PlanError(f"mixed stage in layout {lay} has a block in layout {b}: a block must shard the "
@@ -189,6 +196,8 @@ class RankStage:
     label: str = ""
     rounds: int = 0
     block: Layout | None = None  # a mixed stage: this rank's block's compute layout
+    #: a mixed-tp stage: every rank's working (= compute) layout, ``peers[r]`` for rank r; empty otherwise
+    peers: tuple[Layout, ...] = ()
 
     @property
     def num_rounds(self) -> int:
@@ -202,7 +211,8 @@ class RankStage:
 
     def map_tensors(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> RankStage:
         mbs = tuple(m.map_tensors(fn) for m in self.micro_batches)
-        return RankStage(self.layout, mbs, self.activation_checkpointing, self.label, self.rounds, self.block)
+        return RankStage(self.layout, mbs, self.activation_checkpointing, self.label, self.rounds, self.block,
+                         self.peers)
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> RankStage:
         return self.map_tensors(lambda t: moved(t, device, non_blocking))
@@ -238,32 +248,65 @@ class RankPlan:
         return [m for s in self.stages for m in s.micro_batches]
 
 
-def slice_plan(plan: StepPlan, docs: Sequence[torch.Tensor], mesh: MeshShape, rank: int) -> RankPlan:
-    """This rank's slice: its dp group's micro-batches in every stage, cp-sliced by its cp rank."""
+def check_block_capacity(plan: StepPlan, capacity: Callable[[Layout], int]) -> None:
+    """Refuses a mixed stage whose block runs a micro-batch its own layout cannot hold.
+
+    Memory is planned per block: a tp1 block holds the whole working copy, tp times a tp block's,
+    so it fits fewer tokens. Every rank checks every block alike (no rank starts a stage another
+    refuses).
+
+    Args:
+        plan: the step plan.
+        capacity: tokens one micro-batch may hold in a layout (the planner's ``capacity``),
+            cp padding included.
+    """
+    for k, stage in enumerate(plan.stages):
+        for b, block in enumerate(stage.blocks):
+            cap, cp = capacity(block.layout), block.layout.cp
+            for group, mbs in zip(block.dp_groups, block.micro_batches):
+                for mb in mbs:
+                    lengths = [plan.doc_lengths[d] for d in mb]
+                    tokens = sum(-(-n // (2 * cp)) * 2 * cp if cp > 1 else n for n in lengths)
+                    if tokens > cap:
+                        raise PlanError(f"step plan {plan.step}, stage {k} ({stage.layout}): block {b} in layout "
+                                        f"{block.layout}, dp group {group}, runs a micro-batch of documents "
+                                        f"{list(mb)} ({tokens} tokens with cp padding), more than {block.layout}'s "
+                                        f"capacity of {cap}")
+
+
+def slice_plan(plan: StepPlan, docs: Sequence[torch.Tensor], mesh: MeshShape, rank: int,
+               capacity: Callable[[Layout], int] | None = None) -> RankPlan:
+    """This rank's slice: its dp group's micro-batches in every stage, cp-sliced by its cp rank.
+    ``capacity`` (tokens per micro-batch of a layout): check every mixed stage's blocks against
+    their own layouts first (:func:`check_block_capacity`)."""
     if len(docs) != len(plan.doc_lengths):
         raise PlanError(f"step plan {plan.step} has {len(plan.doc_lengths)} documents, got {len(docs)} token arrays")
+    if capacity is not None:
+        check_block_capacity(plan, capacity)
     stages = []
     for stage in plan.stages:
         if stage.layout not in mesh.layouts:
             raise LayoutError(f"step plan {plan.step} uses layout {stage.layout}, which is not among the "
                               f"mesh's layouts {[str(x) for x in mesh.layouts]}")
-        compute, own = stage.layout, None
+        compute, own, peers = stage.layout, None, ()
         if stage.blocks:
-            compute, own = _own_block(stage, mesh, rank, plan.step)
+            compute, own, peers = _own_block(stage, mesh, rank, plan.step)
         else:
             own = stage.micro_batches[mesh.rank_coords(compute, rank)[0]]
         cp_rank = mesh.rank_coords(compute, rank)[2]
         mbs = tuple(pack_micro_batch([docs[i] for i in ids], compute.cp, cp_rank, ids) for ids in own)
-        lockstep = stage.layout.lockstep or bool(stage.blocks)
+        lockstep = stage.layout.lockstep or (bool(stage.blocks) and stage.layout.fsdp)
         rounds = max(len(g) for g in stage.groups) if lockstep else 0
         stages.append(RankStage(stage.layout, mbs, stage.activation_checkpointing, stage.label, rounds,
-                                compute if stage.blocks else None))
+                                compute if stage.blocks else None, () if stage.layout.fsdp else peers))
     return RankPlan(plan.step, tuple(stages), plan.global_target_tokens)
 
 
-def _own_block(stage: Stage, mesh: MeshShape, rank: int, step: int) -> tuple[Layout, tuple[tuple[int, ...], ...]]:
-    """``rank``'s block layout and micro-batches in a mixed stage, once the blocks are checked to
-    tile the world (every rank in exactly one block: each rank checks the whole stage alike)."""
+def _own_block(stage: Stage, mesh: MeshShape, rank: int, step: int
+               ) -> tuple[Layout, tuple[tuple[int, ...], ...], tuple[Layout, ...]]:
+    """``rank``'s block layout and micro-batches in a mixed stage, and every rank's block layout,
+    once the blocks are checked to tile the world (every rank in exactly one block: each rank
+    checks the whole stage alike)."""
     owner: dict[int, int] = {}
     for k, block in enumerate(stage.blocks):
         if block.layout not in mesh.layouts:
@@ -280,7 +323,8 @@ def _own_block(stage: Stage, mesh: MeshShape, rank: int, step: int) -> tuple[Lay
     if missing:
         raise PlanError(f"step plan {step}: ranks {missing} are in no block of mixed stage {stage.layout}")
     block = stage.blocks[owner[rank]]
-    return block.layout, block.micro_batches[block.dp_groups.index(mesh.rank_coords(block.layout, rank)[0])]
+    peers = tuple(stage.blocks[owner[r]].layout for r in range(mesh.world_size))
+    return block.layout, block.micro_batches[block.dp_groups.index(mesh.rank_coords(block.layout, rank)[0])], peers
 
 
 def single_stage_plan(step: int, doc_lengths: Sequence[int], layout: Layout) -> StepPlan:

@@ -111,8 +111,8 @@ def test_a_rank_slices_its_blocks_micro_batches_with_its_blocks_cp():
 
 def test_mixed_stages_refuse_what_they_cannot_run():
     fsdp, cp2 = Layout.parse("dp4:fsdp"), Layout.parse("dp2xcp2:fsdp")
-    with pytest.raises(PlanError,
-                       match=r"mixed stage in layout dp4: .* need a sharded working copy .*, dp4 replicates it"):
+    with pytest.raises(PlanError, match=r"mixed stage in layout dp4 \(replicated: .*\) has a block in layout "
+                                        r"dp2xcp2:fsdp: a block must be a replicated layout"):
         Stage(Layout.parse("dp4"), (), blocks=(Block(cp2, (0,), (((0,),),)),))
     with pytest.raises(PlanError, match=r"block in layout dp2xtp2: a block must shard the same working copy"):
         Stage(fsdp, (), blocks=(Block(Layout.parse("dp2xtp2"), (0,), (((0,),),)),))

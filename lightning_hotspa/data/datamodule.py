@@ -155,7 +155,7 @@ class StepPlanDataset(Dataset[RankPlan]):
         epoch, step = index if isinstance(index, tuple) else (self.cursor.epoch, index)
         position, data_pass, pass_step = self.locate(int(epoch), int(step))
         plan, refs = self.global_plan(int(epoch), int(step))
-        rank_plan = slice_plan(plan, _ChunkTokens(self.corpus, refs), self.mesh_shape, self.rank)
+        rank_plan = slice_plan(plan, _ChunkTokens(self.corpus, refs), self.mesh_shape, self.rank, self.planner.capacity)
         if self.prompt_offset is not None:  # loss on response tokens only
             from .chat import apply_prompt_mask
 

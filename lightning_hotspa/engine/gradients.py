@@ -280,6 +280,7 @@ class GradientReduction:
             raise RuntimeError("no active layout to reduce gradients from")
         if self._overlap is not None:
             raise RuntimeError("overlap_next_backward() called twice in one stage")
+        self._refuse_mixed("overlap_next_backward")
         plan = self._reduce_plan(self.active)
         overlap = _Overlap([len(b.names) for b in plan.buckets])
         for name, w in self.working.items():
@@ -289,6 +290,10 @@ class GradientReduction:
                 overlap.handles.append(w.register_post_accumulate_grad_hook(
                     lambda _, name=name: self._grad_ready(name)))
         self._overlap = overlap
+
+    def _refuse_mixed(self, what: str) -> None:
+        if getattr(self, "mixed", None) is not None:  # ranks hold different layouts: reduce_blocks() joins them
+            raise RuntimeError(f"{what}() on a mixed-tp working copy ({self.active} on this rank); use reduce_blocks()")
 
     def _grad_ready(self, name: str) -> None:
         overlap, plan = self._overlap, self._reduce_plan(self.active)
@@ -350,6 +355,7 @@ class GradientReduction:
         """
         if self.active is None:
             raise RuntimeError("no active layout to reduce gradients from")
+        self._refuse_mixed("reduce_gradients")
         start = time.perf_counter()
         layout = self.active
         plan = self._reduce_plan(layout)

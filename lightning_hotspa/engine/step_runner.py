@@ -11,7 +11,11 @@ last backward of a reducing stage starts while that backward runs
 rank's loss and stage numbers (:func:`.records.gather_step`), and a non-finite global loss goes to
 the caller's policy (a callable: the engine does not know what "stop" or "skip" mean). A mixed
 stage (``RankStage.block``) switches to its working copy's layout and computes in its rank's block
-layout (docs/DESIGN.md §4, "Mixed-cp lockstep rounds").
+layout (docs/DESIGN.md §4, "Mixed-cp lockstep rounds"); a mixed-tp stage (``RankStage.peers``)
+drops the previous working copy, materializes every rank's own from home
+(:meth:`SwitchEngine.materialize_blocks`), runs each block on its own and ends with the joint
+reduction (:meth:`SwitchEngine.reduce_blocks`); it never shares gradients with a neighbour
+(docs/DESIGN.md §4, "Mixed tp at once").
 
 The runner knows no Lightning: the strategy, the CLI's calibration and the benchmark recipes all
 call it, each adding what it needs through :class:`StepHooks` (Lightning's backward hooks, the
@@ -128,6 +132,15 @@ class StepRunner:
             return self.engine.materialize(layout)
         return self.engine.switch(layout, keep_grads=keep_grads)
 
+    def enter(self, stage: Any, keep_grads: bool = False) -> SwitchReport:
+        """The working copy of ``stage``: a switch to its layout, or for a mixed-tp stage every
+        rank's own block layout from home (the previous copy, already reduced, is dropped)."""
+        if not getattr(stage, "peers", ()):
+            return self.switch_to(stage.layout, keep_grads=keep_grads)
+        if self.engine.active is not None:
+            self.engine.release(free=True)  # one copy at a time: the new one comes from home
+        return self.engine.materialize_blocks(stage.peers)
+
     def run(self, plan: RankPlan, loss_fn: LossFn, hooks: StepHooks | None = None, *,
             on_nonfinite: NonFinitePolicy | None = None) -> StepResult:
         """Forward/backward of every micro-batch of ``plan``, gradients reduced into the engine's
@@ -142,13 +155,17 @@ class StepRunner:
             for k, stage in enumerate(plan.stages):
                 hooks.enter_stage(stage)
                 t0 = clock.mark()
-                report = self.switch_to(stage.layout, keep_grads=carry)
-                # the same decision on every rank: the stage list is the global plan's
-                carry = self.share_gradients and k + 1 < len(plan.stages) and engine.shares_gradients(
-                    stage.layout, plan.stages[k + 1].layout)
-                # ac follows the working copy's layout: one choice for every block of a mixed stage, so
-                # every rank's backward gathers alike; the compute groups are this rank's block's
-                ac = bool(stage.activation_checkpointing or self.activation_checkpointing(stage.layout))
+                report = self.enter(stage, keep_grads=carry)
+                # the same decision on every rank: the stage list is the global plan's (a mixed-tp stage
+                # is a mixed-tp stage on every rank)
+                nxt = plan.stages[k + 1] if k + 1 < len(plan.stages) else None
+                carry = self.share_gradients and nxt is not None and not stage.peers and not nxt.peers \
+                    and engine.shares_gradients(stage.layout, nxt.layout)
+                # ac follows the working copy's layout: one choice for every block of a mixed-cp stage, so
+                # every rank's backward gathers alike; the compute groups are this rank's block's (a
+                # mixed-tp block's working copy is its own: its choice)
+                ac = bool(stage.activation_checkpointing or self.activation_checkpointing(
+                    stage.compute_layout if stage.peers else stage.layout))
                 parallel.activate(stage.compute_layout, engine.working, ac)
                 hooks.before_compute(stage)
                 t1, c1 = clock.mark(), self.cpu_clock()
@@ -166,11 +183,11 @@ class StepRunner:
                     if i < real:
                         hooks.record_loss(loss, mb)
                     scaled = loss * (loss_weight(mb, plan, stage.compute_layout) if i < real else 0.0)
-                    if self.overlap and i == rounds - 1 and not carry:
+                    if self.overlap and i == rounds - 1 and not carry and not stage.peers:
                         engine.overlap_next_backward()  # reduce buckets while the last backward runs
                     if i < real:
                         hooks.backward(scaled)
-                        loss_sum += scaled.detach().double() / stage.layout.tp  # tp ranks hold copies
+                        loss_sum += scaled.detach().double() / stage.compute_layout.tp  # tp ranks hold copies
                     else:  # an idle round: its collectives only (zero gradients)
                         scaled.backward()
                     if self.units is not None:  # fsdp: a backward re-gather no unit consumed
@@ -179,6 +196,10 @@ class StepRunner:
                 fsdp_end = self._fsdp_bytes()
                 if carry:  # same tp next: keep accumulating, the run's last stage reduces once
                     grad_report = GradReport(stage.layout, 0, 0, 0.0)
+                elif stage.peers:  # mixed tp: the joint reduction, then the next stage starts from home
+                    hooks.enter_phase("reduce")
+                    grad_report = engine.reduce_blocks()
+                    engine.release(free=True)
                 else:
                     hooks.enter_phase("reduce")
                     grad_report = engine.reduce_gradients()
@@ -210,7 +231,7 @@ class StepRunner:
         output = None
         try:
             for stage in plan.stages:
-                self.switch_to(stage.layout)
+                self.enter(stage)
                 self.parallel.activate(stage.compute_layout, self.engine.working)
                 for mb in stage.micro_batches:
                     with self.parallel.micro_batch(mb if isinstance(mb, MicroBatch) else None), context(), \
@@ -218,6 +239,8 @@ class StepRunner:
                         output = fn(mb)
                 for _ in range(stage.num_rounds - len(stage.micro_batches)):
                     self.units.idle_forward()  # fsdp: the busier dp groups' gathers
+                if getattr(stage, "peers", ()):
+                    self.engine.release(free=True)  # the next stage materializes from home
         finally:
             self.parallel.restore(self.engine.home)
             self.engine.release()

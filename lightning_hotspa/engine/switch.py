@@ -48,6 +48,7 @@ from .fused_gather import FusedGather
 from .gradients import GradientReduction, GradReport
 from .gradients import sub_chunk as _sub_chunk
 from .home import build_home_parameters
+from .nested_exchange import NestedExchange
 
 __all__ = ["SwitchReport", "GradReport", "SwitchEngine", "build_home_parameters"]
 
@@ -121,6 +122,9 @@ class SwitchEngine(GradientReduction):
         self.active: Layout | None = None
         self.working: dict[str, torch.Tensor] = {}
         self._move_plans: dict[tuple[Layout | None, Layout], _MovePlan] = {}
+        #: a mixed-tp stage's exchange while its working copy is held (:meth:`materialize_blocks`)
+        self.mixed: NestedExchange | None = None
+        self._exchanges: dict[tuple[Layout, ...], NestedExchange] = {}
         #: parameters inside the model's fsdp units (:meth:`set_fsdp_units`)
         self.fsdp_names: frozenset[str] = frozenset()
         self._init_gradients(grad_accum_dtype, max_buckets_in_flight)
@@ -210,6 +214,9 @@ class SwitchEngine(GradientReduction):
               keep_grads: bool = False) -> SwitchReport:
         if self._overlap is not None:
             raise RuntimeError("switching layouts with gradient reductions in flight; call reduce_gradients() first")
+        if self.mixed is not None:
+            raise RuntimeError(f"the working copy is a mixed-tp stage's ({self.active} on this rank): "
+                               f"reduce_blocks() and release() it, then materialize the next layout from home")
         if keep_grads and not self.shares_gradients(source, target):
             raise LayoutError(f"cannot keep the working gradients from {source} to {target}: their tp degrees "
                               f"differ, so the parameters' working shards or gradient states differ; call "
@@ -298,6 +305,38 @@ class SwitchEngine(GradientReduction):
             raise RuntimeError("no active layout: call materialize() first")
         return self._move(self.active, self._member(layout), self.working, keep_grads)
 
+    def materialize_blocks(self, layouts: tuple[Layout, ...]) -> SwitchReport:
+        """Working params of a mixed-tp stage from the home state: every rank ``r`` in its block's
+        replicated layout ``layouts[r]`` (:mod:`.nested_exchange`, one world all-to-all per bucket).
+        The engine must hold no working copy (start of a step, or after :meth:`release`)."""
+        if self.active is not None:
+            raise RuntimeError(f"materialize_blocks() while layout {self.active} is active; release() it first")
+        start = time.perf_counter()
+        key = tuple(self._member(x) for x in layouts)
+        if key not in self._exchanges:
+            self._exchanges[key] = NestedExchange(self.shardings, self.world.shape, key, self.world.rank,
+                                                  self.bucket_bytes)
+        exchange = self._exchanges[key]
+        out, received, collectives = exchange.gather({n: self._home_local(n) for n in self.shardings},
+                                                     self.working_dtype)
+        self.working = {n: nn.Parameter(out[n]) for n in self.shardings}
+        for p in self.working.values():
+            self._label("params", p)
+        self._track_accumulation({}, self.working, False)
+        self.active, self.mixed = key[self.world.rank], exchange
+        return SwitchReport(None, self.active, received, received, collectives, time.perf_counter() - start)
+
+    def reduce_blocks(self) -> GradReport:
+        """Sums every rank's working gradients of a mixed-tp stage (fp32 at least) into the
+        home-sharded store (:mod:`.nested_exchange`); then :meth:`release` the working copy."""
+        if self.mixed is None:
+            raise RuntimeError("reduce_blocks() without a mixed-tp working copy (materialize_blocks)")
+        start = time.perf_counter()
+        grads = {n: self.working_grad(n) for n in self.shardings}
+        self.main_grads = {}  # the exchange reads them from ``grads``; each bucket's dropped once sent
+        received, collectives = self.mixed.reduce(grads, self.working, self._store)
+        return GradReport(self.active, received, collectives, time.perf_counter() - start)
+
     def shares_gradients(self, a: Layout, b: Layout) -> bool:
         """True if every parameter has the same working shard and gradient states in ``a`` and
         ``b`` (same tp degree: tp dims are a mesh prefix), so one reduction after stages in both
@@ -307,12 +346,17 @@ class SwitchEngine(GradientReduction):
         return all(self._working_prefix(n, la) == self._working_prefix(n, lb)
                    and self._grad_states(n, la) == self._grad_states(n, lb) for n in self.shardings)
 
-    def release(self) -> None:
+    def release(self, free: bool = False) -> None:
         """Drops the working params (e.g. after the optimizer step, which makes them stale) and any
-        gradient hooks of an unfinished :meth:`overlap_next_backward`."""
+        gradient hooks of an unfinished :meth:`overlap_next_backward`. ``free``: also release their
+        storage now (a mixed-tp stage's neighbours: the model's modules still hold the old copies
+        until the next ``activate``; one used before then fails loudly)."""
+        if free:
+            for p in self.working.values():
+                _free(p)
         if self._overlap is not None:
             for handle in self._overlap.handles:
                 handle.remove()
             self._overlap = None
         self._drop_accumulation()
-        self.working, self.active = {}, None
+        self.working, self.active, self.mixed = {}, None, None

@@ -158,7 +158,7 @@ class MemoryModel:
         block = block / tp + 2 * m.hidden + (kv if m.n_kv_heads % tp else 0)
         return max(block, m.padded_vocab_size * m.hidden / tp + m.hidden)
 
-    def memory(self, par: Layout, activation_checkpointing: bool) -> MemoryUse:
+    def memory(self, par: Layout, activation_checkpointing: bool, mixed_tp: bool = False) -> MemoryUse:
         """Home: fp32 weights, AdamW m and v, fp32 gradient store (16 B / parameter / world).
         Working: weights in the working dtype plus their gradient accumulators (``grad_accum_bytes``:
         fp32 main grads by default, +4 B per working parameter) over the layout's tp (and pp), and
@@ -170,7 +170,15 @@ class MemoryModel:
         :meth:`largest_gathered_unit`) and the current unit's gradient in the working dtype and in fp32
         for its reduce-scatter (``grad_bytes``).
         Measured (``hotspa memory``, BENCHMARKS.md): the peak holds the larger of that and the loss
-        head's logits transients, not both."""
+        head's logits transients, not both.
+
+        ``mixed_tp``: ``par`` is one block of a mixed-tp stage (docs/DESIGN.md §4, "Mixed tp at
+        once"): the same working copy, per block (a tp1 block holds tp times a tp block's), but its
+        gradients are reduced after the stage's last backward by the joint exchange
+        (``engine/nested_exchange.py``), not overlapped: the transient is then the larger
+        parameter's fp32 send buffer (this rank's 1/tp of the LM head) and receive buffer (at most
+        the whole head: every rank's piece of this rank's home chunk); counted as if beside the
+        activations (conservative: they are freed by then)."""
         hw = self.hardware
         home = self.params * 16.0 / self.world_size
         split, full = self._param_split(par.tp)
@@ -188,14 +196,16 @@ class MemoryModel:
         # its overlapped reduction early in backward: an fp32 bucket of it and its reduce-scatter output
         # (1 / (dp*cp) of it), while nearly every activation but the head's transients is alive
         reduce = largest * 4.0 * (1.0 + par.tp / self.world_size)
+        if mixed_tp:
+            reduce = largest * 4.0 * (1.0 + par.tp)
         return MemoryUse(home, working, act, usable, margin=self.model_error_margin,
                          transient=max(0.0, reduce - in_working),
                          head_per_token=self.logits_bytes_per_token(par.tp, par.cp))
 
-    def peak_bytes(self, par: Layout, activation_checkpointing: bool, tokens: int) -> float:
+    def peak_bytes(self, par: Layout, activation_checkpointing: bool, tokens: int, mixed_tp: bool = False) -> float:
         """Predicted peak bytes per rank with a micro-batch of ``tokens`` (no reserve: compare with
-        the memory estimator, ``hotspa memory``)."""
-        mem = self.memory(par, activation_checkpointing)
+        the memory estimator, ``hotspa memory``); ``mixed_tp``: as a block of a mixed-tp stage."""
+        mem = self.memory(par, activation_checkpointing, mixed_tp)
         quadratic = self.attention_quadratic_bytes(par) * float(tokens) ** 2  # one document: the worst
         kv = self.kv_gather_extra_bytes(par, activation_checkpointing, tokens)
         return mem.peak(tokens, quadratic) + kv
@@ -206,10 +216,11 @@ class MemoryModel:
         cp; :mod:`.kv_gather_memory`). ``activation_checkpointing`` is accepted for symmetry."""
         return kv_gather_extra_bytes(self, par, tokens)
 
-    def capacity(self, par: Layout, activation_checkpointing: bool) -> int:
+    def capacity(self, par: Layout, activation_checkpointing: bool, mixed_tp: bool = False) -> int:
         """Most tokens one micro-batch may hold (0: the weights alone do not fit): its predicted peak
-        stays within the planning budget (usable / (1 + ``model_error_margin``))."""
-        mem = self.memory(par, activation_checkpointing)
+        stays within the planning budget (usable / (1 + ``model_error_margin``)); ``mixed_tp``: as a
+        block of a mixed-tp stage (:meth:`memory`)."""
+        mem = self.memory(par, activation_checkpointing, mixed_tp)
         q = self.attention_quadratic_bytes(par)
         free = mem.free_for_activations
         # the peak is the larger of (activations) and (activations without the logits + transient)
@@ -222,7 +233,8 @@ class MemoryModel:
             lo, hi = 0, tokens
             while lo < hi:
                 mid = (lo + hi + 1) // 2
-                lo, hi = (mid, hi) if self.peak_bytes(par, activation_checkpointing, mid) <= budget else (lo, mid - 1)
+                fits = self.peak_bytes(par, activation_checkpointing, mid, mixed_tp) <= budget
+                lo, hi = (mid, hi) if fits else (lo, mid - 1)
             tokens = lo
         q = self.capacity_multiple
         return (tokens // q) * q if tokens >= q else tokens

@@ -111,14 +111,22 @@ def estimate_layout(config: LlamaConfig, world_size: int, layout: Layout | str, 
                     activation_checkpointing: bool = False, working_dtype: torch.dtype = torch.bfloat16,
                     grad_accum_dtype: torch.dtype | None = torch.float32,
                     bucket_bytes: int = 4 * 2**20, max_buckets_in_flight: int = 2,
-                    overlap: bool = True, attention: str = "cpu") -> dict[str, Any]:
+                    overlap: bool = True, attention: str = "cpu",
+                    peers: Sequence[Layout | str] | None = None) -> dict[str, Any]:
     """Peak bytes of rank 0 by category for one training step in ``layout``; also the peak of the
     gradient-reduction phase alone (``reduce_peak``, ``reduce_start``: bytes when it began).
     ``overlap``: reduce buckets during the backward (the strategy's way) or all after it.
     ``attention``: "cpu" runs the model's CPU kernel (SDPA's flash kernel per document); "gpu" keeps
-    what flash-attn's varlen kernel keeps (:mod:`lightning_hotspa.testing.gpu_attention`)."""
+    what flash-attn's varlen kernel keeps (:mod:`lightning_hotspa.testing.gpu_attention`).
+    ``peers``: every rank's layout of a mixed-tp stage (``peers[0]`` is ``layout``): rank 0 runs as
+    a block of it, its copy from and its gradients into home through the joint exchange, not overlapped
+    (``engine/nested_exchange.py``)."""
     if attention not in ATTENTION_PATHS:
         raise ValueError(f"attention must be one of {ATTENTION_PATHS}, got {attention!r}")
+    mixed = tuple(Layout.parse(x) for x in peers) if peers is not None else None
+    if mixed is not None and (len(mixed) != world_size or mixed[0] != Layout.parse(layout)):
+        raise ValueError(f"peers must name {world_size} layouts, the first the estimated layout "
+                         f"{Layout.parse(layout)}; got {[str(x) for x in mixed]}")
     from ..engine.fsdp import ShardedUnits
     from ..engine.home import build_home_parameters
     from ..engine.switch import SwitchEngine
@@ -130,7 +138,8 @@ def estimate_layout(config: LlamaConfig, world_size: int, layout: Layout | str, 
     layout = Layout.parse(layout)
     start = time.perf_counter()
     with FakeWorld(world_size):
-        world = WorldMesh([layout])  # outside the fake mode: mesh creation reads real tensors
+        # outside the fake mode: it reads real tensors
+        world = WorldMesh(sorted(set(mixed), key=str) if mixed else [layout])
         mb = _micro_batch(layout, world, tokens)
         with torch.device("meta"):
             module = _Wrapped(config)
@@ -138,7 +147,8 @@ def estimate_layout(config: LlamaConfig, world_size: int, layout: Layout | str, 
             from ..testing.gpu_attention import flash_varlen_standin
 
             module.model.set_attention_backend(flash_varlen_standin)
-        roles, shardings = llama_roles_and_shardings(module, config, layout, world)
+        widest = max(mixed, key=lambda x: x.tp) if mixed else layout  # one tp plan for every block
+        roles, shardings = llama_roles_and_shardings(module, config, widest, world)
         previous = set_host_reads(host_reads_real)
         try:
             with fake_mode():
@@ -161,12 +171,12 @@ def estimate_layout(config: LlamaConfig, world_size: int, layout: Layout | str, 
                     mem.track(optimizer)
                     working = _LiveBytes()
                     engine.on_buffer = working.labeller(mem.label)
-                    engine.materialize(layout)
+                    engine.materialize_blocks(mixed) if mixed else engine.materialize(layout)
                     _as_if_mid_step(engine, home)
                     parallel.activate(layout, engine.working, activation_checkpointing)
                     with parallel.micro_batch(mb), units.forward_prefetch() if units else contextlib.nullcontext():
                         loss = module(mb)
-                    if overlap:  # as the strategy does before a stage's last backward
+                    if overlap and not mixed:  # as the strategy does before a stage's last backward
                         engine.overlap_next_backward()
                     loss.backward()
                     if units is not None:  # the last unit's reduce-scatter lands, as the runner does
@@ -175,7 +185,7 @@ def estimate_layout(config: LlamaConfig, world_size: int, layout: Layout | str, 
                     reduce_start = mem.current()
                     peak_before = mem.peak()
                     mem.reset_peak()
-                    engine.reduce_gradients()
+                    engine.reduce_blocks() if mixed else engine.reduce_gradients()
                     reduce_peak = mem.peak()
                     parallel.restore(home)
                     engine.release()
