@@ -38,7 +38,9 @@ class RuntimeProfile:
     ``tp_comm_overlap`` (tensor-parallel collectives overlapped with GEMMs, async TP);
     ``cp_comm_overlap`` (context-parallel exchanges overlapped with attention, as ring attention);
     ``attention_kernel`` (one of :data:`ATTENTION_KERNELS`, the kernel its GPU rows run);
-    ``source`` (where each field comes from)."""
+    ``source`` (where each field comes from); ``tp_regather`` (sequence parallelism keeps only each
+    rank's token shard of a column-parallel input and all-gathers it again in backward, as Megatron-LM
+    does: one more all-gather per shared input per layer)."""
 
     name: str
     fsdp_gather_prefetch: bool
@@ -49,10 +51,11 @@ class RuntimeProfile:
     cp_comm_overlap: bool
     attention_kernel: str
     source: str
+    tp_regather: bool = False
 
     def __post_init__(self) -> None:
         for f in ("fsdp_gather_prefetch", "fsdp_recompute_gather_prefetch", "fsdp_reduce_scatter_overlap",
-                  "dp_reduce_overlap", "tp_comm_overlap", "cp_comm_overlap"):
+                  "dp_reduce_overlap", "tp_comm_overlap", "cp_comm_overlap", "tp_regather"):
             if not isinstance(getattr(self, f), bool):
                 raise ValueError(f"RuntimeProfile {self.name!r}: {f} must be True or False, got {getattr(self, f)!r}")
         if self.attention_kernel not in ATTENTION_KERNELS:
@@ -70,7 +73,9 @@ HOTSPA = RuntimeProfile(
     "engine/switch.py overlap_next_backward: the stage's last micro-batch starts the replicated gradient "
     "reductions bucket by bucket inside its backward (2 in flight). parallel/collectives.py: tp all-reduces "
     "and Ulysses / KV-gather exchanges run synchronously between the GEMMs. models/attention.py: 'auto' on "
-    "CUDA bf16 takes flash-attn's varlen kernel (FlashAttention-2).",
+    "CUDA bf16 takes flash-attn's varlen kernel (FlashAttention-2). parallel/sequence_parallel.py: tp is "
+    "sequence parallel; q/k/v and w1/w3 keep their input's token shard and all-gather it again in backward.",
+    tp_regather=True,
 )
 
 RUNTIME_PROFILES: dict[str, RuntimeProfile] = {
