@@ -57,7 +57,7 @@ Memory per rank (:mod:`.memory_model`, :meth:`AnalyticCostModel.memory`, checked
 home state over the world (fp32 weights, Adam m and v, fp32 gradient store: 16 B per parameter /
 world), bf16 working weights and their fp32 main-grad accumulators (6 B / (tp*pp) for the tp-split
 parameters, norms in full; ``fsdp``: / (tp*fsdp_shard), plus gathered units), and activations per token as the runtime saves them (norms and residual
-stream full on every tp rank: no sequence parallelism; attention per ``attention_backend``; SwiGLU;
+stream on this rank's 1/tp of the tokens: sequence parallelism; attention per ``attention_backend``; SwiGLU;
 the blocked loss head's transients, DESIGN §11) over cp: without checkpointing every layer's saved tensors, with it only
 each layer's input plus one layer being recomputed. What is left decides the option's token capacity.
 """
