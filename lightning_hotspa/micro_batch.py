@@ -1,8 +1,9 @@
 """One micro-batch of packed documents, as one rank holds it: the tensor side of a step plan.
 
 Context-parallel slicing happens here, not in the model: each document is padded to a multiple of
-``2*cp`` (the only padding in the system), cut into ``2*cp`` chunks, and cp rank ``r`` takes chunks
-``r`` and ``2*cp-1-r`` so causal attention work is balanced across cp ranks.
+``2*cp``, cut into ``2*cp`` chunks, and cp rank ``r`` takes chunks ``r`` and ``2*cp-1-r`` so causal
+attention work is balanced across cp ranks. Under tp the last document's tail is padded further so
+the rank's token count divides by tp (sequence parallelism). These are the only padding in the system.
 """
 
 from __future__ import annotations
@@ -173,17 +174,24 @@ class MicroBatch:
 
 
 def pack_micro_batch(
-    docs: Sequence[torch.Tensor], cp_size: int = 1, cp_rank: int = 0, doc_ids: Sequence[int] = ()
+    docs: Sequence[torch.Tensor], cp_size: int = 1, cp_rank: int = 0, doc_ids: Sequence[int] = (),
+    tp_size: int = 1,
 ) -> MicroBatch:
     """Packs whole documents (1-D token tensors) into one micro-batch, cp-sliced for ``cp_rank``.
 
     Every document's labels are its next tokens; the last token of a document has no target.
+    ``tp_size``: the local token count is made a multiple of it (sequence parallelism splits the
+    tokens over tp) by padding the LAST document's tail (token 0, label ``IGNORE_INDEX``; causal
+    attention keeps it from every real token), together with its cp padding if it is split.
     """
     if not docs:
         raise PlanError("cannot pack a micro-batch from zero documents")
     if cp_size < 1 or not 0 <= cp_rank < cp_size:
         raise PlanError(f"cp_rank={cp_rank} is not within cp_size={cp_size}")
+    if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
+        raise PlanError(f"tp_size must be a positive int, got {tp_size!r}")
     inputs, labels, positions, local_lengths, full_lengths = [], [], [], [], []
+    chunks = 2 * cp_size if cp_size > 1 else 1
     for i, doc in enumerate(docs):
         doc = torch.as_tensor(doc).long().reshape(-1)
         n = doc.numel()
@@ -192,15 +200,21 @@ def pack_micro_batch(
                             f"earlier")
         lab = torch.full((n,), IGNORE_INDEX, dtype=torch.long)
         lab[:-1] = doc[1:]
-        pos = torch.arange(n, dtype=torch.long)
-        if cp_size > 1:
-            chunks = 2 * cp_size
-            padded = -(-n // chunks) * chunks
-            pad = padded - n
+        size = -(-n // chunks)  # tokens per chunk; this rank keeps 2 chunks under cp, all of it without
+        if i == len(docs) - 1 and tp_size > 1:
+            local = sum(local_lengths)
+            for _ in range(tp_size):  # always found: cp keeps an even count, and so adds 2 per step
+                if (local + size * min(chunks, 2)) % tp_size == 0:
+                    break
+                size += 1
+        padded = size * chunks
+        pad = padded - n
+        if pad:
             doc = torch.cat([doc, doc.new_zeros(pad)])
             lab = torch.cat([lab, lab.new_full((pad,), IGNORE_INDEX)])
-            pos = torch.arange(padded, dtype=torch.long)
-            c = padded // chunks
+        pos = torch.arange(padded, dtype=torch.long)
+        if cp_size > 1:
+            c = size
             head, tail = cp_rank * c, (chunks - 1 - cp_rank) * c  # two slices: cheaper than fancy indexing
             doc, lab, pos = (torch.cat([t[head:head + c], t[tail:tail + c]]) for t in (doc, lab, pos))
             full_lengths.append(padded)
@@ -219,7 +233,8 @@ def pack_micro_batch(
                       int((label != IGNORE_INDEX).sum()), cp_size, cp_rank, cp_cu, tuple(doc_ids))
 
 
-def idle_micro_batch(cp_size: int = 1, cp_rank: int = 0) -> MicroBatch:
+def idle_micro_batch(cp_size: int = 1, cp_rank: int = 0, tp_size: int = 1) -> MicroBatch:
     """A one-token document without targets: what a dp group with fewer micro-batches than the
-    busiest computes (loss weight 0) so that an fsdp stage's per-unit collectives line up."""
-    return pack_micro_batch([torch.zeros(1, dtype=torch.long)], cp_size, cp_rank)
+    busiest computes (loss weight 0) so that an fsdp stage's per-unit collectives line up (padded
+    for ``cp_size`` and ``tp_size`` as :func:`pack_micro_batch` pads)."""
+    return pack_micro_batch([torch.zeros(1, dtype=torch.long)], cp_size, cp_rank, tp_size=tp_size)

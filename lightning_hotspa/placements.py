@@ -27,7 +27,7 @@ __all__ = ["Role", "ROLES", "TPRole", "ParamSharding", "build_shardings", "role_
 
 GradState = Literal["shard", "replicate", "partial"]
 #: The role names a model's tensor-parallel plan may use (``models.tp_plan`` explains each one).
-TPRole = Literal["colwise", "rowwise", "vocab", "replicated", "replicated_partial"]
+TPRole = Literal["colwise", "rowwise", "vocab", "replicated", "replicated_partial", "sequence"]
 
 
 @dataclass(frozen=True)
@@ -46,6 +46,9 @@ ROLES: dict[str, Role] = {
     "vocab": Role("vocab", 0, "shard"),
     "replicated": Role("replicated", None, "replicate"),
     "replicated_partial": Role("replicated_partial", None, "partial"),
+    # the same weight on every tp rank applied to this rank's sequence shard (sequence parallelism:
+    # norms, a row-parallel bias): each rank's gradient covers its tokens only, a partial sum over tp
+    "sequence": Role("sequence", None, "partial"),
 }
 
 

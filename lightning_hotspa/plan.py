@@ -294,7 +294,8 @@ def slice_plan(plan: StepPlan, docs: Sequence[torch.Tensor], mesh: MeshShape, ra
         else:
             own = stage.micro_batches[mesh.rank_coords(compute, rank)[0]]
         cp_rank = mesh.rank_coords(compute, rank)[2]
-        mbs = tuple(pack_micro_batch([docs[i] for i in ids], compute.cp, cp_rank, ids) for ids in own)
+        mbs = tuple(pack_micro_batch([docs[i] for i in ids], compute.cp, cp_rank, ids, tp_size=compute.tp)
+                    for ids in own)
         lockstep = stage.layout.lockstep or (bool(stage.blocks) and stage.layout.fsdp)
         rounds = max(len(g) for g in stage.groups) if lockstep else 0
         stages.append(RankStage(stage.layout, mbs, stage.activation_checkpointing, stage.label, rounds,

@@ -17,10 +17,14 @@ Also: the loss head alone (hidden states in, loss and gradients out: bytes per t
 slope between 4K and 8K tokens),
 the planner's capacity of three layouts on H100, and ``hotspa memory``'s estimator against the memory
 model on the ``--quick`` rows on both attention paths (max |measured / predicted - 1|).
+Sequence parallelism: the estimator's activation bytes per token (the peak's slope between 4K and 8K
+tokens, GPU attention path) of Llama-3 8B in tp1, tp2 and tp4 layouts on 4 ranks, their ratios to tp1
+and the memory model's error on those rows (``sp_*`` keys).
 The last line printed is one JSON object:
 
     python recipes/benchmark_memory_peers.py                 # everything (~15 minutes on 2 cores)
     python recipes/benchmark_memory_peers.py --no-estimator  # skip the estimator table
+    python recipes/benchmark_memory_peers.py --sp-only       # the sequence-parallel rows alone
 """
 
 from __future__ import annotations
@@ -46,6 +50,9 @@ SHAPES = {"llama3-8b": "llama3-8b", "llama2-7b": "llama7b"}  # issue name -> our
 TOKENS = (4096, 8192)
 #: issue 28's table: torchtitan 0.3 default on a GPU (fused RMSNorm, loss on 1/8 of the tokens at a time)
 TORCHTITAN_ISSUE_FIGURES = {"llama3-8b": 5_635_532, "llama2-7b": 5_008_332}
+#: sequence-parallel rows: (tp name, layout on SP_WORLD ranks) of Llama-3 8B
+SP_LAYOUTS = (("tp1", "dp4"), ("tp2", "dp2xtp2"), ("tp4", "tp4"))
+SP_WORLD = 4
 CAPACITY_ROWS = (("llama3-8b dp8:fsdp H100", "llama3-8b", 8, "dp8:fsdp"),
                  ("llama3-8b dp4xtp2 H100", "llama3-8b", 8, "dp4xtp2"),
                  ("llama3-70b dp8xtp8:fsdp H100", "llama3-70b", 64, "dp8xtp8:fsdp"))
@@ -185,12 +192,47 @@ def _estimator() -> dict[str, float]:
     return out
 
 
+def _sequence_parallel(preset: str = "llama3-8b") -> dict[str, object]:
+    """Per-token activation bytes of ``preset`` per tp degree, measured by ``hotspa memory``'s estimator
+    on the GPU path (slope of the peak between :data:`TOKENS`), next to the memory model's."""
+    from lightning_hotspa.layout import Layout
+    from lightning_hotspa.planner.cost_model import AnalyticCostModel, resolve_model
+    from lightning_hotspa.tools.memory import estimate_layout
+
+    config = resolve_model(preset)
+    cm = AnalyticCostModel(config, "H100", SP_WORLD)
+    measured, predicted, peak_errors = {}, {}, {}
+    for name, layout in SP_LAYOUTS:
+        lay = Layout.parse(layout)
+        peaks = {t: estimate_layout(config, SP_WORLD, lay, t, attention="gpu")["peak_bytes"] for t in TOKENS}
+        model = {t: cm.peak_bytes(lay, False, t) for t in TOKENS}
+        span = TOKENS[1] - TOKENS[0]
+        measured[name] = round((peaks[TOKENS[1]] - peaks[TOKENS[0]]) / span)
+        predicted[name] = round((model[TOKENS[1]] - model[TOKENS[0]]) / span)
+        peak_errors[name] = round(max(abs(peaks[t] / model[t] - 1) for t in TOKENS), 4)
+        print(f"sp {preset} {layout:>8}: {measured[name]:10,} B/token measured, {predicted[name]:10,} predicted, "
+              f"peak error {peak_errors[name]}", flush=True)
+    return {"sp_activation_bytes_per_token": {"model": preset, "world": SP_WORLD, "attention": "gpu",
+                                              "measured": measured, "predicted": predicted},
+            "sp_activation_ratio": {k: round(measured[k] / measured["tp1"], 4) for k in ("tp2", "tp4")},
+            "sp_model_vs_estimator_max_rel_error": {
+                "per_token": round(max(abs(predicted[k] / measured[k] - 1) for k in measured), 4),
+                "peak": max(peak_errors.values())}}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--no-estimator", action="store_true", help="skip the hotspa memory table")
     parser.add_argument("--no-hf", action="store_true", help="skip Hugging Face transformers")
+    parser.add_argument("--no-sp", action="store_true", help="skip the sequence-parallel rows")
+    parser.add_argument("--sp-only", action="store_true", help="only the sequence-parallel rows")
     args = parser.parse_args()
     start = time.perf_counter()
+    if args.sp_only:
+        result = _sequence_parallel()
+        result["seconds"] = round(time.perf_counter() - start, 1)
+        print(json.dumps(result))
+        return
     per_token: dict[str, dict[str, int]] = {"ours_cpu": {}, "ours_gpu": {}, "hf_sdpa": {}, "torchtitan": {}}
     for shape, preset in SHAPES.items():
         for tokens in TOKENS:
@@ -214,6 +256,8 @@ def main() -> None:
         "capacity_tokens": _capacity(),
         "torchtitan_source": "issue 28's GPU figures (torchtitan is not installed here)",
     }
+    if not args.no_sp:
+        result.update(_sequence_parallel())
     if not args.no_estimator:
         errors = _estimator()
         result["estimator_vs_model_max_rel_error"] = max(errors.values())

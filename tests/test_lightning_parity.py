@@ -201,8 +201,10 @@ def test_predict_returns_every_micro_batch_in_document_order(ranks):
             mb = pack_micro_batch([docs[i] for i in doc_ids])
             with torch.no_grad():
                 ref = reference(mb.input_ids, mb.position_ids, mb.cu_seqlens, mb.max_seqlen)
-            assert logits.shape == ref.shape, (doc_ids, logits.shape, ref.shape)
-            assert float((logits - ref).norm() / ref.norm()) <= 1e-5, doc_ids
+            # a tp2 micro-batch's last document is padded to an even token count (sequence parallel)
+            extra = logits.shape[0] - ref.shape[0]
+            assert logits.shape[1:] == ref.shape[1:] and 0 <= extra < 2, (doc_ids, logits.shape, ref.shape)
+            assert float((logits[:ref.shape[0]] - ref).norm() / ref.norm()) <= 1e-5, doc_ids
 
 
 class _GradRecorder(L.Callback):

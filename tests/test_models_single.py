@@ -491,7 +491,7 @@ def test_tp_plan_roles() -> None:
     assert roles2["tok_embeddings.weight"] == "vocab"
     assert roles2["output.weight"] == "vocab"  # LM head: vocab-sharded logits
     assert roles2["layers.0.feed_forward.w2.weight"] == "rowwise"
-    assert roles2["norm.weight"] == roles2["layers.0.ffn_norm.weight"] == "replicated"
+    assert roles2["norm.weight"] == roles2["layers.0.ffn_norm.weight"] == "sequence"  # sequence parallel
     roles4 = param_roles(model, llama_tp_plan(TINY, 4))  # 2 kv heads < tp 4
     assert roles4["layers.0.attention.wv.weight"] == "replicated_partial"
 

@@ -125,9 +125,11 @@ def test_communication_terms() -> None:
                                                 gemm_half_width=hw.gemm_half_width,
                                                 attention_efficiency=hw.attention_efficiency,
                                                 attention_kernels=hw.attention_kernels), 8)
-    # tp: 4 all-reduces per layer (+1 embedding) of [s, h] bf16, ring factor 2(tp-1)/tp = 1
+    # tp: 4 all-reduces per layer (+1 embedding) of [s, h] bf16, ring factor 2(tp-1)/tp = 1; sequence
+    # parallel: the same bytes as all-gathers + reduce-scatters, and our runtime's backward re-gathers
+    # of q/k/v's and w1/w3's inputs add one all-reduce's bytes per layer
     tp, tp0 = cm.option(Layout(dp=4, tp=2), False), ideal.option(Layout(dp=4, tp=2), False)
-    assert tp.linear - tp0.linear == pytest.approx((4 * 32 + 1) * 4096 * 2 / hw.intra_node_bw)
+    assert tp.linear - tp0.linear == pytest.approx((5 * 32 + 1) * 4096 * 2 / hw.intra_node_bw)
     assert tp.quadratic == tp0.quadratic
     assert tp.per_micro_batch > cm.option(Layout(dp=8), False).per_micro_batch  # collective latencies
     # cp (Ulysses): 2 rounds x 32 layers of q,k,v,out (4h per token), (cp-1)/cp of it, 1/cp of the tokens
@@ -546,9 +548,9 @@ def test_guard_switches_only_for_a_gain_above_the_margin():
             assert trusting.predict(free).seconds <= static_s * (1 + 1e-9)
 
 
-@pytest.mark.parametrize("long_doc,short,n_short", [(40000, 16000, 9), (100000, 2000, 300)])  # exact, heuristic
+@pytest.mark.parametrize("long_doc,short,n_short", [(60000, 16000, 9), (100000, 2000, 300)])  # exact, heuristic
 def test_a_layout_checkpoints_only_the_documents_that_need_it(long_doc, short, n_short):
-    """One long document needs checkpointing in dp2xtp2xcp2 (18688 tokens without): the plan runs
+    """One long document needs checkpointing in dp2xtp2xcp2 (40064 tokens without): the plan runs
     it (and what fills its dp groups) in a checkpointed stage and the rest in a plain stage of the
     same layout, faster than checkpointing every document (one stage per layout), as predicted."""
     lengths = np.concatenate([[long_doc], np.full(n_short, short)])

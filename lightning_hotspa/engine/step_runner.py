@@ -124,7 +124,7 @@ class StepRunner:
         """The micro-batch of an idle round (fsdp stages: fewer micro-batches than the busiest group),
         cp-sliced for ``layout``, the stage's compute layout on this rank."""
         cp_rank = self.engine.world.shape.rank_coords(layout, self.engine.world.rank)[2]
-        return idle_micro_batch(layout.cp, cp_rank).to(self.device)
+        return idle_micro_batch(layout.cp, cp_rank, layout.tp).to(self.device)
 
     def switch_to(self, layout: Layout, keep_grads: bool = False) -> SwitchReport:
         """Working params of ``layout``: from home at the start of a step, else from the active layout."""

@@ -58,9 +58,11 @@ class Attention(nn.Module):
     def forward(
         self, x: Tensor, cos: Tensor, sin: Tensor, cu_seqlens: Tensor, max_seqlen: int
     ) -> Tensor:
-        tokens = x.shape[0]
-        # -1: the local head count, whatever share of the heads this rank's weights hold.
-        q = self.wq(x).view(tokens, -1, self.head_dim)
+        # -1: the local head count, whatever share of the heads this rank's weights hold; the token
+        # count from the projection, not from x (x is this rank's token share under sequence parallel)
+        q = self.wq(x)
+        tokens = q.shape[0]
+        q = q.view(tokens, -1, self.head_dim)
         k = self.wk(x).view(tokens, -1, self.head_dim)
         v = self.wv(x).view(tokens, -1, self.head_dim)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)

@@ -13,6 +13,11 @@ reads the roles and does the sharding and the collectives. Roles:
   partial sum to be all-reduced over tp (KV projections when n_kv_heads < tp: every rank keeps
   all kv heads and uses the one its q heads need; q head i uses kv head i // (n_heads //
   n_kv_heads), so tp rank r needs kv head r // (tp // n_kv_heads)).
+- ``sequence``: the same weight on every tp rank, applied to this rank's share of the tokens
+  (sequence parallelism, Megatron-style: norms and the residual stream are split over tp along
+  the sequence), so its gradient is a partial sum over tp. A plan that uses it turns sequence
+  parallelism on for the whole model (docs/DESIGN.md §11, "Sequence parallelism"): ``llama_tp_plan``
+  always does.
 """
 
 from __future__ import annotations
@@ -73,16 +78,16 @@ def llama_tp_plan(config: LlamaConfig, tp: int, prefix: str = "") -> dict[str, T
     kv: TPRole = "colwise" if config.n_kv_heads % tp == 0 else "replicated_partial"
     plan: dict[str, TPRole] = {
         "tok_embeddings": "vocab",
-        "layers.*.attention_norm": "replicated",
+        "layers.*.attention_norm": "sequence",  # sequence parallel: norms see this rank's tokens
         "layers.*.attention.wq": "colwise",
         "layers.*.attention.wk": kv,
         "layers.*.attention.wv": kv,
         "layers.*.attention.wo": "rowwise",
-        "layers.*.ffn_norm": "replicated",
+        "layers.*.ffn_norm": "sequence",
         "layers.*.feed_forward.w1": "colwise",
         "layers.*.feed_forward.w3": "colwise",
         "layers.*.feed_forward.w2": "rowwise",
-        "norm": "replicated",
+        "norm": "sequence",
     }
     if not config.tie_embeddings:
         plan["output"] = "vocab"  # vocab-sharded logits

@@ -23,10 +23,19 @@ module may only hold ``replicated`` parameters):
                               needs (kv heads, see :mod:`.attention`); input through ``f``, and
                               the engine sums the weight's partial gradients over tp
 ``replicated``                untouched
+``sequence``                  untouched (a replicated weight applied to this rank's tokens)
 ============================  ================================================================
 
 Several column-parallel layers reading the same tensor (q, k, v; w1, w3) share ONE ``f``, so their
 input gradient is all-reduced once, as with Megatron's fused QKV.
+
+Sequence parallelism (:mod:`.sequence_parallel`): a plan with any ``sequence`` role keeps the
+tokens between the tp regions split over tp. Then ``f`` becomes an all-gather of the tokens (one
+per shared input; a plain colwise / kv Linear keeps only its shard for backward and gathers it
+again there), ``g`` of a row-parallel output and of the vocab-parallel embedding a reduce-scatter
+along the tokens, and a ``vocab`` head gathers its input tokens. Every other parameter such a model
+has must then be ``sequence`` (not ``replicated``: its gradient is a partial sum over tp), and it
+needs a ``vocab`` nn.Embedding (where the tokens get split).
 """
 
 from __future__ import annotations
@@ -43,11 +52,13 @@ from ..models.vocab import check_token_ids
 from .attention import attention_modules, ensure_parallel_attention
 from .collectives import copy_to_group, gather_last_dim, reduce_from_group
 from .loss import VocabParallelLoss
+from .sequence_parallel import Regather, gather_tokens, scatter_tokens, sequence_parallel_linear
 from .state import ParallelState
 
 __all__ = ["install_tensor_parallel", "module_kinds", "TPForward"]
 
 _DIM0 = ("colwise", "vocab")  # roles that shard dim 0 (a Linear's output features)
+_UNTOUCHED = ("replicated", "sequence")  # roles whose module keeps its own forward
 
 
 def _fail(name: str, message: str) -> LayoutError:
@@ -57,8 +68,9 @@ def _fail(name: str, message: str) -> LayoutError:
 def _linear_kind(name: str, roles: Mapping[str, str]) -> str | None:
     weight, bias = roles[f"{name}.weight"], roles.get(f"{name}.bias")
     allowed_bias = {
-        "colwise": _DIM0, "vocab": _DIM0, "rowwise": ("replicated",),
+        "colwise": _DIM0, "vocab": _DIM0, "rowwise": ("replicated", "sequence"),
         "replicated_partial": ("replicated_partial",), "replicated": ("replicated",),
+        "sequence": ("sequence",),
     }
     if weight not in allowed_bias:
         raise _fail(name, f"unknown role {weight!r} for the weight")
@@ -66,7 +78,7 @@ def _linear_kind(name: str, roles: Mapping[str, str]) -> str | None:
         raise _fail(name, f"a {weight!r} weight needs its bias to be one of {allowed_bias[weight]}, got {bias!r}"
                     + (" (the bias is added once, after the all-reduce)" if weight == "rowwise" else ""))
     return {"colwise": "colwise", "vocab": "gather", "rowwise": "rowwise",
-            "replicated_partial": "partial_input", "replicated": None}[weight]
+            "replicated_partial": "partial_input", "replicated": None, "sequence": None}[weight]
 
 
 def module_kinds(module: nn.Module, roles: Mapping[str, str]) -> dict[str, str]:
@@ -86,7 +98,7 @@ def module_kinds(module: nn.Module, roles: Mapping[str, str]) -> dict[str, str]:
     kinds: dict[str, str] = {}
     for name, sub in module.named_modules():
         own = {leaf: roles[f"{name}.{leaf}" if name else leaf] for leaf, p in sub._parameters.items() if p is not None}
-        if not own or all(r == "replicated" for r in own.values()):
+        if not own or all(r in _UNTOUCHED for r in own.values()):
             continue
         label = name or type(module).__name__
         for base in (nn.Linear, nn.Embedding):
@@ -118,25 +130,49 @@ def _linear_like(module: nn.Module) -> bool:
     return isinstance(module, nn.Linear) and getattr(type(module), "tp_linear_forward", False) is True
 
 
-class _SharedInputCopy:
-    """Remembers the last ``f(x)`` so layers reading the same ``x`` share one backward all-reduce.
+def _sequence_parallel(roles: Mapping[str, str], kinds: Mapping[str, str], owner: str) -> bool:
+    """True if the plan uses the ``sequence`` role; then checks what sequence parallelism needs."""
+    if "sequence" not in roles.values():
+        return False
+    plain = sorted(n for n, r in roles.items() if r == "replicated")
+    if plain:
+        raise LayoutError(f"tensor-parallel plan of {owner}: its 'sequence' roles turn on sequence parallelism, "
+                          f"where a replicated weight sees only this rank's tokens and its gradient is a partial "
+                          f"sum over tp; give {plain[:5]} the role 'sequence' instead of 'replicated'")
+    if "vocab_embedding" not in kinds.values():
+        raise LayoutError(f"tensor-parallel plan of {owner}: sequence parallelism ('sequence' roles) splits the "
+                          f"tokens at a 'vocab' nn.Embedding, and the plan has none")
+    return True
 
-    Weak references only: the memo must not keep an activation (or its graph) alive.
+
+class _SharedInputCopy:
+    """Remembers the last ``f(x)`` so layers reading the same ``x`` share one backward all-reduce
+    (under sequence parallelism: one all-gather forward, one reduce-scatter backward, and one
+    :class:`~.sequence_parallel.Regather`).
+
+    Weak references to tensors only: the memo must not keep an activation (or its graph) alive (a
+    Regather holds a tensor only inside a backward, between its first and last user).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, sequence_parallel: bool = False) -> None:
+        self.sequence_parallel = sequence_parallel
         self._source: weakref.ref | None = None
         self._copy: weakref.ref | None = None
+        self._regather: Regather | None = None
         self._group: RankGroup | None = None
 
-    def __call__(self, x: Tensor, group: RankGroup) -> Tensor:
+    def __call__(self, x: Tensor, group: RankGroup) -> tuple[Tensor, Regather | None]:
         if self._source is not None and self._source() is x and self._group is group:
             copied = self._copy() if self._copy is not None else None
             if copied is not None:
-                return copied
-        copied = copy_to_group(x, group)
+                return copied, self._regather
+        if self.sequence_parallel:
+            copied, regather = gather_tokens(x, group), Regather(group)
+        else:
+            copied, regather = copy_to_group(x, group), None
         self._source, self._copy, self._group = weakref.ref(x), weakref.ref(copied), group
-        return copied
+        self._regather = regather
+        return copied, regather
 
 
 class TPForward:
@@ -150,6 +186,15 @@ class TPForward:
         self.copies = copies
         self.local_output = local_output  # vocab head whose loss is vocab-parallel
 
+    @property
+    def sequence_parallel(self) -> bool:
+        """Tokens between the tp regions are split over tp (:mod:`.sequence_parallel`)."""
+        return self.copies.sequence_parallel
+
+    def _reduce(self, out: Tensor, tp: RankGroup) -> Tensor:
+        """``g`` (all-reduce), or the reduce-scatter along the tokens under sequence parallelism."""
+        return scatter_tokens(out, tp) if self.sequence_parallel else reduce_from_group(out, tp)
+
     def __call__(self, x: Tensor, *rest: Tensor) -> Tensor:
         m, groups = self.module, self.state.groups
         tp = groups.tp if groups is not None and groups.tp.size > 1 else None
@@ -160,9 +205,12 @@ class TPForward:
         if tp is None:
             return F.linear(x, m.weight, m.bias)
         if self.kind == "rowwise":
-            out = reduce_from_group(F.linear(x, m.weight), tp)
+            out = self._reduce(F.linear(x, m.weight), tp)
             return out if m.bias is None else out + m.bias
-        out = F.linear(self.copies(x, tp), m.weight, m.bias)  # colwise, gather, partial_input
+        full, regather = self.copies(x, tp)  # colwise, gather, partial_input
+        if regather is not None and self.kind != "gather":  # keep the shard, not the gathered rows
+            return sequence_parallel_linear(full, x, m.weight, m.bias, regather)
+        out = F.linear(full, m.weight, m.bias)
         if self.kind == "gather" and not self.local_output:
             out = gather_last_dim(out, tp)
         return out
@@ -174,9 +222,9 @@ class TPForward:
         if tp is None:
             return own(m, x, *rest)
         if self.kind == "rowwise":
-            out = reduce_from_group(own(m, x, *rest), tp)
+            out = self._reduce(own(m, x, *rest), tp)
             return out if m.bias is None else out + m.bias
-        x = self.copies(x, tp)
+        x, _ = self.copies(x, tp)
         if self.kind == "gather" and rest:
             return own(m, x, *rest, group=tp)
         out = own(m, x, *rest)
@@ -195,7 +243,7 @@ class TPForward:
         pad = m.padding_idx
         pad = pad - start if pad is not None and start <= pad < start + rows else None
         out = F.embedding(local, m.weight, pad)
-        return reduce_from_group(out.masked_fill(outside.unsqueeze(-1), 0.0), tp)
+        return self._reduce(out.masked_fill(outside.unsqueeze(-1), 0.0), tp)
 
 
 def install_tensor_parallel(
@@ -212,7 +260,7 @@ def install_tensor_parallel(
         if len(heads) != 1 or not callable(getattr(module, "loss_fn", None)):
             raise LayoutError(f"loss_parallel needs exactly one 'vocab' nn.Linear (found {heads}) and a "
                               f"callable {type(module).__name__}.loss_fn(logits, labels) to replace")
-    copies = _SharedInputCopy()
+    copies = _SharedInputCopy(_sequence_parallel(roles, kinds, type(module).__name__))
     installed = 0
     for name, kind in kinds.items():
         sub = module.get_submodule(name)

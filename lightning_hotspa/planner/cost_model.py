@@ -21,10 +21,12 @@ heads over the whole sequence for attention. Both parts therefore divide by ``tp
 split of plan.py keeps causal work even, and is exact under Ulysses since attention runs on whole
 rows); the cost is padding (``s`` rounded up to ``2*cp``) and communication:
 
-* TP (Megatron-style; no sequence parallelism, the runtime has none): 2 all-reduces of ``[s/cp, h]``
-  per layer forward, 2 backward, 2 more when checkpointing recomputes the forward; ring cost
-  ``2(tp-1)/tp * bytes / busbw``. Exposed unless the runtime overlaps it
-  (``RuntimeProfile.tp_comm_overlap``; ours does not).
+* TP (Megatron-style): 2 all-reduces of ``[s/cp, h]`` per layer forward, 2 backward, 2 more when
+  checkpointing recomputes the forward; ring cost ``2(tp-1)/tp * bytes / busbw``. Sequence
+  parallelism replaces each by an all-gather + a reduce-scatter of the same bytes (priced as the
+  all-reduce); a runtime that re-gathers the column-parallel inputs in backward
+  (``RuntimeProfile.tp_regather``, ours) adds 2 all-gathers per layer, one all-reduce's bytes.
+  Exposed unless the runtime overlaps it (``RuntimeProfile.tp_comm_overlap``; ours does not).
 * CP (Ulysses): per layer one all-to-all of fused q/k/v and one of the output forward, the same
   backward (+ forward again with checkpointing); each moves ``(cp-1)/cp`` of its ``1/tp`` head slice.
 * Local shapes are smaller than the unsharded ones, so a rank's kernels may run below the
@@ -57,9 +59,9 @@ Memory per rank (:mod:`.memory_model`, :meth:`AnalyticCostModel.memory`, checked
 step by ``hotspa memory``): home state over the world (fp32 weights, Adam m and v, fp32 gradient
 store: 16 B per parameter / world), bf16 working weights and their fp32 main-grad accumulators
 (6 B / (tp*pp) for the tp-split parameters, norms in full; ``fsdp``: / (tp*fsdp_shard), plus
-gathered units), and activations per token as the runtime saves them (norms and residual stream
-full on every tp rank: no sequence parallelism; attention per ``attention_backend``; SwiGLU; the
-blocked loss head's transients, DESIGN §11) over cp: without checkpointing every layer's saved
+gathered units), and activations per token as the runtime saves them (norms and residual stream on
+this rank's 1/tp of the tokens: sequence parallelism; attention per ``attention_backend``; SwiGLU;
+the blocked loss head's transients, DESIGN §11) over cp: without checkpointing every layer's saved
 tensors, with it only each layer's input plus one layer being recomputed. What is left decides the
 option's token capacity.
 """
@@ -244,7 +246,7 @@ class AnalyticCostModel(MemoryModel):
         a, b = attn, attn + self._dense_seconds_per_token(par, ac)
         d = layers * hw.layer_overhead_s * recompute
         if par.tp > 1:
-            calls = (4 + (2 if ac else 0)) * layers + 1  # + the vocab-parallel embedding
+            calls = (4 + (2 if ac else 0) + (1 if self.runtime.tp_regather else 0)) * layers + 1  # + embedding
             bw, lat = hw.bandwidth(par.tp), hw.latency(par.tp)
             exposed = self._exposed(self.runtime.tp_comm_overlap)
             b += exposed * calls * 2.0 * (par.tp - 1) / par.tp * m.hidden * self.param_bytes / par.cp / bw

@@ -35,7 +35,8 @@ def kv_gather_extra_bytes(mm: Any, par: Layout, tokens: int) -> float:
     SDPA's own kernel, whose dK / dV of the chunk's keys (at most the whole micro-batch's) add
     ``2 * wb`` per gathered element (the kernel's lower-right mask, materialized on CPU only, is
     ``t^2 / 2cp`` bytes and not counted: flash on CUDA holds none); the
-    layer's gradients in flight (dq, d out, the fp32 residual-stream gradient). That happens inside a
+    layer's gradients in flight (dq, d out, the fp32 residual-stream gradient: 1/tp of the tokens under
+    sequence parallelism, as the norms). That happens inside a
     layer's backward, after the loss head's transients and the layer's SwiGLU tensors are freed: it
     counts only where it exceeds them."""
     if par.cp_kv == 1 or tokens <= 0:
@@ -44,9 +45,11 @@ def kv_gather_extra_bytes(mm: Any, par: Layout, tokens: int) -> float:
     h, a = m.hidden, mm.attn_width
     gathered = (2.0 * wb + 8.0) * 2 * _local_kv_heads(m, par) * m.head_dim * t
     chunk_grads = 2.0 * wb * 2 * _local_kv_heads(m, par) * m.head_dim * t
-    in_flight = (2.0 * wb * a / par.tp + 4.0 * h) / par.cp * t
+    # sequence parallel: the residual-stream gradient and the norms hold this rank's 1/tp of the tokens
+    in_flight = (2.0 * wb * a + 4.0 * h) / (par.tp * par.cp) * t
     transient = gathered + chunk_grads + in_flight
-    norm = mm.norm_bytes_per_token()
-    freed = norm / par.cp + mm.logits_bytes_per_token(par.tp, par.cp)  # the loss head's transients
+    norm = mm.norm_bytes_per_token() / par.tp
+    head_input = wb * h * (1.0 - 1.0 / par.tp)  # the head keeps its input gathered over tp
+    freed = (norm + head_input) / par.cp + mm.logits_bytes_per_token(par.tp, par.cp)  # the loss head's
     freed += norm / par.cp + 2.0 * wb * m.ffn_hidden / (par.tp * par.cp)  # this layer's ffn side
     return max(0.0, transient - freed * t)

@@ -72,8 +72,8 @@ class MemoryModel:
     model_error_margin: float = MODEL_ERROR_MARGIN
 
     # What our runtime holds per rank, term by term; checked against the real code path under
-    # FakeTensorMode + MemTracker by ``hotspa memory`` (tools/memory.py). TP here has no sequence
-    # parallelism: norms and the residual stream are full on every tp rank (divided by cp only).
+    # FakeTensorMode + MemTracker by ``hotspa memory`` (tools/memory.py). TP is sequence parallel: norms
+    # and the residual stream hold this rank's share of the tokens (divided by tp x cp).
     def _param_split(self, tp: int) -> tuple[float, float]:
         """(parameters split by tp, parameters every tp rank holds in full) of the model."""
         m = self.model
@@ -114,14 +114,16 @@ class MemoryModel:
         ``attention_backend`` and cp kind) plus the loss head's transients at the forward/backward turn."""
         m = self.model
         f, hd, wb = m.ffn_hidden, m.head_dim, self.param_bytes
-        replicated = 2 * self.norm_bytes_per_token()  # no sequence parallelism: whole on every tp rank
+        replicated = 2 * self.norm_bytes_per_token()  # sequence parallel: this rank's tokens only (/ tp)
         ffn = 2.0 * wb * f / (tp * cp)  # SwiGLU: the w1 and w3 outputs (models.kernels.SwiGLUDown)
-        layer = replicated / cp + ffn + self.attention_saved_bytes(tp, cp, cp_kv)
+        layer = replicated / (tp * cp) + ffn + self.attention_saved_bytes(tp, cp, cp_kv)
         rope = 2.0 * wb * hd / cp  # cos, sin tables shared by the layers
-        # loss head: final norm, the blocked head's per-token state and its transients
-        head = (self.norm_bytes_per_token() + HEAD_STATE_BYTES) / cp + self.logits_bytes_per_token(tp, cp)
-        if activation_checkpointing:  # each layer's input, plus one layer recomputed
-            return m.n_layers * wb * m.hidden / cp + layer + rope + head
+        # loss head: final norm (on this rank's tokens; the head keeps its input gathered over tp), the
+        # blocked head's per-token state and its transients
+        head = (self.norm_bytes_per_token() / tp + wb * m.hidden * (1 - 1 / tp) + HEAD_STATE_BYTES) / cp \
+            + self.logits_bytes_per_token(tp, cp)
+        if activation_checkpointing:  # each layer's input (this rank's tokens), plus one layer recomputed
+            return m.n_layers * wb * m.hidden / (tp * cp) + layer + rope + head
         return m.n_layers * layer + rope + head
 
     def logits_bytes_per_token(self, tp: int = 1, cp: int = 1) -> float:

@@ -45,8 +45,10 @@ class RuntimeProfile:
     ``attention_kernel`` (one of :data:`ATTENTION_KERNELS`, the kernel its GPU rows run);
     ``selective_recompute`` (one of :data:`SELECTIVE_POLICIES`: what its selective checkpointing
     recomputes); ``optimizer_bytes_per_param`` (HBM bytes its optimizer step moves per parameter a
-    rank holds: state reads and writes, the gradient-norm read; 0: not priced); ``source`` (where
-    each field comes from)."""
+    rank holds: state reads and writes, the gradient-norm read; 0: not priced); ``tp_regather``
+    (sequence parallelism keeps only each rank's token shard of a column-parallel input and
+    all-gathers it again in backward, as Megatron-LM does: one more all-gather per shared input per
+    layer); ``source`` (where each field comes from)."""
 
     name: str
     fsdp_gather_prefetch: bool
@@ -59,10 +61,11 @@ class RuntimeProfile:
     source: str
     selective_recompute: str = "none"
     optimizer_bytes_per_param: float = 0.0
+    tp_regather: bool = False
 
     def __post_init__(self) -> None:
         for f in ("fsdp_gather_prefetch", "fsdp_recompute_gather_prefetch", "fsdp_reduce_scatter_overlap",
-                  "dp_reduce_overlap", "tp_comm_overlap", "cp_comm_overlap"):
+                  "dp_reduce_overlap", "tp_comm_overlap", "cp_comm_overlap", "tp_regather"):
             if not isinstance(getattr(self, f), bool):
                 raise ValueError(f"RuntimeProfile {self.name!r}: {f} must be True or False, got {getattr(self, f)!r}")
         if self.attention_kernel not in ATTENTION_KERNELS:
@@ -88,9 +91,11 @@ HOTSPA = RuntimeProfile(
     "engine/switch.py overlap_next_backward: the stage's last micro-batch starts the replicated gradient "
     "reductions bucket by bucket inside its backward (2 in flight). parallel/collectives.py: tp all-reduces "
     "and Ulysses / KV-gather exchanges run synchronously between the GEMMs. models/attention.py: 'auto' on "
-    "CUDA bf16 takes flash-attn's varlen kernel (FlashAttention-2). No selective checkpointing. Optimizer: "
-    "torch Adam on the fp32 home shard (reads gradient, weight, m, v; writes weight, m, v: 28 B per parameter; "
-    "not in the planner's prices: the same for every plan).",
+    "CUDA bf16 takes flash-attn's varlen kernel (FlashAttention-2). parallel/sequence_parallel.py: tp is "
+    "sequence parallel; q/k/v and w1/w3 keep their input's token shard and all-gather it again in backward. "
+    "No selective checkpointing. Optimizer: torch Adam on the fp32 home shard (reads gradient, weight, m, v; "
+    "writes weight, m, v: 28 B per parameter; not in the planner's prices: the same for every plan).",
+    tp_regather=True,
 )
 
 RUNTIME_PROFILES: dict[str, RuntimeProfile] = {
