@@ -83,11 +83,12 @@ class RuntimeProfile:
 #: OUR runtime on this commit (engine/fsdp.py, engine/switch.py, parallel/*); update it with the runtime.
 HOTSPA = RuntimeProfile(
     name="hotspa", fsdp_gather_prefetch=True, fsdp_recompute_gather_prefetch=False,
-    fsdp_reduce_scatter_overlap=False, dp_reduce_overlap=True, tp_comm_overlap=False, cp_comm_overlap=False,
+    fsdp_reduce_scatter_overlap=True, dp_reduce_overlap=True, tp_comm_overlap=False, cp_comm_overlap=False,
     attention_kernel="fa2", selective_recompute="none", optimizer_bytes_per_param=28.0,
     source="engine/fsdp.py: a unit's forward starts the next unit's all-gather asynchronously and each "
     "backward re-gather starts the previous one's (one in flight); a checkpointed unit's recompute gathers "
-    "synchronously; the per-unit fp32 reduce-scatter is waited for at once (pending.result()). "
+    "synchronously; a unit's reduce-scatter starts asynchronously and lands when the next unit's starts (one "
+    "unit in flight, FsdpUnit.reduce_scatter / land_reduce_scatter), so backward goes on while it runs. "
     "engine/switch.py overlap_next_backward: the stage's last micro-batch starts the replicated gradient "
     "reductions bucket by bucket inside its backward (2 in flight). parallel/collectives.py: tp all-reduces "
     "and Ulysses / KV-gather exchanges run synchronously between the GEMMs. models/attention.py: 'auto' on "
