@@ -16,7 +16,10 @@ Keys (docs/gpu-runtime.md explains each):
   a switch from home plus one reducing stage (``:fsdp``: one forward+backward with its per-unit
   gathers and reduce-scatters); count and mean payload (MB per call, input size).
 * ``process_groups_per_rank``: at 8, 64 and 1024 fake ranks, ``WorldMesh`` of the ``auto`` candidate
-  set of llama3-8b on H100: process groups rank 0 belongs to and group creations every rank calls.
+  set of llama3-8b on H100 plus what a ``SwitchEngine`` of its shardings adds at setup: process
+  groups rank 0 belongs to, the mesh-dim ranges created, group creations every rank calls (one
+  ``new_group`` per block on the fake backend; on NCCL one ``split_group`` per range) and the
+  ``DeviceMesh``'s own. ``process_groups_wide_set``: the same for a wider set (``WIDE``).
 * ``switch_bytes_over_lower_bound``: ``benchmark_switch.py --world 4`` and ``--world 8`` (small model).
 
     python recipes/benchmark_hot_path.py [--kv-tokens 32768] [--skip-switch]
@@ -43,6 +46,10 @@ from lightning_hotspa.testing.spawn import run_on_ranks  # noqa: E402
 
 KINDS = {"dp": "dp4", "tp": "dp2xtp2", "ulysses": "cp4", "kv": "cp4:kv", "hybrid": "cp4:kv2", "fsdp": "dp4:fsdp"}
 MB = 1e6
+#: a wider candidate set than ``auto`` picks today (tp, Ulysses, all-gather-KV, hybrid and HSDP layouts
+#: on one mesh): where "only the groups a run uses" shows
+WIDE = {64: ["dp8xtp8", "dp4xtp8xcp2", "dp2xtp8xcp4:kv", "tp8xcp8:kv2", "dp32xtp2:fsdp8"],
+        1024: ["dp128xtp8", "dp64xtp8xcp2", "dp32xtp8xcp4:kv", "dp16xtp8xcp8:kv2", "dp512xtp2:fsdp8"]}
 
 
 # -- host syncs ---------------------------------------------------------------------------------------
@@ -268,41 +275,59 @@ def _payloads(sizes: list[int]):
 
 # -- process groups ------------------------------------------------------------------------------------
 
-def process_groups(world_size: int) -> dict:
-    """Groups rank 0 joins and group creations every rank calls, for the auto set of llama3-8b."""
+def process_groups(world_size: int, layouts=None) -> dict:
+    """Groups rank 0 joins and group creations every rank calls (ours and the ``DeviceMesh``'s), for
+    the ``auto`` set of llama3-8b (or ``layouts``): the ``WorldMesh`` plus what a ``SwitchEngine`` of
+    llama3-8b's shardings asks for at setup (its home tensors are meta: only the names count)."""
+    import torch.distributed.device_mesh as device_mesh
     import torch.distributed.distributed_c10d as c10d
 
+    from lightning_hotspa.engine.switch import SwitchEngine
     from lightning_hotspa.mesh import WorldMesh
+    from lightning_hotspa.models import LlamaConfig
     from lightning_hotspa.planner.candidates import auto_layouts
     from lightning_hotspa.testing.fake_world import FakeWorld
+    from lightning_hotspa.tools.memory import _Wrapped, llama_roles_and_shardings
 
-    layouts = auto_layouts(world_size, "llama3-8b", "H100", 131072)
-    created = []
-    originals = {n: getattr(c10d, n) for n in ("new_group", "split_group") if hasattr(c10d, n)}
+    layouts = layouts or auto_layouts(world_size, "llama3-8b", "H100", 131072)
+    layouts = [Layout.parse(x) for x in layouts]
+    created = {"ours": 0, "device_mesh": 0}
+    modules = [(c10d, "ours"), (dist, "ours"), (device_mesh, "device_mesh")]
+    originals = [(m, n, getattr(m, n)) for m, _ in modules for n in ("new_group", "split_group") if hasattr(m, n)]
 
-    def wrap(name, fn):
+    def wrap(fn, who):
         def inner(*args, **kwargs):
-            created.append(name)
+            created[who] += 1
             return fn(*args, **kwargs)
         return inner
 
+    config = LlamaConfig.preset("llama3-8b")
+    with torch.device("meta"):
+        module = _Wrapped(config)
+    widest = max(layouts, key=lambda x: x.tp)
     with FakeWorld(world_size):
-        for n, fn in originals.items():
-            setattr(c10d, n, wrap(n, fn))
-            setattr(dist, n, getattr(c10d, n))
+        for (m, n, fn), who in zip(originals, [w for m, w in modules for n in ("new_group", "split_group")
+                                                if hasattr(m, n)]):
+            setattr(m, n, wrap(fn, who))
         try:
             start = time.perf_counter()
             world = WorldMesh(layouts)
+            _, shardings = llama_roles_and_shardings(module, config, widest, world)
+            SwitchEngine(world, shardings, {n: torch.empty(0, device="meta") for n in shardings})
             seconds = time.perf_counter() - start
         finally:
-            for n, fn in originals.items():
-                setattr(c10d, n, fn)
-                setattr(dist, n, fn)
+            for m, n, fn in originals:
+                setattr(m, n, fn)
+        # (the code before issue 29's group work had neither: every contiguous range, in ``_groups``)
         member = getattr(world, "process_group_count", None)
         if member is None:
             member = len({id(g.group) for g in world._groups.values() if g.group is not None})
-    return {"layouts": [str(x) for x in layouts], "groups_of_rank_0": member,
-            "world_wide_creations": len(created), "seconds": seconds}
+        ranges = getattr(world, "group_ranges", None) or sorted((d[0], d[-1] + 1) for d in world._groups)
+    every = world.shape.ndim * (world.shape.ndim + 1) // 2
+    return {"layouts": [str(x) for x in layouts], "mesh": list(world.shape.sizes), "groups_of_rank_0": member,
+            "ranges": [list(r) for r in ranges], "ranges_of_every_contiguous": every,
+            "world_wide_creations": created["ours"], "device_mesh_creations": created["device_mesh"],
+            "seconds": seconds}
 
 
 # -- switch bytes --------------------------------------------------------------------------------------
@@ -326,7 +351,8 @@ def main(argv: list[str] | None = None) -> dict:
              "kv_work": lambda: kv_work(args.kv_tokens, *args.kv_heads, args.head_dim),
              "collectives": lambda: {"collectives_per_step": {x: collectives_for(x)
                                                               for x in ("dp8", "dp4xtp2", "dp8:fsdp")}},
-             "groups": lambda: {"process_groups_per_rank": {str(n): process_groups(n) for n in (8, 64, 1024)}},
+             "groups": lambda: {"process_groups_per_rank": {str(n): process_groups(n) for n in (8, 64, 1024)},
+                                "process_groups_wide_set": {str(n): process_groups(n, WIDE[n]) for n in WIDE}},
              "switch": lambda: {"switch_bytes_over_lower_bound": {f"world {w}": switch_bytes(w) for w in (4, 8)}}}
     if args.skip_switch:
         parts.pop("switch")

@@ -86,8 +86,9 @@ class _Pending:
     it until the collective lands) and drops it in :meth:`result`."""
 
     def __init__(self, work, unpack: Callable[[], list[torch.Tensor]], inputs: torch.Tensor | None,
-                 buffer: torch.Tensor | None = None) -> None:
+                 buffer: torch.Tensor | None = None, group: RankGroup | None = None) -> None:
         self.work, self.unpack, self.inputs = work, unpack, inputs
+        self.group = group  # names the group should the wait fail (adapter.reliability.failed_group)
         self.buffer = inputs if buffer is None else buffer  # what the bucket allocated (for labels)
 
     def result(self) -> list[torch.Tensor]:
@@ -138,7 +139,7 @@ def _reduce_scatter_start(tensors: list[torch.Tensor], dims: list[int], group: R
             offset += n
         return results
 
-    return _Pending(work, unpack, rows)
+    return _Pending(work, unpack, rows, group=group)
 
 
 def _all_reduce_start(tensors: list[torch.Tensor], group: RankGroup, into: _Overlap,
@@ -160,7 +161,7 @@ def _all_reduce_start(tensors: list[torch.Tensor], group: RankGroup, into: _Over
             offset += n
         return results
 
-    return _Pending(work, unpack, None, flat)  # the output is the buffer: the store keeps it
+    return _Pending(work, unpack, None, flat, group)  # the output is the buffer: the store keeps it
 
 
 class GradientReduction:
@@ -250,10 +251,9 @@ class GradientReduction:
             open_: dict[tuple[tuple[int, ...], tuple[int, ...]], tuple[_GradBucket, int]] = {}
             for name in reversed(list(self.shardings)):
                 sharding = self.shardings[name]
-                states, home = self._grad_states(name, layout), sharding.home_prefix
-                rep = [d for d in range(home) if states[d] == "replicate"]
-                key = (tuple(d for d in range(home) if states[d] == "partial"),
-                       tuple(d for d in range(home, len(states)) if states[d] == "partial"))
+                states = self._grad_states(name, layout)
+                rep = [d for d in range(sharding.home_prefix) if states[d] == "replicate"]
+                key = tuple(tuple(range(*r)) for r in self._grad_ranges(name, layout))
                 if rep:
                     plan.slices[name] = (rep[0], rep[-1] + 1)
                 w = self.working[name]
@@ -268,6 +268,20 @@ class GradientReduction:
             plan.bucket_of = {n: i for i, b in enumerate(plan.buckets) for n in b.names}
             self._reduce_plans[layout] = plan
         return self._reduce_plans[layout]
+
+    def _grad_ranges(self, name: str, layout: Layout) -> tuple[tuple[int, int], tuple[int, int]]:
+        """The ``[start, stop)`` mesh dims ``name``'s gradient in ``layout`` is reduce-scattered over
+        (partial dims home splits), then all-reduced over (partial dims home replicates); either may
+        be empty. Both are contiguous: the partial dims are a suffix of the home ones and beyond."""
+        states, home = self._grad_states(name, layout), self.shardings[name].home_prefix
+        scatter = [d for d in range(home) if states[d] == "partial"]
+        reduce = [d for d in range(home, len(states)) if states[d] == "partial"]
+        out = []
+        for dims in (scatter, reduce):
+            if dims and dims != list(range(dims[0], dims[-1] + 1)):
+                raise AssertionError(f"partial gradient dims {dims} of {name!r} in {layout} are not contiguous")
+            out.append((dims[0], dims[-1] + 1) if dims else (0, 0))
+        return out[0], out[1]
 
     def overlap_next_backward(self) -> None:
         """Reduces each gradient bucket as soon as the coming backward has accumulated all of it.
@@ -319,11 +333,11 @@ class GradientReduction:
                 g = sub_chunk(g, self.shardings[name], *plan.slices[name], rank)
             local.append(g)
         if bucket.scatter:
-            group = self.world.group(bucket.scatter)
+            group = self.world.group(bucket.scatter, self.active)
             pending = _reduce_scatter_start(local, [self.shardings[n].dim for n in bucket.names], group, dtype)
             into.received += sum(t.numel() for t in local) * dtype.itemsize * (group.size - 1) // group.size
         elif bucket.reduce:
-            pending = _all_reduce_start(local, self.world.group(bucket.reduce), into, dtype)
+            pending = _all_reduce_start(local, self.world.group(bucket.reduce, self.active), into, dtype)
         else:  # nothing to sum: keep a copy (the working grad may change or be freed)
             copies = [t.to(dtype, copy=True) for t in local]
             pending = _Pending(None, lambda copies=copies: copies, None)
@@ -338,7 +352,8 @@ class GradientReduction:
         """Waits for ``bucket``'s collective (and runs its all-reduce phase) and stores the result."""
         tensors = pending.result()
         if bucket.scatter and bucket.reduce:
-            tensors = _all_reduce_start(tensors, self.world.group(bucket.reduce), into, tensors[0].dtype).result()
+            tensors = _all_reduce_start(tensors, self.world.group(bucket.reduce, self.active), into,
+                                           tensors[0].dtype).result()
         self._store(bucket.names, tensors)
 
     def reduce_gradients(self, grads: Mapping[str, torch.Tensor] | None = None) -> GradReport:
