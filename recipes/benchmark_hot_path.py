@@ -6,6 +6,8 @@ Keys (docs/gpu-runtime.md explains each):
   host syncs (:mod:`lightning_hotspa.testing.host_syncs`) counted from each micro-batch's forward to
   the end of its backward, in the SECOND step (steady state), on 4 gloo ranks, a tiny GQA Llama;
   the max over ranks, divided by the micro-batches.
+* ``reduce_waits``: per layout kind (dp, tp, fsdp), the gradient collectives a rank waits on inside
+  the step's backward passes and after them (4 gloo ranks, tiny Llama, 64 KiB buckets, second step).
 * ``kv_attention_calls_per_layer``: attention-kernel calls one layer's forward makes for ONE document
   on the busiest cp rank of ``:kv`` (llama3-8b heads, tp=1): the geometry the forward iterates
   (``tests/test_kv_gather.py`` checks the forward makes exactly that many kernel calls), and per
@@ -123,6 +125,70 @@ def host_syncs() -> dict:
         worst = max(per_rank, key=lambda r: r[kind]["per_micro_batch"])[kind]
         result[kind], ops[kind] = worst["per_micro_batch"], worst["ops"]
     return {"host_syncs_per_micro_batch": result, "host_sync_ops_busiest_rank": ops}
+
+
+# -- gradient-reduction waits ------------------------------------------------------------------------
+
+def reduce_waits_rank() -> dict[str, dict]:
+    """On one gloo rank: per layout kind, the gradient collectives waited on (``_Pending.result``
+    with work) inside the step's backward passes and after them, in the second step; 64 KiB buckets
+    (several per stage), the engine's default 2 in flight."""
+    from lightning_hotspa.engine import gradients
+    from lightning_hotspa.engine.step_runner import StepHooks, StepRunner
+    from lightning_hotspa.engine.switch import SwitchEngine, build_home_parameters
+    from lightning_hotspa.mesh import WorldMesh
+    from lightning_hotspa.models import LlamaConfig, llama_tp_plan, param_roles
+    from lightning_hotspa.parallel.model import ParallelModel
+    from lightning_hotspa.placements import build_shardings
+    from lightning_hotspa.tools.memory import _Wrapped
+
+    torch.manual_seed(0)
+    module = _Wrapped(LlamaConfig.preset("tiny"))
+    kinds = {k: KINDS[k] for k in ("dp", "tp", "fsdp")}
+    world = WorldMesh([Layout.parse(x) for x in kinds.values()])
+    init = {n: p.detach().clone() for n, p in module.named_parameters()}
+    roles = param_roles(module, llama_tp_plan(module.model.config, 2, prefix="model."))
+    shardings = build_shardings({n: tuple(p.shape) for n, p in init.items()}, roles, world.shape)
+    home = build_home_parameters(world, shardings, lambda name, shape: init[name])
+    parallel = ParallelModel(module, roles, world)
+    parallel.restore(home)
+    runner = StepRunner(SwitchEngine(world, shardings, home, bucket_bytes=64 * 1024), parallel)
+    state = {"inside": False, "backward": 0, "end": 0}
+    original = gradients._Pending.result
+
+    def result(self):
+        if self.work is not None:
+            state["backward" if state["inside"] else "end"] += 1
+        return original(self)
+
+    class Hooks(StepHooks):
+        def backward(self, scaled_loss):
+            state["inside"] = True
+            try:
+                scaled_loss.backward()
+            finally:
+                state["inside"] = False
+
+    out = {}
+    gradients._Pending.result = result
+    try:
+        for kind, name in kinds.items():
+            layout = Layout.parse(name)
+            runner.run(_plan(world, layout, 0), module, Hooks())  # warm-up step
+            runner.engine.clear_grad_store()
+            state.update(backward=0, end=0)
+            runner.run(_plan(world, layout, 1), module, Hooks())
+            runner.engine.clear_grad_store()
+            out[kind] = {"in_backward": state["backward"], "at_end": state["end"]}
+    finally:
+        gradients._Pending.result = original
+    return out
+
+
+def reduce_waits() -> dict:
+    per_rank = run_on_ranks(reduce_waits_rank, 4, timeout_s=1800)
+    return {"reduce_waits": {kind: {"in_backward": max(r[kind]["in_backward"] for r in per_rank),
+                                    "at_end": max(r[kind]["at_end"] for r in per_rank)} for kind in per_rank[0]}}
 
 
 # -- all-gather-KV attention ---------------------------------------------------------------------------
@@ -347,7 +413,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--skip-switch", action="store_true", help="leave out the benchmark_switch runs")
     parser.add_argument("--only", nargs="*", default=None, help="compute only these keys' parts")
     args = parser.parse_args(argv)
-    parts = {"syncs": host_syncs, "kv_calls": lambda: {"kv_attention_calls_per_layer": kv_calls()},
+    parts = {"syncs": host_syncs, "waits": reduce_waits, "kv_calls": lambda: {"kv_attention_calls_per_layer": kv_calls()},
              "kv_work": lambda: kv_work(args.kv_tokens, *args.kv_heads, args.head_dim),
              "collectives": lambda: {"collectives_per_step": {x: collectives_for(x)
                                                               for x in ("dp8", "dp4xtp2", "dp8:fsdp")}},

@@ -39,6 +39,8 @@ class GradReport:
     bytes_received: int  # reduce-scatter: (g-1)/g of its input; all-reduce: 2(g-1)/g (ring)
     collectives: int
     seconds: float
+    waits_in_backward: int = 0  # collectives waited on from the backward's hooks (a stream wait on NCCL)
+    waits_at_end: int = 0  # those waited on by reduce_gradients, after the backward
 
 
 def sub_chunk(t: torch.Tensor, sharding: ParamSharding, start: int, stop: int, rank: int) -> torch.Tensor:
@@ -107,7 +109,11 @@ class _Overlap:
     ready: set[str] = field(default_factory=set)
     launched: int = 0
     in_flight: list[tuple[_GradBucket, _Pending]] = field(default_factory=list)
+    # all-reduce phases of two-phase buckets: their buffer is the bucket's result (kept anyway), so
+    # they do not count against max_buckets_in_flight and land at the stage end
+    finishing: list[tuple[_GradBucket, _Pending]] = field(default_factory=list)
     received: int = 0
+    waits: dict[str, int] = field(default_factory=lambda: {"backward": 0, "end": 0})
 
 
 def _reduce_scatter_start(tensors: list[torch.Tensor], dims: list[int], group: RankGroup,
@@ -314,14 +320,15 @@ class GradientReduction:
         overlap.ready.add(name)
         overlap.remaining[plan.bucket_of[name]] -= 1
         while overlap.launched < len(plan.buckets) and overlap.remaining[overlap.launched] == 0:
-            self._launch(plan, plan.buckets[overlap.launched], None, overlap)
+            self._launch(plan, plan.buckets[overlap.launched], None, overlap, "backward")
 
     def _launch(self, plan: _ReducePlan, bucket: _GradBucket, grads: Mapping[str, torch.Tensor] | None,
-                into: _Overlap) -> None:
+                into: _Overlap, where: str) -> None:
         """Starts the first collective of ``bucket`` (reduce-scatter, else all-reduce), first landing
-        the oldest pending bucket if ``max_buckets_in_flight`` are already out."""
+        the oldest pending bucket if ``max_buckets_in_flight`` are already out (``where``: "backward"
+        from a gradient hook, "end" from :meth:`reduce_gradients`)."""
         while len(into.in_flight) >= self.max_buckets_in_flight:
-            self._land(*into.in_flight.pop(0), into)
+            self._land(*into.in_flight.pop(0), into, where)
         rank = self.world.rank
         local, dtype = [], None
         for name in bucket.names:
@@ -348,12 +355,17 @@ class GradientReduction:
         into.launched += 1
         into.in_flight.append((bucket, pending))
 
-    def _land(self, bucket: _GradBucket, pending: _Pending, into: _Overlap) -> None:
-        """Waits for ``bucket``'s collective (and runs its all-reduce phase) and stores the result."""
+    def _land(self, bucket: _GradBucket, pending: _Pending, into: _Overlap, where: str) -> None:
+        """Waits for ``bucket``'s first collective and stores the result, or, for a two-phase bucket,
+        starts its all-reduce phase (landed at the stage end: nothing waits for it mid-backward).
+        ``where``: "backward" (from a gradient hook) or "end" (counted in the report)."""
+        into.waits[where] += pending.work is not None
         tensors = pending.result()
         if bucket.scatter and bucket.reduce:
-            tensors = _all_reduce_start(tensors, self.world.group(bucket.reduce, self.active), into,
-                                           tensors[0].dtype).result()
+            into.finishing.append((_GradBucket((), bucket.reduce, bucket.names),
+                                   _all_reduce_start(tensors, self.world.group(bucket.reduce, self.active), into,
+                                                     tensors[0].dtype)))
+            return
         self._store(bucket.names, tensors)
 
     def reduce_gradients(self, grads: Mapping[str, torch.Tensor] | None = None) -> GradReport:
@@ -377,11 +389,14 @@ class GradientReduction:
             if grads is not None:
                 raise RuntimeError("reduce_gradients(grads) after overlap_next_backward(): the hooks read .grad")
         for bucket in plan.buckets[overlap.launched:]:
-            self._launch(plan, bucket, grads, overlap)
+            self._launch(plan, bucket, grads, overlap, "end")
         while overlap.in_flight:
-            self._land(*overlap.in_flight.pop(0), overlap)
+            self._land(*overlap.in_flight.pop(0), overlap, "end")
+        for bucket, pending in overlap.finishing:  # launch order: every rank waits alike
+            self._land(bucket, pending, overlap, "end")
         collectives = sum(bool(b.scatter) + bool(b.reduce) for b in plan.buckets)
-        return GradReport(layout, overlap.received, collectives, time.perf_counter() - start)
+        return GradReport(layout, overlap.received, collectives, time.perf_counter() - start,
+                          overlap.waits["backward"], overlap.waits["end"])
 
     def _store(self, names: list[str], tensors: list[torch.Tensor]) -> None:
         for name, t in zip(names, tensors):
