@@ -194,17 +194,20 @@ def reduce_waits() -> dict:
 # -- all-gather-KV attention ---------------------------------------------------------------------------
 
 def kv_calls() -> dict:
-    """Kernel calls per layer forward for one document, busiest cp rank, llama3-8b heads (tp=1)."""
-    from lightning_hotspa.models.config import LlamaConfig
+    """Kernel calls per layer forward for one document, busiest cp rank (the geometry does not depend
+    on the heads): one per local chunk on CUDA; on CPU (``parallel/cpu_chunks.py``) two for a chunk
+    with keys before its diagonal block."""
     from lightning_hotspa.parallel.kv_gather import kv_geometry
 
-    heads = LlamaConfig.preset("llama3-8b").n_heads
     out = {}
     for tokens, cp in ((32768, 4), (131072, 8)):
         local = tokens // cp
         cu = torch.tensor([0, local], dtype=torch.int32)
-        calls = max(len(kv_geometry(cu, cp, 1, cp, r, heads).blocks) for r in range(cp))
-        out[f"{tokens // 1024}K cp{cp}"] = {"calls": calls, "per_local_chunk": calls / 2}
+        blocks = [kv_geometry(cu, cp, 1, cp, r).blocks for r in range(cp)]
+        calls = max(len(b) for b in blocks)
+        cpu = max(sum(1 + (first > lo) for *_, first, lo in b) for b in blocks)
+        out[f"{tokens // 1024}K cp{cp}"] = {"calls": calls, "per_local_chunk": calls / 2,
+                                            "cpu_calls": cpu, "cpu_per_local_chunk": cpu / 2}
     return out
 
 
