@@ -79,6 +79,27 @@ def test_subgroup_timeout_defaults_and_bad_values():
         HotSPaStrategy(layouts=["dp2"], subgroup_timeout=-3)
 
 
+def test_a_failure_is_blamed_only_on_the_group_its_own_frame_holds():
+    """A failed default-group collective is not named after a group an outer caller holds."""
+    from lightning_hotspa.adapter.reliability import failed_group
+    from lightning_hotspa.mesh import RankGroup
+
+    def default_group_collective():
+        raise RuntimeError("[gloo/transport/tcp/pair.cc] Timed out waiting 2000ms")
+
+    def subgroup_collective(group):
+        raise RuntimeError("[gloo/transport/tcp/pair.cc] Timed out waiting 2000ms")
+
+    held = RankGroup((0,), (0, 1), 0, object(), "hotspa mesh dims [0] ranks 0..1 (2)")
+    for call, blamed in ((lambda: default_group_collective(), None), (lambda: subgroup_collective(held), held)):
+        outer_group = held  # noqa: F841 - what an outer caller holds
+        with pytest.raises(CollectiveError) as info:
+            with StepTracker().guard():
+                call()
+        assert failed_group(info.value) is blamed
+        assert ("on process group" in str(info.value)) == (blamed is not None)
+
+
 def _skip_subgroup_collective():
     """Rank 1 skips sub-group collectives rank 0 runs: rank 0 gets a CollectiveError naming the group
     after the sub-group timeout (rank 1 never joins, so no race decides it). Every group is created
