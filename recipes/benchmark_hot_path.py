@@ -223,7 +223,7 @@ def kv_work_rank(tokens: int, heads: int, kv_heads: int, dim: int) -> float:
     from lightning_hotspa.plan import pack_micro_batch
 
     world = WorldMesh(["cp4:kv"])
-    groups = world.layout_groups("cp4:kv")
+    groups = world.layout_groups(Layout.parse("cp4:kv"))  # a Layout: layout_groups takes no names
     cp_rank = groups.cp.index
     mb = pack_micro_batch([torch.zeros(tokens, dtype=torch.int64)], 4, cp_rank)
     q, k, v = _qkv(tokens, heads, kv_heads, dim)

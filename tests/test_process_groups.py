@@ -84,11 +84,11 @@ def test_a_failure_is_blamed_only_on_the_group_its_own_frame_holds():
     from lightning_hotspa.adapter.reliability import failed_group
     from lightning_hotspa.mesh import RankGroup
 
-    def default_group_collective():
-        raise RuntimeError("[gloo/transport/tcp/pair.cc] Timed out waiting 2000ms")
-
-    def subgroup_collective(group):
-        raise RuntimeError("[gloo/transport/tcp/pair.cc] Timed out waiting 2000ms")
+    code = ("def default_group_collective():\n    raise RuntimeError('gloo: Timed out waiting 2000ms')\n"
+            "def subgroup_collective(group):\n    raise RuntimeError('gloo: Timed out waiting 2000ms')\n")
+    sites = {"__name__": "lightning_hotspa.collective_sites"}  # frames of the package, as the real sites
+    exec(compile(code, "<collective sites>", "exec"), sites)
+    default_group_collective, subgroup_collective = sites["default_group_collective"], sites["subgroup_collective"]
 
     held = RankGroup((0,), (0, 1), 0, object(), "hotspa mesh dims [0] ranks 0..1 (2)")
     for call, blamed in ((lambda: default_group_collective(), None), (lambda: subgroup_collective(held), held)):
@@ -102,18 +102,21 @@ def test_a_failure_is_blamed_only_on_the_group_its_own_frame_holds():
 
 def _skip_subgroup_collective():
     """Rank 1 skips sub-group collectives rank 0 runs: rank 0 gets a CollectiveError naming the group
-    after the sub-group timeout (rank 1 never joins, so no race decides it). Every group is created
-    first, by both ranks (creation is collective)."""
+    after the sub-group's timeout (rank 1 never joins, so no race decides it). Every group is created
+    first, by both ranks, with the pool's long timeout (gloo's connect at creation takes the group's
+    timeout too, and a loaded machine can be slow there); rank 0 then shortens its groups' timeout."""
     shapes, roles, dp2 = {"w": (8, 4)}, {"w": "replicated"}, Layout.parse("dp2")
     engines = []
     for _ in ("switch", "reduce"):
-        world = WorldMesh(["dp2"], timeout=timedelta(seconds=2))
+        world = WorldMesh(["dp2"], timeout=timedelta(seconds=120))
         shardings = build_shardings(shapes, roles, world.shape)
         home = build_home_parameters(world, shardings, lambda name, shape: torch.ones(shape))
         engines.append(SwitchEngine(world, shardings, home))
     engines[1].materialize(dp2)  # both ranks
     if dist.get_rank() == 1:
         return []
+    for engine in engines:
+        dist.distributed_c10d._set_pg_timeout(timedelta(seconds=2), engine.world.group([0]).group)
     out = []
     for run in (lambda: engines[0].materialize(dp2),  # an all-gather over mesh dims [0]
                 engines[1].reduce_gradients):  # a reduce-scatter, waited on in _Pending.result

@@ -247,8 +247,8 @@ def plan_summary(plan: Any) -> str:
 def failed_group(exc: BaseException) -> Any:
     """The :class:`~lightning_hotspa.mesh.RankGroup` whose collective raised ``exc``, or None.
 
-    Looked for in the innermost frame of the traceback outside torch (through the cause chain), as a
-    local or as ``self.group``: every sub-group collective is issued or waited on where its
+    Looked for in the innermost frame of the traceback in this package (through the cause chain), as
+    a local or as ``self.group``: every sub-group collective is issued or waited on where its
     ``RankGroup`` is at hand (gloo's and NCCL's own messages do not name the group). Frames further
     out are not searched, so a failed default-group collective is not blamed on a group an outer
     caller happens to hold.
@@ -265,7 +265,7 @@ def failed_group(exc: BaseException) -> Any:
         while tb is not None:
             frames.append(tb.tb_frame)
             tb = tb.tb_next
-        ours = [f for f in reversed(frames) if not str(f.f_globals.get("__name__", "")).startswith("torch")]
+        ours = [f for f in reversed(frames) if str(f.f_globals.get("__name__", "")).startswith("lightning_hotspa.")]
         for frame in ours[:1]:  # the frame that issued or waited on the collective
             values = list(frame.f_locals.values())
             values += [getattr(v, "group", None) for v in values if not isinstance(v, RankGroup)]
