@@ -19,18 +19,31 @@ from .layout import Layout, LayoutError, MeshShape, require_member
 __all__ = ["RankGroup", "LayoutGroups", "WorldMesh"]
 
 
+def _can_split() -> bool:
+    """True where ``dist.split_group`` can make a range's groups in one call: an NCCL default group
+    bound to a device (``init_process_group(device_id=...)``, as the strategy does on GPUs); gloo and
+    the fake backend create one ``new_group`` per block instead."""
+    import torch.distributed as dist
+
+    default = dist.distributed_c10d._get_default_group()
+    return (hasattr(dist, "split_group") and getattr(default, "bound_device_id", None) is not None
+            and dist.get_backend(default) == "nccl")
+
+
 @dataclass(frozen=True)
 class RankGroup:
     """A process group over some mesh dims, seen from one rank.
 
     ``ranks`` are in shard-index order (DTensor's chunk order); ``group`` is None for a group of one.
     ``slot_of_shard[i]`` is the group rank (collective output slot) of the member with shard index i.
+    ``desc`` names it in errors (mesh dims and ranks).
     """
 
     dims: tuple[int, ...]
     ranks: tuple[int, ...]
     index: int
     group: object | None
+    desc: str = ""  # names the group in errors: its mesh dims and ranks
 
     @property
     def size(self) -> int:
@@ -73,13 +86,17 @@ class LayoutGroups:
 
 
 class WorldMesh:
-    """The one ``DeviceMesh`` of the run plus a process group for every contiguous range of its dims.
+    """The one ``DeviceMesh`` of the run plus the process groups over the mesh-dim ranges it uses.
 
-    Built collectively (every rank, same arguments) after ``init_process_group``. Groups are created
-    eagerly and in the same order on every rank, since ``dist.new_group`` must be called by all.
-    ``timeout`` is their collective timeout: ``dist.new_group`` does not inherit the default group's,
-    it takes torch's 30-minute default, so a hung peer in a tp / cp / dp collective would block that
-    long (the ``DeviceMesh``'s own sub-groups, used off the step's hot path, keep torch's default).
+    Built collectively (every rank, same arguments) after ``init_process_group``. Only the ranges
+    something calls are created (docs/DESIGN.md §9, "only the groups a run uses"): every layout's tp,
+    cp, dp and cp parts here, and what the switch engine's moves and reductions need when it is built
+    (:meth:`create_groups`, at setup). Creation is eager and in the same order on every rank, since
+    ``dist.new_group`` must be called by all; a range asked for at run time that was not created
+    raises (:meth:`group`), it is never created on first use (that could deadlock). ``timeout`` is
+    their collective timeout: ``dist.new_group`` does not inherit the default group's, it takes
+    torch's 30-minute default, so a hung peer in a tp / cp / dp collective would block that long (the
+    ``DeviceMesh``'s own sub-groups, used off the step's hot path, keep torch's default).
     """
 
     def __init__(self, layouts: Iterable[Layout | str | Mapping[str, int]], device_type: str = "cpu",
@@ -96,36 +113,94 @@ class WorldMesh:
         self.timeout = timeout
         self.device_mesh = DeviceMesh(device_type, self.shape.mesh_tensor(), mesh_dim_names=self.shape.dim_names)
         self._groups: dict[tuple[int, ...], RankGroup] = {}
-        for start in range(self.shape.ndim):
-            for stop in range(start + 1, self.shape.ndim + 1):
-                self._groups[tuple(range(start, stop))] = self._create_group(tuple(range(start, stop)))
+        #: ``dist.new_group`` calls this rank made (every rank makes the same ones: world-wide creations)
+        self.creations = 0
+        self.create_groups(self.layout_ranges())
+
+    def layout_ranges(self) -> list[tuple[int, int]]:
+        """The ``[start, stop)`` mesh-dim ranges of every layout's tp, cp, dp and two cp parts."""
+        out = []
+        for lay in self.layouts:
+            for dims in (self.shape.tp_dims(lay), self.shape.cp_dims(lay), self.shape.dp_dims(lay),
+                         self.shape.cp_ulysses_dims(lay), self.shape.cp_kv_dims(lay)):
+                out.append((dims.start, dims.stop))
+        return out
+
+    def create_groups(self, ranges: Iterable[tuple[int, int]]) -> int:
+        """Creates the groups of the ``[start, stop)`` mesh-dim ranges not created yet; returns how many.
+
+        Collective: every rank must call it with the same ranges (their order does not matter: they
+        are created sorted). Empty ranges are skipped (a group of one needs no process group).
+
+        Args:
+            ranges: ``(start, stop)`` pairs with ``0 <= start <= stop <= ndim``.
+        """
+        wanted = set()
+        for start, stop in ranges:
+            if not 0 <= start <= stop <= self.shape.ndim:
+                raise LayoutError(f"mesh dims [{start}, {stop}) are not a range of the {self.shape.ndim} dims "
+                                  f"of mesh {self.shape.sizes}")
+            if stop > start and tuple(range(start, stop)) not in self._groups:
+                wanted.add((start, stop))
+        for start, stop in sorted(wanted):
+            self._groups[tuple(range(start, stop))] = self._create_group(tuple(range(start, stop)))
+        return len(wanted)
+
+    @property
+    def group_ranges(self) -> list[tuple[int, int]]:
+        """The ``[start, stop)`` mesh-dim ranges whose groups exist, sorted."""
+        return sorted((d[0], d[-1] + 1) for d in self._groups)
+
+    @property
+    def process_group_count(self) -> int:
+        """Process groups this rank belongs to (groups of one excluded)."""
+        return sum(g.group is not None for g in self._groups.values())
 
     def _create_group(self, dims: tuple[int, ...]) -> RankGroup:
+        """This rank's group over ``dims``: every block of it created (by all ranks, same order)."""
         import torch.distributed as dist
 
-        mine = None
-        seen: set[tuple[int, ...]] = set()
+        blocks: dict[tuple[int, ...], None] = {}  # insertion-ordered set
+        mine: tuple[int, ...] = ()
         for rank in range(self.shape.world_size):  # every block, same order on every rank
             ranks = self.shape.group_ranks(rank, dims)
-            key = tuple(sorted(ranks))
-            if key in seen:
-                continue
-            seen.add(key)
-            # the description names the group in NCCL's watchdog / flight-recorder errors (a timeout)
-            desc = f"hotspa mesh dims {list(dims)} ranks {key[0]}..{key[-1]} ({len(key)})"
-            pg = dist.new_group(list(key), timeout=self.timeout, group_desc=desc) if len(key) > 1 else None
-            if self.rank in ranks:
-                mine = RankGroup(dims, ranks, ranks.index(self.rank), pg)
-        assert mine is not None
-        return mine
+            blocks.setdefault(tuple(sorted(ranks)))
+            if rank == self.rank:
+                mine = ranks
+        # the description names the group in NCCL's watchdog / flight-recorder errors (a timeout)
+        desc = f"hotspa mesh dims {list(dims)} ranks {min(mine)}..{max(mine)} ({len(mine)})"
+        pg = None
+        if len(mine) > 1 and _can_split():  # one ncclCommSplit of the default communicator for all blocks
+            pg = dist.split_group(parent_pg=None, split_ranks=[list(b) for b in blocks], timeout=self.timeout,
+                                  group_desc=f"hotspa mesh dims {list(dims)} ({len(mine)} ranks per group)")
+            self.creations += 1
+        elif len(mine) > 1:
+            for key in blocks:
+                made = dist.new_group(list(key), timeout=self.timeout,
+                                      group_desc=f"hotspa mesh dims {list(dims)} ranks {key[0]}..{key[-1]} "
+                                                 f"({len(key)})")
+                self.creations += 1
+                if self.rank in key:
+                    pg = made
+        return RankGroup(dims, mine, mine.index(self.rank), pg, desc)
 
-    def group(self, dims: Iterable[int]) -> RankGroup:
-        """This rank's group over a contiguous range of mesh dims (empty range: a group of one)."""
+    def group(self, dims: Iterable[int], layout: Layout | None = None) -> RankGroup:
+        """This rank's group over a contiguous range of mesh dims (empty range: a group of one).
+
+        Args:
+            dims: the mesh dims, a contiguous increasing range.
+            layout: the layout that asks (named in the error if the group was never created).
+        """
         dims = tuple(dims)
         if not dims:
             return RankGroup((), (self.rank,), 0, None)
+        if dims != tuple(range(dims[0], dims[0] + len(dims))) or not 0 <= dims[0] <= dims[-1] < self.shape.ndim:
+            raise LayoutError(f"mesh dims {dims} are not a contiguous range of the dims of mesh {self.shape.sizes}")
         if dims not in self._groups:
-            raise LayoutError(f"mesh dims {dims} are not a contiguous range of {self.shape.sizes}")
+            who = f"layout {layout} needs" if layout is not None else "asked for"
+            raise LayoutError(f"{who} a process group over mesh dims {list(dims)} of mesh {self.shape.sizes}, "
+                              f"but setup created none for them (created: {self.group_ranges}); groups are made "
+                              f"at setup only (WorldMesh.create_groups), never on first use")
         return self._groups[dims]
 
     def layout_groups(self, layout: Layout) -> LayoutGroups:

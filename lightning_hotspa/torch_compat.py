@@ -12,6 +12,10 @@ else's (activation checkpointing's) own the saved tensors.
 :func:`causal_lower_right` builds torch's bottom-right causal bias (a tensor subclass) outside any
 active dispatch mode (creating it inside one raises; the memory estimator's ``FakeTensorMode`` and
 the benchmark counters are such modes), through a private helper kept here.
+
+:func:`cpu_flash_attention` / :func:`cpu_flash_attention_backward` call the CPU flash-attention
+kernel SDPA dispatches to (private aten ops, same signature on 2.11-2.13) for its log-sum-exp, which
+the public SDPA does not return (``parallel/cpu_chunks.py`` merges two calls with it).
 """
 
 from __future__ import annotations
@@ -20,7 +24,8 @@ import warnings
 
 import torch
 
-__all__ = ["C10D_DEPRECATION_MESSAGE", "causal_lower_right", "outer_saved_tensor_hooks"]
+__all__ = ["C10D_DEPRECATION_MESSAGE", "causal_lower_right", "cpu_flash_attention", "cpu_flash_attention_backward",
+           "outer_saved_tensor_hooks"]
 
 #: The warning-message pattern of the two deprecated collectives (regex, as ``warnings`` wants).
 C10D_DEPRECATION_MESSAGE = ".*(all_gather_into_tensor|reduce_scatter_tensor).*deprecated"
@@ -58,3 +63,30 @@ def causal_lower_right(seq_len_q: int, seq_len_kv: int) -> object:
         if len(_BIASES) > 256:  # one entry per (chunk, prefix) shape seen: drop the oldest
             del _BIASES[next(iter(_BIASES))]
     return _BIASES[key]
+
+
+def cpu_flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        is_causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The CPU flash kernel's ``(out, logsumexp)`` of 4-D ``[1, h, L, d]`` inputs (GQA native).
+
+    Args:
+        q, k, v: query, key and value, ``[1, heads, rows, head_dim]`` (k, v may have fewer heads).
+        is_causal: top-left causal (square blocks: also bottom-right).
+    """
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal)
+    return out, lse
+
+
+def cpu_flash_attention_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                 out: torch.Tensor, lse: torch.Tensor,
+                                 is_causal: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The CPU flash kernel's gradients of q, k, v, given the (merged) output and log-sum-exp.
+
+    Args:
+        grad: the output's gradient, ``[1, h, L, d]``.
+        q, k, v: as given to :func:`cpu_flash_attention`.
+        out, lse: the attention output and log-sum-exp of every key the rows see (not only ``k``'s).
+        is_causal: as given to the forward.
+    """
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        grad, q, k, v, out, lse, 0.0, is_causal)

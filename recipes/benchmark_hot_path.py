@@ -6,6 +6,8 @@ Keys (docs/gpu-runtime.md explains each):
   host syncs (:mod:`lightning_hotspa.testing.host_syncs`) counted from each micro-batch's forward to
   the end of its backward, in the SECOND step (steady state), on 4 gloo ranks, a tiny GQA Llama;
   the max over ranks, divided by the micro-batches.
+* ``reduce_waits``: per layout kind (dp, tp, fsdp), the gradient collectives a rank waits on inside
+  the step's backward passes and after them (4 gloo ranks, tiny Llama, 64 KiB buckets, second step).
 * ``kv_attention_calls_per_layer``: attention-kernel calls one layer's forward makes for ONE document
   on the busiest cp rank of ``:kv`` (llama3-8b heads, tp=1): the geometry the forward iterates
   (``tests/test_kv_gather.py`` checks the forward makes exactly that many kernel calls), and per
@@ -16,7 +18,10 @@ Keys (docs/gpu-runtime.md explains each):
   a switch from home plus one reducing stage (``:fsdp``: one forward+backward with its per-unit
   gathers and reduce-scatters); count and mean payload (MB per call, input size).
 * ``process_groups_per_rank``: at 8, 64 and 1024 fake ranks, ``WorldMesh`` of the ``auto`` candidate
-  set of llama3-8b on H100: process groups rank 0 belongs to and group creations every rank calls.
+  set of llama3-8b on H100 plus what a ``SwitchEngine`` of its shardings adds at setup: process
+  groups rank 0 belongs to, the mesh-dim ranges created, group creations every rank calls (one
+  ``new_group`` per block on the fake backend; on NCCL one ``split_group`` per range) and the
+  ``DeviceMesh``'s own. ``process_groups_wide_set``: the same for a wider set (``WIDE``).
 * ``switch_bytes_over_lower_bound``: ``benchmark_switch.py --world 4`` and ``--world 8`` (small model).
 
     python recipes/benchmark_hot_path.py [--kv-tokens 32768] [--skip-switch]
@@ -43,6 +48,10 @@ from lightning_hotspa.testing.spawn import run_on_ranks  # noqa: E402
 
 KINDS = {"dp": "dp4", "tp": "dp2xtp2", "ulysses": "cp4", "kv": "cp4:kv", "hybrid": "cp4:kv2", "fsdp": "dp4:fsdp"}
 MB = 1e6
+#: a wider candidate set than ``auto`` picks today (tp, Ulysses, all-gather-KV, hybrid and HSDP layouts
+#: on one mesh): where "only the groups a run uses" shows
+WIDE = {64: ["dp8xtp8", "dp4xtp8xcp2", "dp2xtp8xcp4:kv", "tp8xcp8:kv2", "dp32xtp2:fsdp8"],
+        1024: ["dp128xtp8", "dp64xtp8xcp2", "dp32xtp8xcp4:kv", "dp16xtp8xcp8:kv2", "dp512xtp2:fsdp8"]}
 
 
 # -- host syncs ---------------------------------------------------------------------------------------
@@ -118,20 +127,87 @@ def host_syncs() -> dict:
     return {"host_syncs_per_micro_batch": result, "host_sync_ops_busiest_rank": ops}
 
 
+# -- gradient-reduction waits ------------------------------------------------------------------------
+
+def reduce_waits_rank() -> dict[str, dict]:
+    """On one gloo rank: per layout kind, the gradient collectives waited on (``_Pending.result``
+    with work) inside the step's backward passes and after them, in the second step; 64 KiB buckets
+    (several per stage), the engine's default 2 in flight."""
+    from lightning_hotspa.engine import gradients
+    from lightning_hotspa.engine.step_runner import StepHooks, StepRunner
+    from lightning_hotspa.engine.switch import SwitchEngine, build_home_parameters
+    from lightning_hotspa.mesh import WorldMesh
+    from lightning_hotspa.models import LlamaConfig, llama_tp_plan, param_roles
+    from lightning_hotspa.parallel.model import ParallelModel
+    from lightning_hotspa.placements import build_shardings
+    from lightning_hotspa.tools.memory import _Wrapped
+
+    torch.manual_seed(0)
+    module = _Wrapped(LlamaConfig.preset("tiny"))
+    kinds = {k: KINDS[k] for k in ("dp", "tp", "fsdp")}
+    world = WorldMesh([Layout.parse(x) for x in kinds.values()])
+    init = {n: p.detach().clone() for n, p in module.named_parameters()}
+    roles = param_roles(module, llama_tp_plan(module.model.config, 2, prefix="model."))
+    shardings = build_shardings({n: tuple(p.shape) for n, p in init.items()}, roles, world.shape)
+    home = build_home_parameters(world, shardings, lambda name, shape: init[name])
+    parallel = ParallelModel(module, roles, world)
+    parallel.restore(home)
+    runner = StepRunner(SwitchEngine(world, shardings, home, bucket_bytes=64 * 1024), parallel)
+    state = {"inside": False, "backward": 0, "end": 0}
+    original = gradients._Pending.result
+
+    def result(self):
+        if self.work is not None:
+            state["backward" if state["inside"] else "end"] += 1
+        return original(self)
+
+    class Hooks(StepHooks):
+        def backward(self, scaled_loss):
+            state["inside"] = True
+            try:
+                scaled_loss.backward()
+            finally:
+                state["inside"] = False
+
+    out = {}
+    gradients._Pending.result = result
+    try:
+        for kind, name in kinds.items():
+            layout = Layout.parse(name)
+            runner.run(_plan(world, layout, 0), module, Hooks())  # warm-up step
+            runner.engine.clear_grad_store()
+            state.update(backward=0, end=0)
+            runner.run(_plan(world, layout, 1), module, Hooks())
+            runner.engine.clear_grad_store()
+            out[kind] = {"in_backward": state["backward"], "at_end": state["end"]}
+    finally:
+        gradients._Pending.result = original
+    return out
+
+
+def reduce_waits() -> dict:
+    per_rank = run_on_ranks(reduce_waits_rank, 4, timeout_s=1800)
+    return {"reduce_waits": {kind: {"in_backward": max(r[kind]["in_backward"] for r in per_rank),
+                                    "at_end": max(r[kind]["at_end"] for r in per_rank)} for kind in per_rank[0]}}
+
+
 # -- all-gather-KV attention ---------------------------------------------------------------------------
 
 def kv_calls() -> dict:
-    """Kernel calls per layer forward for one document, busiest cp rank, llama3-8b heads (tp=1)."""
-    from lightning_hotspa.models.config import LlamaConfig
+    """Kernel calls per layer forward for one document, busiest cp rank (the geometry does not depend
+    on the heads): one per local chunk on CUDA; on CPU (``parallel/cpu_chunks.py``) two for a chunk
+    with keys before its diagonal block."""
     from lightning_hotspa.parallel.kv_gather import kv_geometry
 
-    heads = LlamaConfig.preset("llama3-8b").n_heads
     out = {}
     for tokens, cp in ((32768, 4), (131072, 8)):
         local = tokens // cp
         cu = torch.tensor([0, local], dtype=torch.int32)
-        calls = max(len(kv_geometry(cu, cp, 1, cp, r, heads).blocks) for r in range(cp))
-        out[f"{tokens // 1024}K cp{cp}"] = {"calls": calls, "per_local_chunk": calls / 2}
+        blocks = [kv_geometry(cu, cp, 1, cp, r).blocks for r in range(cp)]
+        calls = max(len(b) for b in blocks)
+        cpu = max(sum(1 + (first > lo) for *_, first, lo in b) for b in blocks)
+        out[f"{tokens // 1024}K cp{cp}"] = {"calls": calls, "per_local_chunk": calls / 2,
+                                            "cpu_calls": cpu, "cpu_per_local_chunk": cpu / 2}
     return out
 
 
@@ -147,7 +223,7 @@ def kv_work_rank(tokens: int, heads: int, kv_heads: int, dim: int) -> float:
     from lightning_hotspa.plan import pack_micro_batch
 
     world = WorldMesh(["cp4:kv"])
-    groups = world.layout_groups("cp4:kv")
+    groups = world.layout_groups(Layout.parse("cp4:kv"))  # a Layout: layout_groups takes no names
     cp_rank = groups.cp.index
     mb = pack_micro_batch([torch.zeros(tokens, dtype=torch.int64)], 4, cp_rank)
     q, k, v = _qkv(tokens, heads, kv_heads, dim)
@@ -268,41 +344,59 @@ def _payloads(sizes: list[int]):
 
 # -- process groups ------------------------------------------------------------------------------------
 
-def process_groups(world_size: int) -> dict:
-    """Groups rank 0 joins and group creations every rank calls, for the auto set of llama3-8b."""
+def process_groups(world_size: int, layouts=None) -> dict:
+    """Groups rank 0 joins and group creations every rank calls (ours and the ``DeviceMesh``'s), for
+    the ``auto`` set of llama3-8b (or ``layouts``): the ``WorldMesh`` plus what a ``SwitchEngine`` of
+    llama3-8b's shardings asks for at setup (its home tensors are meta: only the names count)."""
+    import torch.distributed.device_mesh as device_mesh
     import torch.distributed.distributed_c10d as c10d
 
+    from lightning_hotspa.engine.switch import SwitchEngine
     from lightning_hotspa.mesh import WorldMesh
+    from lightning_hotspa.models import LlamaConfig
     from lightning_hotspa.planner.candidates import auto_layouts
     from lightning_hotspa.testing.fake_world import FakeWorld
+    from lightning_hotspa.tools.memory import _Wrapped, llama_roles_and_shardings
 
-    layouts = auto_layouts(world_size, "llama3-8b", "H100", 131072)
-    created = []
-    originals = {n: getattr(c10d, n) for n in ("new_group", "split_group") if hasattr(c10d, n)}
+    layouts = layouts or auto_layouts(world_size, "llama3-8b", "H100", 131072)
+    layouts = [Layout.parse(x) for x in layouts]
+    created = {"ours": 0, "device_mesh": 0}
+    modules = [(c10d, "ours"), (dist, "ours"), (device_mesh, "device_mesh")]
+    originals = [(m, n, getattr(m, n)) for m, _ in modules for n in ("new_group", "split_group") if hasattr(m, n)]
 
-    def wrap(name, fn):
+    def wrap(fn, who):
         def inner(*args, **kwargs):
-            created.append(name)
+            created[who] += 1
             return fn(*args, **kwargs)
         return inner
 
+    config = LlamaConfig.preset("llama3-8b")
+    with torch.device("meta"):
+        module = _Wrapped(config)
+    widest = max(layouts, key=lambda x: x.tp)
     with FakeWorld(world_size):
-        for n, fn in originals.items():
-            setattr(c10d, n, wrap(n, fn))
-            setattr(dist, n, getattr(c10d, n))
+        for (m, n, fn), who in zip(originals, [w for m, w in modules for n in ("new_group", "split_group")
+                                                if hasattr(m, n)]):
+            setattr(m, n, wrap(fn, who))
         try:
             start = time.perf_counter()
             world = WorldMesh(layouts)
+            _, shardings = llama_roles_and_shardings(module, config, widest, world)
+            SwitchEngine(world, shardings, {n: torch.empty(0, device="meta") for n in shardings})
             seconds = time.perf_counter() - start
         finally:
-            for n, fn in originals.items():
-                setattr(c10d, n, fn)
-                setattr(dist, n, fn)
+            for m, n, fn in originals:
+                setattr(m, n, fn)
+        # (the code before issue 29's group work had neither: every contiguous range, in ``_groups``)
         member = getattr(world, "process_group_count", None)
         if member is None:
             member = len({id(g.group) for g in world._groups.values() if g.group is not None})
-    return {"layouts": [str(x) for x in layouts], "groups_of_rank_0": member,
-            "world_wide_creations": len(created), "seconds": seconds}
+        ranges = getattr(world, "group_ranges", None) or sorted((d[0], d[-1] + 1) for d in world._groups)
+    every = world.shape.ndim * (world.shape.ndim + 1) // 2
+    return {"layouts": [str(x) for x in layouts], "mesh": list(world.shape.sizes), "groups_of_rank_0": member,
+            "ranges": [list(r) for r in ranges], "ranges_of_every_contiguous": every,
+            "world_wide_creations": created["ours"], "device_mesh_creations": created["device_mesh"],
+            "seconds": seconds}
 
 
 # -- switch bytes --------------------------------------------------------------------------------------
@@ -322,11 +416,13 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--skip-switch", action="store_true", help="leave out the benchmark_switch runs")
     parser.add_argument("--only", nargs="*", default=None, help="compute only these keys' parts")
     args = parser.parse_args(argv)
-    parts = {"syncs": host_syncs, "kv_calls": lambda: {"kv_attention_calls_per_layer": kv_calls()},
+    parts = {"syncs": host_syncs, "waits": reduce_waits,
+             "kv_calls": lambda: {"kv_attention_calls_per_layer": kv_calls()},
              "kv_work": lambda: kv_work(args.kv_tokens, *args.kv_heads, args.head_dim),
              "collectives": lambda: {"collectives_per_step": {x: collectives_for(x)
                                                               for x in ("dp8", "dp4xtp2", "dp8:fsdp")}},
-             "groups": lambda: {"process_groups_per_rank": {str(n): process_groups(n) for n in (8, 64, 1024)}},
+             "groups": lambda: {"process_groups_per_rank": {str(n): process_groups(n) for n in (8, 64, 1024)},
+                                "process_groups_wide_set": {str(n): process_groups(n, WIDE[n]) for n in WIDE}},
              "switch": lambda: {"switch_bytes_over_lower_bound": {f"world {w}": switch_bytes(w) for w in (4, 8)}}}
     if args.skip_switch:
         parts.pop("switch")

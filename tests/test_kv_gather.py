@@ -99,3 +99,53 @@ def _groups():
 
     one = RankGroup((), (0,), 0, None)
     return LayoutGroups(Layout.parse("dp1"), one, one, one, one, one)
+
+
+def test_cpu_chunks_take_two_calls_without_a_mask_and_match_the_one_call():
+    """On CPU a chunk is at most 2 flash calls (prefix, causal diagonal) with no [C, S] mask, and its
+    output and gradients (from the saved output and log-sum-exp) equal the one masked call (fp64)."""
+    from lightning_hotspa.parallel import cpu_chunks
+
+    torch.manual_seed(2)
+    n = 8
+    for first, lo in ((0, 0), (16, 0), (24, 5)):
+        q = torch.randn(n, 4, 8, dtype=torch.float64, requires_grad=True)
+        k, v = (torch.randn(first + n - lo, 2, 8, dtype=torch.float64, requires_grad=True) for _ in range(2))
+        ref = kv_gather.chunk_attention(q, k, v, first, lo)
+        grad = torch.randn_like(ref)
+        expected = torch.autograd.grad(ref, (q, k, v), grad)
+        mode = _Calls()
+        with mode, torch.no_grad():
+            out, lse = cpu_chunks.chunk_forward(q, k, v, first, lo)
+            got = cpu_chunks.chunk_backward(grad, q, k, v, out, lse, first, lo)
+        assert mode.calls == (1 if first == lo else 2), mode.calls
+        torch.testing.assert_close(out, ref)
+        for a, b in zip(got, expected):
+            torch.testing.assert_close(a, b)
+
+
+def test_kv_backward_on_cpu_recomputes_no_forward():
+    """The KV-gather backward on CPU runs the kernels' backward only (no attention forward again),
+    and forward and gradients equal the whole documents' attention (fp64)."""
+    torch.manual_seed(3)
+    lengths = [24, 40]
+    mb = _mb(lengths, 1, 0)
+    tokens = int(mb.cu_seqlens[-1])
+    q, k, v = (torch.randn(tokens, h, 8, dtype=torch.float64, requires_grad=True) for h in (4, 2, 2))
+    ref = sdpa_attention(q, k, v, mb.cu_seqlens, max(lengths))
+    grad = torch.randn_like(ref)
+    expected = torch.autograd.grad(ref, (q, k, v), grad)
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # a KV group of one
+    try:
+        out = kv_gather.kv_gather_attention(q, k, v, mb.cu_seqlens, _groups(), mb)
+        mode = _Calls()
+        with mode:
+            got = torch.autograd.grad(out, (q, k, v), grad)
+    finally:
+        dist.destroy_process_group()
+    torch.testing.assert_close(out, ref)
+    assert mode.calls == 0, mode.calls
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b)

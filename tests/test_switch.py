@@ -140,15 +140,17 @@ def _rank_grad(name, shape, seed_key):
     return torch.randn(shape, generator=g)
 
 
-def reduce_grads_into_home(layouts, stage_layouts, via_backward=False):
+def reduce_grads_into_home(layouts, stage_layouts, via_backward=False, in_flight=2):
     """Each rank invents working grads with the right symmetry; the store must hold the exact sum.
 
     ``via_backward``: the grads come from two backward passes through the working params (the
-    second with :meth:`overlap_next_backward`, one param per bucket), 'wq' gets none; also returns
-    how many buckets each stage launched before its end."""
-    world, shardings, home, engine = _engine(layouts, **({"bucket_bytes": 1} if via_backward else {}))
+    second with :meth:`overlap_next_backward`, one param per bucket, ``in_flight`` buckets pending),
+    'wq' gets none; also returns how many buckets each stage launched before its end and the
+    collectives it waited on in backward and at the end."""
+    world, shardings, home, engine = _engine(layouts, **({"bucket_bytes": 1, "max_buckets_in_flight": in_flight}
+                                                         if via_backward else {}))
     unused = "wq" if via_backward else None
-    launched_early = []
+    launched_early, waits = [], []
     rank = dist.get_rank()
     shape = world.shape
     expected = {n: torch.zeros(sh.shape) for n, sh in shardings.items()}
@@ -183,6 +185,7 @@ def reduce_grads_into_home(layouts, stage_layouts, via_backward=False):
                 sum((engine.working[n] * (0.75 * grads[n])).sum() for n in used).backward()
                 launched_early.append(engine._overlap.launched)
                 report = engine.reduce_gradients()
+                waits.append((report.waits_in_backward, report.waits_at_end))
             else:
                 report = engine.reduce_gradients(grads)
         reports.append((report.bytes_received, log.bytes_received))
@@ -197,7 +200,7 @@ def reduce_grads_into_home(layouts, stage_layouts, via_backward=False):
         assert isinstance(p.grad, DTensor) and p.grad.placements == p.placements
         exp = expected[name]
         errors[name + ".full"] = float((p.grad.full_tensor() - exp).norm() / exp.norm().clamp_min(1e-30))
-    return (errors, reports, launched_early) if via_backward else (errors, reports)
+    return (errors, reports, launched_early, waits) if via_backward else (errors, reports)
 
 
 def test_gradient_reduction_sums_across_stages(ranks):
@@ -211,13 +214,24 @@ def test_gradient_reduction_sums_across_stages(ranks):
 def test_gradient_reduction_overlapped_with_backward(ranks):
     """Buckets launched from gradient hooks during the last backward give the same store."""
     results = ranks(4).run(reduce_grads_into_home, FOUNDATION, ["dp4", "dp2xtp2", "tp2xcp2"], True)
-    for errors, reports, launched_early in results:
+    for errors, reports, launched_early, _ in results:
         assert max(errors.values()) < 1e-6, errors
         for ours, counted in reports:
             assert ours == counted
         # one param per bucket, launched in reverse parameter order: all but the unused 'wq' (the
         # last bucket) start during backward
         assert launched_early == [len(SHAPES) - 1] * 3, launched_early
+
+
+def test_overlapped_reduction_waits_mid_backward_only_to_free_a_slot(ranks):
+    """With one bucket in flight, the backward waits once per bucket it launches after the first (to
+    free the slot) and never for a two-phase bucket's all-reduce ('bias' in dp4: home splits its 6
+    rows over 2 of the 4 ranks, so reduce-scatter then all-reduce), which lands at the stage end."""
+    results = ranks(4).run(reduce_grads_into_home, FOUNDATION, ["dp4", "dp2xtp2"], True, 1)
+    for errors, _, launched_early, waits in results:
+        assert max(errors.values()) < 1e-6, errors
+        for launched, (in_backward, at_end) in zip(launched_early, waits):
+            assert launched > 1 and in_backward == launched - 1, (launched, in_backward, at_end)
 
 
 LAYOUTS_8 = ["dp8", "dp4xtp2", "dp2xtp4", "tp8", "dp2xtp2xcp2", "tp4xcp2"]

@@ -31,7 +31,8 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["NONFINITE_POLICIES", "CollectiveError", "as_timeout", "NonFiniteLossError", "StepTracker",
-           "check_nonfinite_policy", "enable_nccl_flight_recorder", "is_collective_failure"]
+           "check_nonfinite_policy", "enable_nccl_flight_recorder", "failed_group", "is_collective_failure",
+           "subgroup_timeout"]
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +41,9 @@ NONFINITE_POLICIES = ("stop", "skip")
 FLIGHT_RECORDER_ENTRIES = "2000"
 _STAGE_PHASES = ("switch", "forward-backward", "reduce")  # phases inside one stage
 _LINE = 400  # the breadcrumb file holds one line padded to this width, rewritten in place
+#: the sub-groups' timeout on NCCL unless the user sets one: a step's collectives take seconds, and a
+#: hung peer should be reported in minutes, not after torch's 30 (docs/gpu-runtime.md)
+NCCL_SUBGROUP_TIMEOUT = timedelta(minutes=10)
 
 
 class CollectiveError(RuntimeError):
@@ -192,6 +196,9 @@ class StepTracker:
                 inner = next(iter(failures.values()))[0]
             first = (str(inner).strip().splitlines() or [type(inner).__name__])[0]
             op = f" in {operation}" if operation else ""
+            group = failed_group(exc)
+            if group is not None:
+                op += f" on process group '{group.desc}' (ranks {_ranks_text(group.ranks)})"
             raise CollectiveError(
                 f"a collective failed{op} at {self.describe()}: {type(inner).__name__}: {first[:500]} -- another rank "
                 f"has probably died or hung (see its log); resume from the last complete checkpoint") from exc
@@ -238,14 +245,74 @@ def plan_summary(plan: Any) -> str:
     return "[" + "; ".join(parts) + "]" + (f" data position {position}" if position else "")
 
 
-def as_timeout(timeout: Any) -> timedelta:
-    """The process-group timeout: a ``timedelta``, or seconds as a number (what a YAML config can say)."""
+def failed_group(exc: BaseException) -> Any:
+    """The :class:`~lightning_hotspa.mesh.RankGroup` whose collective raised ``exc``, or None.
+
+    Looked for in the innermost frame of the traceback in this package (through the cause chain), as
+    a local or as ``self.group``: every sub-group collective is issued or waited on where its
+    ``RankGroup`` is at hand (gloo's and NCCL's own messages do not name the group). Frames further
+    out are not searched, so a failed default-group collective is not blamed on a group an outer
+    caller happens to hold.
+
+    Args:
+        exc: the exception a collective raised.
+    """
+    from ..mesh import RankGroup
+
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        frames, tb = [], exc.__traceback__
+        while tb is not None:
+            frames.append(tb.tb_frame)
+            tb = tb.tb_next
+        ours = [f for f in reversed(frames) if str(f.f_globals.get("__name__", "")).startswith("lightning_hotspa.")]
+        for frame in ours[:1]:  # the frame that issued or waited on the collective
+            values = list(frame.f_locals.values())
+            values += [getattr(v, "group", None) for v in values if not isinstance(v, RankGroup)]
+            for v in values:
+                if isinstance(v, RankGroup) and v.group is not None:
+                    return v
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def _ranks_text(ranks: tuple[int, ...]) -> str:
+    """The ranks of a group, the first 8 and the last of a larger one."""
+    if len(ranks) <= 16:
+        return str(list(ranks))
+    return "[" + ", ".join(map(str, ranks[:8])) + f", ..., {ranks[-1]}] ({len(ranks)} ranks)"
+
+
+def subgroup_timeout(backend: str | None, timeout: timedelta, subgroup: Any = None) -> timedelta:
+    """The timeout of the mesh's sub-groups (tp, cp, dp and the switch's ranges).
+
+    Args:
+        backend: the process-group backend (``"nccl"``, ``"gloo"``, ...).
+        timeout: the default group's timeout (the strategy's ``timeout``).
+        subgroup: the user's choice (a ``timedelta`` or seconds), or None: on NCCL
+            :data:`NCCL_SUBGROUP_TIMEOUT` (no longer than ``timeout``), elsewhere ``timeout``.
+    """
+    if subgroup is not None:
+        return as_timeout(subgroup, "subgroup_timeout")
+    if backend is not None and "nccl" in backend:
+        return min(NCCL_SUBGROUP_TIMEOUT, timeout)
+    return timeout
+
+
+def as_timeout(timeout: Any, name: str = "timeout") -> timedelta:
+    """The process-group timeout: a ``timedelta``, or seconds as a number (what a YAML config can say).
+
+    Args:
+        timeout: the value given.
+        name: the argument's name, for the error a bad value raises.
+    """
     if isinstance(timeout, timedelta):
         seconds = timeout.total_seconds()
     elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
         seconds = float(timeout)
     else:
-        raise ValueError(f"timeout must be a datetime.timedelta or a number of seconds, got {timeout!r}")
+        raise ValueError(f"{name} must be a datetime.timedelta or a number of seconds, got {timeout!r}")
     if not seconds > 0:
-        raise ValueError(f"timeout must be positive, got {timeout!r}")
+        raise ValueError(f"{name} must be positive, got {timeout!r}")
     return timeout if isinstance(timeout, timedelta) else timedelta(seconds=seconds)

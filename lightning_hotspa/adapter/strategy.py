@@ -68,7 +68,7 @@ from .nonfinite import NonFiniteHandler
 from .planner_factory import PLANNER_NAMES, build_planner, check_planner_spec
 from .precision import HotSPaPrecision, as_hotspa_precision
 from .profiling import ProfilingFeedback
-from .reliability import StepTracker, as_timeout, enable_nccl_flight_recorder
+from .reliability import StepTracker, as_timeout, enable_nccl_flight_recorder, subgroup_timeout
 
 __all__ = ["PLANNER_NAMES", "HotSPaStrategy", "default_layouts"]
 
@@ -101,6 +101,9 @@ class HotSPaStrategy(GuardedCollectives, StrategyCheckpoints, ParallelStrategy):
             raises an error naming it), ``<default_root_dir>/hotspa_breadcrumbs`` on NCCL.
         timeout: the process-group timeout (a ``timedelta`` or seconds): how long a rank waits in a
             collective for a peer that hangs (a peer that dies is noticed at once on gloo).
+        subgroup_timeout: the same for the mesh's tp / cp / dp / switch groups, where a step's
+            collectives run; None: 10 minutes on NCCL (at most ``timeout``), ``timeout`` elsewhere.
+            A failure there raises ``CollectiveError`` naming the group (docs/gpu-runtime.md).
         compile_blocks: ``torch.compile`` each block (child of an ``nn.ModuleList``) after the layouts
             are installed: True, or a dict of torch.compile arguments (e.g. ``{"backend": "aot_eager"}``).
         bucket_mb, switch_buckets_in_flight, reduce_buckets_in_flight: how the switch engine fuses and
@@ -131,6 +134,7 @@ class HotSPaStrategy(GuardedCollectives, StrategyCheckpoints, ParallelStrategy):
         precision_plugin: Precision | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | float = default_pg_timeout,
+        subgroup_timeout: timedelta | float | None = None,
         compile_blocks: bool | Mapping[str, Any] = False,
         bucket_mb: float | None = None,
         switch_buckets_in_flight: int | None = None,
@@ -148,6 +152,7 @@ class HotSPaStrategy(GuardedCollectives, StrategyCheckpoints, ParallelStrategy):
         self._default_layout_spec = Layout.parse(default_layout) if default_layout is not None else None
         self._process_group_backend = process_group_backend
         self._timeout = as_timeout(timeout)
+        self._subgroup_timeout = None if subgroup_timeout is None else as_timeout(subgroup_timeout, "subgroup_timeout")
         if breadcrumb_dir is not None and not isinstance(breadcrumb_dir, (str, os.PathLike)):
             raise TypeError(f"breadcrumb_dir must be a folder path (str or os.PathLike) or None, got "
                             f"{breadcrumb_dir!r}")
@@ -259,7 +264,9 @@ class HotSPaStrategy(GuardedCollectives, StrategyCheckpoints, ParallelStrategy):
         world_size = dist.get_world_size()
         self.layouts = resolve_layouts(self._layout_spec, world_size, type(self).__name__,
                                        module=self.lightning_module)
-        self.world = WorldMesh(self.layouts, device_type=self.root_device.type, timeout=self._timeout)
+        self.world = WorldMesh(self.layouts, device_type=self.root_device.type,
+                               timeout=subgroup_timeout(self._process_group_backend, self._timeout,
+                                                        self._subgroup_timeout))
         self.mesh_shape = self.world.shape
         self.checkpoints = placement_for(self)  # the rank -> node map and where checkpoints live
 

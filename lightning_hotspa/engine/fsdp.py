@@ -138,7 +138,7 @@ class _Unit:
                async_op: bool) -> dict[tuple[int, int], FusedGather]:
         engine, out = self.owner.engine, {}
         for key, idx in self._ranges(names, engine.active).items():
-            group = engine.world.group(range(*key))
+            group = engine.world.group(range(*key), engine.active)
             pieces = [shards[i].detach() for i in idx]
             out[key] = FusedGather(pieces, [engine.shardings[names[i]].dim for i in idx], group, async_op)
             engine._label("temporaries", out[key].buffer)
@@ -182,7 +182,7 @@ class _Unit:
         owner.land_reduce_scatter()
         engine = owner.engine
         for (lo, hi), idx in self._ranges(names, engine.active).items():
-            group = engine.world.group(range(lo, hi))
+            group = engine.world.group(range(lo, hi), engine.active)
             local = [grads[i] for i in idx]
             dtype = owner.reduce_dtype or reduce_dtype(local[0].dtype)
             pending = _reduce_scatter_start(local, [engine.shardings[names[i]].dim for i in idx], group, dtype)

@@ -39,6 +39,8 @@ class GradReport:
     bytes_received: int  # reduce-scatter: (g-1)/g of its input; all-reduce: 2(g-1)/g (ring)
     collectives: int
     seconds: float
+    waits_in_backward: int = 0  # collectives waited on from the backward's hooks (a stream wait on NCCL)
+    waits_at_end: int = 0  # those waited on by reduce_gradients, after the backward
 
 
 def sub_chunk(t: torch.Tensor, sharding: ParamSharding, start: int, stop: int, rank: int) -> torch.Tensor:
@@ -86,8 +88,9 @@ class _Pending:
     it until the collective lands) and drops it in :meth:`result`."""
 
     def __init__(self, work, unpack: Callable[[], list[torch.Tensor]], inputs: torch.Tensor | None,
-                 buffer: torch.Tensor | None = None) -> None:
+                 buffer: torch.Tensor | None = None, group: RankGroup | None = None) -> None:
         self.work, self.unpack, self.inputs = work, unpack, inputs
+        self.group = group  # names the group should the wait fail (adapter.reliability.failed_group)
         self.buffer = inputs if buffer is None else buffer  # what the bucket allocated (for labels)
 
     def result(self) -> list[torch.Tensor]:
@@ -106,7 +109,11 @@ class _Overlap:
     ready: set[str] = field(default_factory=set)
     launched: int = 0
     in_flight: list[tuple[_GradBucket, _Pending]] = field(default_factory=list)
+    # all-reduce phases of two-phase buckets: their buffer is the bucket's result (kept anyway), so
+    # they do not count against max_buckets_in_flight and land at the stage end
+    finishing: list[tuple[_GradBucket, _Pending]] = field(default_factory=list)
     received: int = 0
+    waits: dict[str, int] = field(default_factory=lambda: {"backward": 0, "end": 0})
 
 
 def _reduce_scatter_start(tensors: list[torch.Tensor], dims: list[int], group: RankGroup,
@@ -138,7 +145,7 @@ def _reduce_scatter_start(tensors: list[torch.Tensor], dims: list[int], group: R
             offset += n
         return results
 
-    return _Pending(work, unpack, rows)
+    return _Pending(work, unpack, rows, group=group)
 
 
 def _all_reduce_start(tensors: list[torch.Tensor], group: RankGroup, into: _Overlap,
@@ -160,7 +167,7 @@ def _all_reduce_start(tensors: list[torch.Tensor], group: RankGroup, into: _Over
             offset += n
         return results
 
-    return _Pending(work, unpack, None, flat)  # the output is the buffer: the store keeps it
+    return _Pending(work, unpack, None, flat, group)  # the output is the buffer: the store keeps it
 
 
 class GradientReduction:
@@ -250,10 +257,9 @@ class GradientReduction:
             open_: dict[tuple[tuple[int, ...], tuple[int, ...]], tuple[_GradBucket, int]] = {}
             for name in reversed(list(self.shardings)):
                 sharding = self.shardings[name]
-                states, home = self._grad_states(name, layout), sharding.home_prefix
-                rep = [d for d in range(home) if states[d] == "replicate"]
-                key = (tuple(d for d in range(home) if states[d] == "partial"),
-                       tuple(d for d in range(home, len(states)) if states[d] == "partial"))
+                states = self._grad_states(name, layout)
+                rep = [d for d in range(sharding.home_prefix) if states[d] == "replicate"]
+                key = tuple(tuple(range(*r)) for r in self._grad_ranges(name, layout))
                 if rep:
                     plan.slices[name] = (rep[0], rep[-1] + 1)
                 w = self.working[name]
@@ -268,6 +274,20 @@ class GradientReduction:
             plan.bucket_of = {n: i for i, b in enumerate(plan.buckets) for n in b.names}
             self._reduce_plans[layout] = plan
         return self._reduce_plans[layout]
+
+    def _grad_ranges(self, name: str, layout: Layout) -> tuple[tuple[int, int], tuple[int, int]]:
+        """The ``[start, stop)`` mesh dims ``name``'s gradient in ``layout`` is reduce-scattered over
+        (partial dims home splits), then all-reduced over (partial dims home replicates); either may
+        be empty. Both are contiguous: the partial dims are a suffix of the home ones and beyond."""
+        states, home = self._grad_states(name, layout), self.shardings[name].home_prefix
+        scatter = [d for d in range(home) if states[d] == "partial"]
+        reduce = [d for d in range(home, len(states)) if states[d] == "partial"]
+        out = []
+        for dims in (scatter, reduce):
+            if dims and dims != list(range(dims[0], dims[-1] + 1)):
+                raise AssertionError(f"partial gradient dims {dims} of {name!r} in {layout} are not contiguous")
+            out.append((dims[0], dims[-1] + 1) if dims else (0, 0))
+        return out[0], out[1]
 
     def overlap_next_backward(self) -> None:
         """Reduces each gradient bucket as soon as the coming backward has accumulated all of it.
@@ -305,14 +325,15 @@ class GradientReduction:
         overlap.ready.add(name)
         overlap.remaining[plan.bucket_of[name]] -= 1
         while overlap.launched < len(plan.buckets) and overlap.remaining[overlap.launched] == 0:
-            self._launch(plan, plan.buckets[overlap.launched], None, overlap)
+            self._launch(plan, plan.buckets[overlap.launched], None, overlap, "backward")
 
     def _launch(self, plan: _ReducePlan, bucket: _GradBucket, grads: Mapping[str, torch.Tensor] | None,
-                into: _Overlap) -> None:
+                into: _Overlap, where: str) -> None:
         """Starts the first collective of ``bucket`` (reduce-scatter, else all-reduce), first landing
-        the oldest pending bucket if ``max_buckets_in_flight`` are already out."""
+        the oldest pending bucket if ``max_buckets_in_flight`` are already out (``where``: "backward"
+        from a gradient hook, "end" from :meth:`reduce_gradients`)."""
         while len(into.in_flight) >= self.max_buckets_in_flight:
-            self._land(*into.in_flight.pop(0), into)
+            self._land(*into.in_flight.pop(0), into, where)
         rank = self.world.rank
         local, dtype = [], None
         for name in bucket.names:
@@ -324,11 +345,11 @@ class GradientReduction:
                 g = sub_chunk(g, self.shardings[name], *plan.slices[name], rank)
             local.append(g)
         if bucket.scatter:
-            group = self.world.group(bucket.scatter)
+            group = self.world.group(bucket.scatter, self.active)
             pending = _reduce_scatter_start(local, [self.shardings[n].dim for n in bucket.names], group, dtype)
             into.received += sum(t.numel() for t in local) * dtype.itemsize * (group.size - 1) // group.size
         elif bucket.reduce:
-            pending = _all_reduce_start(local, self.world.group(bucket.reduce), into, dtype)
+            pending = _all_reduce_start(local, self.world.group(bucket.reduce, self.active), into, dtype)
         else:  # nothing to sum: keep a copy (the working grad may change or be freed)
             copies = [t.to(dtype, copy=True) for t in local]
             pending = _Pending(None, lambda copies=copies: copies, None)
@@ -339,11 +360,17 @@ class GradientReduction:
         into.launched += 1
         into.in_flight.append((bucket, pending))
 
-    def _land(self, bucket: _GradBucket, pending: _Pending, into: _Overlap) -> None:
-        """Waits for ``bucket``'s collective (and runs its all-reduce phase) and stores the result."""
+    def _land(self, bucket: _GradBucket, pending: _Pending, into: _Overlap, where: str) -> None:
+        """Waits for ``bucket``'s first collective and stores the result, or, for a two-phase bucket,
+        starts its all-reduce phase (landed at the stage end: nothing waits for it mid-backward).
+        ``where``: "backward" (from a gradient hook) or "end" (counted in the report)."""
+        into.waits[where] += pending.work is not None
         tensors = pending.result()
         if bucket.scatter and bucket.reduce:
-            tensors = _all_reduce_start(tensors, self.world.group(bucket.reduce), into, tensors[0].dtype).result()
+            into.finishing.append((_GradBucket((), bucket.reduce, bucket.names),
+                                   _all_reduce_start(tensors, self.world.group(bucket.reduce, self.active), into,
+                                                     tensors[0].dtype)))
+            return
         self._store(bucket.names, tensors)
 
     def reduce_gradients(self, grads: Mapping[str, torch.Tensor] | None = None) -> GradReport:
@@ -368,11 +395,14 @@ class GradientReduction:
             if grads is not None:
                 raise RuntimeError("reduce_gradients(grads) after overlap_next_backward(): the hooks read .grad")
         for bucket in plan.buckets[overlap.launched:]:
-            self._launch(plan, bucket, grads, overlap)
+            self._launch(plan, bucket, grads, overlap, "end")
         while overlap.in_flight:
-            self._land(*overlap.in_flight.pop(0), overlap)
+            self._land(*overlap.in_flight.pop(0), overlap, "end")
+        for bucket, pending in overlap.finishing:  # launch order: every rank waits alike
+            self._land(bucket, pending, overlap, "end")
         collectives = sum(bool(b.scatter) + bool(b.reduce) for b in plan.buckets)
-        return GradReport(layout, overlap.received, collectives, time.perf_counter() - start)
+        return GradReport(layout, overlap.received, collectives, time.perf_counter() - start,
+                          overlap.waits["backward"], overlap.waits["end"])
 
     def _store(self, names: list[str], tensors: list[torch.Tensor]) -> None:
         for name, t in zip(names, tensors):

@@ -131,6 +131,28 @@ class SwitchEngine(GradientReduction):
         #: ``(category, tensor)`` for each buffer the engine allocates ("params", "grads",
         #: "temporaries"): how the memory estimator files them (None: nobody listens)
         self.on_buffer: Callable[[str, torch.Tensor], None] | None = None
+        world.create_groups(self.needed_group_ranges())  # collective: every rank builds the same engine
+
+    def needed_group_ranges(self) -> set[tuple[int, int]]:
+        """Every ``[start, stop)`` mesh-dim range a move, a gradient reduction or an fsdp unit of this
+        engine can call a collective over, for any set of fsdp units (each parameter in one or not)."""
+        out: set[tuple[int, int]] = set()
+        saved = self.fsdp_names
+        try:
+            for fsdp_names in (frozenset(), frozenset(self.shardings)):
+                self.fsdp_names = fsdp_names
+                for target in self.world.layouts:
+                    for name in self.shardings:
+                        for source in (None, *self.world.layouts):  # home -> target, every layout -> target
+                            s, t = self._prefix(name, source), self._prefix(name, target)
+                            if t < s:
+                                out.add((t, s))
+                        out.update(r for r in self._grad_ranges(name, target) if r[1] > r[0])
+                        if self.fsdp_gathered(name, target):  # its unit's gathers and reduce-scatters
+                            out.add((self.shardings[name].layout_prefix(target), self.fsdp_prefix(name, target)))
+        finally:
+            self.fsdp_names = saved
+        return out
 
     def _label(self, category: str, tensor: torch.Tensor) -> None:
         if self.on_buffer is not None:
@@ -253,7 +275,7 @@ class SwitchEngine(GradientReduction):
 
         overlap = self.switch_buckets_in_flight > 1
         for (t, s), names in plan.gathers.items():
-            group = self.world.group(range(t, s))
+            group = self.world.group(range(t, s), target)
             sources = [locals_[n] for n in names]
             for bucket in self._buckets(sources, dtype):
                 pieces = [sources[i].detach().to(dtype=dtype or sources[i].dtype) for i in bucket]

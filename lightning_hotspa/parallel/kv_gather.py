@@ -24,6 +24,11 @@ and each chunk's SDPA is recomputed and back-propagated through SDPA's own backw
 chunk at a time (one extra attention forward, the price of not holding ~0.5 GB per layer of
 gathered K/V at 128K); dK / dV are summed in fp32 and reduce-scattered over the KV group.
 
+On CPU without a window (:mod:`.cpu_chunks`) a chunk is two CPU-flash calls (prefix unmasked,
+diagonal ``is_causal``) merged by log-sum-exp instead of one call over a materialized mask (twice
+the work), and backward runs the flash backward from the saved output and log-sum-exp (no
+recomputed forward).
+
 Host syncs: none per micro-batch. The chunks come from the micro-batch's host-side boundaries
 (:mod:`..host_facts`), the row permutations are computed on the device from ``cu_seqlens``.
 """
@@ -44,6 +49,7 @@ from ..mesh import LayoutGroups, RankGroup
 from ..plan import MicroBatch
 from ..torch_compat import causal_lower_right
 from .collectives import all_gather_rows, all_to_all_tokens_to_heads, reduce_scatter_rows
+from .cpu_chunks import chunk_backward, chunk_forward, cpu_chunks_apply
 from .ulysses import check_micro_batch, exchange_qkv, host_bounds
 
 __all__ = ["KVGeometry", "kv_geometry", "kv_gather_attention"]
@@ -173,15 +179,22 @@ class _KVGatherAttention(torch.autograd.Function):
     def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, geometry: KVGeometry, group: RankGroup,
                 window: int | None) -> Tensor:
         kf, vf = _gather_kv(k, v, geometry, group)
+        ctx.geometry, ctx.group, ctx.window = geometry, group, window
+        ctx.cpu = cpu_chunks_apply(q, window)
+        if ctx.cpu:  # no mask, and backward needs no recomputation: it keeps out and the lse
+            parts = [chunk_forward(q[q0:q1], kf[k0:k1], vf[k0:k1], first, lo)
+                     for q0, q1, k0, k1, first, lo in geometry.blocks]
+            out, lse = torch.cat([o for o, _ in parts]), torch.cat([s for _, s in parts], dim=-1)
+            ctx.save_for_backward(q, k, v, out, lse)
+            return out
         out = torch.cat([chunk_attention(q[q0:q1], kf[k0:k1], vf[k0:k1], first, lo, window)
                          for q0, q1, k0, k1, first, lo in geometry.blocks])
         ctx.save_for_backward(q, k, v)
-        ctx.geometry, ctx.group, ctx.window = geometry, group, window
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
-        q, k, v = ctx.saved_tensors
+        q, k, v, *kept = ctx.saved_tensors
         geometry, group = ctx.geometry, ctx.group
         kf, vf = _gather_kv(k, v, geometry, group)  # re-gathered, never saved
         dq = torch.empty_like(q)
@@ -189,10 +202,15 @@ class _KVGatherAttention(torch.autograd.Function):
         acc = torch.promote_types(kf.dtype, torch.float32)  # fp32 at least: fp64 stays fp64
         dkv = torch.zeros((kf.shape[0], width + vf.shape[1], kf.shape[2]), dtype=acc, device=kf.device)
         for q0, q1, k0, k1, first, lo in geometry.blocks:  # one chunk's graph alive at a time
-            qb, kb, vb = (t.detach().requires_grad_() for t in (q[q0:q1], kf[k0:k1], vf[k0:k1]))
-            with torch.enable_grad():
-                out = chunk_attention(qb, kb, vb, first, lo, ctx.window)
-            gq, gk, gv = torch.autograd.grad(out, (qb, kb, vb), grad[q0:q1])
+            if ctx.cpu:
+                out, lse = kept
+                gq, gk, gv = chunk_backward(grad[q0:q1], q[q0:q1], kf[k0:k1], vf[k0:k1], out[q0:q1],
+                                            lse[..., q0:q1].contiguous(), first, lo)
+            else:
+                qb, kb, vb = (t.detach().requires_grad_() for t in (q[q0:q1], kf[k0:k1], vf[k0:k1]))
+                with torch.enable_grad():
+                    out = chunk_attention(qb, kb, vb, first, lo, ctx.window)
+                gq, gk, gv = torch.autograd.grad(out, (qb, kb, vb), grad[q0:q1])
             dq[q0:q1] = gq
             dkv[k0:k1, :width] += gk
             dkv[k0:k1, width:] += gv

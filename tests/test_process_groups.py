@@ -1,0 +1,135 @@
+"""Only the process groups a run uses, made at setup; a failed sub-group collective names its group."""
+
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from lightning_hotspa import mesh as mesh_module
+from lightning_hotspa.adapter.reliability import CollectiveError, StepTracker, subgroup_timeout
+from lightning_hotspa.engine.switch import SwitchEngine, build_home_parameters
+from lightning_hotspa.layout import Layout, LayoutError
+from lightning_hotspa.mesh import WorldMesh
+from lightning_hotspa.models import LlamaConfig
+from lightning_hotspa.placements import build_shardings
+from lightning_hotspa.testing.fake_world import FakeWorld
+from lightning_hotspa.tools.memory import _Wrapped, llama_roles_and_shardings
+
+WIDE = ["dp8xtp8", "dp4xtp8xcp2", "dp2xtp8xcp4:kv", "tp8xcp8:kv2", "dp32xtp2:fsdp8"]
+
+
+def _llama_engine(world_size, layouts):
+    """A WorldMesh and a SwitchEngine of llama3-8b's shardings (meta home: only names and shapes)."""
+    config = LlamaConfig.preset("llama3-8b")
+    with torch.device("meta"):
+        module = _Wrapped(config)
+    world = WorldMesh(layouts)
+    widest = max(world.layouts, key=lambda x: x.tp)
+    _, shardings = llama_roles_and_shardings(module, config, widest, world)
+    engine = SwitchEngine(world, shardings, {n: torch.empty(0, device="meta") for n in shardings})
+    return world, engine
+
+
+def test_only_the_ranges_the_layouts_and_the_engine_use_are_created():
+    with FakeWorld(64, rank=5):
+        world, engine = _llama_engine(64, WIDE)
+        every = [(a, b) for a in range(world.shape.ndim) for b in range(a + 1, world.shape.ndim + 1)]
+        used = set(world.layout_ranges()) | engine.needed_group_ranges()
+        assert set(world.group_ranges) == {r for r in used if r[1] > r[0]}
+        assert len(world.group_ranges) < len(every)  # some contiguous range no collective needs
+        missing = sorted(set(every) - set(world.group_ranges))[0]
+        with pytest.raises(LayoutError, match=rf"layout dp8xtp8 needs a process group over mesh dims "
+                                              rf"\[{missing[0]}.*never on first use"):
+            world.group(range(*missing), Layout.parse("dp8xtp8"))
+
+
+def test_split_group_makes_each_range_in_one_call(monkeypatch):
+    """Where the default group is a device-bound NCCL one, one ``split_group`` per range (ncclCommSplit)."""
+    calls = []
+
+    def fake_split(parent_pg=None, split_ranks=None, timeout=None, group_desc=None):
+        calls.append([list(b) for b in split_ranks])
+        mine = None
+        for block in split_ranks:  # what split_group returns: this rank's block
+            pg = dist.new_group(block, timeout=timeout, group_desc=group_desc)
+            mine = pg if dist.get_rank() in block else mine
+        return mine
+
+    monkeypatch.setattr(mesh_module, "_can_split", lambda: True)
+    monkeypatch.setattr(dist, "split_group", fake_split)
+    with FakeWorld(16, rank=6):
+        world = WorldMesh(["dp4xtp4", "dp2xtp4xcp2", "tp2xcp8"])
+        assert world.creations == len(calls) == len(world.group_ranges)
+        for block_list, (a, b) in zip(calls, world.group_ranges):
+            assert sorted(r for blk in block_list for r in blk) == list(range(16))  # a partition of the world
+            group = world.group(range(a, b))
+            assert sorted(group.ranks) in block_list and group.group is not None
+
+
+def test_subgroup_timeout_defaults_and_bad_values():
+    from lightning_hotspa.adapter.strategy import HotSPaStrategy
+
+    half_hour = timedelta(minutes=30)
+    assert subgroup_timeout("nccl", half_hour) < half_hour
+    assert subgroup_timeout("nccl", timedelta(minutes=1)) == timedelta(minutes=1)
+    assert subgroup_timeout("gloo", half_hour) == half_hour
+    assert subgroup_timeout("nccl", half_hour, 42) == timedelta(seconds=42)
+    with pytest.raises(ValueError, match=r"subgroup_timeout must be positive, got -3"):
+        HotSPaStrategy(layouts=["dp2"], subgroup_timeout=-3)
+
+
+def test_a_failure_is_blamed_only_on_the_group_its_own_frame_holds():
+    """A failed default-group collective is not named after a group an outer caller holds."""
+    from lightning_hotspa.adapter.reliability import failed_group
+    from lightning_hotspa.mesh import RankGroup
+
+    code = ("def default_group_collective():\n    raise RuntimeError('gloo: Timed out waiting 2000ms')\n"
+            "def subgroup_collective(group):\n    raise RuntimeError('gloo: Timed out waiting 2000ms')\n")
+    sites = {"__name__": "lightning_hotspa.collective_sites"}  # frames of the package, as the real sites
+    exec(compile(code, "<collective sites>", "exec"), sites)
+    default_group_collective, subgroup_collective = sites["default_group_collective"], sites["subgroup_collective"]
+
+    held = RankGroup((0,), (0, 1), 0, object(), "hotspa mesh dims [0] ranks 0..1 (2)")
+    for call, blamed in ((lambda: default_group_collective(), None), (lambda: subgroup_collective(held), held)):
+        outer_group = held  # noqa: F841 - what an outer caller holds
+        with pytest.raises(CollectiveError) as info:
+            with StepTracker().guard():
+                call()
+        assert failed_group(info.value) is blamed
+        assert ("on process group" in str(info.value)) == (blamed is not None)
+
+
+def _skip_subgroup_collective():
+    """Rank 1 skips sub-group collectives rank 0 runs: rank 0 gets a CollectiveError naming the group
+    after the sub-group's timeout (rank 1 never joins, so no race decides it). Every group is created
+    first, by both ranks, with the pool's long timeout (gloo's connect at creation takes the group's
+    timeout too, and a loaded machine can be slow there); rank 0 then shortens its groups' timeout."""
+    shapes, roles, dp2 = {"w": (8, 4)}, {"w": "replicated"}, Layout.parse("dp2")
+    engines = []
+    for _ in ("switch", "reduce"):
+        world = WorldMesh(["dp2"], timeout=timedelta(seconds=120))
+        shardings = build_shardings(shapes, roles, world.shape)
+        home = build_home_parameters(world, shardings, lambda name, shape: torch.ones(shape))
+        engines.append(SwitchEngine(world, shardings, home))
+    engines[1].materialize(dp2)  # both ranks
+    if dist.get_rank() == 1:
+        return []
+    for engine in engines:
+        dist.distributed_c10d._set_pg_timeout(timedelta(seconds=2), engine.world.group([0]).group)
+    out = []
+    for run in (lambda: engines[0].materialize(dp2),  # an all-gather over mesh dims [0]
+                engines[1].reduce_gradients):  # a reduce-scatter, waited on in _Pending.result
+        try:
+            with StepTracker().guard():
+                run()
+        except CollectiveError as exc:
+            out.append(str(exc))
+    return out
+
+
+def test_failed_subgroup_collective_names_the_group(ranks):
+    messages = ranks(2).run(_skip_subgroup_collective)[0]
+    assert len(messages) == 2
+    for message in messages:
+        assert "on process group 'hotspa mesh dims [0] ranks 0..1 (2)' (ranks [0, 1])" in message, message
