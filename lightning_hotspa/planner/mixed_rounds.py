@@ -290,21 +290,24 @@ def mix_rounds(lengths: np.ndarray, total: float, stages: list, options: Sequenc
                    and opt.layout.lockstep and (gradient_kind(opt.layout), opt.activation_checkpointing) == key]
         if not members:
             continue
-        ids = np.asarray(sorted(d for k in members for g in stages[k][1] for mb in g for d in mb), dtype=np.int64)
         for pair in kind_pairs:
             wide = by_key.get((pair.wide.layout, pair.wide.activation_checkpointing))
             narrow = by_key.get((pair.narrow.layout, pair.narrow.activation_checkpointing))
             if wide is None or narrow is None:
                 continue
             bound = _Pair(wide, narrow, pair.owner)
-            for wide_ids, narrow_ids in _splits(ids, wide, narrow, lengths):
-                for slots in bound.candidates(lengths, wide_ids, narrow_ids):
-                    mixed = bound.build(lengths, wide_ids, narrow_ids, slots)
-                    trial = [s for k, s in enumerate(stages) if k not in members[1:]]
-                    trial[members[0]] = (stages[members[0]][0], mixed)
-                    seconds = price(trial)
-                    if seconds < best[0]:
-                        best = (seconds, trial)
+            # merge the pair's own stages (the copy's other stages stay), or every stage of the copy
+            own = [k for k in members if stages[k][0].layout in (wide.layout, narrow.layout)]
+            for merged in [m for m in (own, members) if m][: 1 if own == members else 2]:
+                ids = np.asarray(sorted(d for k in merged for g in stages[k][1] for mb in g for d in mb), dtype=np.int64)
+                for wide_ids, narrow_ids in _splits(ids, wide, narrow, lengths):
+                    for slots in bound.candidates(lengths, wide_ids, narrow_ids):
+                        mixed = bound.build(lengths, wide_ids, narrow_ids, slots)
+                        trial = [(stages[k][0], mixed) if k == merged[0] else s for k, s in enumerate(stages)
+                                 if k not in merged[1:]]
+                        seconds = price(trial)
+                        if seconds < best[0]:
+                            best = (seconds, trial)
     return best
 
 
