@@ -30,6 +30,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..collective_names import failed_collective
+
 __all__ = ["NONFINITE_POLICIES", "CollectiveError", "as_timeout", "NonFiniteLossError", "StepTracker", "check_nonfinite_policy",
            "enable_nccl_flight_recorder", "is_collective_failure"]
 
@@ -142,7 +144,9 @@ class StepTracker:
     def enter_stage(self, stage: Any) -> None:
         """A new stage begins with the switch into its layout."""
         self.stage += 1
-        self.layout, self.label = str(stage.layout), getattr(stage, "label", "") or ""
+        block = getattr(stage, "block", None)  # a mixed stage: this rank computes in its block's layout
+        self.layout = str(stage.layout) + (f", block {block}" if block is not None else "")
+        self.label = getattr(stage, "label", "") or ""
         self.micro_batch, self.num_micro_batches = -1, len(stage.micro_batches)
         self.enter_phase("switch")
 
@@ -191,7 +195,8 @@ class StepTracker:
             if isinstance(failures, dict) and failures:
                 inner = next(iter(failures.values()))[0]
             first = (str(inner).strip().splitlines() or [type(inner).__name__])[0]
-            op = f" in {operation}" if operation else ""
+            group = failed_collective(exc)  # the runtime's note: which collective, which group's ranks
+            op = f" in {group or operation}" if group or operation else ""
             raise CollectiveError(
                 f"a collective failed{op} at {self.describe()}: {type(inner).__name__}: {first[:500]} -- another rank "
                 f"has probably died or hung (see its log); resume from the last complete checkpoint") from exc

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from ..collective_names import collective
 from ..layout import Layout
 from ..mesh import RankGroup
 from ..placements import ParamSharding
@@ -86,13 +87,14 @@ class _Pending:
     it until the collective lands) and drops it in :meth:`result`."""
 
     def __init__(self, work, unpack: Callable[[], list[torch.Tensor]], inputs: torch.Tensor | None,
-                 buffer: torch.Tensor | None = None) -> None:
-        self.work, self.unpack, self.inputs = work, unpack, inputs
+                 buffer: torch.Tensor | None = None, ranks: tuple[int, ...] = ()) -> None:
+        self.work, self.unpack, self.inputs, self.ranks = work, unpack, inputs, ranks
         self.buffer = inputs if buffer is None else buffer  # what the bucket allocated (for labels)
 
     def result(self) -> list[torch.Tensor]:
         if self.work is not None:
-            self.work.wait()
+            with collective("a gradient reduction", self.ranks):
+                self.work.wait()
         self.work = self.inputs = self.buffer = None
         return self.unpack()
 
@@ -127,7 +129,8 @@ def _reduce_scatter_start(tensors: list[torch.Tensor], dims: list[int], group: R
                 dst[slot].copy_(src[shard])
         offset += n
     out = rows.new_empty(rows.shape[1])
-    work = dist.reduce_scatter_tensor(out, rows.view(-1), group=group.group, async_op=True)
+    with collective("a gradient reduce-scatter", group.ranks):
+        work = dist.reduce_scatter_tensor(out, rows.view(-1), group=group.group, async_op=True)
     shapes = [(m.shape[0] // group.size, *m.shape[1:]) for m in moved]
 
     def unpack() -> list[torch.Tensor]:
@@ -138,7 +141,7 @@ def _reduce_scatter_start(tensors: list[torch.Tensor], dims: list[int], group: R
             offset += n
         return results
 
-    return _Pending(work, unpack, rows)
+    return _Pending(work, unpack, rows, ranks=group.ranks)
 
 
 def _all_reduce_start(tensors: list[torch.Tensor], group: RankGroup, into: _Overlap,
@@ -148,7 +151,8 @@ def _all_reduce_start(tensors: list[torch.Tensor], group: RankGroup, into: _Over
     for t in tensors:
         flat[offset:offset + t.numel()].view(t.shape).copy_(t)
         offset += t.numel()
-    work = dist.all_reduce(flat, group=group.group, async_op=True)
+    with collective("a gradient all-reduce", group.ranks):
+        work = dist.all_reduce(flat, group=group.group, async_op=True)
     into.received += 2 * (group.size - 1) * flat.numel() * flat.element_size() // group.size
     shapes = [t.shape for t in tensors]
 
@@ -160,7 +164,7 @@ def _all_reduce_start(tensors: list[torch.Tensor], group: RankGroup, into: _Over
             offset += n
         return results
 
-    return _Pending(work, unpack, None, flat)  # the output is the buffer: the store keeps it
+    return _Pending(work, unpack, None, flat, group.ranks)  # the output is the buffer: the store keeps it
 
 
 class GradientReduction:
