@@ -8,7 +8,13 @@ from lightning_hotspa.layout import Layout
 from lightning_hotspa.planner.cost_model import AnalyticCostModel, CostModelError
 from lightning_hotspa.planner.hardware import PROFILES
 from lightning_hotspa.planner.solver import CostModelPlanner
-from lightning_hotspa.tools.long_grid import SMOKE_GRID, candidate_summary, long_grid, oracle_seconds, token_batch
+from lightning_hotspa.tools.long_grid import (
+    SMOKE_GRID,
+    candidate_summary,
+    long_grid,
+    oracle_seconds,
+    token_batch,
+)
 from lightning_hotspa.tools.oracles import LADDER, charged_oracle
 
 # Frozen before the long grid was first run: the simulator must not be tuned to its own

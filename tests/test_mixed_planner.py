@@ -127,3 +127,15 @@ def test_a_planner_made_mixed_plan_matches_the_single_process_on_4_ranks(ranks):
         assert _worst(errors)[1] <= 1e-5, (step, _worst(errors))
     assert max(result["losses"]) <= 1e-5, result["losses"]
     assert _worst(result["weights"])[1] <= 1e-4, _worst(result["weights"])
+
+
+def test_plan_statistics_count_a_mixed_stages_blocks():
+    """Fill and padding of a mixed stage come from its blocks (each padding to its own cp)."""
+    from lightning_hotspa.planner.plan_stats import stage_stats
+
+    planner = _planner(PAIR_8)
+    (stage,) = _mixed(planner.plan(0, LONG_AND_SHORT))
+    stats = stage_stats(stage, LONG_AND_SHORT, planner.capacity(stage.layout))
+    assert stats.documents == len(LONG_AND_SHORT) and stats.tokens == sum(LONG_AND_SHORT)
+    assert stats.micro_batches == sum(len(g) for b in stage.blocks for g in b.micro_batches) > 0
+    assert stats.padded_tokens >= stats.tokens and len(stats.group_costs) == 1 + 4  # a cp4 group, 4 cp1 ones
