@@ -8,10 +8,12 @@ mini-batches in ONE process (whole batch, token-mean loss, the same AdamW). Ever
 agree within ``--tolerance`` (1e-4). It reports the plan mix: per step its stages, and for a mixed
 stage its blocks (layout, dp groups, rounds, documents).
 
-The plans are PRICED on the H100 profile (analytic, the tiny model's shape) because on the cpu-gloo
-profile a round's per-micro-batch latency dominates and the planner rarely mixes; they RUN on the
-CPU. Each mini-batch: 1-2 documents longer than a rank's ``tokens_per_rank`` (only cp2 holds them)
-and short ones, byte tokens drawn from a seeded generator. The last line is one JSON object.
+The plans are PRICED for llama7b on the H100 profile (analytic; capacities set by
+``tokens_per_rank``) because on the cpu-gloo profile a round's per-micro-batch latency dominates and
+the planner rarely mixes; they RUN the tiny model on the CPU. Each mini-batch: 1-2 documents longer
+than ``tokens_per_rank`` (only cp2 holds them) and short ones, drawn from a seeded generator until
+the planner mixes one (``draws_per_step``; ``mixed_of_draws``: how often it mixed what was drawn).
+Token ids are seeded per step. The last line is one JSON object.
 """
 
 from __future__ import annotations
@@ -33,28 +35,36 @@ from lightning_hotspa.testing.spawn import run_on_ranks  # noqa: E402
 
 WORLD = 4
 LAYOUTS = ["dp4:fsdp", "dp2xcp2:fsdp"]
-DEFAULTS = {"steps": 4, "tokens_per_rank": 48, "short_docs": 16, "seed": 0, "lr": 2e-3, "tolerance": 1e-4}
+MODEL = "llama7b"  # the shape the planner prices (H100, capacities set small); the run trains "tiny"
+MAX_DRAWS = 64
+DEFAULTS = {"steps": 4, "tokens_per_rank": 48, "short_docs": 12, "seed": 0, "lr": 2e-3, "tolerance": 1e-4}
 
 
-def mini_batches(args: argparse.Namespace) -> list[list[int]]:
-    """Per step the document lengths: 1-2 long ones (only cp2 holds them), the rest short."""
-    rng = np.random.default_rng(args.seed)
+def draw(rng: np.random.Generator, args: argparse.Namespace) -> list[int]:
+    """One mini-batch's document lengths: 1-2 long ones (only cp2 holds them), the rest short."""
     cap = args.tokens_per_rank
-    out = []
-    for _ in range(args.steps):
-        longs = rng.integers(cap + 1, 2 * cap - 2, int(rng.integers(1, 3))).tolist()
-        out.append(rng.integers(2, cap, args.short_docs).tolist() + longs)
-    return out
+    longs = rng.integers(cap + 1, 2 * cap - 2, int(rng.integers(1, 3))).tolist()
+    return rng.integers(2, cap, args.short_docs).tolist() + longs
 
 
 def make_plans(args: argparse.Namespace):
-    """The planner's plans of :func:`mini_batches` (the same on every rank: no communication)."""
+    """``(plans, planner, draws)``: per step, mini-batches are drawn from the seeded generator until
+    the planner mixes one (at most ``MAX_DRAWS``; the last drawn is kept either way): this run checks
+    that mixed plans train correctly, and ``draws`` says how often the planner mixes such batches."""
     from lightning_hotspa.planner.solver import CostModelPlanner
 
-    planner = CostModelPlanner(LAYOUTS, model="tiny", hardware="H100", world_size=WORLD,
+    planner = CostModelPlanner(LAYOUTS, model=MODEL, hardware="H100", world_size=WORLD,
                                tokens_per_rank=args.tokens_per_rank, activation_checkpointing=False,
                                static_margin=0.0)
-    return [planner.plan(step, lengths) for step, lengths in enumerate(mini_batches(args))], planner
+    rng = np.random.default_rng(args.seed)
+    plans, draws = [], []
+    for step in range(args.steps):
+        tries, plan = 0, None
+        while tries < MAX_DRAWS and (plan is None or not any(s.blocks for s in plan.stages)):
+            plan, tries = planner.plan(step, draw(rng, args)), tries + 1
+        plans.append(plan)
+        draws.append(tries)
+    return plans, planner, draws
 
 
 def documents(plan, vocab: int) -> list[torch.Tensor]:
@@ -89,7 +99,7 @@ def train_rank(args: argparse.Namespace) -> dict[str, Any]:
     from lightning_hotspa.models import LlamaLM
     from lightning_hotspa.plan import pack_micro_batch, slice_plan
 
-    plans, planner = make_plans(args)
+    plans, planner, draws = make_plans(args)
     rank = dist.get_rank()
     mesh = MeshShape.for_layouts(planner.layouts, WORLD)
     vocab = LlamaLM("tiny").config.vocab_size
@@ -126,7 +136,7 @@ def train_rank(args: argparse.Namespace) -> dict[str, Any]:
         loss.backward()
         optimizer.step()
         reference.append(float(loss))
-    return {"losses": record.losses, "reference": reference, "step_s": record.seconds,
+    return {"losses": record.losses, "reference": reference, "step_s": record.seconds, "draws": draws,
             "plans": [plan_mix(p) for p in plans], "predicted_s": [planner.predict(p).seconds for p in plans]}
 
 
@@ -145,6 +155,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     out = {"world": WORLD, "layouts": LAYOUTS, **{k: getattr(args, k) for k in DEFAULTS},
            "losses": raw["losses"], "reference_losses": raw["reference"], "max_loss_rel_diff": max(diffs),
            "losses_match": max(diffs) <= args.tolerance, "steps_with_a_mixed_stage": mixed_steps,
+           "draws_per_step": raw["draws"], "mixed_of_draws": mixed_steps / sum(raw["draws"]),
            "plans": raw["plans"], "predicted_s_h100": raw["predicted_s"], "step_s_cpu": raw["step_s"],
            "wall_s": round(time.perf_counter() - t0, 1)}
     print(f"mixed e2e: {mixed_steps} of {args.steps} steps with a mixed stage; max loss rel diff "
