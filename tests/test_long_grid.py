@@ -8,7 +8,13 @@ from lightning_hotspa.layout import Layout
 from lightning_hotspa.planner.cost_model import AnalyticCostModel, CostModelError
 from lightning_hotspa.planner.hardware import PROFILES
 from lightning_hotspa.planner.solver import CostModelPlanner
-from lightning_hotspa.tools.long_grid import SMOKE_GRID, long_grid, oracle_seconds, token_batch
+from lightning_hotspa.tools.long_grid import (
+    SMOKE_GRID,
+    candidate_summary,
+    long_grid,
+    oracle_seconds,
+    token_batch,
+)
 from lightning_hotspa.tools.oracles import LADDER, charged_oracle
 
 # Frozen before the long grid was first run: the simulator must not be tuned to its own targets. Changing a
@@ -49,6 +55,24 @@ def test_smoke_grid_cells_respect_the_oracle_bound():
     assert all(x >= y * (1 - 1e-9) for x, y in zip(steps, steps[1:])), b
     assert b["ours_margin0"] >= b["ours"] * (1 - 1e-9) and b["ours"] == pytest.approx(cell["ours_over_static"])
     assert set(result["breakdown_summary"]) == set(b)
+    assert result["geomean_ours"] == pytest.approx(b["ours"])
+    assert result["geomean_bound_candidates"] == pytest.approx(b["candidates"])
+    assert set(result["captured_of_candidates"]) <= {"H100 llama3-8b 16 64K github"}
+
+
+def test_candidate_summary_says_what_ours_captures_of_its_own_candidates_bound():
+    """Per cell whose candidates bound is >= 1.05x: (ours - 1) / (bound - 1); geomeans over every
+    cell; the worst of ours over the candidate set's best static layout."""
+    def cell(hw, bound, ours, own_static):
+        return {"hardware": hw, "model": "m", "gpus": 8, "context": 32768, "data": "d",
+                "breakdown": {"candidates": bound, "ours": ours, "candidate_static": own_static}}
+
+    out = candidate_summary([cell("H100", 1.2, 1.1, 1.0), cell("H200", 1.04, 1.0, 0.98), cell("A100", 1.1, 1.08, 1.0)])
+    assert out["captured_of_candidates"] == pytest.approx({"H100 m 8 32K d": 0.5, "A100 m 8 32K d": 0.8})
+    assert out["mean_captured_of_candidates"] == pytest.approx(0.65)
+    assert out["geomean_ours"] == pytest.approx((1.1 * 1.0 * 1.08) ** (1 / 3))
+    assert out["geomean_bound_candidates"] == pytest.approx((1.2 * 1.04 * 1.1) ** (1 / 3))
+    assert out["min_ours_over_candidate_static"] == pytest.approx(1.0 / 0.98)
 
 
 def test_the_charged_oracle_bounds_a_single_layout_plan():

@@ -30,6 +30,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..collective_names import failed_collective
+
 __all__ = ["NONFINITE_POLICIES", "CollectiveError", "as_timeout", "NonFiniteLossError", "StepTracker",
            "check_nonfinite_policy", "enable_nccl_flight_recorder", "failed_group", "is_collective_failure",
            "subgroup_timeout"]
@@ -146,7 +148,9 @@ class StepTracker:
     def enter_stage(self, stage: Any) -> None:
         """A new stage begins with the switch into its layout."""
         self.stage += 1
-        self.layout, self.label = str(stage.layout), getattr(stage, "label", "") or ""
+        block = getattr(stage, "block", None)  # a mixed stage: this rank computes in its block's layout
+        self.layout = str(stage.layout) + (f", block {block}" if block is not None else "")
+        self.label = getattr(stage, "label", "") or ""
         self.micro_batch, self.num_micro_batches = -1, len(stage.micro_batches)
         self.enter_phase("switch")
 
@@ -195,7 +199,8 @@ class StepTracker:
             if isinstance(failures, dict) and failures:
                 inner = next(iter(failures.values()))[0]
             first = (str(inner).strip().splitlines() or [type(inner).__name__])[0]
-            op = f" in {operation}" if operation else ""
+            noted = failed_collective(exc)  # the runtime's note: which collective, which group's ranks
+            op = f" in {noted or operation}" if noted or operation else ""
             group = failed_group(exc)
             if group is not None:
                 op += f" on process group '{group.desc}' (ranks {_ranks_text(group.ranks)})"

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ..collective_names import collective
 from ..mesh import RankGroup
 
 __all__ = ["FusedGather"]
@@ -31,12 +32,14 @@ class FusedGather:
         flat = (self.moved[0].contiguous().view(-1) if len(self.moved) == 1
                 else torch.cat([m.reshape(-1) for m in self.moved]))
         self.buffer = flat.new_empty(group.size * flat.numel())
-        self.work = dist.all_gather_into_tensor(self.buffer, flat, group=group.group, async_op=async_op)
+        with collective("a weight all-gather", group.ranks):
+            self.work = dist.all_gather_into_tensor(self.buffer, flat, group=group.group, async_op=async_op)
         self.width = flat.numel()
 
     def finish(self, fresh: bool = False) -> list[Tensor]:
         if self.work is not None:
-            self.work.wait()
+            with collective("a weight all-gather", self.group.ranks):
+                self.work.wait()
         group = self.group
         rows = self.buffer.view(group.size, self.width)
         copy = fresh or len(self.moved) > 1 or not group.in_shard_order
@@ -62,5 +65,6 @@ class FusedGather:
     def discard(self) -> None:
         """Waits for the collective (every rank must complete it) and drops what it received."""
         if self.work is not None:
-            self.work.wait()
+            with collective("a weight all-gather", self.group.ranks):
+                self.work.wait()
         self.work = self.buffer = self.moved = None

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from ..collective_names import collective
 from ..layout import Layout
 from ..mesh import RankGroup
 from ..placements import ParamSharding
@@ -91,11 +92,13 @@ class _Pending:
                  buffer: torch.Tensor | None = None, group: RankGroup | None = None) -> None:
         self.work, self.unpack, self.inputs = work, unpack, inputs
         self.group = group  # names the group should the wait fail (adapter.reliability.failed_group)
+        self.ranks = group.ranks if group is not None else ()
         self.buffer = inputs if buffer is None else buffer  # what the bucket allocated (for labels)
 
     def result(self) -> list[torch.Tensor]:
         if self.work is not None:
-            self.work.wait()
+            with collective("a gradient reduction", self.ranks):
+                self.work.wait()
         self.work = self.inputs = self.buffer = None
         return self.unpack()
 
@@ -134,7 +137,8 @@ def _reduce_scatter_start(tensors: list[torch.Tensor], dims: list[int], group: R
                 dst[slot].copy_(src[shard])
         offset += n
     out = rows.new_empty(rows.shape[1])
-    work = dist.reduce_scatter_tensor(out, rows.view(-1), group=group.group, async_op=True)
+    with collective("a gradient reduce-scatter", group.ranks):
+        work = dist.reduce_scatter_tensor(out, rows.view(-1), group=group.group, async_op=True)
     shapes = [(m.shape[0] // group.size, *m.shape[1:]) for m in moved]
 
     def unpack() -> list[torch.Tensor]:
@@ -155,7 +159,8 @@ def _all_reduce_start(tensors: list[torch.Tensor], group: RankGroup, into: _Over
     for t in tensors:
         flat[offset:offset + t.numel()].view(t.shape).copy_(t)
         offset += t.numel()
-    work = dist.all_reduce(flat, group=group.group, async_op=True)
+    with collective("a gradient all-reduce", group.ranks):
+        work = dist.all_reduce(flat, group=group.group, async_op=True)
     into.received += 2 * (group.size - 1) * flat.numel() * flat.element_size() // group.size
     shapes = [t.shape for t in tensors]
 

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..collective_names import collective
 from ..layout import Layout
 from ..plan import RankStage
 
@@ -158,7 +159,8 @@ def gather_step(loss_sum: torch.Tensor, stats: list[StageStats], device: torch.d
     local = torch.tensor(row, dtype=torch.float64, device=device)
     if dist.is_initialized() and dist.get_world_size() > 1:
         gathered = local.new_empty(dist.get_world_size() * local.numel())
-        dist.all_gather_into_tensor(gathered, local)
+        with collective("the step's record gather", range(dist.get_world_size())):
+            dist.all_gather_into_tensor(gathered, local)
         gathered = gathered.view(dist.get_world_size(), local.numel())
     else:
         gathered = local.unsqueeze(0)

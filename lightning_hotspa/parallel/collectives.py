@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ..collective_names import collective
 from ..mesh import RankGroup
 from ..torch_compat import C10D_DEPRECATION_MESSAGE  # noqa: F401  (installs the warning filter)
 
@@ -59,7 +60,8 @@ def _order(group: RankGroup, kind: str, device: torch.device) -> Tensor:
 def _all_reduce(x: Tensor, group: RankGroup) -> Tensor:
     """Sum over the group into a fresh contiguous tensor (inputs may be saved or shared)."""
     out = x.clone(memory_format=torch.contiguous_format)
-    dist.all_reduce(out, group=group.group)
+    with collective("an all-reduce", group.ranks):
+        dist.all_reduce(out, group=group.group)
     return out
 
 
@@ -93,7 +95,8 @@ def _gather_last(x: Tensor, group: RankGroup) -> Tensor:
     flat = x.contiguous()
     flat = flat.reshape(-1) if flat.dim() == 0 else flat
     buffer = flat.new_empty((n * flat.shape[0], *flat.shape[1:]))  # gloo wants dim-0 concatenation
-    dist.all_gather_into_tensor(buffer, flat, group=group.group)
+    with collective("an all-gather", group.ranks):
+        dist.all_gather_into_tensor(buffer, flat, group=group.group)
     buffer = buffer.view(n, *x.shape)
     if not group.in_shard_order:
         buffer = buffer.index_select(0, _order(group, "slot_of_shard", buffer.device))  # row s := shard s's slot
@@ -120,7 +123,8 @@ def _exchange(send: Tensor, group: RankGroup) -> Tensor:
         send = send.index_select(0, _order(group, "shard_of_slot", send.device))  # slot k: its shard's block
     send = send.contiguous()
     recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=group.group)
+    with collective("an all-to-all", group.ranks):
+        dist.all_to_all_single(recv, send, group=group.group)
     if not group.in_shard_order:
         recv = recv.index_select(0, _order(group, "slot_of_shard", recv.device))
     return recv
@@ -213,7 +217,8 @@ def all_gather_rows(x: Tensor, group: RankGroup) -> Tensor:
     n = group.size
     flat = x.contiguous()
     buffer = flat.new_empty((n * flat.shape[0], *flat.shape[1:]))
-    dist.all_gather_into_tensor(buffer, flat, group=group.group)
+    with collective("an all-gather of rows", group.ranks):
+        dist.all_gather_into_tensor(buffer, flat, group=group.group)
     if not group.in_shard_order:
         buffer = buffer.view(n, *flat.shape).index_select(0, _order(group, "slot_of_shard", buffer.device)) \
             .reshape(buffer.shape)
@@ -231,6 +236,7 @@ def reduce_scatter_rows(x: Tensor, group: RankGroup) -> Tensor:
         if not group.in_shard_order:
             send = send.index_select(0, _order(group, "shard_of_slot", send.device))
         out = x.new_empty((tokens, *x.shape[1:]))
-        dist.reduce_scatter_tensor(out, send.reshape(x.shape).contiguous(), group=group.group)
+        with collective("a reduce-scatter of rows", group.ranks):
+            dist.reduce_scatter_tensor(out, send.reshape(x.shape).contiguous(), group=group.group)
         return out
     return _exchange(x.reshape(n, tokens, *x.shape[1:]), group).sum(0)

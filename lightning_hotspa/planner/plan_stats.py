@@ -61,19 +61,22 @@ def stage_stats(stage: Stage, doc_lengths: Sequence[int], capacity: int,
     cost_fn = cost_fn or QuadraticCost()
     lengths = np.asarray(doc_lengths, dtype=np.int64)
     ids = np.asarray(stage.doc_ids, dtype=np.int64)
-    padded = cp_padded_lengths(lengths[ids], stage.layout.cp) if ids.size else np.zeros(0, np.int64)
-    group_costs = []
-    for group in stage.micro_batches:
+    # (cp, dp group) of every group: a mixed stage's blocks pad to their own cp
+    groups = [(stage.layout.cp, g) for g in stage.micro_batches] + \
+        [(b.layout.cp, g) for b in stage.blocks for g in b.micro_batches]
+    padded_tokens, group_costs = 0, []
+    for cp, group in groups:
         members = np.asarray([d for mb in group for d in mb], dtype=np.int64)
-        sizes = cp_padded_lengths(lengths[members], stage.layout.cp)
+        sizes = cp_padded_lengths(lengths[members], cp)
+        padded_tokens += int(sizes.sum())
         group_costs.append(float(np.asarray(cost_fn(sizes), dtype=np.float64).sum()) if members.size else 0.0)
     return StagePlanStats(
         layout=stage.layout,
         label=stage.label,
         documents=int(ids.size),
         tokens=int(lengths[ids].sum()) if ids.size else 0,
-        padded_tokens=int(padded.sum()),
-        micro_batches=sum(len(g) for g in stage.micro_batches),
+        padded_tokens=padded_tokens,
+        micro_batches=sum(len(g) for _, g in groups),
         capacity=int(capacity),
         group_costs=tuple(group_costs),
     )

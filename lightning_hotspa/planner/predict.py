@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from .cost_model import AnalyticCostModel, OptionCost, shares_gradients
+from .mixed_rounds import MixedGroups, mixed_seconds
 from .timeline import GroupBlocks, Timeline, stage_group_seconds
 
 __all__ = ["StagePrediction", "StepPrediction", "predict_stages"]
@@ -92,21 +93,28 @@ class StepPrediction:
 def predict_stages(stages: Sequence[tuple[OptionCost, Groups]], lengths: Sequence[int] | np.ndarray,
                    cost_model: AnalyticCostModel, blocks: GroupBlocks | None = None,
                    in_order: bool = True) -> StepPrediction:
-    """Prediction of ``stages`` (option, groups of micro-batches of doc indices) in this order;
+    """Prediction of ``stages`` (option, groups of micro-batches of doc indices, or the blocks of a
+    mixed stage, :class:`~.mixed_rounds.MixedGroups`) in this order;
     ``in_order``: an fsdp group's micro-batches run in the given order (False: costliest first,
     the order the planner emits)."""
     arr = np.asarray(lengths, dtype=np.int64)
     out, prev, line = [], None, Timeline(blocks)
     for k, (opt, groups) in enumerate(stages):
         carried = k + 1 < len(stages) and shares_gradients(opt.layout, stages[k + 1][0].layout)
-        ids = np.asarray([d for g in groups for mb in g for d in mb], dtype=np.int64)
-        # every dp group's own seconds; an fsdp stage's lockstep rounds: all groups end together
-        group_seconds = stage_group_seconds(opt, groups, opt.doc_seconds(opt.padded(arr)), in_order)
+        if isinstance(groups, MixedGroups):  # mixed-cp lockstep rounds: all blocks end together
+            ids = np.asarray(groups.doc_ids, dtype=np.int64)
+            group_seconds = np.array([mixed_seconds(groups, arr, in_order)])
+            count = groups.micro_batches
+        else:
+            ids = np.asarray([d for g in groups for mb in g for d in mb], dtype=np.int64)
+            # every dp group's own seconds; an fsdp stage's lockstep rounds: all groups end together
+            group_seconds = stage_group_seconds(opt, groups, opt.doc_seconds(opt.padded(arr)), in_order)
+            count = sum(len(g) for g in groups)
         line.add(opt, group_seconds)
         par = opt.layout
         out.append(StagePrediction(
             layout=par.name, activation_checkpointing=opt.activation_checkpointing, documents=int(ids.size),
-            tokens=int(arr[ids].sum()) if ids.size else 0, micro_batches=sum(len(g) for g in groups),
+            tokens=int(arr[ids].sum()) if ids.size else 0, micro_batches=count,
             min_length=int(arr[ids].min()) if ids.size else 0, max_length=int(arr[ids].max()) if ids.size else 0,
             group_seconds=tuple(group_seconds.tolist()), stage_fixed=0.0 if carried else opt.stage_fixed,
             switch_seconds=cost_model.switch_seconds(prev, par), switch_bytes=cost_model.switch_bytes(prev, par),

@@ -48,13 +48,14 @@ import numpy as np
 from ..checks import check_int
 from ..layout import Layout, LayoutError, MeshShape, parse_layouts
 from ..models.config import LlamaConfig
-from ..plan import PlanError, Stage, StepPlan
+from ..plan import Block, PlanError, Stage, StepPlan
 from .assign import pack_in_order, solve_heuristic
 from .base import PlannerBase
 from .calibration import Observation, ProfiledCoefficients, apply_coefficients
 from .cost_model import AnalyticCostModel, OptionCost
 from .exact import solve_exact
 from .hardware import HardwareProfile
+from .mixed_rounds import MixedBlock, MixedGroups, MixedRounds
 from .packing import DocumentTooLongError, pack_layout
 from .predict import StepPrediction, predict_stages
 from .schedule import CoefficientSchedule, ScheduleEntry
@@ -98,6 +99,9 @@ class CostModelPlanner(PlannerBase):
             stages, one checkpointed (the documents only it holds) and one not (the runtime's
             checkpointing is per stage; same working copy, one gradient reduction); False: one
             stage per layout.
+        mixed_rounds: a sharded working copy's stage may compute in two of its candidate layouts
+            on different dp blocks at once (:mod:`.mixed_rounds`) where that prices lower; False:
+            every stage computes in one layout.
     """
 
     def __init__(
@@ -115,6 +119,7 @@ class CostModelPlanner(PlannerBase):
         exact_max_docs: int = 10,
         static_margin: float = DEFAULT_STATIC_MARGIN,
         split_checkpointing: bool = True,
+        mixed_rounds: bool = True,
     ) -> None:
         self.decides_checkpointing = True  # each stage's flag is the plan's choice (priced so)
         name = type(self).__name__
@@ -150,6 +155,8 @@ class CostModelPlanner(PlannerBase):
             if not any(k[0] == lay for k in self._analytic):
                 raise PlanError(f"{name}: layout {lay} cannot hold any tokens: the model's weights and "
                                 f"optimizer state alone exceed the memory of a {self.cost_model.hardware.name}")
+        self.mixed_rounds = MixedRounds(list(self._analytic.values()), self.blocks.shape) if mixed_rounds \
+            else MixedRounds((), None)  # which options a sharded stage may mix (mixed_rounds.py)
         self._orders: dict[frozenset[Layout], tuple[float, tuple[Layout, ...]]] = {}
         self._schedule = CoefficientSchedule(self._sorted_keys(self._analytic), refit_every, plan_lag) \
             if self.profiled else None
@@ -274,6 +281,11 @@ class CostModelPlanner(PlannerBase):
         return chosen
 
     def _solve_over(self, lengths: np.ndarray, option_list: list[OptionCost]) -> tuple[float, list]:
+        total, stages = self._solve_plain(lengths, option_list)
+        return self.mixed_rounds.improve(lengths, total, stages, option_list, lambda st: self._seconds(lengths, st))
+
+    def _solve_plain(self, lengths: np.ndarray, option_list: list[OptionCost]) -> tuple[float, list]:
+        """(seconds, stages) with every stage in one compute layout: exact or heuristic."""
         if lengths.size <= self.exact_max_docs:
             # the DP's stages are in step (each its slowest dp group); re-packed around each other
             # as free runs (:mod:`.timeline`), whichever predicts faster
@@ -328,6 +340,9 @@ class CostModelPlanner(PlannerBase):
         _, stages = self.solve(lengths, options)
         out = []
         for opt, groups in stages:
+            if isinstance(groups, MixedGroups):
+                out.append(_mixed_stage(opt, groups, lengths))
+                continue
             ids = [d for g in groups for mb in g for d in mb]
             label = f"{int(lengths[ids].min())}-{int(lengths[ids].max())}"
             if opt.layout.lockstep:  # lockstep rounds: costliest micro-batches first in every group
@@ -342,12 +357,15 @@ class CostModelPlanner(PlannerBase):
 
     def predict(self, plan: StepPlan) -> StepPrediction:
         """Predicted seconds of any plan over these layouts (another planner's too)."""
+        def opt_of(lay: Layout, ac: bool) -> OptionCost:
+            return self.options.get((lay, ac)) or self.cost_model.option(lay, ac, self._capacity_override(lay, ac))
+
         stages = []
         for s in plan.stages:
-            key = (s.layout, s.activation_checkpointing)
-            opt = self.options.get(key) or self.cost_model.option(
-                s.layout, s.activation_checkpointing, self._capacity_override(s.layout, s.activation_checkpointing))
-            stages.append((opt, s.micro_batches))
+            ac = s.activation_checkpointing
+            groups = MixedGroups(tuple(MixedBlock(opt_of(b.layout, ac), b.dp_groups, b.micro_batches)
+                                       for b in s.blocks)) if s.blocks else s.micro_batches
+            stages.append((opt_of(s.layout, ac), groups))
         return predict_stages(stages, plan.doc_lengths, self.cost_model, self.blocks)
 
     # ------------------------------------------------------------------ profiled mode
@@ -401,6 +419,15 @@ class CostModelPlanner(PlannerBase):
     def __repr__(self) -> str:
         opts = ", ".join(f"{o.label}:{o.capacity}" for o in self._option_list)
         return f"{type(self).__name__}({self.cost_model.model.n_layers}L on {self.cost_model.hardware.name}; {opts})"
+
+
+def _mixed_stage(opt: OptionCost, mixed: MixedGroups, lengths: np.ndarray) -> Stage:
+    """The plan's mixed stage: the working copy in ``opt``'s layout, a :class:`Block` per block."""
+    ids = mixed.doc_ids
+    blocks = tuple(Block(b.option.layout, b.dp_groups, tuple(tuple(tuple(sorted(mb)) for mb in g) for g in b.groups))
+                   for b in mixed.blocks)
+    label = f"{int(lengths[ids].min())}-{int(lengths[ids].max())}"
+    return Stage(opt.layout, (), opt.activation_checkpointing, label, blocks=blocks)
 
 
 def _in_loader_worker() -> bool:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .cost_model import OptionCost
+from .mixed_rounds import MixedGroups
 
 __all__ = ["DEFAULT_STATIC_MARGIN", "GuardDecision", "check_margin", "guard"]
 
@@ -63,7 +64,8 @@ def guard(lengths: np.ndarray, options: Sequence[OptionCost], multi: Solution, m
     """The plan to run and the decision. ``solve(lengths, options)`` plans over a subset of options
     (the same solver the multi-layout plan came from)."""
     total, stages = multi
-    used = {opt.layout for opt, _ in stages}
+    used = {opt.layout for opt, _ in stages}  # a mixed stage's blocks compute in layouts of their own
+    used.update(lay for _, groups in stages if isinstance(groups, MixedGroups) for lay in groups.layouts)
     longest = int(lengths.max())
     by_layout: dict[object, list[OptionCost]] = {}
     for opt in options:

@@ -47,6 +47,12 @@ def _worker(rank: int, world: int, init_file: str, tasks, results, collective_ti
                 results.put((rank, True, value))
             except BaseException:  # noqa: BLE001 - reported to the parent, which raises
                 results.put((rank, False, traceback.format_exc()))
+                # leave at once: a rank still blocked in a collective with this one (e.g. the step's
+                # world gather) fails on the closed connection instead of waiting out the timeout;
+                # the parent tears the pool down after any failure anyway
+                results.close()
+                results.join_thread()
+                os._exit(1)
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -94,7 +100,9 @@ class RankPool:
             try:
                 rank, ok, value = self._results.get(timeout=max(0.1, min(remaining, 1.0)))
             except queue.Empty:
-                dead = [r for r, p in enumerate(self._procs) if not p.is_alive() and r not in results]
+                # a rank that reported its failure exits (the others then fail fast): not "died"
+                dead = [r for r, p in enumerate(self._procs) if not p.is_alive() and r not in results
+                        and r not in errors]
                 if remaining <= 0 or dead:
                     missing = sorted(set(range(self.world)) - set(results) - set(errors))
                     codes = {r: self._procs[r].exitcode for r in dead}

@@ -41,7 +41,8 @@ from .artifact_rule import RuleNotFoundError, artifact_rule
 from .oracles import LADDER, oracle_from_rates, oracle_ladder, print_breakdown
 from .simulate import geometric_mean, rule_seconds, static_seconds
 
-__all__ = ["LONG_GRID", "SMOKE_GRID", "long_cell", "long_grid", "print_long_grid", "token_batch"]
+__all__ = ["LONG_GRID", "SMOKE_GRID", "candidate_summary", "cell_name", "long_cell", "long_grid", "print_long_grid",
+           "token_batch"]
 
 #: (model, GPUs, context) settings; GPUs in nodes of 8.
 LONG_GRID: dict[str, Any] = {
@@ -219,6 +220,7 @@ def long_grid(grid: dict[str, Any] | None = None, batches: int = 2, seed: int = 
                      min_captured_vs_reductions=min(tight) if tight else None,
                      cells_captured_vs_reductions_ge_0_9=sum(x >= 0.9 for x in tight),
                      cells_with_reductions_headroom=len(tight))
+        extra.update(candidate_summary(ok))
     return {"grid": "long", **extra, "margin": margin, "batches_per_cell": batches, "cells": cells,
             "geomean_ours_over_static": geometric_mean([c["ours_over_static"] for c in ok]),
             "geomean_oracle_over_static": geometric_mean([c["oracle_over_static"] for c in ok]),
@@ -228,6 +230,32 @@ def long_grid(grid: dict[str, Any] | None = None, batches: int = 2, seed: int = 
             "mean_captured": float(np.mean(captured)) if captured else None,
             "cells_with_headroom": len(captured), "infeasible_cells": len(cells) - len(ok),
             "seconds": time.perf_counter() - start}
+
+
+def cell_name(cell: dict[str, Any]) -> str:
+    """A cell's key in the grid's per-cell maps: ``"H100 llama3-8b 128 512K sft-longtail"``."""
+    return f"{cell['hardware']} {cell['model']} {cell['gpus']} {cell['context'] // 1024}K {cell['data']}"
+
+
+def candidate_summary(cells: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """What ours captures of its OWN candidates' bound (issue 31's targets), from cells priced with
+    ``breakdown``: ``geomean_ours`` and ``geomean_bound_candidates`` over the best static layout,
+    ``captured_of_candidates`` per cell whose bound is >= 1.05x, ``(ours - 1) / (bound - 1)``, and
+    its mean; ``min_ours_over_candidate_static`` (ours over the candidate set's best static layout).
+
+    Args:
+        cells: the feasible cells, each with its ``breakdown``.
+    """
+    cells = [c for c in cells if "breakdown" in c]
+    captured = {cell_name(c): (c["breakdown"]["ours"] - 1) / (c["breakdown"]["candidates"] - 1)
+                for c in cells if c["breakdown"]["candidates"] >= 1.05}
+    own = [c["breakdown"]["ours"] / c["breakdown"]["candidate_static"] for c in cells]
+    return {"geomean_ours": geometric_mean([c["breakdown"]["ours"] for c in cells]) if cells else None,
+            "geomean_bound_candidates": (geometric_mean([c["breakdown"]["candidates"] for c in cells])
+                                         if cells else None),
+            "captured_of_candidates": captured,
+            "mean_captured_of_candidates": float(np.mean(list(captured.values()))) if captured else None,
+            "min_ours_over_candidate_static": min(own) if own else None}
 
 
 def print_long_grid(result: dict[str, Any]) -> None:

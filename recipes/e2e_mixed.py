@@ -1,0 +1,169 @@
+"""End to end on 4 gloo ranks: the planner's mixed-cp rounds (issue 31) train like the single process.
+
+``python recipes/benchmark_e2e.py --mixed`` (or this file) plans ``--steps`` global mini-batches
+with :class:`~lightning_hotspa.planner.solver.CostModelPlanner` over one sharded working copy in two
+layouts, ``dp4:fsdp`` and ``dp2xcp2:fsdp``, with mixed rounds on, trains them with
+``HotSPaStrategy`` on 4 CPU ranks under a real Lightning ``Trainer``, and trains the same
+mini-batches in ONE process (whole batch, token-mean loss, the same AdamW). Every step's loss must
+agree within ``--tolerance`` (1e-4). It reports the plan mix: per step its stages, and for a mixed
+stage its blocks (layout, dp groups, rounds, documents).
+
+The plans are PRICED for llama7b on the H100 profile (analytic; capacities set by
+``tokens_per_rank``) because on the cpu-gloo profile a round's per-micro-batch latency dominates and
+the planner rarely mixes; they RUN the tiny model on the CPU. Each mini-batch: 1-2 documents longer
+than ``tokens_per_rank`` (only cp2 holds them) and short ones, drawn from a seeded generator until
+the planner mixes one (``draws_per_step``; ``mixed_of_draws``: how often it mixed what was drawn).
+Token ids are seeded per step. The last line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from lightning_hotspa.testing.spawn import run_on_ranks  # noqa: E402
+
+WORLD = 4
+LAYOUTS = ["dp4:fsdp", "dp2xcp2:fsdp"]
+MODEL = "llama7b"  # the shape the planner prices (H100, capacities set small); the run trains "tiny"
+MAX_DRAWS = 64
+DEFAULTS = {"steps": 4, "tokens_per_rank": 48, "short_docs": 12, "seed": 0, "lr": 2e-3, "tolerance": 1e-4}
+
+
+def draw(rng: np.random.Generator, args: argparse.Namespace) -> list[int]:
+    """One mini-batch's document lengths: 1-2 long ones (only cp2 holds them), the rest short."""
+    cap = args.tokens_per_rank
+    longs = rng.integers(cap + 1, 2 * cap - 2, int(rng.integers(1, 3))).tolist()
+    return rng.integers(2, cap, args.short_docs).tolist() + longs
+
+
+def make_plans(args: argparse.Namespace):
+    """``(plans, planner, draws)``: per step, mini-batches are drawn from the seeded generator until
+    the planner mixes one (at most ``MAX_DRAWS``; the last drawn is kept either way): this run checks
+    that mixed plans train correctly, and ``draws`` says how often the planner mixes such batches."""
+    from lightning_hotspa.planner.solver import CostModelPlanner
+
+    planner = CostModelPlanner(LAYOUTS, model=MODEL, hardware="H100", world_size=WORLD,
+                               tokens_per_rank=args.tokens_per_rank, activation_checkpointing=False,
+                               static_margin=0.0)
+    rng = np.random.default_rng(args.seed)
+    plans, draws = [], []
+    for step in range(args.steps):
+        tries, plan = 0, None
+        while tries < MAX_DRAWS and (plan is None or not any(s.blocks for s in plan.stages)):
+            plan, tries = planner.plan(step, draw(rng, args)), tries + 1
+        plans.append(plan)
+        draws.append(tries)
+    return plans, planner, draws
+
+
+def documents(plan, vocab: int) -> list[torch.Tensor]:
+    """Byte-range token ids of one plan's documents, seeded by its step."""
+    g = torch.Generator().manual_seed(1000 + plan.step)
+    return [torch.randint(0, vocab, (n,), generator=g) for n in plan.doc_lengths]
+
+
+def plan_mix(plan) -> list[dict[str, Any]]:
+    """Per stage: its working layout, and its blocks (layout, dp groups, rounds, documents)."""
+    out = []
+    for s in plan.stages:
+        entry: dict[str, Any] = {"layout": s.layout.name, "documents": len(s.doc_ids)}
+        if s.blocks:
+            entry["blocks"] = [{"layout": b.layout.name, "dp_groups": list(b.dp_groups),
+                                "rounds": max(len(g) for g in b.micro_batches),
+                                "documents": sum(len(mb) for g in b.micro_batches for mb in g)} for b in s.blocks]
+        else:
+            entry["rounds"] = max(len(g) for g in s.micro_batches)
+        out.append(entry)
+    return out
+
+
+def train_rank(args: argparse.Namespace) -> dict[str, Any]:
+    """On every rank: the strategy trains the plans; rank 0 then trains them in one process."""
+    import lightning as L
+    import torch.distributed as dist
+    from lightning.pytorch.callbacks import Callback
+
+    from lightning_hotspa import HotSPaStrategy
+    from lightning_hotspa.layout import MeshShape
+    from lightning_hotspa.models import LlamaLM
+    from lightning_hotspa.plan import pack_micro_batch, slice_plan
+
+    plans, planner, draws = make_plans(args)
+    rank = dist.get_rank()
+    mesh = MeshShape.for_layouts(planner.layouts, WORLD)
+    vocab = LlamaLM("tiny").config.vocab_size
+    batches = [slice_plan(p, documents(p, vocab), mesh, rank) for p in plans]
+
+    class Losses(Callback):
+        def __init__(self) -> None:
+            self.losses: list[float] = []
+            self.seconds: list[float] = []
+            self.t0 = 0.0
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            self.t0 = time.perf_counter()
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            self.losses.append(float(outputs["loss"]))
+            self.seconds.append(time.perf_counter() - self.t0)
+
+    record = Losses()
+    trainer = L.Trainer(accelerator="cpu", devices=WORLD, strategy=HotSPaStrategy(LAYOUTS), max_steps=len(plans),
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, use_distributed_sampler=False, callbacks=[record])
+    trainer.fit(LlamaLM("tiny", seed=3, lr=args.lr),
+                train_dataloaders=torch.utils.data.DataLoader(batches, batch_size=None, collate_fn=lambda x: x))
+    if rank != 0:
+        return {}
+    model = LlamaLM("tiny", seed=3, lr=args.lr)  # the single process: same seed, whole mini-batch
+    optimizer = model.configure_optimizers()
+    optimizer = optimizer["optimizer"] if isinstance(optimizer, dict) else optimizer
+    reference = []
+    for plan in plans:
+        optimizer.zero_grad()
+        loss = model.training_step(pack_micro_batch(documents(plan, vocab)), 0)
+        loss.backward()
+        optimizer.step()
+        reference.append(float(loss))
+    return {"losses": record.losses, "reference": reference, "step_s": record.seconds, "draws": draws,
+            "plans": [plan_mix(p) for p in plans], "predicted_s": [planner.predict(p).seconds for p in plans]}
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    for key, value in DEFAULTS.items():
+        parser.add_argument(f"--{key.replace('_', '-')}", type=type(value), default=value)
+    args = parser.parse_args(argv)
+    if args.steps < 1 or args.tokens_per_rank < 8 or args.short_docs < 1:
+        raise SystemExit(f"--steps >= 1, --tokens-per-rank >= 8 and --short-docs >= 1, got {args.steps}, "
+                         f"{args.tokens_per_rank}, {args.short_docs}")
+    t0 = time.perf_counter()
+    raw = run_on_ranks(train_rank, WORLD, args, timeout_s=1800)[0]
+    diffs = [abs(a - b) / abs(b) for a, b in zip(raw["losses"], raw["reference"])]
+    mixed_steps = sum(any("blocks" in s for s in p) for p in raw["plans"])
+    out = {"world": WORLD, "layouts": LAYOUTS, **{k: getattr(args, k) for k in DEFAULTS},
+           "losses": raw["losses"], "reference_losses": raw["reference"], "max_loss_rel_diff": max(diffs),
+           "losses_match": max(diffs) <= args.tolerance, "steps_with_a_mixed_stage": mixed_steps,
+           "draws_per_step": raw["draws"], "mixed_of_draws": mixed_steps / sum(raw["draws"]),
+           "plans": raw["plans"], "predicted_s_h100": raw["predicted_s"], "step_s_cpu": raw["step_s"],
+           "wall_s": round(time.perf_counter() - t0, 1)}
+    print(f"mixed e2e: {mixed_steps} of {args.steps} steps with a mixed stage; max loss rel diff "
+          f"{out['max_loss_rel_diff']:.1e} (tolerance {args.tolerance:g}): "
+          f"{'match' if out['losses_match'] else 'MISMATCH'}")
+    print(json.dumps(out))
+    return out
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,93 @@
+"""A 4-rank job for tests/test_mixed_kill.py, run as a subprocess: rank 1 SIGKILLs itself inside a
+mixed-cp round (issue 31) and the others must fail with a ``CollectiveError`` naming the group.
+
+The parent imports torch and Lightning once, builds the planner-made mixed plan of
+``test_mixed_planner.MIXED_BATCHES[0]`` and forks the ranks (torchrun-style environment, so
+Lightning sees external processes). Each trains on it with ``HotSPaStrategy`` and the default
+process-group timeout (30 min): a survivor that fails before the job's deadline failed on the dead
+peer's closed connection, not on a timeout. Rank 1 kills itself in the forward of the second
+transformer block of its second round of the mixed stage (its cp2 block's partner is rank 0; ranks
+2 and 3 compute at cp1 beside it).
+
+    python tests/mixed_kill_job.py OUT_DIR [--deadline S]
+
+writes OUT_DIR/job.json (exit codes, who hung, the kill's breadcrumb) and OUT_DIR/rank<r>.log.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+TESTS = Path(__file__).resolve().parent
+sys.path[:0] = [str(TESTS.parent), str(TESTS)]
+
+import lightning as L  # noqa: E402
+import torch  # noqa: E402
+from strategy_helpers import rank_plans  # noqa: E402
+from test_mixed_planner import PAIR_4, planner_mixed_plans  # noqa: E402
+
+import lightning_hotspa  # noqa: E402, F401
+from lightning_hotspa import HotSPaStrategy  # noqa: E402
+from lightning_hotspa.layout import Layout  # noqa: E402
+from lightning_hotspa.models import LlamaLM  # noqa: E402
+from lightning_hotspa.testing.forked_ranks import free_port, run_forked_ranks  # noqa: E402
+
+WORLD = 4
+
+
+def install_kill(model: LlamaLM, strategy: HotSPaStrategy, stage: int, out: Path) -> None:
+    """Rank 1 dies entering the second transformer block in round 2 of stage ``stage``."""
+    tracker = strategy.tracker
+
+    def die(module, args):
+        if tracker.stage == stage and tracker.micro_batch == 1:
+            (out / "kill.json").write_text(json.dumps({"where": tracker.describe()}))
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    model.model.layers[1].register_forward_pre_hook(die)
+
+
+def rank_main(rank: int, port: int, out: Path) -> None:
+    log = (out / f"rank{rank}.log").open("w")
+    os.dup2(log.fileno(), 1)
+    os.dup2(log.fileno(), 2)
+    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(WORLD), "NODE_RANK": "0",
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    torch.set_num_threads(1)
+    plan = planner_mixed_plans()[0]
+    stage = next(k for k, s in enumerate(plan.stages) if s.blocks)
+    batches = rank_plans([plan], [Layout.parse(x) for x in PAIR_4], rank)
+    strategy = HotSPaStrategy(PAIR_4)  # the default process-group timeout
+    model = LlamaLM("tiny", seed=3, lr=2e-3)
+    if rank == 1:
+        install_kill(model, strategy, stage, out)
+    trainer = L.Trainer(accelerator="cpu", devices=WORLD, strategy=strategy, max_steps=1, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        use_distributed_sampler=False, num_sanity_val_steps=0, default_root_dir=str(out))
+    trainer.fit(model, train_dataloaders=torch.utils.data.DataLoader(batches, batch_size=None,
+                                                                     collate_fn=lambda x: x))
+    print(f"job: rank {rank} finished", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    parser.add_argument("--deadline", type=float, default=300.0, help="kill the ranks still running after this")
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    ended = run_forked_ranks(WORLD, lambda rank: rank_main(rank, port, out), args.deadline)
+    kill = out / "kill.json"
+    (out / "job.json").write_text(json.dumps({"exit_codes": ended.codes, "hung": ended.hung,
+                                              "kill": json.loads(kill.read_text()) if kill.exists() else None}))
+
+
+if __name__ == "__main__":
+    main()
