@@ -92,16 +92,17 @@ class MemoryModel:
         (GQA K/V unrepeated: SDPA ``enable_gqa`` / flash), the output once (a view of it feeds wo),
         the kernel's fp32 log-sum-exp per head (flash kernels); Ulysses adds the output after its
         all-to-all back (a new tensor, wo's input) and saves the kv heads it repeated for the
-        exchange; the KV gather saves q, its LOCAL k / v and the output (+ the Ulysses output in the
-        hybrid). Under tp with kv heads fewer than tp (replicated_partial) each rank's k / v are views
-        of the whole kv projection, which is what stays alive."""
+        exchange; the KV gather saves q, its LOCAL k / v and wo's input (its own output, or in the
+        hybrid the Ulysses output, which replaces it: the all-to-all saves nothing), and no
+        log-sum-exp (its kernels run inside its own autograd function, recomputed in backward;
+        measured, tests/test_memory.py). Under tp with kv heads fewer than tp (replicated_partial)
+        each rank's k / v are views of the whole kv projection, which is what stays alive."""
         m, wb, a = self.model, self.param_bytes, self.attn_width
         par = Layout(dp=1, tp=tp, cp=cp, cp_kv=cp_kv)
         state = self._attention_state_bytes() / (tp * cp)
         if cp_kv > 1:
             kv_local = _local_kv_heads(m, par) * par.cp_ulysses * tp * m.head_dim  # full-width units
-            saved = 2 * a + 2 * kv_local + (a if par.cp_ulysses > 1 else 0)
-            return wb * saved / (tp * cp) + state
+            return wb * (2 * a + 2 * kv_local) / (tp * cp)
         if cp > 1:  # Ulysses: the kv heads each rank holds after the exchange, for the whole row
             return wb * (3 * a / (tp * cp) + 2 * _local_kv_heads(m, par) * m.head_dim) + state
         kv = self.kv_width if m.n_kv_heads % tp else self.kv_width / tp
