@@ -23,9 +23,10 @@ def _local_kv_heads(m: Any, par: Layout) -> int:
     return heads * (u // math.gcd(heads, u)) // u
 
 
-def kv_gather_extra_bytes(mm: Any, par: Layout, tokens: int) -> float:
+def kv_gather_extra_bytes(mm: Any, par: Layout, tokens: int, recomputed: float = 0.0) -> float:
     """Transient bytes the KV gather adds to the peak of a micro-batch of ``tokens``, beyond what is
-    freed by then.
+    freed by then; ``recomputed``: bytes per token of the layer's attention tensors that its
+    selective recomputation saves again (0 otherwise).
 
     Each layer's attention gathers K and V of the whole micro-batch (``tokens`` rows, the kv heads a
     rank holds after the Ulysses exchange). Its backward peaks at the reduce-scatter of dK / dV, after
@@ -47,7 +48,7 @@ def kv_gather_extra_bytes(mm: Any, par: Layout, tokens: int) -> float:
     h, a = m.hidden, mm.attn_width
     gathered = (3.0 * wb + 8.0) * 2 * _local_kv_heads(m, par) * m.head_dim * t
     in_flight = (2.0 * wb * a / par.tp + 4.0 * h) / par.cp * t
-    transient = gathered + in_flight
+    transient = gathered + in_flight + recomputed * t
     norm = mm.norm_bytes_per_token()
     freed = (norm + HEAD_STATE_BYTES) / par.cp + mm.logits_bytes_per_token(par.tp, par.cp)  # the loss head's
     freed += norm / par.cp + 2.0 * wb * m.ffn_hidden / (par.tp * par.cp)  # this layer's ffn side

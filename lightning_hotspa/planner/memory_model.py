@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from ..checkpointing import Checkpointing
 from ..layout import Layout
 from .kv_gather_memory import _local_kv_heads, kv_gather_extra_bytes
 
@@ -108,21 +109,31 @@ class MemoryModel:
         kv = self.kv_width if m.n_kv_heads % tp else self.kv_width / tp
         return wb * (2 * a / tp + 2 * kv) + state
 
-    def activation_bytes_per_token(self, activation_checkpointing: bool, tp: int = 1, cp: int = 1,
+    def activation_bytes_per_token(self, activation_checkpointing: Checkpointing | bool, tp: int = 1, cp: int = 1,
                                    cp_kv: int = 1) -> float:
         """Bytes one token of a micro-batch adds to the peak of one rank in a tp x cp group: the
         tensors autograd saves (models/llama.py and models/kernels.py; attention per
-        ``attention_backend`` and cp kind) plus the loss head's transients at the forward/backward turn."""
+        ``attention_backend`` and cp kind) plus the loss head's transients at the forward/backward turn.
+        Full checkpointing keeps each layer's input and one layer recomputed; selective keeps every
+        layer's tensors but its attention core's (q / k / v, the kernel's; wo's input stays), and a
+        layer's recomputed core counts where it exceeds the loss head's transients, freed by then
+        (measured: the head's turn is the peak; docs/DESIGN.md §11)."""
+        mode = Checkpointing.parse(activation_checkpointing)
         m = self.model
         f, hd, wb = m.ffn_hidden, m.head_dim, self.param_bytes
         replicated = 2 * self.norm_bytes_per_token()  # no sequence parallelism: whole on every tp rank
         ffn = 2.0 * wb * f / (tp * cp)  # SwiGLU: the w1 and w3 outputs (models.kernels.SwiGLUDown)
-        layer = replicated / cp + ffn + self.attention_saved_bytes(tp, cp, cp_kv)
+        attention = self.attention_saved_bytes(tp, cp, cp_kv)
+        layer = replicated / cp + ffn + attention
         rope = 2.0 * wb * hd / cp  # cos, sin tables shared by the layers
         # loss head: final norm, the blocked head's per-token state and its transients
         head = (self.norm_bytes_per_token() + HEAD_STATE_BYTES) / cp + self.logits_bytes_per_token(tp, cp)
-        if activation_checkpointing:  # each layer's input, plus one layer recomputed
+        if mode is Checkpointing.FULL:  # each layer's input, plus one layer recomputed
             return m.n_layers * wb * m.hidden / cp + layer + rope + head
+        if mode is Checkpointing.SELECTIVE:  # the core's output (wo's input) kept, the rest recomputed
+            kept = wb * self.attn_width / (tp * cp)
+            recomputed = max(0.0, attention - kept - self.logits_bytes_per_token(tp, cp))
+            return m.n_layers * (layer - attention + kept) + recomputed + rope + head
         return m.n_layers * layer + rope + head
 
     def logits_bytes_per_token(self, tp: int = 1, cp: int = 1) -> float:
@@ -159,7 +170,7 @@ class MemoryModel:
         block = block / tp + 2 * m.hidden + (kv if m.n_kv_heads % tp else 0)
         return max(block, m.padded_vocab_size * m.hidden / tp + m.hidden)
 
-    def memory(self, par: Layout, activation_checkpointing: bool) -> MemoryUse:
+    def memory(self, par: Layout, activation_checkpointing: Checkpointing | bool) -> MemoryUse:
         """Home: fp32 weights, AdamW m and v, fp32 gradient store (16 B / parameter / world).
         Working: weights in the working dtype plus their gradient accumulators (``grad_accum_bytes``:
         fp32 main grads by default, +4 B per working parameter) over the layout's tp (and pp), and
@@ -192,7 +203,7 @@ class MemoryModel:
                          transient=max(0.0, reduce - in_working),
                          head_per_token=self.logits_bytes_per_token(par.tp, par.cp))
 
-    def peak_bytes(self, par: Layout, activation_checkpointing: bool, tokens: int) -> float:
+    def peak_bytes(self, par: Layout, activation_checkpointing: Checkpointing | bool, tokens: int) -> float:
         """Predicted peak bytes per rank with a micro-batch of ``tokens`` (no reserve: compare with
         the memory estimator, ``hotspa memory``)."""
         mem = self.memory(par, activation_checkpointing)
@@ -200,13 +211,18 @@ class MemoryModel:
         kv = self.kv_gather_extra_bytes(par, activation_checkpointing, tokens)
         return mem.peak(tokens, quadratic) + kv
 
-    def kv_gather_extra_bytes(self, par: Layout, activation_checkpointing: bool,
+    def kv_gather_extra_bytes(self, par: Layout, activation_checkpointing: Checkpointing | bool,
                               tokens: int) -> float:
         """The all-gather-KV / hybrid cp transients beyond what is freed by then (0 for Ulysses or no
-        cp; :mod:`.kv_gather_memory`). ``activation_checkpointing`` is accepted for symmetry."""
-        return kv_gather_extra_bytes(self, par, tokens)
+        cp; :mod:`.kv_gather_memory`); under selective checkpointing the layer's recomputed q / k / v
+        are alive again during its backward."""
+        mode = Checkpointing.parse(activation_checkpointing)
+        again = 0.0
+        if mode is Checkpointing.SELECTIVE:
+            again = self.attention_saved_bytes(par.tp, par.cp, par.cp_kv) - self.param_bytes * self.attn_width / (par.tp * par.cp)
+        return kv_gather_extra_bytes(self, par, tokens, again)
 
-    def capacity(self, par: Layout, activation_checkpointing: bool) -> int:
+    def capacity(self, par: Layout, activation_checkpointing: Checkpointing | bool) -> int:
         """Most tokens one micro-batch may hold (0: the weights alone do not fit): its predicted peak
         stays within the planning budget (usable / (1 + ``model_error_margin``))."""
         mem = self.memory(par, activation_checkpointing)
