@@ -40,8 +40,6 @@ def kv_gather_extra_bytes(mm: Any, par: Layout, tokens: int, recomputed: float =
     The layer's gradients in flight: dq, d out and the fp32 residual-stream gradient. By then the loss
     head's transients and its per-token state, the final norm, this layer's ffn side (its norm and the
     SwiGLU tensors) and wo's saved input are freed: the term counts only where it exceeds them."""
-    from .memory_model import HEAD_STATE_BYTES  # (memory_model imports this module)
-
     if par.cp_kv == 1 or tokens <= 0:
         return 0.0
     m, wb, t = mm.model, mm.param_bytes, float(tokens)
@@ -50,7 +48,7 @@ def kv_gather_extra_bytes(mm: Any, par: Layout, tokens: int, recomputed: float =
     in_flight = (2.0 * wb * a / par.tp + 4.0 * h) / par.cp * t
     transient = gathered + in_flight + recomputed * t
     norm = mm.norm_bytes_per_token()
-    freed = (norm + HEAD_STATE_BYTES) / par.cp + mm.logits_bytes_per_token(par.tp, par.cp)  # the loss head's
+    freed = (norm + mm.head_state_bytes) / par.cp + mm.logits_bytes_per_token(par.tp, par.cp)  # the loss head's
     freed += norm / par.cp + 2.0 * wb * m.ffn_hidden / (par.tp * par.cp)  # this layer's ffn side
     freed += wb * a / (par.tp * par.cp)  # wo's saved input
     return max(0.0, transient - freed * t)

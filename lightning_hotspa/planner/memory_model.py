@@ -71,6 +71,8 @@ class MemoryModel:
     hardware: Any
     #: planned peak x (1 + this) <= usable; set 0 to plan against the bare prediction
     model_error_margin: float = MODEL_ERROR_MARGIN
+    #: the loss head's per-token state (:data:`HEAD_STATE_BYTES`; read by :mod:`.kv_gather_memory`)
+    head_state_bytes: float = HEAD_STATE_BYTES
 
     # What our runtime holds per rank, term by term; checked against the real code path under
     # FakeTensorMode + MemTracker by ``hotspa memory`` (tools/memory.py). TP here has no sequence
