@@ -107,12 +107,13 @@ def llama_roles_and_shardings(module: nn.Module, config: LlamaConfig, layout: La
 
 
 def estimate_layout(config: LlamaConfig, world_size: int, layout: Layout | str, tokens: int, *,
-                    activation_checkpointing: bool = False, working_dtype: torch.dtype = torch.bfloat16,
+                    activation_checkpointing: Any = False, working_dtype: torch.dtype = torch.bfloat16,
                     grad_accum_dtype: torch.dtype | None = torch.float32,
                     bucket_bytes: int = 4 * 2**20, max_buckets_in_flight: int = 2,
                     overlap: bool = True, attention: str = "cpu") -> dict[str, Any]:
     """Peak bytes of rank 0 by category for one training step in ``layout``; also the peak of the
     gradient-reduction phase alone (``reduce_peak``, ``reduce_start``: bytes when it began).
+    ``activation_checkpointing``: a mode (``"none"``, ``"selective"``, ``"full"``) or a bool.
     ``overlap``: reduce buckets during the backward (the strategy's way) or all after it.
     ``attention``: "cpu" runs the model's CPU kernel (SDPA's flash kernel per document); "gpu" keeps
     what flash-attn's varlen kernel keeps (:mod:`lightning_hotspa.testing.gpu_attention`)."""
