@@ -241,7 +241,7 @@ class ProfiledCoefficients:
             "version": self.version,
             "last_refit_step": self.last_refit_step,
             "scale": self.scale,
-            "fitted": [[k[0].name, str(k[1]), list(v)] for k, v in sorted(self.fitted.items(), key=lambda kv: (kv[0][0].name, str(kv[0][1])))],
+            "fitted": [[k[0].name, str(Checkpointing.parse(k[1])), list(v)] for k, v in sorted(self.fitted.items(), key=lambda kv: (kv[0][0].name, str(kv[0][1])))],
             "observations": encode_observations(self.observations, None).tolist(),
             "layouts": sorted({o.layout.name for o in self.observations}),
         }

@@ -187,8 +187,8 @@ class CoefficientSchedule:
         entries, decided = self.read()
         return {"decided_through": decided, "lag": self.lag,
                 "entries": [[e.effective_step, e.version, e.scale,
-                             [[k[0].name, str(k[1]), list(v)] for k, v in sorted(
-                                 e.fitted.items(), key=lambda kv: (kv[0][0].name, kv[0][1]))]] for e in entries]}
+                             [[k[0].name, str(Checkpointing.parse(k[1])), list(v)] for k, v in sorted(
+                                 e.fitted.items(), key=lambda kv: (kv[0][0].name, str(kv[0][1])))]] for e in entries]}
 
     @staticmethod
     def entries_from_state(state: Mapping[str, Any]) -> tuple[list[ScheduleEntry], int, int | None]:
