@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .checkpointing import Checkpointing
 from .layout import Layout, LayoutError, MeshShape
 from .micro_batch import (
     IGNORE_INDEX,
@@ -90,11 +91,13 @@ class Stage:
 
     layout: Layout
     micro_batches: tuple[tuple[tuple[int, ...], ...], ...]
-    activation_checkpointing: bool = False
+    #: what the stage recomputes (a bool or a name is read as :meth:`Checkpointing.parse` does)
+    activation_checkpointing: Checkpointing = Checkpointing.NONE
     label: str = ""  # bucket / length band, for metrics
     blocks: tuple[Block, ...] = ()
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "activation_checkpointing", Checkpointing.parse(self.activation_checkpointing))
         if not isinstance(self.layout, Layout):
             raise PlanError(f"Stage.layout must be a Layout, got {self.layout!r}")
         if self.blocks:
@@ -192,12 +195,15 @@ class RankStage:
 
     layout: Layout
     micro_batches: tuple[MicroBatch, ...]
-    activation_checkpointing: bool = False
+    activation_checkpointing: Checkpointing = Checkpointing.NONE
     label: str = ""
     rounds: int = 0
     block: Layout | None = None  # a mixed stage: this rank's block's compute layout
     #: a mixed-tp stage: every rank's working (= compute) layout, ``peers[r]`` for rank r; empty otherwise
     peers: tuple[Layout, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "activation_checkpointing", Checkpointing.parse(self.activation_checkpointing))
 
     @property
     def num_rounds(self) -> int:

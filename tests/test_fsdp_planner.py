@@ -257,10 +257,7 @@ def test_a_sparse_last_round_moves_to_another_layout(monkeypatch):
     layouts = ["dp64:fsdp", "dp8xtp8:fsdp"]
     # a cluster with ONE 400 Gb/s NIC per node (with one per GPU the whole-node group moves 8x faster)
     one_nic = dataclasses.replace(get_profile("H100"), inter_node_bw=45e9 / 8)
-    # checkpointing forced: the test is about rounds (with "auto" the solver now picks plain dp64:fsdp
-    # in 13 rounds, 160 s, over the checkpointed 2 rounds, 52 s: its relaxed choice misses lockstep rounds)
-    planner = CostModelPlanner(layouts, model="llama3-70b", hardware=one_nic, static_margin=0.0,
-                               activation_checkpointing=True)
+    planner = CostModelPlanner(layouts, model="llama3-70b", hardware=one_nic, static_margin=0.0)
     shard = planner.option(Layout.parse("dp64:fsdp"), True)
     per_group = shard.capacity // 1024 + 1  # one 1,024-token document more than a micro-batch holds
     lengths = [1024] * (64 * per_group)
@@ -276,6 +273,26 @@ def test_a_sparse_last_round_moves_to_another_layout(monkeypatch):
     assert [len(g) for g in stages[0][1]] == [2] * 64  # the planted bug: two rounds in dp64
     assert trimmed < untrimmed  # (0.945x: since issue 30 our runtime's exposed reduce-scatter makes
     # the other sharded layout costlier to shed into than the 0.8x this test once saw)
+
+
+def test_auto_checkpointing_is_never_slower_than_forced_where_rounds_are_dear():
+    """70B on 64 H100 with one NIC per node: a dp64:fsdp round gathers the whole model across 8 nodes,
+    so checkpointing pays for itself in rounds even for documents the plain option holds (its
+    micro-batches hold ~11x the tokens). ``"auto"`` may choose every option forcing does, so it must
+    not plan slower; the heuristic once dropped the checkpointed option as "pure recompute" (it holds
+    no document more) and planned plain dp64:fsdp in many rounds at ~3x the forced plan's time."""
+    layouts = ["dp64:fsdp", "dp8xtp8:fsdp"]
+    one_nic = dataclasses.replace(get_profile("H100"), inter_node_bw=45e9 / 8)
+    auto, forced = (CostModelPlanner(layouts, model="llama3-70b", hardware=one_nic, static_margin=0.0,
+                                     activation_checkpointing=ac) for ac in ("auto", True))
+    plain, ckpt = (auto.option(Layout.parse("dp64:fsdp"), ac) for ac in (False, True))
+    lengths = [1024] * (64 * (ckpt.capacity // 1024 + 1))
+    assert max(lengths) <= plain.capacity < ckpt.capacity  # the plain option holds every document
+    auto_s, stages = auto.solve(lengths)
+    assert auto_s <= forced.solve(lengths)[0] * (1 + 1e-9)
+    assert all(opt.activation_checkpointing for opt, _ in stages)
+    rounds_plain = -(-sum(lengths) // (64 * plain.capacity))
+    assert max(len(g) for opt, groups in stages for g in groups) < rounds_plain
 
 
 def test_trimmed_documents_keep_one_stage_per_layout_without_split_checkpointing():

@@ -168,7 +168,7 @@ def _docs(vocab: int) -> list[torch.Tensor]:
 
 
 # ----------------------------------------------------------------------------------- the runner
-def _stage(layout: str, doc_ids: list[int], checkpointing: bool = False) -> Stage:
+def _stage(layout: str, doc_ids: list[int], checkpointing: bool | str = False) -> Stage:
     """Documents dealt round-robin to dp groups; each dp group's share in two micro-batches."""
     lay = Layout.parse(layout)
     groups = [doc_ids[i::lay.dp] for i in range(lay.dp)]
@@ -177,8 +177,16 @@ def _stage(layout: str, doc_ids: list[int], checkpointing: bool = False) -> Stag
     return Stage(lay, mbs, activation_checkpointing=checkpointing)
 
 
-def _cases(layouts: list[str]) -> dict[str, tuple[Stage, ...]]:
+def _cases(layouts: list[str], selective: bool = False) -> dict[str, tuple[Stage, ...]]:
     everything = list(range(len(DOC_LENGTHS)))
+    if selective:  # each layout's stage recomputing the attention core; one step mixing every mode
+        cases = {name + "+sac": (_stage(name, everything, "selective"),) for name in layouts}
+        modes = ("selective", "full", "none")
+        cases["mixed"] = tuple(_stage(name, everything[i::len(layouts)], modes[i % 3])
+                               for i, name in enumerate(layouts))
+        first = layouts[0]  # one layout split: selective for some documents, plain for the rest
+        cases["split"] = (_stage(first, everything[::2], "selective"), _stage(first, everything[1::2]))
+        return cases
     cases = {name: (_stage(name, everything),) for name in layouts}
     for name in ("dp2xtp2", "tp2xcp2", "cp4", "cp4:kv2"):
         if name in layouts:
@@ -202,8 +210,9 @@ def _fingerprint(module: nn.Module) -> list[tuple]:
              id(getattr(m, "core_attention", None))) for name, m in module.named_modules()]
 
 
-def run_equivalence(model_key: str, layouts: list[str], tolerance_probe: bool = False) -> dict:
-    """On every rank: each case's loss and max per-tensor gradient error vs single process."""
+def run_equivalence(model_key: str, layouts: list[str], tolerance_probe: bool = False, selective: bool = False) -> dict:
+    """On every rank: each case's loss and max per-tensor gradient error vs single process
+    (``selective``: the selective-checkpointing cases of :func:`_cases`)."""
     build, plan_fn, vocab = (MODELS | WINDOW_MODELS)[model_key]
     docs = _docs(vocab)
     ref_loss, init, ref_grads = _reference(build, docs)
@@ -217,8 +226,8 @@ def run_equivalence(model_key: str, layouts: list[str], tolerance_probe: bool = 
     engine = SwitchEngine(world, shardings, home)
     before, switches = _fingerprint(module), 0
     results, seconds = {}, {"run": 0.0, "compare": 0.0}
-    for case, stages in _cases(layouts).items():
-        start = time.perf_counter()
+    for case, stages in _cases(layouts, selective).items():
+        start, modes = time.perf_counter(), []
         plan = StepPlan(0, tuple(DOC_LENGTHS), stages)
         mine = slice_plan(plan, docs, world.shape, world.rank)
         loss_sum = torch.zeros((), dtype=torch.float64)
@@ -229,6 +238,7 @@ def run_equivalence(model_key: str, layouts: list[str], tolerance_probe: bool = 
                 engine.switch(stage.layout)
             switches += 1
             parallel.activate(stage.layout, engine.working, stage.activation_checkpointing)
+            modes.append(str(getattr(getattr(module, "model", None), "activation_checkpointing", None)))
             for mb in stage.micro_batches:
                 with parallel.micro_batch(mb):
                     loss = module.training_step(mb)
@@ -252,7 +262,7 @@ def run_equivalence(model_key: str, layouts: list[str], tolerance_probe: bool = 
         seconds["compare"] += time.perf_counter() - start
         worst = max(errors, key=errors.get)
         results[case] = {"loss_err": abs(float(loss_sum) - ref_loss) / abs(ref_loss),
-                         "max_grad_err": errors[worst], "worst": worst}
+                         "max_grad_err": errors[worst], "worst": worst, "modes": modes}
     return {"cases": results, "seconds": seconds, "switches": switches, "rewrapped": _fingerprint(module) != before,
             "hooks": parallel.hooks, "tp_forwards": sum(isinstance(m.__dict__.get("forward"), TPForward)
                                                         for m in module.modules())}
@@ -297,6 +307,24 @@ def run_cp_errors() -> list[str]:
 def equivalence(ranks):
     pool = ranks(4)
     return {key: pool.run(run_equivalence, key, LAYOUTS, timeout_s=300) for key in MODELS}
+
+
+SELECTIVE_LAYOUTS = ["dp2", "tp2", "cp2", "cp2:kv"]  # 2 ranks: data, tensor, Ulysses and KV-gather cp
+
+
+@pytest.mark.parametrize("model_key", ["llama", "llama_fused"])
+def test_selective_checkpointing_matches_single_process(ranks, model_key):
+    """The invariant with selective checkpointing (attention core recomputed): each layout alone, a step
+    mixing selective / full / none, a layout split selective + plain; 2 gloo ranks, 1e-5 (fp32)."""
+    per_rank = ranks(2).run(run_equivalence, model_key, SELECTIVE_LAYOUTS, False, True, timeout_s=300)
+    cases = per_rank[0]["cases"]
+    assert set(cases) == {x + "+sac" for x in SELECTIVE_LAYOUTS} | {"mixed", "split"}
+    assert cases["mixed"]["modes"] == ["selective", "full", "none", "selective"] and cases["split"]["modes"] == [
+        "selective", "none"] and all(cases[x + "+sac"]["modes"] == ["selective"] for x in SELECTIVE_LAYOUTS)
+    for rank_result in per_rank:
+        for case, r in rank_result["cases"].items():
+            assert r["loss_err"] <= TOLERANCE, (model_key, case, r)
+            assert r["max_grad_err"] <= TOLERANCE, (model_key, case, r)
 
 
 @pytest.mark.parametrize("model_key", list(MODELS))

@@ -388,9 +388,15 @@ def test_within_three_percent_of_the_milp_bound_for_40_documents() -> None:
     from lightning_hotspa.tools.milp import solve_milp
 
     for planner, lengths in ((planner4(), lognormal(1, 40, 16384)), (planner8(), lognormal(2, 40, 32768))):
-        ours, _ = planner.solve(lengths)
-        milp = solve_milp(lengths, planner._option_list, planner.stage_order, time_limit=4.0)
+        options = _none_or_full(planner)  # the MILP's size as before selective options existed
+        ours, _ = planner.solve(lengths, options)
+        milp = solve_milp(lengths, options, planner.stage_order, time_limit=4.0)
         assert milp.bound > 0 and ours <= milp.bound * 1.03, (ours, milp)
+
+
+def _none_or_full(planner: CostModelPlanner) -> list:
+    """The planner's options without the selective ones."""
+    return [o for o in planner._option_list if o.activation_checkpointing.suffix != "+sac"]
 
 
 def test_milp_charges_shared_gradient_reductions_once() -> None:
@@ -402,9 +408,9 @@ def test_milp_charges_shared_gradient_reductions_once() -> None:
     p = CostModelPlanner(W4_SAME_TP, model="artifact-llama7b", hardware="A800-80G", static_margin=0.0)
     for seed, n in ((0, 7), (3, 8)):
         lengths = lognormal(seed, n, 16384, mu=8.0, sigma=1.2)
-        objective, stages = p.solve(lengths)
+        objective, stages = p.solve(lengths, _none_or_full(p))
         assert {o.layout.tp for o, _ in stages} == {2} and len(stages) >= 2
-        milp = solve_milp(lengths, p._option_list, p.stage_order, time_limit=10.0)
+        milp = solve_milp(lengths, _none_or_full(p), p.stage_order, time_limit=10.0)
         assert milp.optimal and milp.bound <= objective * (1 + 1e-9), (milp, objective)
 
 
@@ -557,12 +563,12 @@ def test_a_layout_checkpoints_only_the_documents_that_need_it(long_doc, short, n
     split = CostModelPlanner(["dp2xtp2xcp2"], model="llama7b", hardware="A800-80G")
     whole = CostModelPlanner(["dp2xtp2xcp2"], model="llama7b", hardware="A800-80G", split_checkpointing=False)
     plan = split.plan(0, lengths)
-    assert [s.activation_checkpointing for s in plan.stages] == [True, False]  # the long documents first
+    assert [bool(s.activation_checkpointing) for s in plan.stages] == [True, False]  # the long documents first
     assert 0 in plan.stages[0].doc_ids and len(plan.stages[1].doc_ids) > 0
     check_plan(split, plan, lengths)
     ours, one = split.solve(lengths)[0], whole.solve(lengths)[0]
     assert split.predict(plan).seconds == pytest.approx(ours, rel=1e-9)
-    assert ours < one * 0.99 and [s.activation_checkpointing for s in whole.plan(0, lengths).stages] == [True]
+    assert ours < one * 0.99 and [bool(s.activation_checkpointing) for s in whole.plan(0, lengths).stages] == [True]
 
 
 def test_guard_bounds_a_static_layout_that_checkpoints_one_document_only():

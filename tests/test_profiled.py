@@ -15,6 +15,7 @@ from strategy_helpers import lightning_rank_env
 
 import lightning_hotspa  # noqa: F401  (registers "hotspa")
 from lightning_hotspa import HotSPaStrategy
+from lightning_hotspa.checkpointing import Checkpointing
 from lightning_hotspa.data import HotSPaDataModule, PlanDataLoader, TokenizedCorpus
 from lightning_hotspa.layout import Layout, MeshShape
 from lightning_hotspa.models import LlamaLM
@@ -40,7 +41,7 @@ def _planner(refit_every: int = 2) -> CostModelPlanner:
 
 # ------------------------------------------------------------------------------------ the schedule
 def test_schedule_plans_each_step_with_the_version_decided_lag_steps_before() -> None:
-    key = (Layout(dp=4), False)
+    key = (Layout(dp=4), Checkpointing.NONE)  # an option key is typed (a bool key would not match)
     s = CoefficientSchedule([key], refit_every=3, lag=2)
     assert s.entry_for(1, wait=False).version == 0  # needs no decision yet
     with pytest.raises(PlanError, match="plan of step 5 needs the coefficients decided at step 3"):

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_hotspa.checkpointing import Checkpointing
 from lightning_hotspa.engine.records import StageRecord
 from lightning_hotspa.engine.step_runner import StepHooks, StepRunner
 from lightning_hotspa.engine.switch import SwitchEngine, build_home_parameters
@@ -188,7 +189,8 @@ def test_one_layout_runs_a_checkpointed_and_a_plain_stage_back_to_back(world_of_
 
     split, seen, result = grads([Stage(dp1, (((0, 1), (2,)),), True), Stage(dp1, (((3, 4, 5), (6, 7)),), False)])
     plain, _, _ = grads([Stage(dp1, (((0, 1), (2,), (3, 4, 5), (6, 7)),), False)])
-    assert seen == [True, False] and [s.activation_checkpointing for s in result.stages] == [True, False]
+    full, none = Checkpointing.FULL, Checkpointing.NONE
+    assert seen == [full, none] and [s.activation_checkpointing for s in result.stages] == [full, none]
     assert result.stages[0].reduce_collectives == 0  # same layout: one reduction, at the second stage
     for name, g in plain.items():
         assert torch.allclose(split[name], g, rtol=1e-5, atol=1e-7), name

@@ -14,6 +14,7 @@ from typing import Any
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
+from ..checkpointing import Checkpointing
 from ..layout import Layout, LayoutError, parse_layouts
 from .module_layouts import supported_layouts
 
@@ -70,25 +71,32 @@ def choose_default_layout(spec: Layout | None, layouts: Sequence[Layout]) -> Lay
 
 
 def check_checkpointing_spec(spec: Any) -> Any:
-    """The strategy's ``activation_checkpointing`` argument, its layouts parsed once.
+    """The strategy's ``activation_checkpointing`` argument, parsed once.
 
     Args:
-        spec: True / False, ``"auto"`` or a list of layouts (names, mappings or Layouts); a list
-            comes back as a tuple of :class:`Layout`.
+        spec: ``"none"``, ``"selective"``, ``"full"`` (or True / False: full / none) for every layout,
+            ``"auto"``, or a list of layouts (names, mappings or Layouts) that checkpoint fully;
+            a mode comes back as a :class:`Checkpointing`, a list as a tuple of :class:`Layout`.
     """
-    if isinstance(spec, str) and spec != "auto":
-        raise ValueError(f"activation_checkpointing must be a bool, 'auto' or a list of layouts, got {spec!r}")
-    if isinstance(spec, bool) or spec == "auto":
+    if isinstance(spec, str) and spec == "auto":
         return spec
+    if isinstance(spec, (bool, str)):
+        try:
+            return Checkpointing.parse(spec)
+        except ValueError:
+            raise ValueError(f"activation_checkpointing must be 'none', 'selective', 'full', 'auto', a bool "
+                             f"or a list of layouts, got {spec!r}") from None
     if isinstance(spec, Mapping) or not isinstance(spec, Iterable):
-        raise ValueError(f"activation_checkpointing must be a bool, 'auto' or a list of layouts, got {spec!r}")
+        raise ValueError(f"activation_checkpointing must be 'none', 'selective', 'full', 'auto', a bool "
+                         f"or a list of layouts, got {spec!r}")
     return tuple(Layout.parse(x) for x in spec)
 
 
-def checkpointing_for(spec: Any, layout: Layout) -> bool:
-    """Whether ``layout`` recomputes activations under ``activation_checkpointing=spec``."""
-    if isinstance(spec, bool):
-        return spec
+def checkpointing_for(spec: Any, layout: Layout) -> Checkpointing:
+    """What ``layout`` recomputes under ``activation_checkpointing=spec`` (as :func:`check_checkpointing_spec`
+    returns it; ``"auto"`` without a planner that decides: full where tp * cp > 1)."""
+    if isinstance(spec, (bool, Checkpointing)):
+        return Checkpointing.parse(spec)
     if spec == "auto":
-        return layout.tp * layout.cp > 1
-    return layout in spec
+        return Checkpointing.FULL if layout.tp * layout.cp > 1 else Checkpointing.NONE
+    return Checkpointing.FULL if layout in spec else Checkpointing.NONE

@@ -9,6 +9,7 @@ so a profiled planner gets every rank's timings with no collective of its own.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from ..engine.records import StepResult, rank_stage_fields
 from ..plan import RankPlan
@@ -17,7 +18,7 @@ from ..planner.base import Planner, ProfiledPlanner, is_profiled
 __all__ = ["ProfilingFeedback", "gathered_observations"]
 
 
-def gathered_observations(result: StepResult, activation_checkpointing: Sequence[bool] | None = None) -> list:
+def gathered_observations(result: StepResult, activation_checkpointing: Sequence[Any] | None = None) -> list:
     """Every rank's measured stage seconds (``compute_s``) with its cost-model features:
     rank-major, stage order, bit-identical on every rank. ``activation_checkpointing``: per stage
     (default: what each stage ran with). Stages a rank had no micro-batch in are skipped."""
@@ -30,7 +31,7 @@ def gathered_observations(result: StepResult, activation_checkpointing: Sequence
         for s, flag, cols in zip(result.stages, ac, row):
             if cols["micro_batches"] < 1:
                 continue
-            out.append(Observation(s.layout, bool(flag), cols["sum_sq"], cols["sum_len"],
+            out.append(Observation(s.layout, flag, cols["sum_sq"], cols["sum_len"],
                                    int(cols["micro_batches"]), cols["compute_s"], int(cols["documents"])))
     return out
 

@@ -1,7 +1,8 @@
 """The step's logger metrics, built in this one place from the step runner's typed records.
 
 Metrics are keyed by stage (:func:`stage_keys`): ``<stage>`` is the layout's name, ``+ac`` when the
-stage checkpointed activations (``dp8``, ``dp8+ac``: the cost planner may split a layout's documents
+stage checkpointed activations fully, ``+sac`` selectively (``Checkpointing.suffix``; ``dp8``,
+``dp8+ac``: the cost planner may split a layout's documents
 over two such stages in one step), and ``#2``, ``#3``... on a name's later stages in the same step.
 The strategy logs :func:`step_metrics`:
 ``hotspa/<stage>/{tokens,documents,micro_batches,switch_s,switch_MB,compute_s,reduce_s,tokens_per_s}``

@@ -29,6 +29,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch import Tensor, nn
 from typing_extensions import override
 
+from ..checkpointing import Checkpointing
 from ..checks import check_int
 from ..data.context import PlanningContext
 from ..engine.buckets import bucket_defaults
@@ -89,8 +90,9 @@ class HotSPaStrategy(GuardedCollectives, StrategyCheckpoints, ParallelStrategy):
             or a ready :class:`~lightning_hotspa.planner.base.Planner`.
         hardware: hardware profile name for ``planner="cost"`` (e.g. ``"cpu-gloo"``, ``"h200"``);
             default: the profile of the device it runs on (``cpu-gloo`` on CPU).
-        activation_checkpointing: ``False``, ``True`` (all layouts), ``"auto"`` (the cost planner
-            decides per stage; other planners: layouts with tp*cp > 1) or a list of layouts.
+        activation_checkpointing: ``"none"`` / ``"selective"`` / ``"full"`` for all layouts (``False`` /
+            ``True`` mean none / full), ``"auto"`` (the cost planner decides per stage among the three;
+            other planners: full where tp*cp > 1) or a list of layouts that checkpoint fully.
         default_layout: the layout plain (non-plan) batches, validation and prediction run in;
             default: the most data-parallel candidate.
         nonfinite: what a NaN/Inf micro-batch loss does, decided alike on every rank before the
@@ -300,12 +302,12 @@ class HotSPaStrategy(GuardedCollectives, StrategyCheckpoints, ParallelStrategy):
     def default_layout(self) -> Layout:
         return choose_default_layout(self._default_layout_spec, self.layouts)
 
-    def activation_checkpointing_for(self, layout: Layout) -> bool:
+    def activation_checkpointing_for(self, layout: Layout) -> Checkpointing:
         """What the strategy adds to a stage's own flag. Under ``"auto"`` a planner that decides
         checkpointing per stage (the cost planner) is followed: forcing it on every tp*cp > 1 layout
         would recompute stages it planned (and priced) without recomputation."""
         if self._ac_spec == "auto" and isinstance(self._planner, PricedPlanner) and self._planner.decides_checkpointing:
-            return False
+            return Checkpointing.NONE
         return checkpointing_for(self._ac_spec, layout)
 
     # ------------------------------------------------------------------ setup

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..checkpointing import Checkpointing
 from ..collective_names import collective
 from ..layout import Layout
 from ..plan import RankStage
@@ -55,7 +56,7 @@ class StageStats:
     reduce_bytes: int = 0  # this rank's received bytes of the reduction (GradReport)
     reduce_collectives: int = 0
     compute_cpu_s: float = 0.0
-    activation_checkpointing: bool = False  # what the stage ran with
+    activation_checkpointing: Checkpointing = Checkpointing.NONE  # what the stage ran with
     #: fsdp layouts: bytes this rank received in its units' gathers (forward, backward re-gathers)
     #: and reduce-scatters during the stage's micro-batches (``engine/fsdp.py``); 0 otherwise
     fsdp_bytes: int = 0
@@ -66,7 +67,7 @@ class StageStats:
     @classmethod
     def measure(cls, stage: RankStage, switch_report: Any, grad_report: Any, *, order: int, switch_s: float,
                 compute_s: float, reduce_s: float, compute_cpu_s: float = 0.0,
-                activation_checkpointing: bool = False, fsdp_bytes: int = 0) -> StageStats:
+                activation_checkpointing: Checkpointing = Checkpointing.NONE, fsdp_bytes: int = 0) -> StageStats:
         """This rank's stats of ``stage``, the ``order``-th of the step, from its switch and gradient
         reports and its measured seconds (see the class docstring for each field)."""
         mbs = [m for m in stage.micro_batches if hasattr(m, "num_tokens")]
@@ -109,12 +110,13 @@ class StageRecord:
     flops: float | None = None
     predicted_s: float | None = None
     plan: Mapping[str, Any] = field(default_factory=dict)  # packing stats: fill, padding, imbalance
-    activation_checkpointing: bool = False  # what the stage ran with
+    activation_checkpointing: Checkpointing = Checkpointing.NONE  # what the stage ran with
 
     @property
     def name(self) -> str:
-        """``"dp8"``, ``"dp8+ac"``: the layout's name, ``+ac`` when the stage checkpointed activations."""
-        return self.layout.name + ("+ac" if self.activation_checkpointing else "")
+        """``"dp8"``, ``"dp8+sac"``, ``"dp8+ac"``: the layout's name and the stage's checkpointing
+        (:attr:`Checkpointing.suffix`: selective, full)."""
+        return self.layout.name + Checkpointing.parse(self.activation_checkpointing).suffix
 
     @property
     def seconds(self) -> float:

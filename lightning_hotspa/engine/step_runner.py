@@ -88,8 +88,8 @@ class StepRunner:
     """Executes one rank's :class:`RankPlan` with a :class:`SwitchEngine` and a :class:`ParallelModel`.
 
     Args:
-        activation_checkpointing: per layout, whether its stages recompute activations (a stage's
-            own flag also turns it on).
+        activation_checkpointing: per layout, what its stages recompute (a :class:`Checkpointing` mode or bool; a
+            stage's own flag also turns it on).
         clock: the seam stage seconds are read from (default: the device's own, :func:`clock_for`).
         cpu_clock: this process' CPU seconds, kept beside the device seconds.
         overlap: start a stage's gradient reduction during its last backward.
@@ -100,7 +100,7 @@ class StepRunner:
     """
 
     def __init__(self, engine: SwitchEngine, parallel: ParallelModel, *, device: torch.device | str = "cpu",
-                 activation_checkpointing: Callable[[Layout], bool] | None = None, clock: Clock | None = None,
+                 activation_checkpointing: Callable[[Layout], Any] | None = None, clock: Clock | None = None,
                  cpu_clock: Callable[[], float] = cpu_seconds, overlap: bool = True,
                  share_gradients: bool = True, fsdp_reduce_dtype: torch.dtype | None = None) -> None:
         self.engine, self.parallel = engine, parallel
@@ -164,7 +164,7 @@ class StepRunner:
                 # ac follows the working copy's layout: one choice for every block of a mixed-cp stage, so
                 # every rank's backward gathers alike; the compute groups are this rank's block's (a
                 # mixed-tp block's working copy is its own: its choice)
-                ac = bool(stage.activation_checkpointing or self.activation_checkpointing(
+                ac = stage.activation_checkpointing.stronger(self.activation_checkpointing(
                     stage.compute_layout if stage.peers else stage.layout))
                 parallel.activate(stage.compute_layout, engine.working, ac)
                 hooks.before_compute(stage)

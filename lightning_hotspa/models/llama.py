@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from ..checkpointing import Checkpointing
 from .attention import CoreAttention, select_attention_backend, with_sliding_window
 from .config import LlamaConfig
 from .kernels import SwiGLUDown, rms_norm
@@ -56,8 +57,19 @@ class Attention(nn.Module):
                                                                  config.sliding_window)
 
     def forward(
-        self, x: Tensor, cos: Tensor, sin: Tensor, cu_seqlens: Tensor, max_seqlen: int
+        self, x: Tensor, cos: Tensor, sin: Tensor, cu_seqlens: Tensor, max_seqlen: int,
+        recompute_core: bool = False,
     ) -> Tensor:
+        """``wo(core(x))``; ``recompute_core``: the core (:meth:`core`) runs under non-reentrant
+        checkpointing, so backward recomputes it from ``x`` (selective checkpointing)."""
+        if recompute_core:
+            out = checkpoint(self.core, x, cos, sin, cu_seqlens, max_seqlen, use_reentrant=False)
+        else:
+            out = self.core(x, cos, sin, cu_seqlens, max_seqlen)
+        return self.wo(out)
+
+    def core(self, x: Tensor, cos: Tensor, sin: Tensor, cu_seqlens: Tensor, max_seqlen: int) -> Tensor:
+        """The attention output [T, heads x head_dim] before ``wo``: projections, rotary, kernel."""
         # -1: the local head count, whatever share of the heads this rank's weights hold; the token
         # count from the projection, not from x (x is this rank's token share under sequence parallel)
         q = self.wq(x)
@@ -67,7 +79,7 @@ class Attention(nn.Module):
         v = self.wv(x).view(tokens, -1, self.head_dim)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = self.core_attention(q, k, v, cu_seqlens, max_seqlen)
-        return self.wo(out.reshape(tokens, -1))
+        return out.reshape(tokens, -1)
 
 
 class FeedForward(nn.Module):
@@ -95,9 +107,11 @@ class Block(nn.Module):
         self.feed_forward = FeedForward(config)
 
     def forward(
-        self, x: Tensor, cos: Tensor, sin: Tensor, cu_seqlens: Tensor, max_seqlen: int
+        self, x: Tensor, cos: Tensor, sin: Tensor, cu_seqlens: Tensor, max_seqlen: int,
+        recompute_core: bool = False,
     ) -> Tensor:
-        x = x + self.attention(self.attention_norm(x), cos, sin, cu_seqlens, max_seqlen)
+        """``recompute_core``: selective checkpointing of the attention core (:meth:`Attention.forward`)."""
+        x = x + self.attention(self.attention_norm(x), cos, sin, cu_seqlens, max_seqlen, recompute_core)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -108,6 +122,10 @@ class Llama(nn.Module):
     :func:`lightning_hotspa.models.init_weights` (one parameter at a time, seeded by name).
     """
 
+    #: ``set_activation_checkpointing`` takes a :class:`~lightning_hotspa.checkpointing.Checkpointing`
+    #: mode, selective included (parallel/model.py passes other modules a bool)
+    selective_checkpointing = True
+
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
         self.config = config
@@ -116,11 +134,12 @@ class Llama(nn.Module):
         self.norm = RMSNorm(config.hidden, config.norm_eps)
         if not config.tie_embeddings:  # tied: the head reads tok_embeddings.weight (one parameter)
             self.output = LMHead(config.hidden, config.padded_vocab_size)
-        self.activation_checkpointing = False
+        self.activation_checkpointing = Checkpointing.NONE
 
-    def set_activation_checkpointing(self, enabled: bool) -> None:
-        """Recompute each block in backward instead of keeping its activations (runtime switch)."""
-        self.activation_checkpointing = bool(enabled)
+    def set_activation_checkpointing(self, mode: Checkpointing | str | bool) -> None:
+        """What each block recomputes in backward (runtime switch): ``"none"``, ``"selective"`` (the
+        attention core), ``"full"`` (the whole block); True / False mean full / none."""
+        self.activation_checkpointing = Checkpointing.parse(mode)
 
     def fsdp_units(self) -> list[str]:
         """The submodules a sharded working copy gathers one at a time, in call order (each
@@ -152,12 +171,12 @@ class Llama(nn.Module):
         cos, sin = rotary_cos_sin(
             position_ids, self.config.head_dim, self.config.rope_theta, x.dtype, self.config.rope_scaling
         )
-        use_checkpoint = self.activation_checkpointing and torch.is_grad_enabled()
+        mode = self.activation_checkpointing if torch.is_grad_enabled() else Checkpointing.NONE
         for layer in self.layers:
-            if use_checkpoint:
+            if mode is Checkpointing.FULL:
                 x = checkpoint(layer, x, cos, sin, cu_seqlens, max_seqlen, use_reentrant=False)
             else:
-                x = layer(x, cos, sin, cu_seqlens, max_seqlen)
+                x = layer(x, cos, sin, cu_seqlens, max_seqlen, mode is Checkpointing.SELECTIVE)
         x = self.norm(x)
         if self.config.tie_embeddings:
             if labels is not None:

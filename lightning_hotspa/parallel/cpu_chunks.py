@@ -13,14 +13,29 @@ backward with the GLOBAL output and log-sum-exp yields its exact share of dq and
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 from torch import Tensor
 
 from ..torch_compat import cpu_flash_attention, cpu_flash_attention_backward
 
-__all__ = ["cpu_chunks_apply", "chunk_forward", "chunk_backward"]
+__all__ = ["cpu_chunks_apply", "chunk_forward", "chunk_backward", "cuda_chunk_path"]
 
 _DTYPES = (torch.float32, torch.float64, torch.bfloat16)
+_OFF = [False]
+
+
+@contextlib.contextmanager
+def cuda_chunk_path() -> Iterator[None]:
+    """Inside it the CPU chunk path is off: chunks take the single call CUDA runs (the memory
+    estimator's GPU path measures what CUDA would save: no out / log-sum-exp kept for backward)."""
+    previous, _OFF[0] = _OFF[0], True
+    try:
+        yield
+    finally:
+        _OFF[0] = previous
 
 
 def cpu_chunks_apply(q: Tensor, window: int | None) -> bool:
@@ -30,7 +45,7 @@ def cpu_chunks_apply(q: Tensor, window: int | None) -> bool:
         q: the query rows.
         window: the model's sliding window (a windowed chunk keeps its band mask).
     """
-    return q.device.type == "cpu" and window is None and q.dtype in _DTYPES
+    return q.device.type == "cpu" and window is None and q.dtype in _DTYPES and not _OFF[0]
 
 
 def _parts(first: int, key_start: int, rows: int) -> list[tuple[int, int, bool]]:

@@ -18,6 +18,7 @@ from collections.abc import Iterator, Mapping
 
 from torch import nn
 
+from ..checkpointing import Checkpointing
 from ..layout import Layout, LayoutError
 from ..mesh import WorldMesh
 from ..plan import MicroBatch
@@ -52,11 +53,23 @@ class ParallelModel:
         self._checkpointers = [m for m in module.modules() if hasattr(m, "set_activation_checkpointing")]
 
     def activate(self, layout: Layout, params: Mapping[str, nn.Parameter],
-                 activation_checkpointing: bool = False) -> None:
-        """Computes in ``layout`` with ``params`` (the switch engine's working parameters) from now on."""
-        if activation_checkpointing and not self._checkpointers:
-            raise LayoutError(f"activation checkpointing was asked for layout {layout}, but "
+                 activation_checkpointing: Checkpointing | bool | str = False) -> None:
+        """Computes in ``layout`` with ``params`` (the switch engine's working parameters) from now on,
+        recomputing what ``activation_checkpointing`` (a :class:`Checkpointing` mode, a bool or its
+        name) says. A module's ``set_activation_checkpointing`` gets a bool (full / none) unless it
+        declares ``selective_checkpointing = True`` (it then gets the mode, as :class:`Llama` does)."""
+        mode = Checkpointing.parse(activation_checkpointing)
+        if mode and not self._checkpointers:
+            raise LayoutError(f"activation checkpointing ({mode}) was asked for layout {layout}, but "
                               f"{type(self.module).__name__} has no module with set_activation_checkpointing()")
+        if mode is Checkpointing.SELECTIVE:
+            plain = [type(m).__name__ for m in self._checkpointers if not getattr(m, "selective_checkpointing", False)]
+            if plain:
+                raise LayoutError(f"selective checkpointing was asked for layout {layout}, but {plain[0]} "
+                                  f"does not declare selective_checkpointing = True; use 'full' or 'none'")
+            if layout.fsdp:  # the recomputed core would read the unit's released (meta) weights
+                raise LayoutError(f"selective checkpointing is not built for the sharded layout {layout} "
+                                  f"(docs/DESIGN.md §11); use 'full' or 'none' there")
         groups = self.world.layout_groups(layout)
         if self.hooks:
             from .attention import check_attention
@@ -65,7 +78,7 @@ class ParallelModel:
         self.state.groups = groups
         set_parameters(self.module, params)
         for m in self._checkpointers:
-            m.set_activation_checkpointing(activation_checkpointing)
+            m.set_activation_checkpointing(mode if getattr(m, "selective_checkpointing", False) else bool(mode))
 
     def restore(self, params: Mapping[str, nn.Parameter]) -> None:
         """Puts the home parameters back and leaves no layout active."""

@@ -4,11 +4,13 @@ The objective is the one :mod:`.exact` minimizes; the method trades exactness fo
 
 1. **Combinations.** Per layout "unused / without / with checkpointing": every combination that can
    hold every document is screened (checkpointing variants that hold nothing more than the plain
-   option are skipped: they only add recompute). With ``split_checkpointing`` the best few are
-   screened again with "both" for their checkpointed layouts: two stages of one layout, the
-   documents that need checkpointing in one, the others without it in the next (no switch between
-   them, same working copy; one gradient reduction, same tp), where one checkpointed stage would
-   recompute every document's forward because one long document needs it.
+   option and price no document lower are skipped: they only add recompute; a larger capacity
+   can price lower where micro-batches are dear, as in an fsdp layout's lockstep rounds). With
+   ``split_checkpointing`` the best few are screened again with "both" for their checkpointed
+   layouts: two stages of one layout, the documents that need checkpointing in one, the others
+   without it in the next (no switch between them, same working copy; one gradient reduction, same
+   tp), where one checkpointed stage would recompute every document's forward because one long
+   document needs it.
 2. **Relaxed stage time** ``max(W/dp, M) + F``: ``W`` the stage's total seconds (with at least one
    micro-batch per dp group that gets a document), ``M`` its costliest single document (one dp group
    must run it): a lower bound on the balanced stage. The stages of one replicated tp degree form
@@ -201,9 +203,11 @@ def _combinations(options: Sequence[OptionCost], t: _Tables) -> list[tuple[int, 
     for js in by_layout.values():
         keep = list(js)
         plain = [j for j in js if not options[j].activation_checkpointing]
-        for j in js:
-            if options[j].activation_checkpointing and plain and not np.any(fits[j] & ~fits[plain[0]]):
-                keep.remove(j)  # holds nothing the plain option does not: pure recompute cost
+        for j in js:  # a checkpointed option that holds nothing more and is nowhere cheaper per
+            # document (its micro-batch overhead per token, d / capacity, included: an fsdp round's
+            # gathers are paid per micro-batch, so a larger capacity can pay for the recompute)
+            if options[j].activation_checkpointing and plain and _dominated(j, plain[0], t):
+                keep.remove(j)
         choices.append([()] + [(j,) for j in keep])
     combos = []
     for pick in itertools.product(*choices):
@@ -211,6 +215,13 @@ def _combinations(options: Sequence[OptionCost], t: _Tables) -> list[tuple[int, 
         if combo and bool(np.all(fits[list(combo)].any(axis=0))):
             combos.append(combo)
     return combos
+
+
+def _dominated(j: int, plain: int, t: _Tables) -> bool:
+    """True if option ``j`` (checkpointed) holds no document option ``plain`` does not and prices
+    none lower in world-seconds (:attr:`_Tables.rate`): using it could only add recompute."""
+    fits = np.isfinite(t.cost)
+    return not np.any(fits[j] & ~fits[plain]) and not np.any(t.rate[j] < t.rate[plain])
 
 
 def _split_variants(used: tuple[int, ...], options: Sequence[OptionCost], t: _Tables) -> list[tuple[int, ...]]:
@@ -223,7 +234,7 @@ def _split_variants(used: tuple[int, ...], options: Sequence[OptionCost], t: _Ta
             lay = options[j].layout
             for p, o in enumerate(options):
                 if o.layout == lay and not o.activation_checkpointing and p not in used \
-                        and np.any(fits[j] & ~fits[p]):
+                        and (np.any(fits[j] & ~fits[p]) or np.any(t.rate[p] < t.rate[j])):
                     plain_of[j] = p
     adds = [[p] for p in plain_of.values()]
     if len(adds) > 1:

@@ -32,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from ..checkpointing import Checkpointing
 from ..layout import Layout
 from .cost_model import OptionCost
 from .packing import cp_padded_lengths
@@ -51,7 +52,7 @@ __all__ = [
     "stage_errors",
 ]
 
-OptionKey = tuple[Layout, bool]
+OptionKey = tuple[Layout, Checkpointing]
 Coefficients = tuple[float, float, float, float]  # a, b, c, e
 
 
@@ -60,20 +61,23 @@ class Observation:
     """One rank's measured compute seconds of one stage, with the features the fit needs."""
 
     layout: Layout
-    activation_checkpointing: bool
+    activation_checkpointing: Checkpointing  # (a bool or name is parsed)
     sum_sq: float  # sum over micro-batches and documents of padded length^2
     sum_len: float  # sum of padded lengths
     micro_batches: int
     seconds: float
     documents: int = 0
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "activation_checkpointing", Checkpointing.parse(self.activation_checkpointing))
+
     @classmethod
-    def from_lengths(cls, layout: Layout, activation_checkpointing: bool,
+    def from_lengths(cls, layout: Layout, activation_checkpointing: Checkpointing | bool,
                      micro_batch_lengths: Sequence[Sequence[int]], seconds: float) -> Observation:
         """``micro_batch_lengths``: the raw (unpadded, whole-document) lengths in each micro-batch."""
         flat = np.asarray([n for mb in micro_batch_lengths for n in mb], dtype=np.int64)
         s = cp_padded_lengths(flat, layout.cp).astype(np.float64)
-        return cls(layout, bool(activation_checkpointing), float((s * s).sum()), float(s.sum()),
+        return cls(layout, Checkpointing.parse(activation_checkpointing), float((s * s).sum()), float(s.sum()),
                    len(micro_batch_lengths), float(seconds), int(flat.size))
 
     @classmethod
@@ -237,8 +241,8 @@ class ProfiledCoefficients:
             "version": self.version,
             "last_refit_step": self.last_refit_step,
             "scale": self.scale,
-            "fitted": [[k[0].to_state(), k[1], list(v)]
-                       for k, v in sorted(self.fitted.items(), key=lambda kv: (kv[0][0].name, kv[0][1]))],
+            "fitted": [[k[0].to_state(), str(Checkpointing.parse(k[1])), list(v)]
+                       for k, v in sorted(self.fitted.items(), key=lambda kv: (kv[0][0].name, str(kv[0][1])))],
             # the observations' layout indices point into this list (encode_observations: sorted by name)
             "observations": encode_observations(self.observations, None).tolist(),
             "layouts": [lay.to_state() for lay in sorted({o.layout for o in self.observations}, key=lambda x: x.name)],
@@ -248,7 +252,7 @@ class ProfiledCoefficients:
         self.version = int(state.get("version", 0))
         self.last_refit_step = int(state.get("last_refit_step", -1))
         self.scale = float(state.get("scale", 1.0))
-        self.fitted = {(Layout.from_state(lay), bool(ac)): tuple(float(x) for x in v)  # type: ignore[misc]
+        self.fitted = {(Layout.from_state(lay), Checkpointing.parse(ac)): tuple(float(x) for x in v)  # type: ignore[misc]
                        for lay, ac, v in state.get("fitted", [])}
         layouts = [Layout.from_state(lay) for lay in state.get("layouts", [])]
         rows = np.asarray(state.get("observations", []), dtype=np.float64)
@@ -257,6 +261,8 @@ class ProfiledCoefficients:
 
 # ------------------------------------------------------------------------------------------ wire format
 ROW_WIDTH = 7
+#: the wire code of a checkpointing mode: its index here (0 / 1 were False / True before "selective")
+_MODES = (Checkpointing.NONE, Checkpointing.FULL, Checkpointing.SELECTIVE)
 
 
 def encode_observations(observations: Sequence[Observation], layouts: Sequence[Layout] | None) -> np.ndarray:
@@ -269,7 +275,8 @@ def encode_observations(observations: Sequence[Observation], layouts: Sequence[L
         index = {lay: i for i, lay in enumerate(layouts)}
     out = np.zeros((len(observations), ROW_WIDTH), dtype=np.float64)
     for r, o in enumerate(observations):
-        out[r] = (index[o.layout], float(o.activation_checkpointing), o.sum_sq, o.sum_len, o.micro_batches,
+        mode = float(_MODES.index(o.activation_checkpointing))
+        out[r] = (index[o.layout], mode, o.sum_sq, o.sum_len, o.micro_batches,
                   o.seconds, o.documents)
     return out
 
@@ -277,7 +284,8 @@ def encode_observations(observations: Sequence[Observation], layouts: Sequence[L
 def decode_observations(rows: np.ndarray, layouts: Sequence[Layout]) -> list[Observation]:
     """Inverse of :func:`encode_observations` (rows of all ranks, in rank order)."""
     rows = np.asarray(rows, dtype=np.float64).reshape(-1, ROW_WIDTH)
-    return [Observation(layouts[int(r[0])], bool(r[1]), float(r[2]), float(r[3]), int(r[4]), float(r[5]), int(r[6]))
+    return [Observation(layouts[int(r[0])], _MODES[int(r[1])], float(r[2]), float(r[3]), int(r[4]), float(r[5]),
+                        int(r[6]))
             for r in rows]
 
 
@@ -299,7 +307,7 @@ class CalibrationReport:
 
 
 def _label(key: OptionKey) -> str:
-    return key[0].name + ("+ac" if key[1] else "")
+    return key[0].name + Checkpointing.parse(key[1]).suffix
 
 
 def held_out_error(observations: Sequence[Observation], prior: Mapping[OptionKey, OptionCost],

@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from ..checkpointing import Checkpointing
 from ..checks import check_int
 from ..layout import Layout, LayoutError, MeshShape
 from ..models.config import LlamaConfig
@@ -97,7 +98,9 @@ def _working_copies(group: int, node_share: int) -> list[tuple[bool, int]]:
 
 
 def _options(cost_model: AnalyticCostModel, lay: Layout) -> list[OptionCost]:
-    return [o for o in (cost_model.option(lay, False), cost_model.option(lay, True)) if o.capacity >= 2 * lay.cp]
+    """``lay``'s options that hold a token: each checkpointing mode it can run (selective: not sharded)."""
+    modes = [m for m in Checkpointing if not (lay.fsdp and m is Checkpointing.SELECTIVE)]
+    return [o for o in (cost_model.option(lay, m) for m in modes) if o.capacity >= 2 * lay.cp]
 
 
 def _longest(cost_model: AnalyticCostModel, lay: Layout) -> int:

@@ -37,7 +37,12 @@ rows); the cost is padding (``s`` rounded up to ``2*cp``) and communication:
   over the ``cp_kv`` group forward, a re-gather and a reduce-scatter of dK / dV backward (+ a gather
   with checkpointing); each moves ``(cp_kv-1)`` local K/V slices of ``s/cp`` tokens x ``2 kv_width/tp``.
   The gathered K/V are not saved, so backward recomputes the attention forward: attention FLOPs x 4/3.
-* Activation checkpointing recomputes each layer's forward: +1/3 of the layers' training FLOPs.
+* Activation checkpointing (:class:`~lightning_hotspa.checkpointing.Checkpointing`): full recomputes
+  each layer's forward, +1/3 of the layers' training FLOPs (and its tp / cp collectives); selective
+  recomputes the attention core (the q/k/v projections' GEMMs, rotary, the attention kernel's
+  forward and its cp exchange; under sequence parallelism the attention input's tp all-gather), +1/3
+  of the attention FLOPs and 2 x the q/k/v parameters per token. Not offered for sharded (``fsdp``)
+  copies: the runtime does not build it.
 * dp: one reduce-scatter of the stage's fp32 gradients per run of same-tp stages (docs/DESIGN.md §4,
   "Gradients live in the engine's store").
 * Switches (switch.py): a move from tp ``s`` to tp ``t < s`` all-gathers ``1/t - 1/s`` of the bf16
@@ -62,8 +67,9 @@ store: 16 B per parameter / world), bf16 working weights and their fp32 main-gra
 gathered units), and activations per token as the runtime saves them (norms and residual stream on
 this rank's 1/tp of the tokens: sequence parallelism; attention per ``attention_backend``; SwiGLU;
 the blocked loss head's transients, DESIGN §11) over cp: without checkpointing every layer's saved
-tensors, with it only each layer's input plus one layer being recomputed. What is left decides the
-option's token capacity.
+tensors, with full checkpointing only each layer's input plus one layer being recomputed, with
+selective each layer's saved tensors but q / k / v and the attention kernel's own, plus one layer's
+attention recomputed. What is left decides the option's token capacity.
 """
 
 from __future__ import annotations
@@ -74,6 +80,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..checkpointing import Checkpointing
 from ..checks import check_int
 from ..layout import Layout
 from ..models.config import LlamaConfig
@@ -104,7 +111,7 @@ class OptionCost:
     """Predicted seconds of one option; see the module docstring for the meaning of each term."""
 
     layout: Layout
-    activation_checkpointing: bool
+    activation_checkpointing: Checkpointing
     capacity: int  # tokens per micro-batch, cp padding included
     quadratic: float  # a: seconds per (padded length)^2 of a document
     linear: float  # b: seconds per padded token
@@ -113,12 +120,13 @@ class OptionCost:
     per_document: float = 0.0  # e: fixed seconds per document (0 analytically; e.g. per-document kernels on CPU)
 
     @property
-    def key(self) -> tuple[str, bool]:
+    def key(self) -> tuple[str, Checkpointing]:
         return (self.layout.name, self.activation_checkpointing)
 
     @property
     def label(self) -> str:
-        return self.layout.name + ("+ac" if self.activation_checkpointing else "")
+        """``"dp8"``, ``"dp8+sac"``, ``"dp8+ac"``: the layout and the checkpointing mode."""
+        return self.layout.name + self.activation_checkpointing.suffix
 
     @property
     def max_doc_length(self) -> int:
@@ -235,18 +243,27 @@ class AnalyticCostModel(MemoryModel):
         return par
 
     # ------------------------------------------------------------------ time
-    def _coefficients(self, par: Layout, ac: bool) -> tuple[float, float, float]:
+    def _coefficients(self, par: Layout, ac: Checkpointing | bool) -> tuple[float, float, float]:
         m, hw = self.model, self.hardware
+        mode = Checkpointing.parse(ac)
+        full = mode is Checkpointing.FULL
         # tp*cp*pp ways, each at the measured efficiency of its smaller local shapes (1.0 by default)
         div = par.tp * par.cp * par.pp * hw.shard_efficiency(par.tp, par.cp)
         layers = m.n_layers / par.pp
-        recompute = 1.0 + (1.0 / 3.0 if ac else 0.0)
+        # both modes recompute the attention kernel's forward; the GEMMs: :meth:`_dense_seconds_per_token`
+        recompute = 1.0 + (1.0 / 3.0 if mode else 0.0)
         # compute: attention 6*L*H*hd*s*(s+1) (models/config.py), dense 6*P*s (+2*P_layers*s recompute)
         attn = self._attention_seconds(div) * recompute
         a, b = attn, attn + self._dense_seconds_per_token(par, ac)
-        d = layers * hw.layer_overhead_s * recompute
+        # per-layer launches: full reruns a block's forward (1/3 of its passes), selective about half
+        # of it (q/k/v projections, rotary, the kernel; not wo, the norms, the MLP)
+        d = layers * hw.layer_overhead_s * (1.0 + (1.0 / 3.0 if full else 1.0 / 6.0 if mode else 0.0))
         if par.tp > 1:
-            calls = (4 + (2 if ac else 0) + (1 if self.runtime.tp_regather else 0)) * layers + 1  # + embedding
+            # in all-reduce volumes: full reruns the forward's collectives (2); selective the attention
+            # input's all-gather of sequence parallelism (half of one); sequence parallelism's backward
+            # re-gathers of the attention and MLP inputs (tp_regather: two halves)
+            regather = 1.0 if self.runtime.tp_regather else 0.0
+            calls = (4 + (2 if full else 0.5 * regather if mode else 0) + regather) * layers + 1  # + embedding
             bw, lat = hw.bandwidth(par.tp), hw.latency(par.tp)
             exposed = self._exposed(self.runtime.tp_comm_overlap)
             b += exposed * calls * 2.0 * (par.tp - 1) / par.tp * m.hidden * self.param_bytes / par.cp / bw
@@ -257,14 +274,14 @@ class AnalyticCostModel(MemoryModel):
             span = par.tp * u
             bw, lat = hw.bandwidth(span, par.tp), hw.latency(span)
             per_token = (2 * self.attn_width + 2 * self.kv_width) / par.tp * self.param_bytes / par.cp
-            rounds = 2 + (1 if ac else 0)  # forward, backward, recomputed forward
+            rounds = 2 + (1 if mode else 0)  # forward, backward, recomputed forward (either mode)
             b += self._exposed(self.runtime.cp_comm_overlap) * rounds * layers * (u - 1) / u * per_token / bw
             d += rounds * 2 * layers * lat
         if g > 1:
             span = par.tp * par.cp
             bw, lat = hw.bandwidth(span, par.tp * u), hw.latency(span)
             per_token = 2 * self.kv_width / par.tp * self.param_bytes / par.cp  # local K and V per token
-            rounds = 3 + (1 if ac else 0)  # gather, re-gather + reduce-scatter backward, recompute
+            rounds = 3 + (1 if mode else 0)  # gather, re-gather + reduce-scatter backward, recompute
             b += self._exposed(self.runtime.cp_comm_overlap) * rounds * layers * (g - 1) * per_token / bw
             d += rounds * layers * lat
             recompute_attn = 1.0 / 3.0  # backward recomputes the attention forward (K/V not saved)
@@ -290,11 +307,15 @@ class AnalyticCostModel(MemoryModel):
         attn_eff = hw.attention_efficiency_for(kernel, m.head_dim)
         return 6.0 * m.n_layers * self.attn_width / (div * hw.peak_flops * attn_eff)
 
-    def _dense_seconds_per_token(self, par: Layout, ac: bool) -> float:
-        """GEMM seconds per token of a micro-batch on one rank (recompute included with ``ac``)."""
+    def _dense_seconds_per_token(self, par: Layout, ac: Checkpointing | bool) -> float:
+        """GEMM seconds per token of a micro-batch on one rank (recompute included: full reruns
+        every block GEMM's forward, selective the q / k / v projections)."""
         m, hw = self.model, self.hardware
+        mode = Checkpointing.parse(ac)
         div = par.tp * par.cp * par.pp * hw.shard_efficiency(par.tp, par.cp)
-        dense_flops = 6.0 * self.dense_params + (2.0 * self.layer_params * m.n_layers if ac else 0.0)
+        redo = {Checkpointing.NONE: 0.0, Checkpointing.FULL: self.layer_params,
+                Checkpointing.SELECTIVE: m.hidden * (self.attn_width + 2.0 * self.kv_width)}[mode]
+        dense_flops = 6.0 * self.dense_params + 2.0 * redo * m.n_layers
         return dense_flops / (div * hw.peak_flops * hw.gemm_efficiency(m.hidden))
 
     def _exposed(self, overlapped: bool) -> float:
@@ -333,7 +354,7 @@ class AnalyticCostModel(MemoryModel):
         return (ring * units + n * lat, ring * (units - embedding) + (n - 1) * lat,
                 (g - 1) / g * units * self.grad_bytes / bw + n * lat)
 
-    def _fsdp_exposed(self, par: Layout, ac: bool, capacity: int, b: float, d: float) -> tuple[float, float]:
+    def _fsdp_exposed(self, par: Layout, ac: Checkpointing, capacity: int, b: float, d: float) -> tuple[float, float]:
         """(linear, per_micro_batch) with the exposed part of the per-layer traffic ``C``: each layer's
         exchange overlaps its compute (``hardware.layer_comm_overlap`` of its GEMM time), so a
         micro-batch of ``T`` tokens exposes ``max(0, C - overlap * k * T)``. That is convex in ``T``;
@@ -373,14 +394,19 @@ class AnalyticCostModel(MemoryModel):
             cheapest[kind] = min(red, cheapest.get(kind, red))
         return sum(cheapest.values())
 
-    def option(self, par: Layout, activation_checkpointing: bool,
+    def option(self, par: Layout, activation_checkpointing: Checkpointing | bool | str,
                capacity: int | None = None) -> OptionCost:
+        """The priced option of ``par`` with ``activation_checkpointing`` (a mode, a bool or its name);
+        ``capacity``: tokens per micro-batch (default: the memory model's)."""
         par = self.check(par)
+        activation_checkpointing = Checkpointing.parse(activation_checkpointing)
+        if activation_checkpointing is Checkpointing.SELECTIVE and par.fsdp:
+            raise CostModelError(f"{par}: selective checkpointing is not built for sharded working copies")
         a, b, d = self._coefficients(par, activation_checkpointing)
         cap = self.capacity(par, activation_checkpointing) if capacity is None else int(capacity)
         if par.fsdp:
             b, d = self._fsdp_exposed(par, activation_checkpointing, cap, b, d)
-        return OptionCost(par, bool(activation_checkpointing), cap, a, b, d, self.grad_reduce_seconds(par))
+        return OptionCost(par, activation_checkpointing, cap, a, b, d, self.grad_reduce_seconds(par))
 
     # ------------------------------------------------------------------ switches
     def _working_shards(self, par: Layout | None) -> int:

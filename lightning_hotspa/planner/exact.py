@@ -187,10 +187,13 @@ def solve_exact(
     layouts = list(by_layout)
     best_stage: dict[Layout, np.ndarray] = {}
     best_choice: dict[Layout, np.ndarray] = {}
+    splits: dict[Layout, list[tuple[_Option, _Option]]] = {}
     for lay, tabs in by_layout.items():
         stack = np.vstack([t.stage + t.option.stage_fixed for t in tabs])
-        if split_checkpointing and len(tabs) == 2:  # both stages: one reduction, no switch
-            a, b = tabs
+        plain = next((t for t in tabs if not t.option.activation_checkpointing), None)
+        # both stages (the plain one and a checkpointed one): one reduction, no switch
+        splits[lay] = [(plain, b) for b in tabs if b is not plain] if split_checkpointing and plain else []
+        for a, b in splits[lay]:
             pair = np.minimum.reduceat(a.stage[sub] + b.stage[owner ^ sub], starts) + a.option.stage_fixed
             stack = np.vstack([stack, pair])
         best_choice[lay] = np.argmin(stack, axis=0)
@@ -239,7 +242,7 @@ def solve_exact(
     stages = []
     for lay in order:
         tabs, pick = by_layout[lay], int(best_choice[lay][masks[lay]])
-        parts = [(tabs[pick], masks[lay])] if pick < len(tabs) else _split(tabs, masks[lay])
+        parts = [(tabs[pick], masks[lay])] if pick < len(tabs) else _split(splits[lay][pick - len(tabs)], masks[lay])
         for tab, mask in parts:
             if not mask:
                 continue
@@ -250,7 +253,8 @@ def solve_exact(
 
 
 def _split(tabs: Sequence[_Option], mask: int) -> list[tuple[_Option, int]]:
-    """The documents of ``mask`` for each of a layout's two options, attaining the split minimum."""
+    """The documents of ``mask`` for each of a layout's two options (the plain one, then a
+    checkpointed one), attaining the split minimum."""
     a, b = tabs
     best, cut = INF, 0
     for t in _ascending_submasks(mask):

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from ..checkpointing import Checkpointing
 from ..layout import Layout
 from .kv_gather_memory import _local_kv_heads, kv_gather_extra_bytes
 
@@ -70,6 +71,8 @@ class MemoryModel:
     hardware: Any
     #: planned peak x (1 + this) <= usable; set 0 to plan against the bare prediction
     model_error_margin: float = MODEL_ERROR_MARGIN
+    #: the loss head's per-token state (:data:`HEAD_STATE_BYTES`; read by :mod:`.kv_gather_memory`)
+    head_state_bytes: float = HEAD_STATE_BYTES
 
     # What our runtime holds per rank, term by term; checked against the real code path under
     # FakeTensorMode + MemTracker by ``hotspa memory`` (tools/memory.py). TP is sequence parallel: norms
@@ -92,38 +95,49 @@ class MemoryModel:
         (GQA K/V unrepeated: SDPA ``enable_gqa`` / flash), the output once (a view of it feeds wo),
         the kernel's fp32 log-sum-exp per head (flash kernels); Ulysses adds the output after its
         all-to-all back (a new tensor, wo's input) and saves the kv heads it repeated for the
-        exchange; the KV gather saves q, its LOCAL k / v and the output (+ the Ulysses output in the
-        hybrid). Under tp with kv heads fewer than tp (replicated_partial) each rank's k / v are views
-        of the whole kv projection, which is what stays alive."""
+        exchange; the KV gather saves q, its LOCAL k / v and wo's input (its own output, or in the
+        hybrid the Ulysses output, which replaces it: the all-to-all saves nothing), and no
+        log-sum-exp (its kernels run inside its own autograd function, recomputed in backward;
+        measured, tests/test_memory.py). Under tp with kv heads fewer than tp (replicated_partial)
+        each rank's k / v are views of the whole kv projection, which is what stays alive."""
         m, wb, a = self.model, self.param_bytes, self.attn_width
         par = Layout(dp=1, tp=tp, cp=cp, cp_kv=cp_kv)
         state = self._attention_state_bytes() / (tp * cp)
         if cp_kv > 1:
             kv_local = _local_kv_heads(m, par) * par.cp_ulysses * tp * m.head_dim  # full-width units
-            saved = 2 * a + 2 * kv_local + (a if par.cp_ulysses > 1 else 0)
-            return wb * saved / (tp * cp) + state
+            return wb * (2 * a + 2 * kv_local) / (tp * cp)
         if cp > 1:  # Ulysses: the kv heads each rank holds after the exchange, for the whole row
             return wb * (3 * a / (tp * cp) + 2 * _local_kv_heads(m, par) * m.head_dim) + state
         kv = self.kv_width if m.n_kv_heads % tp else self.kv_width / tp
         return wb * (2 * a / tp + 2 * kv) + state
 
-    def activation_bytes_per_token(self, activation_checkpointing: bool, tp: int = 1, cp: int = 1,
+    def activation_bytes_per_token(self, activation_checkpointing: Checkpointing | bool, tp: int = 1, cp: int = 1,
                                    cp_kv: int = 1) -> float:
         """Bytes one token of a micro-batch adds to the peak of one rank in a tp x cp group: the
         tensors autograd saves (models/llama.py and models/kernels.py; attention per
-        ``attention_backend`` and cp kind) plus the loss head's transients at the forward/backward turn."""
+        ``attention_backend`` and cp kind) plus the loss head's transients at the forward/backward turn.
+        Full checkpointing keeps each layer's input and one layer recomputed; selective keeps every
+        layer's tensors but its attention core's (q / k / v, the kernel's; wo's input stays), and a
+        layer's recomputed core counts where it exceeds the loss head's transients, freed by then
+        (measured: the head's turn is the peak; docs/DESIGN.md §11)."""
+        mode = Checkpointing.parse(activation_checkpointing)
         m = self.model
         f, hd, wb = m.ffn_hidden, m.head_dim, self.param_bytes
         replicated = 2 * self.norm_bytes_per_token()  # sequence parallel: this rank's tokens only (/ tp)
         ffn = 2.0 * wb * f / (tp * cp)  # SwiGLU: the w1 and w3 outputs (models.kernels.SwiGLUDown)
-        layer = replicated / (tp * cp) + ffn + self.attention_saved_bytes(tp, cp, cp_kv)
+        attention = self.attention_saved_bytes(tp, cp, cp_kv)
+        layer = replicated / (tp * cp) + ffn + attention
         rope = 2.0 * wb * hd / cp  # cos, sin tables shared by the layers
         # loss head: final norm (on this rank's tokens; the head keeps its input gathered over tp), the
         # blocked head's per-token state and its transients
         head = (self.norm_bytes_per_token() / tp + wb * m.hidden * (1 - 1 / tp) + HEAD_STATE_BYTES) / cp \
             + self.logits_bytes_per_token(tp, cp)
-        if activation_checkpointing:  # each layer's input (this rank's tokens), plus one layer recomputed
+        if mode is Checkpointing.FULL:  # each layer's input (this rank's tokens), plus one layer recomputed
             return m.n_layers * wb * m.hidden / (tp * cp) + layer + rope + head
+        if mode is Checkpointing.SELECTIVE:  # the core's output (wo's input) kept, the rest recomputed
+            kept = wb * self.attn_width / (tp * cp)
+            recomputed = max(0.0, attention - kept - self.logits_bytes_per_token(tp, cp))
+            return m.n_layers * (layer - attention + kept) + recomputed + rope + head
         return m.n_layers * layer + rope + head
 
     def logits_bytes_per_token(self, tp: int = 1, cp: int = 1) -> float:
@@ -160,7 +174,8 @@ class MemoryModel:
         block = block / tp + 2 * m.hidden + (kv if m.n_kv_heads % tp else 0)
         return max(block, m.padded_vocab_size * m.hidden / tp + m.hidden)
 
-    def memory(self, par: Layout, activation_checkpointing: bool, mixed_tp: bool = False) -> MemoryUse:
+    def memory(self, par: Layout, activation_checkpointing: Checkpointing | bool,
+               mixed_tp: bool = False) -> MemoryUse:
         """Home: fp32 weights, AdamW m and v, fp32 gradient store (16 B / parameter / world).
         Working: weights in the working dtype plus their gradient accumulators (``grad_accum_bytes``:
         fp32 main grads by default, +4 B per working parameter) over the layout's tp (and pp), and
@@ -204,7 +219,8 @@ class MemoryModel:
                          transient=max(0.0, reduce - in_working),
                          head_per_token=self.logits_bytes_per_token(par.tp, par.cp))
 
-    def peak_bytes(self, par: Layout, activation_checkpointing: bool, tokens: int, mixed_tp: bool = False) -> float:
+    def peak_bytes(self, par: Layout, activation_checkpointing: Checkpointing | bool, tokens: int,
+                   mixed_tp: bool = False) -> float:
         """Predicted peak bytes per rank with a micro-batch of ``tokens`` (no reserve: compare with
         the memory estimator, ``hotspa memory``); ``mixed_tp``: as a block of a mixed-tp stage."""
         mem = self.memory(par, activation_checkpointing, mixed_tp)
@@ -212,13 +228,19 @@ class MemoryModel:
         kv = self.kv_gather_extra_bytes(par, activation_checkpointing, tokens)
         return mem.peak(tokens, quadratic) + kv
 
-    def kv_gather_extra_bytes(self, par: Layout, activation_checkpointing: bool,
+    def kv_gather_extra_bytes(self, par: Layout, activation_checkpointing: Checkpointing | bool,
                               tokens: int) -> float:
         """The all-gather-KV / hybrid cp transients beyond what is freed by then (0 for Ulysses or no
-        cp; :mod:`.kv_gather_memory`). ``activation_checkpointing`` is accepted for symmetry."""
-        return kv_gather_extra_bytes(self, par, tokens)
+        cp; :mod:`.kv_gather_memory`); under selective checkpointing the layer's recomputed q / k / v
+        are alive again during its backward."""
+        mode = Checkpointing.parse(activation_checkpointing)
+        again = 0.0
+        if mode is Checkpointing.SELECTIVE:
+            kept = self.param_bytes * self.attn_width / (par.tp * par.cp)  # wo's input
+            again = self.attention_saved_bytes(par.tp, par.cp, par.cp_kv) - kept
+        return kv_gather_extra_bytes(self, par, tokens, again)
 
-    def capacity(self, par: Layout, activation_checkpointing: bool, mixed_tp: bool = False) -> int:
+    def capacity(self, par: Layout, activation_checkpointing: Checkpointing | bool, mixed_tp: bool = False) -> int:
         """Most tokens one micro-batch may hold (0: the weights alone do not fit): its predicted peak
         stays within the planning budget (usable / (1 + ``model_error_margin``)); ``mixed_tp``: as a
         block of a mixed-tp stage (:meth:`memory`)."""

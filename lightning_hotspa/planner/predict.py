@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from ..checkpointing import Checkpointing
 from .cost_model import AnalyticCostModel, OptionCost, shares_gradients
 from .mixed_rounds import MixedGroups, mixed_seconds
 from .timeline import GroupBlocks, Timeline, stage_group_seconds
@@ -30,7 +31,7 @@ class StagePrediction:
     """One stage: its option, what it holds, and its predicted seconds."""
 
     layout: str
-    activation_checkpointing: bool
+    activation_checkpointing: Checkpointing
     documents: int
     tokens: int
     micro_batches: int

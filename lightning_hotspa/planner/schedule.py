@@ -39,12 +39,13 @@ from typing import Any
 
 import torch
 
+from ..checkpointing import Checkpointing
 from ..layout import Layout
 from ..plan import PlanError
 
 __all__ = ["CoefficientSchedule", "ScheduleEntry"]
 
-OptionKey = tuple[Layout, bool]
+OptionKey = tuple[Layout, Checkpointing]
 _HEAD = 3  # leading columns of an entry row
 _NEVER = -(2.0**62)  # effective step of the initial version
 
@@ -186,13 +187,13 @@ class CoefficientSchedule:
         entries, decided = self.read()
         return {"decided_through": decided, "lag": self.lag,
                 "entries": [[e.effective_step, e.version, e.scale,
-                             [[k[0].to_state(), k[1], list(v)] for k, v in sorted(
-                                 e.fitted.items(), key=lambda kv: (kv[0][0].name, kv[0][1]))]] for e in entries]}
+                             [[k[0].to_state(), str(Checkpointing.parse(k[1])), list(v)] for k, v in sorted(
+                                 e.fitted.items(), key=lambda kv: (kv[0][0].name, str(kv[0][1])))]] for e in entries]}
 
     @staticmethod
     def entries_from_state(state: Mapping[str, Any]) -> tuple[list[ScheduleEntry], int, int | None]:
         entries = [ScheduleEntry(int(eff), int(ver), float(scale),
-                                 {(Layout.from_state(lay), bool(ac)): tuple(float(x) for x in v)  # type: ignore[misc]
+                                 {(Layout.from_state(lay), Checkpointing.parse(ac)): tuple(float(x) for x in v)  # type: ignore[misc]
                                   for lay, ac, v in fitted})
                    for eff, ver, scale, fitted in state.get("entries", [])]
         return entries, int(state.get("decided_through", -1)), state.get("lag")

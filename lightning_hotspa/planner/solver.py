@@ -45,6 +45,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from ..checkpointing import Checkpointing
 from ..checks import check_int
 from ..layout import Layout, LayoutError, MeshShape, parse_layouts
 from ..models.config import LlamaConfig
@@ -68,9 +69,11 @@ __all__ = ["CostModelPlanner"]
 # (max group / mean - 1) and it has at most this many documents (pack_layout costs ~10 ms at 500).
 _POLISH_IMBALANCE = 0.002
 _POLISH_MAX_DOCS = 256
+#: checkpointing options in the order they are listed (plain first)
+_MODES = (Checkpointing.NONE, Checkpointing.SELECTIVE, Checkpointing.FULL)
 
 LayoutSpec = Layout | str | Mapping[str, int]
-Checkpointing = bool | Literal["auto"] | Collection[LayoutSpec]
+CheckpointingSpec = Checkpointing | bool | str | Collection[LayoutSpec]
 
 
 class CostModelPlanner(PlannerBase):
@@ -85,8 +88,10 @@ class CostModelPlanner(PlannerBase):
         tokens_per_rank: if given, a layout's capacity is ``tokens_per_rank * tp * cp`` (the
             strategy's setting), times the model's activation ratio with checkpointing; otherwise
             capacities come from the memory model.
-        activation_checkpointing: ``"auto"`` (decide per layout and step), True / False (always /
-            never), or the layouts that always checkpoint (the others never do).
+        activation_checkpointing: ``"auto"`` (decide per layout and step among none, selective and
+            full; sharded ``:fsdp`` layouts among none and full), ``"none"`` / ``"selective"`` /
+            ``"full"`` for every layout (True / False: full / none), or the layouts that always
+            checkpoint fully (the others never do).
         profiled: fit coefficients to observed timings (``observe`` / ``refit``).
         refit_every: refit at steps that are multiples of this.
         plan_lag: a refit at step ``r`` changes the plans of steps ``>= r + plan_lag`` (>= 2 when
@@ -112,7 +117,7 @@ class CostModelPlanner(PlannerBase):
         hardware: HardwareProfile | str = "cpu-gloo",
         world_size: int | None = None,
         tokens_per_rank: int | None = None,
-        activation_checkpointing: Checkpointing = "auto",
+        activation_checkpointing: CheckpointingSpec = "auto",
         profiled: bool = False,
         refit_every: int = 10,
         plan_lag: int = 2,
@@ -145,7 +150,7 @@ class CostModelPlanner(PlannerBase):
         self._plan_lag = check_int(plan_lag, f"{name}: plan_lag", minimum=0, error=PlanError)
         self.coefficients = ProfiledCoefficients(refit_every=refit_every)
         self._ac_modes = {lay: self._ac_mode(lay, activation_checkpointing) for lay in self.layouts}
-        self._analytic: dict[tuple[Layout, bool], OptionCost] = {}
+        self._analytic: dict[tuple[Layout, Checkpointing], OptionCost] = {}
         for lay in self.layouts:
             self.cost_model.check(lay)
             for ac in self._ac_modes[lay]:
@@ -165,28 +170,38 @@ class CostModelPlanner(PlannerBase):
         self._refresh()
 
     # ------------------------------------------------------------------ configuration
-    def _ac_mode(self, lay: Layout, spec: Checkpointing) -> tuple[bool, ...]:
-        if spec == "auto":
-            return (False, True)
-        if isinstance(spec, bool):
-            return (spec,)
-        if isinstance(spec, str):
-            raise PlanError(f"activation_checkpointing must be 'auto', a bool or layouts, got {spec!r}")
+    def _ac_mode(self, lay: Layout, spec: CheckpointingSpec) -> tuple[Checkpointing, ...]:
+        """The checkpointing options ``lay`` is priced with under ``spec``."""
+        if isinstance(spec, str) and spec == "auto":
+            return _MODES[::2] if lay.fsdp else _MODES  # selective is not built for sharded copies
+        if isinstance(spec, (bool, str)):
+            try:
+                mode = Checkpointing.parse(spec)
+            except ValueError:
+                raise PlanError(f"activation_checkpointing must be 'auto', 'none', 'selective', 'full', a bool "
+                                f"or layouts, got {spec!r}") from None
+            if mode is Checkpointing.SELECTIVE and lay.fsdp:
+                raise PlanError(f"activation_checkpointing='selective' is not built for the sharded layout {lay}; "
+                                f"use 'auto' (none or full there), 'full' or 'none'")
+            return (mode,)
         forced = {Layout.parse(x) for x in spec}
-        return (lay in forced,)
+        return (Checkpointing.FULL if lay in forced else Checkpointing.NONE,)
 
-    def _capacity_override(self, lay: Layout, ac: bool) -> int | None:
+    def _capacity_override(self, lay: Layout, ac: Checkpointing) -> int | None:
         if self.tokens_per_rank is None:
             return None
         base = self.tokens_per_rank * lay.tp * lay.cp
-        return int(base * self.cost_model.activation_ratio()) if ac else base
+        if not ac:
+            return base
+        cm = self.cost_model
+        return int(base * cm.activation_bytes_per_token(Checkpointing.NONE) / cm.activation_bytes_per_token(ac))
 
-    def _sorted_keys(self, keys: Iterable[tuple[Layout, bool]]) -> list[tuple[Layout, bool]]:
-        return sorted(keys, key=lambda k: (self.layouts.index(k[0]), k[1]))
+    def _sorted_keys(self, keys: Iterable[tuple[Layout, Checkpointing]]) -> list[tuple[Layout, Checkpointing]]:
+        return sorted(keys, key=lambda k: (self.layouts.index(k[0]), _MODES.index(k[1])))
 
     def _refresh(self) -> None:
         """Options with the newest coefficients (analytic, or fitted in profiled mode)."""
-        self.options: dict[tuple[Layout, bool], OptionCost] = {
+        self.options: dict[tuple[Layout, Checkpointing], OptionCost] = {
             k: (self.coefficients.apply(o) if self.profiled else o) for k, o in self._analytic.items()
         }
         self._option_list = [self.options[k] for k in self._sorted_keys(self.options)]
@@ -230,8 +245,9 @@ class CostModelPlanner(PlannerBase):
             raise LayoutError(f"layout {layout} is not among the candidates {[str(x) for x in self.layouts]}")
         return max(caps)
 
-    def option(self, layout: Layout, activation_checkpointing: bool) -> OptionCost:
-        return self.options[(layout, activation_checkpointing)]
+    def option(self, layout: Layout, activation_checkpointing: Checkpointing | bool | str) -> OptionCost:
+        """The priced option of ``layout`` with ``activation_checkpointing`` (a mode, a bool or its name)."""
+        return self.options[(layout, Checkpointing.parse(activation_checkpointing))]
 
     def longest_document(self) -> int:
         return max(o.max_doc_length for o in self.options.values())

@@ -108,13 +108,14 @@ def llama_roles_and_shardings(module: nn.Module, config: LlamaConfig, layout: La
 
 
 def estimate_layout(config: LlamaConfig, world_size: int, layout: Layout | str, tokens: int, *,
-                    activation_checkpointing: bool = False, working_dtype: torch.dtype = torch.bfloat16,
+                    activation_checkpointing: Any = False, working_dtype: torch.dtype = torch.bfloat16,
                     grad_accum_dtype: torch.dtype | None = torch.float32,
                     bucket_bytes: int = 4 * 2**20, max_buckets_in_flight: int = 2,
                     overlap: bool = True, attention: str = "cpu",
                     peers: Sequence[Layout | str] | None = None) -> dict[str, Any]:
     """Peak bytes of rank 0 by category for one training step in ``layout``; also the peak of the
     gradient-reduction phase alone (``reduce_peak``, ``reduce_start``: bytes when it began).
+    ``activation_checkpointing``: a mode (``"none"``, ``"selective"``, ``"full"``) or a bool.
     ``overlap``: reduce buckets during the backward (the strategy's way) or all after it.
     ``attention``: "cpu" runs the model's CPU kernel (SDPA's flash kernel per document); "gpu" keeps
     what flash-attn's varlen kernel keeps (:mod:`lightning_hotspa.testing.gpu_attention`).
@@ -132,6 +133,7 @@ def estimate_layout(config: LlamaConfig, world_size: int, layout: Layout | str, 
     from ..engine.switch import SwitchEngine
     from ..host import set_host_reads
     from ..mesh import WorldMesh
+    from ..parallel.cpu_chunks import cuda_chunk_path
     from ..parallel.model import ParallelModel
     from ..testing.fake_world import FakeWorld, MemoryTracker, fake_mode, host_reads_real
 
@@ -150,8 +152,10 @@ def estimate_layout(config: LlamaConfig, world_size: int, layout: Layout | str, 
         widest = max(mixed, key=lambda x: x.tp) if mixed else layout  # one tp plan for every block
         roles, shardings = llama_roles_and_shardings(module, config, widest, world)
         previous = set_host_reads(host_reads_real)
+        # the GPU path: all-gather-KV chunks as CUDA runs them too (one call each, recomputed in backward)
+        kv_path = cuda_chunk_path() if attention == "gpu" else contextlib.nullcontext()
         try:
-            with fake_mode():
+            with fake_mode(), kv_path:
                 module.to_empty(device="cpu")
                 home = build_home_parameters(world, shardings, None, init_shard=_empty_shard)
                 parallel = ParallelModel(module, roles, world)
