@@ -25,7 +25,7 @@ test-fast: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider -m fast
 
 # The API reference from the docstrings (pdoc, from the test extra): build/api/index.html. Fails on
-# any pdoc warning (tests/test_api_docs.py checks the same in `make test`).
+# any pdoc warning (tests/unit/test_api_docs.py checks the same in `make test`).
 docs: $(STAMP)
 	$(PY) -m lightning_hotspa.tools.api_docs build/api
 

@@ -1,6 +1,6 @@
 """Single-device model speed per attention backend: tokens/s and MFU at each document length.
 
-For calibrating a GPU hardware profile (``planner/hardware.py``): one device, no
+For calibrating a GPU hardware profile (``planner/cost/hardware.py``): one device, no
 parallelism, forward + backward (no optimizer) of a Llama preset on packed rows of ``--tokens``
 tokens cut into documents of one length each, for every backend in ``--backends`` and length in
 ``--lengths``. Each cell is the median over ``--steps`` timed steps after ``--warmup``, with a device
@@ -37,7 +37,7 @@ from lightning_hotspa.models.attention import BACKENDS, select_attention_backend
 from lightning_hotspa.models.config import LlamaConfig  # noqa: E402
 from lightning_hotspa.models.init import build_llama  # noqa: E402
 from lightning_hotspa.models.llama import Llama  # noqa: E402
-from lightning_hotspa.planner.hardware import get_profile  # noqa: E402
+from lightning_hotspa.planner.cost.hardware import get_profile  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 

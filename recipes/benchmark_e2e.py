@@ -75,7 +75,7 @@ CALIBRATION_OFFSET = 40  # calibration mini-batches start here in the stream: ne
 # ------------------------------------------------------------------------------------------ setup
 def budget_profile(memory_mib: float):
     """The cpu-gloo profile with ``memory_mib`` per rank, all of it usable (the budget is stated)."""
-    from lightning_hotspa.planner.hardware import get_profile
+    from lightning_hotspa.planner.cost.hardware import get_profile
 
     base = get_profile("cpu-gloo")
     return dataclasses.replace(base, name=f"cpu-gloo-{memory_mib:g}MiB", memory_bytes=memory_mib * 2**20,
@@ -91,7 +91,7 @@ def model_config():
 def tokens_per_rank(memory_mib: float) -> int:
     """Activation tokens one rank holds with no tp/cp: the cost model's capacity of pure dp."""
     from lightning_hotspa.layout import Layout
-    from lightning_hotspa.planner.cost_model import AnalyticCostModel
+    from lightning_hotspa.planner.cost.cost_model import AnalyticCostModel
 
     cap = AnalyticCostModel(model_config(), budget_profile(memory_mib), WORLD).capacity(Layout(dp=WORLD), False)
     if cap < 64:
@@ -104,8 +104,8 @@ def layout_sets(args: argparse.Namespace) -> dict[str, Any]:
     hotspa candidates and the rule."""
     from lightning_hotspa.layout import Layout, MeshShape
     from lightning_hotspa.planner.candidates import auto_layouts, enumerate_layouts
-    from lightning_hotspa.planner.cost_model import AnalyticCostModel
-    from lightning_hotspa.planner.packing import max_doc_length
+    from lightning_hotspa.planner.cost.cost_model import AnalyticCostModel
+    from lightning_hotspa.planner.solve.packing import max_doc_length
 
     hw = budget_profile(args.memory_mib)
     every = enumerate_layouts(WORLD, AnalyticCostModel(model_config(), hw, WORLD))
@@ -130,7 +130,7 @@ class BandPlanner:
     timing bands (``ideal_speedup``, calibration), not for training."""
 
     def __init__(self, layout, bands: list[int], tokens_per_rank: int) -> None:
-        from lightning_hotspa.planner.packing import max_doc_length
+        from lightning_hotspa.planner.solve.packing import max_doc_length
 
         self.layout, self.capacity = layout, tokens_per_rank * layout.tp * layout.cp
         self.layouts = (layout,)
@@ -140,7 +140,7 @@ class BandPlanner:
     def plan(self, step: int, lengths: list[int]):
         """(StepPlan over the held documents or None, their indices in ``lengths``, band per stage)."""
         from lightning_hotspa.plan import Stage, StepPlan
-        from lightning_hotspa.planner.packing import pack_layout
+        from lightning_hotspa.planner.solve.packing import pack_layout
 
         lower, stages, kept, band_ids = 0, [], [], []
         for i, upper in enumerate(self.bands):
@@ -173,7 +173,7 @@ def config_planners(sets: dict[str, Any], args: argparse.Namespace, calibration:
 
 
 def cost_planner(layouts, args: argparse.Namespace, calibration: dict | None):
-    from lightning_hotspa.planner.solver import CostModelPlanner
+    from lightning_hotspa.planner.solve.solver import CostModelPlanner
 
     planner = CostModelPlanner(layouts, model=model_config(), hardware=budget_profile(args.memory_mib),
                                tokens_per_rank=args.tokens_per_rank, activation_checkpointing=False,

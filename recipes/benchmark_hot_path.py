@@ -10,7 +10,7 @@ Keys (docs/gpu-runtime.md explains each):
   the step's backward passes and after them (4 gloo ranks, tiny Llama, 64 KiB buckets, second step).
 * ``kv_attention_calls_per_layer``: attention-kernel calls one layer's forward makes for ONE document
   on the busiest cp rank of ``:kv`` (llama3-8b heads, tp=1): the geometry the forward iterates
-  (``tests/test_kv_gather.py`` checks the forward makes exactly that many kernel calls), and per
+  (``tests/unit/test_kv_gather.py`` checks the forward makes exactly that many kernel calls), and per
   local query chunk (2 per document per rank).
 * ``kv_work_vs_single``: CPU seconds of forward+backward of one document at cp4 ``:kv`` summed over
   4 gloo ranks, over the same document in one process (4-D SDPA), same run.

@@ -176,7 +176,7 @@ def _loss_head(preset: str, tokens: int) -> dict[str, int]:
 
 def _capacity() -> dict[str, int]:
     from lightning_hotspa.layout import Layout
-    from lightning_hotspa.planner.cost_model import AnalyticCostModel, resolve_model
+    from lightning_hotspa.planner.cost.cost_model import AnalyticCostModel, resolve_model
 
     return {name: AnalyticCostModel(resolve_model(model), "H100", world).capacity(Layout.parse(lay), False)
             for name, model, world, lay in CAPACITY_ROWS}
@@ -196,7 +196,7 @@ def _sequence_parallel(preset: str = "llama3-8b") -> dict[str, object]:
     """Per-token activation bytes of ``preset`` per tp degree, measured by ``hotspa memory``'s estimator
     on the GPU path (slope of the peak between :data:`TOKENS`), next to the memory model's."""
     from lightning_hotspa.layout import Layout
-    from lightning_hotspa.planner.cost_model import AnalyticCostModel, resolve_model
+    from lightning_hotspa.planner.cost.cost_model import AnalyticCostModel, resolve_model
     from lightning_hotspa.tools.memory import estimate_layout
 
     config = resolve_model(preset)

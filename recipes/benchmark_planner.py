@@ -20,7 +20,7 @@ import json
 import statistics
 import time
 
-from lightning_hotspa.planner.solver import CostModelPlanner
+from lightning_hotspa.planner.solve.solver import CostModelPlanner
 from lightning_hotspa.tools.long_grid import token_batch
 
 SETS = {

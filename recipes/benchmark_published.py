@@ -1,8 +1,8 @@
 """The cost model against published measured training runs (issue 30).
 
-Prices every bf16 row of :data:`~lightning_hotspa.planner.published_runs.PUBLISHED_RUNS` through the
-planner's path (:mod:`lightning_hotspa.planner.published_pricing`) on its GPU's hardware profile,
-with the SOURCE system's runtime description (:mod:`lightning_hotspa.planner.runtime_profile`).
+Prices every bf16 row of :data:`~lightning_hotspa.planner.cost.published_runs.PUBLISHED_RUNS` through the
+planner's path (:mod:`lightning_hotspa.planner.cost.published_pricing`) on its GPU's hardware profile,
+with the SOURCE system's runtime description (:mod:`lightning_hotspa.planner.cost.runtime_profile`).
 First it re-fits each GPU's GEMM-width curve and attention efficiency on the FIT rows
 (:func:`fit_rows`: every other llm-foundry row per GPU) and prints the fit's inputs, residuals and
 the constants beside the ones the profile holds; then it prices every row with the profiles as
@@ -19,11 +19,11 @@ from __future__ import annotations
 import argparse
 import json
 
-from lightning_hotspa.planner.cost_model import AnalyticCostModel
-from lightning_hotspa.planner.hardware import HardwareProfile, get_profile
-from lightning_hotspa.planner.published_fit import fit_profile, price_all
-from lightning_hotspa.planner.published_pricing import summarize
-from lightning_hotspa.planner.published_runs import PUBLISHED_RUNS, PublishedRun
+from lightning_hotspa.planner.cost.cost_model import AnalyticCostModel
+from lightning_hotspa.planner.cost.hardware import HardwareProfile, get_profile
+from lightning_hotspa.planner.cost.published_fit import fit_profile, price_all
+from lightning_hotspa.planner.cost.published_pricing import summarize
+from lightning_hotspa.planner.cost.published_runs import PUBLISHED_RUNS, PublishedRun
 
 FIT_GPUS = ("A100-80G", "H100")
 

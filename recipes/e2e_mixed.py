@@ -1,7 +1,7 @@
 """End to end on 4 gloo ranks: the planner's mixed-cp rounds (issue 31) train like the single process.
 
 ``python recipes/benchmark_e2e.py --mixed`` (or this file) plans ``--steps`` global mini-batches
-with :class:`~lightning_hotspa.planner.solver.CostModelPlanner` over one sharded working copy in two
+with :class:`~lightning_hotspa.planner.solve.solver.CostModelPlanner` over one sharded working copy in two
 layouts, ``dp4:fsdp`` and ``dp2xcp2:fsdp``, with mixed rounds on, trains them with
 ``HotSPaStrategy`` on 4 CPU ranks under a real Lightning ``Trainer``, and trains the same
 mini-batches in ONE process (whole batch, token-mean loss, the same AdamW). Every step's loss must
@@ -51,7 +51,7 @@ def make_plans(args: argparse.Namespace):
     """``(plans, planner, draws)``: per step, mini-batches are drawn from the seeded generator until
     the planner mixes one (at most ``MAX_DRAWS``; the last drawn is kept either way): this run checks
     that mixed plans train correctly, and ``draws`` says how often the planner mixes such batches."""
-    from lightning_hotspa.planner.solver import CostModelPlanner
+    from lightning_hotspa.planner.solve.solver import CostModelPlanner
 
     planner = CostModelPlanner(LAYOUTS, model=MODEL, hardware="H100", world_size=WORLD,
                                tokens_per_rank=args.tokens_per_rank, activation_checkpointing=False,

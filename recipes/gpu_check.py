@@ -25,7 +25,7 @@ after every part (``$OUT`` defaults to ./gpu_check_out), so a run cut short stil
 Parts run in the order of ``PARTS``, the backends part (with its flex-attention compile) last.
 
 It writes ``$OUT/h200_profile_update.json`` (dense and attention efficiency, the tp and cp shard
-efficiency curves) for ``lightning_hotspa.planner.profile_update``; any ``--hardware`` option takes
+efficiency curves) for ``lightning_hotspa.planner.cost.profile_update``; any ``--hardware`` option takes
 that path. The last line printed is one JSON object (a summary; the full report is in the file).
 """
 
@@ -53,7 +53,7 @@ from gpu_check_common import Budget, measure_matmul_flops  # noqa: E402
 from gpu_check_summary import profile_update, summarize  # noqa: E402
 
 from lightning_hotspa.models.config import LlamaConfig  # noqa: E402
-from lightning_hotspa.planner.hardware import get_profile  # noqa: E402
+from lightning_hotspa.planner.cost.hardware import get_profile  # noqa: E402
 
 # the backends part runs last: its flex-attention compile is the one step that can take minutes
 PARTS = ("matmul", "train", "hotpath", "shards", "timers", "backends")

@@ -28,7 +28,7 @@ from torch import Tensor, nn
 
 from lightning_hotspa.models import Block, rotary_cos_sin
 from lightning_hotspa.models.config import LlamaConfig
-from lightning_hotspa.planner.cost_model import AnalyticCostModel
+from lightning_hotspa.planner.cost.cost_model import AnalyticCostModel
 
 #: Llama-3 8B (Meta's model card: 32 layers, hidden 4096, 32 heads over 8 kv heads, FFN 14336,
 #: 128256 vocab, rope theta 500000); not a preset of the project, which keeps the paper's shapes.

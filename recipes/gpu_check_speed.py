@@ -31,7 +31,7 @@ from lightning_hotspa.layout import Layout
 from lightning_hotspa.models import auto_backend_name, sdpa_attention
 from lightning_hotspa.models.config import LlamaConfig
 from lightning_hotspa.models.llama import Llama
-from lightning_hotspa.planner.cost_model import AnalyticCostModel
+from lightning_hotspa.planner.cost.cost_model import AnalyticCostModel
 
 
 def _is_oom(err: BaseException) -> bool:

@@ -4,7 +4,7 @@ The update sets only what was measured and is in range: ``dense_efficiency`` and
 ``attention_efficiency`` from part (b)'s whole-model fit of the backend the runtime's "auto" uses
 (against the profile's data-sheet ``peak_flops``, the rate those efficiencies multiply), and the tp
 and cp shard efficiency curves from part (c) (mean over the two layer shapes). It is checked by
-applying it (``lightning_hotspa.planner.profile_update``) and pricing llama7b layouts on 8 devices
+applying it (``lightning_hotspa.planner.cost.profile_update``) and pricing llama7b layouts on 8 devices
 before and after.
 """
 
@@ -13,8 +13,8 @@ from __future__ import annotations
 from typing import Any
 
 from lightning_hotspa.layout import Layout
-from lightning_hotspa.planner.cost_model import AnalyticCostModel
-from lightning_hotspa.planner.profile_update import apply_profile_update
+from lightning_hotspa.planner.cost.cost_model import AnalyticCostModel
+from lightning_hotspa.planner.cost.profile_update import apply_profile_update
 
 
 def _fitted(data: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:

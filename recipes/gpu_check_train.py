@@ -12,7 +12,7 @@ hyper-parameters (no decay on 1-D weights).
 Tolerances (the runs round the same values in different orders, e.g. the strategy sums micro-batch
 gradients in its working dtype and the reference in fp32): step losses within ``LOSS_RTOL`` = 1e-2
 relative, about five bf16 roundings (unit roundoff 2^-9 ~ 2e-3) of the loss; the weights after the
-compared steps within ``WEIGHT_RTOL`` = 5e-2 per tensor, the bound tests/test_strategy.py holds
+compared steps within ``WEIGHT_RTOL`` = 5e-2 per tensor, the bound tests/e2e/test_strategy.py holds
 bf16-mixed to after 3 steps. Adam moves every weight by about ``lr`` per step whatever its gradient's
 size, so a near-zero gradient whose sign flips under rounding moves its weight the other way; that
 is why the update error (reported, not judged) is much larger than the loss error.
@@ -181,7 +181,7 @@ def train_check(*, preset: str, steps: int, compare_steps: int, tokens_per_batch
     from lightning_hotspa import HotSPaDataModule, HotSPaStrategy
     from lightning_hotspa.layout import Layout
     from lightning_hotspa.models import LlamaLM
-    from lightning_hotspa.planner.cost_model import AnalyticCostModel
+    from lightning_hotspa.planner.cost.cost_model import AnalyticCostModel
 
     backend, backend_note = working_backend(device, torch.bfloat16)
     recorder = _recorder(compare_steps, budget, reserve_s, device)

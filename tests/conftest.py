@@ -3,6 +3,8 @@ size (spawning 4 torch processes costs seconds on 2 cores); every call has a har
 collective fails the test instead of hanging CI."""
 
 import os
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -10,6 +12,13 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
 
 from lightning_hotspa.testing.spawn import RankPool  # noqa: E402
+
+# tests/unit, tests/distributed, tests/e2e on sys.path: test modules import each other by name
+# (`from test_step_runner import TinyLlama`) across the tier folders, and spawned ranks inherit sys.path
+for _tier in ("unit", "distributed", "e2e"):
+    _folder = str(Path(__file__).resolve().parent / _tier)
+    if _folder not in sys.path:
+        sys.path.insert(0, _folder)
 
 _POOLS: dict[int, RankPool] = {}
 

@@ -1,4 +1,4 @@
-"""A 4-rank job for tests/test_mixed_kill.py, run as a subprocess: rank 1 SIGKILLs itself inside a
+"""A 4-rank job for tests/e2e/test_mixed_kill.py, run as a subprocess: rank 1 SIGKILLs itself inside a
 mixed-cp round (issue 31) and the others must fail with a ``CollectiveError`` naming the group.
 
 The parent imports torch and Lightning once, builds the planner-made mixed plan of

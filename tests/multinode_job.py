@@ -1,4 +1,4 @@
-"""Test-only pieces for tests/test_multinode.py: a callback that records what each step trained
+"""Test-only pieces for tests/e2e/test_multinode.py: a callback that records what each step trained
 on, and a driver that runs ``recipes/train.py``'s ``train(cfg)`` on forked ranks posing as
 ``nodes x per_node`` torchrun workers (cheap: torch, Lightning and Hydra are imported once).
 

@@ -1,4 +1,4 @@
-"""A 4-rank training job for the crash tests (tests/test_reliability.py), run as a subprocess.
+"""A 4-rank training job for the crash tests (tests/e2e/test_reliability.py), run as a subprocess.
 
 The parent imports torch and Lightning once, then forks the ranks (cheap on a loaded 2-core machine),
 each with torchrun-style environment variables, so Lightning sees externally created processes. Each

@@ -77,7 +77,7 @@ class HotSPaMonitor(L.Callback):
         table_every_n_steps: log the step plan as a table (0: never).
         timeline_every_n_steps: draw the stage timeline across ranks (0: never); also the first and
             the last step.
-        hardware: a profile name of ``lightning_hotspa.planner.hardware`` (None: detect).
+        hardware: a profile name of ``lightning_hotspa.planner.cost.hardware`` (None: detect).
         peak_flops_per_device: FLOP/s of one device for MFU (None: the profile's peak).
         predict: price each step with the cost model (the planner's own if it has ``predict``).
         output_dir: where ``timeline/``, ``plan_table.csv`` and ``summary.json`` go.
@@ -137,7 +137,7 @@ class HotSPaMonitor(L.Callback):
             if prediction is None and pricing is None:
                 if self.hardware is None or config is None:
                     return None
-                from ..planner.solver import CostModelPlanner
+                from ..planner.solve.solver import CostModelPlanner
 
                 pricing = CostModelPlanner(strategy.layouts, model=config, hardware=self.hardware,
                                            tokens_per_rank=strategy.tokens_per_rank, activation_checkpointing="auto")

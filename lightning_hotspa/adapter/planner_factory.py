@@ -34,7 +34,7 @@ def check_planner_spec(planner: Any, hardware: str | None) -> None:
         raise ValueError(f"hardware={hardware!r} prices plans for planner='cost' or 'cost-profiled' only; "
                          f"planner={shown!r} would ignore it: drop hardware= or choose planner='cost'")
     if hardware is not None:
-        from ..planner.hardware import get_profile
+        from ..planner.cost.hardware import get_profile
 
         get_profile(hardware)  # an unknown profile name fails here, naming the known ones
 
@@ -43,7 +43,7 @@ def hardware_for(hardware: str | None, device: torch.device) -> str:
     """The profile name to price plans with: ``hardware`` if given, else the device's own."""
     if hardware is not None:
         return hardware
-    from ..planner.hardware import PROFILES, profile_for_device
+    from ..planner.cost.hardware import PROFILES, profile_for_device
 
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
     found = profile_for_device(device.type, name)
@@ -51,7 +51,7 @@ def hardware_for(hardware: str | None, device: torch.device) -> str:
         raise ValueError(f"planner='cost' has no hardware profile for this {device.type} device "
                          f"{name or str(device)!r}; pass one with HotSPaStrategy(hardware=NAME) (known: "
                          f"{', '.join(PROFILES)}) or add a HardwareProfile to "
-                         f"lightning_hotspa/planner/hardware.py")
+                         f"lightning_hotspa/planner/cost/hardware.py")
     rank_zero_info(f"hotspa: planner='cost' prices plans for hardware profile {found!r} "
                    f"(the {device.type} device {name or str(device)!r})")
     return found
@@ -65,7 +65,7 @@ def build_planner(spec: Any, layouts: tuple[Layout, ...], *, tokens_per_rank: in
 
         return ThresholdPlanner(layouts, tokens_per_rank=tokens_per_rank)
     if spec in ("cost", "cost-profiled"):
-        from ..planner.solver import CostModelPlanner
+        from ..planner.solve.solver import CostModelPlanner
 
         config = getattr(module, "config", None)
         if config is None:

@@ -2,7 +2,7 @@
 
 The step's one all-gather (:func:`~lightning_hotspa.engine.records.gather_step`) already carries
 each rank's cost-model features of every stage (``sum_sq``, ``sum_len``: its cp-padded document
-lengths, see :class:`~lightning_hotspa.planner.calibration.Observation`) beside its device seconds,
+lengths, see :class:`~lightning_hotspa.planner.profiled.calibration.Observation`) beside its device seconds,
 so a profiled planner gets every rank's timings with no collective of its own.
 """
 
@@ -22,7 +22,7 @@ def gathered_observations(result: StepResult, activation_checkpointing: Sequence
     """Every rank's measured stage seconds (``compute_s``) with its cost-model features:
     rank-major, stage order, bit-identical on every rank. ``activation_checkpointing``: per stage
     (default: what each stage ran with). Stages a rank had no micro-batch in are skipped."""
-    from ..planner.calibration import Observation
+    from ..planner.profiled.calibration import Observation
 
     ac = activation_checkpointing if activation_checkpointing is not None else [
         s.activation_checkpointing for s in result.stages]
@@ -40,7 +40,7 @@ class ProfilingFeedback:
     """After each training step: observations to a profiled planner, then ``refit(plan.step)``.
 
     Coefficients change only at multiples of its ``refit_every`` and plan steps ``>= plan.step +
-    plan_lag``, on every rank and loader worker alike (planner/schedule.py). A process' first step
+    plan_lag``, on every rank and loader worker alike (planner/profiled/schedule.py). A process' first step
     is not observed: it pays one-off costs (allocations, first switches)."""
 
     def __init__(self) -> None:

@@ -145,7 +145,7 @@ class StepPlanDataset(Dataset[RankPlan]):
         the version decided at step ``s - plan_lag`` (waiting for it in a loader worker), whatever
         process and however far ahead the plan is built; validation and prediction plans use its
         newest version, the same on every rank since they are built while training is paused
-        (planner/schedule.py)."""
+        (planner/profiled/schedule.py)."""
         position = self.locate(epoch, step)[0]
         refs = self.minibatch(epoch, step)
         lengths = [r.length for r in refs]

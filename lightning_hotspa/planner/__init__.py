@@ -17,12 +17,12 @@ from .base import (
     is_profiled,
 )
 from .candidates import auto_layouts, auto_planner
-from .cost_model import AnalyticCostModel, CostModelError
-from .hardware import PROFILES, HardwareProfile, UnknownProfileError, get_profile
-from .packing import DocCost, DocumentTooLongError, QuadraticCost
+from .cost.cost_model import AnalyticCostModel, CostModelError
+from .cost.hardware import PROFILES, HardwareProfile, UnknownProfileError, get_profile
 from .plan_stats import PlanStats, plan_stats
 from .rule import Bucket, ThresholdPlanner
-from .solver import CostModelPlanner
+from .solve.packing import DocCost, DocumentTooLongError, QuadraticCost
+from .solve.solver import CostModelPlanner
 
 __all__ = [
     "PROFILES",

@@ -6,7 +6,7 @@ deterministic: every rank (and every loader worker) calls it with the same input
 same plan, with no communication. Anything that changes its decisions over time (profiled cost
 coefficients) changes only at deterministic step boundaries (``refit`` after a training step, or
 ``load_state_dict``), must make the plan of a step independent of when and in which process it is
-built (:mod:`.schedule`), and is saved with checkpoints.
+built (:mod:`.profiled.schedule`), and is saved with checkpoints.
 
 :class:`Planner` is the small core every planner writes: ``layouts``, ``capacity``,
 ``longest_document`` and ``plan``. What only some planners do is an optional protocol, checked with
@@ -26,9 +26,9 @@ from ..layout import Layout
 from ..plan import StepPlan
 
 if TYPE_CHECKING:
-    from .calibration import Observation
-    from .packing import DocCost
-    from .predict import StepPrediction
+    from .cost.predict import StepPrediction
+    from .profiled.calibration import Observation
+    from .solve.packing import DocCost
 
 __all__ = ["BalancedPlanner", "Planner", "PlannerBase", "PricedPlanner", "ProfiledPlanner", "StatefulPlanner",
            "balance_cost", "check_planner", "is_profiled"]
@@ -128,7 +128,7 @@ class PlannerBase:
         raise NotImplementedError
 
     def longest_document(self) -> int:
-        from .packing import max_doc_length
+        from .solve.packing import max_doc_length
 
         return max(max_doc_length(self.capacity(x), x.cp) for x in self.layouts)
 

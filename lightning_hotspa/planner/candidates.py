@@ -15,7 +15,7 @@
    the switches; a smaller set wins when within ``tolerance`` of the best.
 4. **Refine** (with a sample of real lengths): the most promising sets are re-scored by planning the
    sample batches with the solver itself: the best by relaxed score, the best that contain the best
-   static layout, and sets of the layouts the step's lower bound uses (:mod:`.oracle_bound`: it sees
+   static layout, and sets of the layouts the step's lower bound uses (:mod:`.solve.oracle_bound`: it sees
    that a long document in a wide-dp layout idles the other dp groups; the relaxed score does not).
 
 Reference documents: the caller's sample (the CLI and simulator pass a real batch), else one document
@@ -34,10 +34,10 @@ from ..checkpointing import Checkpointing
 from ..checks import check_int
 from ..layout import Layout, LayoutError, MeshShape
 from ..models.config import LlamaConfig
-from .cost_model import AnalyticCostModel, CostModelError, OptionCost
-from .hardware import HardwareProfile
-from .oracle_bound import charged_oracle
-from .solver import CostModelPlanner
+from .cost.cost_model import AnalyticCostModel, CostModelError, OptionCost
+from .cost.hardware import HardwareProfile
+from .solve.oracle_bound import charged_oracle
+from .solve.solver import CostModelPlanner
 
 __all__ = ["auto_layouts", "auto_planner", "cp_kinds", "enumerate_layouts", "layout_rates", "prune_dominated"]
 
@@ -279,7 +279,7 @@ def _best_static(cm: AnalyticCostModel, layouts: Sequence[Layout], batches: Sequ
             bounds.append((total, i))
     if not bounds:
         return None
-    from .solver import CostModelPlanner
+    from .solve.solver import CostModelPlanner
 
     # the bound ranks the layouts; the real solver decides among the closest few
     real = []
@@ -318,7 +318,7 @@ def _refine(cm: AnalyticCostModel, layouts: Sequence[Layout],
 def _oracle_seeded(cm: AnalyticCostModel, layouts: Sequence[Layout], batches: Sequence[np.ndarray],
                    star: int | None, context: int, max_layouts: int,
                    k: int) -> list[tuple[float, int, tuple[int, ...]]]:
-    """Sets built from the layouts the step's lower bound uses (:func:`~.oracle_bound.charged_oracle`
+    """Sets built from the layouts the step's lower bound uses (:func:`~.solve.oracle_bound.charged_oracle`
     over ALL layouts, on each sample batch): its ``k`` most used layouts, with ``star``, in every
     combination that shares a mesh and holds the context, scored by the same bound over only the
     set. Why: the relaxed score prices a long document at its world-seconds, so it prefers a wide

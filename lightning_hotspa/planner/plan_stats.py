@@ -13,7 +13,7 @@ import numpy as np
 
 from ..layout import Layout
 from ..plan import Stage, StepPlan
-from .packing import DocCost, QuadraticCost, StagePlanStats, cp_padded_lengths
+from .solve.packing import DocCost, QuadraticCost, StagePlanStats, cp_padded_lengths
 
 __all__ = ["PlanStats", "plan_stats", "stage_stats"]
 

@@ -42,7 +42,7 @@ from ..checks import check_int
 from ..layout import Layout, LayoutError, MeshShape, parse_layouts
 from ..plan import PlanError, Stage, StepPlan
 from .base import PlannerBase
-from .packing import (
+from .solve.packing import (
     DocCost,
     DocumentTooLongError,
     QuadraticCost,
@@ -76,7 +76,7 @@ def _positive_int(owner: str, name: str, value: Any) -> int:
 
 
 class ThresholdPlanner(PlannerBase):
-    """Length bands -> layouts by memory alone; packing and dp balancing by :mod:`.packing`.
+    """Length bands -> layouts by memory alone; packing and dp balancing by :mod:`.solve.packing`.
 
     Implements the :class:`~lightning_hotspa.planner.base.Planner` protocol. Stateless: plans
     depend only on the constructor arguments and the document lengths.

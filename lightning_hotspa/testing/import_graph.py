@@ -100,5 +100,5 @@ def find_cycles(graph: Mapping[str, set[str]]) -> list[list[str]]:
 
 
 def package_of(module: str, depth: int = 2) -> str:
-    """``lightning_hotspa.planner.solver`` -> ``lightning_hotspa.planner`` (top-level modules stay)."""
+    """``lightning_hotspa.planner.solve.solver`` -> ``lightning_hotspa.planner`` (top-level modules stay)."""
     return ".".join(module.split(".")[:depth])

@@ -23,8 +23,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from ..layout import Layout
-from ..planner.assign import pack_lpt
-from ..planner.cost_model import AnalyticCostModel, OptionCost
+from ..planner.cost.cost_model import AnalyticCostModel, OptionCost
+from ..planner.solve.assign import pack_lpt
 
 __all__ = ["HAND_SET_RULES", "artifact_rule", "artifact_stages", "RuleNotFoundError"]
 

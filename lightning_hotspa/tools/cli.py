@@ -109,8 +109,8 @@ def batch_lengths(data: str, global_batch_tokens: int, context: int, seed: int, 
 # ------------------------------------------------------------------------------------------ plan
 def _cmd_plan(args: argparse.Namespace) -> dict[str, Any]:
     from ..planner.candidates import auto_layouts
-    from ..planner.cost_model import AnalyticCostModel
-    from ..planner.solver import CostModelPlanner
+    from ..planner.cost.cost_model import AnalyticCostModel
+    from ..planner.solve.solver import CostModelPlanner
     from .simulate import static_layouts, static_seconds
 
     cm = AnalyticCostModel(args.model, args.hardware, args.world_size)
@@ -224,7 +224,7 @@ def _measure_stages(layouts: list[str], steps: int, seed: int, model: str, token
     """On every rank: run ``steps`` random step plans over all ``layouts`` with the real model
     (the engine's StepRunner on gloo) and time each stage's micro-batches (forward + backward) on
     both clocks (device seconds and this rank's CPU seconds). Returns the all-gathered rows (the
-    same on every rank), step-major: the :func:`~.planner.calibration.encode_observations` columns
+    same on every rank), step-major: the :func:`~.planner.profiled.calibration.encode_observations` columns
     with device (wall) seconds, plus CPU seconds."""
     import torch
     import torch.distributed as dist
@@ -237,8 +237,8 @@ def _measure_stages(layouts: list[str], steps: int, seed: int, model: str, token
     from ..parallel.model import ParallelModel
     from ..placements import build_shardings
     from ..plan import Stage, StepPlan, slice_plan
-    from ..planner.calibration import ROW_WIDTH, Observation, encode_observations
-    from ..planner.packing import pack_layout
+    from ..planner.profiled.calibration import ROW_WIDTH, Observation, encode_observations
+    from ..planner.solve.packing import pack_layout
 
     config = LlamaConfig.preset(model)
     world = WorldMesh(layouts)
@@ -310,7 +310,7 @@ def calibration_errors(rows: np.ndarray, layouts: Sequence[str], steps: int, war
     slowest rank, what a step waits for). ``noise_floor``: the stage error on the same held-out
     steps of a fit that DID see them (all steps): what no coefficients can beat on this data."""
     from ..layout import Layout
-    from ..planner.calibration import (
+    from ..planner.profiled.calibration import (
         ROW_WIDTH,
         decode_observations,
         held_out_error,
@@ -344,7 +344,7 @@ def calibration_errors(rows: np.ndarray, layouts: Sequence[str], steps: int, war
 def _cmd_check_calibration(args: argparse.Namespace) -> dict[str, Any]:
     import os
 
-    from ..planner.solver import CostModelPlanner
+    from ..planner.solve.solver import CostModelPlanner
     from ..testing.spawn import run_on_ranks
 
     layouts = [x for x in args.layouts.split(",") if x.strip()]

@@ -1,7 +1,7 @@
 """The long-context grid (``hotspa simulate --grid long``): where switching should win, if anywhere.
 
 Cells: (model, GPUs, context) settings x length mixes x hardware. Per cell, on the same sampled
-global batches and one cost model (:mod:`..planner.cost_model`):
+global batches and one cost model (:mod:`..planner.cost.cost_model`):
 
 * **ours**: :class:`CostModelPlanner` over automatic candidates (every CP kind the runtime has:
   Ulysses, all-gather-KV, the hybrid), with its never-worse-than-static guard (``margin``);
@@ -16,7 +16,7 @@ global batches and one cost model (:mod:`..planner.cost_model`):
   attention), in the best layout for such rows, no switching;
 * **artifact rule**: the paper's hand-set rule where it defines one (only <= 32K settings).
 
-Nothing here is tuned to a target: the hardware profiles are frozen (``planner/hardware.py``, see
+Nothing here is tuned to a target: the hardware profiles are frozen (``planner/cost/hardware.py``, see
 BENCHMARKS.md). Every layout comes with a replicated and a sharded (``:fsdp``) working copy
 (:func:`~..planner.candidates.enumerate_layouts`), for ours, static and the oracle alike.
 Batches hold ``max(tokens_per_gpu * GPUs, 2 * context)`` tokens, documents longer than the context
@@ -34,9 +34,9 @@ import numpy as np
 
 from ..layout import Layout, LayoutError
 from ..planner.candidates import auto_layouts, enumerate_layouts, layout_rates
-from ..planner.cost_model import AnalyticCostModel
-from ..planner.solver import CostModelPlanner
-from ..planner.static_guard import DEFAULT_STATIC_MARGIN
+from ..planner.cost.cost_model import AnalyticCostModel
+from ..planner.solve.solver import CostModelPlanner
+from ..planner.solve.static_guard import DEFAULT_STATIC_MARGIN
 from .artifact_rule import RuleNotFoundError, artifact_rule
 from .oracles import LADDER, oracle_from_rates, oracle_ladder, print_breakdown
 from .simulate import geometric_mean, rule_seconds, static_seconds

@@ -1,6 +1,6 @@
 """Measuring the numbers behind the ``cpu-gloo`` hardware profile (``hotspa calibrate``).
 
-Kept out of :mod:`lightning_hotspa.planner.hardware`: it starts ranks (``testing.spawn``), which the
+Kept out of :mod:`lightning_hotspa.planner.cost.hardware`: it starts ranks (``testing.spawn``), which the
 runtime planner never does. The figures it printed on the development machine are recorded there as
 ``CPU_GLOO_CALIBRATION``.
 """

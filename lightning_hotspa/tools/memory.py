@@ -12,7 +12,7 @@ category. The measured peak stands next to the cost model's predicted peak (:met
 What the tracker cannot see (allocator fragmentation, the CUDA context, NCCL buffers) is the
 hardware profile's reserve (a fixed GiB plus a usable fraction); ``fits`` (measured peak <= usable)
 uses it. The planner's capacity also keeps the memory model's own error margin
-(:data:`~lightning_hotspa.planner.memory_model.MODEL_ERROR_MARGIN`: predicted x (1 + margin) <= usable),
+(:data:`~lightning_hotspa.planner.cost.memory_model.MODEL_ERROR_MARGIN`: predicted x (1 + margin) <= usable),
 so a capacity micro-batch fits even where the model under-predicts a little.
 """
 
@@ -30,8 +30,8 @@ from torch import nn
 
 from ..layout import Layout
 from ..models.config import LlamaConfig
-from ..planner.cost_model import AnalyticCostModel, CostModelError
-from ..planner.memory_model import MODEL_ERROR_MARGIN
+from ..planner.cost.cost_model import AnalyticCostModel, CostModelError
+from ..planner.cost.memory_model import MODEL_ERROR_MARGIN
 
 __all__ = ["ATTENTION_PATHS", "ROWS", "QUICK_ROWS", "add_parser", "candidate_layouts", "estimate_layout",
            "estimate_rows", "run"]
@@ -259,7 +259,7 @@ def estimate_rows(rows: Sequence[tuple], hardware: str = "H100", *, log: Any = p
     (no checkpointing first); a layout with no capacity at all runs ``2*cp*64`` tokens with
     checkpointing, to show how far its weights alone are from fitting.
     """
-    from ..planner.cost_model import resolve_model
+    from ..planner.cost.cost_model import resolve_model
 
     out, worst = [], 0.0
     for row in rows:
@@ -299,7 +299,7 @@ def estimate_rows(rows: Sequence[tuple], hardware: str = "H100", *, log: Any = p
 
 
 def _reserve(hardware: str) -> dict[str, float]:
-    from ..planner.hardware import get_profile
+    from ..planner.cost.hardware import get_profile
 
     hw = get_profile(hardware)
     return {"memory_gib": hw.memory_bytes / GiB, "usable_fraction": hw.memory_usable_fraction,

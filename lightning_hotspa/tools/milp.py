@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..layout import Layout
-from ..planner.cost_model import OptionCost
+from ..planner.cost.cost_model import OptionCost
 
 __all__ = ["MilpResult", "solve_milp"]
 

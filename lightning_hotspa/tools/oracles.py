@@ -27,9 +27,9 @@ import numpy as np
 
 from ..layout import Layout
 from ..planner.candidates import enumerate_layouts, layout_rates
-from ..planner.cost_model import AnalyticCostModel
-from ..planner.oracle_bound import charged_oracle as bound
-from ..planner.oracle_bound import charged_oracles, oracle_from_rates
+from ..planner.cost.cost_model import AnalyticCostModel
+from ..planner.solve.oracle_bound import charged_oracle as bound
+from ..planner.solve.oracle_bound import charged_oracles, oracle_from_rates
 
 __all__ = ["LADDER", "charged_oracle", "oracle_from_rates", "oracle_ladder", "print_breakdown"]
 
@@ -41,7 +41,7 @@ def charged_oracle(cm: AnalyticCostModel, lengths: np.ndarray, layouts: Sequence
                    switches: bool, rates: np.ndarray | None = None) -> float:
     """The oracle over ``layouts`` in which every tp degree used pays its gradient reduction (and,
     with ``switches``, the cheapest switch order visiting those degrees), after the compute: the
-    minimum over the subsets of tp degrees (:func:`~..planner.oracle_bound.charged_oracle`)."""
+    minimum over the subsets of tp degrees (:func:`~..planner.solve.oracle_bound.charged_oracle`)."""
     rates = layout_rates(cm, list(layouts), lengths) if rates is None else rates
     return bound(cm, rates, layouts, switches=switches)[0]
 

@@ -23,11 +23,11 @@ from typing import Any
 import numpy as np
 
 from ..layout import Layout
-from ..planner.assign import pack_lpt
 from ..planner.candidates import auto_layouts, enumerate_layouts
-from ..planner.cost_model import AnalyticCostModel, CostModelError
-from ..planner.packing import max_doc_length
-from ..planner.solver import CostModelPlanner
+from ..planner.cost.cost_model import AnalyticCostModel, CostModelError
+from ..planner.solve.assign import pack_lpt
+from ..planner.solve.packing import max_doc_length
+from ..planner.solve.solver import CostModelPlanner
 from .artifact_rule import RuleNotFoundError, artifact_rule, artifact_stages
 
 __all__ = ["CellResult", "GRID", "sample_batches", "simulate_cell", "simulate_grid", "static_seconds",

@@ -1,0 +1,452 @@
+"""Analytic cost model: predicted seconds and memory of documents, micro-batches, stages and switches.
+
+Everything the solver optimizes reduces to four numbers per *option* (a layout with activation
+checkpointing on or off), collected in :class:`OptionCost`:
+
+* ``quadratic`` and ``linear``: a document of cp-padded length ``s`` costs ``a*s^2 + b*s`` seconds on
+  its tp x cp group (plus ``per_document``, zero analytically, fitted in profiled mode: the CPU
+  attention backend runs one kernel per document). Why per document: with varlen attention
+  (``cu_seqlens``) packed documents do not attend to each other, so a micro-batch's work is the sum
+  over its documents. Why this form: dense FLOPs are linear in ``s`` and causal attention FLOPs are
+  ``~s^2`` (Hydraulis' ``a s^2 + b s + c``).
+* ``per_micro_batch``: fixed seconds per micro-batch (collective latencies, launches).
+* ``stage_fixed``: seconds per stage: the dp gradient reduce-scatter into the world-sharded home state.
+  Consecutive stages of one tp degree keep accumulating into the same working gradients and reduce
+  once (:func:`shares_gradients`): a plan pays it once per such run (:mod:`.predict`).
+
+How work divides over tp and cp. A tp x cp group owns one micro-batch. Tensor parallelism splits
+every weight, so each tp rank does ``1/tp`` of every GEMM on its tokens; Ulysses context parallelism
+gives each cp rank ``1/cp`` of the tokens for the GEMMs and, after its all-to-all, ``1/cp`` of the
+heads over the whole sequence for attention. Both parts therefore divide by ``tp*cp`` (the 2*cp chunk
+split of plan.py keeps causal work even, and is exact under Ulysses since attention runs on whole
+rows); the cost is padding (``s`` rounded up to ``2*cp``) and communication:
+
+* TP (Megatron-style): 2 all-reduces of ``[s/cp, h]`` per layer forward, 2 backward, 2 more when
+  checkpointing recomputes the forward; ring cost ``2(tp-1)/tp * bytes / busbw``. Sequence
+  parallelism replaces each by an all-gather + a reduce-scatter of the same bytes (priced as the
+  all-reduce); a runtime that re-gathers the column-parallel inputs in backward
+  (``RuntimeProfile.tp_regather``, ours) adds 2 all-gathers per layer, one all-reduce's bytes.
+  Exposed unless the runtime overlaps it (``RuntimeProfile.tp_comm_overlap``; ours does not).
+* CP (Ulysses): per layer one all-to-all of fused q/k/v and one of the output forward, the same
+  backward (+ forward again with checkpointing); each moves ``(cp-1)/cp`` of its ``1/tp`` head slice.
+* Local shapes are smaller than the unsharded ones, so a rank's kernels may run below the
+  unsharded efficiency: compute divides by ``tp*cp * hardware.shard_efficiency(tp, cp)`` (a
+  measured per-degree curve, recipes/gpu_check.py part (c); 1.0 when the profile has none).
+* CP all-gather-KV (``cp_kv``, :mod:`~lightning_hotspa.parallel.kv_gather`; the hybrid runs Ulysses
+  over ``u = cp / cp_kv`` ranks first, priced as above with ``u``): per layer an all-gather of K and V
+  over the ``cp_kv`` group forward, a re-gather and a reduce-scatter of dK / dV backward (+ a gather
+  with checkpointing); each moves ``(cp_kv-1)`` local K/V slices of ``s/cp`` tokens x ``2 kv_width/tp``.
+  The gathered K/V are not saved, so backward recomputes the attention forward: attention FLOPs x 4/3.
+* Activation checkpointing (:class:`~lightning_hotspa.checkpointing.Checkpointing`): full recomputes
+  each layer's forward, +1/3 of the layers' training FLOPs (and its tp / cp collectives); selective
+  recomputes the attention core (the q/k/v projections' GEMMs, rotary, the attention kernel's
+  forward and its cp exchange; under sequence parallelism the attention input's tp all-gather), +1/3
+  of the attention FLOPs and 2 x the q/k/v parameters per token. Not offered for sharded (``fsdp``)
+  copies: the runtime does not build it.
+* dp: one reduce-scatter of the stage's fp32 gradients per run of same-tp stages (docs/DESIGN.md §4,
+  "Gradients live in the engine's store").
+* Switches (switch.py): a move from tp ``s`` to tp ``t < s`` all-gathers ``1/t - 1/s`` of the bf16
+  weights over a group spanning ``s`` consecutive ranks; ``t >= s`` is a local slice (free). Home is
+  sharded over the whole world. Group spans decide intra- (NVLink) vs inter-node bandwidth, nodes of
+  ``devices_per_node``; the mesh puts tp on the most local dims, then cp, then dp.
+* Sharded working copy (``fsdp``, :meth:`AnalyticCostModel.fsdp_exchange_seconds`): per micro-batch
+  every unit gathered twice in the working dtype and reduce-scattered once in fp32 over the dp*cp
+  ranks; its exposed part (GEMMs hide the parts the runtime overlaps, :mod:`.runtime_profile`, up to
+  ``hardware.layer_comm_overlap``) goes into ``linear``
+  and ``per_micro_batch``; no stage-end reduction (``stage_fixed`` 0); switches into it are local;
+  its dp groups run in lockstep rounds (:meth:`OptionCost.stage_seconds`). HSDP (``:fsdp8``): the
+  same over its ``fsdp_shard`` ranks (the span tp x shard: one node when it fits), a stage-end
+  reduce-scatter of its fp32 shard over the replicas, and a switch in gathers over them.
+* pp (simulation of the artifact's (dp, tp, pp) layouts only): each rank runs ``L/pp`` layers, a dp
+  group's ``m`` micro-batches take ``sum/pp * (m + pp - 1)/m`` (1F1B bubble).
+
+Memory per rank (:mod:`.memory_model`, :meth:`AnalyticCostModel.memory`, checked against the real
+step by ``hotspa memory``): home state over the world (fp32 weights, Adam m and v, fp32 gradient
+store: 16 B per parameter / world), bf16 working weights and their fp32 main-grad accumulators
+(6 B / (tp*pp) for the tp-split parameters, norms in full; ``fsdp``: / (tp*fsdp_shard), plus
+gathered units), and activations per token as the runtime saves them (norms and residual stream on
+this rank's 1/tp of the tokens: sequence parallelism; attention per ``attention_backend``; SwiGLU;
+the blocked loss head's transients, DESIGN §11) over cp: without checkpointing every layer's saved
+tensors, with full checkpointing only each layer's input plus one layer being recomputed, with
+selective each layer's saved tensors but q / k / v and the attention kernel's own, plus one layer's
+attention recomputed. What is left decides the option's token capacity.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from ...checkpointing import Checkpointing
+from ...checks import check_int
+from ...layout import Layout
+from ...models.config import LlamaConfig
+from ..solve.packing import cp_padded_lengths, max_doc_length
+from .efficiency import UNFUSED_KERNELS, unfused_attention_seconds
+from .hardware import HardwareProfile, get_profile
+from .memory_model import MemoryModel, MemoryUse
+from .runtime_profile import RuntimeProfile, get_runtime
+from .terms import (
+    CostModelError,
+    gradient_kind,
+    resolve_model,
+    shares_gradients,
+)
+
+__all__ = [
+    "AnalyticCostModel",
+    "CostModelError",
+    "MemoryUse",
+    "OptionCost",
+    "resolve_model",
+    "shares_gradients",
+]
+
+
+@dataclass(frozen=True)
+class OptionCost:
+    """Predicted seconds of one option; see the module docstring for the meaning of each term."""
+
+    layout: Layout
+    activation_checkpointing: Checkpointing
+    capacity: int  # tokens per micro-batch, cp padding included
+    quadratic: float  # a: seconds per (padded length)^2 of a document
+    linear: float  # b: seconds per padded token
+    per_micro_batch: float  # d
+    stage_fixed: float  # F
+    per_document: float = 0.0  # e: fixed seconds per document (0 analytically; e.g. per-document kernels on CPU)
+
+    @property
+    def key(self) -> tuple[str, Checkpointing]:
+        return (self.layout.name, self.activation_checkpointing)
+
+    @property
+    def label(self) -> str:
+        """``"dp8"``, ``"dp8+sac"``, ``"dp8+ac"``: the layout and the checkpointing mode."""
+        return self.layout.name + self.activation_checkpointing.suffix
+
+    @property
+    def max_doc_length(self) -> int:
+        return max_doc_length(self.capacity, self.layout.cp) if self.capacity > 0 else 0
+
+    def padded(self, lengths: Sequence[int] | np.ndarray) -> np.ndarray:
+        return cp_padded_lengths(lengths, self.layout.cp)
+
+    def doc_seconds(self, padded: np.ndarray) -> np.ndarray:
+        """``a s^2 + b s (+ e)`` of each (already padded) document."""
+        s = np.asarray(padded, dtype=np.float64)
+        return (self.quadratic * s + self.linear) * s + self.per_document
+
+    def balance_cost(self, padded: np.ndarray) -> np.ndarray:
+        """Per-document cost for dp balancing: its seconds plus its share of a micro-batch's
+        fixed cost (a :data:`~..solve.packing.DocCost`)."""
+        s = np.asarray(padded, dtype=np.float64)
+        return self.doc_seconds(s) + self.per_micro_batch * s / max(self.capacity, 1)
+
+    def pipeline_factor(self, micro_batches: int) -> float:
+        pp = self.layout.pp
+        return 1.0 if pp == 1 or micro_batches == 0 else (micro_batches + pp - 1) / micro_batches
+
+    def group_seconds(self, doc_seconds_sum: float, micro_batches: int) -> float:
+        """One dp group's time for its micro-batches (documents' seconds summed beforehand)."""
+        if micro_batches == 0:
+            return 0.0
+        return (doc_seconds_sum + self.per_micro_batch * micro_batches) * self.pipeline_factor(micro_batches)
+
+    def stage_seconds(self, doc_seconds: np.ndarray, groups: Sequence[Sequence[Sequence[int]]],
+                      in_order: bool = False) -> float:
+        """The stage's compute seconds: its slowest dp group. With a sharded working copy whose shard
+        spans dp groups (``lockstep``: plain ``:fsdp`` with dp > 1, or an HSDP shard beyond cp)
+        every unit's gathers and reduce-scatter span the dp groups, so the groups run in lockstep
+        rounds (the runtime gives a group with fewer micro-batches idle rounds, each costing
+        ``per_micro_batch``): the sum over rounds of the round's slowest micro-batch, each group's
+        micro-batches in descending cost (the order the solver emits) unless ``in_order``."""
+        doc_seconds = np.asarray(doc_seconds, dtype=np.float64)
+        busy = [g for g in groups if g]
+        if not busy:
+            return 0.0
+        if not self.layout.lockstep or len(groups) == 1:
+            return max(self.group_seconds(float(sum(doc_seconds[list(mb)].sum() for mb in g)), len(g)) for g in busy)
+        rounds = max(len(g) for g in groups)
+        table = np.full((len(groups), rounds), self.per_micro_batch)
+        for k, g in enumerate(groups):
+            secs = [float(doc_seconds[list(mb)].sum()) + self.per_micro_batch for mb in g]
+            table[k, :len(secs)] = secs if in_order else sorted(secs, reverse=True)
+        return float(table.max(axis=0).sum())
+
+    def with_coefficients(self, quadratic: float, linear: float, per_micro_batch: float,
+                          per_document: float | None = None) -> OptionCost:
+        return dataclasses.replace(self, quadratic=float(quadratic), linear=float(linear),
+                                   per_micro_batch=float(per_micro_batch),
+                                   per_document=self.per_document if per_document is None else float(per_document))
+
+
+class AnalyticCostModel(MemoryModel):
+    """Prices options, stages and switches of ``model`` on ``world_size`` devices of ``hardware``.
+
+    ``grad_bytes``: bytes per gradient element in the stage reduction (fp32: our runtime sums in
+    fp32). ``param_bytes``: working weights (bf16). ``capacity_multiple``: capacities are rounded
+    down to it, so tables read cleanly. ``grad_accum_bytes``: working gradient accumulators (4: fp32
+    main grads, the bf16-mixed default; 2: ``grad_accumulation="bf16"``). ``attention_backend``:
+    ``"flash"`` (linear memory) or ``"math"`` (SDPA's fallback, quadratic in the document length).
+    ``runtime``: what the runtime overlaps (:mod:`.runtime_profile`); OUR runtime, ``"hotspa"``, unless
+    pricing another system's published run. GEMM and attention efficiencies come from the hardware
+    profile's curves (:mod:`.efficiency`, fitted to published runs: docs/cost-model.md).
+    """
+
+    def __init__(self, model: LlamaConfig | str, hardware: HardwareProfile | str, world_size: int, *,
+                 grad_bytes: int = 4, param_bytes: int = 2, capacity_multiple: int = 128,
+                 grad_accum_bytes: int = 4, attention_backend: str = "flash",
+                 runtime: RuntimeProfile | str = "hotspa") -> None:
+        check_int(world_size, "world size", error=CostModelError)
+        self.model = resolve_model(model)
+        self.hardware = get_profile(hardware)
+        self.runtime = get_runtime(runtime)  # what the runtime overlaps (ours unless pricing a published run)
+        self.world_size = world_size
+        self.grad_bytes = grad_bytes
+        self.param_bytes = param_bytes
+        self.capacity_multiple = capacity_multiple
+        self.grad_accum_bytes = grad_accum_bytes  # working gradient accumulators (fp32 main grads: 4)
+        if attention_backend not in ("flash", "math"):
+            raise CostModelError(f"attention_backend must be 'flash' (flash_varlen, torch_varlen, sdpa) or "
+                                 f"'math' (SDPA's quadratic fallback), got {attention_backend!r}")
+        self.attention_backend = attention_backend
+        m = self.model
+        self.params = float(m.num_params())
+        self.dense_params = float(m.num_params(include_embedding=False))
+        self.layer_params = (self.dense_params - m.padded_vocab_size * m.hidden - m.hidden) / m.n_layers
+        self.attn_width = m.n_heads * m.head_dim
+        self.kv_width = m.n_kv_heads * m.head_dim
+
+    # ------------------------------------------------------------------ validity
+    def check(self, par: Layout) -> Layout:
+        """The layout, or a :class:`CostModelError` saying why this model cannot run it."""
+        m = self.model
+        if par.world_size != self.world_size:
+            raise CostModelError(f"{par} covers {par.world_size} devices, the world has {self.world_size}")
+        if m.n_heads % (par.tp * par.cp_ulysses):
+            raise CostModelError(f"{par}: tp*cp={par.tp * par.cp_ulysses} (the Ulysses part of cp) does not divide "
+                                 f"the model's {m.n_heads} attention heads (tp splits heads, Ulysses cp scatters "
+                                 f"them; all-gather-KV cp, ':kv', does not)")
+        if m.n_kv_heads % par.tp and par.tp % m.n_kv_heads:
+            raise CostModelError(f"{par}: tp={par.tp} and the model's {m.n_kv_heads} kv heads do not nest")
+        if par.fsdp and (par.pp > 1 or par.dp * par.cp == 1):
+            raise CostModelError(f"{par}: a sharded working copy (fsdp) needs dp*cp > 1 and no pp")
+        if m.n_layers % par.pp:
+            raise CostModelError(f"{par}: pp={par.pp} does not divide the model's {m.n_layers} layers")
+        if (m.ffn_hidden % par.tp) or (m.padded_vocab_size % par.tp):
+            raise CostModelError(f"{par}: tp={par.tp} does not divide ffn {m.ffn_hidden} / vocab "
+                                 f"{m.padded_vocab_size}")
+        return par
+
+    # ------------------------------------------------------------------ time
+    def _coefficients(self, par: Layout, ac: Checkpointing | bool) -> tuple[float, float, float]:
+        m, hw = self.model, self.hardware
+        mode = Checkpointing.parse(ac)
+        full = mode is Checkpointing.FULL
+        # tp*cp*pp ways, each at the measured efficiency of its smaller local shapes (1.0 by default)
+        div = par.tp * par.cp * par.pp * hw.shard_efficiency(par.tp, par.cp)
+        layers = m.n_layers / par.pp
+        # both modes recompute the attention kernel's forward; the GEMMs: :meth:`_dense_seconds_per_token`
+        recompute = 1.0 + (1.0 / 3.0 if mode else 0.0)
+        # compute: attention 6*L*H*hd*s*(s+1) (models/config.py), dense 6*P*s (+2*P_layers*s recompute)
+        attn = self._attention_seconds(div) * recompute
+        a, b = attn, attn + self._dense_seconds_per_token(par, ac)
+        # per-layer launches: full reruns a block's forward (1/3 of its passes), selective about half
+        # of it (q/k/v projections, rotary, the kernel; not wo, the norms, the MLP)
+        d = layers * hw.layer_overhead_s * (1.0 + (1.0 / 3.0 if full else 1.0 / 6.0 if mode else 0.0))
+        if par.tp > 1:
+            # in all-reduce volumes: full reruns the forward's collectives (2); selective the attention
+            # input's all-gather of sequence parallelism (half of one); sequence parallelism's backward
+            # re-gathers of the attention and MLP inputs (tp_regather: two halves)
+            regather = 1.0 if self.runtime.tp_regather else 0.0
+            calls = (4 + (2 if full else 0.5 * regather if mode else 0) + regather) * layers + 1  # + embedding
+            bw, lat = hw.bandwidth(par.tp), hw.latency(par.tp)
+            exposed = self._exposed(self.runtime.tp_comm_overlap)
+            b += exposed * calls * 2.0 * (par.tp - 1) / par.tp * m.hidden * self.param_bytes / par.cp / bw
+            d += calls * lat
+        # ---- context parallelism (Ulysses part, then all-gather-KV part) ----
+        u, g = par.cp_ulysses, par.cp_kv
+        if u > 1:
+            span = par.tp * u
+            bw, lat = hw.bandwidth(span, par.tp), hw.latency(span)
+            per_token = (2 * self.attn_width + 2 * self.kv_width) / par.tp * self.param_bytes / par.cp
+            rounds = 2 + (1 if mode else 0)  # forward, backward, recomputed forward (either mode)
+            b += self._exposed(self.runtime.cp_comm_overlap) * rounds * layers * (u - 1) / u * per_token / bw
+            d += rounds * 2 * layers * lat
+        if g > 1:
+            span = par.tp * par.cp
+            bw, lat = hw.bandwidth(span, par.tp * u), hw.latency(span)
+            per_token = 2 * self.kv_width / par.tp * self.param_bytes / par.cp  # local K and V per token
+            rounds = 3 + (1 if mode else 0)  # gather, re-gather + reduce-scatter backward, recompute
+            b += self._exposed(self.runtime.cp_comm_overlap) * rounds * layers * (g - 1) * per_token / bw
+            d += rounds * layers * lat
+            recompute_attn = 1.0 / 3.0  # backward recomputes the attention forward (K/V not saved)
+            a += attn * recompute_attn / recompute
+            b += attn * recompute_attn / recompute
+        # ---- end context parallelism ----
+        if par.pp > 1:  # activations across each stage boundary, forward and backward
+            bw = hw.bandwidth(self.world_size)
+            b += 2.0 * m.hidden * self.param_bytes / (par.tp * par.cp) / bw
+            d += 2.0 * hw.latency(self.world_size)
+        return a, b, d
+
+    def _attention_seconds(self, div: float) -> float:
+        """Attention seconds per squared document length on one rank (fwd + bwd) with the runtime's
+        kernel: causal FLOPs at the kernel's fraction of peak, or an unfused kernel's roofline sum."""
+        m, hw, kernel = self.model, self.hardware, self.runtime.attention_kernel
+        if kernel in UNFUSED_KERNELS:
+            try:
+                return unfused_attention_seconds(m.n_layers, m.n_heads / div, m.head_dim, hw.peak_flops,
+                                                 hw.dense_efficiency, hw.hbm_bandwidth)
+            except ValueError as err:
+                raise CostModelError(f"{hw.name} with runtime {self.runtime.name!r}: {err}") from None
+        attn_eff = hw.attention_efficiency_for(kernel, m.head_dim)
+        return 6.0 * m.n_layers * self.attn_width / (div * hw.peak_flops * attn_eff)
+
+    def _dense_seconds_per_token(self, par: Layout, ac: Checkpointing | bool) -> float:
+        """GEMM seconds per token of a micro-batch on one rank (recompute included: full reruns
+        every block GEMM's forward, selective the q / k / v projections)."""
+        m, hw = self.model, self.hardware
+        mode = Checkpointing.parse(ac)
+        div = par.tp * par.cp * par.pp * hw.shard_efficiency(par.tp, par.cp)
+        redo = {Checkpointing.NONE: 0.0, Checkpointing.FULL: self.layer_params,
+                Checkpointing.SELECTIVE: m.hidden * (self.attn_width + 2.0 * self.kv_width)}[mode]
+        dense_flops = 6.0 * self.dense_params + 2.0 * redo * m.n_layers
+        return dense_flops / (div * hw.peak_flops * hw.gemm_efficiency(m.hidden))
+
+    def _exposed(self, overlapped: bool) -> float:
+        """Fraction of a collective the runtime leaves on the critical path: all of it unless the
+        runtime overlaps it, then ``1 - hardware.layer_comm_overlap`` (cpu-gloo: 1, nothing hides)."""
+        return 1.0 - self.hardware.layer_comm_overlap if overlapped else 1.0
+
+    def fsdp_exchange_seconds(self, par: Layout) -> float:
+        """Seconds per micro-batch of a sharded working copy's (``:fsdp``) traffic, before overlap:
+        per gathered unit (each block, the embedding, the head) an all-gather of its tp shard in the
+        working dtype over the layout's dp*cp ranks in forward and again in backward (not the
+        embedding's: its backward needs no weight; with
+        checkpointing ONE backward gather serves recompute and backward: an ASSUMPTION, the runtime
+        keeps the block gathered through both), and a reduce-scatter of its gradient in fp32
+        (``grad_bytes``). The ``fsdp_shard`` ranks of one tp shard are the next most local after tp,
+        so the group spans tp x fsdp_shard consecutive ranks: the world for plain ``:fsdp``
+        (inter-node once it spans nodes), one node for an HSDP copy that fits in it."""
+        g = par.fsdp_shard
+        if not par.fsdp or g == 1:
+            return 0.0
+        return sum(self.fsdp_exchange_parts(par))
+
+    def fsdp_exchange_parts(self, par: Layout) -> tuple[float, float, float]:
+        """(forward gathers, backward re-gathers, reduce-scatters) seconds per micro-batch of
+        :meth:`fsdp_exchange_seconds`, each with its calls' latencies: the runtime description says
+        which of them hide behind compute."""
+        g = par.fsdp_shard
+        if not par.fsdp or g == 1:
+            return 0.0, 0.0, 0.0
+        split, full = self._param_split(par.tp)
+        units = split / par.tp + full
+        embedding = self.model.padded_vocab_size * self.model.hidden / par.tp  # its backward needs no weight
+        hw, span, n = self.hardware, par.tp * g, self.model.n_layers + 2
+        bw, lat = hw.bandwidth(span, par.tp), hw.latency(span)
+        ring = (g - 1) / g * self.param_bytes / bw
+        return (ring * units + n * lat, ring * (units - embedding) + (n - 1) * lat,
+                (g - 1) / g * units * self.grad_bytes / bw + n * lat)
+
+    def _fsdp_exposed(self, par: Layout, ac: Checkpointing, capacity: int, b: float, d: float) -> tuple[float, float]:
+        """(linear, per_micro_batch) with the exposed part of the per-layer traffic ``C``: each layer's
+        exchange overlaps its compute (``hardware.layer_comm_overlap`` of its GEMM time), so a
+        micro-batch of ``T`` tokens exposes ``max(0, C - overlap * k * T)``. That is convex in ``T``;
+        priced by its chord over ``[0, capacity]`` (exact for empty and full micro-batches, an upper
+        bound between): ``C`` per micro-batch minus ``min(C, overlap * k * capacity) / capacity`` per
+        token. On cpu-gloo (overlap 0) all of ``C`` is paid."""
+        forward, backward, reduce = self.fsdp_exchange_parts(par)
+        exchange = forward + backward + reduce
+        rt = self.runtime  # what the runtime overlaps: prefetched gathers, a reduce-scatter on its own stream
+        # with checkpointing the backward re-gather happens in the unit's recomputation
+        regather = rt.fsdp_gather_prefetch and (rt.fsdp_recompute_gather_prefetch or not ac)
+        hideable = ((forward if rt.fsdp_gather_prefetch else 0.0) + (backward if regather else 0.0)
+                    + (reduce if rt.fsdp_reduce_scatter_overlap else 0.0))
+        hide = self.hardware.layer_comm_overlap * self._dense_seconds_per_token(par, ac)
+        credit = min(hideable, hide * capacity) / capacity if capacity > 0 else 0.0
+        return b - credit, d + exchange
+
+    def grad_reduce_seconds(self, par: Layout) -> float:
+        """The stage's reduce-scatter of fp32 gradients over the ranks sharing a weight shard. A
+        sharded working copy (``:fsdp``) reduce-scatters every block's gradient each micro-batch
+        (:meth:`fsdp_exchange_seconds`): its stage end only folds the local shard into the store; an
+        HSDP one (``:fsdp8``) reduce-scatters its shard over its replicas (the outer, inter-node dims)."""
+        g = par.fsdp_replicas
+        if g == 1:
+            return 0.0
+        nbytes = self.params / self._working_shards(par) * self.grad_bytes
+        hw = self.hardware
+        return (g - 1) / g * nbytes / hw.bandwidth(self.world_size, self.world_size // g) + hw.latency(self.world_size)
+
+    def reductions_seconds(self, layouts: Sequence[Layout]) -> float:
+        """The gradient reductions of a plan whose stages run ``layouts``: one per gradient kind
+        (:func:`~.terms.gradient_kind`; a run of stages that share gradients reduces once),
+        the cheapest of its layouts. A replicated and a sharded copy of one tp degree are two kinds."""
+        cheapest: dict[tuple[int, int, int], float] = {}
+        for lay in layouts:
+            kind, red = gradient_kind(lay), self.grad_reduce_seconds(lay)
+            cheapest[kind] = min(red, cheapest.get(kind, red))
+        return sum(cheapest.values())
+
+    def option(self, par: Layout, activation_checkpointing: Checkpointing | bool | str,
+               capacity: int | None = None) -> OptionCost:
+        """The priced option of ``par`` with ``activation_checkpointing`` (a mode, a bool or its name);
+        ``capacity``: tokens per micro-batch (default: the memory model's)."""
+        par = self.check(par)
+        activation_checkpointing = Checkpointing.parse(activation_checkpointing)
+        if activation_checkpointing is Checkpointing.SELECTIVE and par.fsdp:
+            raise CostModelError(f"{par}: selective checkpointing is not built for sharded working copies")
+        a, b, d = self._coefficients(par, activation_checkpointing)
+        cap = self.capacity(par, activation_checkpointing) if capacity is None else int(capacity)
+        if par.fsdp:
+            b, d = self._fsdp_exposed(par, activation_checkpointing, cap, b, d)
+        return OptionCost(par, activation_checkpointing, cap, a, b, d, self.grad_reduce_seconds(par))
+
+    # ------------------------------------------------------------------ switches
+    def _working_shards(self, par: Layout | None) -> int:
+        """How many ways a rank's working copy splits the weights: home and ``:fsdp`` copies over
+        the whole world (an fsdp working copy is the home shard in the working dtype), an HSDP one
+        (``:fsdp8``) over tp x its shard."""
+        if par is None:
+            return self.world_size
+        return par.tp * par.fsdp_shard if par.fsdp else par.shards
+
+    def switch_bytes(self, source: Layout | None, target: Layout) -> float:
+        """Bytes each rank receives to hold ``target``'s working weights (``source`` None: home). Into
+        a sharded working copy (``:fsdp``) it is a local slice (+ cast): 0 bytes; into an HSDP one
+        (``:fsdp8``) a gather over its replicas."""
+        dst = self._working_shards(target)
+        src = self._working_shards(source)
+        return self.params * self.param_bytes * max(0.0, 1.0 / dst - 1.0 / src)
+
+    def switch_seconds(self, source: Layout | None, target: Layout) -> float:
+        nbytes = self.switch_bytes(source, target)
+        if nbytes <= 0:
+            return 0.0
+        span = self._working_shards(source)
+        hw = self.hardware
+        return nbytes / hw.bandwidth(span) + hw.latency(span)
+
+    def switch_sequence_seconds(self, order: Sequence[Layout]) -> float:
+        """Home to the first stage's layout, then each next one (the step's switches)."""
+        total, prev = 0.0, None
+        for par in order:
+            total += self.switch_seconds(prev, par)
+            prev = par
+        return total
+
+    def shared_reduction_seconds(self, order: Sequence[Layout]) -> float:
+        """Gradient reductions a stage order saves against one per stage: a stage followed by one
+        that :func:`shares_gradients` with it does not reduce (the run's last stage does)."""
+        return sum(self.grad_reduce_seconds(a) for a, b in zip(order, order[1:]) if shares_gradients(a, b))
+
+    def summary(self) -> dict[str, float]:
+        return {"params": self.params, "world_size": self.world_size,
+                "flops_per_token_4k": self.model.flops_per_token(4096)}
+

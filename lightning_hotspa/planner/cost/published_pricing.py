@@ -1,0 +1,131 @@
+"""Prices a published run (:mod:`.published_runs`) through the planner's own path.
+
+A run's step is one stage of its layout: every dp group runs ``grad_accum`` micro-batches of
+``micro_batch`` sequences of ``seq_len`` tokens, priced by :meth:`AnalyticCostModel.option` and
+:meth:`OptionCost.stage_seconds` (lockstep rounds for a sharded copy, as the planner prices them),
+plus the stage's gradient reduction. The capacity is the source's own micro-batch; whether it would
+fit OUR runtime's memory is reported beside it (``fits_ours``).
+
+Two terms the planner does not price are added here, both from the SOURCE runtime's description
+(:mod:`.runtime_profile`): what its "selective" checkpointing recomputes (:func:`selective_extra`),
+and its optimizer step, ``optimizer_bytes_per_param`` x the parameters a rank holds at the
+device's HBM bandwidth (:func:`optimizer_seconds`; the published figures are end-to-end steps, and
+a small global batch, as Megatron's 22B run of 4 sequences, pays it over few tokens). The planner
+leaves the optimizer out because it is the same for every plan of a step.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from ...layout import Layout
+from .cost_model import AnalyticCostModel
+from .published_runs import PublishedRun
+
+__all__ = ["PricedRun", "optimizer_seconds", "price_run", "selective_extra", "summarize", "attention_bands"]
+
+#: attention share bands for ``by_attention_share`` (the issue's "attention-heavy": share > 0.5)
+attention_bands = ((0.0, 0.25), (0.25, 0.5), (0.5, 1.0))
+
+
+@dataclass(frozen=True)
+class PricedRun:
+    """One run's prediction: ``predicted`` tokens/s/GPU; the step's seconds split into ``dense_s``
+    (GEMMs), ``attention_s`` and ``other_s`` (exposed communication, overheads) per micro-batch
+    round of one dp group; ``fits_ours``: OUR memory model holds its micro-batch."""
+
+    run: PublishedRun
+    predicted: float
+    step_s: float
+    dense_s: float
+    attention_s: float
+    other_s: float
+    fits_ours: bool
+
+    @property
+    def ratio(self) -> float:
+        return self.predicted / self.run.tokens_per_s_per_gpu
+
+    @property
+    def attention_share(self) -> float:
+        return self.attention_s / self.step_s
+
+
+def parallelism_of(run: PublishedRun) -> Layout:
+    """The run's layout as the cost model's :class:`Layout` (ZeRO-2 priced as a sharded copy)."""
+    return Layout(dp=run.dp, tp=run.tp, cp=run.cp, pp=run.pp, fsdp=run.sharding != "none")
+
+
+def price_run(run: PublishedRun, model_for: Callable[[PublishedRun], AnalyticCostModel]) -> PricedRun:
+    """Predicted tokens/s/GPU of ``run`` with the cost model ``model_for(run)`` builds."""
+    cm = model_for(run)
+    par, ac = parallelism_of(run), run.checkpointing == "full"
+    tokens = run.micro_batch * run.seq_len
+    opt = cm.option(par, ac, capacity=tokens)
+    doc = opt.doc_seconds(opt.padded([run.seq_len] * run.micro_batch))
+    groups = [[list(range(run.micro_batch))] * run.grad_accum] * run.dp
+    step = opt.stage_seconds(doc, groups) + opt.stage_fixed
+    dense = cm._dense_seconds_per_token(par, ac) * tokens * run.grad_accum
+    attention = opt.quadratic * float(np.sum(np.asarray(opt.padded([run.seq_len] * run.micro_batch), float) ** 2 +
+                                             np.asarray(opt.padded([run.seq_len] * run.micro_batch), float)))
+    attention *= run.grad_accum
+    extra_dense, extra_attention = selective_extra(run, cm, dense, attention)
+    dense, attention = dense + extra_dense, attention + extra_attention
+    step += extra_dense + extra_attention + optimizer_seconds(run, cm)
+    predicted = run.dp * run.grad_accum * tokens / (step * run.world)
+    fits = cm.capacity(par, ac) >= tokens
+    return PricedRun(run, predicted, step, dense, attention, step - dense - attention, fits)
+
+
+def selective_extra(
+    run: PublishedRun, cm: AnalyticCostModel, dense_s: float, attention_s: float
+) -> tuple[float, float]:
+    """(GEMM, attention) seconds a ``"selective"`` run's recomputation adds, by its runtime's policy:
+    ``core-attention`` re-runs the attention forward (1/3 of its forward + backward FLOPs);
+    ``every-other-mm`` re-runs the forward of every second matmul of a block (Llama order wq wk wv
+    wo w1 w3 w2: wk, wo, w3), priced as that share of the blocks' GEMM seconds ``dense_s`` covers."""
+    if run.checkpointing != "selective":
+        return 0.0, 0.0
+    policy = cm.runtime.selective_recompute
+    if policy == "core-attention":
+        return 0.0, attention_s / 3.0
+    if policy == "every-other-mm":
+        m = cm.model
+        recomputed = m.hidden * cm.kv_width + cm.attn_width * m.hidden + m.hidden * m.ffn_hidden
+        return dense_s * (2.0 * recomputed * m.n_layers) / (6.0 * cm.dense_params), 0.0
+    raise ValueError(f"published run {run.id!r} uses selective checkpointing, but runtime "
+                     f"{cm.runtime.name!r} describes none (selective_recompute={policy!r})")
+
+
+def optimizer_seconds(run: PublishedRun, cm: AnalyticCostModel) -> float:
+    """Seconds of the run's optimizer step: the runtime's ``optimizer_bytes_per_param`` over the
+    parameters a rank holds (split by tp and pp, and by dp when the state is sharded) at the
+    hardware's ``hbm_bandwidth``."""
+    per_param = cm.runtime.optimizer_bytes_per_param
+    if per_param == 0:
+        return 0.0
+    if cm.hardware.hbm_bandwidth <= 0:
+        raise ValueError(f"published run {run.id!r}: {cm.hardware.name} has no hbm_bandwidth to price "
+                         f"{cm.runtime.name!r}'s optimizer step")
+    shards = run.tp * run.pp * (run.dp * run.cp if run.sharding != "none" else 1)
+    return cm.params / shards * per_param / cm.hardware.hbm_bandwidth
+
+
+def _geomean(ratios: Sequence[float]) -> float:
+    return math.exp(sum(math.log(r) for r in ratios) / len(ratios)) if ratios else float("nan")
+
+
+def summarize(priced: Sequence[PricedRun], held_out: set[str] | None = None) -> dict:
+    """The recipe's statistics over ``priced`` (held-out rows only when ``held_out`` is given)."""
+    rows = [p for p in priced if held_out is None or p.run.id in held_out]
+    logs = [abs(math.log(p.ratio)) for p in rows]
+    bands = {}
+    for lo, hi in attention_bands:
+        band = [p.ratio for p in rows if lo < p.attention_share <= hi or (lo == 0 and p.attention_share == 0)]
+        bands[f"({lo}, {hi}]"] = {"rows": len(band), "geomean_ratio": _geomean(band)}
+    return {"count": len(rows), "geomean_ratio": _geomean([p.ratio for p in rows]),
+            "max_abs_log_ratio": max(logs) if logs else float("nan"), "by_attention_share": bands}

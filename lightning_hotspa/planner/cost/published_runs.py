@@ -1,0 +1,184 @@
+"""Published measured training runs (dense decoders, A100 / H100) the cost model is held against.
+
+Each row is the source's own stated configuration and measured throughput, cited by repository +
+file + commit or paper + table; ``recipes/benchmark_published.py`` prices them. Rows that the cost
+model cannot express (FP8, pipeline parallelism) are kept with ``excluded`` saying why, outside
+the statistics. MPT models (llm-foundry) are priced as FLOP-equivalent Llama shapes: multi-head
+attention, and a SwiGLU width of 8h/3 (three h x 8h/3 matrices = MPT's two h x 4h ones); their
+embedding is tied, as MPT's is.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ...models.config import LlamaConfig
+
+__all__ = ["PublishedRun", "PUBLISHED_RUNS", "mpt_config", "megatron_gpt_config"]
+
+LLM_FOUNDRY = ("mosaicml/llm-foundry scripts/train/benchmarking/README.md @ 495218376830947dce625efabc4d86be7c47cc45, "
+               "table '{table}'; model shape scripts/train/yamls/pretrain/mpt-{size}.yaml @ 8c8dd48f7216")
+TORCHTITAN_2412 = ("pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md @ "
+                   "820504e20d1149fbf0b98c567af24c4b0433b22d, {table}; seq_len 8192 from "
+                   "train_configs/llama3_{size}.toml @ 9dec370ad26b")
+TORCHTITAN_ASYNC_TP = ("pytorch/torchtitan benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md @ "
+                       "4a61bd87d3c7e92bcfeb5d5464d9e6bd13ef440a, {table}, row 'None (bfloat16)', Vanilla TP; "
+                       "seq_len 8192 from train_configs/llama3_{size}.toml @ 9dec370ad26b")
+TORCHTITAN_H200 = ("pytorch/torchtitan benchmarks/llama3_8b_h200_2025-06_torchtitan.md @ "
+                   "bcdeaa37c92d1eaceeec3351e7ac81be6a1488af, NUM_NODES 4 row (Trainy, 4 x 8 H200, local batch 2, "
+                   "torch.compile, --model.converters float8)")
+MEGATRON_22B = ("NVIDIA/Megatron-LM README.md @ 2e90a342f5006a3e4f8cacf44002dbae0e10aa17 (MFU table, 22B: 41.5 %, "
+                "dp 1); configuration: Korthikanti et al. 2022, arXiv 2205.05198, Table 3 (22B: 64 heads, hidden 6144, "
+                "48 layers, tp 8, pp 1, 8 GPUs, global batch 4, seq 2048, vocab 51200); tokens/s/GPU = MFU x 312e12 / "
+                "(72 l h^2 (1 + s/6h + V/12lh)), the paper's model-FLOPs formula")
+
+_MPT = {"1b": (2048, 24, 16), "3b": (2560, 32, 20), "7b": (4096, 32, 32), "13b": (5120, 40, 40),
+        "30b": (7168, 48, 56), "70b": (8192, 80, 64)}
+
+
+def mpt_config(size: str) -> LlamaConfig:
+    """The FLOP-equivalent Llama shape of llm-foundry's ``mpt-<size>.yaml`` (vocab 50368, head dim 128)."""
+    h, layers, heads = _MPT[size]
+    return LlamaConfig(vocab_size=50368, hidden=h, n_layers=layers, n_heads=heads, n_kv_heads=heads,
+                       ffn_hidden=round(8 * h / 3), max_seq_len=65536, tie_embeddings=True)
+
+
+def megatron_gpt_config(hidden: int, layers: int, heads: int, vocab: int = 51200) -> LlamaConfig:
+    """The FLOP-equivalent Llama shape of a Megatron GPT (4h GELU MLP -> SwiGLU 8h/3, rounded to 64)."""
+    return LlamaConfig(vocab_size=vocab, hidden=hidden, n_layers=layers, n_heads=heads, n_kv_heads=heads,
+                       ffn_hidden=64 * round(8 * hidden / 3 / 64), max_seq_len=8192)
+
+
+@dataclass(frozen=True)
+class PublishedRun:
+    """One published measured run.
+
+    Args: ``id``; ``source`` (citation); ``system`` (a :data:`~.runtime_profile.RUNTIME_PROFILES` key: the
+    runtime that produced it); ``gpu`` (a hardware profile name); ``model`` (a preset name or a config);
+    ``world``, ``dp``, ``tp``, ``cp``, ``pp``; ``sharding`` (``"full"`` FSDP / ZeRO-3, ``"grad_op"``
+    ZeRO-2, ``"none"`` replicated); ``seq_len``; ``micro_batch`` (sequences per micro-batch per dp
+    rank); ``grad_accum``; ``checkpointing`` (``"full"``, ``"selective"``, ``"none"``); ``precision``;
+    ``tokens_per_s_per_gpu`` (the published figure, or derived from its MFU as ``source`` says);
+    ``excluded`` (why it is outside the statistics, or ``""``); ``note``."""
+
+    id: str
+    source: str
+    system: str
+    gpu: str
+    model: str | LlamaConfig
+    world: int
+    dp: int
+    tp: int
+    cp: int
+    pp: int
+    sharding: str
+    seq_len: int
+    micro_batch: int
+    grad_accum: int
+    checkpointing: str
+    precision: str
+    tokens_per_s_per_gpu: float
+    excluded: str = ""
+    note: str = ""
+
+
+def _foundry(gpu: str, table: str, size: str, seq: int, world: int, mbs: int, ga: int, ac: bool,
+             tps: float, sharding: str = "full", precision: str = "bf16", excluded: str = "",
+             note: str = "") -> PublishedRun:
+    tag = "a100" if gpu.startswith("A100") else "h100"
+    suffix = "" if precision == "bf16" else "-" + precision
+    return PublishedRun(id=f"foundry-{tag}-mpt{size}-{seq // 1024}k-{world}g" + suffix,
+                        source=LLM_FOUNDRY.format(table=table, size=size),
+                        system="llm-foundry", gpu=gpu, model=mpt_config(size), world=world, dp=world, tp=1, cp=1,
+                        pp=1, sharding=sharding, seq_len=seq, micro_batch=mbs, grad_accum=ga,
+                        checkpointing="full" if ac else "none", precision=precision, tokens_per_s_per_gpu=tps,
+                        excluded=excluded, note=note)
+
+
+_H = "H100 80GB BF16"
+_HL = "H100 80GB BF16 (Large Scale, >= 128 GPUs)"
+_A = "A100 80GB with 1600 Gbps node-node interconnect (RoCE)"
+_F8 = "H100 80GB FP8"
+_FP8 = "FP8 (amp_fp8): the cost model prices bf16 GEMMs only"
+_GT = ("Grand Teton H100 (96 GB HBM2e, 500 W power limit; the source: peak between SXM and NVL)")
+
+PUBLISHED_RUNS: tuple[PublishedRun, ...] = (
+    # ---- llm-foundry (Composer, PyTorch FSDP1, flash attention), H100 80GB, bf16
+    _foundry("H100", _H, "1b", 2048, 8, 14, 1, False, 45455),
+    _foundry("H100", _H, "1b", 8192, 8, 3, 4, False, 29157),
+    _foundry("H100", _H, "1b", 32768, 8, 1, 4, False, 12025),
+    _foundry("H100", _H, "1b", 65536, 8, 1, 2, True, 5506),
+    _foundry("H100", _H, "3b", 4096, 8, 5, 6, False, 20964),
+    _foundry("H100", _H, "3b", 16384, 8, 1, 6, False, 11152),
+    _foundry("H100", _H, "3b", 65536, 8, 1, 2, True, 3262),
+    _foundry("H100", _H, "7b", 2048, 8, 6, 1, False, 10643),
+    _foundry("H100", _H, "7b", 8192, 8, 8, 2, True, 6935),
+    _foundry("H100", _H, "7b", 32768, 8, 2, 2, True, 3318),
+    _foundry("H100", _H, "7b", 65536, 8, 1, 2, True, 1956),
+    _foundry("H100", _H, "13b", 4096, 8, 10, 3, True, 4717),
+    _foundry("H100", _H, "13b", 16384, 8, 3, 3, True, 2985),
+    _foundry("H100", _H, "13b", 32768, 8, 1, 3, True, 1976),
+    _foundry("H100", _H, "13b", 2048, 64, 2, 1, False, 4800),
+    _foundry("H100", _H, "30b", 2048, 8, 3, 21, True, 2002),
+    _foundry("H100", _H, "30b", 8192, 8, 1, 21, True, 1384),
+    _foundry("H100", _H, "70b", 2048, 64, 8, 4, True, 1039),
+    _foundry("H100", _HL, "1b", 2048, 512, 12, 1, False, 39837, sharding="grad_op"),
+    _foundry("H100", _HL, "70b", 2048, 512, 8, 1, True, 1007),
+    # ---- llm-foundry, A100 80GB, bf16
+    _foundry("A100-80G", _A, "1b", 2048, 8, 14, 4, False, 20513),
+    _foundry("A100-80G", _A, "1b", 16384, 8, 2, 4, False, 9956),
+    _foundry("A100-80G", _A, "1b", 65536, 8, 1, 2, True, 3044),
+    _foundry("A100-80G", _A, "3b", 8192, 8, 3, 6, False, 7695),
+    _foundry("A100-80G", _A, "3b", 32768, 8, 3, 6, True, 3029),
+    _foundry("A100-80G", _A, "7b", 2048, 8, 6, 2, False, 4641),
+    _foundry("A100-80G", _A, "7b", 16384, 8, 4, 2, True, 2453),
+    _foundry("A100-80G", _A, "7b", 65536, 8, 1, 2, True, 1013),
+    _foundry("A100-80G", _A, "13b", 8192, 8, 5, 3, True, 1795),
+    _foundry("A100-80G", _A, "13b", 32768, 8, 1, 3, True, 1016),
+    _foundry("A100-80G", _A, "30b", 4096, 8, 1, 21, True, 814),
+    _foundry("A100-80G", _A, "70b", 2048, 64, 8, 4, True, 410, note="mixed precision PURE (bf16 params)"),
+    # ---- torchtitan (FSDP2, SDPA flash / cuDNN), Grand Teton H100 at 500 W, bf16 rows only
+    PublishedRun("titan-8b-fsdp8", TORCHTITAN_2412.format(table="Table 1 row 'FSDP'", size="8b"), "torchtitan",
+                 "H100-GT500W", "llama3-8b", 8, 8, 1, 1, 1, "full", 8192, 2, 1, "selective", "bf16", 5762,
+                 note="eager; selective (op) AC priced as no recompute"),
+    PublishedRun("titan-8b-fsdp8-compile",
+                 TORCHTITAN_2412.format(table="Table 1 row 'FSDP + torch.compile'", size="8b"),
+                 "torchtitan", "H100-GT500W", "llama3-8b", 8, 8, 1, 1, 1, "full", 8192, 2, 1, "selective", "bf16", 6667,
+                 note="torch.compile: the model does not price compilation (same prediction as the eager row)"),
+    PublishedRun("titan-8b-fsdp128", TORCHTITAN_2412.format(table="Table 3 row 'FSDP'", size="8b"), "torchtitan",
+                 "H100-GT500W", "llama3-8b", 128, 128, 1, 1, 1, "full", 8192, 2, 1, "selective", "bf16", 5605,
+                 note="eager; selective (op) AC priced as no recompute"),
+    PublishedRun("titan-70b-fsdp32-tp8", TORCHTITAN_ASYNC_TP.format(table="Llama3 70b on 256 H100s table", size="70b"),
+                 "torchtitan", "H100-GT500W", "llama3-70b", 256, 32, 8, 1, 1, "full", 8192, 16, 1, "full", "bf16",
+                 597.3,
+                 note="torch.compile; local batch 16 per dp rank"),
+    PublishedRun("titan-8b-fsdp8-tp8", TORCHTITAN_ASYNC_TP.format(table="Llama3 8b on 64 H100s table", size="8b"),
+                 "torchtitan", "H100-GT500W", "llama3-8b", 64, 8, 8, 1, 1, "full", 8192, 12, 1, "selective", "bf16",
+                 4378,
+                 note="torch.compile; per-op SAC priced as no recompute"),
+    # ---- Megatron-LM (tp 8 with sequence parallel, selective recompute), A100 80GB
+    PublishedRun("megatron-22b-tp8", MEGATRON_22B, "megatron-2022", "A100-80G", megatron_gpt_config(6144, 48, 64),
+                 8, 1, 8, 1, 1, "none", 2048, 1, 4, "selective", "bf16", 927.6,
+                 note="micro-batch 1 x 4 ASSUMED (global batch 4); selective recompute priced as none"),
+    # ---- listed, not in the statistics
+    _foundry("H100", _F8, "3b", 8192, 8, 3, 6, False, 19146, precision="fp8", excluded=_FP8),
+    _foundry("H100", _F8, "1b", 8192, 8, 2, 4, False, 32010, precision="fp8", excluded=_FP8),
+    PublishedRun("titan-8b-fsdp2-cp4-128k", TORCHTITAN_2412.format(table="Table 2 row 'FSDP 2, CP 4'", size="8b"),
+                 "torchtitan", "H100-GT500W", "llama3-8b", 8, 2, 1, 4, 1, "full", 131072, 1, 1, "full", "fp8", 1071,
+                 excluded="Float8 linears (the only published torchtitan CP rows are Float8)"),
+    PublishedRun("titan-8b-fsdp1-cp8-256k", TORCHTITAN_2412.format(table="Table 2 row 'FSDP 1, CP 8'", size="8b"),
+                 "torchtitan", "H100-GT500W", "llama3-8b", 8, 1, 1, 8, 1, "full", 262144, 1, 1, "full", "fp8", 548,
+                 excluded="Float8 linears (the only published torchtitan CP rows are Float8)"),
+    PublishedRun("titan-405b-fsdp8-tp8-pp8", TORCHTITAN_2412.format(table="Table 5 row '1F1B'", size="405b"),
+                 "torchtitan", "H100-GT500W", "llama3-70b", 512, 8, 8, 1, 8, "full", 8192, 32, 1, "full", "fp8", 100,
+                 excluded="405B, pipeline parallel (pp 8) and Float8: not expressible"),
+    PublishedRun("titan-8b-h200-fsdp32-fp8", TORCHTITAN_H200, "torchtitan", "H200", "llama3-8b", 32, 32, 1, 1, 1,
+                 "full",
+                 8192, 2, 1, "selective", "fp8", 10938,
+                 excluded="Float8 linears and Float8 FSDP all-gather (the only published H200 figures found)"),
+    PublishedRun("nemo-llama3-70b-tp4-pp8", "NVIDIA-NeMo/Megatron-Bridge, file performance-summary-archive.md under "
+                 "its docs folder, @ "
+                 "4ab94dfad36641cabdeb96452b21bf676aac4772, 25.09 DGX-H100 table, LLAMA3_70B row", "megatron-2022",
+                 "H100", "llama3-70b", 64, 2, 4, 1, 8, "none", 8192, 1, 64, "selective", "fp8", 1619,
+                 excluded="pipeline parallel (pp 8, vp 5) and FP8 (the H100 Llama rows there are FP8)"),
+)

@@ -1,0 +1,153 @@
+"""What a training runtime overlaps: a small typed description the cost model prices.
+
+The hardware profile (:mod:`.hardware`) says how fast a GPU computes and moves bytes; a runtime
+profile says which of those moves hide behind which compute. :data:`HOTSPA` describes OUR runtime as
+it is on this commit (the planner and the simulator price it, never an idealized one); the others
+describe the systems whose published runs ``recipes/benchmark_published.py`` prices
+(:mod:`.published_runs`), and are used only for those rows. A hardware profile's
+``layer_comm_overlap`` caps every overlap here (cpu-gloo: 0.0, its ranks' collectives and compute
+share the same cores), so on cpu-gloo every description prices as fully exposed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["ATTENTION_KERNELS", "HOTSPA", "RUNTIME_PROFILES", "RuntimeProfile", "SELECTIVE_POLICIES",
+           "UnknownRuntimeError", "get_runtime"]
+
+#: attention kernel families a hardware profile may rate (``HardwareProfile.attention_kernels``)
+ATTENTION_KERNELS = ("fa2", "fa3", "cudnn", "flex", "sdpa-math", "cpu", "unfused")
+
+#: what a runtime's "selective" activation checkpointing recomputes (``RuntimeProfile.selective_recompute``):
+#: nothing; the core attention (scores, softmax, dropout, context: Megatron-LM's selective recompute);
+#: every second matmul of a block (torchtitan's per-op policy, which saves attention's output)
+SELECTIVE_POLICIES = ("none", "core-attention", "every-other-mm")
+
+
+class UnknownRuntimeError(ValueError):
+    """A runtime profile name that is not in :data:`RUNTIME_PROFILES`; the message lists the known ones."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RuntimeProfile:
+    """Which communication of one runtime overlaps which compute.
+
+    Args: ``name``; ``fsdp_gather_prefetch`` (a sharded working copy's unit all-gathers, forward and
+    backward re-gather, are started while the previous unit computes: hidden behind GEMMs);
+    ``fsdp_recompute_gather_prefetch`` (with activation checkpointing the backward re-gather happens
+    in the unit's recomputation: prefetched there too; False: it waits);
+    ``fsdp_reduce_scatter_overlap`` (a unit's gradient reduce-scatter runs while the next unit's
+    backward computes; False: the backward waits for it); ``dp_reduce_overlap`` (the replicated
+    gradient reduction runs inside the last micro-batch's backward, bucket by bucket);
+    ``tp_comm_overlap`` (tensor-parallel collectives overlapped with GEMMs, async TP);
+    ``cp_comm_overlap`` (context-parallel exchanges overlapped with attention, as ring attention);
+    ``attention_kernel`` (one of :data:`ATTENTION_KERNELS`, the kernel its GPU rows run);
+    ``selective_recompute`` (one of :data:`SELECTIVE_POLICIES`: what its selective checkpointing
+    recomputes); ``optimizer_bytes_per_param`` (HBM bytes its optimizer step moves per parameter a
+    rank holds: state reads and writes, the gradient-norm read; 0: not priced); ``tp_regather``
+    (sequence parallelism keeps only each rank's token shard of a column-parallel input and
+    all-gathers it again in backward, as Megatron-LM does: one more all-gather per shared input per
+    layer); ``source`` (where each field comes from)."""
+
+    name: str
+    fsdp_gather_prefetch: bool
+    fsdp_recompute_gather_prefetch: bool
+    fsdp_reduce_scatter_overlap: bool
+    dp_reduce_overlap: bool
+    tp_comm_overlap: bool
+    cp_comm_overlap: bool
+    attention_kernel: str
+    source: str
+    selective_recompute: str = "none"
+    optimizer_bytes_per_param: float = 0.0
+    tp_regather: bool = False
+
+    def __post_init__(self) -> None:
+        for f in ("fsdp_gather_prefetch", "fsdp_recompute_gather_prefetch", "fsdp_reduce_scatter_overlap",
+                  "dp_reduce_overlap", "tp_comm_overlap", "cp_comm_overlap", "tp_regather"):
+            if not isinstance(getattr(self, f), bool):
+                raise ValueError(f"RuntimeProfile {self.name!r}: {f} must be True or False, got {getattr(self, f)!r}")
+        if self.attention_kernel not in ATTENTION_KERNELS:
+            raise ValueError(f"RuntimeProfile {self.name!r}: attention_kernel must be one of {ATTENTION_KERNELS}, "
+                             f"got {self.attention_kernel!r}")
+        if self.selective_recompute not in SELECTIVE_POLICIES:
+            raise ValueError(f"RuntimeProfile {self.name!r}: selective_recompute must be one of {SELECTIVE_POLICIES}, "
+                             f"got {self.selective_recompute!r}")
+        opt = self.optimizer_bytes_per_param
+        if isinstance(opt, bool) or not isinstance(opt, (int, float)) or not opt >= 0:
+            raise ValueError(f"RuntimeProfile {self.name!r}: optimizer_bytes_per_param must be a number >= 0, "
+                             f"got {opt!r}")
+
+
+#: OUR runtime on this commit (engine/fsdp.py, engine/switch.py, parallel/*); update it with the runtime.
+HOTSPA = RuntimeProfile(
+    name="hotspa", fsdp_gather_prefetch=True, fsdp_recompute_gather_prefetch=False,
+    fsdp_reduce_scatter_overlap=True, dp_reduce_overlap=True, tp_comm_overlap=False, cp_comm_overlap=False,
+    attention_kernel="fa2", selective_recompute="none", optimizer_bytes_per_param=28.0,
+    source="engine/fsdp.py: a unit's forward starts the next unit's all-gather asynchronously and each "
+    "backward re-gather starts the previous one's (one in flight); a checkpointed unit's recompute gathers "
+    "synchronously; a unit's reduce-scatter starts asynchronously and lands when the next unit's starts (one "
+    "unit in flight, FsdpUnit.reduce_scatter / land_reduce_scatter), so backward goes on while it runs. "
+    "engine/switch.py overlap_next_backward: the stage's last micro-batch starts the replicated gradient "
+    "reductions bucket by bucket inside its backward (2 in flight). parallel/collectives.py: tp all-reduces "
+    "and Ulysses / KV-gather exchanges run synchronously between the GEMMs. models/attention.py: 'auto' on "
+    "CUDA bf16 takes flash-attn's varlen kernel (FlashAttention-2). parallel/sequence_parallel.py: tp is "
+    "sequence parallel; q/k/v and w1/w3 keep their input's token shard and all-gather it again in backward. "
+    "No selective checkpointing. Optimizer: torch Adam on the fp32 home shard (reads gradient, weight, m, v; "
+    "writes weight, m, v: 28 B per parameter; not in the planner's prices: the same for every plan).",
+    tp_regather=True,
+)
+
+RUNTIME_PROFILES: dict[str, RuntimeProfile] = {
+    "hotspa": HOTSPA,
+    "llm-foundry": RuntimeProfile(
+        name="llm-foundry", fsdp_gather_prefetch=True, fsdp_recompute_gather_prefetch=True,
+        fsdp_reduce_scatter_overlap=True, dp_reduce_overlap=True,
+        tp_comm_overlap=False, cp_comm_overlap=False, attention_kernel="fa2", optimizer_bytes_per_param=32.0,
+        source="Composer + PyTorch FSDP1 (backward_prefetch BACKWARD_PRE, also ahead of a checkpointed unit's "
+        "recomputation, whose forward pre-hook unshards; reduce-scatter on its own stream: FSDP1's design); "
+        "MPT attn_impl 'flash' (flash-attn) "
+        "in scripts/train/yamls/pretrain/mpt-*.yaml; no tp/cp. "
+        "Optimizer (the same yamls): decoupled_adamw on fp32 sharded weights with norm gradient clipping: "
+        "reads gradient, weight, m, v, writes weight, m, v, reads the gradient for its norm: 32 B per parameter.",
+    ),
+    "torchtitan": RuntimeProfile(
+        name="torchtitan", fsdp_gather_prefetch=True, fsdp_recompute_gather_prefetch=True,
+        fsdp_reduce_scatter_overlap=True, dp_reduce_overlap=True,
+        tp_comm_overlap=False, cp_comm_overlap=True, attention_kernel="fa2",
+        selective_recompute="every-other-mm", optimizer_bytes_per_param=32.0,
+        source="FSDP2 (implicit one-unit prefetch, in a checkpointed unit's recomputation too; reduce-scatter on "
+        "a separate stream); the bf16 rows use "
+        "vanilla TP (AsyncTP off: the asyncTP benchmark's 'Vanilla TP' column); CP is ring attention "
+        "(overlapped; its rows are Float8, outside the statistics); attention: SDPA's flash kernel (FA2). Selective "
+        "'op' checkpointing (torchtitan/models/llama/parallelize_llama.py @ 82010c7934150aaa55e5b8ee0aa03f372ec90cc2, "
+        "_custom_policy): saves every compute op's output (matmuls, SDPA) 'except every second mm' of a block, "
+        "whose forward the backward re-runs. Optimizer: AdamW on the fp32 FSDP2 shards with gradient-norm "
+        "clipping: 32 B per parameter (as llm-foundry's).",
+    ),
+    "megatron-2022": RuntimeProfile(
+        name="megatron-2022", fsdp_gather_prefetch=False, fsdp_recompute_gather_prefetch=False,
+        fsdp_reduce_scatter_overlap=False, dp_reduce_overlap=True,
+        tp_comm_overlap=False, cp_comm_overlap=False, attention_kernel="unfused",
+        selective_recompute="core-attention", optimizer_bytes_per_param=42.0,
+        source="Megatron-LM as in arXiv 2205.05198: tp all-gathers / reduce-scatters (sequence parallel) on the "
+        "critical path, dp gradient all-reduce overlapped with backward (its README), no FSDP. Attention: its "
+        "CoreAttention materializes the scores: baddbmm into [b*np, sq, sk], FusedScaleMaskSoftmax, dropout, "
+        "bmm (megatron/model/transformer.py @ b35d061efc6e88dc656c42ba328728679c2e3e02; flash-attn came to "
+        "Megatron-LM only in 2023), priced as 'unfused' (planner/cost/efficiency.py). Selective recompute = that core "
+        "attention, re-run in backward (the paper's definition). Optimizer: apex FusedAdam on fp32 main weights "
+        "and main grads: norm read 4, Adam reads 16 and writes 12, copy to the bf16 weights 6, zeroing the "
+        "main grads 4: 42 B per parameter; the README: its FLOPs are 'measured for end-to-end training, i.e., "
+        "includes all operations including data loading, optimization'.",
+    ),
+}
+
+
+def get_runtime(runtime: str | RuntimeProfile) -> RuntimeProfile:
+    """The runtime profile of that name, or the object itself."""
+    if isinstance(runtime, RuntimeProfile):
+        return runtime
+    if isinstance(runtime, str) and runtime in RUNTIME_PROFILES:
+        return RUNTIME_PROFILES[runtime]
+    raise UnknownRuntimeError(f"unknown runtime profile {runtime!r}; known: {', '.join(RUNTIME_PROFILES)}")

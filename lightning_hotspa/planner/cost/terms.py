@@ -1,0 +1,37 @@
+"""Small terms the cost model shares: its error, the model preset, and which layouts share gradients."""
+
+from __future__ import annotations
+
+from ...layout import Layout
+from ...models.config import LlamaConfig
+
+__all__ = ["CostModelError", "gradient_kind", "resolve_model", "shares_gradients"]
+
+
+class CostModelError(ValueError):
+    """A model / world / layout combination the cost model cannot price; the message names it."""
+
+
+def resolve_model(model: LlamaConfig | str) -> LlamaConfig:
+    """A :class:`LlamaConfig` or a preset name (``llama7b``, ``llama13b``, ``llama30b``, ...)."""
+    if isinstance(model, LlamaConfig):
+        return model
+    try:
+        return LlamaConfig.preset(str(model))
+    except ValueError as err:
+        raise CostModelError(str(err)) from None
+
+
+def shares_gradients(a: Layout, b: Layout) -> bool:
+    """Stages in ``a`` then ``b`` share working shards and gradient states (same tp, and pp), so the
+    runtime reduces once after both (``SwitchEngine.shares_gradients``); their ``stage_fixed`` agree.
+    A sharded working copy (``fsdp``) keeps its gradients at its own shard (reduce-scattered every
+    micro-batch), a replicated one at the tp shard: they share only with their own kind, as in the
+    runtime (a plain fsdp stage's ``stage_fixed`` is 0; an HSDP one, ``:fsdp8``, sums its replicas)."""
+    return gradient_kind(a) == gradient_kind(b)
+
+
+def gradient_kind(par: Layout) -> tuple[int, int, int]:
+    """(tp, pp, fsdp shard: 0 when replicated): stages of one kind share gradients
+    (:func:`shares_gradients`)."""
+    return (par.tp, par.pp, par.fsdp_shard if par.fsdp else 0)

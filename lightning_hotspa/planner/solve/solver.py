@@ -1,0 +1,452 @@
+"""``CostModelPlanner``: every document to the layout (and checkpointing) that minimizes the step.
+
+Implements the :class:`~lightning_hotspa.planner.base.Planner` protocol. For one global batch it
+chooses which layouts run, which documents each runs, whether each layout checkpoints activations,
+how each layout's documents are packed into micro-batches and spread over its dp groups, and the stage
+order, minimizing the predicted step time ``sum over stages (slowest dp group) + one gradient
+reduction per run of same-tp stages + switches`` of the cost model (:mod:`..cost.cost_model`, optionally
+calibrated by timings: :mod:`..profiled.calibration`), where the stages of one replicated tp degree count as
+one free run whose dp groups fill each other's idle time (:mod:`..cost.timeline`).
+
+Up to ``exact_max_docs`` documents the plan is exact (:mod:`.exact`); beyond, the heuristic of
+:mod:`.assign` screens every layout combination with a relaxed stage time and packs the best few.
+Plans are a pure function of (document lengths, layouts, cost coefficients): no randomness, no hash
+order, so every rank and loader worker computes the same plan; coefficients change only through
+:meth:`refit` at deterministic steps (or :meth:`load_state_dict`).
+
+How to use it::
+
+    # dry run / simulation: analytic coefficients of a hardware profile
+    planner = auto_planner(8, 32768, model="llama7b", hardware="H100")  # candidates.auto_layouts
+    plan = planner.plan(step, doc_lengths)       # a StepPlan: stages, micro-batches per dp group
+    planner.predict(plan).seconds                # what the cost model expects it to take
+
+    # training: the strategy builds it (planner="cost", or "cost-profiled" to fit timings), or pass one
+    Trainer(strategy=HotSPaStrategy(layouts, planner=CostModelPlanner(layouts, model=config,
+            hardware="cpu-gloo", tokens_per_rank=4096, profiled=True, refit_every=10)))
+
+Profiled mode, what the strategy does on every rank after each training step (the rows ride the
+step's one all-gather, so every rank feeds the same observations in the same order)::
+
+    planner.observe(gathered_observations(...))  # every rank's measured stage seconds + features
+    planner.refit(plan.step)                     # fits only at multiples of refit_every
+
+A version decided at step ``r`` plans steps ``>= r + plan_lag`` (:mod:`..profiled.schedule`: plans are built
+ahead, also in loader workers, which read the versions from shared memory);
+:meth:`version_at` tells which version planned a step. ``state_dict`` holds the versions, the
+pending observations and the schedule, and the strategy saves it in every checkpoint.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from typing import Any, Literal
+
+import numpy as np
+
+from ...checkpointing import Checkpointing
+from ...checks import check_int
+from ...layout import Layout, LayoutError, MeshShape, parse_layouts
+from ...models.config import LlamaConfig
+from ...plan import Block, PlanError, Stage, StepPlan
+from ..base import PlannerBase
+from ..cost.cost_model import AnalyticCostModel, OptionCost
+from ..cost.hardware import HardwareProfile
+from ..cost.predict import StepPrediction, predict_stages
+from ..cost.timeline import GroupBlocks
+from ..profiled.calibration import Observation, ProfiledCoefficients, apply_coefficients
+from ..profiled.schedule import CoefficientSchedule, ScheduleEntry
+from .assign import pack_in_order, solve_heuristic
+from .exact import solve_exact
+from .mixed_rounds import MixedBlock, MixedGroups, MixedRounds
+from .packing import DocumentTooLongError, pack_layout
+from .static_guard import DEFAULT_STATIC_MARGIN, GuardDecision, check_margin, guard
+
+__all__ = ["CostModelPlanner"]
+
+# Re-pack a stage with pack_layout's finer balancing only when LPT left it this far off balance
+# (max group / mean - 1) and it has at most this many documents (pack_layout costs ~10 ms at 500).
+_POLISH_IMBALANCE = 0.002
+_POLISH_MAX_DOCS = 256
+#: checkpointing options in the order they are listed (plain first)
+_MODES = (Checkpointing.NONE, Checkpointing.SELECTIVE, Checkpointing.FULL)
+
+LayoutSpec = Layout | str | Mapping[str, int]
+CheckpointingSpec = Checkpointing | bool | str | Collection[LayoutSpec]
+
+
+class CostModelPlanner(PlannerBase):
+    """Cost-model planner over candidate ``layouts`` (all of one world size, sharing one mesh).
+
+    Args:
+        layouts: candidate layouts (for a chosen set: :func:`~lightning_hotspa.planner.candidates.auto_planner`,
+            which scores candidate sets with this solver, so the choice lives above it).
+        model: a :class:`LlamaConfig` or preset name whose shape the analytic model prices.
+        hardware: a profile name (``A100-80G``, ``A800-80G``, ``H100``, ``H200``, ``cpu-gloo``) or
+            :class:`HardwareProfile`.
+        tokens_per_rank: if given, a layout's capacity is ``tokens_per_rank * tp * cp`` (the
+            strategy's setting), times the model's activation ratio with checkpointing; otherwise
+            capacities come from the memory model.
+        activation_checkpointing: ``"auto"`` (decide per layout and step among none, selective and
+            full; sharded ``:fsdp`` layouts among none and full), ``"none"`` / ``"selective"`` /
+            ``"full"`` for every layout (True / False: full / none), or the layouts that always
+            checkpoint fully (the others never do).
+        profiled: fit coefficients to observed timings (``observe`` / ``refit``).
+        refit_every: refit at steps that are multiples of this.
+        plan_lag: a refit at step ``r`` changes the plans of steps ``>= r + plan_lag`` (>= 2 when
+            Lightning's loop prefetches one batch; more if a main-process loader plans further ahead).
+        exact_max_docs: exact dynamic programming up to this many documents.
+        static_margin: run a multi-layout plan only if the best single-layout plan of the same
+            documents is predicted slower by more than this fraction (:mod:`.static_guard`; default
+            the profiled cost model's measured held-out error); 0 trusts every predicted gain.
+        split_checkpointing: with ``activation_checkpointing="auto"``, a layout may run two
+            stages, one checkpointed (the documents only it holds) and one not (the runtime's
+            checkpointing is per stage; same working copy, one gradient reduction); False: one
+            stage per layout.
+        mixed_rounds: a sharded working copy's stage may compute in two of its candidate layouts
+            on different dp blocks at once (:mod:`.mixed_rounds`) where that prices lower; False:
+            every stage computes in one layout.
+    """
+
+    def __init__(
+        self,
+        layouts: Iterable[LayoutSpec] | Literal["auto"],
+        *,
+        model: LlamaConfig | str,
+        hardware: HardwareProfile | str = "cpu-gloo",
+        world_size: int | None = None,
+        tokens_per_rank: int | None = None,
+        activation_checkpointing: CheckpointingSpec = "auto",
+        profiled: bool = False,
+        refit_every: int = 10,
+        plan_lag: int = 2,
+        exact_max_docs: int = 10,
+        static_margin: float = DEFAULT_STATIC_MARGIN,
+        split_checkpointing: bool = True,
+        mixed_rounds: bool = True,
+    ) -> None:
+        self.decides_checkpointing = True  # each stage's flag is the plan's choice (priced so)
+        name = type(self).__name__
+        self.static_margin = check_margin(static_margin, name)
+        self.last_decision: GuardDecision | None = None  # the guard's view of the last solve
+        if isinstance(layouts, str) and layouts == "auto":
+            raise PlanError(f"{name}(layouts='auto'): choose the candidates with "
+                            f"planner.candidates.auto_planner(world_size, context, model=..., hardware=...)")
+        specs = list(layouts)  # type: ignore[arg-type]
+        if not specs:
+            raise LayoutError(f"{name}: the layout list is empty")
+        world = Layout.parse(specs[0]).world_size if world_size is None else world_size
+        self.layouts: tuple[Layout, ...] = parse_layouts(specs, world)
+        MeshShape.for_layouts(self.layouts, world)
+        self.blocks = GroupBlocks(self.layouts, world)  # which dp groups free runs pack around
+        self.cost_model = AnalyticCostModel(model, hardware, world)
+        if tokens_per_rank is not None:
+            tokens_per_rank = check_int(tokens_per_rank, f"{name}: tokens_per_rank", error=PlanError)
+        self.tokens_per_rank = tokens_per_rank
+        self.exact_max_docs = int(exact_max_docs)
+        self.split_checkpointing = bool(split_checkpointing)
+        self.profiled = bool(profiled)
+        self._plan_lag = check_int(plan_lag, f"{name}: plan_lag", minimum=0, error=PlanError)
+        self.coefficients = ProfiledCoefficients(refit_every=refit_every)
+        self._ac_modes = {lay: self._ac_mode(lay, activation_checkpointing) for lay in self.layouts}
+        self._analytic: dict[tuple[Layout, Checkpointing], OptionCost] = {}
+        for lay in self.layouts:
+            self.cost_model.check(lay)
+            for ac in self._ac_modes[lay]:
+                opt = self.cost_model.option(lay, ac, self._capacity_override(lay, ac))
+                if opt.capacity >= 2 * lay.cp:
+                    self._analytic[(lay, ac)] = opt
+            if not any(k[0] == lay for k in self._analytic):
+                raise PlanError(f"{name}: layout {lay} cannot hold any tokens: the model's weights and "
+                                f"optimizer state alone exceed the memory of a {self.cost_model.hardware.name}")
+        self.mixed_rounds = MixedRounds(list(self._analytic.values()), self.blocks.shape) if mixed_rounds \
+            else MixedRounds((), None)  # which options a sharded stage may mix (mixed_rounds.py)
+        self._orders: dict[frozenset[Layout], tuple[float, tuple[Layout, ...]]] = {}
+        self._schedule = CoefficientSchedule(self._sorted_keys(self._analytic), refit_every, plan_lag) \
+            if self.profiled else None
+        self._entry_options: tuple[ScheduleEntry, list[OptionCost]] | None = None
+        self.last_version = 0  # the version the last plan() used (per process)
+        self._refresh()
+
+    # ------------------------------------------------------------------ configuration
+    def _ac_mode(self, lay: Layout, spec: CheckpointingSpec) -> tuple[Checkpointing, ...]:
+        """The checkpointing options ``lay`` is priced with under ``spec``."""
+        if isinstance(spec, str) and spec == "auto":
+            return _MODES[::2] if lay.fsdp else _MODES  # selective is not built for sharded copies
+        if isinstance(spec, (bool, str)):
+            try:
+                mode = Checkpointing.parse(spec)
+            except ValueError:
+                raise PlanError(f"activation_checkpointing must be 'auto', 'none', 'selective', 'full', a bool "
+                                f"or layouts, got {spec!r}") from None
+            if mode is Checkpointing.SELECTIVE and lay.fsdp:
+                raise PlanError(f"activation_checkpointing='selective' is not built for the sharded layout {lay}; "
+                                f"use 'auto' (none or full there), 'full' or 'none'")
+            return (mode,)
+        forced = {Layout.parse(x) for x in spec}
+        return (Checkpointing.FULL if lay in forced else Checkpointing.NONE,)
+
+    def _capacity_override(self, lay: Layout, ac: Checkpointing) -> int | None:
+        if self.tokens_per_rank is None:
+            return None
+        base = self.tokens_per_rank * lay.tp * lay.cp
+        if not ac:
+            return base
+        cm = self.cost_model
+        return int(base * cm.activation_bytes_per_token(Checkpointing.NONE) / cm.activation_bytes_per_token(ac))
+
+    def _sorted_keys(self, keys: Iterable[tuple[Layout, Checkpointing]]) -> list[tuple[Layout, Checkpointing]]:
+        return sorted(keys, key=lambda k: (self.layouts.index(k[0]), _MODES.index(k[1])))
+
+    def _refresh(self) -> None:
+        """Options with the newest coefficients (analytic, or fitted in profiled mode)."""
+        self.options: dict[tuple[Layout, Checkpointing], OptionCost] = {
+            k: (self.coefficients.apply(o) if self.profiled else o) for k, o in self._analytic.items()
+        }
+        self._option_list = [self.options[k] for k in self._sorted_keys(self.options)]
+
+    def _options_of(self, entry: ScheduleEntry) -> list[OptionCost]:
+        """The option list of one scheduled version (cached: versions change rarely)."""
+        if self._entry_options is None or self._entry_options[0] != entry:
+            self._entry_options = (entry, [apply_coefficients(self._analytic[k], entry.scale, entry.fitted)
+                                                   for k in self._sorted_keys(self._analytic)])
+        return self._entry_options[1]
+
+    @property
+    def version(self) -> int:
+        """The newest coefficient version (bumps whenever a refit changes them; saved in checkpoints).
+        Plans use it from step ``refit step + plan_lag`` on: :meth:`version_at`."""
+        return self.coefficients.version
+
+    @property
+    def plan_lag(self) -> int:
+        """Steps between a refit and the first plan it changes."""
+        return self._schedule.lag if self._schedule is not None else self._plan_lag
+
+    def ensure_plan_lag(self, lag: int) -> None:
+        """Plans may be built up to ``lag - 2`` steps ahead of Lightning's own prefetch (a loader's
+        workers): raise ``plan_lag`` to ``lag`` so that no worker waits for a refit. The same call
+        on every rank; versions already decided keep the steps they plan."""
+        if self._schedule is not None:
+            self._schedule.ensure_lag(int(lag))
+        self._plan_lag = max(self._plan_lag, int(lag))
+
+    def version_at(self, step: int) -> int:
+        """The coefficient version that plans ``step`` (raises if that is not decided yet)."""
+        if self._schedule is None:
+            return self.version
+        return self._schedule.entry_for(step, wait=False).version
+
+    def capacity(self, layout: Layout) -> int:
+        """Largest micro-batch of ``layout`` over its allowed checkpointing choices."""
+        caps = [o.capacity for k, o in self.options.items() if k[0] == layout]
+        if not caps:
+            raise LayoutError(f"layout {layout} is not among the candidates {[str(x) for x in self.layouts]}")
+        return max(caps)
+
+    def option(self, layout: Layout, activation_checkpointing: Checkpointing | bool | str) -> OptionCost:
+        """The priced option of ``layout`` with ``activation_checkpointing`` (a mode, a bool or its name)."""
+        return self.options[(layout, Checkpointing.parse(activation_checkpointing))]
+
+    def longest_document(self) -> int:
+        return max(o.max_doc_length for o in self.options.values())
+
+    def stage_order(self, used: Iterable[Layout]) -> tuple[float, tuple[Layout, ...]]:
+        """(seconds, order) for a set of used layouts: the order minimizing its switches minus the
+        gradient reductions that same-tp neighbours save (the solvers charge every stage its
+        ``stage_fixed``, so this credit makes them pay once per run, as :mod:`..cost.predict` does); ties:
+        tp descending then cp descending (each byte of weights moves at most once, same tp adjacent)."""
+        key = frozenset(used)
+        if key not in self._orders:
+            best = None
+            for perm in itertools.permutations(sorted(key, key=lambda x: (-x.tp, -x.cp, -x.dp))):
+                seconds = (self.cost_model.switch_sequence_seconds(perm)
+                           - self.cost_model.shared_reduction_seconds(perm))
+                if best is None or seconds < best[0] - 1e-15:
+                    best = (seconds, perm)
+            assert best is not None
+            self._orders[key] = best
+        return self._orders[key]
+
+    # ------------------------------------------------------------------ planning
+    def _check_lengths(self, doc_lengths: Sequence[int]) -> np.ndarray:
+        lengths = np.asarray(doc_lengths, dtype=np.int64)
+        if lengths.ndim != 1 or lengths.size == 0:
+            raise PlanError(f"doc_lengths must be a non-empty 1-D list of lengths, got shape {lengths.shape}")
+        if int(lengths.min()) < 1:
+            i = int(lengths.argmin())
+            raise PlanError(f"document {i} has length {int(lengths[i])}; documents must be non-empty")
+        longest = self.longest_document()
+        if int(lengths.max()) > longest:
+            i = int(lengths.argmax())
+            where = max(self.options.values(), key=lambda o: o.max_doc_length)
+            raise DocumentTooLongError(
+                f"document {i} has {int(lengths[i])} tokens; no candidate layout can hold it (largest: "
+                f"{longest} tokens in {where.label}); add a layout with more tp*cp or lower the context")
+        return lengths
+
+    def solve(self, doc_lengths: Sequence[int], options: Sequence[OptionCost] | None = None,
+              ) -> tuple[float, list[tuple[OptionCost, tuple]]]:
+        """(predicted seconds, [(option, groups of micro-batches)] in stage order); ``options``:
+        default the newest coefficients."""
+        lengths = self._check_lengths(doc_lengths)
+        option_list = list(self._option_list if options is None else options)
+        multi = self._solve_over(lengths, option_list)
+        chosen, self.last_decision = guard(lengths, option_list, multi, self.static_margin, self._solve_over)
+        return chosen
+
+    def _solve_over(self, lengths: np.ndarray, option_list: list[OptionCost]) -> tuple[float, list]:
+        total, stages = self._solve_plain(lengths, option_list)
+        return self.mixed_rounds.improve(lengths, total, stages, option_list, lambda st: self._seconds(lengths, st))
+
+    def _solve_plain(self, lengths: np.ndarray, option_list: list[OptionCost]) -> tuple[float, list]:
+        """(seconds, stages) with every stage in one compute layout: exact or heuristic."""
+        if lengths.size <= self.exact_max_docs:
+            # the DP's stages are in step (each its slowest dp group); re-packed around each other
+            # as free runs (:mod:`..cost.timeline`), whichever predicts faster
+            sol = solve_exact(lengths, option_list, self.stage_order, self.split_checkpointing)
+            first = {}  # a layout's checkpointed stage first, as the heuristic orders them (assign.stage_order)
+            for k, (o, _) in enumerate(sol.stages):
+                first.setdefault(o.layout, k)
+            exact = sorted(sol.stages, key=lambda s: (first[s[0].layout], not s[0].activation_checkpointing))
+            ids = [(o, np.asarray(sorted(d for grp in g for mb in grp for d in mb), dtype=np.int64)) for o, g in exact]
+            repacked = pack_in_order(ids, lengths, self.blocks)[1]
+            exact_s, repacked_s = self._seconds(lengths, exact), self._seconds(lengths, repacked)
+            return (repacked_s, repacked) if repacked_s < exact_s else (exact_s, exact)
+        stages = solve_heuristic(lengths, option_list, self.stage_order,
+                                 split_checkpointing=self.split_checkpointing, blocks=self.blocks)[1]
+        return self._polish(lengths, stages)
+
+    def _seconds(self, lengths: np.ndarray, stages: Sequence[tuple[OptionCost, tuple]]) -> float:
+        """The predicted step of solver stages (fsdp groups' micro-batches costliest first, as
+        :meth:`plan` emits them): the objective every solve returns."""
+        return predict_stages(stages, lengths, self.cost_model, self.blocks, in_order=False).seconds
+
+    def _polish(self, lengths: np.ndarray, stages: list) -> tuple[float, list]:
+        """Re-packs a stage with :func:`~.packing.pack_layout` (document moves and swaps between dp
+        groups) when its groups are off balance by more than ``_POLISH_IMBALANCE`` and it is small
+        enough (``_POLISH_MAX_DOCS``) to afford it; keeps whichever predicts the faster step (a
+        later stage of a free run is off balance on purpose: it packs around the ones before)."""
+        total = self._seconds(lengths, stages)
+        out = list(stages)
+        for k, (opt, groups) in enumerate(stages):
+            ids = [d for g in groups for mb in g for d in mb]
+            secs = opt.doc_seconds(opt.padded(lengths))
+            loads = [opt.group_seconds(float(secs[[d for mb in g for d in mb]].sum()), len(g)) if g else 0.0
+                     for g in groups]
+            mean = sum(loads) / len(loads)
+            if len(groups) > 1 and len(ids) <= _POLISH_MAX_DOCS and max(loads) > mean * (1 + _POLISH_IMBALANCE):
+                packed = pack_layout(ids, lengths[ids], opt.layout, opt.capacity, opt.balance_cost)
+                trial = [*out[:k], (opt, packed.micro_batches), *out[k + 1:]]
+                seconds = self._seconds(lengths, trial)
+                if seconds < total:
+                    total, out = seconds, trial
+        return total, out
+
+    def plan(self, step: int, doc_lengths: Sequence[int], *, latest: bool = False) -> StepPlan:
+        """The plan of training step ``step``, with the coefficient version :meth:`version_at` gives
+        (in a DataLoader worker: after waiting for that version to be decided). ``latest``: the
+        newest decided version instead (evaluation plans, built while training is paused)."""
+        lengths = self._check_lengths(doc_lengths)
+        options = None
+        if self._schedule is not None:
+            entry = self._schedule.entry_for(None if latest else int(step), wait=_in_loader_worker())
+            options, self.last_version = self._options_of(entry), entry.version
+        _, stages = self.solve(lengths, options)
+        out = []
+        for opt, groups in stages:
+            if isinstance(groups, MixedGroups):
+                out.append(_mixed_stage(opt, groups, lengths))
+                continue
+            ids = [d for g in groups for mb in g for d in mb]
+            label = f"{int(lengths[ids].min())}-{int(lengths[ids].max())}"
+            if opt.layout.lockstep:  # lockstep rounds: costliest micro-batches first in every group
+                secs = opt.doc_seconds(opt.padded(lengths))
+                key = lambda mb, s=secs: (-float(s[list(mb)].sum()), -len(mb), tuple(sorted(mb)))  # noqa: E731
+            else:
+                key = lambda mb: (-len(mb), mb)  # noqa: E731
+            mbs = tuple(tuple(tuple(sorted(mb)) for mb in sorted(g, key=key)) for g in groups)
+            out.append(Stage(opt.layout, mbs, opt.activation_checkpointing, label))
+        notes = self.last_decision.notes() if self.last_decision is not None else ()
+        return StepPlan(int(step), tuple(int(n) for n in lengths.tolist()), tuple(out), notes=notes)
+
+    def predict(self, plan: StepPlan) -> StepPrediction:
+        """Predicted seconds of any plan over these layouts (another planner's too)."""
+        def opt_of(lay: Layout, ac: bool) -> OptionCost:
+            return self.options.get((lay, ac)) or self.cost_model.option(lay, ac, self._capacity_override(lay, ac))
+
+        stages = []
+        for s in plan.stages:
+            ac = s.activation_checkpointing
+            groups = MixedGroups(tuple(MixedBlock(opt_of(b.layout, ac), b.dp_groups, b.micro_batches)
+                                       for b in s.blocks)) if s.blocks else s.micro_batches
+            stages.append((opt_of(s.layout, ac), groups))
+        return predict_stages(stages, plan.doc_lengths, self.cost_model, self.blocks)
+
+    # ------------------------------------------------------------------ profiled mode
+    def observe(self, observations: Iterable[Observation]) -> None:
+        """Buffers timings (the same all-gathered rows on every rank); plans change only at refit."""
+        self.coefficients.observe(o for o in observations if (o.layout, o.activation_checkpointing) in self._analytic)
+
+    def refit(self, step: int) -> bool:
+        """Called after training step ``step`` (every step, in order, on every rank with the same
+        observations). At multiples of ``refit_every`` refits the coefficients; a new version plans
+        steps ``>= step + plan_lag``. True if the coefficients changed."""
+        if not self.profiled or self._schedule is None:
+            return False
+        changed = self.coefficients.refit(step, self._analytic)
+        if changed:
+            self._refresh()
+            c = self.coefficients
+            self._schedule.publish(step, c.version, c.scale, c.fitted)
+        self._schedule.mark_decided(step)
+        return changed
+
+    def state_dict(self) -> dict[str, Any]:
+        out = {"kind": "cost_model", "version": self.version, "layouts": [x.name for x in self.layouts],
+               "profiled": self.profiled, "coefficients": self.coefficients.state_dict()}
+        if self._schedule is not None:
+            out["schedule"] = self._schedule.state()
+        return out
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restores the fitted coefficients, their version and which steps each version plans;
+        other settings stay as constructed. Loader workers see it through the shared schedule."""
+        if state.get("kind") not in (None, "cost_model"):
+            raise PlanError(f"{type(self).__name__} cannot load a {state.get('kind')!r} planner state")
+        if "coefficients" in state:
+            self.coefficients.load_state_dict(state["coefficients"])
+            self._refresh()
+            if self._schedule is not None:
+                if "schedule" in state:
+                    entries, decided, lag = CoefficientSchedule.entries_from_state(state["schedule"])
+                else:  # a state without a schedule: its coefficients plan every step
+                    c = self.coefficients
+                    entries, decided, lag = [ScheduleEntry(-(2**62), c.version, c.scale, dict(c.fitted))], \
+                        c.last_refit_step, None
+                self._schedule.load(entries, decided, lag)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_entry_options"] = None  # rebuilt on first use (keeps worker pickles small)
+        return state
+
+    def __repr__(self) -> str:
+        opts = ", ".join(f"{o.label}:{o.capacity}" for o in self._option_list)
+        return f"{type(self).__name__}({self.cost_model.model.n_layers}L on {self.cost_model.hardware.name}; {opts})"
+
+
+def _mixed_stage(opt: OptionCost, mixed: MixedGroups, lengths: np.ndarray) -> Stage:
+    """The plan's mixed stage: the working copy in ``opt``'s layout, a :class:`Block` per block."""
+    ids = mixed.doc_ids
+    blocks = tuple(Block(b.option.layout, b.dp_groups, tuple(tuple(tuple(sorted(mb)) for mb in g) for g in b.groups))
+                   for b in mixed.blocks)
+    label = f"{int(lengths[ids].min())}-{int(lengths[ids].max())}"
+    return Stage(opt.layout, (), opt.activation_checkpointing, label, blocks=blocks)
+
+
+def _in_loader_worker() -> bool:
+    from torch.utils.data import get_worker_info
+
+    return get_worker_info() is not None

@@ -1,0 +1,117 @@
+"""Never worse than static by design: switch layouts only for a predicted gain above a margin.
+
+Why: a multi-layout plan wins only by the cost model's prediction, and predictions err. On the CPU
+box the planner switched for predicted gains of 0-8 % that noise and per-stage costs ate.
+So for every step the solver also plans the same documents in each single candidate layout and keeps
+the multi-layout plan only when ``best single / multi - 1 > margin``. A plan already in one layout is
+checked too (margin 0): the heuristic's one-layout plan, picked among all options, can be slower than
+a layout solved alone. A single layout whose lower bound cannot win is not solved (planner time).
+
+The default margin is the measured mean held-out stage-time error of the profiled cost model
+(``hotspa check-calibration``, six runs, BENCHMARKS.md "Profiled calibration": 14.7 %): a gain
+smaller than the model's typical error on unseen steps is not evidence of a gain. It is a
+constant, not refreshed online, because every rank and loader worker must compute the same plan and
+the coefficient schedule carries only coefficients (planner/profiled/schedule.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..cost.cost_model import OptionCost
+from .mixed_rounds import MixedGroups
+
+__all__ = ["DEFAULT_STATIC_MARGIN", "GuardDecision", "check_margin", "guard"]
+
+#: Mean held-out stage-time error of the profiled cost model, CPU clock, six runs (BENCHMARKS.md).
+DEFAULT_STATIC_MARGIN = 0.147
+
+Solution = tuple[float, list[tuple[OptionCost, tuple]]]
+
+
+@dataclass(frozen=True)
+class GuardDecision:
+    """What the guard saw for one step: logged as planner metrics."""
+
+    multi_s: float  # the multi-layout plan's predicted seconds
+    static_s: float  # the best single-layout plan's (inf: no single layout holds every document)
+    static_layout: str
+    margin: float
+    fell_back: bool  # True: the step runs the single-layout plan
+
+    @property
+    def predicted_gain(self) -> float:
+        """``static / multi - 1`` (0 when they are the same plan)."""
+        return self.static_s / self.multi_s - 1.0 if np.isfinite(self.static_s) and self.multi_s > 0 else 0.0
+
+    def notes(self) -> tuple[tuple[str, float], ...]:
+        return (("predicted_gain_over_static", self.predicted_gain), ("static_fallback", float(self.fell_back)),
+                ("static_margin", self.margin), ("predicted_static_s", self.static_s),
+                ("predicted_multi_s", self.multi_s))
+
+
+def check_margin(margin: object, where: str) -> float:
+    if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < 10:
+        raise ValueError(f"{where}: static_margin must be a number in [0, 10), got {margin!r}")
+    return float(margin)
+
+
+def guard(lengths: np.ndarray, options: Sequence[OptionCost], multi: Solution, margin: float,
+          solve: Callable[[np.ndarray, list[OptionCost]], Solution]) -> tuple[Solution, GuardDecision]:
+    """The plan to run and the decision. ``solve(lengths, options)`` plans over a subset of options
+    (the same solver the multi-layout plan came from)."""
+    total, stages = multi
+    used = {opt.layout for opt, _ in stages}  # a mixed stage's blocks compute in layouts of their own
+    used.update(lay for _, groups in stages if isinstance(groups, MixedGroups) for lay in groups.layouts)
+    longest = int(lengths.max())
+    by_layout: dict[object, list[OptionCost]] = {}
+    for opt in options:
+        by_layout.setdefault(opt.layout, []).append(opt)
+    bounds = sorted((_lower_bound(lengths, opts, longest), i, par) for i, (par, opts) in enumerate(by_layout.items()))
+    best: Solution | None = None
+    best_name = ""
+    if len(used) > 1:
+        threshold = total * (1.0 + margin)
+        for bound, _, par in bounds:  # cheapest bound first; a bound above the threshold (or the
+            if bound > threshold or (best is not None and bound >= best[0]):  # best so far) cannot
+                break  # change the decision: skip the solve (keeps the guard within the time budget)
+            single = solve(lengths, by_layout[par])
+            if best is None or single[0] < best[0]:
+                best, best_name = single, par.name
+        if best is None and bounds and np.isfinite(bounds[0][0]):  # every single layout is bounded
+            bound, _, par = bounds[0]  # out: report the best bound as its time (a lower bound)
+            return multi, GuardDecision(total, bound, f"{par.name} (bound)", margin, False)
+    else:  # already one layout, but a heuristic's pick: a layout solved alone (another, or this
+        own = next(iter(used))  # one without the other options' distraction) may plan these
+        best, best_name = multi, own.name  # documents faster; then that runs (static either way)
+        for bound, _, par in (bounds if len(by_layout) > 1 else ()):  # one layout: multi IS it solved alone
+            if bound >= best[0]:
+                break
+            single = solve(lengths, by_layout[par])
+            if single[0] < best[0] * (1 - 1e-9):
+                best, best_name = single, par.name
+        if best is not multi:
+            return best, GuardDecision(total, best[0], best_name, margin, True)
+    if best is None:
+        return multi, GuardDecision(total, float("inf"), "", margin, False)
+    fall_back = best is not multi and not best[0] > total * (1.0 + margin)
+    decision = GuardDecision(total, best[0], best_name, margin, fall_back)
+    return (best if fall_back else multi), decision
+
+
+def _lower_bound(lengths: np.ndarray, options: Sequence[OptionCost], longest: int) -> float:
+    """No single-layout plan over ``options`` is faster: its slowest dp group is at least the mean
+    group (each document's seconds in the cheapest of the layout's options that holds it, plus its
+    share of the fewest micro-batches, over dp). Per document, not per option: the layout may run
+    a checkpointed stage for the documents that need it and a plain one for the rest."""
+    if not options or max(opt.max_doc_length for opt in options) < longest:
+        return np.inf
+    work = np.full(lengths.size, np.inf)
+    for opt in options:
+        padded = opt.padded(lengths)
+        secs = opt.doc_seconds(padded) + opt.per_micro_batch * padded / opt.capacity
+        work = np.minimum(work, np.where(padded <= opt.capacity, secs, np.inf))
+    return float(work.sum()) / options[0].layout.dp

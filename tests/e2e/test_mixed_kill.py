@@ -1,0 +1,90 @@
+"""A rank killed inside a mixed-cp round (issue 31): the others fail with a ``CollectiveError`` that
+names the group they were waiting in, on the dead peer's closed connection, not after a timeout;
+and a rank whose step raises in a rank pool no longer leaves the others hanging in a collective."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from lightning_hotspa.testing.spawn import RankFailure, RankPool
+
+ROOT = Path(__file__).resolve().parents[2]
+DEADLINE_S = 300.0  # the job kills what still runs then; the ranks' process-group timeout is 30 min
+
+
+@pytest.fixture(scope="module")
+def killed(tmp_path_factory):
+    out = tmp_path_factory.mktemp("mixed-kill")
+    cmd = [sys.executable, str(ROOT / "tests" / "mixed_kill_job.py"), str(out), "--deadline", str(DEADLINE_S)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        output, _ = proc.communicate(timeout=DEADLINE_S + 120)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert proc.returncode == 0, output.decode(errors="replace")[-3000:]
+    job = json.loads((out / "job.json").read_text())
+    job["logs"] = {r: (out / f"rank{r}.log").read_text(errors="replace") for r in range(4)}
+    return job
+
+
+def test_a_rank_killed_in_a_mixed_round_fails_the_others_with_the_group_named(killed):
+    """Rank 1 (cp2 block with rank 0; ranks 2 and 3 at cp1) dies inside round 2 of the mixed stage.
+    Every survivor exits non-zero before the job's deadline (its collective timeout is 30 min) with
+    a CollectiveError naming the collective and its group's ranks, which include the dead rank,
+    and where it was: the mixed stage, its own block's layout."""
+    assert killed["kill"] is not None, "rank 1 never reached its kill point"
+    assert "block dp2xcp2:fsdp" in killed["kill"]["where"], killed["kill"]
+    assert killed["hung"] == [], f"ranks {killed['hung']} still waited at the deadline"
+    assert killed["exit_codes"]["1"] == -signal.SIGKILL
+    for rank, block in ((0, "dp2xcp2:fsdp"), (2, "dp4:fsdp"), (3, "dp4:fsdp")):
+        log = killed["logs"][rank]
+        assert killed["exit_codes"][str(rank)] != 0, log[-2000:]
+        errors = [x for x in log.splitlines() if "CollectiveError:" in x]
+        assert errors, f"rank {rank} failed without a CollectiveError:\n{log[-3000:]}"
+        line = errors[-1]
+        # the collective's note, then the process group's name where the failing frame holds it
+        group = re.search(r"in an? [\w\s'-]+ over ranks \[([\d, ]+)\]( on process group '[^']+' \(ranks [^)]+\))? "
+                          r"at rank (\d)", line)
+        assert group and int(group.group(3)) == rank, line
+        assert 1 in [int(x) for x in group.group(1).split(",")], line
+        assert f"block {block}" in line and "global step 0" in line, line
+        assert "timed out" not in line.lower(), line
+
+
+def _one_rank_raises_while_the_other_gathers():
+    """Rank 1 raises (a broken runner); rank 0 goes on to the world all-gather, as a step's records
+    gather would."""
+    import torch
+
+    if dist.get_rank() == 1:
+        raise ValueError("a broken runner")
+    out = torch.zeros(dist.get_world_size())
+    dist.all_gather_into_tensor(out, torch.ones(1))
+    return float(out.sum())
+
+
+def test_a_rank_that_raises_does_not_leave_the_others_in_a_collective():
+    """The pool used to wait for every rank's answer while rank 0 waited in the gather for the rank
+    that had raised: a hang until the collective timeout (here 30 min, longer than the call's
+    deadline). Now the failed rank leaves and rank 0 fails on the closed connection: both answer."""
+    pool = RankPool(2, collective_timeout_s=1800.0)
+    try:
+        with pytest.raises(RankFailure) as failure:
+            pool.run(_one_rank_raises_while_the_other_gathers, timeout_s=240.0)
+    finally:
+        pool.close(force=True)
+    message = str(failure.value)
+    assert "timed out" not in message and "failed on ranks [0, 1]" in message, message[:2000]

@@ -1,0 +1,166 @@
+"""The shape of the package: no import cycles, dependencies point down, the planner and the layouts
+load without Lightning, the strategy name is registered in either import order, and the docs the
+project cites are in the repository (docs/DESIGN.md section 5 draws the floors checked here)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import lightning_hotspa
+from lightning_hotspa.testing.import_graph import find_cycles, import_graph
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGE = Path(lightning_hotspa.__file__).resolve().parent
+
+#: floor of each part of the package: a module may import its own floor and the floors below
+FLOORS = {
+    "checks": 0, "checkpointing": 0, "torch_compat": 0, "host": 0, "host_facts": 0, "layout": 0, "mesh": 0,
+    "placements": 0, "plan": 0, "micro_batch": 0, "collective_names": 0,
+    "models": 1, "parallel": 1, "planner": 1, "data": 1, "engine": 1, "testing": 1,
+    "adapter": 2,
+    "tools": 3, "configs": 3,
+}
+
+
+def _part(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def test_no_import_cycle_among_the_package_modules() -> None:
+    graph = import_graph(PACKAGE)
+    assert "lightning_hotspa.planner.solve.solver" in graph, "the graph must see the package's modules"
+    assert find_cycles(graph) == []
+
+
+def test_the_cycle_finder_sees_deferred_imports(tmp_path: Path) -> None:
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from . import b\n")
+    (pkg / "b.py").write_text("def f():\n    from .a import x\n    return x\n")
+    (pkg / "c.py").write_text("from .b import f\n")
+    assert find_cycles(import_graph(pkg)) == [["pkg.a", "pkg.b"]]
+
+
+def test_dependencies_point_down() -> None:
+    graph = import_graph(PACKAGE)
+    unknown = sorted({_part(m) for m in graph if _part(m) and _part(m) not in FLOORS})
+    assert not unknown, f"give these parts of the package a floor in FLOORS: {unknown}"
+    upward = []
+    for module, targets in graph.items():
+        if module == "lightning_hotspa":
+            continue  # the package __init__: lazy names and the registration hook
+        for target in targets:
+            if FLOORS[_part(target)] > FLOORS[_part(module)]:
+                upward.append(f"{module} -> {target}")
+    assert upward == []
+
+
+_CHECK_NO_LIGHTNING = """
+import sys
+import lightning_hotspa.layout, lightning_hotspa.planner, lightning_hotspa.plan
+import lightning_hotspa.models, lightning_hotspa.data, lightning_hotspa.engine.switch
+loaded = sorted(m for m in sys.modules if m.split(".")[0] in ("lightning", "pytorch_lightning"))
+assert not loaded, loaded[:5]
+import lightning_hotspa.models as models, lightning_hotspa.data as data
+assert models.LlamaLM.__module__ == "lightning_hotspa.models.lightning_module"
+assert data.HotSPaDataModule.__module__ == "lightning_hotspa.data.datamodule"
+assert "lightning" in sys.modules  # the lazy names are real: they load Lightning when asked for
+print("ok")
+"""
+
+
+def _python(code: str) -> str:
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240,
+                         cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout
+
+
+def test_planner_layouts_models_and_data_load_without_lightning() -> None:
+    assert _python(_CHECK_NO_LIGHTNING).strip().endswith("ok")
+
+
+_TRAINER = ("t = L.Trainer(strategy='hotspa', accelerator='cpu', devices=1, logger=False, "
+            "enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)\n"
+            "print(type(t.strategy).__name__)\n")
+
+
+@pytest.mark.parametrize("imports", [
+    "import lightning_hotspa; import lightning",
+    "import lightning; import lightning_hotspa",
+    "from lightning_hotspa import HotSPaStrategy",  # our strategy's own import loads Lightning
+])
+def test_trainer_finds_hotspa_after_a_bare_import_in_either_order(imports: str) -> None:
+    code = (f"{imports}\nimport lightning as L\n" + _TRAINER
+            + "import sys\n"
+            "assert not [f for f in sys.meta_path if getattr(f, 'hotspa_registration_hook', 0)]\n"
+            "assert type(sys.modules['lightning'].__loader__).__name__ != '_RegisterAfterExec'\n"
+            "from lightning_hotspa.adapter import registration\n"
+            "registration.install(); registration.install(); registration.register_strategy()\n" + _TRAINER)
+    assert _python(code).strip().splitlines()[-2:] == ["HotSPaStrategy", "HotSPaStrategy"]
+
+
+# --------------------------------------------------------------------------------------- docs
+_OUTSIDE = re.compile(r"\.\./" + "shared|/work/" + "shared")
+_BARE = re.compile(r"(?<![\w/])(?:DESIGN|REFERENCE)\.md")  # outside docs/ these must say docs/...
+_DOC = re.compile(r"\bdocs/([\w.-]+\.md)(?:\s*§(\d+))?(?:,? trap \"([^\"]+)\")?")
+
+
+def _tracked_text_files() -> list[Path]:
+    try:
+        names = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True,
+                               check=True, timeout=60).stdout.split()
+    except (OSError, subprocess.CalledProcessError):
+        names = [str(p.relative_to(ROOT)) for p in ROOT.rglob("*") if p.is_file() and ".git" not in p.parts]
+    keep = (".py", ".md", ".toml", ".yaml", ".yml", ".cfg", ".txt", "Makefile", ".sh", ".ini")
+    return [ROOT / n for n in names if n.endswith(keep) and (ROOT / n).is_file()]
+
+
+def _doc_problems(files: list[Path], docs: Path) -> list[str]:
+    problems = []
+    for path in files:
+        if path.name in ("test_architecture.py", "test_docs_paths.py"):
+            continue  # their own patterns and fixtures
+        text = path.read_text(encoding="utf-8", errors="replace")
+        for n, line in enumerate(text.splitlines(), 1):
+            where = f"{path.name}:{n}"
+            bare = path.parent.name != "docs" and _BARE.search(re.sub(r"docs/\w+\.md", "", line))
+            if _OUTSIDE.search(line) or bare:
+                problems.append(f"{where}: refers to a file outside the repository: {line.strip()[:90]}")
+            for name, section, trap in _DOC.findall(line):
+                doc = docs / name
+                if not doc.is_file():
+                    problems.append(f"{where}: docs/{name} does not exist")
+                    continue
+                body = doc.read_text(encoding="utf-8")
+                if section and not re.search(rf"^## {section}\. ", body, re.M):
+                    problems.append(f"{where}: docs/{name} has no section {section}")
+                if trap and trap.lower() not in body.lower():
+                    problems.append(f"{where}: docs/{name} names no trap {trap!r}")
+    return problems
+
+
+def test_every_reference_to_the_docs_points_into_the_repository() -> None:
+    files = _tracked_text_files()
+    assert any(p.name == "README.md" for p in files)
+    assert _doc_problems(files, ROOT / "docs") == []
+
+
+def test_the_docs_check_catches_bad_references(tmp_path: Path) -> None:
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "DESIGN.md").write_text("## 7. Traps\n- **Uneven shards.** ...\n")
+    bad = tmp_path / "src" / "x.py"
+    bad.parent.mkdir()
+    bad.write_text('"""see ../' + 'shared/DESIGN.md"""\n# docs/DESIGN.md §9\n# docs/NOPE.md\n'
+                   '# docs/DESIGN.md §7, trap "closure order"\n# DESIGN' + '.md §4\n'
+                   '# docs/DESIGN.md §7, trap "uneven shards"\n')
+    problems = _doc_problems([bad], docs)
+    assert len(problems) == 5, problems
