@@ -25,7 +25,7 @@ from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 TESTS = Path(__file__).resolve().parent
-sys.path[:0] = [str(TESTS.parent), str(TESTS)]
+sys.path[:0] = [str(TESTS.parent), str(TESTS), str(TESTS / "distributed")]  # test_mixed_planner lives there
 
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
