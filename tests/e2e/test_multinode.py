@@ -263,7 +263,8 @@ def test_a_killed_node_makes_the_other_fail_fast_with_a_collective_error(chain):
     # (two_torchrun_nodes waits for it, bounded)
     assert sorted(run["errors"]) == [0, 1], run["errors"]
     for rank, error in run["errors"].items():
-        assert error.startswith(f"CollectiveError: a collective failed at rank {rank}, global step 2"), error
+        # the failed collective and its process group are named where the failing frame knows them
+        assert re.match(rf"CollectiveError: a collective failed( in .+)? at rank {rank}, global step 2", error), error
         assert re.search(r"stage \d+/\d+ \(layout \w+", error) and "timed out" not in error.lower(), error
 
 
