@@ -3,40 +3,58 @@
 Why: gloo's error for a dead peer says "Connection closed by peer [addr]:port", not which of the
 runtime's groups the rank was waiting in (its block's cp group, a tp group, the unit gathers' shard
 group, the world); a mixed-cp round runs different ones on different ranks at the same moment. The
-runtime's collectives run inside :func:`collective`, which notes the group's ranks on any exception
-leaving it; :func:`failed_collective` reads the note back from an exception's chain
-(``adapter/reliability.py`` puts it into the ``CollectiveError`` it raises).
+runtime's collectives are issued and waited on inside :func:`collective`, which notes the collective
+and its group (the ``RankGroup``'s name and ranks) on any exception leaving it;
+:func:`failed_collective` reads the note back from an exception's chain (``adapter/reliability.py``
+puts it into the ``CollectiveError`` it raises). One mechanism: nothing else guesses the group.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
+from typing import Any
 
-__all__ = ["collective", "failed_collective"]
+__all__ = ["collective", "failed_collective", "ranks_text"]
 
 _ATTR = "hotspa_collective"
 
 
 @contextlib.contextmanager
-def collective(what: str, ranks: Sequence[int]) -> Iterator[None]:
-    """Runs the body; an exception leaving it carries ``(what, ranks)`` (the innermost note wins).
+def collective(what: str, group: Any) -> Iterator[None]:
+    """Runs the body; an exception leaving it carries ``(what, ranks, name)`` (the innermost note wins).
 
     Args:
-        what: the collective, e.g. ``"the cp all-to-all"``.
-        ranks: the global ranks of its group.
+        what: the collective, e.g. ``"an all-to-all"``.
+        group: the ``RankGroup`` it runs on (its ``desc`` names it, as NCCL's watchdog does), or the
+            global ranks of an unnamed group (the world).
     """
     try:
         yield
     except BaseException as exc:
         if getattr(exc, _ATTR, None) is None:
+            ranks: Sequence[int] = getattr(group, "ranks", group)
+            note = (what, tuple(int(r) for r in ranks), str(getattr(group, "desc", "") or ""))
             with contextlib.suppress(AttributeError, TypeError):  # an exception type without attributes
-                setattr(exc, _ATTR, (what, tuple(int(r) for r in ranks)))
+                setattr(exc, _ATTR, note)
         raise
 
 
+def ranks_text(ranks: Sequence[int]) -> str:
+    """The ranks of a group, the first 8 and the last of a larger one.
+
+    Args:
+        ranks: global ranks.
+    """
+    ranks = tuple(ranks)
+    if len(ranks) <= 16:
+        return str(list(ranks))
+    return "[" + ", ".join(map(str, ranks[:8])) + f", ..., {ranks[-1]}] ({len(ranks)} ranks)"
+
+
 def failed_collective(exc: BaseException | None) -> str | None:
-    """``"<what> over ranks [..]"`` of the first noted exception in ``exc``'s chain, else None.
+    """``"<what> on process group '<name>' (ranks [..])"`` (an unnamed group: ``"<what> over ranks
+    [..]"``) of the first noted exception in ``exc``'s chain, else None.
 
     Args:
         exc: the exception a failed step raised.
@@ -46,7 +64,9 @@ def failed_collective(exc: BaseException | None) -> str | None:
         seen.add(id(exc))
         note = getattr(exc, _ATTR, None)
         if note is not None:
-            what, ranks = note
-            return f"{what} over ranks {list(ranks)}"
+            what, ranks, name = note
+            if name:
+                return f"{what} on process group '{name}' (ranks {ranks_text(ranks)})"
+            return f"{what} over ranks {ranks_text(ranks)}"
         exc = exc.__cause__ or exc.__context__
     return None

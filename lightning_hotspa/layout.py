@@ -126,6 +126,13 @@ class Layout:
         return self.cp // self.cp_kv
 
     @property
+    def token_granule(self) -> int:
+        """A micro-batch capacity that is a multiple of this holds its micro-batches after
+        ``pack_micro_batch``'s sequence-parallel padding (a rank's ``tokens / cp``, even under cp,
+        made a multiple of tp): ``tp`` without cp, ``cp * lcm(2, tp)`` with it."""
+        return self.tp if self.cp == 1 else self.cp * math.lcm(2, self.tp)
+
+    @property
     def cp_kind(self) -> str:
         """``"ulysses"``, ``"kv"`` (all-gather-KV over the whole cp group) or ``"hybrid"``."""
         if self.cp_kv == 1:

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_hotspa.layout import Layout, MeshShape
-from lightning_hotspa.plan import Stage, StepPlan, pack_micro_batch, slice_plan
+from lightning_hotspa.plan import Block, Stage, StepPlan, pack_micro_batch, slice_plan
 
 
 @contextlib.contextmanager
@@ -81,3 +81,24 @@ def reference_run(model_factory, plans: list[StepPlan], clip: float | None = Non
 def rel_errors(ours: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> dict[str, float]:
     return {n: float((ours[n].double() - ref[n].double()).norm() / ref[n].double().norm().clamp(min=1e-30))
             for n in ref}
+
+
+def groups_of(layouts: list[str], layout: Layout, ranks) -> tuple[int, ...]:
+    """The dp groups of ``layout`` that hold ``ranks`` on the 4-rank mesh of ``layouts`` (dp order
+    is not rank order on a 2x2 mesh)."""
+    mesh = MeshShape.for_layouts([Layout.parse(x) for x in layouts], 4)
+    return tuple(sorted({mesh.rank_coords(layout, r)[0] for r in ranks}))
+
+
+def block_of(layouts: list[str], name: str, ranks, counts, docs: list[int]) -> Block:
+    """A block of layout ``name`` on ``ranks`` (the 4-rank mesh of ``layouts``); its k-th dp group
+    runs ``counts[k]`` micro-batches of up to 2 documents taken from the front of ``docs``."""
+    layout = Layout.parse(name)
+    groups = []
+    for count in counts:
+        mbs = []
+        for _ in range(count):
+            mbs.append(tuple(docs[:2]))
+            del docs[:2]
+        groups.append(tuple(mbs))
+    return Block(layout, groups_of(layouts, layout, ranks), tuple(groups))

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from ..collective_names import failed_collective
 
 __all__ = ["NONFINITE_POLICIES", "CollectiveError", "as_timeout", "NonFiniteLossError", "StepTracker",
-           "check_nonfinite_policy", "enable_nccl_flight_recorder", "failed_group", "is_collective_failure",
+           "check_nonfinite_policy", "enable_nccl_flight_recorder", "is_collective_failure",
            "subgroup_timeout"]
 
 log = logging.getLogger(__name__)
@@ -199,11 +199,8 @@ class StepTracker:
             if isinstance(failures, dict) and failures:
                 inner = next(iter(failures.values()))[0]
             first = (str(inner).strip().splitlines() or [type(inner).__name__])[0]
-            noted = failed_collective(exc)  # the runtime's note: which collective, which group's ranks
+            noted = failed_collective(exc)  # the runtime's note: which collective, on which group
             op = f" in {noted or operation}" if noted or operation else ""
-            group = failed_group(exc)
-            if group is not None:
-                op += f" on process group '{group.desc}' (ranks {_ranks_text(group.ranks)})"
             raise CollectiveError(
                 f"a collective failed{op} at {self.describe()}: {type(inner).__name__}: {first[:500]} -- another rank "
                 f"has probably died or hung (see its log); resume from the last complete checkpoint") from exc
@@ -248,45 +245,6 @@ def plan_summary(plan: Any) -> str:
     extras = getattr(plan, "extras", {}) or {}
     position = {k: extras[k] for k in ("epoch", "step", "stream_step") if k in extras}
     return "[" + "; ".join(parts) + "]" + (f" data position {position}" if position else "")
-
-
-def failed_group(exc: BaseException) -> Any:
-    """The :class:`~lightning_hotspa.mesh.RankGroup` whose collective raised ``exc``, or None.
-
-    Looked for in the innermost frame of the traceback in this package (through the cause chain), as
-    a local or as ``self.group``: every sub-group collective is issued or waited on where its
-    ``RankGroup`` is at hand (gloo's and NCCL's own messages do not name the group). Frames further
-    out are not searched, so a failed default-group collective is not blamed on a group an outer
-    caller happens to hold.
-
-    Args:
-        exc: the exception a collective raised.
-    """
-    from ..mesh import RankGroup
-
-    seen: set[int] = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        frames, tb = [], exc.__traceback__
-        while tb is not None:
-            frames.append(tb.tb_frame)
-            tb = tb.tb_next
-        ours = [f for f in reversed(frames) if str(f.f_globals.get("__name__", "")).startswith("lightning_hotspa.")]
-        for frame in ours[:1]:  # the frame that issued or waited on the collective
-            values = list(frame.f_locals.values())
-            values += [getattr(v, "group", None) for v in values if not isinstance(v, RankGroup)]
-            for v in values:
-                if isinstance(v, RankGroup) and v.group is not None:
-                    return v
-        exc = exc.__cause__ or exc.__context__
-    return None
-
-
-def _ranks_text(ranks: tuple[int, ...]) -> str:
-    """The ranks of a group, the first 8 and the last of a larger one."""
-    if len(ranks) <= 16:
-        return str(list(ranks))
-    return "[" + ", ".join(map(str, ranks[:8])) + f", ..., {ranks[-1]}] ({len(ranks)} ranks)"
 
 
 def subgroup_timeout(backend: str | None, timeout: timedelta, subgroup: Any = None) -> timedelta:

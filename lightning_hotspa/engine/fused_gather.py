@@ -32,13 +32,13 @@ class FusedGather:
         flat = (self.moved[0].contiguous().view(-1) if len(self.moved) == 1
                 else torch.cat([m.reshape(-1) for m in self.moved]))
         self.buffer = flat.new_empty(group.size * flat.numel())
-        with collective("a weight all-gather", group.ranks):
+        with collective("a weight all-gather", group):
             self.work = dist.all_gather_into_tensor(self.buffer, flat, group=group.group, async_op=async_op)
         self.width = flat.numel()
 
     def finish(self, fresh: bool = False) -> list[Tensor]:
         if self.work is not None:
-            with collective("a weight all-gather", self.group.ranks):
+            with collective("a weight all-gather", self.group):
                 self.work.wait()
         group = self.group
         rows = self.buffer.view(group.size, self.width)
@@ -65,6 +65,6 @@ class FusedGather:
     def discard(self) -> None:
         """Waits for the collective (every rank must complete it) and drops what it received."""
         if self.work is not None:
-            with collective("a weight all-gather", self.group.ranks):
+            with collective("a weight all-gather", self.group):
                 self.work.wait()
         self.work = self.buffer = self.moved = None

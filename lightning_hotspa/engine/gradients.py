@@ -91,13 +91,12 @@ class _Pending:
     def __init__(self, work, unpack: Callable[[], list[torch.Tensor]], inputs: torch.Tensor | None,
                  buffer: torch.Tensor | None = None, group: RankGroup | None = None) -> None:
         self.work, self.unpack, self.inputs = work, unpack, inputs
-        self.group = group  # names the group should the wait fail (adapter.reliability.failed_group)
-        self.ranks = group.ranks if group is not None else ()
+        self.group = group  # names the group should the wait fail (collective_names)
         self.buffer = inputs if buffer is None else buffer  # what the bucket allocated (for labels)
 
     def result(self) -> list[torch.Tensor]:
         if self.work is not None:
-            with collective("a gradient reduction", self.ranks):
+            with collective("a gradient reduction", self.group if self.group is not None else ()):
                 self.work.wait()
         self.work = self.inputs = self.buffer = None
         return self.unpack()
@@ -137,7 +136,7 @@ def _reduce_scatter_start(tensors: list[torch.Tensor], dims: list[int], group: R
                 dst[slot].copy_(src[shard])
         offset += n
     out = rows.new_empty(rows.shape[1])
-    with collective("a gradient reduce-scatter", group.ranks):
+    with collective("a gradient reduce-scatter", group):
         work = dist.reduce_scatter_tensor(out, rows.view(-1), group=group.group, async_op=True)
     shapes = [(m.shape[0] // group.size, *m.shape[1:]) for m in moved]
 
@@ -159,7 +158,7 @@ def _all_reduce_start(tensors: list[torch.Tensor], group: RankGroup, into: _Over
     for t in tensors:
         flat[offset:offset + t.numel()].view(t.shape).copy_(t)
         offset += t.numel()
-    with collective("a gradient all-reduce", group.ranks):
+    with collective("a gradient all-reduce", group):
         work = dist.all_reduce(flat, group=group.group, async_op=True)
     into.received += 2 * (group.size - 1) * flat.numel() * flat.element_size() // group.size
     shapes = [t.shape for t in tensors]

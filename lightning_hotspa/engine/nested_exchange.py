@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ..collective_names import collective
 from ..layout import Layout, LayoutError, MeshShape
 from ..placements import ParamSharding
 from .gradients import reduce_dtype
@@ -187,7 +188,8 @@ class NestedExchange:
                 offset += part.numel()
         received = torch.empty(sum(in_sizes), dtype=dtype, device=device)
         if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_to_all_single(received, flat, in_sizes, out_sizes)
+            with collective("the mixed-tp joint exchange", range(dist.get_world_size())):
+                dist.all_to_all_single(received, flat, in_sizes, out_sizes)
         else:
             received.copy_(flat)
         del flat  # the send buffer: only the receive buffer outlives the collective

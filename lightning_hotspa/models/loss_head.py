@@ -21,6 +21,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..collective_names import collective
 from ..plan import IGNORE_INDEX
 from .vocab import check_token_ids
 
@@ -61,9 +62,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
             del z
         if group is not None and group.size > 1:
             top = lse.clone()
-            dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group.group)
+            with collective("the loss head's max all-reduce", group):
+                dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group.group)
             sums = torch.stack([(lse - top).exp(), target])
-            dist.all_reduce(sums, group=group.group)
+            with collective("the loss head's sum all-reduce", group):
+                dist.all_reduce(sums, group=group.group)
             lse, target = top + sums[0].log(), sums[1]
         per_token = (lse - target).masked_fill(~valid, 0.0)
         count = valid.sum().clamp(min=1)

@@ -26,6 +26,7 @@ from ..mesh import RankGroup
 from ..torch_compat import C10D_DEPRECATION_MESSAGE  # noqa: F401  (installs the warning filter)
 
 __all__ = [
+    "collective_pair",
     "copy_to_group",
     "reduce_from_group",
     "gather_last_dim",
@@ -60,7 +61,7 @@ def _order(group: RankGroup, kind: str, device: torch.device) -> Tensor:
 def _all_reduce(x: Tensor, group: RankGroup) -> Tensor:
     """Sum over the group into a fresh contiguous tensor (inputs may be saved or shared)."""
     out = x.clone(memory_format=torch.contiguous_format)
-    with collective("an all-reduce", group.ranks):
+    with collective("an all-reduce", group):
         dist.all_reduce(out, group=group.group)
     return out
 
@@ -95,7 +96,7 @@ def _gather_last(x: Tensor, group: RankGroup) -> Tensor:
     flat = x.contiguous()
     flat = flat.reshape(-1) if flat.dim() == 0 else flat
     buffer = flat.new_empty((n * flat.shape[0], *flat.shape[1:]))  # gloo wants dim-0 concatenation
-    with collective("an all-gather", group.ranks):
+    with collective("an all-gather", group):
         dist.all_gather_into_tensor(buffer, flat, group=group.group)
     buffer = buffer.view(n, *x.shape)
     if not group.in_shard_order:
@@ -123,7 +124,7 @@ def _exchange(send: Tensor, group: RankGroup) -> Tensor:
         send = send.index_select(0, _order(group, "shard_of_slot", send.device))  # slot k: its shard's block
     send = send.contiguous()
     recv = torch.empty_like(send)
-    with collective("an all-to-all", group.ranks):
+    with collective("an all-to-all", group):
         dist.all_to_all_single(recv, send, group=group.group)
     if not group.in_shard_order:
         recv = recv.index_select(0, _order(group, "slot_of_shard", recv.device))
@@ -145,26 +146,33 @@ def _tokens_to_heads(y: Tensor, group: RankGroup) -> Tensor:
     return recv.movedim(0, 1).reshape(tokens, n * heads, *y.shape[2:])
 
 
-class _HeadsToTokens(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, group: RankGroup) -> Tensor:
+def collective_pair(name: str, forward: Any, adjoint: Any, doc: str) -> type[torch.autograd.Function]:
+    """An autograd function that runs ``forward(x, group)`` and, in backward, its adjoint collective
+    ``adjoint(grad, group)`` on the same group.
+
+    Args:
+        name: the class name (shown in autograd graphs and errors).
+        forward: the forward collective, ``(Tensor, RankGroup) -> Tensor``.
+        adjoint: the backward collective, same signature.
+        doc: the class docstring.
+    """
+
+    def run_forward(ctx: Any, x: Tensor, group: RankGroup) -> Tensor:
         ctx.group = group
-        return _heads_to_tokens(x, group)
+        return forward(x, group)
 
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
-        return _tokens_to_heads(grad, ctx.group), None
+    def run_backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        return adjoint(grad.contiguous(), ctx.group), None
+
+    return type(name, (torch.autograd.Function,), {"__doc__": doc, "__module__": __name__,
+                                                  "forward": staticmethod(run_forward),
+                                                  "backward": staticmethod(run_backward)})
 
 
-class _TokensToHeads(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, y: Tensor, group: RankGroup) -> Tensor:
-        ctx.group = group
-        return _tokens_to_heads(y, group)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
-        return _heads_to_tokens(grad, ctx.group), None
+_HeadsToTokens = collective_pair("_HeadsToTokens", _heads_to_tokens, _tokens_to_heads,
+                                 "Ulysses: heads scattered, tokens gathered (backward: the inverse).")
+_TokensToHeads = collective_pair("_TokensToHeads", _tokens_to_heads, _heads_to_tokens,
+                                 "Ulysses back: tokens scattered, heads gathered (backward: the inverse).")
 
 
 class _PermuteRows(torch.autograd.Function):
@@ -217,7 +225,7 @@ def all_gather_rows(x: Tensor, group: RankGroup) -> Tensor:
     n = group.size
     flat = x.contiguous()
     buffer = flat.new_empty((n * flat.shape[0], *flat.shape[1:]))
-    with collective("an all-gather of rows", group.ranks):
+    with collective("an all-gather of rows", group):
         dist.all_gather_into_tensor(buffer, flat, group=group.group)
     if not group.in_shard_order:
         buffer = buffer.view(n, *flat.shape).index_select(0, _order(group, "slot_of_shard", buffer.device)) \
@@ -236,7 +244,7 @@ def reduce_scatter_rows(x: Tensor, group: RankGroup) -> Tensor:
         if not group.in_shard_order:
             send = send.index_select(0, _order(group, "shard_of_slot", send.device))
         out = x.new_empty((tokens, *x.shape[1:]))
-        with collective("a reduce-scatter of rows", group.ranks):
+        with collective("a reduce-scatter of rows", group):
             dist.reduce_scatter_tensor(out, send.reshape(x.shape).contiguous(), group=group.group)
         return out
     return _exchange(x.reshape(n, tokens, *x.shape[1:]), group).sum(0)

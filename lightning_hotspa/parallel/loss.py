@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from ..collective_names import collective
 from ..mesh import RankGroup
 from ..models.vocab import check_token_ids
 from ..plan import IGNORE_INDEX
@@ -30,7 +31,8 @@ class _VocabParallelCE(torch.autograd.Function):
         width = z.shape[-1]
         start = group.index * width
         row_max = z.detach().amax(dim=-1)
-        dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group.group)
+        with collective("the vocab-parallel loss's max all-reduce", group):
+            dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group.group)
         exp = (z - row_max.unsqueeze(-1)).exp_()  # fresh tensor: kept for backward as softmax
         valid = labels != IGNORE_INDEX
         local = labels - start
@@ -38,7 +40,8 @@ class _VocabParallelCE(torch.autograd.Function):
         index = local.masked_fill(~mine, 0)
         target = z.gather(-1, index.unsqueeze(-1)).squeeze(-1).masked_fill(~mine, 0.0)
         sums = torch.stack([exp.sum(dim=-1), target])
-        dist.all_reduce(sums, group=group.group)
+        with collective("the vocab-parallel loss's sum all-reduce", group):
+            dist.all_reduce(sums, group=group.group)
         sum_exp, target = sums[0], sums[1]
         per_token = (sum_exp.log() + row_max - target).masked_fill(~valid, 0.0)
         count = valid.sum().clamp(min=1)

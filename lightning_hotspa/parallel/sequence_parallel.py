@@ -23,7 +23,7 @@ from torch import Tensor
 
 from ..layout import LayoutError
 from ..mesh import RankGroup
-from .collectives import all_gather_rows, reduce_scatter_rows
+from .collectives import all_gather_rows, collective_pair, reduce_scatter_rows
 
 __all__ = ["Regather", "gather_tokens", "scatter_tokens", "sequence_parallel_linear"]
 
@@ -45,30 +45,11 @@ def _scatter(x: Tensor, group: RankGroup) -> Tensor:
     return reduce_scatter_rows(rows, group).movedim(0, -2)
 
 
-class _ScatterTokens(torch.autograd.Function):
-    """Reduce-scatter forward, all-gather backward (output of a row-parallel op / the embedding)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, group: RankGroup) -> Tensor:
-        ctx.group = group
-        return _scatter(x, group)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
-        return _gather(grad.contiguous(), ctx.group), None
-
-
-class _GatherTokens(torch.autograd.Function):
-    """All-gather forward, reduce-scatter backward (input of column-parallel ops)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, group: RankGroup) -> Tensor:
-        ctx.group = group
-        return _gather(x, group)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
-        return _scatter(grad, ctx.group), None
+_ScatterTokens = collective_pair("_ScatterTokens", _scatter, _gather,
+                                 "Reduce-scatter forward, all-gather backward (output of a row-parallel op / the "
+                                 "embedding).")
+_GatherTokens = collective_pair("_GatherTokens", _gather, _scatter,
+                                "All-gather forward, reduce-scatter backward (input of column-parallel ops).")
 
 
 def scatter_tokens(x: Tensor, group: RankGroup) -> Tensor:

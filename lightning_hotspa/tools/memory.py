@@ -33,8 +33,8 @@ from ..models.config import LlamaConfig
 from ..planner.cost.cost_model import AnalyticCostModel, CostModelError
 from ..planner.cost.memory_model import MODEL_ERROR_MARGIN
 
-__all__ = ["ATTENTION_PATHS", "ROWS", "QUICK_ROWS", "add_parser", "candidate_layouts", "estimate_layout",
-           "estimate_rows", "run"]
+__all__ = ["ATTENTION_PATHS", "KERNEL_DEVICE", "ROWS", "QUICK_ROWS", "add_parser", "candidate_layouts",
+           "estimate_layout", "estimate_rows", "run"]
 
 GiB = 2**30
 
@@ -43,6 +43,8 @@ ROWS = (("llama7b", 8), ("llama7b", 16), ("llama13b", 8), ("llama13b", 16), ("ll
         ("llama3-8b", 8), ("llama3-70b", 64))
 #: what ``--attention`` may name: the CPU kernels, or the tensors the GPU's flash-attn varlen kernel keeps
 ATTENTION_PATHS = ("cpu", "gpu")
+#: the cost model's ``kernel_device`` that predicts each path
+KERNEL_DEVICE = {"cpu": "cpu", "gpu": "cuda"}
 #: ``--quick``: one 7B and one 70B row, a few layouts each (under 5 minutes on the 2-core box)
 QUICK_ROWS = (("llama7b", 8, ("dp8", "dp4xtp2", "dp2xtp2xcp2")), ("llama3-70b", 64, ("dp8xtp8", "dp4xtp8xcp2")))
 
@@ -265,7 +267,7 @@ def estimate_rows(rows: Sequence[tuple], hardware: str = "H100", *, log: Any = p
     for row in rows:
         model, world = row[0], row[1]
         config = resolve_model(model)
-        cm = AnalyticCostModel(config, hardware, world)
+        cm = AnalyticCostModel(config, hardware, world, kernel_device=KERNEL_DEVICE[attention])
         layouts = [Layout.parse(x) for x in row[2]] if len(row) > 2 else candidate_layouts(cm)
         for lay in layouts:
             ac = cm.capacity(lay, False) < 2 * lay.cp

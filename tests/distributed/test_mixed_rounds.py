@@ -3,7 +3,7 @@ in one stage (docs/DESIGN.md §4), against the single process; and the plan's ch
 
 import pytest
 import torch
-from strategy_helpers import deal
+from strategy_helpers import block_of, deal, groups_of
 from test_strategy import LENGTHS, _worst, fit_and_compare
 
 from lightning_hotspa.layout import Layout, LayoutError, MeshShape
@@ -15,23 +15,11 @@ MIXED_LAYOUTS = ["dp4:fsdp", "dp2xcp2:fsdp", "dp2xcp2:kv:fsdp", "dp2xtp2", "dp4:
 
 
 def _groups_of(layout: Layout, ranks) -> tuple[int, ...]:
-    """The dp groups of ``layout`` that hold ``ranks`` (dp order is not rank order on a 2x2 mesh)."""
-    mesh = MeshShape.for_layouts([Layout.parse(x) for x in MIXED_LAYOUTS], 4)
-    return tuple(sorted({mesh.rank_coords(layout, r)[0] for r in ranks}))
+    return groups_of(MIXED_LAYOUTS, layout, ranks)
 
 
 def _block(name: str, ranks, counts, docs: list[int]) -> Block:
-    """A block of layout ``name`` on ``ranks``; its k-th dp group runs ``counts[k]`` micro-batches
-    of up to 2 documents taken from the front of ``docs``."""
-    layout = Layout.parse(name)
-    groups = []
-    for count in counts:
-        mbs = []
-        for _ in range(count):
-            mbs.append(tuple(docs[:2]))
-            del docs[:2]
-        groups.append(tuple(mbs))
-    return Block(layout, _groups_of(layout, ranks), tuple(groups))
+    return block_of(MIXED_LAYOUTS, name, ranks, counts, docs)
 
 
 def mixed_block_plans() -> list[StepPlan]:

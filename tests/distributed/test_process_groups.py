@@ -79,25 +79,42 @@ def test_subgroup_timeout_defaults_and_bad_values():
         HotSPaStrategy(layouts=["dp2"], subgroup_timeout=-3)
 
 
-def test_a_failure_is_blamed_only_on_the_group_its_own_frame_holds():
-    """A failed default-group collective is not named after a group an outer caller holds."""
-    from lightning_hotspa.adapter.reliability import failed_group
+def test_a_failure_names_the_group_of_its_noted_collective_only():
+    """A failure inside a noted collective names its group (a world collective: its ranks); one
+    outside any noted site names none, whatever group a caller holds."""
+    from lightning_hotspa.collective_names import collective
     from lightning_hotspa.mesh import RankGroup
 
-    code = ("def default_group_collective():\n    raise RuntimeError('gloo: Timed out waiting 2000ms')\n"
-            "def subgroup_collective(group):\n    raise RuntimeError('gloo: Timed out waiting 2000ms')\n")
-    sites = {"__name__": "lightning_hotspa.collective_sites"}  # frames of the package, as the real sites
-    exec(compile(code, "<collective sites>", "exec"), sites)
-    default_group_collective, subgroup_collective = sites["default_group_collective"], sites["subgroup_collective"]
-
     held = RankGroup((0,), (0, 1), 0, object(), "hotspa mesh dims [0] ranks 0..1 (2)")
-    for call, blamed in ((lambda: default_group_collective(), None), (lambda: subgroup_collective(held), held)):
+
+    def subgroup_collective():
+        with collective("an all-gather", held):
+            raise RuntimeError("gloo: Timed out waiting 2000ms")
+
+    def world_collective():
+        with collective("the step's record gather", range(4)):
+            raise RuntimeError("gloo: Timed out waiting 2000ms")
+
+    def nested():  # the innermost note wins
+        with collective("the step's record gather", range(4)):
+            subgroup_collective()
+
+    def unnoted():
+        raise RuntimeError("gloo: Timed out waiting 2000ms")
+
+    for call, expected in (
+            (subgroup_collective, "failed in an all-gather on process group 'hotspa mesh dims [0] ranks 0..1 (2)' "
+                                  "(ranks [0, 1]) at "),
+            (nested, "failed in an all-gather on process group 'hotspa mesh dims [0] ranks 0..1 (2)' "
+                     "(ranks [0, 1]) at "),
+            (world_collective, "failed in the step's record gather over ranks [0, 1, 2, 3] at "),
+            (unnoted, "a collective failed at ")):
         outer_group = held  # noqa: F841 - what an outer caller holds
         with pytest.raises(CollectiveError) as info:
             with StepTracker().guard():
                 call()
-        assert failed_group(info.value) is blamed
-        assert ("on process group" in str(info.value)) == (blamed is not None)
+        assert expected in str(info.value), str(info.value)
+        assert ("on process group" in str(info.value)) == (call in (subgroup_collective, nested))
 
 
 def _skip_subgroup_collective():

@@ -15,7 +15,7 @@ from lightning_hotspa.models import Llama, LlamaConfig, init_parameter, llama_tp
 from lightning_hotspa.placements import build_shardings
 from lightning_hotspa.planner.cost.cost_model import AnalyticCostModel
 from lightning_hotspa.testing.fake_world import CATEGORIES, FakeWorld
-from lightning_hotspa.tools.memory import estimate_layout
+from lightning_hotspa.tools.memory import KERNEL_DEVICE, estimate_layout
 
 TINY = LlamaConfig.preset("tiny")
 # wider than "tiny" so weights, not the fixed terms, dominate: 4 layers, MHA and GQA
@@ -215,28 +215,21 @@ def test_memory_model_counts_the_kv_gather_buffers(layout: str) -> None:
     assert abs(got["peak_bytes"] / predicted - 1) < 0.05, (got["peak"], predicted)
 
 
-# Known gap (CPU path only): the CPU all-gather-KV chunks (parallel/cpu_chunks.py: two CPU-flash calls,
-# backward from the saved output and log-sum-exp) keep their output and lse for backward; in the hybrid
-# the Ulysses all-to-all makes wo's input a new tensor, so the output is an extra a/cp per layer:
-# measured 9,053.75 vs 8,492.5 predicted B/token (+6.6 %). The memory model counts what CUDA keeps (the
-# GPU path, which the estimator measures with the CUDA chunk path, agrees). strict: remove when counted.
-_CPU_HYBRID_GAP = pytest.mark.xfail(strict=True, reason="CPU KV chunks keep out + lse in the hybrid (+6.6 %)")
-
-
+# Each path is predicted with its own kernel_device: the CPU all-gather-KV chunks (parallel/cpu_chunks.py)
+# keep their lse and, in the hybrid, their pre-exchange output for backward (cp4:kv2 measured 9,053.75
+# B/token on CPU against 8,492.5 when the model counted only what CUDA keeps: +6.6 %).
 @pytest.mark.parametrize("attention", ["cpu", "gpu"])
 @pytest.mark.parametrize("layout", ["dp4", "dp2xtp2", "tp2xcp2", "cp4", "cp4:kv", "cp4:kv2"])
-def test_memory_model_counts_what_each_token_keeps_on_both_attention_paths(layout: str, attention: str,
-                                                                          request: pytest.FixtureRequest) -> None:
+def test_memory_model_counts_what_each_token_keeps_on_both_attention_paths(layout: str, attention: str) -> None:
     """The measured peak's growth per token between 2048 and 4096 tokens equals the model's, on the
     CPU kernels and on what flash-attn's varlen kernel keeps (docs/DESIGN.md §11): at the loss
     head's turn, or for the KV gather at its dK/dV reduce-scatter (whose bytes per gathered element
     and the hybrid's saved tensors were over-counted by 4-7 % here). Both points lie in one regime:
     at 1024 tokens a cp4 layout's peak is the head gradient's overlapped reduction instead (the
     estimator's 4 MiB buckets, a fixed term), which made the per-token growth look 8-12 % off."""
-    if (layout, attention) == ("cp4:kv2", "cpu"):
-        request.applymarker(_CPU_HYBRID_GAP)
     small, large = (estimate_layout(SMALLISH, 4, layout, t, attention=attention)["peak_bytes"] for t in (2048, 4096))
-    cm, lay = AnalyticCostModel(SMALLISH, "H100", 4), Layout.parse(layout)
+    cm = AnalyticCostModel(SMALLISH, "H100", 4, kernel_device=KERNEL_DEVICE[attention])
+    lay = Layout.parse(layout)
     predicted = (cm.peak_bytes(lay, False, 4096) - cm.peak_bytes(lay, False, 2048)) / 2048
     assert abs((large - small) / 2048 / predicted - 1) < 0.02, ((large - small) / 2048, predicted)
 

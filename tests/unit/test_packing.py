@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lightning_hotspa.layout import Layout, LayoutError, MeshShape
-from lightning_hotspa.plan import IGNORE_INDEX, PlanError, slice_plan
+from lightning_hotspa.plan import IGNORE_INDEX, PlanError, pack_micro_batch, slice_plan
 from lightning_hotspa.planner import (
     DocumentTooLongError,
     Planner,
@@ -85,7 +85,8 @@ def test_balances_predicted_cost_not_tokens() -> None:
 def stage_inputs(draw: st.DrawFn) -> tuple[list[int], Layout, int]:
     layout = Layout.parse(draw(st.sampled_from(FOUNDATION + EIGHT + ["dp1", "cp4"])))
     capacity = draw(st.integers(16, 400))
-    longest = capacity if layout.cp == 1 else capacity // (2 * layout.cp) * (2 * layout.cp)
+    usable = capacity - capacity % layout.token_granule  # sequence parallelism's padding stays within
+    longest = usable if layout.cp == 1 else usable // (2 * layout.cp) * (2 * layout.cp)
     lengths = draw(st.lists(st.integers(1, max(1, longest)), max_size=50))
     return lengths, layout, capacity
 
@@ -104,6 +105,11 @@ def test_pack_layout_places_every_document_once_within_capacity(args) -> None:
     for g in groups:
         for mb in g:
             assert mb and int(cp_padded_lengths([by_id[d] for d in mb], layout.cp).sum()) <= capacity
+            # what the ranks run, sequence parallelism's padding included, stays within capacity too
+            docs = [torch.ones(by_id[d], dtype=torch.long) for d in mb]
+            ran = pack_micro_batch(docs, layout.cp, 0, tp_size=layout.tp)
+            assert ran.input_ids.numel() * layout.cp <= capacity, (mb, ran.input_ids.numel())
+    capacity -= capacity % layout.token_granule  # what the stats and the bins below hold
     if len(lengths) >= layout.dp:
         assert all(groups), "a dp group without work although there are enough documents"
     s = packed.stats

@@ -86,7 +86,7 @@ from ...layout import Layout
 from ...models.config import LlamaConfig
 from ..solve.packing import cp_padded_lengths, max_doc_length
 from .efficiency import UNFUSED_KERNELS, unfused_attention_seconds
-from .hardware import HardwareProfile, get_profile
+from .hardware import DEVICE_TYPES, HardwareProfile, get_profile
 from .memory_model import MemoryModel, MemoryUse
 from .runtime_profile import RuntimeProfile, get_runtime
 from .terms import (
@@ -192,6 +192,9 @@ class AnalyticCostModel(MemoryModel):
     down to it, so tables read cleanly. ``grad_accum_bytes``: working gradient accumulators (4: fp32
     main grads, the bf16-mixed default; 2: ``grad_accumulation="bf16"``). ``attention_backend``:
     ``"flash"`` (linear memory) or ``"math"`` (SDPA's fallback, quadratic in the document length).
+    ``kernel_device``: whose attention kernels the runtime runs, ``"cuda"`` or ``"cpu"`` (the
+    memory terms differ: CPU all-gather-KV chunks keep their output and log-sum-exp for backward);
+    default: the hardware profile's ``device_type``.
     ``runtime``: what the runtime overlaps (:mod:`.runtime_profile`); OUR runtime, ``"hotspa"``, unless
     pricing another system's published run. GEMM and attention efficiencies come from the hardware
     profile's curves (:mod:`.efficiency`, fitted to published runs: docs/cost-model.md).
@@ -200,7 +203,7 @@ class AnalyticCostModel(MemoryModel):
     def __init__(self, model: LlamaConfig | str, hardware: HardwareProfile | str, world_size: int, *,
                  grad_bytes: int = 4, param_bytes: int = 2, capacity_multiple: int = 128,
                  grad_accum_bytes: int = 4, attention_backend: str = "flash",
-                 runtime: RuntimeProfile | str = "hotspa") -> None:
+                 runtime: RuntimeProfile | str = "hotspa", kernel_device: str | None = None) -> None:
         check_int(world_size, "world size", error=CostModelError)
         self.model = resolve_model(model)
         self.hardware = get_profile(hardware)
@@ -214,6 +217,9 @@ class AnalyticCostModel(MemoryModel):
             raise CostModelError(f"attention_backend must be 'flash' (flash_varlen, torch_varlen, sdpa) or "
                                  f"'math' (SDPA's quadratic fallback), got {attention_backend!r}")
         self.attention_backend = attention_backend
+        self.kernel_device = self.hardware.device_type if kernel_device is None else kernel_device
+        if self.kernel_device not in DEVICE_TYPES:
+            raise CostModelError(f"kernel_device must be one of {DEVICE_TYPES}, got {kernel_device!r}")
         m = self.model
         self.params = float(m.num_params())
         self.dense_params = float(m.num_params(include_embedding=False))

@@ -22,11 +22,13 @@ from typing import Any
 from ...checks import check_number
 from .efficiency import attention_efficiency, check_attention_table, gemm_efficiency
 
-__all__ = ["CPU_GLOO_CALIBRATION", "HardwareProfile", "PROFILES", "UnknownProfileError", "get_profile",
+__all__ = ["CPU_GLOO_CALIBRATION", "DEVICE_TYPES", "HardwareProfile", "PROFILES", "UnknownProfileError", "get_profile",
            "profile_for_device", "UPDATABLE_FIELDS", "ProfileUpdateError",
            "apply_profile_update", "load_updated_profile"]
 
 GiB = 2**30
+#: what ``HardwareProfile.device_type`` may name
+DEVICE_TYPES = ("cuda", "cpu")
 
 
 class UnknownProfileError(ValueError):
@@ -70,6 +72,9 @@ class HardwareProfile:
     # HBM bytes/s that memory-bound kernels reach (an unfused attention's score passes, an optimizer step);
     # 0: unknown (nothing that needs it can be priced on this profile)
     hbm_bandwidth: float = 0.0
+    # whose kernels a rank runs: "cuda", or "cpu" (the CPU attention kernels keep other tensors for
+    # backward: parallel/cpu_chunks.py; the memory model counts them, planner/cost/memory_model.py)
+    device_type: str = "cuda"
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -79,6 +84,11 @@ class HardwareProfile:
                 continue
             if f.name == "attention_kernels":
                 object.__setattr__(self, f.name, check_attention_table(self.name, value))
+                continue
+            if f.name == "device_type":
+                if value not in DEVICE_TYPES:
+                    raise ValueError(f"HardwareProfile {self.name!r}: device_type must be one of {DEVICE_TYPES}, "
+                                     f"got {value!r}")
                 continue
             if f.name in ("name", "source"):
                 continue
@@ -224,7 +234,7 @@ PROFILES: dict[str, HardwareProfile] = {
         memory_bytes=5 * GiB, memory_usable_fraction=0.9, memory_reserved_bytes=0.5 * GiB,
         devices_per_node=64, intra_node_bw=3.0e8, inter_node_bw=3.0e8,
         intra_node_latency_s=5.8e-3, inter_node_latency_s=5.8e-3, layer_overhead_s=1.0e-3,
-        layer_comm_overlap=0.0,
+        layer_comm_overlap=0.0, device_type="cpu",
         source="measured on the development machine, see CPU_GLOO_CALIBRATION; memory_bytes is 1/4 of "
         "its 23 GiB RAM (4 ranks); attention_efficiency and layer_overhead_s are ASSUMED starting points",
     ),

@@ -4,11 +4,13 @@ What our runtime holds per rank, term by term (the cost model's module docstring
 against the real code path under FakeTensorMode + the fake process group by ``hotspa memory``
 (tools/memory.py). A mixin of :class:`~.cost_model.AnalyticCostModel`, which sets ``model``,
 ``hardware``, ``world_size``, ``params``, ``layer_params``, ``param_bytes``, ``grad_bytes``,
-``grad_accum_bytes``, ``attention_backend``, ``attn_width``, ``kv_width`` and ``capacity_multiple``.
+``grad_accum_bytes``, ``attention_backend``, ``kernel_device``, ``attn_width``, ``kv_width`` and
+``capacity_multiple``.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,6 +73,8 @@ class MemoryModel:
     hardware: Any
     #: planned peak x (1 + this) <= usable; set 0 to plan against the bare prediction
     model_error_margin: float = MODEL_ERROR_MARGIN
+    #: whose attention kernels the runtime runs ("cuda" or "cpu"; the cost model sets it)
+    kernel_device: str = "cuda"
     #: the loss head's per-token state (:data:`HEAD_STATE_BYTES`; read by :mod:`.kv_gather_memory`)
     head_state_bytes: float = HEAD_STATE_BYTES
 
@@ -98,14 +102,20 @@ class MemoryModel:
         exchange; the KV gather saves q, its LOCAL k / v and wo's input (its own output, or in the
         hybrid the Ulysses output, which replaces it: the all-to-all saves nothing), and no
         log-sum-exp (its kernels run inside its own autograd function, recomputed in backward;
-        measured, tests/unit/test_memory.py). Under tp with kv heads fewer than tp (replicated_partial)
+        measured, tests/unit/test_memory.py), except on CPU kernels (``kernel_device == "cpu"``),
+        whose chunks keep their merged log-sum-exp and, in the hybrid, their output before the
+        Ulysses exchange back (parallel/cpu_chunks.py; the pure gather's output is wo's input
+        itself). Under tp with kv heads fewer than tp (replicated_partial)
         each rank's k / v are views of the whole kv projection, which is what stays alive."""
         m, wb, a = self.model, self.param_bytes, self.attn_width
         par = Layout(dp=1, tp=tp, cp=cp, cp_kv=cp_kv)
         state = self._attention_state_bytes() / (tp * cp)
         if cp_kv > 1:
             kv_local = _local_kv_heads(m, par) * par.cp_ulysses * tp * m.head_dim  # full-width units
-            return wb * (2 * a + 2 * kv_local) / (tp * cp)
+            cpu = 0.0
+            if self.kernel_device == "cpu":
+                cpu = 4.0 * m.n_heads + (wb * a if par.cp_ulysses > 1 else 0.0)
+            return (wb * (2 * a + 2 * kv_local) + cpu) / (tp * cp)
         if cp > 1:  # Ulysses: the kv heads each rank holds after the exchange, for the whole row
             return wb * (3 * a / (tp * cp) + 2 * _local_kv_heads(m, par) * m.head_dim) + state
         kv = self.kv_width if m.n_kv_heads % tp else self.kv_width / tp
@@ -243,7 +253,9 @@ class MemoryModel:
     def capacity(self, par: Layout, activation_checkpointing: Checkpointing | bool, mixed_tp: bool = False) -> int:
         """Most tokens one micro-batch may hold (0: the weights alone do not fit): its predicted peak
         stays within the planning budget (usable / (1 + ``model_error_margin``)); ``mixed_tp``: as a
-        block of a mixed-tp stage (:meth:`memory`)."""
+        block of a mixed-tp stage (:meth:`memory`). Rounded down to ``capacity_multiple`` and to the
+        layout's :attr:`~lightning_hotspa.layout.Layout.token_granule` (below ``capacity_multiple``
+        tokens, to the granule alone)."""
         mem = self.memory(par, activation_checkpointing, mixed_tp)
         q = self.attention_quadratic_bytes(par)
         free = mem.free_for_activations
@@ -260,8 +272,11 @@ class MemoryModel:
                 fits = self.peak_bytes(par, activation_checkpointing, mid, mixed_tp) <= budget
                 lo, hi = (mid, hi) if fits else (lo, mid - 1)
             tokens = lo
-        q = self.capacity_multiple
-        return (tokens // q) * q if tokens >= q else tokens
+        # a multiple of the layout's token granule, so sequence parallelism's padding stays within it
+        granule = par.token_granule
+        q = math.lcm(self.capacity_multiple, granule)
+        q = q if tokens >= q else granule
+        return tokens - tokens % q
 
     def activation_ratio(self) -> float:
         """Capacity gain of checkpointing: activations per token without / with it."""

@@ -348,7 +348,9 @@ def pack_layout(
     cost_fn: DocCost | None = None,
     label: str = "",
 ) -> PackedLayout:
-    """Micro-batches of ``doc_ids`` (with ``lengths``) for every dp group of ``layout``.
+    """Micro-batches of ``doc_ids`` (with ``lengths``) for every dp group of ``layout``, each within
+    ``capacity`` tokens once padded (cp and sequence parallelism: capacity is rounded down to the
+    layout's ``token_granule``).
 
     Raises :class:`DocumentTooLongError` naming the document if one cannot fit, cp padding included.
     """
@@ -360,6 +362,8 @@ def pack_layout(
     if raw.size and int(raw.min()) < 1:
         i = int(raw.argmin())
         raise PlanError(f"document {int(ids[i])} has length {int(raw[i])}; documents must be non-empty")
+    # what a micro-batch may hold so that sequence parallelism's padding (pack_micro_batch) stays within capacity
+    capacity -= capacity % layout.token_granule
     size = cp_padded_lengths(raw, layout.cp)
     if size.size and int(size.max()) > capacity:
         i = int(np.argmax(size > capacity))
