@@ -219,6 +219,10 @@ def permute_rows(x: Tensor, perm: Tensor, inverse: Tensor) -> Tensor:
     return _PermuteRows.apply(x, perm, inverse)
 
 
+def _is_gloo(group: RankGroup) -> bool:
+    return group.group is not None and dist.get_backend(group.group) == "gloo"
+
+
 def all_gather_rows(x: Tensor, group: RankGroup) -> Tensor:
     """[T, ...] -> [n*T, ...]: every member's rows, member s at rows s*T (shard order); no autograd
     (the all-gather-KV attention re-gathers in its own backward)."""
@@ -226,7 +230,11 @@ def all_gather_rows(x: Tensor, group: RankGroup) -> Tensor:
     flat = x.contiguous()
     buffer = flat.new_empty((n * flat.shape[0], *flat.shape[1:]))
     with collective("an all-gather of rows", group):
-        dist.all_gather_into_tensor(buffer, flat, group=group.group)
+        if _is_gloo(group):  # gloo's all-to-all of n copies is faster than its all-gather (docs/DESIGN.md §4)
+            dist.all_to_all_single(buffer, flat.unsqueeze(0).expand(n, *flat.shape).reshape(buffer.shape),
+                                   group=group.group)
+        else:
+            dist.all_gather_into_tensor(buffer, flat, group=group.group)
     if not group.in_shard_order:
         buffer = buffer.view(n, *flat.shape).index_select(0, _order(group, "slot_of_shard", buffer.device)) \
             .reshape(buffer.shape)
@@ -239,7 +247,7 @@ def reduce_scatter_rows(x: Tensor, group: RankGroup) -> Tensor:
     which moves the same ``(n-1)/n`` of the buffer per rank; NCCL groups use the native one."""
     n = group.size
     tokens = x.shape[0] // n
-    if group.group is not None and dist.get_backend(group.group) != "gloo":
+    if group.group is not None and not _is_gloo(group):
         send = x.reshape(n, tokens, *x.shape[1:])
         if not group.in_shard_order:
             send = send.index_select(0, _order(group, "shard_of_slot", send.device))
