@@ -29,10 +29,11 @@ HEAD_STATE_BYTES = 8.0 + 1.0 + 1.0 + 4.0
 
 #: The planner plans against ``predicted peak x (1 + margin) <= usable``: a margin for the memory model's
 #: OWN error (not for what the tracker cannot see: that is the hardware profile's reserve). Derived from
-#: the measured error, not tuned per row: the largest |measured / predicted - 1| of the full
-#: ``hotspa memory`` table was 0.0081 (llama7b dp2xtp8 on 16; BENCHMARKS.md "Memory at scale"); 0.02
-#: leaves 2.5x headroom. With it every layout the planner calls feasible fits with its capacity
-#: micro-batch, while one it calls infeasible would have fit by at most ~2.8 % (1 - (1 - 0.0081) / 1.02).
+#: the measured error, not tuned per row: the full ``hotspa memory`` table is within 0.0002 on both
+#: attention paths (2026-12-02, 94 rows each); the largest under-prediction measured is 0.0176, an
+#: all-gather-KV hybrid row (llama7b tp2xcp4:kv2 on 8, GPU path; BENCHMARKS.md "Memory at scale"), which
+#: 0.02 still covers. With it every layout the planner calls feasible fits with its capacity
+#: micro-batch.
 MODEL_ERROR_MARGIN = 0.02
 
 
