@@ -231,8 +231,8 @@ def all_gather_rows(x: Tensor, group: RankGroup) -> Tensor:
     buffer = flat.new_empty((n * flat.shape[0], *flat.shape[1:]))
     with collective("an all-gather of rows", group):
         if _is_gloo(group):  # gloo's all-to-all of n copies is faster than its all-gather (docs/DESIGN.md §4)
-            dist.all_to_all_single(buffer, flat.unsqueeze(0).expand(n, *flat.shape).reshape(buffer.shape),
-                                   group=group.group)
+            copies = flat.unsqueeze(0).expand(n, *flat.shape).contiguous()  # (a reshape can stay a view)
+            dist.all_to_all_single(buffer, copies.view(buffer.shape), group=group.group)
         else:
             dist.all_gather_into_tensor(buffer, flat, group=group.group)
     if not group.in_shard_order:

@@ -27,9 +27,11 @@ from lightning_hotspa.models import Llama, LlamaConfig, llama_tp_plan, param_rol
 from lightning_hotspa.models.attention import sdpa_attention
 from lightning_hotspa.parallel.attention import ParallelCoreAttention, kv_head_range
 from lightning_hotspa.parallel.collectives import (
+    all_gather_rows,
     all_to_all_heads_to_tokens,
     all_to_all_tokens_to_heads,
     gather_last_dim,
+    reduce_scatter_rows,
 )
 from lightning_hotspa.parallel.context_parallel import install_context_parallel
 from lightning_hotspa.parallel.model import ParallelModel
@@ -277,9 +279,17 @@ def run_collectives_order() -> dict:
     heads = torch.arange(8.0).repeat(2, 1).unsqueeze(-1) + 100 * group.index  # [T=2, H=8, 1]
     tokens = all_to_all_heads_to_tokens(heads, group)  # [8, 2, 1]: shard s's tokens at rows 2s
     back = all_to_all_tokens_to_heads(tokens, group)
+    # the row collectives (sequence parallelism, the KV gather; gloo: an all-to-all of n copies), with
+    # shards of one row (whose copies a reshape would leave a non-contiguous view) and of three
+    rows = {}
+    for n in (1, 3):
+        shard = torch.arange(n * 2.0).view(n, 2) + 100 * group.index
+        full = all_gather_rows(shard, group)
+        rows[n] = {"sources": (full[:, 0] // 100).tolist(),
+                   "scattered": reduce_scatter_rows(full, group).tolist() == (4 * shard).tolist()}
     return {"in_shard_order": group.in_shard_order, "gathered": gathered[0].tolist(),
             "token_sources": (tokens[:, 0, 0] // 100).tolist(), "head_block": (tokens[0, :, 0] % 100).tolist(),
-            "roundtrip": torch.equal(back, heads)}
+            "roundtrip": torch.equal(back, heads), "rows": rows}
 
 
 def run_cp_errors() -> list[str]:
@@ -378,6 +388,9 @@ def test_collectives_map_slots_to_shards(ranks):
         assert r["gathered"] == [0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 2.0, 2.0, 2.0, 3.0, 3.0, 3.0]
         assert r["token_sources"] == [0.0, 0.0, 1.0, 1.0, 2.0, 2.0, 3.0, 3.0]
         assert r["head_block"] == [2.0 * shard_of_rank, 2.0 * shard_of_rank + 1]
+        for n, got in r["rows"].items():  # every member's rows in shard order; the sum of block `index`
+            assert got["sources"] == [float(s) for s in range(4) for _ in range(n)], (n, got)
+            assert got["scattered"], n
         assert r["roundtrip"]
 
 
