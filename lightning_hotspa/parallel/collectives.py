@@ -230,7 +230,7 @@ def all_gather_rows(x: Tensor, group: RankGroup) -> Tensor:
     flat = x.contiguous()
     buffer = flat.new_empty((n * flat.shape[0], *flat.shape[1:]))
     with collective("an all-gather of rows", group):
-        if _is_gloo(group):  # gloo's all-to-all of n copies is faster than its all-gather (docs/DESIGN.md §4)
+        if _is_gloo(group):  # gloo's all-to-all of n copies is faster than its all-gather (docs/DESIGN.md §9)
             copies = flat.unsqueeze(0).expand(n, *flat.shape).contiguous()  # (a reshape can stay a view)
             dist.all_to_all_single(buffer, copies.view(buffer.shape), group=group.group)
         else:
