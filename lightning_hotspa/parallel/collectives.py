@@ -162,7 +162,7 @@ def collective_pair(name: str, forward: Any, adjoint: Any, doc: str) -> type[tor
         return forward(x, group)
 
     def run_backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
-        return adjoint(grad.contiguous(), ctx.group), None
+        return adjoint(grad, ctx.group), None  # each adjoint makes its send buffer contiguous itself
 
     return type(name, (torch.autograd.Function,), {"__doc__": doc, "__module__": __name__,
                                                   "forward": staticmethod(run_forward),
