@@ -102,3 +102,32 @@ def block_of(layouts: list[str], name: str, ranks, counts, docs: list[int]) -> B
             del docs[:2]
         groups.append(tuple(mbs))
     return Block(layout, groups_of(layouts, layout, ranks), tuple(groups))
+
+
+def evaluate_plans(layouts: list[str], make_model, plans: list[StepPlan]) -> list[tuple[float, float, object]]:
+    """Per plan, evaluated with ``StepRunner.run_forward`` on the mesh of ``layouts``: the token-weighted
+    sum of the micro-batch losses over all ranks, the single process's loss on the same documents, and
+    the engine's active layout afterwards. ``make_model()`` builds the model (the same weights each call)."""
+    from test_step_runner import _setup
+
+    from lightning_hotspa.engine.step_runner import StepRunner
+
+    module, world, home, parallel, engine = _setup(layouts, make_model())
+    runner = StepRunner(engine, parallel)
+    out = []
+    for plan in plans:
+        docs = make_docs(plan.step, plan.doc_lengths, vocab=module.config.vocab_size)
+        total = torch.zeros((), dtype=torch.float64)
+
+        def weighted(mb, total=total):
+            loss = module(mb)
+            total.add_(loss.double() * mb.num_target_tokens / parallel.state.tp_size)  # tp ranks hold copies
+            return loss
+
+        with torch.no_grad():
+            runner.run_forward(slice_plan(plan, docs, world.shape, world.rank), weighted)
+        dist.all_reduce(total)
+        with torch.no_grad():
+            reference = float(make_model()(pack_micro_batch(docs)))
+        out.append((float(total) / plan.global_target_tokens, reference, engine.active))
+    return out

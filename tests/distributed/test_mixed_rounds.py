@@ -3,7 +3,7 @@ in one stage (docs/DESIGN.md §4), against the single process; and the plan's ch
 
 import pytest
 import torch
-from strategy_helpers import block_of, deal, groups_of
+from strategy_helpers import block_of, deal, evaluate_plans, groups_of
 from test_strategy import LENGTHS, _worst, fit_and_compare
 
 from lightning_hotspa.layout import Layout, LayoutError, MeshShape
@@ -133,32 +133,10 @@ def run_mixed_evaluation(**overrides):
     Args:
         overrides: the tiny preset's config changes (``n_kv_heads=1``: fewer kv heads than cp).
     """
-    import torch.distributed as dist
-    from strategy_helpers import make_docs
-    from test_step_runner import TinyLlama, _setup
+    from test_step_runner import TinyLlama
 
-    from lightning_hotspa.engine.step_runner import StepRunner
-    from lightning_hotspa.plan import pack_micro_batch
-
-    module, world, home, parallel, engine = _setup(MIXED_LAYOUTS, TinyLlama(**overrides))
-    runner = StepRunner(engine, parallel)
-    out = []
-    for plan in mixed_block_plans():
-        docs = make_docs(plan.step, plan.doc_lengths, vocab=module.config.vocab_size)
-        total = torch.zeros((), dtype=torch.float64)
-
-        def weighted(mb, total=total):
-            loss = module(mb)
-            total.add_(loss.double() * mb.num_target_tokens / parallel.state.tp_size)  # tp ranks hold copies
-            return loss
-
-        with torch.no_grad():
-            runner.run_forward(slice_plan(plan, docs, world.shape, world.rank), weighted)
-        dist.all_reduce(total)
-        with torch.no_grad():
-            reference = float(TinyLlama(**overrides)(pack_micro_batch(docs)))
-        out.append((float(total) / plan.global_target_tokens, reference))
-    return out
+    return [(loss, reference) for loss, reference, _ in
+            evaluate_plans(MIXED_LAYOUTS, lambda: TinyLlama(**overrides), mixed_block_plans())]
 
 
 @pytest.mark.parametrize("overrides", [{}, {"n_kv_heads": 1}], ids=["gqa2", "one_kv_head"])

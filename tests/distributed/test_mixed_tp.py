@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from strategy_helpers import block_of, deal, groups_of
+from strategy_helpers import block_of, deal, evaluate_plans, groups_of
 from test_strategy import LENGTHS, _worst, fit_and_compare
 
 from lightning_hotspa.layout import Layout, MeshShape
@@ -184,32 +184,9 @@ def test_memory_model_plans_each_block_with_the_joint_exchange_buffers(layout):
 def run_mixed_tp_evaluation():
     """Evaluation of every mixed-tp plan (``StepRunner.run_forward``): the token-weighted sum of the
     micro-batch losses over all ranks, and the single process's loss on the same documents."""
-    import torch.distributed as dist
-    from strategy_helpers import make_docs
-    from test_step_runner import TinyLlama, _setup
+    from test_step_runner import TinyLlama
 
-    from lightning_hotspa.engine.step_runner import StepRunner
-    from lightning_hotspa.plan import pack_micro_batch
-
-    module, world, home, parallel, engine = _setup(MIXED_TP_LAYOUTS, TinyLlama())
-    runner = StepRunner(engine, parallel)
-    out = []
-    for plan in mixed_tp_plans():
-        docs = make_docs(plan.step, plan.doc_lengths, vocab=module.config.vocab_size)
-        total = torch.zeros((), dtype=torch.float64)
-
-        def weighted(mb, total=total):
-            loss = module(mb)
-            total.add_(loss.double() * mb.num_target_tokens / parallel.state.tp_size)  # tp ranks hold copies
-            return loss
-
-        with torch.no_grad():
-            runner.run_forward(slice_plan(plan, docs, world.shape, world.rank), weighted)
-        dist.all_reduce(total)
-        with torch.no_grad():
-            reference = float(TinyLlama()(pack_micro_batch(docs)))
-        out.append((float(total) / plan.global_target_tokens, reference, engine.active))
-    return out
+    return evaluate_plans(MIXED_TP_LAYOUTS, TinyLlama, mixed_tp_plans())
 
 
 def test_mixed_tp_stages_evaluate_like_the_single_process(ranks):
