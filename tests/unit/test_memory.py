@@ -4,6 +4,8 @@ shard-only initialization."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -13,7 +15,8 @@ from lightning_hotspa.layout import Layout
 from lightning_hotspa.mesh import WorldMesh
 from lightning_hotspa.models import Llama, LlamaConfig, init_parameter, llama_tp_plan, param_roles
 from lightning_hotspa.placements import build_shardings
-from lightning_hotspa.planner.cost.cost_model import AnalyticCostModel
+from lightning_hotspa.planner.cost.cost_model import AnalyticCostModel, CostModelError
+from lightning_hotspa.planner.cost.hardware import get_profile
 from lightning_hotspa.testing.fake_world import CATEGORIES, FakeWorld
 from lightning_hotspa.tools.memory import KERNEL_DEVICE, estimate_layout
 
@@ -250,3 +253,12 @@ def test_selective_checkpointing_memory_matches_the_estimator(layout: str) -> No
 def test_memory_cli_names_a_bad_attention_path() -> None:
     with pytest.raises(ValueError, match="attention must be one of \\('cpu', 'gpu'\\), got 'tpu'"):
         estimate_layout(SMALLISH, 4, "dp4", 64, attention="tpu")
+
+
+def test_a_bad_kernel_device_is_named() -> None:
+    with pytest.raises(CostModelError, match="kernel_device must be one of \\('cuda', 'cpu'\\), got 'tpu'"):
+        AnalyticCostModel(SMALLISH, "H100", 4, kernel_device="tpu")
+    with pytest.raises(ValueError, match="device_type must be one of \\('cuda', 'cpu'\\), got 'xpu'"):
+        dataclasses.replace(get_profile("H100"), device_type="xpu")
+    assert AnalyticCostModel(SMALLISH, "cpu-gloo", 4).kernel_device == "cpu"
+    assert AnalyticCostModel(SMALLISH, "H100", 4).kernel_device == "cuda"
