@@ -58,6 +58,15 @@ class RankGroup:
     def in_shard_order(self) -> bool:
         return all(i == s for i, s in enumerate(self.slot_of_shard))
 
+    @cached_property
+    def backend(self) -> str | None:
+        """The process group's backend (``"gloo"``, ``"nccl"``, ...), asked once; None for a group of one."""
+        if self.group is None:
+            return None
+        import torch.distributed as dist
+
+        return str(dist.get_backend(self.group))
+
 
 @dataclass(frozen=True)
 class LayoutGroups:

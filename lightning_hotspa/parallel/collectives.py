@@ -220,7 +220,7 @@ def permute_rows(x: Tensor, perm: Tensor, inverse: Tensor) -> Tensor:
 
 
 def _is_gloo(group: RankGroup) -> bool:
-    return group.group is not None and dist.get_backend(group.group) == "gloo"
+    return group.backend == "gloo"
 
 
 def all_gather_rows(x: Tensor, group: RankGroup) -> Tensor:

@@ -146,33 +146,42 @@ def _sequence_parallel(roles: Mapping[str, str], kinds: Mapping[str, str], owner
 
 
 class _SharedInputCopy:
-    """Remembers the last ``f(x)`` so layers reading the same ``x`` share one backward all-reduce
-    (under sequence parallelism: one all-gather forward, one reduce-scatter backward, and one
-    :class:`~.sequence_parallel.Regather`).
+    """Shares one ``f(x)`` among the layers reading the same ``x`` (q, k, v; w1, w3): one backward
+    all-reduce, or under sequence parallelism one all-gather forward, one reduce-scatter backward and
+    one :class:`~.sequence_parallel.Regather`.
 
-    Weak references to tensors only: the memo must not keep an activation (or its graph) alive (a
-    Regather holds a tensor only inside a backward, between its first and last user).
+    The copy of the open region is held until the region closes (its row-parallel output or a
+    vocab head: :meth:`close_region`), the next input arrives, or a backward reaches one of its
+    users (a recomputation under activation checkpointing may stop before the closing layer): under
+    sequence parallelism nothing else keeps the gathered rows alive between the region's layers.
     """
 
     def __init__(self, sequence_parallel: bool = False) -> None:
         self.sequence_parallel = sequence_parallel
         self._source: weakref.ref | None = None
-        self._copy: weakref.ref | None = None
-        self._regather: Regather | None = None
         self._group: RankGroup | None = None
+        self._copy: Tensor | None = None
+        self._regather: Regather | None = None
 
     def __call__(self, x: Tensor, group: RankGroup) -> tuple[Tensor, Regather | None]:
-        if self._source is not None and self._source() is x and self._group is group:
-            copied = self._copy() if self._copy is not None else None
-            if copied is not None:
-                return copied, self._regather
+        if self._copy is not None and self._source is not None and self._source() is x and self._group is group:
+            return self._copy, self._regather
         if self.sequence_parallel:
-            copied, regather = gather_tokens(x, group), Regather(group)
+            copied, regather = gather_tokens(x, group), Regather(group, on_backward=self.release)
         else:
             copied, regather = copy_to_group(x, group), None
-        self._source, self._copy, self._group = weakref.ref(x), weakref.ref(copied), group
-        self._regather = regather
+        self._source, self._group, self._copy, self._regather = weakref.ref(x), group, copied, regather
         return copied, regather
+
+    def release(self) -> None:
+        """Forgets the open region's copy (it is no longer needed in forward)."""
+        self._source = self._group = self._copy = self._regather = None
+
+    def close_region(self) -> Regather | None:
+        """The open region's Regather (None without sequence parallelism); the copy is released."""
+        regather = self._regather
+        self.release()
+        return regather
 
 
 class TPForward:
@@ -191,9 +200,14 @@ class TPForward:
         """Tokens between the tp regions are split over tp (:mod:`.sequence_parallel`)."""
         return self.copies.sequence_parallel
 
-    def _reduce(self, out: Tensor, tp: RankGroup) -> Tensor:
-        """``g`` (all-reduce), or the reduce-scatter along the tokens under sequence parallelism."""
-        return scatter_tokens(out, tp) if self.sequence_parallel else reduce_from_group(out, tp)
+    def _reduce(self, out: Tensor, tp: RankGroup, closes_region: bool = True) -> Tensor:
+        """``g`` (all-reduce), or the reduce-scatter along the tokens under sequence parallelism (a
+        row-parallel output closes the region opened by the last shared input: its backward
+        all-gather re-gathers that input too)."""
+        regather = self.copies.close_region() if closes_region else None
+        if not self.sequence_parallel:
+            return reduce_from_group(out, tp)
+        return scatter_tokens(out, tp, regather)
 
     def __call__(self, x: Tensor, *rest: Tensor) -> Tensor:
         m, groups = self.module, self.state.groups
@@ -211,8 +225,10 @@ class TPForward:
         if regather is not None and self.kind != "gather":  # keep the shard, not the gathered rows
             return sequence_parallel_linear(full, x, m.weight, m.bias, regather)
         out = F.linear(full, m.weight, m.bias)
-        if self.kind == "gather" and not self.local_output:
-            out = gather_last_dim(out, tp)
+        if self.kind == "gather":
+            self.copies.close_region()
+            if not self.local_output:
+                out = gather_last_dim(out, tp)
         return out
 
     def _linear_like(self, x: Tensor, rest: tuple[Tensor, ...], tp: RankGroup | None) -> Tensor:
@@ -225,8 +241,10 @@ class TPForward:
             out = self._reduce(own(m, x, *rest), tp)
             return out if m.bias is None else out + m.bias
         x, _ = self.copies(x, tp)
-        if self.kind == "gather" and rest:
-            return own(m, x, *rest, group=tp)
+        if self.kind == "gather":
+            self.copies.close_region()
+            if rest:
+                return own(m, x, *rest, group=tp)
         out = own(m, x, *rest)
         return gather_last_dim(out, tp) if self.kind == "gather" and not self.local_output else out
 
@@ -243,7 +261,7 @@ class TPForward:
         pad = m.padding_idx
         pad = pad - start if pad is not None and start <= pad < start + rows else None
         out = F.embedding(local, m.weight, pad)
-        return self._reduce(out.masked_fill(outside.unsqueeze(-1), 0.0), tp)
+        return self._reduce(out.masked_fill(outside.unsqueeze(-1), 0.0), tp, closes_region=False)
 
 
 def install_tensor_parallel(
