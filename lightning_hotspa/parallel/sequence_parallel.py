@@ -79,10 +79,15 @@ def scatter_tokens(x: Tensor, group: RankGroup, regather: Regather | None = None
     Args:
         x: the partial sums (a row-parallel output).
         group: the tp group.
-        regather: the :class:`Regather` of the region this output closes: its backward all-gather
-            brings the region's input again with the gradient (one collective instead of two).
+        regather: the :class:`Regather` of the region this output closes. On a gloo group (latency
+            bound) the backward all-gather brings the region's input again with the gradient, one
+            collective instead of two; elsewhere the input waits for its first user's backward, as
+            the early copy would stay alive through the region's backward (the attention kernel's,
+            where all-gather-KV and fsdp layouts peak; docs/DESIGN.md §11).
     """
-    return x if group.size == 1 else _ScatterTokens.apply(x, group, regather)
+    if group.size == 1:
+        return x
+    return _ScatterTokens.apply(x, group, regather if group.backend == "gloo" else None)
 
 
 def gather_tokens(x: Tensor, group: RankGroup) -> Tensor:

@@ -1,7 +1,9 @@
-"""Sequence parallelism's collectives per layer, counted on fake ranks: the backward re-gather of a
-region's input travels in the all-gather of its output gradient (parallel/sequence_parallel.py), so a
-layer makes 4 tp collectives forward and 4 backward, not 4 and 6. The results against the single
-process are tests/distributed/test_sequence_parallel.py's."""
+"""Sequence parallelism's collectives per layer, counted on fake ranks: one all-gather per shared
+input forward (q / k / v and w1 / w3 each gathered again before 49c56bc: 19 per layer), and on a
+gloo group the backward re-gather of a region's input travels in the all-gather of its output
+gradient (parallel/sequence_parallel.py): 4 tp collectives forward and 4 backward there, 4 and 6
+elsewhere. The results against the single process are tests/distributed/test_sequence_parallel.py's
+(gloo)."""
 
 import collections
 
@@ -12,7 +14,7 @@ from lightning_hotspa.engine.home import build_home_parameters
 from lightning_hotspa.engine.switch import SwitchEngine
 from lightning_hotspa.host import set_host_reads
 from lightning_hotspa.layout import Layout
-from lightning_hotspa.mesh import WorldMesh
+from lightning_hotspa.mesh import RankGroup, WorldMesh
 from lightning_hotspa.models import LlamaConfig
 from lightning_hotspa.parallel.model import ParallelModel
 from lightning_hotspa.testing.comm_bytes import count_collective_bytes
@@ -23,8 +25,8 @@ TOKENS = 256
 
 
 def _calls(n_layers: int, tp: int) -> dict[str, collections.Counter]:
-    """Collective calls by name in one micro-batch's forward and backward, with the bytes of each
-    backward all-gather's input, on tp fake ranks."""
+    """Collective calls in one micro-batch's forward and backward, and the bytes each rank receives
+    in each backward call, on tp fake ranks."""
     config = LlamaConfig.preset("tiny", n_layers=n_layers, hidden=128, n_heads=8, n_kv_heads=4, ffn_hidden=256)
     layout = Layout(dp=1, tp=tp)
     out: dict[str, collections.Counter] = {}
@@ -56,17 +58,29 @@ def _calls(n_layers: int, tp: int) -> dict[str, collections.Counter]:
             set_host_reads(previous)
     for phase, log in (("forward", forward), ("backward", backward)):
         out[phase] = collections.Counter(name for name, _ in log.calls)
-    out["gather_bytes"] = collections.Counter(b for name, b in backward.calls if name == "all_gather_into_tensor")
+    out["backward_bytes"] = collections.Counter(b for _, b in backward.calls)
     return out
 
 
 @pytest.mark.parametrize("tp", [2, 4])
-def test_a_layer_makes_four_tp_collectives_each_way_and_the_regather_rides_on_the_gradient(tp):
+def test_a_layer_makes_four_tp_collectives_forward_and_six_backward(tp):
     one, two = _calls(1, tp), _calls(2, tp)
     per_layer = {phase: two[phase] - one[phase] for phase in ("forward", "backward")}
     assert per_layer["forward"] == {"all_gather_into_tensor": 2, "reduce_scatter_tensor": 2}, per_layer
-    assert per_layer["backward"] == {"all_gather_into_tensor": 2, "reduce_scatter_tensor": 2}, per_layer
-    # each backward all-gather of a layer carries the output gradient and the region's input (hidden
-    # wide each): twice the bytes of the embedding's, which carries a gradient only
-    hidden_rows = (tp - 1) * TOKENS // tp * 128 * 4
-    assert two["gather_bytes"][2 * hidden_rows] == 4 and two["gather_bytes"][hidden_rows] == 1, two["gather_bytes"]
+    # the output gradients' gathers, the inputs' re-gathers, the inputs' gradients' reduce-scatters
+    assert per_layer["backward"] == {"all_gather_into_tensor": 4, "reduce_scatter_tensor": 2}, per_layer
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_on_gloo_the_regather_rides_on_the_output_gradients_all_gather(tp, monkeypatch):
+    monkeypatch.setattr(RankGroup, "backend", property(lambda self: "gloo" if self.group is not None else None))
+    one, two = _calls(1, tp), _calls(2, tp)
+    per_layer = {phase: two[phase] - one[phase] for phase in ("forward", "backward")}
+    # gloo: row gathers are all-to-alls of n copies, reduce-scatters all-to-alls plus a sum
+    assert per_layer["forward"] == {"all_to_all_single": 4}, per_layer
+    assert per_layer["backward"] == {"all_to_all_single": 4}, per_layer
+    # each layer's two gathers carry the output gradient and the region's input (hidden wide each):
+    # twice what the embedding's gradient gather or a reduce-scatter receives
+    rows = (tp - 1) * (TOKENS // tp) * 128 * 4
+    per_layer_bytes = two["backward_bytes"] - one["backward_bytes"]
+    assert per_layer_bytes == {2 * rows: 2, rows: 2}, per_layer_bytes

@@ -25,8 +25,8 @@ rows); the cost is padding (``s`` rounded up to ``2*cp``) and communication:
   checkpointing recomputes the forward; ring cost ``2(tp-1)/tp * bytes / busbw``. Sequence
   parallelism replaces each by an all-gather + a reduce-scatter of the same bytes (priced as the
   all-reduce); a runtime that re-gathers the column-parallel inputs in backward
-  (``RuntimeProfile.tp_regather``, ours) adds one all-reduce's bytes per layer and no latency (ours
-  sends each input with the region's output-gradient all-gather, one collective).
+  (``RuntimeProfile.tp_regather``, ours) adds one all-reduce's bytes per layer, and 2 launches
+  except on CPU (ours sends each input with the region's output-gradient all-gather on gloo).
   Exposed unless the runtime overlaps it (``RuntimeProfile.tp_comm_overlap``; ours does not).
 * CP (Ulysses): per layer one all-to-all of fused q/k/v and one of the output forward, the same
   backward (+ forward again with checkpointing); each moves ``(cp-1)/cp`` of its ``1/tp`` head slice.
@@ -274,7 +274,8 @@ class AnalyticCostModel(MemoryModel):
             bw, lat = hw.bandwidth(par.tp), hw.latency(par.tp)
             exposed = self._exposed(self.runtime.tp_comm_overlap)
             b += exposed * calls * 2.0 * (par.tp - 1) / par.tp * m.hidden * self.param_bytes / par.cp / bw
-            d += (calls - regather * layers) * lat  # the re-gathers ride on the gradients' all-gathers
+            # on a CPU (gloo) group the re-gathers ride on the gradients' all-gathers: no launch of their own
+            d += (calls - (regather * layers if hw.device_type == "cpu" else 0.0)) * lat
         # ---- context parallelism (Ulysses part, then all-gather-KV part) ----
         u, g = par.cp_ulysses, par.cp_kv
         if u > 1:

@@ -47,8 +47,8 @@ class RuntimeProfile:
     recomputes); ``optimizer_bytes_per_param`` (HBM bytes its optimizer step moves per parameter a
     rank holds: state reads and writes, the gradient-norm read; 0: not priced); ``tp_regather``
     (sequence parallelism keeps only each rank's token shard of a column-parallel input and
-    all-gathers it again in backward, as Megatron-LM does: an all-gather's bytes per shared input per
-    layer, priced without a launch of its own: ours sends it with the output gradient's all-gather);
+    all-gathers it again in backward, as Megatron-LM does: one more all-gather per shared input per
+    layer; on gloo ours sends it with the output gradient's all-gather, priced without a launch);
     ``source`` (where each field comes from)."""
 
     name: str
@@ -95,7 +95,7 @@ HOTSPA = RuntimeProfile(
     "and Ulysses / KV-gather exchanges run synchronously between the GEMMs. models/attention.py: 'auto' on "
     "CUDA bf16 takes flash-attn's varlen kernel (FlashAttention-2). parallel/sequence_parallel.py: tp is "
     "sequence parallel; q/k/v and w1/w3 keep their input's token shard and all-gather it again in backward, "
-    "in the same collective as the region's output gradient. "
+    "on gloo in the same collective as the region's output gradient. "
     "No selective checkpointing. Optimizer: torch Adam on the fp32 home shard (reads gradient, weight, m, v; "
     "writes weight, m, v: 28 B per parameter; not in the planner's prices: the same for every plan).",
     tp_regather=True,
