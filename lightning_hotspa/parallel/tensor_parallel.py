@@ -150,10 +150,11 @@ class _SharedInputCopy:
     all-reduce, or under sequence parallelism one all-gather forward, one reduce-scatter backward and
     one :class:`~.sequence_parallel.Regather`.
 
-    The copy of the open region is held until the region closes (its row-parallel output or a
-    vocab head: :meth:`close_region`), the next input arrives, or a backward reaches one of its
-    users (a recomputation under activation checkpointing may stop before the closing layer): under
-    sequence parallelism nothing else keeps the gathered rows alive between the region's layers.
+    The copy of the open region is held until its last reader has run (how many read it is learned
+    when the region closes: its row-parallel output or a vocab head, :meth:`close_region`), the
+    next input arrives, or a backward reaches the region: under sequence parallelism nothing else
+    keeps the gathered rows alive between the region's layers, and a recomputation under activation
+    checkpointing may stop before the closing layer.
     """
 
     def __init__(self, sequence_parallel: bool = False) -> None:
@@ -162,24 +163,35 @@ class _SharedInputCopy:
         self._group: RankGroup | None = None
         self._copy: Tensor | None = None
         self._regather: Regather | None = None
+        self._opener: object | None = None  # the layer that opened the region
+        self._reads = 0
+        self._readers: dict[int, int] = {}  # id(opener) -> how many layers read its region's copy
 
-    def __call__(self, x: Tensor, group: RankGroup) -> tuple[Tensor, Regather | None]:
+    def __call__(self, x: Tensor, group: RankGroup, reader: object) -> tuple[Tensor, Regather | None]:
+        """``f(x)`` for the layer ``reader`` (the memoized one if the same ``x`` and group)."""
         if self._copy is not None and self._source is not None and self._source() is x and self._group is group:
-            return self._copy, self._regather
-        if self.sequence_parallel:
-            copied, regather = gather_tokens(x, group), Regather(group, on_backward=self.release)
+            copied, regather = self._copy, self._regather
+            self._reads += 1
         else:
-            copied, regather = copy_to_group(x, group), None
-        self._source, self._group, self._copy, self._regather = weakref.ref(x), group, copied, regather
+            if self.sequence_parallel:
+                copied, regather = gather_tokens(x, group), Regather(group, on_backward=self.release)
+            else:
+                copied, regather = copy_to_group(x, group), None
+            self._source, self._group, self._copy, self._regather = weakref.ref(x), group, copied, regather
+            self._opener, self._reads = reader, 1
+        if self._readers.get(id(self._opener)) == self._reads:  # its last reader: let go of the copy
+            self._source = self._copy = None
         return copied, regather
 
     def release(self) -> None:
-        """Forgets the open region's copy (it is no longer needed in forward)."""
-        self._source = self._group = self._copy = self._regather = None
+        """Forgets the open region (its copy is no longer needed in forward)."""
+        self._source = self._group = self._copy = self._regather = self._opener = None
 
     def close_region(self) -> Regather | None:
-        """The open region's Regather (None without sequence parallelism); the copy is released."""
+        """The open region's Regather (None without sequence parallelism); the region is released."""
         regather = self._regather
+        if self._opener is not None:
+            self._readers[id(self._opener)] = self._reads
         self.release()
         return regather
 
@@ -221,7 +233,7 @@ class TPForward:
         if self.kind == "rowwise":
             out = self._reduce(F.linear(x, m.weight), tp)
             return out if m.bias is None else out + m.bias
-        full, regather = self.copies(x, tp)  # colwise, gather, partial_input
+        full, regather = self.copies(x, tp, self)  # colwise, gather, partial_input
         if regather is not None and self.kind != "gather":  # keep the shard, not the gathered rows
             return sequence_parallel_linear(full, x, m.weight, m.bias, regather)
         out = F.linear(full, m.weight, m.bias)
@@ -240,7 +252,7 @@ class TPForward:
         if self.kind == "rowwise":
             out = self._reduce(own(m, x, *rest), tp)
             return out if m.bias is None else out + m.bias
-        x, _ = self.copies(x, tp)
+        x, _ = self.copies(x, tp, self)
         if self.kind == "gather":
             self.copies.close_region()
             if rest:

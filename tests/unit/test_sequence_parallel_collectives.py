@@ -84,3 +84,22 @@ def test_on_gloo_the_regather_rides_on_the_output_gradients_all_gather(tp, monke
     rows = (tp - 1) * (TOKENS // tp) * 128 * 4
     per_layer_bytes = two["backward_bytes"] - one["backward_bytes"]
     assert per_layer_bytes == {2 * rows: 2, rows: 2}, per_layer_bytes
+
+
+def test_the_shared_input_copy_is_let_go_after_its_last_reader_even_without_a_closing_layer():
+    """A recomputation under selective checkpointing reruns q / k / v but not wo: the memo learns at
+    the first close how many layers read a region and lets the copy go after the last of them."""
+    from lightning_hotspa.parallel.tensor_parallel import _SharedInputCopy
+
+    group = RankGroup(dims=(0,), ranks=(0,), index=0, group=None)
+    memo = _SharedInputCopy(sequence_parallel=True)
+    q, k, v = object(), object(), object()
+    x = torch.randn(4, 8)
+    first, regather = memo(x, group, q)
+    assert memo(x, group, k) == (first, regather) and memo(x, group, v) == (first, regather)
+    assert memo._copy is not None  # the first time, held until the region closes
+    assert memo.close_region() is regather and memo._copy is None
+    y = torch.randn(4, 8)  # the recomputation: three readers, no close
+    for reader in (q, k, v):
+        memo(y, group, reader)
+    assert memo._copy is None and memo._source is None
