@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from functools import cached_property
 
+from .group_collectives import GroupCollectives, collectives_for
 from .layout import Layout, LayoutError, MeshShape, require_member
 
 __all__ = ["RankGroup", "LayoutGroups", "WorldMesh"]
@@ -66,6 +67,11 @@ class RankGroup:
         import torch.distributed as dist
 
         return str(dist.get_backend(self.group))
+
+    @cached_property
+    def comm(self) -> GroupCollectives:
+        """This group's row collectives, chosen once from :attr:`backend` (:mod:`.group_collectives`)."""
+        return collectives_for(self)
 
 
 @dataclass(frozen=True)

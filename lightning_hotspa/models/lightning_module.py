@@ -161,9 +161,14 @@ class LlamaLM(L.LightningModule):
         return init_parameter(inner, shape, self.hparams.seed, n_layers=self.config.n_layers,
                               dim=dim, start=start, stop=stop)
 
-    def tp_plan(self, tp: int) -> dict[str, TPRole]:
-        """The declarative TP plan with names relative to this module."""
-        return llama_tp_plan(self.config, tp, prefix="model.")
+    def tp_plan(self, tp: int, sequence_parallel: bool = True) -> dict[str, TPRole]:
+        """The declarative TP plan with names relative to this module.
+
+        Args:
+            tp: the largest tp degree.
+            sequence_parallel: split the residual stream over tp along the tokens (the default).
+        """
+        return llama_tp_plan(self.config, tp, prefix="model.", sequence_parallel=sequence_parallel)
 
     def configure_optimizers(self) -> Any:
         """AdamW (no decay on 1-D params such as norms), optional linear warmup + cosine decay."""

@@ -19,6 +19,7 @@ from .config import LlamaConfig
 from .kernels import SwiGLUDown, rms_norm
 from .loss_head import LMHead, linear_cross_entropy
 from .rope import apply_rotary, rotary_cos_sin
+from .tp_plan import LLAMA_TP_REGIONS
 from .vocab import check_token_ids
 
 __all__ = ["Attention", "Block", "FeedForward", "Llama", "RMSNorm"]
@@ -125,6 +126,8 @@ class Llama(nn.Module):
     #: ``set_activation_checkpointing`` takes a :class:`~lightning_hotspa.checkpointing.Checkpointing`
     #: mode, selective included (parallel/model.py passes other modules a bool)
     selective_checkpointing = True
+    #: the column-parallel regions of the tp plan (parallel/tensor_parallel.py reads them)
+    tp_regions = LLAMA_TP_REGIONS
 
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()

@@ -17,7 +17,13 @@ reads the roles and does the sharding and the collectives. Roles:
   (sequence parallelism, Megatron-style: norms and the residual stream are split over tp along
   the sequence), so its gradient is a partial sum over tp. A plan that uses it turns sequence
   parallelism on for the whole model (docs/DESIGN.md §11, "Sequence parallelism"): ``llama_tp_plan``
-  always does.
+  does unless ``sequence_parallel=False``.
+
+Where the residual stream is gathered and where it is reduce-scattered follows from the roles and
+the declared REGIONS (:data:`LLAMA_TP_REGIONS`, read from the model's ``tp_regions``): a region's
+column-parallel readers share one gather of its input (Megatron's attention block: ``wq / wk / wv``;
+the MLP: ``w1 / w3``), its ``rowwise`` layer (``wo``; ``w2``) reduce-scatters, the ``vocab``
+embedding reduce-scatters and the ``vocab`` head gathers (parallel/regions.py).
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from ..placements import ROLES, TPRole, role_of
 from .config import LlamaConfig
 
 __all__ = [
+    "LLAMA_TP_REGIONS",
     "ROLES",
     "TPPlan",
     "TPRole",
@@ -42,6 +49,13 @@ __all__ = [
 ]
 
 TPPlan = Mapping[str, TPRole]
+
+#: Llama's column-parallel regions: ``{owner module pattern: the readers of its input}``, relative to
+#: the ``Llama`` module (its ``tp_regions``); each region's rowwise layer closes it (``wo``, ``w2``)
+LLAMA_TP_REGIONS: Mapping[str, tuple[str, ...]] = {
+    "layers.*.attention": ("wq", "wk", "wv"),
+    "layers.*.feed_forward": ("w1", "w3"),
+}
 
 
 def shard_dim(role: str) -> int | None:
@@ -72,22 +86,32 @@ def check_tp_compatible(config: LlamaConfig, tp: int) -> None:
         )
 
 
-def llama_tp_plan(config: LlamaConfig, tp: int, prefix: str = "") -> dict[str, TPRole]:
-    """The plan for :class:`Llama` at one tp degree; ``prefix`` for a wrapped model ("model.")."""
+def llama_tp_plan(config: LlamaConfig, tp: int, prefix: str = "", *,
+                  sequence_parallel: bool = True) -> dict[str, TPRole]:
+    """The plan for :class:`Llama` at one tp degree.
+
+    Args:
+        config: the model.
+        tp: the largest tp degree the plan must split for.
+        prefix: for a wrapped model ("model.").
+        sequence_parallel: the norms and the residual stream split over tp along the tokens (the
+            norms' role ``sequence``); False: replicated (plain Megatron tp, all-reduces).
+    """
     check_tp_compatible(config, tp)
     kv: TPRole = "colwise" if config.n_kv_heads % tp == 0 else "replicated_partial"
+    norm: TPRole = "sequence" if sequence_parallel else "replicated"
     plan: dict[str, TPRole] = {
         "tok_embeddings": "vocab",
-        "layers.*.attention_norm": "sequence",  # sequence parallel: norms see this rank's tokens
+        "layers.*.attention_norm": norm,  # sequence parallel: norms see this rank's tokens
         "layers.*.attention.wq": "colwise",
         "layers.*.attention.wk": kv,
         "layers.*.attention.wv": kv,
         "layers.*.attention.wo": "rowwise",
-        "layers.*.ffn_norm": "sequence",
+        "layers.*.ffn_norm": norm,
         "layers.*.feed_forward.w1": "colwise",
         "layers.*.feed_forward.w3": "colwise",
         "layers.*.feed_forward.w2": "rowwise",
-        "norm": "sequence",
+        "norm": norm,
     }
     if not config.tie_embeddings:
         plan["output"] = "vocab"  # vocab-sharded logits

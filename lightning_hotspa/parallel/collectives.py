@@ -26,6 +26,7 @@ from ..mesh import RankGroup
 from ..torch_compat import C10D_DEPRECATION_MESSAGE  # noqa: F401  (installs the warning filter)
 
 __all__ = [
+    "all_reduce_sum",
     "collective_pair",
     "copy_to_group",
     "reduce_from_group",
@@ -35,6 +36,7 @@ __all__ = [
     "permute_rows",
     "all_gather_rows",
     "reduce_scatter_rows",
+    "reduce_scatter_and_gather_rows",
 ]
 
 
@@ -58,7 +60,7 @@ def _order(group: RankGroup, kind: str, device: torch.device) -> Tensor:
     return cache[key]
 
 
-def _all_reduce(x: Tensor, group: RankGroup) -> Tensor:
+def all_reduce_sum(x: Tensor, group: RankGroup) -> Tensor:
     """Sum over the group into a fresh contiguous tensor (inputs may be saved or shared)."""
     out = x.clone(memory_format=torch.contiguous_format)
     with collective("an all-reduce", group):
@@ -76,7 +78,7 @@ class _CopyToGroup(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
-        return _all_reduce(grad, ctx.group), None
+        return all_reduce_sum(grad, ctx.group), None
 
 
 class _ReduceFromGroup(torch.autograd.Function):
@@ -84,7 +86,7 @@ class _ReduceFromGroup(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, group: RankGroup) -> Tensor:
-        return _all_reduce(x, group)
+        return all_reduce_sum(x, group)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
@@ -219,40 +221,40 @@ def permute_rows(x: Tensor, perm: Tensor, inverse: Tensor) -> Tensor:
     return _PermuteRows.apply(x, perm, inverse)
 
 
-def _is_gloo(group: RankGroup) -> bool:
-    return group.backend == "gloo"
+def _to_shard_order(buffer: Tensor, group: RankGroup, rows: int) -> Tensor:
+    """``[n*rows, ...]`` in slot order -> shard order."""
+    if group.in_shard_order:
+        return buffer
+    order = _order(group, "slot_of_shard", buffer.device)
+    return buffer.view(group.size, rows, *buffer.shape[1:]).index_select(0, order).reshape(buffer.shape)
+
+
+def _blocks_by_slot(x: Tensor, group: RankGroup) -> Tensor:
+    """``[n*T, ...]`` (block s for shard s) -> ``[n, T, ...]`` with block k for slot k."""
+    n = group.size
+    send = x.reshape(n, x.shape[0] // n, *x.shape[1:])
+    if not group.in_shard_order:
+        send = send.index_select(0, _order(group, "shard_of_slot", send.device))
+    return send
 
 
 def all_gather_rows(x: Tensor, group: RankGroup) -> Tensor:
     """[T, ...] -> [n*T, ...]: every member's rows, member s at rows s*T (shard order); no autograd
-    (the all-gather-KV attention re-gathers in its own backward)."""
-    n = group.size
+    (the all-gather-KV attention re-gathers in its own backward). How: ``group.comm``."""
     flat = x.contiguous()
-    buffer = flat.new_empty((n * flat.shape[0], *flat.shape[1:]))
-    with collective("an all-gather of rows", group):
-        if _is_gloo(group):  # gloo's all-to-all of n copies is faster than its all-gather (docs/DESIGN.md §9)
-            copies = flat.unsqueeze(0).expand(n, *flat.shape).contiguous()  # (a reshape can stay a view)
-            dist.all_to_all_single(buffer, copies.view(buffer.shape), group=group.group)
-        else:
-            dist.all_gather_into_tensor(buffer, flat, group=group.group)
-    if not group.in_shard_order:
-        buffer = buffer.view(n, *flat.shape).index_select(0, _order(group, "slot_of_shard", buffer.device)) \
-            .reshape(buffer.shape)
-    return buffer
+    return _to_shard_order(group.comm.all_gather(flat), group, flat.shape[0])
 
 
 def reduce_scatter_rows(x: Tensor, group: RankGroup) -> Tensor:
     """[n*T, ...] -> [T, ...]: the sum over members of their rows block ``index`` (the backward of
-    :func:`all_gather_rows`). gloo has no reduce-scatter, so it is an all-to-all plus a local sum,
-    which moves the same ``(n-1)/n`` of the buffer per rank; NCCL groups use the native one."""
-    n = group.size
-    tokens = x.shape[0] // n
-    if group.group is not None and not _is_gloo(group):
-        send = x.reshape(n, tokens, *x.shape[1:])
-        if not group.in_shard_order:
-            send = send.index_select(0, _order(group, "shard_of_slot", send.device))
-        out = x.new_empty((tokens, *x.shape[1:]))
-        with collective("a reduce-scatter of rows", group):
-            dist.reduce_scatter_tensor(out, send.reshape(x.shape).contiguous(), group=group.group)
-        return out
-    return _exchange(x.reshape(n, tokens, *x.shape[1:]), group).sum(0)
+    :func:`all_gather_rows`). How: ``group.comm``."""
+    return group.comm.reduce_scatter(_blocks_by_slot(x, group))
+
+
+def reduce_scatter_and_gather_rows(x: Tensor, shard: Tensor, group: RankGroup) -> tuple[Tensor, Tensor]:
+    """:func:`reduce_scatter_rows` of ``x`` and :func:`all_gather_rows` of ``shard`` together (a
+    sequence-parallel region's backward: its input gradient and its input again), one collective
+    where the group's backend allows it (``group.comm``)."""
+    flat = shard.contiguous()
+    summed, gathered = group.comm.reduce_scatter_and_all_gather(_blocks_by_slot(x, group), flat)
+    return summed, _to_shard_order(gathered, group, flat.shape[0])

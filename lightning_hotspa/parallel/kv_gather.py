@@ -35,8 +35,6 @@ Host syncs: none per micro-batch. The chunks come from the micro-batch's host-si
 
 from __future__ import annotations
 
-import weakref
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,6 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..host_facts import recall, remember
 from ..layout import LayoutError
 from ..mesh import LayoutGroups, RankGroup
 from ..plan import MicroBatch
@@ -113,14 +112,10 @@ def _build_geometry(cu_seqlens: Tensor, cp: int, ulysses: int, kv: int, kv_index
     return KVGeometry(perm, full_index, full_cu[-1], tuple(blocks))
 
 
-_CACHE: OrderedDict[tuple, tuple[weakref.ref, KVGeometry]] = OrderedDict()
-_CACHE_SIZE = 8
-
-
 def kv_geometry(cu_seqlens: Tensor, cp: int, ulysses: int, kv: int, kv_index: int, window: int | None = None,
                 where: str = "context parallel") -> KVGeometry:
-    """The geometry of one micro-batch, cached by the identity of its ``cu_seqlens`` (every layer and
-    checkpoint recomputation pass the same tensor).
+    """The geometry of one micro-batch, filed with its ``cu_seqlens`` tensor (:mod:`..host_facts`: every
+    layer and checkpoint recomputation pass the same tensor; it goes with the tensor).
 
     Args:
         cu_seqlens: this rank's local document boundaries (as packed for cp rank ``ulysses index * kv
@@ -130,15 +125,11 @@ def kv_geometry(cu_seqlens: Tensor, cp: int, ulysses: int, kv: int, kv_index: in
         window: the model's sliding window (None: full causal).
         where: the module, for error messages.
     """
-    key = (id(cu_seqlens), cp, ulysses, kv, kv_index, window, str(cu_seqlens.device))
-    hit = _CACHE.get(key)
-    if hit is not None and hit[0]() is cu_seqlens:
-        _CACHE.move_to_end(key)
-        return hit[1]
-    geometry = _build_geometry(cu_seqlens, cp, ulysses, kv, kv_index, window, where)
-    _CACHE[key] = (weakref.ref(cu_seqlens), geometry)
-    while len(_CACHE) > _CACHE_SIZE:
-        _CACHE.popitem(last=False)
+    name = f"kv_geometry:{cp}:{ulysses}:{kv}:{kv_index}:{window}"
+    geometry = recall(cu_seqlens, name)
+    if geometry is None:
+        geometry = _build_geometry(cu_seqlens, cp, ulysses, kv, kv_index, window, where)
+        remember(cu_seqlens, name, geometry)
     return geometry
 
 

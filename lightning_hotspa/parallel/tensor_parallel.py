@@ -26,22 +26,24 @@ module may only hold ``replicated`` parameters):
 ``sequence``                  untouched (a replicated weight applied to this rank's tokens)
 ============================  ================================================================
 
-Several column-parallel layers reading the same tensor (q, k, v; w1, w3) share ONE ``f``, so their
-input gradient is all-reduced once, as with Megatron's fused QKV.
+Column-parallel layers reading the same tensor (q, k, v; w1, w3) share ONE ``f``, so their input
+gradient is all-reduced once, as with Megatron's fused QKV: the plan DECLARES these regions
+(``tp_regions``, :func:`declared_regions`; :mod:`.regions`); any other plain column-parallel Linear
+is a region of its own.
 
 Sequence parallelism (:mod:`.sequence_parallel`): a plan with any ``sequence`` role keeps the
 tokens between the tp regions split over tp. Then ``f`` becomes an all-gather of the tokens (one
-per shared input; a plain colwise / kv Linear keeps only its shard for backward and gathers it
-again there), ``g`` of a row-parallel output and of the vocab-parallel embedding a reduce-scatter
-along the tokens, and a ``vocab`` head gathers its input tokens. Every other parameter such a model
-has must then be ``sequence`` (not ``replicated``: its gradient is a partial sum over tp), and it
-needs a ``vocab`` nn.Embedding (where the tokens get split).
+per region; the region keeps only this rank's shard for backward and gathers it again there, with
+its input gradient's reduce-scatter), ``g`` of a row-parallel output and of the vocab-parallel
+embedding a reduce-scatter along the tokens, and a ``vocab`` head gathers its input tokens. Every
+other parameter such a model has must then be ``sequence`` (not ``replicated``: its gradient is a
+partial sum over tp), and it needs a ``vocab`` nn.Embedding (where the tokens get split).
 """
 
 from __future__ import annotations
 
-import weakref
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from fnmatch import fnmatchcase
 
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -52,13 +54,15 @@ from ..models.vocab import check_token_ids
 from .attention import attention_modules, ensure_parallel_attention
 from .collectives import copy_to_group, gather_last_dim, reduce_from_group
 from .loss import VocabParallelLoss
-from .sequence_parallel import Regather, gather_tokens, scatter_tokens, sequence_parallel_linear
+from .regions import ColumnRegion
+from .sequence_parallel import gather_tokens, scatter_tokens
 from .state import ParallelState
 
-__all__ = ["install_tensor_parallel", "module_kinds", "TPForward"]
+__all__ = ["declared_regions", "install_tensor_parallel", "module_kinds", "TPForward"]
 
 _DIM0 = ("colwise", "vocab")  # roles that shard dim 0 (a Linear's output features)
 _UNTOUCHED = ("replicated", "sequence")  # roles whose module keeps its own forward
+_READERS = ("colwise", "partial_input")  # kinds that read a column-parallel region's input
 
 
 def _fail(name: str, message: str) -> LayoutError:
@@ -145,81 +149,34 @@ def _sequence_parallel(roles: Mapping[str, str], kinds: Mapping[str, str], owner
     return True
 
 
-class _SharedInputCopy:
-    """Shares one ``f(x)`` among the layers reading the same ``x`` (q, k, v; w1, w3): one backward
-    all-reduce, or under sequence parallelism one all-gather forward, one reduce-scatter backward and
-    one :class:`~.sequence_parallel.Regather`.
+class TPForward:
+    """A module's forward under tensor parallelism; installed once as ``module.forward``.
 
-    The copy of the open region is held until its last reader has run (how many read it is learned
-    when the region closes: its row-parallel output or a vocab head, :meth:`close_region`), the
-    next input arrives, or a backward reaches the region: under sequence parallelism nothing else
-    keeps the gathered rows alive between the region's layers, and a recomputation under activation
-    checkpointing may stop before the closing layer.
+    Args:
+        module: the module.
+        kind: what it does under tp (:func:`module_kinds`).
+        state: the shared :class:`ParallelState` (the active groups).
+        sequence_parallel: tokens between the tp regions are split over tp (:mod:`.sequence_parallel`).
+        region: the column-parallel region this module reads in, with its name there (:mod:`.regions`).
+        local_output: a vocab head whose loss is vocab-parallel (its logits stay sharded).
     """
 
-    def __init__(self, sequence_parallel: bool = False) -> None:
-        self.sequence_parallel = sequence_parallel
-        self._source: weakref.ref | None = None
-        self._group: RankGroup | None = None
-        self._copy: Tensor | None = None
-        self._regather: Regather | None = None
-        self._opener: object | None = None  # the layer that opened the region
-        self._reads = 0
-        self._readers: dict[int, int] = {}  # id(opener) -> how many layers read its region's copy
-
-    def __call__(self, x: Tensor, group: RankGroup, reader: object) -> tuple[Tensor, Regather | None]:
-        """``f(x)`` for the layer ``reader`` (the memoized one if the same ``x`` and group)."""
-        if self._copy is not None and self._source is not None and self._source() is x and self._group is group:
-            copied, regather = self._copy, self._regather
-            self._reads += 1
-        else:
-            if self.sequence_parallel:
-                copied, regather = gather_tokens(x, group), Regather(group, on_backward=self.release)
-            else:
-                copied, regather = copy_to_group(x, group), None
-            self._source, self._group, self._copy, self._regather = weakref.ref(x), group, copied, regather
-            self._opener, self._reads = reader, 1
-        if self._readers.get(id(self._opener)) == self._reads:  # its last reader: let go of the copy
-            self._source = self._copy = None
-        return copied, regather
-
-    def release(self) -> None:
-        """Forgets the open region (its copy is no longer needed in forward)."""
-        self._source = self._group = self._copy = self._regather = self._opener = None
-
-    def close_region(self) -> Regather | None:
-        """The open region's Regather (None without sequence parallelism); the region is released."""
-        regather = self._regather
-        if self._opener is not None:
-            self._readers[id(self._opener)] = self._reads
-        self.release()
-        return regather
-
-
-class TPForward:
-    """A module's forward under tensor parallelism; installed once as ``module.forward``."""
-
-    def __init__(self, module: nn.Module, kind: str, state: ParallelState, copies: _SharedInputCopy,
-                 local_output: bool = False) -> None:
+    def __init__(self, module: nn.Module, kind: str, state: ParallelState, sequence_parallel: bool,
+                 region: tuple[ColumnRegion, str] | None = None, local_output: bool = False) -> None:
         self.module = module
         self.kind = kind
         self.state = state
-        self.copies = copies
-        self.local_output = local_output  # vocab head whose loss is vocab-parallel
+        self.sequence_parallel = sequence_parallel
+        self.region = region
+        self.local_output = local_output
 
-    @property
-    def sequence_parallel(self) -> bool:
-        """Tokens between the tp regions are split over tp (:mod:`.sequence_parallel`)."""
-        return self.copies.sequence_parallel
+    def _reduce(self, out: Tensor, tp: RankGroup) -> Tensor:
+        """``g`` (all-reduce), or the reduce-scatter along the tokens under sequence parallelism."""
+        return scatter_tokens(out, tp) if self.sequence_parallel else reduce_from_group(out, tp)
 
-    def _reduce(self, out: Tensor, tp: RankGroup, closes_region: bool = True) -> Tensor:
-        """``g`` (all-reduce), or the reduce-scatter along the tokens under sequence parallelism (a
-        row-parallel output closes the region opened by the last shared input: its backward
-        all-gather re-gathers that input too)."""
-        regather = self.copies.close_region() if closes_region else None
-        if not self.sequence_parallel:
-            return reduce_from_group(out, tp)
-        return scatter_tokens(out, tp, regather)
+    def _copy(self, x: Tensor, tp: RankGroup) -> Tensor:
+        """``f`` of a layer outside any region (the vocab head): copy, or gather the tokens."""
+        return gather_tokens(x, tp) if self.sequence_parallel else copy_to_group(x, tp)
 
     def __call__(self, x: Tensor, *rest: Tensor) -> Tensor:
         m, groups = self.module, self.state.groups
@@ -233,15 +190,11 @@ class TPForward:
         if self.kind == "rowwise":
             out = self._reduce(F.linear(x, m.weight), tp)
             return out if m.bias is None else out + m.bias
-        full, regather = self.copies(x, tp, self)  # colwise, gather, partial_input
-        if regather is not None and self.kind != "gather":  # keep the shard, not the gathered rows
-            return sequence_parallel_linear(full, x, m.weight, m.bias, regather)
-        out = F.linear(full, m.weight, m.bias)
-        if self.kind == "gather":
-            self.copies.close_region()
-            if not self.local_output:
-                out = gather_last_dim(out, tp)
-        return out
+        if self.region is not None:  # colwise, partial_input
+            region, name = self.region
+            return region.output(name, x, tp)
+        out = F.linear(self._copy(x, tp), m.weight, m.bias)  # gather: the vocab head
+        return out if self.local_output else gather_last_dim(out, tp)
 
     def _linear_like(self, x: Tensor, rest: tuple[Tensor, ...], tp: RankGroup | None) -> Tensor:
         """A ``tp_linear_forward`` module's own forward on its shard; a vocab head called with
@@ -252,11 +205,9 @@ class TPForward:
         if self.kind == "rowwise":
             out = self._reduce(own(m, x, *rest), tp)
             return out if m.bias is None else out + m.bias
-        x, _ = self.copies(x, tp, self)
-        if self.kind == "gather":
-            self.copies.close_region()
-            if rest:
-                return own(m, x, *rest, group=tp)
+        x = self._copy(x, tp)
+        if self.kind == "gather" and rest:
+            return own(m, x, *rest, group=tp)
         out = own(m, x, *rest)
         return gather_last_dim(out, tp) if self.kind == "gather" and not self.local_output else out
 
@@ -273,16 +224,65 @@ class TPForward:
         pad = m.padding_idx
         pad = pad - start if pad is not None and start <= pad < start + rows else None
         out = F.embedding(local, m.weight, pad)
-        return self._reduce(out.masked_fill(outside.unsqueeze(-1), 0.0), tp, closes_region=False)
+        return self._reduce(out.masked_fill(outside.unsqueeze(-1), 0.0), tp)
+
+
+def declared_regions(module: nn.Module) -> dict[str, tuple[str, ...]]:
+    """The column-parallel regions ``module`` declares: every submodule's ``tp_regions`` (``{owner
+    pattern: reader names}``, relative to that submodule, e.g. :data:`~lightning_hotspa.models.tp_plan.
+    LLAMA_TP_REGIONS` on ``Llama``), with the submodule's name prefixed.
+
+    Args:
+        module: the root module.
+    """
+    out: dict[str, tuple[str, ...]] = {}
+    for name, sub in module.named_modules():
+        for pattern, readers in (getattr(sub, "tp_regions", None) or {}).items():
+            out[f"{name}.{pattern}" if name and pattern else name or pattern] = tuple(readers)
+    return out
+
+
+def _build_regions(module: nn.Module, kinds: Mapping[str, str], declared: Mapping[str, Sequence[str]],
+                   sequence_parallel: bool) -> dict[str, tuple[ColumnRegion, str]]:
+    """``{reader module name: (its region, its name there)}``: the declared regions, and one region of
+    its own for every other plain column-parallel Linear."""
+    out: dict[str, tuple[ColumnRegion, str]] = {}
+    modules = dict(module.named_modules())
+    for pattern, readers in declared.items():
+        owners = [n for n in modules if fnmatchcase(n, pattern)]
+        if not owners:
+            raise LayoutError(f"tensor-parallel region {pattern!r} (readers {list(readers)}) matches no module "
+                              f"of {type(module).__name__}")
+        for owner in owners:
+            names = [f"{owner}.{r}" if owner else r for r in readers]
+            bad = [n for n in names if kinds.get(n) not in _READERS or _linear_like(modules.get(n))]
+            if bad:
+                raise LayoutError(f"tensor-parallel region {owner or pattern!r}: {bad[0]} is not a plain column-"
+                                  f"parallel nn.Linear (roles 'colwise' or 'replicated_partial'); kinds "
+                                  f"{ {n: kinds.get(n) for n in names} }")
+            region = ColumnRegion(owner, {r: modules[n] for r, n in zip(readers, names, strict=True)},
+                                  sequence_parallel)
+            out.update({n: (region, r) for r, n in zip(readers, names, strict=True)})
+    for name, kind in kinds.items():
+        if kind in _READERS and name not in out and not _linear_like(modules[name]):
+            out[name] = (ColumnRegion(name, {name: modules[name]}, sequence_parallel), name)
+    return out
 
 
 def install_tensor_parallel(
-    module: nn.Module, roles: Mapping[str, str], state: ParallelState, *, loss_parallel: bool = False
+    module: nn.Module, roles: Mapping[str, str], state: ParallelState, *, loss_parallel: bool = False,
+    regions: Mapping[str, Sequence[str]] | None = None,
 ) -> int:
     """Installs the parallel forwards (and kv-head selection) once; returns how many were installed.
 
-    With ``loss_parallel`` the ``vocab`` Linear keeps its logits sharded and ``module.loss_fn`` is
-    replaced by a vocab-parallel cross entropy (the model must compute its loss through it).
+    Args:
+        module: the root module.
+        roles: every parameter's tp role (:func:`~lightning_hotspa.models.tp_plan.param_roles`).
+        state: the shared :class:`ParallelState`.
+        loss_parallel: the ``vocab`` Linear keeps its logits sharded and ``module.loss_fn`` is
+            replaced by a vocab-parallel cross entropy (the model must compute its loss through it).
+        regions: ``{owner module pattern: reader names}``, the column-parallel layers sharing one
+            input (:mod:`.regions`); None reads what the module declares (:func:`declared_regions`).
     """
     kinds = module_kinds(module, roles)
     heads = [n for n, k in kinds.items() if k == "gather"]
@@ -290,13 +290,16 @@ def install_tensor_parallel(
         if len(heads) != 1 or not callable(getattr(module, "loss_fn", None)):
             raise LayoutError(f"loss_parallel needs exactly one 'vocab' nn.Linear (found {heads}) and a "
                               f"callable {type(module).__name__}.loss_fn(logits, labels) to replace")
-    copies = _SharedInputCopy(_sequence_parallel(roles, kinds, type(module).__name__))
+    sequence_parallel = _sequence_parallel(roles, kinds, type(module).__name__)
+    regions = _build_regions(module, kinds, declared_regions(module) if regions is None else regions,
+                             sequence_parallel)
     installed = 0
     for name, kind in kinds.items():
         sub = module.get_submodule(name)
         if isinstance(sub.__dict__.get("forward"), TPForward):
             raise LayoutError(f"{name} already has a tensor-parallel forward; install once per module")
-        sub.forward = TPForward(sub, kind, state, copies, local_output=loss_parallel and kind == "gather")
+        sub.forward = TPForward(sub, kind, state, sequence_parallel, regions.get(name),
+                                local_output=loss_parallel and kind == "gather")
         installed += 1
     for name, owner in attention_modules(module):
         partial = [child for child, k in kinds.items() if k == "partial_input"

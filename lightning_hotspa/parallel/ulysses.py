@@ -17,8 +17,6 @@ recomputation, where no micro-batch is active) and checks the micro-batch agains
 from __future__ import annotations
 
 import math
-import weakref
-from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -42,10 +40,6 @@ class RowOrder:
     inverse: Tensor
     cu_seqlens: Tensor  # int32, the padded full row's document boundaries (== cp_cu_seqlens)
     max_seqlen: int
-
-
-_CACHE: OrderedDict[tuple[int, int, str], tuple[weakref.ref, RowOrder]] = OrderedDict()
-_CACHE_SIZE = 8
 
 
 def host_bounds(cu_seqlens: Tensor) -> list[int]:
@@ -91,17 +85,13 @@ def _build_row_order(cu_seqlens: Tensor, cp: int, where: str) -> RowOrder:
 
 
 def row_order(cu_seqlens: Tensor, cp: int, where: str = "context parallel") -> RowOrder:
-    """The permutation for one micro-batch, cached by the identity of its ``cu_seqlens`` tensor
-    (every layer, and checkpoint recomputation, passes the same object)."""
-    key = (id(cu_seqlens), cp, str(cu_seqlens.device))
-    hit = _CACHE.get(key)
-    if hit is not None and hit[0]() is cu_seqlens:
-        _CACHE.move_to_end(key)
-        return hit[1]
-    order = _build_row_order(cu_seqlens, cp, where)
-    _CACHE[key] = (weakref.ref(cu_seqlens), order)
-    while len(_CACHE) > _CACHE_SIZE:
-        _CACHE.popitem(last=False)
+    """The permutation for one micro-batch, filed with its ``cu_seqlens`` tensor (:mod:`..host_facts`:
+    every layer, and checkpoint recomputation, passes the same object; it goes with the tensor)."""
+    name = f"ulysses_row_order:{cp}"
+    order = recall(cu_seqlens, name)
+    if order is None:
+        order = _build_row_order(cu_seqlens, cp, where)
+        remember(cu_seqlens, name, order)
     return order
 
 

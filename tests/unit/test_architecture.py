@@ -20,7 +20,7 @@ PACKAGE = Path(lightning_hotspa.__file__).resolve().parent
 #: floor of each part of the package: a module may import its own floor and the floors below
 FLOORS = {
     "checks": 0, "checkpointing": 0, "torch_compat": 0, "host": 0, "host_facts": 0, "layout": 0, "mesh": 0,
-    "placements": 0, "plan": 0, "micro_batch": 0, "collective_names": 0,
+    "placements": 0, "plan": 0, "micro_batch": 0, "collective_names": 0, "group_collectives": 0,
     "models": 1, "parallel": 1, "planner": 1, "data": 1, "engine": 1, "testing": 1,
     "adapter": 2,
     "tools": 3, "configs": 3,

@@ -1,9 +1,9 @@
-"""Sequence parallelism's collectives per layer, counted on fake ranks: one all-gather per shared
-input forward (q / k / v and w1 / w3 each gathered again before 49c56bc: 19 per layer), and on a
-gloo group the backward re-gather of a region's input travels in the all-gather of its output
-gradient (parallel/sequence_parallel.py): 4 tp collectives forward and 4 backward there, 4 and 6
-elsewhere. The results against the single process are tests/distributed/test_sequence_parallel.py's
-(gloo)."""
+"""Sequence parallelism's collectives per layer, counted on fake ranks: one all-gather per declared
+region forward (q / k / v and w1 / w3 each gathered again before 49c56bc: 19 per layer), and in
+backward each region re-gathers its input in the same step as it reduce-scatters its input gradient
+(parallel/regions.py): the same schedule on every backend, carried by 4 tp collectives forward and
+6 backward on NCCL / fake groups, 4 and 4 on gloo (the pair is one all-to-all there). The results
+against the single process are tests/distributed/test_sequence_parallel.py's (gloo)."""
 
 import collections
 
@@ -72,34 +72,65 @@ def test_a_layer_makes_four_tp_collectives_forward_and_six_backward(tp):
 
 
 @pytest.mark.parametrize("tp", [2, 4])
-def test_on_gloo_the_regather_rides_on_the_output_gradients_all_gather(tp, monkeypatch):
+def test_on_gloo_the_regather_rides_with_the_input_gradients_reduce_scatter(tp, monkeypatch):
     monkeypatch.setattr(RankGroup, "backend", property(lambda self: "gloo" if self.group is not None else None))
     one, two = _calls(1, tp), _calls(2, tp)
     per_layer = {phase: two[phase] - one[phase] for phase in ("forward", "backward")}
     # gloo: row gathers are all-to-alls of n copies, reduce-scatters all-to-alls plus a sum
     assert per_layer["forward"] == {"all_to_all_single": 4}, per_layer
     assert per_layer["backward"] == {"all_to_all_single": 4}, per_layer
-    # each layer's two gathers carry the output gradient and the region's input (hidden wide each):
-    # twice what the embedding's gradient gather or a reduce-scatter receives
+    # each region's one all-to-all carries its input gradient and its input (hidden wide each):
+    # twice what an output gradient's all-gather receives
     rows = (tp - 1) * (TOKENS // tp) * 128 * 4
     per_layer_bytes = two["backward_bytes"] - one["backward_bytes"]
     assert per_layer_bytes == {2 * rows: 2, rows: 2}, per_layer_bytes
 
 
-def test_the_shared_input_copy_is_let_go_after_its_last_reader_even_without_a_closing_layer():
-    """A recomputation under selective checkpointing reruns q / k / v but not wo: the memo learns at
-    the first close how many layers read a region and lets the copy go after the last of them."""
-    from lightning_hotspa.parallel.tensor_parallel import _SharedInputCopy
+def test_a_region_computes_its_readers_once_per_input_and_holds_nothing_after_the_last():
+    """The declared region (parallel/regions.py): the first reader computes every reader's output
+    from one gather, the others take theirs; nothing is kept once all have read (a recomputation
+    under selective checkpointing reruns the same readers), and another input computes anew."""
+    from torch import nn
+
+    from lightning_hotspa.parallel.regions import ColumnRegion
 
     group = RankGroup(dims=(0,), ranks=(0,), index=0, group=None)
-    memo = _SharedInputCopy(sequence_parallel=True)
-    q, k, v = object(), object(), object()
-    x = torch.randn(4, 8)
-    first, regather = memo(x, group, q)
-    assert memo(x, group, k) == (first, regather) and memo(x, group, v) == (first, regather)
-    assert memo._copy is not None  # the first time, held until the region closes
-    assert memo.close_region() is regather and memo._copy is None
-    y = torch.randn(4, 8)  # the recomputation: three readers, no close
-    for reader in (q, k, v):
-        memo(y, group, reader)
-    assert memo._copy is None and memo._source is None
+    readers = {name: nn.Linear(8, 4) for name in ("wq", "wk", "wv")}
+    region = ColumnRegion("attention", readers, sequence_parallel=False)
+    x = torch.randn(5, 8, requires_grad=True)
+    outs = [region.output(name, x, group) for name in readers]
+    assert outs[0].grad_fn is outs[1].grad_fn is outs[2].grad_fn  # one autograd node for the region
+    assert region._input is None and region._pending == {}
+    for out, m in zip(outs, readers.values(), strict=True):
+        torch.testing.assert_close(out, m(x))
+    again = region.output("wk", x, group)  # out of order, on the same input: computed anew
+    assert again.grad_fn is not outs[1].grad_fn and set(region._pending) == {"wq", "wv"}
+    sum(o.sum() for o in outs).backward()
+    expected = sum(m.weight.sum(0) for m in readers.values())
+    torch.testing.assert_close(x.grad, expected.expand(5, 8))
+
+
+def test_the_plan_declares_llamas_regions_and_a_typo_is_refused():
+    from lightning_hotspa.layout import LayoutError
+    from lightning_hotspa.models import Llama, llama_tp_plan, param_roles
+    from lightning_hotspa.parallel.state import ParallelState
+    from lightning_hotspa.parallel.tensor_parallel import declared_regions, install_tensor_parallel
+
+    config = LlamaConfig.preset("tiny", n_layers=1)
+    with torch.device("meta"):
+        model = Llama(config)
+    assert declared_regions(model) == {"layers.*.attention": ("wq", "wk", "wv"),
+                                       "layers.*.feed_forward": ("w1", "w3")}
+    roles = param_roles(model, llama_tp_plan(config, 2))
+    with pytest.raises(LayoutError, match="'layers.\\*.atention' .* matches no module"):
+        install_tensor_parallel(model, roles, ParallelState(), regions={"layers.*.atention": ("wq",)})
+    with pytest.raises(LayoutError, match="layers.0.attention.wo is not a plain column-parallel"):
+        install_tensor_parallel(model, roles, ParallelState(), regions={"layers.*.attention": ("wq", "wo")})
+
+
+def test_the_sequence_parallel_flag_of_the_plan():
+    from lightning_hotspa.models import llama_tp_plan
+
+    config = LlamaConfig.preset("tiny")
+    assert llama_tp_plan(config, 2)["layers.*.ffn_norm"] == "sequence"
+    assert "sequence" not in llama_tp_plan(config, 2, sequence_parallel=False).values()

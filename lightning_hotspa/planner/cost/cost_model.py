@@ -274,7 +274,7 @@ class AnalyticCostModel(MemoryModel):
             bw, lat = hw.bandwidth(par.tp), hw.latency(par.tp)
             exposed = self._exposed(self.runtime.tp_comm_overlap)
             b += exposed * calls * 2.0 * (par.tp - 1) / par.tp * m.hidden * self.param_bytes / par.cp / bw
-            # on a CPU (gloo) group the re-gathers ride on the gradients' all-gathers: no launch of their own
+            # on a CPU (gloo) group the re-gathers ride in the input gradients' reduce-scatters: no launch of their own
             d += (calls - (regather * layers if hw.device_type == "cpu" else 0.0)) * lat
         # ---- context parallelism (Ulysses part, then all-gather-KV part) ----
         u, g = par.cp_ulysses, par.cp_kv

@@ -95,7 +95,7 @@ HOTSPA = RuntimeProfile(
     "and Ulysses / KV-gather exchanges run synchronously between the GEMMs. models/attention.py: 'auto' on "
     "CUDA bf16 takes flash-attn's varlen kernel (FlashAttention-2). parallel/sequence_parallel.py: tp is "
     "sequence parallel; q/k/v and w1/w3 keep their input's token shard and all-gather it again in backward, "
-    "on gloo in the same collective as the region's output gradient. "
+    "on gloo in the same collective as the region's input-gradient reduce-scatter (parallel/regions.py). "
     "No selective checkpointing. Optimizer: torch Adam on the fp32 home shard (reads gradient, weight, m, v; "
     "writes weight, m, v: 28 B per parameter; not in the planner's prices: the same for every plan).",
     tp_regather=True,

@@ -1,0 +1,127 @@
+"""Megatron's column-parallel regions, declared by the plan: the layers reading one input share one
+``f`` (plain tp: identity forward, one all-reduce of the summed input gradient backward) or, under
+sequence parallelism, one all-gather of the tokens forward.
+
+A region (e.g. ``layers.3.attention`` with readers ``wq``, ``wk``, ``wv``; ``feed_forward`` with
+``w1``, ``w3``) is declared in the model's tp plan (``tp_regions``, lightning_hotspa/models/tp_plan.py)
+and is ONE autograd node (:class:`_ColumnRegion`): the first reader called with an input computes
+every reader's output from it; the others take theirs. Its backward owns the region's collectives:
+
+- under sequence parallelism it saves only this rank's token SHARD (1/tp of the gathered rows) and
+  re-gathers the input for the weight gradients in the same step as it reduce-scatters the summed
+  input gradient (``reduce_scatter_and_gather_rows``: one all-to-all on gloo, the two native
+  collectives elsewhere), after the attention kernel's backward, so the gathered rows never live
+  through it (docs/DESIGN.md §11: the peak of all-gather-KV and fsdp layouts);
+- under plain tp it all-reduces the summed input gradient once (Megatron's fused QKV).
+
+No state is shared with other autograd nodes: the row-parallel layer that closes the region
+reduce-scatters (or all-reduces) its own output and all-gathers its own gradient.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..mesh import RankGroup
+from .collectives import all_reduce_sum, reduce_scatter_and_gather_rows
+from .sequence_parallel import _gather, _scatter, check_token_split
+
+__all__ = ["ColumnRegion"]
+
+
+def _rows(t: Tensor) -> Tensor:
+    """``[..., T, F]`` -> ``[T, ..., F]`` (tokens first, as the row collectives want)."""
+    return t.movedim(-2, 0).contiguous()
+
+
+class _ColumnRegion(torch.autograd.Function):
+    """``F.linear(f(x), w_i, b_i)`` for every reader i; ``f``: the tp copy or the token all-gather."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, group: RankGroup, sequence_parallel: bool, *params: Tensor | None
+                ) -> tuple[Tensor, ...]:
+        ctx.set_materialize_grads(False)
+        full = _gather(x, group) if sequence_parallel else x
+        weights, biases = params[0::2], params[1::2]
+        outs = tuple(F.linear(full, w, b) for w, b in zip(weights, biases, strict=True))
+        ctx.save_for_backward(x, *weights)  # under sequence parallelism x is the shard, not the gathered rows
+        ctx.group, ctx.sequence_parallel = group, sequence_parallel
+        ctx.has_bias = tuple(b is not None for b in biases)
+        return outs
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
+        x, *weights = ctx.saved_tensors
+        group, sp = ctx.group, ctx.sequence_parallel
+        need_input = ctx.needs_input_grad[0]
+        need_weight = any(ctx.needs_input_grad[3 + 2 * i] or ctx.needs_input_grad[4 + 2 * i]
+                          for i in range(len(weights)))
+        grad_full = None
+        if need_input:
+            for g, w in zip(grads, weights, strict=True):
+                if g is not None:
+                    grad_full = g.matmul(w) if grad_full is None else grad_full.add_(g.matmul(w))
+        grad_x, full = None, x
+        if sp:
+            if grad_full is not None and need_weight:
+                check_token_split(grad_full.shape[-2], group)
+                summed, gathered = reduce_scatter_and_gather_rows(_rows(grad_full), _rows(x), group)
+                grad_x, full = summed.movedim(0, -2), gathered.movedim(0, -2)
+            elif grad_full is not None:
+                grad_x = _scatter(grad_full, group)
+            elif need_weight:
+                full = _gather(x, group)
+        elif grad_full is not None:
+            grad_x = all_reduce_sum(grad_full, group) if group.size > 1 else grad_full
+        del grad_full
+        out: list[Tensor | None] = [grad_x, None, None]
+        full_rows = full.reshape(-1, full.shape[-1]) if need_weight else None
+        for i, g in enumerate(grads):
+            rows = g.reshape(-1, g.shape[-1]) if g is not None else None
+            grad_w = rows.t().mm(full_rows) if rows is not None and ctx.needs_input_grad[3 + 2 * i] else None
+            grad_b = rows.sum(0) if rows is not None and ctx.has_bias[i] and ctx.needs_input_grad[4 + 2 * i] \
+                else None
+            out += [grad_w, grad_b]
+        return tuple(out)
+
+
+class ColumnRegion:
+    """One region instance (say ``layers.0.attention``): its readers' outputs from one input.
+
+    Holds the input and the outputs not yet taken by their readers (strong references, dropped
+    when the last reader takes its output or the next input arrives); a reader called again on the
+    same input, or on another one, computes the region anew.
+
+    Args:
+        name: the owner module's name (errors).
+        readers: the reader modules by name, in declared order (plain ``nn.Linear``).
+        sequence_parallel: gather tokens (True) or copy (False) on the way in.
+    """
+
+    def __init__(self, name: str, readers: dict[str, nn.Linear], sequence_parallel: bool) -> None:
+        self.name = name
+        self.readers = readers
+        self.sequence_parallel = sequence_parallel
+        self._input: Tensor | None = None
+        self._pending: dict[str, Tensor] = {}
+
+    def output(self, reader: str, x: Tensor, group: RankGroup) -> Tensor:
+        """The output of the reader ``reader`` on ``x`` over the tp ``group``."""
+        if x is self._input and reader in self._pending:
+            out = self._pending.pop(reader)
+        else:
+            params: list[Tensor | None] = []
+            for m in self.readers.values():
+                params += [m.weight, m.bias]
+            sp = self.sequence_parallel and group.size > 1
+            outs: Sequence[Tensor] = _ColumnRegion.apply(x, group, sp, *params)
+            self._input, self._pending = x, dict(zip(self.readers, outs, strict=True))
+            out = self._pending.pop(reader)
+        if not self._pending:
+            self._input = None
+        return out
