@@ -12,10 +12,16 @@ One typed value travels from the planner through the plan, the runtime and the r
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from enum import Enum
 from typing import Any
 
-__all__ = ["Checkpointing"]
+from .layout import Layout
+
+__all__ = ["CHECKPOINTING_SPEC_HELP", "Checkpointing", "parse_checkpointing_spec"]
+
+#: what an ``activation_checkpointing`` argument may be (every error message says it the same way)
+CHECKPOINTING_SPEC_HELP = "'none', 'selective', 'full', 'auto', a bool or a list of layouts"
 
 
 class Checkpointing(str, Enum):
@@ -80,3 +86,25 @@ class Checkpointing(str, Enum):
 
 _ORDER = (Checkpointing.NONE, Checkpointing.SELECTIVE, Checkpointing.FULL)
 _SUFFIX = {Checkpointing.NONE: "", Checkpointing.SELECTIVE: "+sac", Checkpointing.FULL: "+ac"}
+
+
+def parse_checkpointing_spec(spec: Any) -> str | Checkpointing | tuple[Layout, ...]:
+    """An ``activation_checkpointing`` argument (the strategy's, the planners'), parsed: the ONE grammar.
+
+    Args:
+        spec: ``"auto"`` (comes back as is); a mode for every layout (``"none"``, ``"selective"``,
+            ``"full"``, a :class:`Checkpointing`, or True / False: full / none; comes back as a
+            :class:`Checkpointing`); or a list of layouts (names, mappings or Layouts) that
+            checkpoint fully (comes back as a tuple of :class:`Layout`). Anything else raises a
+            ValueError naming the value.
+    """
+    if isinstance(spec, str) and spec == "auto":
+        return spec
+    if isinstance(spec, (bool, str, Checkpointing)):
+        try:
+            return Checkpointing.parse(spec)
+        except ValueError:
+            raise ValueError(f"activation_checkpointing must be {CHECKPOINTING_SPEC_HELP}, got {spec!r}") from None
+    if isinstance(spec, Mapping) or not isinstance(spec, Iterable):
+        raise ValueError(f"activation_checkpointing must be {CHECKPOINTING_SPEC_HELP}, got {spec!r}")
+    return tuple(Layout.parse(x) for x in spec)

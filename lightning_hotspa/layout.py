@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from .checks import check_int
+from .checks import check_int, is_int
 
 __all__ = ["Layout", "LayoutError", "MeshShape", "parse_layouts", "require_member"]
 
@@ -89,7 +89,7 @@ class Layout:
     def _check_fsdp_shard(self) -> None:
         """Normalizes ``fsdp_shard`` 0 to ``dp * cp`` and rejects a shard count that does not divide it."""
         shard, group = self.fsdp_shard, self.dp * self.cp
-        if isinstance(shard, bool) or not isinstance(shard, int):
+        if not is_int(shard):
             raise LayoutError(f"Layout.fsdp_shard must be an int, got {shard!r}")
         if not self.fsdp:
             if shard:

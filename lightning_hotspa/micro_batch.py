@@ -13,6 +13,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from .checks import check_int
 from .host_facts import remember
 
 __all__ = ["IGNORE_INDEX", "PlanError", "MicroBatch", "pack_micro_batch", "idle_micro_batch"]
@@ -188,8 +189,7 @@ def pack_micro_batch(
         raise PlanError("cannot pack a micro-batch from zero documents")
     if cp_size < 1 or not 0 <= cp_rank < cp_size:
         raise PlanError(f"cp_rank={cp_rank} is not within cp_size={cp_size}")
-    if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
-        raise PlanError(f"tp_size must be a positive int, got {tp_size!r}")
+    check_int(tp_size, "tp_size", error=PlanError)
     inputs, labels, positions, local_lengths, full_lengths = [], [], [], [], []
     chunks = 2 * cp_size if cp_size > 1 else 1
     for i, doc in enumerate(docs):

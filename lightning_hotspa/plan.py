@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .checkpointing import Checkpointing
+from .checks import is_int
 from .layout import Layout, LayoutError, MeshShape
 from .micro_batch import (
     IGNORE_INDEX,
@@ -66,7 +67,7 @@ class Block:
             raise PlanError(f"Block.layout must be a Layout, got {self.layout!r}")
         groups = self.dp_groups
         if not groups or len(set(groups)) != len(groups) or any(
-                isinstance(g, bool) or not isinstance(g, int) or not 0 <= g < self.layout.dp for g in groups):
+                not is_int(g) or not 0 <= g < self.layout.dp for g in groups):
             raise PlanError(f"block in layout {self.layout} has dp_groups {groups!r}; they must be distinct "
                             f"ints in [0, {self.layout.dp}), at least one")
         if len(self.micro_batches) != len(groups):

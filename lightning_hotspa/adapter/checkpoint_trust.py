@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from ..checks import read_json_object
+from ..checks import is_int, read_json_object
 
 __all__ = ["COMMIT_FILE", "META_FILE", "DCP_METADATA", "KIND_SHARED", "KIND_NODE_LOCAL", "FORMAT", "VERSION",
            "CheckpointError", "LegacyCheckpointError", "sha256_file", "file_entries", "encode_meta", "write_fsync",
@@ -222,7 +222,7 @@ def read_marker(folder: Path) -> dict[str, Any]:
             raise CheckpointError(f"{str(file)!r}: files[{name!r}] must be {{\"bytes\": int, \"sha256\": str}}, "
                                   f"got {entry!r:.200}")
     step = marker.get("global_step")
-    if step is not None and (isinstance(step, bool) or not isinstance(step, int)):
+    if step is not None and not is_int(step):
         raise CheckpointError(f"{str(file)!r}: field 'global_step' must be an integer, got {step!r}")
     return marker
 

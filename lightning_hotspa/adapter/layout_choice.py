@@ -8,13 +8,13 @@ unless chosen).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
-from ..checkpointing import Checkpointing
+from ..checkpointing import Checkpointing, parse_checkpointing_spec
 from ..layout import Layout, LayoutError, parse_layouts
 from .module_layouts import supported_layouts
 
@@ -71,25 +71,15 @@ def choose_default_layout(spec: Layout | None, layouts: Sequence[Layout]) -> Lay
 
 
 def check_checkpointing_spec(spec: Any) -> Any:
-    """The strategy's ``activation_checkpointing`` argument, parsed once.
+    """The strategy's ``activation_checkpointing`` argument, parsed once
+    (:func:`~lightning_hotspa.checkpointing.parse_checkpointing_spec`, the one grammar).
 
     Args:
         spec: ``"none"``, ``"selective"``, ``"full"`` (or True / False: full / none) for every layout,
             ``"auto"``, or a list of layouts (names, mappings or Layouts) that checkpoint fully;
             a mode comes back as a :class:`Checkpointing`, a list as a tuple of :class:`Layout`.
     """
-    if isinstance(spec, str) and spec == "auto":
-        return spec
-    if isinstance(spec, (bool, str)):
-        try:
-            return Checkpointing.parse(spec)
-        except ValueError:
-            raise ValueError(f"activation_checkpointing must be 'none', 'selective', 'full', 'auto', a bool "
-                             f"or a list of layouts, got {spec!r}") from None
-    if isinstance(spec, Mapping) or not isinstance(spec, Iterable):
-        raise ValueError(f"activation_checkpointing must be 'none', 'selective', 'full', 'auto', a bool "
-                         f"or a list of layouts, got {spec!r}")
-    return tuple(Layout.parse(x) for x in spec)
+    return parse_checkpointing_spec(spec)
 
 
 def checkpointing_for(spec: Any, layout: Layout) -> Checkpointing:

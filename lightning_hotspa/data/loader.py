@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, Sampler
 
+from ..checks import is_int
 from ..plan import RankPlan
 from .errors import DataError
 from .minibatches import MiniBatchSampler
@@ -184,6 +185,6 @@ def _load_position(cursor: _Cursor, state: Mapping[str, Any], mine: Mapping[str,
     if diff:
         raise DataError(f"saved data position does not match this data/config: (saved, current) = {diff}")
     epoch, step = state.get("epoch"), state.get("step")
-    if any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in (epoch, step)):
+    if any(not is_int(v) or v < 0 for v in (epoch, step)):
         raise DataError(f"saved data position needs non-negative int epoch and step, got {epoch!r}, {step!r}")
     cursor.epoch, cursor.step = epoch, step

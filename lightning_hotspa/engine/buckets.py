@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..checks import check_int
+
 __all__ = ["BucketSizes", "bucket_defaults"]
 
 MB = 2**20
@@ -42,8 +44,7 @@ class BucketSizes:
             raise ValueError(f"bucket_mb must be a positive number of MiB, got {self.bucket_mb!r}")
         for name in ("switch_in_flight", "reduce_in_flight"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+            check_int(value, name)
 
     def engine_kwargs(self) -> dict:
         """The :class:`~.switch.SwitchEngine` keyword arguments these sizes stand for."""

@@ -40,6 +40,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from ..checks import check_int
 from ..layout import Layout, LayoutError, require_member
 from ..mesh import WorldMesh
 from ..placements import ParamSharding
@@ -115,10 +116,7 @@ class SwitchEngine(GradientReduction):
         self.home = dict(home)
         self.working_dtype = working_dtype
         self.bucket_bytes = bucket_bytes
-        if isinstance(switch_buckets_in_flight, bool) or not isinstance(switch_buckets_in_flight, int) \
-                or switch_buckets_in_flight < 1:
-            raise ValueError(f"switch_buckets_in_flight must be an int >= 1, got {switch_buckets_in_flight!r}")
-        self.switch_buckets_in_flight = switch_buckets_in_flight
+        self.switch_buckets_in_flight = check_int(switch_buckets_in_flight, "switch_buckets_in_flight")
         self.active: Layout | None = None
         self.working: dict[str, torch.Tensor] = {}
         self._move_plans: dict[tuple[Layout | None, Layout], _MovePlan] = {}

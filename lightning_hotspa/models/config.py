@@ -61,8 +61,8 @@ class LlamaConfig:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"LlamaConfig.{name} must be a bool, got {getattr(self, name)!r}")
         window = self.sliding_window
-        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
-            raise ValueError(f"LlamaConfig.sliding_window must be None or a positive int, got {window!r}")
+        if window is not None:
+            check_int(window, "LlamaConfig.sliding_window", hint=" or None")
         for name in ("vocab_size", "hidden", "n_layers", "n_heads", "n_kv_heads",
                      "ffn_hidden", "max_seq_len", "vocab_multiple"):
             check_int(getattr(self, name), f"LlamaConfig.{name}")

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..checks import check_int
 from ..parallel.collectives import all_gather_rows
 from ..plan import IGNORE_INDEX
 from .vocab import check_token_ids
@@ -103,8 +104,7 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, *, grou
                          f"{tuple(labels.shape)} [tokens]")
     if weight.dim() != 2 or weight.shape[1] != hidden.shape[1]:
         raise ValueError(f"head weight {tuple(weight.shape)} does not match hidden {tuple(hidden.shape)}")
-    if isinstance(vocab_block, bool) or not isinstance(vocab_block, int) or vocab_block < 1:
-        raise ValueError(f"vocab_block must be a positive int, got {vocab_block!r}")
+    check_int(vocab_block, "vocab_block")
     shards = 1 if group is None else group.size
     check_token_ids(labels, weight.shape[0] * shards, "labels", ignore_index=IGNORE_INDEX)
     return _LinearCrossEntropy.apply(hidden, weight, labels, vocab_block, group)

@@ -38,6 +38,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from ..checkpointing import Checkpointing, parse_checkpointing_spec
 from ..checks import check_int
 from ..layout import Layout, LayoutError, MeshShape, parse_layouts
 from ..plan import PlanError, Stage, StepPlan
@@ -91,7 +92,7 @@ class ThresholdPlanner(PlannerBase):
         fixed_layout: LayoutSpec | None = None,
         prefer: Literal["cp", "tp"] = "cp",
         cost_fn: DocCost | None = None,
-        activation_checkpointing: Collection[LayoutSpec] = (),
+        activation_checkpointing: Collection[LayoutSpec] | bool | str = (),
         backfill: bool = True,
     ) -> None:
         name = type(self).__name__
@@ -104,8 +105,7 @@ class ThresholdPlanner(PlannerBase):
             raise PlanError(f"{name}: prefer must be 'cp' or 'tp', got {prefer!r}")
         self.prefer = prefer
         self.cost_fn: DocCost = cost_fn if cost_fn is not None else QuadraticCost()
-        self.activation_checkpointing = frozenset(self._member(s, "activation_checkpointing")
-                                                  for s in activation_checkpointing)
+        self.activation_checkpointing = self._full_checkpointing(activation_checkpointing)
         self.fixed_layout = None if fixed_layout is None else self._member(fixed_layout, "fixed_layout")
         if self.fixed_layout is not None and buckets is not None:
             raise PlanError(f"{name}: give either fixed_layout or buckets, not both")
@@ -129,6 +129,22 @@ class ThresholdPlanner(PlannerBase):
         }
 
     # -- configuration ---------------------------------------------------------------------
+    def _full_checkpointing(self, spec: Any) -> frozenset[Layout]:
+        """The layouts that checkpoint fully under ``activation_checkpointing=spec`` (the one grammar,
+        :func:`~lightning_hotspa.checkpointing.parse_checkpointing_spec`; this planner has no
+        selective stages and does not decide: 'full' / True is every layout, 'none' / False none)."""
+        try:
+            parsed = parse_checkpointing_spec(spec)
+        except ValueError as exc:
+            raise PlanError(f"{type(self).__name__}: {exc}") from None
+        if isinstance(parsed, tuple):
+            return frozenset(self._member(x, "activation_checkpointing") for x in parsed)
+        if parsed in (Checkpointing.FULL, Checkpointing.NONE):
+            return frozenset(self.layouts) if parsed else frozenset()
+        raise PlanError(f"{type(self).__name__}: activation_checkpointing={spec!r} is not built here (it "
+                        f"checkpoints whole layouts: 'full', 'none' or a list of layouts); the "
+                        f"CostModelPlanner decides 'auto' and prices 'selective'")
+
     def _member(self, spec: LayoutSpec, what: str) -> Layout:
         lay = Layout.parse(spec)
         if lay not in self.layouts:

@@ -119,7 +119,7 @@ def test_bucket_defaults_by_backend_and_overrides():
     assert bucket_defaults("nccl", bucket_mb=8).engine_kwargs()["bucket_bytes"] == 8 * 2**20
     with pytest.raises(ValueError, match="bucket_mb must be a positive number of MiB, got -1"):
         bucket_defaults("nccl", bucket_mb=-1)
-    with pytest.raises(ValueError, match="switch_in_flight must be an int >= 1, got 0"):
+    with pytest.raises(ValueError, match="switch_in_flight must be a positive int, got 0"):
         bucket_defaults("gloo", switch_in_flight=0)
 
 

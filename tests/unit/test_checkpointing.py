@@ -70,3 +70,28 @@ def test_strategy_reads_the_three_modes_and_keeps_bools() -> None:
     assert listed.activation_checkpointing_for(tp) is Checkpointing.FULL
     with pytest.raises(ValueError, match="'none', 'selective', 'full', 'auto'.*got 'sometimes'"):
         HotSPaStrategy(activation_checkpointing="sometimes")
+
+
+def test_one_grammar_parses_activation_checkpointing_for_the_strategy_and_both_planners():
+    from lightning_hotspa.adapter.layout_choice import check_checkpointing_spec
+    from lightning_hotspa.checkpointing import parse_checkpointing_spec
+    from lightning_hotspa.planner.rule import ThresholdPlanner
+
+    assert parse_checkpointing_spec("auto") == "auto"
+    assert parse_checkpointing_spec(True) is Checkpointing.FULL
+    assert parse_checkpointing_spec(["dp2xtp2"]) == (Layout.parse("dp2xtp2"),)
+    expected = "activation_checkpointing must be 'none', 'selective', 'full', 'auto', a bool or a list of layouts, " \
+               "got 'sometimes'"
+    for parse in (check_checkpointing_spec, parse_checkpointing_spec):
+        with pytest.raises(ValueError, match=expected):
+            parse("sometimes")
+    with pytest.raises(PlanError, match=expected):
+        CostModelPlanner(["dp4"], model="tiny", world_size=4, activation_checkpointing="sometimes")
+    with pytest.raises(PlanError, match=expected):
+        ThresholdPlanner(["dp4"], 64, activation_checkpointing="sometimes")
+    layouts = ["dp4", "dp2xtp2"]
+    assert ThresholdPlanner(layouts, 64, activation_checkpointing="full").activation_checkpointing == {
+        Layout.parse(x) for x in layouts}
+    assert ThresholdPlanner(layouts, 64, activation_checkpointing=False).activation_checkpointing == frozenset()
+    with pytest.raises(PlanError, match="'selective' is not built here"):
+        ThresholdPlanner(layouts, 64, activation_checkpointing="selective")

@@ -45,7 +45,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from ...checkpointing import Checkpointing
+from ...checkpointing import Checkpointing, parse_checkpointing_spec
 from ...checks import check_int
 from ...layout import Layout, LayoutError, MeshShape, parse_layouts
 from ...models.config import LlamaConfig
@@ -172,20 +172,19 @@ class CostModelPlanner(PlannerBase):
     # ------------------------------------------------------------------ configuration
     def _ac_mode(self, lay: Layout, spec: CheckpointingSpec) -> tuple[Checkpointing, ...]:
         """The checkpointing options ``lay`` is priced with under ``spec``."""
-        if isinstance(spec, str) and spec == "auto":
+        try:
+            parsed = parse_checkpointing_spec(spec)
+        except ValueError as exc:
+            raise PlanError(str(exc)) from None
+        if not isinstance(parsed, (Checkpointing, tuple)):  # "auto"
             return _MODES[::2] if lay.fsdp else _MODES  # selective is not built for sharded copies
-        if isinstance(spec, (bool, str)):
-            try:
-                mode = Checkpointing.parse(spec)
-            except ValueError:
-                raise PlanError(f"activation_checkpointing must be 'auto', 'none', 'selective', 'full', a bool "
-                                f"or layouts, got {spec!r}") from None
+        if isinstance(parsed, Checkpointing):
+            mode = parsed
             if mode is Checkpointing.SELECTIVE and lay.fsdp:
                 raise PlanError(f"activation_checkpointing='selective' is not built for the sharded layout {lay}; "
                                 f"use 'auto' (none or full there), 'full' or 'none'")
             return (mode,)
-        forced = {Layout.parse(x) for x in spec}
-        return (Checkpointing.FULL if lay in forced else Checkpointing.NONE,)
+        return (Checkpointing.FULL if lay in parsed else Checkpointing.NONE,)
 
     def _capacity_override(self, lay: Layout, ac: Checkpointing) -> int | None:
         if self.tokens_per_rank is None:
