@@ -61,7 +61,12 @@ def _order(group: RankGroup, kind: str, device: torch.device) -> Tensor:
 
 
 def all_reduce_sum(x: Tensor, group: RankGroup) -> Tensor:
-    """Sum over the group into a fresh contiguous tensor (inputs may be saved or shared)."""
+    """Sum over the group into a fresh contiguous tensor (inputs may be saved or shared; no autograd).
+
+    Args:
+        x: this rank's addend.
+        group: the group.
+    """
     out = x.clone(memory_format=torch.contiguous_format)
     with collective("an all-reduce", group):
         dist.all_reduce(out, group=group.group)
@@ -254,7 +259,13 @@ def reduce_scatter_rows(x: Tensor, group: RankGroup) -> Tensor:
 def reduce_scatter_and_gather_rows(x: Tensor, shard: Tensor, group: RankGroup) -> tuple[Tensor, Tensor]:
     """:func:`reduce_scatter_rows` of ``x`` and :func:`all_gather_rows` of ``shard`` together (a
     sequence-parallel region's backward: its input gradient and its input again), one collective
-    where the group's backend allows it (``group.comm``)."""
+    where the group's backend allows it (``group.comm``).
+
+    Args:
+        x: ``[n*T, ...]``, block s for shard s (the gradient to sum).
+        shard: ``[T, ...]``, this rank's rows to gather.
+        group: the group.
+    """
     flat = shard.contiguous()
     summed, gathered = group.comm.reduce_scatter_and_all_gather(_blocks_by_slot(x, group), flat)
     return summed, _to_shard_order(gathered, group, flat.shape[0])

@@ -29,7 +29,7 @@ from torch import Tensor, nn
 
 from ..mesh import RankGroup
 from .collectives import all_reduce_sum, reduce_scatter_and_gather_rows
-from .sequence_parallel import _gather, _scatter, check_token_split
+from .sequence_parallel import all_gather_tokens, check_token_split, reduce_scatter_tokens
 
 __all__ = ["ColumnRegion"]
 
@@ -46,7 +46,7 @@ class _ColumnRegion(torch.autograd.Function):
     def forward(ctx: Any, x: Tensor, group: RankGroup, sequence_parallel: bool, *params: Tensor | None
                 ) -> tuple[Tensor, ...]:
         ctx.set_materialize_grads(False)
-        full = _gather(x, group) if sequence_parallel else x
+        full = all_gather_tokens(x, group) if sequence_parallel else x
         weights, biases = params[0::2], params[1::2]
         outs = tuple(F.linear(full, w, b) for w, b in zip(weights, biases, strict=True))
         ctx.save_for_backward(x, *weights)  # under sequence parallelism x is the shard, not the gathered rows
@@ -73,9 +73,9 @@ class _ColumnRegion(torch.autograd.Function):
                 summed, gathered = reduce_scatter_and_gather_rows(_rows(grad_full), _rows(x), group)
                 grad_x, full = summed.movedim(0, -2), gathered.movedim(0, -2)
             elif grad_full is not None:
-                grad_x = _scatter(grad_full, group)
+                grad_x = reduce_scatter_tokens(grad_full, group)
             elif need_weight:
-                full = _gather(x, group)
+                full = all_gather_tokens(x, group)
         elif grad_full is not None:
             grad_x = all_reduce_sum(grad_full, group) if group.size > 1 else grad_full
         del grad_full

@@ -18,25 +18,35 @@ from ..layout import LayoutError
 from ..mesh import RankGroup
 from .collectives import all_gather_rows, collective_pair, reduce_scatter_rows
 
-__all__ = ["check_token_split", "gather_tokens", "scatter_tokens"]
+__all__ = ["all_gather_tokens", "check_token_split", "gather_tokens", "reduce_scatter_tokens", "scatter_tokens"]
 
 
-def _gather(x: Tensor, group: RankGroup) -> Tensor:
-    """All-gather along the token dim (-2) in shard order."""
+def all_gather_tokens(x: Tensor, group: RankGroup) -> Tensor:
+    """All-gather along the token dim (-2) in shard order (no autograd: :func:`gather_tokens` has it).
+
+    Args:
+        x: this rank's tokens ``[..., T/tp, H]``.
+        group: the tp group.
+    """
     rows = x.movedim(-2, 0)
     return all_gather_rows(rows, group).movedim(0, -2)
 
 
-def _scatter(x: Tensor, group: RankGroup) -> Tensor:
-    """Sum over the group, keeping this rank's block of tokens (dim -2)."""
+def reduce_scatter_tokens(x: Tensor, group: RankGroup) -> Tensor:
+    """Sum over the group, keeping this rank's block of tokens (dim -2; no autograd).
+
+    Args:
+        x: partial sums ``[..., T, H]``.
+        group: the tp group.
+    """
     check_token_split(x.shape[-2], group)
     rows = x.movedim(-2, 0).contiguous()
     return reduce_scatter_rows(rows, group).movedim(0, -2)
 
 
-_GatherTokens = collective_pair("_GatherTokens", _gather, _scatter,
+_GatherTokens = collective_pair("_GatherTokens", all_gather_tokens, reduce_scatter_tokens,
                                 "All-gather forward, reduce-scatter backward (input of column-parallel ops).")
-_ScatterTokens = collective_pair("_ScatterTokens", _scatter, _gather,
+_ScatterTokens = collective_pair("_ScatterTokens", reduce_scatter_tokens, all_gather_tokens,
                                  "Reduce-scatter forward, all-gather backward (output of a row-parallel op).")
 
 
@@ -51,7 +61,12 @@ def gather_tokens(x: Tensor, group: RankGroup) -> Tensor:
 
 
 def check_token_split(tokens: int, group: RankGroup) -> None:
-    """Raises a :class:`LayoutError` unless ``tokens`` split evenly over the tp ``group``."""
+    """Raises a :class:`LayoutError` unless ``tokens`` split evenly over the tp ``group``.
+
+    Args:
+        tokens: the token count on this rank.
+        group: the tp group.
+    """
     if tokens % group.size:
         raise LayoutError(f"sequence parallelism: {tokens} tokens on this rank are not divisible by tp="
                           f"{group.size}; build micro-batches with pack_micro_batch(..., tp_size={group.size}) "
