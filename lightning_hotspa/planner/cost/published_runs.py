@@ -1,11 +1,12 @@
 """Published measured training runs (dense decoders, A100 / H100) the cost model is held against.
 
 Each row is the source's own stated configuration and measured throughput, cited by repository +
-file + commit or paper + table; ``recipes/benchmark_published.py`` prices them. Rows that the cost
-model cannot express (FP8, pipeline parallelism) are kept with ``excluded`` saying why, outside
-the statistics. MPT models (llm-foundry) are priced as FLOP-equivalent Llama shapes: multi-head
-attention, and a SwiGLU width of 8h/3 (three h x 8h/3 matrices = MPT's two h x 4h ones); their
-embedding is tied, as MPT's is.
+file + commit or paper + table; ``recipes/benchmark_published.py`` prices them. FP8 rows are priced
+with their linears at their runtime's ``fp8_gemm_speedup`` (docs/cost-model.md). Rows that the cost
+model cannot express (pipeline parallelism, FP8 of a runtime without a stated rate) are kept with
+``excluded`` saying why, outside the statistics. MPT models (llm-foundry) are priced as
+FLOP-equivalent Llama shapes: multi-head attention, and a SwiGLU width of 8h/3 (three h x 8h/3
+matrices = MPT's two h x 4h ones); their embedding is tied, as MPT's is.
 """
 
 from __future__ import annotations
@@ -207,8 +208,8 @@ PUBLISHED_RUNS: tuple[PublishedRun, ...] = (
     PublishedRun("megatron-22b-tp8", MEGATRON_22B, "megatron-2022", "A100-80G", megatron_gpt_config(6144, 48, 64),
                  8, 1, 8, 1, 1, "none", 2048, 1, 4, "selective", "bf16", 927.6,
                  note="micro-batch 1 x 4 ASSUMED (global batch 4); selective recompute priced as none"),
-    # ---- context parallel (issue 39): FP8 linears priced at the H100's FP8 GEMM rate torchtitan's Table 1
-    # implies (published_pricing.FP8_GEMM_SPEEDUP); cp_kv = cp: ring / all-gather of K and V
+    # ---- context parallel (issue 39): FP8 linears priced at their runtime's fp8_gemm_speedup (torchtitan's
+    # from its Table 1 pair, NeMo / TE's fitted on its own table); cp_kv = cp: ring / all-gather of K and V
     PublishedRun("titan-8b-fsdp8-compile-fp8",
                  TORCHTITAN_2412.format(table="Table 1 row 'FSDP + torch.compile + Float8'", size="8b"),
                  "torchtitan", "H100-GT500W", "llama3-8b", 8, 8, 1, 1, 1, "full", 8192, 2, 1, "selective", "fp8", 8532,
