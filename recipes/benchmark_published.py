@@ -9,7 +9,13 @@ the constants beside the ones the profile holds; then it prices every row with t
 written and prints a table, the excluded rows with their reasons, and ONE JSON line last:
 ``rows`` (id, source, predicted, published, ratio, attention_share, fits_ours, held_out),
 ``geomean_ratio``, ``max_abs_log_ratio``, ``by_attention_share`` (over all bf16 rows),
-``held_out`` (the same over the rows the fit did not see) and ``fit`` (the constants).
+``held_out`` (the same over the rows the fit did not see) and ``fit`` (the constants); the
+context-parallel rows alone (``cp_rows``, ``cp_geomean_ratio``, ``cp_max_abs_log_ratio``, ``cp_kinds``,
+``cp_sources``); the FP8 rates (``fp8``: torchtitan's from its Table 1 pair, NeMo / TE's fitted with the
+H100's cuDNN attention efficiency on every other row of its long-sequence table); ``between_layout_error``
+({mean, p90, max, pairs} over rows of one source, model and GPU in different layouts, and the same over
+held-out rows only) and ``guard_margin_derived`` (docs/cost-model.md's rule applied to the held-out one) beside
+``guard_margin_in_use`` (the planner's DEFAULT_STATIC_MARGIN, read from the code).
 
     python recipes/benchmark_published.py
 """
@@ -21,22 +27,67 @@ import json
 
 from lightning_hotspa.planner.cost.cost_model import AnalyticCostModel
 from lightning_hotspa.planner.cost.hardware import HardwareProfile, get_profile
-from lightning_hotspa.planner.cost.published_fit import fit_profile, price_all
-from lightning_hotspa.planner.cost.published_pricing import summarize
+from lightning_hotspa.planner.cost.published_fit import fit_fp8_and_attention, fit_profile, price_all
+from lightning_hotspa.planner.cost.published_pricing import (
+    at_precision,
+    between_layout_error,
+    derive_fp8_speedup,
+    guard_margin_from,
+    summarize,
+)
 from lightning_hotspa.planner.cost.published_runs import PUBLISHED_RUNS, PublishedRun
+from lightning_hotspa.planner.cost.runtime_profile import get_runtime
+from lightning_hotspa.planner.solve.static_guard import DEFAULT_STATIC_MARGIN
 
 FIT_GPUS = ("A100-80G", "H100")
+#: torchtitan's bf16 / Float8 pair of one configuration (Table 1): its FP8 GEMM rate
+FP8_PAIR = ("titan-8b-fsdp8-compile", "titan-8b-fsdp8-compile-fp8")
 
 
 def model_for(run: PublishedRun, profile: HardwareProfile | str | None = None) -> AnalyticCostModel:
-    """The cost model the planner would build for the run's GPU and world, with its system's runtime."""
-    return AnalyticCostModel(run.model, run.gpu if profile is None else profile, run.world, runtime=run.system)
+    """The cost model the planner would build for the run's GPU and world, with its system's runtime (an FP8
+    row's linears at its runtime's ``fp8_gemm_speedup`` unless ``profile`` already says its FP8 rate)."""
+    prof = get_profile(run.gpu if profile is None else profile)
+    if run.precision == "fp8" and "fp8 linears" not in prof.source:
+        prof = at_precision(prof, get_runtime(run.system), "fp8")
+    return AnalyticCostModel(run.model, prof, run.world, runtime=run.system)
 
 
 def fit_rows(gpu: str) -> list[PublishedRun]:
     """The rows a GPU's constants are fitted on: every other llm-foundry bf16 row on it, in table order."""
     rows = [r for r in PUBLISHED_RUNS if not r.excluded and r.gpu == gpu and r.system == "llm-foundry"]
     return rows[::2]
+
+
+def nemo_fit_rows() -> list[PublishedRun]:
+    """The rows NeMo / TE's FP8 rate and the H100's cuDNN attention efficiency are fitted on: every other
+    row of its long-sequence table, in table order."""
+    return [r for r in PUBLISHED_RUNS if not r.excluded and r.system == "nemo-te"][::2]
+
+
+def fp8_rates() -> tuple[dict, set[str]]:
+    """The FP8 rates as the sources imply them (printed, and the ids of the rows that set them)."""
+    runs = {r.id: r for r in PUBLISHED_RUNS}
+    titan = derive_fp8_speedup(runs[FP8_PAIR[0]], runs[FP8_PAIR[1]], model_for)
+    nemo = fit_fp8_and_attention(nemo_fit_rows(), model_for)
+    h100 = get_profile(nemo.gpu)
+    out = {"torchtitan": {"fp8_gemm_speedup": titan, "pair": list(FP8_PAIR),
+                          "profile_fp8_gemm_speedup": get_runtime("torchtitan").fp8_gemm_speedup},
+           "nemo-te": {"fp8_gemm_speedup": nemo.fp8_gemm_speedup, "attention": nemo.attention, "kernel": nemo.kernel,
+                       "head_dim": nemo.head_dim,
+                       "profile_fp8_gemm_speedup": get_runtime("nemo-te").fp8_gemm_speedup,
+                       "profile_attention": h100.attention_efficiency_for(nemo.kernel, nemo.head_dim),
+                       "fit_rows": [r["id"] for r in nemo.rows]}}
+    print(f"fp8 torchtitan (pair {FP8_PAIR[0]} / {FP8_PAIR[1]}): GEMM rate x {titan:.4f} "
+          f"(profile {out['torchtitan']['profile_fp8_gemm_speedup']})")
+    print(f"fp8 nemo-te + H100 attention[{nemo.kernel}, hd {nemo.head_dim}]: GEMM rate x {nemo.fp8_gemm_speedup:.4f}, "
+          f"attention {nemo.attention:.4f} (profile {out['nemo-te']['profile_fp8_gemm_speedup']}, "
+          f"{out['nemo-te']['profile_attention']})")
+    print(f"  {'row':32s} {'D1_s':>8s} {'A1_s':>8s} {'O_s':>8s} {'meas_s':>8s} {'fit_s':>8s} resid")
+    for r in nemo.rows:
+        print(f"  {r['id']:32s} {r['D1_s']:8.3f} {r['A1_s']:8.3f} {r['O_s']:8.3f} {r['measured_s']:8.3f} "
+              f"{r['fitted_s']:8.3f} {r['residual']:+.3f}")
+    return out, {FP8_PAIR[1]} | {r["id"] for r in nemo.rows}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -60,6 +111,8 @@ def main(argv: list[str] | None = None) -> dict:
         for r in res.rows:
             print(f"  {r['id']:32s} {r['h']:5d} {r['D1_s']:8.3f} {r['A1_s']:8.3f} {r['O_s']:8.3f} "
                   f"{r['measured_s']:8.3f} {r['fitted_s']:8.3f} {r['residual']:+.3f}")
+    fp8, fp8_ids = fp8_rates()
+    fitted_ids |= fp8_ids
     included = [r for r in PUBLISHED_RUNS if not r.excluded]
     priced = price_all(included, model_for)
     print(f"{'id':34s} {'gpu':12s} {'published':>10s} {'predicted':>10s} {'ratio':>6s} {'attn':>5s} fits_ours held_out")
@@ -71,13 +124,31 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"excluded {r.id}: {r.excluded}")
     stats = summarize(priced)
     held = summarize(priced, {p.run.id for p in priced} - fitted_ids)
+    cp = [p for p in priced if p.run.cp > 1]
+    cp_stats = summarize(cp)
+    between = between_layout_error(priced)
+    between_held = between_layout_error([p for p in priced if p.run.id not in fitted_ids])
+    derived = guard_margin_from(between_held)
+    print(f"cp rows: {cp_stats['count']} geomean {cp_stats['geomean_ratio']:.3f} max |log| "
+          f"{cp_stats['max_abs_log_ratio']:.3f}; between-layout error over {between['pairs']} pairs: mean "
+          f"{between['mean']:.3f} p90 {between['p90']:.3f} max {between['max']:.3f}; held out ({between_held['pairs']} "
+          f"pairs) mean {between_held['mean']:.3f} -> guard margin "
+          f"{derived} (in use: {DEFAULT_STATIC_MARGIN})")
     out = {"rows": [{"id": p.run.id, "source": p.run.source, "predicted": round(p.predicted, 1),
+                     "precision": p.run.precision, "cp": p.run.cp,
                      "published": p.run.tokens_per_s_per_gpu, "ratio": round(p.ratio, 4),
                      "attention_share": round(p.attention_share, 3), "fits_ours": p.fits_ours,
                      "held_out": p.run.id not in fitted_ids} for p in priced],
            "excluded": [{"id": r.id, "reason": r.excluded} for r in PUBLISHED_RUNS if r.excluded],
            "geomean_ratio": stats["geomean_ratio"], "max_abs_log_ratio": stats["max_abs_log_ratio"],
-           "by_attention_share": stats["by_attention_share"], "held_out": held, "fit": fits}
+           "by_attention_share": stats["by_attention_share"], "held_out": held, "fit": fits, "fp8": fp8,
+           "cp_rows": cp_stats["count"], "cp_geomean_ratio": cp_stats["geomean_ratio"],
+           "cp_max_abs_log_ratio": cp_stats["max_abs_log_ratio"],
+           "cp_kinds": sorted({"ulysses" if p.run.cp_kv == 1 else "ring/all-gather-KV" if p.run.cp_kv == p.run.cp
+                               else "hybrid" for p in cp}),
+           "cp_sources": sorted({p.run.source.split(" ")[0] for p in cp}),
+           "between_layout_error": between, "between_layout_error_held_out": between_held,
+           "guard_margin_derived": derived, "guard_margin_in_use": DEFAULT_STATIC_MARGIN}
     print(json.dumps(out))
     return out
 

@@ -20,7 +20,10 @@ after every part (``$OUT`` defaults to ./gpu_check_out), so a run cut short stil
 * (e) ``timers``: device events against host clocks of a training step's stages (and, in part (a),
   of the strategy's own stage timers);
 * (f) ``hotpath``: host syncs per steady-state step (``torch.cuda.set_sync_debug_mode("warn")``) and
-  the all-gather-KV chunk kernel against ``torch_varlen`` on one 32K document (gpu_check_hotpath.py).
+  the all-gather-KV chunk kernel against ``torch_varlen`` on one 32K document (gpu_check_hotpath.py);
+* (g) ``cpchunks``: attention forward + backward of the local chunks a cp ladder uses (1K-64K query
+  rows over 8K-512K keys, GQA 32 / 8, head dim 128) against the cost model's price of each
+  (gpu_check_cp.py). Never run on a GPU yet (2026-12-03): only the dry run has run it.
 
 Parts run in the order of ``PARTS``, the backends part (with its flex-attention compile) last.
 
@@ -56,17 +59,18 @@ from lightning_hotspa.models.config import LlamaConfig  # noqa: E402
 from lightning_hotspa.planner.cost.hardware import get_profile  # noqa: E402
 
 # the backends part runs last: its flex-attention compile is the one step that can take minutes
-PARTS = ("matmul", "train", "hotpath", "shards", "timers", "backends")
-PART_SHARES = {"matmul": 0.03, "train": 0.33, "hotpath": 0.08, "backends": 0.30, "shards": 0.17, "timers": 0.09}
+PARTS = ("matmul", "train", "hotpath", "cpchunks", "shards", "timers", "backends")
+PART_SHARES = {"matmul": 0.03, "train": 0.28, "hotpath": 0.07, "cpchunks": 0.12, "backends": 0.26, "shards": 0.16,
+               "timers": 0.08}
 
 REAL = {"preset": "1b", "steps": 20, "tokens_per_batch": 16384, "context_length": 8192, "tokens_per_rank": 8192,
         "lr": 3e-4, "lengths": [2048, 4096, 8192, 16384, 32768], "tokens": 32768, "matmul_n": 8192,
         "layer_tokens": 16384, "layer_length": 4096, "timer_tokens": 8192, "timer_length": 2048,
-        "kv_tokens": 32768, "hardware": "H200", "budget_s": 225.0}
+        "kv_tokens": 32768, "hardware": "H200", "budget_s": 265.0, "cp_chunks": "real"}
 DRY = {"preset": "tiny", "steps": 8, "tokens_per_batch": 1024, "context_length": 256, "tokens_per_rank": 512,
        "lr": 3e-3, "lengths": [64, 128], "tokens": 256, "matmul_n": 256,
        "layer_tokens": 256, "layer_length": 64, "timer_tokens": 256, "timer_length": 64,
-       "kv_tokens": 256, "hardware": "cpu-gloo", "budget_s": 120.0}
+       "kv_tokens": 256, "hardware": "cpu-gloo", "budget_s": 120.0, "cp_chunks": "dry"}
 
 
 class Report:
@@ -190,6 +194,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         from gpu_check_hotpath import hotpath_check
 
         _run_part(report, "hotpath", lambda b: hotpath_check(cfg["kv_tokens"], device, dtype, b), budget("hotpath"))
+    if "cpchunks" in args.parts:
+        from gpu_check_cp import CHUNK_CELLS, DRY_CHUNK_CELLS, cp_chunk_check
+
+        cells, shape = (DRY_CHUNK_CELLS, {"heads": 4, "kv_heads": 2, "dim": 16}) if cfg["cp_chunks"] == "dry" else \
+            (CHUNK_CELLS, {})
+        _run_part(report, "cpchunks", lambda b: cp_chunk_check(cells, device, dtype, cfg["hardware"], b, **shape),
+                  budget("cpchunks"))
     if "shards" in args.parts:
         _run_part(report, "shards", lambda b: _shards(cfg, device, dtype, b, args.dry_run), budget("shards"))
     if "timers" in args.parts:
@@ -247,7 +258,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes: every part in seconds")
     parser.add_argument("--out", default=None, help="output folder (default: $OUT, else ./gpu_check_out)")
     parser.add_argument("--budget-s", type=float, default=None,
-                        help="total seconds for all parts (default 225 on the GPU, 120 in the dry run)")
+                        help="total seconds for all parts (default 265 on the GPU, 120 in the dry run)")
     parser.add_argument("--grace-s", type=float, default=45.0,
                         help="seconds past the budget before the watchdog prints what there is and exits")
     parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {list(PARTS)}")

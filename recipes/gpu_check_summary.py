@@ -110,6 +110,13 @@ def summarize(data: dict[str, Any]) -> dict[str, Any]:
                     entry["memory_measured_over_predicted"] = [
                         (c.get("memory") or {}).get("measured_over_predicted") for c in r["cells"] if "memory" in c]
         out["backends"] = b
+    chunks = parts.get("cpchunks")
+    if chunks:
+        out["cpchunks"] = {"status": chunks.get("status", "ok"),
+                           "measured_over_predicted": chunks.get("measured_over_predicted"),
+                           "cells": [[c["rows"], c["keys"], round(c["measured_over_predicted"], 3)
+                                      if c.get("status") == "ok" else str(c.get("status"))[:60]]
+                                     for c in chunks.get("cells", [])]}
     shards = parts.get("shards")
     if shards:
         out["shards"] = {"status": shards.get("status", "ok"), "curves": shards.get("curves"),

@@ -404,7 +404,8 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--grid", choices=("paper", "long", "smoke"), default="paper", help="paper: 7B-30B, 8K-32K; "
                      "long: Llama 3 8B/70B, 7B/13B, 32K-512K, 8-1024 H100/H200 (tools/long_grid.py); smoke: 1 cell")
     sim.add_argument("--margin", type=float, default=None,
-                     help="--grid long/smoke: the planner's static_margin (default: its own, 0.147)")
+                     help="--grid long/smoke: the planner's static_margin (default: its own, DEFAULT_STATIC_MARGIN "
+                     "of planner/solve/static_guard.py)")
     sim.add_argument("--breakdown", action="store_true", help="--grid long/smoke: the oracle ladder (oracles.py)")
     sim.add_argument("--json", action="store_true")
     cal = sub.add_parser("calibrate", help="measure the cpu-gloo profile on local gloo ranks")

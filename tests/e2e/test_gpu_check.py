@@ -42,7 +42,8 @@ def dry_run(tmp_path_factory):
 def test_every_part_ran_within_its_budget(dry_run):
     summary, report, _ = dry_run
     assert summary["gpu_check"] == "summary" and summary["dry_run"] is True and summary["watchdog"] is None
-    assert list(report["part_seconds"]) == ["matmul", "train", "hotpath", "shards", "timers", "backends"]  # flex last
+    assert list(report["part_seconds"]) == ["matmul", "train", "hotpath", "cpchunks", "shards", "timers",
+                                             "backends"]  # flex last
     for part, value in report["parts"].items():
         assert "traceback" not in value, (part, value.get("status"), value.get("traceback"))
         assert report["part_seconds"][part] <= value["budget_s"] + 5, part
@@ -122,3 +123,23 @@ def test_hotpath_part_counts_no_host_sync_and_times_the_chunk_kernel(dry_run):
     assert hotpath["host_syncs"]["per_step"] == 0, hotpath["host_syncs"]
     chunks = hotpath["kv_chunks"]
     assert chunks["kernel_calls"] == 2 * chunks["cp"] and chunks["chunks_s"] > 0 and chunks["single_s"] > 0
+
+
+def test_cp_chunk_part_times_each_chunk_against_the_model(dry_run):
+    """Part (g) on CPU: every tiny chunk cell is timed and set beside the model's price of its pairs."""
+    from lightning_hotspa.models.config import LlamaConfig
+    from lightning_hotspa.planner.cost.cost_model import AnalyticCostModel
+
+    summary, report, _ = dry_run
+    chunks = report["parts"]["cpchunks"]
+    heads, kv_heads, dim = chunks["heads"]
+    layer = LlamaConfig(vocab_size=256, hidden=heads * dim, n_layers=1, n_heads=heads, n_kv_heads=kv_heads,
+                        ffn_hidden=4 * dim, max_seq_len=256)
+    per_pair = AnalyticCostModel(layer, "cpu-gloo", 1).attention_seconds_per_pair()
+    assert [(c["rows"], c["keys"]) for c in chunks["cells"]] == [(16, 128), (32, 256)]
+    for c in chunks["cells"]:
+        assert c["status"] == "ok" and c["measured_s"] > 0, c
+        assert c["pairs"] == c["rows"] * (c["keys"] - c["rows"]) + c["rows"] * (c["rows"] + 1) // 2
+        assert c["predicted_s"] == pytest.approx(per_pair * c["pairs"])
+        assert c["measured_over_predicted"] == pytest.approx(c["measured_s"] / c["predicted_s"])
+    assert [cell[:2] for cell in summary["cpchunks"]["cells"]] == [[16, 128], [32, 256]]

@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from lightning_hotspa.planner.solve.static_guard import DEFAULT_STATIC_MARGIN
 from lightning_hotspa.tools.cli import main
 
 
@@ -71,7 +72,7 @@ def test_simulate_long_grid_smoke_json(capsys: pytest.CaptureFixture[str]) -> No
     lines = out.strip().splitlines()
     assert any(line.startswith("| H100 | llama3-8b | 16 | 64K | github |") for line in lines)
     result = json.loads(lines[-1])
-    assert result["grid"] == "long" and result["margin"] == pytest.approx(0.147)
+    assert result["grid"] == "long" and result["margin"] == pytest.approx(DEFAULT_STATIC_MARGIN)
     for key in ("geomean_where_oracle_ge_1_4", "min_captured", "seconds"):
         assert key in result
     (cell,) = result["cells"]

@@ -37,7 +37,9 @@ rows); the cost is padding (``s`` rounded up to ``2*cp``) and communication:
   over ``u = cp / cp_kv`` ranks first, priced as above with ``u``): per layer an all-gather of K and V
   over the ``cp_kv`` group forward, a re-gather and a reduce-scatter of dK / dV backward (+ a gather
   with checkpointing); each moves ``(cp_kv-1)`` local K/V slices of ``s/cp`` tokens x ``2 kv_width/tp``.
-  The gathered K/V are not saved, so backward recomputes the attention forward: attention FLOPs x 4/3.
+  Ours does not save the gathered K/V, so backward recomputes the attention forward: attention FLOPs
+  x 4/3 (``RuntimeProfile.kv_gather_recomputes_attention``; a ring attention that saves its output and
+  log-sum-exp does not).
 * Activation checkpointing (:class:`~lightning_hotspa.checkpointing.Checkpointing`): full recomputes
   each layer's forward, +1/3 of the layers' training FLOPs (and its tp / cp collectives); selective
   recomputes the attention core (the q/k/v projections' GEMMs, rotary, the attention kernel's
@@ -292,9 +294,10 @@ class AnalyticCostModel(MemoryModel):
             rounds = 3 + (1 if mode else 0)  # gather, re-gather + reduce-scatter backward, recompute
             b += self._exposed(self.runtime.cp_comm_overlap) * rounds * layers * (g - 1) * per_token / bw
             d += rounds * layers * lat
-            recompute_attn = 1.0 / 3.0  # backward recomputes the attention forward (K/V not saved)
-            a += attn * recompute_attn / recompute
-            b += attn * recompute_attn / recompute
+            if self.runtime.kv_gather_recomputes_attention:  # K/V not saved: backward re-runs the forward
+                recompute_attn = 1.0 / 3.0
+                a += attn * recompute_attn / recompute
+                b += attn * recompute_attn / recompute
         # ---- end context parallelism ----
         if par.pp > 1:  # activations across each stage boundary, forward and backward
             bw = hw.bandwidth(self.world_size)
@@ -314,6 +317,12 @@ class AnalyticCostModel(MemoryModel):
                 raise CostModelError(f"{hw.name} with runtime {self.runtime.name!r}: {err}") from None
         attn_eff = hw.attention_efficiency_for(kernel, m.head_dim)
         return 6.0 * m.n_layers * self.attn_width / (div * hw.peak_flops * attn_eff)
+
+    def attention_seconds_per_pair(self) -> float:
+        """Predicted seconds of one visible (query, key) pair's attention, forward + backward, over all
+        layers on one rank: what a causal chunk of ``r`` query rows at position ``p`` over its ``p + r``
+        keys costs per pair (``r p + r (r + 1) / 2`` pairs; recipes/gpu_check_cp.py times it)."""
+        return 2.0 * self._attention_seconds(1.0)
 
     def _dense_seconds_per_token(self, par: Layout, ac: Checkpointing | bool) -> float:
         """GEMM seconds per token of a micro-batch on one rank (recompute included: full reruns

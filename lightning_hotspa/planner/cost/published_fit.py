@@ -20,10 +20,11 @@ import numpy as np
 
 from .cost_model import AnalyticCostModel
 from .hardware import HardwareProfile, get_profile
-from .published_pricing import PricedRun, price_run
+from .published_pricing import PricedRun, at_precision, price_run
 from .published_runs import PublishedRun
+from .runtime_profile import get_runtime
 
-__all__ = ["FitResult", "fit_profile", "measured_step_s", "with_constants"]
+__all__ = ["FitResult", "Fp8AttentionFit", "fit_fp8_and_attention", "fit_profile", "measured_step_s", "with_constants"]
 
 
 def measured_step_s(run: PublishedRun) -> float:
@@ -100,3 +101,53 @@ def fit_profile(gpu: str, runs: Sequence[PublishedRun], model_for: Callable[[Pub
 def price_all(runs: Sequence[PublishedRun], model_for: Callable[[PublishedRun], AnalyticCostModel]) -> list[PricedRun]:
     """Every run priced with ``model_for``."""
     return [price_run(r, model_for) for r in runs]
+
+
+@dataclass(frozen=True)
+class Fp8AttentionFit:
+    """One runtime's FP8 GEMM speed-up and one GPU's attention efficiency for its kernel, fitted together
+    (``rows`` as :class:`FitResult`'s, with ``D1_s`` the GEMM seconds at the bf16 rate)."""
+
+    system: str
+    gpu: str
+    fp8_gemm_speedup: float
+    attention: float
+    kernel: str
+    head_dim: int
+    rows: tuple[dict, ...]
+
+
+def fit_fp8_and_attention(runs: Sequence[PublishedRun], model_for: Callable[[PublishedRun, HardwareProfile],
+                          AnalyticCostModel]) -> Fp8AttentionFit:
+    """Fits, on FP8 ``runs`` of one system on one GPU (one attention kernel and head dim, no sharded
+    working copy), the system's FP8 GEMM speed-up ``s`` and the GPU's attention efficiency ``e`` of that
+    kernel: a row's step is ``D1 / s + A1 / e + O`` (``D1``: its GEMM seconds at the bf16 rate, ``A1``:
+    its attention seconds at 100 %, ``O``: the rest, which neither moves), least squares on the relative
+    error ``step / measured - 1``. For a source that publishes FP8 rows only (no bf16 twin)."""
+    systems, gpus = {r.system for r in runs}, {r.gpu for r in runs}
+    if len(systems) != 1 or len(gpus) != 1 or any(r.precision != "fp8" or r.sharding != "none" for r in runs):
+        raise ValueError(f"fit_fp8_and_attention: the rows must be FP8, unsharded, of one system on one GPU; got "
+                         f"systems {systems}, GPUs {gpus}")
+    profile, runtime = get_profile(gpus.pop()), get_runtime(systems.pop())
+    bf16_rate = at_precision(profile, runtime, "fp8", 1.0)
+    kernel = runtime.attention_kernel
+    dims = {model_for(r, bf16_rate).model.head_dim for r in runs}
+    if len(dims) != 1:
+        raise ValueError(f"fit_fp8_and_attention: the rows mix head dims {dims}")
+    head_dim = dims.pop()
+    e_now = profile.attention_efficiency_for(kernel, head_dim)
+    mat, rhs, info = [], [], []
+    for r in runs:
+        p = price_run(r, functools.partial(_priced_on, model_for, bf16_rate))
+        d1, a1, t = p.dense_s, p.attention_s * e_now, measured_step_s(r)
+        mat.append([d1 / t, a1 / t])
+        rhs.append(1.0 - p.other_s / t)
+        info.append((p, d1, a1, t))
+    x, *_ = np.linalg.lstsq(np.asarray(mat), np.asarray(rhs), rcond=None)
+    if min(x) <= 0:
+        raise ValueError(f"fit_fp8_and_attention: the fit is not physical (x = {x}); more or other rows needed")
+    s, e = 1.0 / x[0], min(1.0, 1.0 / x[1])
+    rows = tuple({"id": p.run.id, "D1_s": d1, "A1_s": a1, "O_s": p.other_s, "measured_s": t,
+                  "fitted_s": d1 / s + a1 / e + p.other_s, "residual": (d1 / s + a1 / e + p.other_s) / t - 1.0}
+                 for p, d1, a1, t in info)
+    return Fp8AttentionFit(runtime.name, profile.name, float(s), float(e), kernel, head_dim, rows)

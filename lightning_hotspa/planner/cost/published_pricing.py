@@ -16,6 +16,7 @@ leaves the optimizer out because it is the same for every plan of a step.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -24,9 +25,12 @@ import numpy as np
 
 from ...layout import Layout
 from .cost_model import AnalyticCostModel
+from .hardware import HardwareProfile, get_profile
 from .published_runs import PublishedRun
+from .runtime_profile import RuntimeProfile, get_runtime
 
-__all__ = ["PricedRun", "optimizer_seconds", "price_run", "selective_extra", "summarize", "attention_bands"]
+__all__ = ["PricedRun", "at_precision", "attention_bands", "between_layout_error", "derive_fp8_speedup",
+           "guard_margin_from", "layout_key", "optimizer_seconds", "price_run", "selective_extra", "summarize"]
 
 #: attention share bands for ``by_attention_share`` (the issue's "attention-heavy": share > 0.5)
 attention_bands = ((0.0, 0.25), (0.25, 0.5), (0.5, 1.0))
@@ -57,7 +61,47 @@ class PricedRun:
 
 def parallelism_of(run: PublishedRun) -> Layout:
     """The run's layout as the cost model's :class:`Layout` (ZeRO-2 priced as a sharded copy)."""
-    return Layout(dp=run.dp, tp=run.tp, cp=run.cp, pp=run.pp, fsdp=run.sharding != "none")
+    return Layout(dp=run.dp, tp=run.tp, cp=run.cp, pp=run.pp, fsdp=run.sharding != "none", cp_kv=run.cp_kv)
+
+
+def at_precision(profile: HardwareProfile, runtime: RuntimeProfile, precision: str,
+                 speedup: float | None = None) -> HardwareProfile:
+    """``profile`` with its GEMM ceiling raised by the runtime's ``fp8_gemm_speedup`` (or ``speedup``) for
+    an ``"fp8"`` row, unchanged for ``"bf16"``. Only the GEMMs: attention, communication and the
+    optimizer step are priced as before."""
+    if precision == "bf16":
+        return profile
+    if precision != "fp8":
+        raise ValueError(f"published run precision must be 'bf16' or 'fp8', got {precision!r}")
+    s = runtime.fp8_gemm_speedup if speedup is None else speedup
+    if not s:
+        raise ValueError(f"runtime {runtime.name!r} has no fp8_gemm_speedup: its FP8 rows cannot be priced")
+    return dataclasses.replace(profile, dense_efficiency=profile.dense_efficiency * s,
+                               source=profile.source + f" [fp8 linears: GEMM rate x {s:.3f}]")
+
+
+def derive_fp8_speedup(bf16_run: PublishedRun, fp8_run: PublishedRun,
+                       model_for: Callable[..., AnalyticCostModel]) -> float:
+    """The GEMM speed-up ``s`` under which the predicted ``fp8_run / bf16_run`` throughput ratio equals the
+    published one (one configuration in both precisions); bisection on ``s`` in [1, 4].
+    ``model_for(run, profile)`` builds a run's model on a given profile."""
+    want = fp8_run.tokens_per_s_per_gpu / bf16_run.tokens_per_s_per_gpu
+    base = price_run(bf16_run, lambda r: model_for(r, get_profile(r.gpu))).predicted
+    rt = get_runtime(fp8_run.system)
+
+    def ratio(s: float) -> float:
+        def build(r: PublishedRun) -> AnalyticCostModel:
+            return model_for(r, at_precision(get_profile(r.gpu), rt, "fp8", s))
+        return price_run(fp8_run, build).predicted / base
+
+    lo, hi = 1.0, 4.0
+    if not ratio(lo) <= want <= ratio(hi):
+        raise ValueError(f"derive_fp8_speedup: the published ratio {want:.3f} of {fp8_run.id!r} / {bf16_run.id!r} "
+                         f"is outside what a GEMM speed-up in [1, 4] gives ({ratio(lo):.3f}..{ratio(hi):.3f})")
+    for _ in range(50):
+        mid = 0.5 * (lo + hi)
+        lo, hi = (mid, hi) if ratio(mid) < want else (lo, mid)
+    return 0.5 * (lo + hi)
 
 
 def price_run(run: PublishedRun, model_for: Callable[[PublishedRun], AnalyticCostModel]) -> PricedRun:
@@ -129,3 +173,46 @@ def summarize(priced: Sequence[PricedRun], held_out: set[str] | None = None) -> 
         bands[f"({lo}, {hi}]"] = {"rows": len(band), "geomean_ratio": _geomean(band)}
     return {"count": len(rows), "geomean_ratio": _geomean([p.ratio for p in rows]),
             "max_abs_log_ratio": max(logs) if logs else float("nan"), "by_attention_share": bands}
+
+
+def layout_key(run: PublishedRun) -> tuple:
+    """What makes two rows of one model on one GPU different layouts: world, dp, tp, cp (and its kind),
+    pp and the working copy's sharding (not the batch, the sequence length or the precision)."""
+    return (run.world, run.dp, run.tp, run.cp, run.cp_kv, run.pp, run.sharding)
+
+
+def between_layout_error(priced: Sequence[PricedRun]) -> dict:
+    """The error BETWEEN two layouts' predictions: for every pair of rows with the same source (the
+    citation before its first comma: one document), model and GPU and different :func:`layout_key`,
+    ``|ln(pred_a / pub_a) - ln(pred_b / pub_b)|``; its ``mean``, ``p90`` (linear interpolation),
+    ``max`` and the number of ``pairs`` (and the worst pair's ids)."""
+    def doc(p: PricedRun) -> str:
+        return p.run.source.split(",")[0]
+
+    def model(p: PricedRun) -> str:
+        return p.run.model if isinstance(p.run.model, str) else repr(p.run.model)
+
+    diffs, worst = [], ("", "")
+    for i, a in enumerate(priced):
+        for b in priced[i + 1:]:
+            if (doc(a), model(a), a.run.gpu) != (doc(b), model(b), b.run.gpu) or layout_key(a.run) == layout_key(b.run):
+                continue
+            d = abs(math.log(a.ratio) - math.log(b.ratio))
+            if not diffs or d > max(diffs):
+                worst = (a.run.id, b.run.id)
+            diffs.append(d)
+    if not diffs:
+        return {"pairs": 0, "mean": float("nan"), "p90": float("nan"), "max": float("nan"), "worst_pair": []}
+    return {"pairs": len(diffs), "mean": float(np.mean(diffs)), "p90": float(np.percentile(diffs, 90)),
+            "max": float(max(diffs)), "worst_pair": list(worst)}
+
+
+def guard_margin_from(held_out_stats: dict) -> float:
+    """The never-worse-than-static guard's default margin (docs/cost-model.md's rule): the mean
+    between-layout log error over HELD-OUT pairs (:func:`between_layout_error` of the rows no fitted
+    constant saw) as a relative gain, ``exp(mean) - 1``, rounded to 3 decimals. A multi-layout plan must
+    be predicted faster than the best static one by more than two layouts' typical relative error on
+    unseen runs, the rule the old margin applied to the absolute held-out error."""
+    if not held_out_stats.get("pairs"):
+        raise ValueError("guard_margin_from: no layout pairs to derive a margin from")
+    return round(math.exp(held_out_stats["mean"]) - 1.0, 3)

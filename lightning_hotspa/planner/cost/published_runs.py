@@ -1,11 +1,12 @@
 """Published measured training runs (dense decoders, A100 / H100) the cost model is held against.
 
 Each row is the source's own stated configuration and measured throughput, cited by repository +
-file + commit or paper + table; ``recipes/benchmark_published.py`` prices them. Rows that the cost
-model cannot express (FP8, pipeline parallelism) are kept with ``excluded`` saying why, outside
-the statistics. MPT models (llm-foundry) are priced as FLOP-equivalent Llama shapes: multi-head
-attention, and a SwiGLU width of 8h/3 (three h x 8h/3 matrices = MPT's two h x 4h ones); their
-embedding is tied, as MPT's is.
+file + commit or paper + table; ``recipes/benchmark_published.py`` prices them. FP8 rows are priced
+with their linears at their runtime's ``fp8_gemm_speedup`` (docs/cost-model.md). Rows that the cost
+model cannot express (pipeline parallelism, FP8 of a runtime without a stated rate) are kept with
+``excluded`` saying why, outside the statistics. MPT models (llm-foundry) are priced as
+FLOP-equivalent Llama shapes: multi-head attention, and a SwiGLU width of 8h/3 (three h x 8h/3
+matrices = MPT's two h x 4h ones); their embedding is tied, as MPT's is.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 
 from ...models.config import LlamaConfig
 
-__all__ = ["PublishedRun", "PUBLISHED_RUNS", "mpt_config", "megatron_gpt_config"]
+__all__ = ["PublishedRun", "PUBLISHED_RUNS", "mpt_config", "megatron_gpt_config", "nemo_llama2_tokens_per_s"]
 
 LLM_FOUNDRY = ("mosaicml/llm-foundry scripts/train/benchmarking/README.md @ 495218376830947dce625efabc4d86be7c47cc45, "
                "table '{table}'; model shape scripts/train/yamls/pretrain/mpt-{size}.yaml @ 8c8dd48f7216")
@@ -31,6 +32,29 @@ MEGATRON_22B = ("NVIDIA/Megatron-LM README.md @ 2e90a342f5006a3e4f8cacf44002dbae
                 "dp 1); configuration: Korthikanti et al. 2022, arXiv 2205.05198, Table 3 (22B: 64 heads, hidden 6144, "
                 "48 layers, tp 8, pp 1, 8 GPUs, global batch 4, seq 2048, vocab 51200); tokens/s/GPU = MFU x 312e12 / "
                 "(72 l h^2 (1 + s/6h + V/12lh)), the paper's model-FLOPs formula")
+
+NEMO_LONG = ("NVIDIA/NeMo docs/source/performance/performance_long_sequence.md @ "
+             "8cfedd7203462cb251a914e700e5605444277561, table 'LLAMA2-7B (FP8) - H100' (NeMo 24.03.01, DGX-H100), "
+             "row SeqLen {k}K, 'With CP' columns (tp {tp}, pp 1, dp {dp}, cp {cp}, {tflops} TFLOPS/GPU; 'Batch Size' "
+             "{gbs}); tokens/s/GPU = TFLOPS / the llama2 model-FLOPs formula of nemo/utils/flops_formulas.py at the "
+             "same commit (causal attention counted as half)")
+TORCHTITAN_CP = ("pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md @ "
+                 "820504e20d1149fbf0b98c567af24c4b0433b22d, Table 2 row '{row}' (FSDP + CP + torch.compile + "
+                 "Float8, 8 GPUs, local batch 1, full activation checkpointing)")
+
+#: Llama 2's vocabulary in NeMo's FLOPs formula (LLM_VOCAB_SIZE_MAP["llama2"], nemo/utils/flops_formulas.py)
+_NEMO_LLAMA2_VOCAB = 32000
+
+
+def nemo_llama2_tokens_per_s(tflops_per_gpu: float, seq_len: int, hidden: int = 4096, layers: int = 32,
+                             heads: int = 32, kv_heads: int = 32, ffn: int = 11008) -> float:
+    """Tokens/s/GPU a NeMo TFLOPS/GPU figure of a Llama 2 model stands for: NeMo's ``llama2`` model-FLOPs
+    formula per token, ``l h^2 (12 + 12 g/a + 18 f/h + 6 s/h + 6 V/(l h))`` (causal attention half of
+    ``12 s/h``). Args: the figure, the sequence length and the model's shape (default Llama 2 7B)."""
+    per_token = layers * hidden * hidden * (12 + 12 * kv_heads / heads + 18 * ffn / hidden + 6 * seq_len / hidden
+                                             + 6 * _NEMO_LLAMA2_VOCAB / (layers * hidden))
+    return tflops_per_gpu * 1e12 / per_token
+
 
 _MPT = {"1b": (2048, 24, 16), "3b": (2560, 32, 20), "7b": (4096, 32, 32), "13b": (5120, 40, 40),
         "30b": (7168, 48, 56), "70b": (8192, 80, 64)}
@@ -58,8 +82,9 @@ class PublishedRun:
     ``world``, ``dp``, ``tp``, ``cp``, ``pp``; ``sharding`` (``"full"`` FSDP / ZeRO-3, ``"grad_op"``
     ZeRO-2, ``"none"`` replicated); ``seq_len``; ``micro_batch`` (sequences per micro-batch per dp
     rank); ``grad_accum``; ``checkpointing`` (``"full"``, ``"selective"``, ``"none"``); ``precision``;
-    ``tokens_per_s_per_gpu`` (the published figure, or derived from its MFU as ``source`` says);
-    ``excluded`` (why it is outside the statistics, or ``""``); ``note``."""
+    ``tokens_per_s_per_gpu`` (the published figure, or derived from its MFU / TFLOPS as ``source`` says);
+    ``excluded`` (why it is outside the statistics, or ``""``); ``note``; ``cp_kv`` (how cp is done, as
+    :class:`~lightning_hotspa.layout.Layout`'s: 1 Ulysses all-to-all, ``cp`` ring / all-gather of K and V)."""
 
     id: str
     source: str
@@ -80,6 +105,7 @@ class PublishedRun:
     tokens_per_s_per_gpu: float
     excluded: str = ""
     note: str = ""
+    cp_kv: int = 1
 
 
 def _foundry(gpu: str, table: str, size: str, seq: int, world: int, mbs: int, ga: int, ac: bool,
@@ -93,6 +119,28 @@ def _foundry(gpu: str, table: str, size: str, seq: int, world: int, mbs: int, ga
                         pp=1, sharding=sharding, seq_len=seq, micro_batch=mbs, grad_accum=ga,
                         checkpointing="full" if ac else "none", precision=precision, tokens_per_s_per_gpu=tps,
                         excluded=excluded, note=note)
+
+
+def _nemo(k: int, gbs: int, tp: int, dp: int, cp: int, tflops: float, excluded: str = "") -> PublishedRun:
+    """A row of NeMo's LLAMA2-7B (FP8) H100 long-sequence table: micro-batch 1 (ASSUMED: the table gives
+    the global batch only), no recompute (ASSUMED), cp as Transformer Engine's ring (p2p) attention."""
+    seq, world = k * 1024, tp * dp * cp
+    return PublishedRun(id=f"nemo-llama2-7b-{k}k-tp{tp}-cp{cp}", source=NEMO_LONG.format(k=k, tp=tp, dp=dp, cp=cp,
+                        tflops=tflops, gbs=gbs), system="nemo-te", gpu="H100", model="llama7b", world=world, dp=dp,
+                        tp=tp, cp=cp, pp=1, sharding="none", seq_len=seq, micro_batch=1, grad_accum=gbs // dp,
+                        checkpointing="none", precision="fp8", tokens_per_s_per_gpu=round(nemo_llama2_tokens_per_s(
+                            tflops, seq), 1), excluded=excluded, cp_kv=cp,
+                        note="micro-batch 1 and no recompute ASSUMED (not stated); TFLOPS converted by NeMo's formula")
+
+
+def _titan_cp(fsdp: int, cp: int, seq: int, tps: float) -> PublishedRun:
+    """A row of torchtitan's Table 2 (Llama 3.1 8B, 8 Grand Teton H100, Float8 linears, compiled)."""
+    return PublishedRun(id=f"titan-8b-fsdp{fsdp}-cp{cp}-{seq // 1024}k", source=TORCHTITAN_CP.format(
+                        row=f"FSDP {fsdp}, CP {cp}"), system="torchtitan", gpu="H100-GT500W", model="llama3-8b",
+                        world=8, dp=fsdp, tp=1, cp=cp, pp=1, sharding="full", seq_len=seq, micro_batch=1, grad_accum=1,
+                        checkpointing="full", precision="fp8", tokens_per_s_per_gpu=tps, cp_kv=cp,
+                        note="cp: torch's ring attention with the default 'allgather' rotation (K/V all-gathered, "
+                        "load-balanced causal chunks); torch.compile not priced")
 
 
 _H = "H100 80GB BF16"
@@ -160,15 +208,31 @@ PUBLISHED_RUNS: tuple[PublishedRun, ...] = (
     PublishedRun("megatron-22b-tp8", MEGATRON_22B, "megatron-2022", "A100-80G", megatron_gpt_config(6144, 48, 64),
                  8, 1, 8, 1, 1, "none", 2048, 1, 4, "selective", "bf16", 927.6,
                  note="micro-batch 1 x 4 ASSUMED (global batch 4); selective recompute priced as none"),
+    # ---- context parallel (issue 39): FP8 linears priced at their runtime's fp8_gemm_speedup (torchtitan's
+    # from its Table 1 pair, NeMo / TE's fitted on its own table); cp_kv = cp: ring / all-gather of K and V
+    PublishedRun("titan-8b-fsdp8-compile-fp8",
+                 TORCHTITAN_2412.format(table="Table 1 row 'FSDP + torch.compile + Float8'", size="8b"),
+                 "torchtitan", "H100-GT500W", "llama3-8b", 8, 8, 1, 1, 1, "full", 8192, 2, 1, "selective", "fp8", 8532,
+                 note="the FP8 twin of titan-8b-fsdp8-compile: the pair the FP8 GEMM rate is derived from"),
+    PublishedRun("titan-8b-fsdp128-compile-fp8",
+                 TORCHTITAN_2412.format(table="Table 3 row 'FSDP + torch.compile + Float8'", size="8b"),
+                 "torchtitan", "H100-GT500W", "llama3-8b", 128, 128, 1, 1, 1, "full", 8192, 2, 1, "selective", "fp8",
+                 8380, note="held out from the FP8 rate's derivation"),
+    _titan_cp(8, 1, 32768, 3890),
+    _titan_cp(4, 2, 65536, 2540),
+    _titan_cp(2, 4, 131072, 1071),
+    _titan_cp(1, 8, 262144, 548),
+    _nemo(4, 1024, 1, 4, 1, 768),
+    _nemo(16, 256, 2, 8, 1, 660),
+    _nemo(32, 128, 2, 8, 2, 610),
+    _nemo(64, 64, 4, 8, 2, 574),
+    _nemo(128, 32, 4, 8, 4, 555),
+    _nemo(256, 16, 4, 8, 8, 549),
+    _nemo(512, 8, 8, 4, 16, 549),
+    _nemo(1024, 4, 8, 4, 32, 536),
     # ---- listed, not in the statistics
     _foundry("H100", _F8, "3b", 8192, 8, 3, 6, False, 19146, precision="fp8", excluded=_FP8),
     _foundry("H100", _F8, "1b", 8192, 8, 2, 4, False, 32010, precision="fp8", excluded=_FP8),
-    PublishedRun("titan-8b-fsdp2-cp4-128k", TORCHTITAN_2412.format(table="Table 2 row 'FSDP 2, CP 4'", size="8b"),
-                 "torchtitan", "H100-GT500W", "llama3-8b", 8, 2, 1, 4, 1, "full", 131072, 1, 1, "full", "fp8", 1071,
-                 excluded="Float8 linears (the only published torchtitan CP rows are Float8)"),
-    PublishedRun("titan-8b-fsdp1-cp8-256k", TORCHTITAN_2412.format(table="Table 2 row 'FSDP 1, CP 8'", size="8b"),
-                 "torchtitan", "H100-GT500W", "llama3-8b", 8, 1, 1, 8, 1, "full", 262144, 1, 1, "full", "fp8", 548,
-                 excluded="Float8 linears (the only published torchtitan CP rows are Float8)"),
     PublishedRun("titan-405b-fsdp8-tp8-pp8", TORCHTITAN_2412.format(table="Table 5 row '1F1B'", size="405b"),
                  "torchtitan", "H100-GT500W", "llama3-70b", 512, 8, 8, 1, 8, "full", 8192, 32, 1, "full", "fp8", 100,
                  excluded="405B, pipeline parallel (pp 8) and Float8: not expressible"),

@@ -25,6 +25,10 @@ ATTENTION_KERNELS = ("fa2", "fa3", "cudnn", "flex", "sdpa-math", "cpu", "unfused
 SELECTIVE_POLICIES = ("none", "core-attention", "every-other-mm")
 
 
+#: NeMo / Transformer Engine FP8 linears over bf16 on H100: the fit of recipes/benchmark_published.py
+NEMO_TE_FP8_GEMM_SPEEDUP = 1.745
+
+
 class UnknownRuntimeError(ValueError):
     """A runtime profile name that is not in :data:`RUNTIME_PROFILES`; the message lists the known ones."""
 
@@ -49,6 +53,11 @@ class RuntimeProfile:
     (sequence parallelism keeps only each rank's token shard of a column-parallel input and
     all-gathers it again in backward, as Megatron-LM does: one more all-gather per shared input per
     layer; on gloo ours sends it with the output gradient's all-gather, priced without a launch);
+    ``kv_gather_recomputes_attention`` (all-gather-KV cp does not save the gathered K / V, so its backward
+    re-runs the attention forward of each chunk: attention FLOPs x 4/3; False: the kernel's backward
+    needs only the saved output and log-sum-exp, as ring attention's);
+    ``fp8_gemm_speedup`` (how much faster its Float8 linear layers run than bf16 ones on the GPU its FP8
+    rows ran on, as its own published figures imply: docs/cost-model.md; 0: it has no FP8 rows);
     ``source`` (where each field comes from)."""
 
     name: str
@@ -63,10 +72,13 @@ class RuntimeProfile:
     selective_recompute: str = "none"
     optimizer_bytes_per_param: float = 0.0
     tp_regather: bool = False
+    kv_gather_recomputes_attention: bool = False
+    fp8_gemm_speedup: float = 0.0
 
     def __post_init__(self) -> None:
         for f in ("fsdp_gather_prefetch", "fsdp_recompute_gather_prefetch", "fsdp_reduce_scatter_overlap",
-                  "dp_reduce_overlap", "tp_comm_overlap", "cp_comm_overlap", "tp_regather"):
+                  "dp_reduce_overlap", "tp_comm_overlap", "cp_comm_overlap", "tp_regather",
+                  "kv_gather_recomputes_attention"):
             if not isinstance(getattr(self, f), bool):
                 raise ValueError(f"RuntimeProfile {self.name!r}: {f} must be True or False, got {getattr(self, f)!r}")
         if self.attention_kernel not in ATTENTION_KERNELS:
@@ -75,6 +87,10 @@ class RuntimeProfile:
         if self.selective_recompute not in SELECTIVE_POLICIES:
             raise ValueError(f"RuntimeProfile {self.name!r}: selective_recompute must be one of {SELECTIVE_POLICIES}, "
                              f"got {self.selective_recompute!r}")
+        fp8 = self.fp8_gemm_speedup
+        if isinstance(fp8, bool) or not isinstance(fp8, (int, float)) or not (fp8 == 0 or 1 <= fp8 <= 4):
+            raise ValueError(f"RuntimeProfile {self.name!r}: fp8_gemm_speedup must be 0 (no FP8 rows) or in [1, 4], "
+                             f"got {fp8!r}")
         opt = self.optimizer_bytes_per_param
         if isinstance(opt, bool) or not isinstance(opt, (int, float)) or not opt >= 0:
             raise ValueError(f"RuntimeProfile {self.name!r}: optimizer_bytes_per_param must be a number >= 0, "
@@ -97,8 +113,10 @@ HOTSPA = RuntimeProfile(
     "sequence parallel; q/k/v and w1/w3 keep their input's token shard and all-gather it again in backward, "
     "on gloo in the same collective as the region's input-gradient reduce-scatter (parallel/regions.py). "
     "No selective checkpointing. Optimizer: torch Adam on the fp32 home shard (reads gradient, weight, m, v; "
-    "writes weight, m, v: 28 B per parameter; not in the planner's prices: the same for every plan).",
-    tp_regather=True,
+    "writes weight, m, v: 28 B per parameter; not in the planner's prices: the same for every plan). "
+    "parallel/kv_gather.py: the gathered K / V are not saved; backward re-gathers and re-runs each chunk's "
+    "attention forward.",
+    tp_regather=True, kv_gather_recomputes_attention=True,
 )
 
 RUNTIME_PROFILES: dict[str, RuntimeProfile] = {
@@ -118,15 +136,21 @@ RUNTIME_PROFILES: dict[str, RuntimeProfile] = {
         name="torchtitan", fsdp_gather_prefetch=True, fsdp_recompute_gather_prefetch=True,
         fsdp_reduce_scatter_overlap=True, dp_reduce_overlap=True,
         tp_comm_overlap=False, cp_comm_overlap=True, attention_kernel="fa2",
-        selective_recompute="every-other-mm", optimizer_bytes_per_param=32.0,
+        selective_recompute="every-other-mm", optimizer_bytes_per_param=32.0, fp8_gemm_speedup=1.415,
         source="FSDP2 (implicit one-unit prefetch, in a checkpointed unit's recomputation too; reduce-scatter on "
         "a separate stream); the bf16 rows use "
-        "vanilla TP (AsyncTP off: the asyncTP benchmark's 'Vanilla TP' column); CP is ring attention "
-        "(overlapped; its rows are Float8, outside the statistics); attention: SDPA's flash kernel (FA2). Selective "
+        "vanilla TP (AsyncTP off: the asyncTP benchmark's 'Vanilla TP' column); CP is torch's ring attention "
+        "(torch/distributed/tensor/experimental/_attention.py, December 2024) with torchtitan's default "
+        "rotate method 'allgather' (torchtitan/config_manager.py @ 9dec370ad26b: 'all-gather all kv shards on "
+        "ranks after the first sub-SDPA computation', so overlapped with that chunk), dK / dV "
+        "reduce-scattered in backward, the kernel's backward from the saved output and log-sum-exp (no "
+        "forward re-run), causal chunks load-balanced; attention: SDPA's flash kernel (FA2). Selective "
         "'op' checkpointing (torchtitan/models/llama/parallelize_llama.py @ 82010c7934150aaa55e5b8ee0aa03f372ec90cc2, "
         "_custom_policy): saves every compute op's output (matmuls, SDPA) 'except every second mm' of a block, "
         "whose forward the backward re-runs. Optimizer: AdamW on the fp32 FSDP2 shards with gradient-norm "
-        "clipping: 32 B per parameter (as llm-foundry's).",
+        "clipping: 32 B per parameter (as llm-foundry's). Float8 (torchao, dynamic scaling) linears: 1.415 x the "
+        "bf16 GEMM rate, derived from its Table 1 pair (FSDP + torch.compile 6,667 vs + Float8 8,532 tokens/s/GPU, "
+        "published_pricing.derive_fp8_speedup).",
     ),
     "megatron-2022": RuntimeProfile(
         name="megatron-2022", fsdp_gather_prefetch=False, fsdp_recompute_gather_prefetch=False,
@@ -142,6 +166,22 @@ RUNTIME_PROFILES: dict[str, RuntimeProfile] = {
         "and main grads: norm read 4, Adam reads 16 and writes 12, copy to the bf16 weights 6, zeroing the "
         "main grads 4: 42 B per parameter; the README: its FLOPs are 'measured for end-to-end training, i.e., "
         "includes all operations including data loading, optimization'.",
+    ),
+    "nemo-te": RuntimeProfile(
+        name="nemo-te", fsdp_gather_prefetch=False, fsdp_recompute_gather_prefetch=False,
+        fsdp_reduce_scatter_overlap=False, dp_reduce_overlap=True,
+        tp_comm_overlap=False, cp_comm_overlap=True, attention_kernel="cudnn", optimizer_bytes_per_param=42.0,
+        tp_regather=True, fp8_gemm_speedup=NEMO_TE_FP8_GEMM_SPEEDUP,
+        source="NeMo 24.03 on Megatron-core with Transformer Engine (the long-sequence table's container): tp "
+        "with sequence parallelism, its collectives on the critical path (tp comm overlap ASSUMED off: the "
+        "table does not say), the column-parallel inputs re-gathered in backward (Megatron-core); cp is TE's "
+        "ring attention (AttnFuncWithCP, p2p): each step's K / V send / receive runs while the previous chunk's "
+        "attention computes (overlapped), causal chunks load-balanced (2 cp chunks per sequence), backward "
+        "from the saved output and softmax statistics; attention: TE's cuDNN fused attention; dp: the "
+        "distributed optimizer's gradient reduction overlapped with backward; optimizer as megatron-2022 "
+        "(fp32 main params and grads, 42 B per parameter). TE FP8 linears (delayed scaling): their rate over bf16 "
+        "fitted with the H100's cuDNN attention efficiency on every other row of its long-sequence table "
+        "(published_fit.fit_fp8_and_attention; the table has no bf16 twin).",
     ),
 }
 
