@@ -132,6 +132,12 @@ class StepRunner:
             return self.engine.materialize(layout)
         return self.engine.switch(layout, keep_grads=keep_grads)
 
+    def _working_layout(self, stage: Any) -> Layout:
+        """The layout of this rank's working copy in ``stage``: its block's in a block stage (a
+        sharded block's ``:fsdp<n>`` layout: the same tp / cp groups as its compute layout)."""
+        peers = getattr(stage, "peers", ())
+        return peers[self.engine.world.rank] if peers else stage.layout
+
     def enter(self, stage: Any, keep_grads: bool = False) -> SwitchReport:
         """The working copy of ``stage``: a switch to its layout, or for a mixed-tp stage every
         rank's own block layout from home (the previous copy, already reduced, is dropped)."""
@@ -163,10 +169,10 @@ class StepRunner:
                     and engine.shares_gradients(stage.layout, nxt.layout)
                 # ac follows the working copy's layout: one choice for every block of a mixed-cp stage, so
                 # every rank's backward gathers alike; the compute groups are this rank's block's (a
-                # mixed-tp block's working copy is its own: its choice)
-                ac = stage.activation_checkpointing.stronger(self.activation_checkpointing(
-                    stage.compute_layout if stage.peers else stage.layout))
-                parallel.activate(stage.compute_layout, engine.working, ac)
+                # block's working copy is its own: its choice, and the block's mode from the plan)
+                working = self._working_layout(stage)
+                ac = stage.activation_checkpointing.stronger(self.activation_checkpointing(working))
+                parallel.activate(working if stage.peers else stage.compute_layout, engine.working, ac)
                 hooks.before_compute(stage)
                 t1, c1 = clock.mark(), self.cpu_clock()
                 fsdp_start = self._fsdp_bytes()
@@ -232,7 +238,8 @@ class StepRunner:
         try:
             for stage in plan.stages:
                 self.enter(stage)
-                self.parallel.activate(stage.compute_layout, self.engine.working)
+                self.parallel.activate(self._working_layout(stage) if getattr(stage, "peers", ())
+                                       else stage.compute_layout, self.engine.working)
                 for mb in stage.micro_batches:
                     with self.parallel.micro_batch(mb if isinstance(mb, MicroBatch) else None), context(), \
                             self._prefetch():

@@ -170,6 +170,7 @@ class SwitchEngine(GradientReduction):
             raise LayoutError(f"fsdp units name parameters {unknown[:5]} the engine does not hold")
         self.fsdp_names = frozenset(names)
         self._move_plans.clear()
+        self._exchanges.clear()
         self._reduce_plans.clear()
 
     def fsdp_gathered(self, name: str, layout: Layout) -> bool:
@@ -328,16 +329,22 @@ class SwitchEngine(GradientReduction):
         return self._move(self.active, self._member(layout), self.working, keep_grads)
 
     def materialize_blocks(self, layouts: tuple[Layout, ...]) -> SwitchReport:
-        """Working params of a mixed-tp stage from the home state: every rank ``r`` in its block's
-        replicated layout ``layouts[r]`` (:mod:`.nested_exchange`, one world all-to-all per bucket).
-        The engine must hold no working copy (start of a step, or after :meth:`release`)."""
+        """Working params of a block stage from the home state: every rank ``r`` in its block's
+        working layout ``layouts[r]``, replicated or sharded over the block's own ranks
+        (``:fsdp<n>``: its fsdp units' parameters at :meth:`fsdp_prefix`) (:mod:`.nested_exchange`,
+        one world all-to-all per bucket). The engine must hold no working copy (start of a step, or
+        after :meth:`release`)."""
         if self.active is not None:
             raise RuntimeError(f"materialize_blocks() while layout {self.active} is active; release() it first")
         start = time.perf_counter()
         key = tuple(self._member(x) for x in layouts)
+        sharded = sorted({str(x) for x in key if x.fsdp})
+        if sharded and not self.fsdp_names:
+            raise LayoutError(f"block layouts {sharded} shard the working copy per unit, but no fsdp units were "
+                              f"registered (set_fsdp_units; the StepRunner does it from the model)")
         if key not in self._exchanges:
             self._exchanges[key] = NestedExchange(self.shardings, self.world.shape, key, self.world.rank,
-                                                  self.bucket_bytes)
+                                                  self.bucket_bytes, prefix=self._working_prefix)
         exchange = self._exchanges[key]
         out, received, collectives = exchange.gather({n: self._home_local(n) for n in self.shardings},
                                                      self.working_dtype)
@@ -349,8 +356,9 @@ class SwitchEngine(GradientReduction):
         return SwitchReport(None, self.active, received, received, collectives, time.perf_counter() - start)
 
     def reduce_blocks(self) -> GradReport:
-        """Sums every rank's working gradients of a mixed-tp stage (fp32 at least) into the
-        home-sharded store (:mod:`.nested_exchange`); then :meth:`release` the working copy."""
+        """Sums every rank's working gradients of a block stage (fp32 at least; a sharded block's
+        already reduce-scattered inside it) into the home-sharded store (:mod:`.nested_exchange`);
+        then :meth:`release` the working copy."""
         if self.mixed is None:
             raise RuntimeError("reduce_blocks() without a mixed-tp working copy (materialize_blocks)")
         start = time.perf_counter()
