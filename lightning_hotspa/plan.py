@@ -280,6 +280,8 @@ class RankStage:
     #: a block stage (not legacy mixed-cp): every rank's working layout, ``peers[r]`` for rank r (a
     #: sharded block's ``:fsdp<n>`` layout, a replicated block's own); empty otherwise
     peers: tuple[Layout, ...] = ()
+    #: a block stage: which block this rank is in, for errors and records ("2/3 (dp4, sharded, ranks 2-3)")
+    block_note: str = ""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "activation_checkpointing", Checkpointing.parse(self.activation_checkpointing))
@@ -297,7 +299,7 @@ class RankStage:
     def map_tensors(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> RankStage:
         mbs = tuple(m.map_tensors(fn) for m in self.micro_batches)
         return RankStage(self.layout, mbs, self.activation_checkpointing, self.label, self.rounds, self.block,
-                         self.peers)
+                         self.peers, self.block_note)
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> RankStage:
         return self.map_tensors(lambda t: moved(t, device, non_blocking))
@@ -386,10 +388,13 @@ def slice_plan(plan: StepPlan, docs: Sequence[torch.Tensor], mesh: MeshShape, ra
                                     stage.activation_checkpointing, stage.label,
                                     max(len(g) for g in stage.groups), compute))
             continue
+        ranks = block_ranks(block, mesh)
+        note = f"{stage.blocks.index(block) + 1}/{len(stage.blocks)} ({compute}, " \
+               f"{'sharded' if block.sharded else 'replicated'}, ranks {ranks[0]}-{ranks[-1]})"
         rounds = max(len(g) for g in block.micro_batches) if block.working_layout.lockstep else 0
         stages.append(RankStage(stage.layout, _packed(own, docs, compute, mesh, rank),
                                 block.checkpointing(stage.activation_checkpointing), stage.label, rounds,
-                                compute, peers))
+                                compute, peers, note))
     return RankPlan(plan.step, tuple(stages), plan.global_target_tokens)
 
 
