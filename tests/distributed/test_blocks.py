@@ -117,3 +117,79 @@ def test_block_stages_match_single_process(ranks, world, precision):
         _check(ranks(world).run(run_blocks, world, precision, 1)[0], 1e-5, 1e-5, 1e-4, steps)
     else:
         _check(ranks(world).run(run_blocks, world, precision)[0], 1e-10, 1e-12, 1e-9, steps)
+
+
+class _BlockWatch:
+    """Every collective a rank issues inside each block stage, from its compute until its joint
+    reduction (StepHooks' before_compute -> enter_phase("reduce"))."""
+
+    def __init__(self) -> None:
+        from lightning_hotspa.testing.comm_bytes import count_collective_bytes
+
+        self._count, self._ctx, self.stage = count_collective_bytes, None, None
+        self.calls: list[tuple[str, str, tuple[int, ...]]] = []  # (block note, collective, its ranks)
+
+    def enter_stage(self, stage) -> None:
+        self.stage = stage
+
+    def enter_micro_batch(self, micro_batch) -> None: ...
+
+    def before_compute(self, stage) -> None:
+        if stage.block_note:
+            self._ctx = self._count()
+            self._log = self._ctx.__enter__()
+
+    def enter_phase(self, phase) -> None:
+        if phase == "reduce" and self._ctx is not None:
+            self._ctx.__exit__(None, None, None)
+            self._ctx = None
+            self.calls += [(self.stage.block_note, c[0], tuple(r)) for c, r in zip(self._log.calls, self._log.ranks)]
+
+    def compute_context(self):
+        import contextlib
+
+        return contextlib.nullcontext()
+
+    def record_loss(self, loss, micro_batch) -> None: ...
+
+    def backward(self, scaled_loss) -> None:
+        scaled_loss.backward()
+
+
+def run_block_containment() -> list[tuple[str, str, tuple[int, ...]]]:
+    """The 4-rank block plans 0 and 2 (sharded cp2 blocks beside sharded and replicated dp blocks)
+    through a StepRunner under :class:`_BlockWatch`: this rank's collectives inside its block stages."""
+    import torch.distributed as dist
+    from strategy_helpers import make_docs
+    from test_step_runner import TinyLlama, _setup
+
+    from lightning_hotspa.engine.step_runner import StepRunner
+    from lightning_hotspa.plan import slice_plan
+
+    module, world, home, parallel, engine = _setup(BLOCK_LAYOUTS[4], TinyLlama())
+    runner = StepRunner(engine, parallel)
+    out = []
+    for plan in block_plans(4)[0:3:2]:
+        mine = slice_plan(plan, make_docs(plan.step, plan.doc_lengths), world.shape, dist.get_rank())
+        watch = _BlockWatch()
+        runner.run(mine, module, watch)
+        engine.clear_grad_store()
+        out += watch.calls
+    return out
+
+
+def test_every_collective_of_a_block_stays_inside_it(ranks):
+    """Deadlock-free by construction: between a block stage's compute and its joint reduction a
+    rank joins only collectives over ranks of its own block (the sharded blocks' unit gathers and
+    reduce-scatters, the cp and tp collectives, are seen: not vacuous)."""
+    import re
+
+    per_rank = ranks(4).run(run_block_containment)
+    seen = 0
+    for rank, calls in enumerate(per_rank):
+        for note, name, group in calls:
+            lo, hi = map(int, re.search(r"ranks (\d+)-(\d+)", note).groups())
+            assert rank in group and set(group) <= set(range(lo, hi + 1)), (rank, note, name, group)
+        seen += len(calls)
+    assert all(any(n.startswith("1/") and "sharded" in n for n, _, _ in calls) for calls in per_rank[:2])
+    assert seen > 0
