@@ -193,3 +193,20 @@ def test_every_collective_of_a_block_stays_inside_it(ranks):
         seen += len(calls)
     assert all(any(n.startswith("1/") and "sharded" in n for n, _, _ in calls) for calls in per_rank[:2])
     assert seen > 0
+
+
+def test_memory_model_and_estimator_agree_on_a_sharded_block():
+    """A block sharded over its own 2 ranks costs parameters / 2 ranks: ``hotspa memory``'s estimator,
+    running rank 0's cp2:kv block for real (FakeTensorMode; its copy from home and its gradients into
+    home through the joint exchange), peaks within 2 % of the memory model's block term."""
+    from test_memory import SMALLISH
+
+    from lightning_hotspa.planner.cost.cost_model import AnalyticCostModel
+    from lightning_hotspa.tools.memory import estimate_layout
+
+    peers = ("dp2xcp2:kv:fsdp2",) * 2 + ("dp4", "dp4")
+    got = estimate_layout(SMALLISH, 4, peers[0], 1024, peers=peers, overlap=False, bucket_bytes=1)
+    lay, cm = Layout.parse(peers[0]), AnalyticCostModel(SMALLISH, "H100", 4)
+    assert abs(got["peak_bytes"] / cm.peak_bytes(lay, False, 1024, mixed_tp=True) - 1) < 0.02
+    # the working copy and its main grads: twice the world-sharded copy's per rank (2 ranks, not 4)
+    assert cm.memory(lay, False).working == pytest.approx(2 * cm.memory(Layout.parse("dp2xcp2:kv:fsdp"), False).working)
