@@ -276,7 +276,7 @@ class RankStage:
     activation_checkpointing: Checkpointing = Checkpointing.NONE
     label: str = ""
     rounds: int = 0
-    block: Layout | None = None  # a block stage: this rank's block's compute layout
+    block: Layout | None = None  # a block stage: this rank's block's compute (sharded: working) layout
     #: a block stage (not legacy mixed-cp): every rank's working layout, ``peers[r]`` for rank r (a
     #: sharded block's ``:fsdp<n>`` layout, a replicated block's own); empty otherwise
     peers: tuple[Layout, ...] = ()
@@ -291,9 +291,18 @@ class RankStage:
         return max(self.rounds, len(self.micro_batches))
 
     @property
+    def working_layouts(self) -> tuple[Layout, ...]:
+        """Every rank's working layout (``peers``), or ``(layout,)``: the same copy on every rank."""
+        return self.peers or (self.layout,)
+
+    def working_layout(self, rank: int) -> Layout:
+        """``rank``'s working layout: its block's in a block stage, else ``layout``."""
+        return self.peers[rank] if self.peers else self.layout
+
+    @property
     def compute_layout(self) -> Layout:
-        """The layout whose tp / cp groups compute: the block's in a mixed stage, else ``layout``
-        (which always names the working copy)."""
+        """The layout whose tp / cp groups compute: the block's in a block stage (a sharded block's
+        ``:fsdp<n>`` working layout, the same tp / cp groups as its plain layout), else ``layout``."""
         return self.block if self.block is not None else self.layout
 
     def map_tensors(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> RankStage:
@@ -394,7 +403,7 @@ def slice_plan(plan: StepPlan, docs: Sequence[torch.Tensor], mesh: MeshShape, ra
         rounds = max(len(g) for g in block.micro_batches) if block.working_layout.lockstep else 0
         stages.append(RankStage(stage.layout, _packed(own, docs, compute, mesh, rank),
                                 block.checkpointing(stage.activation_checkpointing), stage.label, rounds,
-                                compute, peers, note))
+                                block.working_layout, peers, note))
     return RankPlan(plan.step, tuple(stages), plan.global_target_tokens)
 
 

@@ -33,7 +33,7 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -327,6 +327,39 @@ class SwitchEngine(GradientReduction):
         if self.active is None:
             raise RuntimeError("no active layout: call materialize() first")
         return self._move(self.active, self._member(layout), self.working, keep_grads)
+
+    def enter_stage(self, layouts: Sequence[Layout], keep_grads: bool = False) -> SwitchReport:
+        """The working copy of a stage in which rank ``r`` holds ``layouts[r]`` (one entry: the same
+        layout on every rank). One layout everywhere: a switch from the active copy, or from home at
+        the start of a step or after a block copy (dropped first); different layouts (a block
+        stage): the active copy is dropped (already reduced) and every rank's own comes from home
+        (:meth:`materialize_blocks`). ``keep_grads``: see :meth:`switch` (one layout only)."""
+        key = tuple(layouts)
+        if not key:
+            raise LayoutError("enter_stage() needs the working layouts of the stage's ranks, got none")
+        if self.mixed is not None:  # a block copy never outlives its stage: reduced, or evaluated
+            self.release(free=True)
+        if len(set(key)) == 1:
+            if self.active is None:
+                return self.materialize(key[0])
+            return self.switch(key[0], keep_grads=keep_grads)
+        if keep_grads:
+            raise LayoutError(f"cannot keep working gradients into a block stage (layouts "
+                              f"{sorted({str(x) for x in key})}): reduce the previous stage first")
+        if self.active is not None:
+            self.release(free=True)  # one copy at a time: the blocks' come from home
+        return self.materialize_blocks(key)
+
+    def reduce_stage(self) -> GradReport:
+        """The stage-end reduction into the home-sharded store: a block copy's joint exchange
+        (:meth:`reduce_blocks`), else :meth:`reduce_gradients` (which finishes an overlapped one)."""
+        return self.reduce_blocks() if self.mixed is not None else self.reduce_gradients()
+
+    def stages_share_gradients(self, a: Sequence[Layout], b: Sequence[Layout]) -> bool:
+        """True if a stage whose ranks hold ``a`` may leave its working gradients to the next, whose
+        ranks hold ``b``: one layout on every rank in both, and :meth:`shares_gradients` (a block
+        copy reduces at its stage end: the next stage's copy comes from home)."""
+        return len(set(a)) == 1 and len(set(b)) == 1 and self.shares_gradients(a[0], b[0])
 
     def materialize_blocks(self, layouts: tuple[Layout, ...]) -> SwitchReport:
         """Working params of a block stage from the home state: every rank ``r`` in its block's

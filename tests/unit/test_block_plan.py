@@ -97,11 +97,13 @@ def test_slice_block_stage_every_rank():
         assert st.layout == L("dp8") and len(st.peers) == 8
         assert st.peers[:4] == (L("dp2xcp4:kv:fsdp4"),) * 4 and st.peers[4:6] == (L("dp8:fsdp2"),) * 2
         assert st.peers[6:] == (L("dp4xtp2"),) * 2
-        if rank < 4:  # one micro-batch of doc 0, cp-sliced 4 ways; the block's own checkpointing
-            assert st.compute_layout == L("dp2xcp4:kv") and st.activation_checkpointing is Checkpointing.FULL
+        assert st.working_layout(rank) == st.peers[rank] and st.working_layouts == st.peers
+        if rank < 4:  # one micro-batch of doc 0, cp-sliced 4 ways; the block's own checkpointing; a sharded
+            # block computes in its working layout (the same tp / cp groups as its plain one)
+            assert st.compute_layout == L("dp2xcp4:kv:fsdp4") and st.activation_checkpointing is Checkpointing.FULL
             assert st.num_rounds == 1 and st.micro_batches[0].cp_size == 4
         elif rank < 6:  # lockstep inside the block only: 2 rounds on both of its ranks
-            assert st.compute_layout == L("dp8") and st.activation_checkpointing is Checkpointing.NONE
+            assert st.compute_layout == L("dp8:fsdp2") and st.activation_checkpointing is Checkpointing.NONE
             assert st.rounds == 2
         else:  # the replicated block without a micro-batch
             assert st.compute_layout == L("dp4xtp2") and st.micro_batches == () and st.num_rounds == 0
