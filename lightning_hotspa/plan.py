@@ -191,6 +191,10 @@ class Stage:
                 if block.layout.world_size != lay.world_size:
                     raise PlanError(f"block stage {lay} (world {lay.world_size}) has a block in layout "
                                     f"{block.layout} of world {block.layout.world_size}")
+                if block.sharded and block.checkpointing(self.activation_checkpointing) is Checkpointing.SELECTIVE:
+                    raise PlanError(f"block stage {lay}: the sharded block in layout {block.layout} would run "
+                                    f"selective checkpointing, which is not built for sharded copies; give the "
+                                    f"block 'full' or 'none'")
             return
         if not all(legacy) or not lay.fsdp:
             raise PlanError(f"block stage {lay} mixes blocks of sharded layouts "

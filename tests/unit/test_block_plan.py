@@ -73,6 +73,11 @@ def test_block_stage_validation():
         Stage(L("dp4:fsdp"), (), blocks=(legacy, Block(cp2, (1,), (((1,),),))))
     with pytest.raises(PlanError, match="world 8"):
         Stage(L("dp4"), (), blocks=(Block(L("dp8"), (0,), (((0,),),)),))
+    with pytest.raises(PlanError, match="sharded block in layout dp2xcp2 would run selective"):
+        Stage(L("dp4"), (), activation_checkpointing="selective",
+              blocks=(Block(cp2, (0, 1), (((0,),), ((1,),)), sharded=True),))
+    assert Stage(L("dp4"), (), activation_checkpointing="selective",
+                 blocks=(Block(cp2, (0, 1), (((0,),), ((1,),)), sharded=True, activation_checkpointing="full"),))
     # a plain-block stage may be named by any layout of its world, sharded included
     assert Stage(L("dp4:fsdp"), (), blocks=(Block(cp2, (0, 1), (((0,),), ((1,),)), sharded=True),)).blocks
 
