@@ -319,7 +319,8 @@ class GradientReduction:
 
     def _refuse_mixed(self, what: str) -> None:
         if getattr(self, "mixed", None) is not None:  # ranks hold different layouts: reduce_blocks() joins them
-            raise RuntimeError(f"{what}() on a mixed-tp working copy ({self.active} on this rank); use reduce_blocks()")
+            raise RuntimeError(f"{what}() on a block stage's working copy ({self.active} on this rank); "
+                               f"use reduce_blocks()")
 
     def _grad_ready(self, name: str) -> None:
         overlap, plan = self._overlap, self._reduce_plan(self.active)

@@ -393,7 +393,7 @@ class SwitchEngine(GradientReduction):
         already reduce-scattered inside it) into the home-sharded store (:mod:`.nested_exchange`);
         then :meth:`release` the working copy."""
         if self.mixed is None:
-            raise RuntimeError("reduce_blocks() without a mixed-tp working copy (materialize_blocks)")
+            raise RuntimeError("reduce_blocks() without a block stage's working copy (materialize_blocks)")
         start = time.perf_counter()
         grads = {n: self.working_grad(n) for n in self.shardings}
         self.main_grads = {}  # the exchange reads them from ``grads``; each bucket's dropped once sent
