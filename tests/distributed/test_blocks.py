@@ -15,7 +15,7 @@ BLOCK_LAYOUTS = {
     4: ["dp4", "dp2xtp2", "dp2xcp2", "dp2xcp2:kv", "dp4:fsdp2", "dp2xcp2:fsdp2", "dp2xcp2:kv:fsdp2", "cp4:kv",
         "cp4:kv:fsdp"],
     8: ["dp8", "dp4xtp2", "dp2xcp4:kv", "dp2xcp4:kv2", "dp4xcp2", "dp8:fsdp2", "dp2xcp4:kv:fsdp4",
-        "dp2xcp4:kv2:fsdp4", "dp4xcp2:fsdp4", "dp2xtp2xcp2", "dp8:fsdp4"],
+        "dp2xcp4:kv2:fsdp4", "dp4xcp2:fsdp4", "dp2xtp2xcp2", "dp8:fsdp4", "dp4xtp2:fsdp2"],
 }
 
 #: per world, per step: the block stage's blocks (layout, ranks, micro-batches per dp group, sharded,
@@ -40,6 +40,8 @@ BLOCK_SHAPES = {
         # tp2 x cp2 replicated beside a sharded dp block of 4 ranks (3, 1, 0, 2 micro-batches)
         ([("dp2xtp2xcp2", range(4), [1], False, None), ("dp8", range(4, 8), [3, 1, 0, 2], True, None)],
          (), ("dp4xtp2",)),
+        # a tp2 block sharded over its 4 ranks (two dp groups in lockstep) beside a sharded cp4 block
+        ([("dp4xtp2", range(4), [2, 1], True, None), ("dp2xcp4:kv", range(4, 8), [1], True, "full")], ("dp8",), ()),
     ],
 }
 
