@@ -42,25 +42,46 @@ __all__ = [
     "idle_micro_batch",
     "slice_plan",
     "check_block_capacity",
+    "block_dp_groups",
+    "block_ranks",
     "single_stage_plan",
 ]
 
 
 @dataclass(frozen=True)
 class Block:
-    """Some dp groups of one compute layout inside a mixed stage (docs/DESIGN.md §4, mixed-cp rounds).
+    """Some ranks of a block stage that run on their own (docs/DESIGN.md §4, "Blocks").
+
+    A BLOCK STAGE (``Stage.blocks`` given) is a tuple of blocks that tile the world. Each block is an
+    aligned sub-mesh: its ranks are ``dp_groups`` of ``layout``, and together they are one contiguous
+    rank range ``[j * n, (j + 1) * n)`` with ``n`` dividing the world (only the outer dp dims are
+    split; :func:`block_ranks` computes and checks it). Every collective of a block stays inside it
+    until the stage's ONE joint gradient reduction of every block into the fp32 home shards (exact
+    token weighting: each micro-batch's loss is scaled by its tokens over the step's).
 
     Args:
-        layout: the block's compute layout (its tp x cp groups), one of the mesh's fsdp layouts with
-            the stage's working copy.
-        dp_groups: which of ``layout``'s dp groups the block covers (their ranks are the block's).
+        layout: a PLAIN layout (``fsdp`` False) of the whole world naming the block's compute groups:
+            its tp degree, cp degree and cp kind (``:kv`` / ``:kv<n>``). (A ``:fsdp`` layout here is
+            the legacy mixed-cp lockstep stage, whose ``Stage.layout`` is that sharded copy: below.)
+        dp_groups: which of ``layout``'s dp groups the block covers (their ranks are the block's;
+            dp order is not rank order on a multi-dim mesh).
         micro_batches: ``micro_batches[i]`` lists dp group ``dp_groups[i]``'s micro-batches, each a
-            tuple of document indices.
+            tuple of document indices; any count per group, none included.
+        sharded: True: the block's working copy is sharded over the block's OWN ranks (FSDP / HSDP
+            inside the block: its per-unit gathers and reduce-scatters stay inside it, its dp groups
+            run lockstep rounds among themselves, no other block waits on it); its working layout
+            (:attr:`working_layout`) is ``layout`` with ``:fsdp<dp groups x cp>`` and must be among
+            the mesh's layouts (so the mesh has the block's boundary and its groups exist from
+            set-up). False: a replicated working copy of ``layout``'s tp degree (mixed tp / free runs).
+        activation_checkpointing: what the block recomputes (a mode, bool or name, read as
+            :meth:`Checkpointing.parse` does); None: the stage's mode.
     """
 
     layout: Layout
     dp_groups: tuple[int, ...]
     micro_batches: tuple[tuple[tuple[int, ...], ...], ...]
+    sharded: bool = False
+    activation_checkpointing: Checkpointing | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.layout, Layout):
@@ -75,6 +96,48 @@ class Block:
                             f"micro-batches for its {len(groups)} dp_groups {groups}")
         if any(not mb for group in self.micro_batches for mb in group):
             raise PlanError(f"block in layout {self.layout} has an empty micro-batch")
+        if not isinstance(self.sharded, bool):
+            raise PlanError(f"Block.sharded must be True or False, got {self.sharded!r}")
+        if self.sharded:
+            if self.layout.fsdp:
+                raise PlanError(f"a sharded block names its plain compute layout, got {self.layout}: "
+                                f"sharded=True already shards the working copy over the block's ranks")
+            if len(groups) * self.layout.cp < 2:
+                raise PlanError(f"block in layout {self.layout} on dp groups {groups} is sharded, but it has "
+                                f"one dp group and no cp: a copy sharded over its tp ranks only is a "
+                                f"replicated one (sharded=False)")
+        if self.activation_checkpointing is not None:
+            object.__setattr__(self, "activation_checkpointing",
+                               Checkpointing.parse(self.activation_checkpointing))
+            if self.layout.fsdp:
+                raise PlanError(f"block in layout {self.layout} of a mixed-cp lockstep stage sets "
+                                f"activation_checkpointing: those blocks follow the stage's mode")
+
+    @property
+    def legacy(self) -> bool:
+        """True for a block of a mixed-cp lockstep stage (its layout shards the stage's copy)."""
+        return self.layout.fsdp
+
+    @property
+    def size(self) -> int:
+        """The block's ranks: ``len(dp_groups) * tp * cp``."""
+        return len(self.dp_groups) * self.layout.tp * self.layout.cp
+
+    @property
+    def working_layout(self) -> Layout:
+        """The layout of the block's working copy: ``layout`` itself when replicated, else
+        ``layout`` sharded over the block's dp x cp ranks (``:fsdp<n>``; plain ``:fsdp`` when the
+        block is the whole world)."""
+        lay = self.layout
+        if not self.sharded:
+            return lay
+        shard = len(self.dp_groups) * lay.cp
+        return Layout(dp=lay.dp, tp=lay.tp, cp=lay.cp, cp_kv=lay.cp_kv, fsdp=True,
+                      fsdp_shard=0 if shard == lay.dp * lay.cp else shard)
+
+    def checkpointing(self, stage: Checkpointing) -> Checkpointing:
+        """The block's recomputation mode: its own, else the stage's ``stage``."""
+        return stage if self.activation_checkpointing is None else self.activation_checkpointing
 
 
 @dataclass(frozen=True)
@@ -82,12 +145,14 @@ class Stage:
     """All micro-batches of one layout in one step: ``micro_batches[dp_rank]`` lists that dp group's
     micro-batches, each a tuple of document indices into the step's document list.
 
-    A MIXED stage (``blocks`` given, ``micro_batches`` empty) computes in each block's layout on
-    that block's ranks (:func:`slice_plan` checks that the blocks tile the world). With a sharded
-    ``layout`` (``:fsdp`` or HSDP) every block computes on that one working copy and all dp groups
-    run lockstep rounds (mixed cp). With a replicated ``layout`` (mixed tp) each block holds its
-    own replicated working copy in its own layout (any tp x cp), runs its micro-batches on its own,
-    and the stage ends with one joint gradient reduction; ``layout`` then only names the stage.
+    A BLOCK STAGE (``blocks`` given, ``micro_batches`` empty) runs each :class:`Block` on its own
+    ranks in its own layout, each with its own working copy (sharded over its ranks or replicated),
+    its own micro-batch stream and checkpointing mode, and ends with one joint gradient reduction
+    of every block (:func:`slice_plan` checks that the blocks tile the world in aligned sub-meshes).
+    ``layout`` then only names the stage (records, metrics; any of the mesh's layouts).
+
+    Legacy mixed-cp lockstep stage: ``layout`` sharded (``:fsdp`` / HSDP) and every block's layout
+    sharding that same copy: all dp groups run lockstep rounds on the one working copy.
     """
 
     layout: Layout
@@ -112,26 +177,42 @@ class Stage:
                     raise PlanError(f"stage in layout {self.layout} has an empty micro-batch")
 
     def _check_blocks(self) -> None:
-        """A mixed stage: a sharded working copy, and blocks that compute on that same copy."""
+        """A block stage: blocks of plain layouts of the stage's world, or the legacy mixed-cp stage
+        (a sharded copy, and blocks that compute on that same copy)."""
         lay = self.layout
         if self.micro_batches:
-            raise PlanError(f"mixed stage in layout {lay} has both blocks and micro_batches; give its "
+            raise PlanError(f"block stage {lay} has both blocks and micro_batches; give its "
                             f"micro-batches in its blocks only")
         for block in self.blocks:
             if not isinstance(block, Block):
-                raise PlanError(f"mixed stage in layout {lay} has a block {block!r}, not a Block")
+                raise PlanError(f"block stage {lay} has a block {block!r}, not a Block")
+        legacy = [b.legacy for b in self.blocks]
+        if not any(legacy):  # blocks of their own
+            for block in self.blocks:
+                if block.layout.world_size != lay.world_size:
+                    raise PlanError(f"block stage {lay} (world {lay.world_size}) has a block in layout "
+                                    f"{block.layout} of world {block.layout.world_size}")
+                if block.sharded and block.checkpointing(self.activation_checkpointing) is Checkpointing.SELECTIVE:
+                    raise PlanError(f"block stage {lay}: the sharded block in layout {block.layout} would run "
+                                    f"selective checkpointing, which is not built for sharded copies; give the "
+                                    f"block 'full' or 'none'")
+            return
+        if not all(legacy) or not lay.fsdp:
+            raise PlanError(f"block stage {lay} mixes blocks of sharded layouts "
+                            f"{[str(b.layout) for b in self.blocks if b.legacy]} (a mixed-cp lockstep stage: "
+                            f"Stage.layout sharded and every block sharding that copy) with others; give "
+                            f"blocks plain layouts and sharded=True instead")
+        for block in self.blocks:
             b = block.layout
-            if not lay.fsdp:  # mixed tp: each block its own replicated working copy
-                if b.fsdp or b.world_size != lay.world_size:
-                    raise PlanError(f"mixed stage in layout {lay} (replicated: each block holds its own working "
-                                    f"copy) has a block in layout {b}: a block must be a replicated layout of "
-                                    f"world {lay.world_size}")
-                continue
-            if not b.fsdp or b.tp != lay.tp or b.world_size != lay.world_size or \
-                    b.tp * b.fsdp_shard != lay.tp * lay.fsdp_shard:
+            if b.tp != lay.tp or b.world_size != lay.world_size or b.tp * b.fsdp_shard != lay.tp * lay.fsdp_shard:
                 raise PlanError(f"mixed stage in layout {lay} has a block in layout {b}: a block must shard the "
                                 f"same working copy (fsdp, tp={lay.tp}, shard group of {lay.tp * lay.fsdp_shard} "
                                 f"ranks, world {lay.world_size})")
+
+    @property
+    def lockstep_blocks(self) -> bool:
+        """True for a legacy mixed-cp lockstep stage (blocks computing on the stage's sharded copy)."""
+        return bool(self.blocks) and self.blocks[0].legacy
 
     @property
     def groups(self) -> list[tuple[tuple[int, ...], ...]]:
@@ -192,16 +273,20 @@ class RankStage:
     """One rank's micro-batches of a stage. ``rounds``: forward/backward rounds this rank runs, at
     least its micro-batches; in a lockstep layout (``Layout.lockstep``: a sharded copy whose shard
     spans dp groups) every dp group runs as many as the busiest one (the per-unit gathers span dp
-    groups), the extra ones on :func:`idle_micro_batch`."""
+    groups), the extra ones on :func:`idle_micro_batch`; in a sharded block, the busiest of the
+    block's own dp groups."""
 
     layout: Layout
     micro_batches: tuple[MicroBatch, ...]
     activation_checkpointing: Checkpointing = Checkpointing.NONE
     label: str = ""
     rounds: int = 0
-    block: Layout | None = None  # a mixed stage: this rank's block's compute layout
-    #: a mixed-tp stage: every rank's working (= compute) layout, ``peers[r]`` for rank r; empty otherwise
+    block: Layout | None = None  # a block stage: this rank's block's compute (sharded: working) layout
+    #: a block stage (not legacy mixed-cp): every rank's working layout, ``peers[r]`` for rank r (a
+    #: sharded block's ``:fsdp<n>`` layout, a replicated block's own); empty otherwise
     peers: tuple[Layout, ...] = ()
+    #: a block stage: which block this rank is in, for errors and records ("2/3 (dp4, sharded, ranks 2-3)")
+    block_note: str = ""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "activation_checkpointing", Checkpointing.parse(self.activation_checkpointing))
@@ -211,15 +296,24 @@ class RankStage:
         return max(self.rounds, len(self.micro_batches))
 
     @property
+    def working_layouts(self) -> tuple[Layout, ...]:
+        """Every rank's working layout (``peers``), or ``(layout,)``: the same copy on every rank."""
+        return self.peers or (self.layout,)
+
+    def working_layout(self, rank: int) -> Layout:
+        """``rank``'s working layout: its block's in a block stage, else ``layout``."""
+        return self.peers[rank] if self.peers else self.layout
+
+    @property
     def compute_layout(self) -> Layout:
-        """The layout whose tp / cp groups compute: the block's in a mixed stage, else ``layout``
-        (which always names the working copy)."""
+        """The layout whose tp / cp groups compute: the block's in a block stage (a sharded block's
+        ``:fsdp<n>`` working layout, the same tp / cp groups as its plain layout), else ``layout``."""
         return self.block if self.block is not None else self.layout
 
     def map_tensors(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> RankStage:
         mbs = tuple(m.map_tensors(fn) for m in self.micro_batches)
         return RankStage(self.layout, mbs, self.activation_checkpointing, self.label, self.rounds, self.block,
-                         self.peers)
+                         self.peers, self.block_note)
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> RankStage:
         return self.map_tensors(lambda t: moved(t, device, non_blocking))
@@ -269,7 +363,7 @@ def check_block_capacity(plan: StepPlan, capacity: Callable[[Layout], int]) -> N
     """
     for k, stage in enumerate(plan.stages):
         for b, block in enumerate(stage.blocks):
-            cap, cp = capacity(block.layout), block.layout.cp
+            cap, cp = capacity(block.working_layout), block.layout.cp
             for group, mbs in zip(block.dp_groups, block.micro_batches):
                 for mb in mbs:
                     lengths = [plan.doc_lengths[d] for d in mb]
@@ -295,44 +389,91 @@ def slice_plan(plan: StepPlan, docs: Sequence[torch.Tensor], mesh: MeshShape, ra
         if stage.layout not in mesh.layouts:
             raise LayoutError(f"step plan {plan.step} uses layout {stage.layout}, which is not among the "
                               f"mesh's layouts {[str(x) for x in mesh.layouts]}")
-        compute, own, peers = stage.layout, None, ()
-        if stage.blocks:
-            compute, own, peers = _own_block(stage, mesh, rank, plan.step)
-        else:
-            own = stage.micro_batches[mesh.rank_coords(compute, rank)[0]]
-        cp_rank = mesh.rank_coords(compute, rank)[2]
-        mbs = tuple(pack_micro_batch([docs[i] for i in ids], compute.cp, cp_rank, ids, tp_size=compute.tp)
-                    for ids in own)
-        lockstep = stage.layout.lockstep or (bool(stage.blocks) and stage.layout.fsdp)
-        rounds = max(len(g) for g in stage.groups) if lockstep else 0
-        stages.append(RankStage(stage.layout, mbs, stage.activation_checkpointing, stage.label, rounds,
-                                compute if stage.blocks else None, () if stage.layout.fsdp else peers))
+        if not stage.blocks:
+            own = stage.micro_batches[mesh.rank_coords(stage.layout, rank)[0]]
+            rounds = max(len(g) for g in stage.groups) if stage.layout.lockstep else 0
+            stages.append(RankStage(stage.layout, _packed(own, docs, stage.layout, mesh, rank),
+                                    stage.activation_checkpointing, stage.label, rounds))
+            continue
+        block, own, peers = _own_block(stage, mesh, rank, plan.step)
+        compute = block.layout
+        if stage.lockstep_blocks:  # legacy mixed-cp: every dp group of the stage in lockstep
+            stages.append(RankStage(stage.layout, _packed(own, docs, compute, mesh, rank),
+                                    stage.activation_checkpointing, stage.label,
+                                    max(len(g) for g in stage.groups), compute))
+            continue
+        ranks = block_ranks(block, mesh)
+        note = f"{stage.blocks.index(block) + 1}/{len(stage.blocks)} ({compute}, " \
+               f"{'sharded' if block.sharded else 'replicated'}, ranks {ranks[0]}-{ranks[-1]})"
+        rounds = max(len(g) for g in block.micro_batches) if block.working_layout.lockstep else 0
+        stages.append(RankStage(stage.layout, _packed(own, docs, compute, mesh, rank),
+                                block.checkpointing(stage.activation_checkpointing), stage.label, rounds,
+                                block.working_layout, peers, note))
     return RankPlan(plan.step, tuple(stages), plan.global_target_tokens)
 
 
+def _packed(own: Sequence[tuple[int, ...]], docs: Sequence[torch.Tensor], compute: Layout, mesh: MeshShape,
+            rank: int) -> tuple[MicroBatch, ...]:
+    """``rank``'s micro-batches ``own`` packed and cp-sliced for its compute layout."""
+    cp_rank = mesh.rank_coords(compute, rank)[2]
+    return tuple(pack_micro_batch([docs[i] for i in ids], compute.cp, cp_rank, ids, tp_size=compute.tp)
+                 for ids in own)
+
+
+def block_dp_groups(layout: Layout, mesh: MeshShape, ranks: Sequence[int]) -> tuple[int, ...]:
+    """The dp groups of ``layout`` that hold ``ranks`` (sorted): what a :class:`Block` on those
+    ranks names (dp order is not rank order on a multi-dim mesh).
+
+    Args:
+        layout: the block's plain compute layout, one of the mesh's.
+        mesh: the world mesh's shape.
+        ranks: the block's ranks, e.g. ``range(4, 8)``.
+    """
+    return tuple(sorted({mesh.rank_coords(layout, r)[0] for r in ranks}))
+
+
+def block_ranks(block: Block, mesh: MeshShape) -> tuple[int, ...]:
+    """The ranks of ``block`` (ascending); a :class:`PlanError` unless they form an aligned sub-mesh:
+    one contiguous range ``[j * n, (j + 1) * n)`` with ``n`` dividing the world (outer dp dims split).
+    A legacy mixed-cp block (sharded layout) is not checked for alignment.
+
+    Args:
+        block: the block.
+        mesh: the world mesh's shape (``block.layout`` among its layouts).
+    """
+    ranks = tuple(r for r in range(mesh.world_size) if mesh.rank_coords(block.layout, r)[0] in block.dp_groups)
+    n = len(ranks)
+    if not block.legacy and (mesh.world_size % n or ranks[0] % n or ranks != tuple(range(ranks[0], ranks[0] + n))):
+        raise PlanError(f"block in layout {block.layout} on dp groups {block.dp_groups} holds ranks {list(ranks)}, "
+                        f"not an aligned sub-mesh of the {mesh.world_size}-rank world (a contiguous range of n "
+                        f"ranks starting at a multiple of n, n dividing the world)")
+    return ranks
+
+
 def _own_block(stage: Stage, mesh: MeshShape, rank: int, step: int
-               ) -> tuple[Layout, tuple[tuple[int, ...], ...], tuple[Layout, ...]]:
-    """``rank``'s block layout and micro-batches in a mixed stage, and every rank's block layout,
-    once the blocks are checked to tile the world (every rank in exactly one block: each rank
-    checks the whole stage alike)."""
+               ) -> tuple[Block, tuple[tuple[int, ...], ...], tuple[Layout, ...]]:
+    """``rank``'s block and micro-batches in a block stage, and every rank's working layout, once
+    the blocks are checked to tile the world (every rank in exactly one block: each rank checks the
+    whole stage alike)."""
     owner: dict[int, int] = {}
     for k, block in enumerate(stage.blocks):
-        if block.layout not in mesh.layouts:
-            raise LayoutError(f"step plan {step}: a block of stage {stage.layout} uses layout {block.layout}, "
-                              f"which is not among the mesh's layouts {[str(x) for x in mesh.layouts]}")
-        for r in range(mesh.world_size):
-            if mesh.rank_coords(block.layout, r)[0] in block.dp_groups:
-                if r in owner:
-                    raise PlanError(f"step plan {step}: rank {r} is in block {owner[r]} "
-                                    f"({stage.blocks[owner[r]].layout}) and block {k} ({block.layout}) of mixed "
-                                    f"stage {stage.layout}")
-                owner[r] = k
+        for lay in {block.layout, block.working_layout}:
+            if lay not in mesh.layouts:
+                raise LayoutError(f"step plan {step}: block {k} of stage {stage.layout} uses layout {lay}, "
+                                  f"which is not among the mesh's layouts {[str(x) for x in mesh.layouts]}")
+        for r in block_ranks(block, mesh):
+            if r in owner:
+                raise PlanError(f"step plan {step}: rank {r} is in block {owner[r]} "
+                                f"({stage.blocks[owner[r]].layout}) and block {k} ({block.layout}) of block "
+                                f"stage {stage.layout}")
+            owner[r] = k
     missing = [r for r in range(mesh.world_size) if r not in owner]
     if missing:
-        raise PlanError(f"step plan {step}: ranks {missing} are in no block of mixed stage {stage.layout}")
+        raise PlanError(f"step plan {step}: ranks {missing} are in no block of block stage {stage.layout}")
     block = stage.blocks[owner[rank]]
-    peers = tuple(stage.blocks[owner[r]].layout for r in range(mesh.world_size))
-    return block.layout, block.micro_batches[block.dp_groups.index(mesh.rank_coords(block.layout, rank)[0])], peers
+    peers = tuple(stage.blocks[owner[r]].working_layout for r in range(mesh.world_size))
+    own = block.micro_batches[block.dp_groups.index(mesh.rank_coords(block.layout, rank)[0])]
+    return block, own, peers
 
 
 def single_stage_plan(step: int, doc_lengths: Sequence[int], layout: Layout) -> StepPlan:

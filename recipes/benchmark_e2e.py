@@ -38,6 +38,7 @@ communication. The last line is one JSON object.
     python recipes/benchmark_e2e.py                   # both data sets, defaults below
     python recipes/benchmark_e2e.py --calibration e2e_calibration.json   # reuse / write the fit
     python recipes/benchmark_e2e.py --mixed           # mixed-cp rounds vs one process (recipes/e2e_mixed.py)
+    python recipes/benchmark_e2e.py --blocks          # block stages vs one process (recipes/e2e_mixed.py)
 """
 
 from __future__ import annotations
@@ -478,10 +479,11 @@ def summarize(name: str, raw: dict[str, Any], args: argparse.Namespace) -> dict[
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    if argv is None and "--mixed" in sys.argv[1:] or argv is not None and "--mixed" in argv:
-        from e2e_mixed import main as mixed  # a planner-made mixed-cp plan against one process
+    given = sys.argv[1:] if argv is None else argv
+    if "--mixed" in given or "--blocks" in given:
+        from e2e_mixed import main as mixed  # a planner-made mixed-cp plan / a block plan against one process
 
-        return mixed([a for a in (sys.argv[1:] if argv is None else argv) if a != "--mixed"])
+        return mixed([a for a in given if a != "--mixed"])
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     for key, value in DEFAULTS.items():
         parser.add_argument(f"--{key.replace('_', '-')}", type=type(value), default=value)

@@ -14,6 +14,12 @@ the planner rarely mixes; they RUN the tiny model on the CPU. Each mini-batch: 1
 than ``tokens_per_rank`` (only cp2 holds them) and short ones, drawn from a seeded generator until
 the planner mixes one (``draws_per_step``; ``mixed_of_draws``: how often it mixed what was drawn).
 Token ids are seeded per step. The last line is one JSON object.
+
+``--blocks`` (``python recipes/benchmark_e2e.py --blocks``; issue 38): hand-built BLOCK stages
+instead, no planner: even steps a sharded all-gather-KV cp2 block on ranks {0, 1} (full
+checkpointing) takes the long documents, one per micro-batch, beside a dp block sharded over {2, 3}
+that runs the short ones (any count per dp group); odd steps a replicated tp2 block {0, 1} beside
+two replicated dp blocks {2}, {3}, the last with no micro-batch when there are few short documents.
 """
 
 from __future__ import annotations
@@ -35,6 +41,8 @@ from lightning_hotspa.testing.spawn import run_on_ranks  # noqa: E402
 
 WORLD = 4
 LAYOUTS = ["dp4:fsdp", "dp2xcp2:fsdp"]
+#: ``--blocks``: every block's compute layout and each sharded block's working layout
+BLOCK_LAYOUTS = ["dp4", "dp2xcp2:kv", "dp2xtp2", "dp4:fsdp2", "dp2xcp2:kv:fsdp2"]
 MODEL = "llama7b"  # the shape the planner prices (H100, capacities set small); the run trains "tiny"
 MAX_DRAWS = 64
 DEFAULTS = {"steps": 4, "tokens_per_rank": 48, "short_docs": 12, "seed": 0, "lr": 2e-3, "tolerance": 1e-4}
@@ -47,12 +55,51 @@ def draw(rng: np.random.Generator, args: argparse.Namespace) -> list[int]:
     return rng.integers(2, cap, args.short_docs).tolist() + longs
 
 
+def _dealt(docs: list[int], lengths: list[int], groups: int, per_micro_batch: int) -> list[list[tuple[int, ...]]]:
+    """``docs`` dealt longest first to the least loaded of ``groups`` (tokens), then cut into
+    micro-batches of ``per_micro_batch`` documents."""
+    load, out = [0] * groups, [[] for _ in range(groups)]
+    for d in sorted(docs, key=lambda i: (-lengths[i], i)):
+        g = min(range(groups), key=lambda k: (load[k], k))
+        load[g] += lengths[d]
+        out[g].append(d)
+    return [[tuple(g[i:i + per_micro_batch]) for i in range(0, len(g), per_micro_batch)] for g in out]
+
+
+def block_plan(step: int, lengths: list[int], cap: int):
+    """A hand-built plan of one block stage (module docstring, ``--blocks``) for one mini-batch."""
+    from lightning_hotspa.layout import Layout, MeshShape
+    from lightning_hotspa.plan import Block, Stage, StepPlan, block_dp_groups
+
+    mesh = MeshShape.for_layouts([Layout.parse(x) for x in BLOCK_LAYOUTS], WORLD)
+    longs = [i for i, n in enumerate(lengths) if n > cap]
+    shorts = [i for i, n in enumerate(lengths) if n <= cap]
+    dp4 = Layout.parse("dp4")
+    if step % 2 == 0:
+        cp2 = Layout.parse("dp2xcp2:kv")
+        blocks = (Block(cp2, block_dp_groups(cp2, mesh, (0, 1)), (tuple((d,) for d in longs),), sharded=True,
+                        activation_checkpointing="full"),
+                  Block(dp4, block_dp_groups(dp4, mesh, (2, 3)),
+                        tuple(tuple(g) for g in _dealt(shorts, lengths, 2, 3)), sharded=True))
+    else:
+        tp2 = Layout.parse("dp2xtp2")
+        few = shorts[:2]  # rank 3's block gets none of them when there are two or fewer
+        blocks = (Block(tp2, block_dp_groups(tp2, mesh, (0, 1)), (tuple((d,) for d in longs + shorts[2:]),)),
+                  Block(dp4, block_dp_groups(dp4, mesh, (2,)), (tuple((d,) for d in few),)),
+                  Block(dp4, block_dp_groups(dp4, mesh, (3,)), ((),)))
+    return StepPlan(step, tuple(lengths), (Stage(blocks[0].layout, (), label="blocks", blocks=blocks),))
+
+
 def make_plans(args: argparse.Namespace):
     """``(plans, planner, draws)``: per step, mini-batches are drawn from the seeded generator until
     the planner mixes one (at most ``MAX_DRAWS``; the last drawn is kept either way): this run checks
     that mixed plans train correctly, and ``draws`` says how often the planner mixes such batches."""
     from lightning_hotspa.planner.solve.solver import CostModelPlanner
 
+    if args.blocks:
+        rng = np.random.default_rng(args.seed)
+        return [block_plan(step, draw(rng, args), args.tokens_per_rank) for step in range(args.steps)], None, \
+            [1] * args.steps
     planner = CostModelPlanner(LAYOUTS, model=MODEL, hardware="H100", world_size=WORLD,
                                tokens_per_rank=args.tokens_per_rank, activation_checkpointing=False,
                                static_margin=0.0)
@@ -80,6 +127,9 @@ def plan_mix(plan) -> list[dict[str, Any]]:
         entry: dict[str, Any] = {"layout": s.layout.name, "documents": len(s.doc_ids)}
         if s.blocks:
             entry["blocks"] = [{"layout": b.layout.name, "dp_groups": list(b.dp_groups),
+                                "working": b.working_layout.name, "sharded": b.sharded,
+                                "checkpointing": str(b.checkpointing(s.activation_checkpointing)),
+                                "micro_batches": [len(g) for g in b.micro_batches],
                                 "rounds": max(len(g) for g in b.micro_batches),
                                 "documents": sum(len(mb) for g in b.micro_batches for mb in g)} for b in s.blocks]
         else:
@@ -95,13 +145,14 @@ def train_rank(args: argparse.Namespace) -> dict[str, Any]:
     from lightning.pytorch.callbacks import Callback
 
     from lightning_hotspa import HotSPaStrategy
-    from lightning_hotspa.layout import MeshShape
+    from lightning_hotspa.layout import Layout, MeshShape
     from lightning_hotspa.models import LlamaLM
     from lightning_hotspa.plan import pack_micro_batch, slice_plan
 
     plans, planner, draws = make_plans(args)
     rank = dist.get_rank()
-    mesh = MeshShape.for_layouts(planner.layouts, WORLD)
+    layouts = BLOCK_LAYOUTS if args.blocks else LAYOUTS
+    mesh = MeshShape.for_layouts([Layout.parse(x) for x in layouts], WORLD)
     vocab = LlamaLM("tiny").config.vocab_size
     batches = [slice_plan(p, documents(p, vocab), mesh, rank) for p in plans]
 
@@ -119,7 +170,7 @@ def train_rank(args: argparse.Namespace) -> dict[str, Any]:
             self.seconds.append(time.perf_counter() - self.t0)
 
     record = Losses()
-    trainer = L.Trainer(accelerator="cpu", devices=WORLD, strategy=HotSPaStrategy(LAYOUTS), max_steps=len(plans),
+    trainer = L.Trainer(accelerator="cpu", devices=WORLD, strategy=HotSPaStrategy(layouts), max_steps=len(plans),
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, use_distributed_sampler=False, callbacks=[record])
     trainer.fit(LlamaLM("tiny", seed=3, lr=args.lr),
@@ -137,13 +188,15 @@ def train_rank(args: argparse.Namespace) -> dict[str, Any]:
         optimizer.step()
         reference.append(float(loss))
     return {"losses": record.losses, "reference": reference, "step_s": record.seconds, "draws": draws,
-            "plans": [plan_mix(p) for p in plans], "predicted_s": [planner.predict(p).seconds for p in plans]}
+            "plans": [plan_mix(p) for p in plans],
+            "predicted_s": [planner.predict(p).seconds for p in plans] if planner is not None else None}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     for key, value in DEFAULTS.items():
         parser.add_argument(f"--{key.replace('_', '-')}", type=type(value), default=value)
+    parser.add_argument("--blocks", action="store_true", help="hand-built block stages (issue 38), no planner")
     args = parser.parse_args(argv)
     if args.steps < 1 or args.tokens_per_rank < 8 or args.short_docs < 1:
         raise SystemExit(f"--steps >= 1, --tokens-per-rank >= 8 and --short-docs >= 1, got {args.steps}, "
@@ -152,13 +205,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     raw = run_on_ranks(train_rank, WORLD, args, timeout_s=1800)[0]
     diffs = [abs(a - b) / abs(b) for a, b in zip(raw["losses"], raw["reference"])]
     mixed_steps = sum(any("blocks" in s for s in p) for p in raw["plans"])
-    out = {"world": WORLD, "layouts": LAYOUTS, **{k: getattr(args, k) for k in DEFAULTS},
+    out = {"world": WORLD, "layouts": BLOCK_LAYOUTS if args.blocks else LAYOUTS, "blocks": args.blocks,
+           **{k: getattr(args, k) for k in DEFAULTS},
            "losses": raw["losses"], "reference_losses": raw["reference"], "max_loss_rel_diff": max(diffs),
            "losses_match": max(diffs) <= args.tolerance, "steps_with_a_mixed_stage": mixed_steps,
            "draws_per_step": raw["draws"], "mixed_of_draws": mixed_steps / sum(raw["draws"]),
            "plans": raw["plans"], "predicted_s_h100": raw["predicted_s"], "step_s_cpu": raw["step_s"],
            "wall_s": round(time.perf_counter() - t0, 1)}
-    print(f"mixed e2e: {mixed_steps} of {args.steps} steps with a mixed stage; max loss rel diff "
+    print(f"{'block' if args.blocks else 'mixed'} e2e: {mixed_steps} of {args.steps} steps with a block stage; "
+          f"max loss rel diff "
           f"{out['max_loss_rel_diff']:.1e} (tolerance {args.tolerance:g}): "
           f"{'match' if out['losses_match'] else 'MISMATCH'}")
     print(json.dumps(out))

@@ -9,7 +9,11 @@ peer's closed connection, not on a timeout. Rank 1 kills itself in the forward o
 transformer block of its second round of the mixed stage (its cp2 block's partner is rank 0; ranks
 2 and 3 compute at cp1 beside it).
 
-    python tests/mixed_kill_job.py OUT_DIR [--deadline S]
+    python tests/mixed_kill_job.py OUT_DIR [--deadline S] [--blocks]
+
+``--blocks``: the block stage of ``test_blocks.block_plans(4)[2]`` instead (issue 38): rank 1 dies in
+its second micro-batch of its sharded Ulysses cp2 block {0, 1}; rank 0 fails inside that block,
+ranks 2 and 3 (replicated dp blocks of their own) in the stage's joint exchange.
 
 writes OUT_DIR/job.json (exit codes, who hung, the kill's breadcrumb) and OUT_DIR/rank<r>.log.
 """
@@ -25,11 +29,12 @@ from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 TESTS = Path(__file__).resolve().parent
-sys.path[:0] = [str(TESTS.parent), str(TESTS), str(TESTS / "distributed")]  # test_mixed_planner lives there
+sys.path[:0] = [str(TESTS.parent), str(TESTS), str(TESTS / "distributed"), str(TESTS / "e2e")]  # the tests it reuses
 
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
 from strategy_helpers import rank_plans  # noqa: E402
+from test_blocks import BLOCK_LAYOUTS, block_plans  # noqa: E402
 from test_mixed_planner import PAIR_4, planner_mixed_plans  # noqa: E402
 
 import lightning_hotspa  # noqa: E402, F401
@@ -53,17 +58,17 @@ def install_kill(model: LlamaLM, strategy: HotSPaStrategy, stage: int, out: Path
     model.model.layers[1].register_forward_pre_hook(die)
 
 
-def rank_main(rank: int, port: int, out: Path) -> None:
+def rank_main(rank: int, port: int, out: Path, blocks: bool = False) -> None:
     log = (out / f"rank{rank}.log").open("w")
     os.dup2(log.fileno(), 1)
     os.dup2(log.fileno(), 2)
     os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(WORLD), "NODE_RANK": "0",
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
     torch.set_num_threads(1)
-    plan = planner_mixed_plans()[0]
+    plan, layouts = (block_plans(WORLD)[2], BLOCK_LAYOUTS[WORLD]) if blocks else (planner_mixed_plans()[0], PAIR_4)
     stage = next(k for k, s in enumerate(plan.stages) if s.blocks)
-    batches = rank_plans([plan], [Layout.parse(x) for x in PAIR_4], rank)
-    strategy = HotSPaStrategy(PAIR_4)  # the default process-group timeout
+    batches = rank_plans([plan], [Layout.parse(x) for x in layouts], rank)
+    strategy = HotSPaStrategy(layouts)  # the default process-group timeout
     model = LlamaLM("tiny", seed=3, lr=2e-3)
     if rank == 1:
         install_kill(model, strategy, stage, out)
@@ -79,11 +84,12 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
     parser.add_argument("--deadline", type=float, default=300.0, help="kill the ranks still running after this")
+    parser.add_argument("--blocks", action="store_true", help="the block stage of test_blocks (issue 38)")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     port = free_port()
-    ended = run_forked_ranks(WORLD, lambda rank: rank_main(rank, port, out), args.deadline)
+    ended = run_forked_ranks(WORLD, lambda rank: rank_main(rank, port, out, args.blocks), args.deadline)
     kill = out / "kill.json"
     (out / "job.json").write_text(json.dumps({"exit_codes": ended.codes, "hung": ended.hung,
                                               "kill": json.loads(kill.read_text()) if kill.exists() else None}))

@@ -149,7 +149,8 @@ class StepTracker:
         """A new stage begins with the switch into its layout."""
         self.stage += 1
         block = getattr(stage, "block", None)  # a mixed stage: this rank computes in its block's layout
-        self.layout = str(stage.layout) + (f", block {block}" if block is not None else "")
+        note = getattr(stage, "block_note", "")  # a block stage: which block, its layout, copy and ranks
+        self.layout = str(stage.layout) + (f", block {note or block}" if block is not None else "")
         self.label = getattr(stage, "label", "") or ""
         self.micro_batch, self.num_micro_batches = -1, len(stage.micro_batches)
         self.enter_phase("switch")

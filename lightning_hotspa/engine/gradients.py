@@ -299,12 +299,14 @@ class GradientReduction:
         Call right before the LAST backward of a stage (earlier ones would reduce partial sums),
         then :meth:`reduce_gradients` at the stage end launches what is left and waits. Buckets are
         launched strictly in plan order, so every rank issues the same collectives in the same order.
+        On a block stage's copy it does nothing: the joint reduction is not overlapped.
         """
         if self.active is None:
             raise RuntimeError("no active layout to reduce gradients from")
         if self._overlap is not None:
             raise RuntimeError("overlap_next_backward() called twice in one stage")
-        self._refuse_mixed("overlap_next_backward")
+        if getattr(self, "mixed", None) is not None:
+            return  # a block copy: its joint reduction runs after the backward (not overlapped)
         plan = self._reduce_plan(self.active)
         overlap = _Overlap([len(b.names) for b in plan.buckets])
         for name, w in self.working.items():
@@ -317,7 +319,8 @@ class GradientReduction:
 
     def _refuse_mixed(self, what: str) -> None:
         if getattr(self, "mixed", None) is not None:  # ranks hold different layouts: reduce_blocks() joins them
-            raise RuntimeError(f"{what}() on a mixed-tp working copy ({self.active} on this rank); use reduce_blocks()")
+            raise RuntimeError(f"{what}() on a block stage's working copy ({self.active} on this rank); "
+                               f"use reduce_blocks()")
 
     def _grad_ready(self, name: str) -> None:
         overlap, plan = self._overlap, self._reduce_plan(self.active)

@@ -44,20 +44,32 @@ __all__ = ["NestedExchange", "contribution", "working_interval"]
 Piece = tuple[str, int, int]
 
 
-def working_interval(sharding: ParamSharding, layout: Layout, rank: int) -> tuple[int, int]:
-    """[start, stop) of ``rank``'s working chunk of ``sharding`` in the replicated ``layout``."""
-    return sharding.interval(rank, sharding.layout_prefix(layout))
+#: (parameter name, working layout) -> the mesh-dim prefix its working copy is split over
+Prefix = Callable[[str, Layout], int]
 
 
-def contribution(sharding: ParamSharding, layout: Layout, rank: int) -> tuple[int, int] | None:
+def working_interval(sharding: ParamSharding, layout: Layout, rank: int, prefix: int | None = None
+                     ) -> tuple[int, int]:
+    """[start, stop) of ``rank``'s working chunk of ``sharding`` in ``layout`` (split over
+    ``prefix`` mesh dims; None: the layout's tp prefix, a replicated copy)."""
+    return sharding.interval(rank, sharding.layout_prefix(layout) if prefix is None else prefix)
+
+
+def contribution(sharding: ParamSharding, layout: Layout, rank: int, prefix: int | None = None
+                 ) -> tuple[int, int] | None:
     """The part of ``rank``'s working gradient it adds to the joint reduction (None: nothing).
 
     Args:
         sharding: the parameter's shardings.
         layout: ``rank``'s working layout.
         rank: the contributing rank.
+        prefix: the prefix its working copy is split over (None: the layout's tp prefix); one past
+            the tp prefix is a shard of a sharded block, already reduce-scattered over the block's
+            shard dims in backward: all of it.
     """
     role, mesh = sharding.role, sharding.mesh
+    if prefix is not None and prefix > sharding.layout_prefix(layout):
+        return sharding.interval(rank, prefix)
     if role.tp_grad != "replicate":  # a tp shard, or partial sums over tp: all of it
         return working_interval(sharding, layout, rank)
     tp = len(mesh.tp_dims(layout))
@@ -87,32 +99,42 @@ class _Routes:
 
 
 class NestedExchange:
-    """The routes of one mixed-tp stage on this rank and the two collectives that use them.
+    """The routes of one block stage on this rank and the two collectives that use them.
 
     Args:
         shardings: every parameter's shardings (the switch engine's), in the engine's order.
         mesh: the world mesh's shape.
-        layouts: each rank's working layout (replicated, one of the mesh's), ``layouts[r]`` for rank r.
+        layouts: each rank's working layout (one of the mesh's), ``layouts[r]`` for rank r.
         rank: this rank.
         bucket_bytes: the parameters of one collective, by their full size in the sent dtype
             (the same split on every rank; one larger parameter goes alone).
+        prefix: the prefix a parameter's working copy is split over in a layout (the switch
+            engine's: a sharded block's copy lies past its tp prefix); None: the tp prefix, and
+            every layout must be replicated.
     """
 
     def __init__(self, shardings: Mapping[str, ParamSharding], mesh: MeshShape, layouts: Sequence[Layout],
-                 rank: int, bucket_bytes: int = 4 * 2**20) -> None:
+                 rank: int, bucket_bytes: int = 4 * 2**20, prefix: Prefix | None = None) -> None:
         layouts = tuple(layouts)
         if len(layouts) != mesh.world_size:
-            raise LayoutError(f"a mixed-tp exchange needs one layout per rank ({mesh.world_size}), got {len(layouts)}")
+            raise LayoutError(f"a block stage's exchange needs one layout per rank ({mesh.world_size}), got "
+                              f"{len(layouts)}")
         for r, layout in enumerate(layouts):
-            if layout not in mesh.layouts or layout.fsdp:
-                raise LayoutError(f"rank {r}'s working layout {layout} in a mixed-tp exchange must be a replicated "
-                                  f"layout among the mesh's {[str(x) for x in mesh.layouts]}")
+            if layout not in mesh.layouts or (layout.fsdp and prefix is None):
+                raise LayoutError(f"rank {r}'s working layout {layout} in a block stage's exchange must be a "
+                                  f"{'' if prefix else 'replicated '}layout among the mesh's "
+                                  f"{[str(x) for x in mesh.layouts]}")
         self.shardings, self.mesh, self.layouts, self.rank = dict(shardings), mesh, layouts, rank
         self.bucket_bytes = bucket_bytes
+        self.prefix: Prefix = prefix or (lambda name, layout: self.shardings[name].layout_prefix(layout))
         self.gather_routes = self._gather_routes()
         self.reduce_routes = self._reduce_routes()
 
     # ---------------------------------------------------------------- routes
+    def _working(self, name: str, rank: int) -> tuple[int, int]:
+        """[start, stop) of ``rank``'s working chunk of ``name``."""
+        return self.shardings[name].interval(rank, self.prefix(name, self.layouts[rank]))
+
     def _home(self, name: str, rank: int) -> tuple[int, int]:
         sharding = self.shardings[name]
         return sharding.interval(rank, sharding.home_prefix)
@@ -121,8 +143,8 @@ class NestedExchange:
         """The piece of ``name`` that ``sender`` gives ``receiver``'s working chunk (None: none)."""
         sharding = self.shardings[name]
         home = sharding.home_prefix
-        want = working_interval(sharding, self.layouts[receiver], receiver)
-        if sharding.layout_prefix(self.layouts[receiver]) >= home:  # inside its own home chunk
+        want = self._working(name, receiver)
+        if self.prefix(name, self.layouts[receiver]) >= home:  # inside its own home chunk
             return want if sender == receiver else None
         if self.mesh.coords(sender)[home:] != self.mesh.coords(receiver)[home:]:
             return None  # another holder of the same chunk serves it
@@ -137,7 +159,8 @@ class NestedExchange:
 
     def _given(self, name: str, sender: int, receiver: int) -> tuple[int, int] | None:
         """The part of ``sender``'s gradient contribution to ``name`` that lands in ``receiver``'s home chunk."""
-        part = contribution(self.shardings[name], self.layouts[sender], sender)
+        layout = self.layouts[sender]
+        part = contribution(self.shardings[name], layout, sender, self.prefix(name, layout))
         return None if part is None else _overlap(part, self._home(name, receiver))
 
     def _reduce_routes(self) -> _Routes:
@@ -188,7 +211,7 @@ class NestedExchange:
                 offset += part.numel()
         received = torch.empty(sum(in_sizes), dtype=dtype, device=device)
         if dist.is_initialized() and dist.get_world_size() > 1:
-            with collective("the mixed-tp joint exchange", range(dist.get_world_size())):
+            with collective("the block stage's joint exchange", range(dist.get_world_size())):
                 dist.all_to_all_single(received, flat, in_sizes, out_sizes)
         else:
             received.copy_(flat)
@@ -223,9 +246,9 @@ class NestedExchange:
                 for (name, start, stop), piece in pieces:
                     sharding = self.shardings[name]
                     if name not in out:
-                        shape = sharding.local_shape(sharding.layout_prefix(self.layouts[self.rank]))
+                        shape = sharding.local_shape(self.prefix(name, self.layouts[self.rank]))
                         out[name] = torch.empty(shape, dtype=dtype, device=any_home.device)
-                    lo = working_interval(sharding, self.layouts[self.rank], self.rank)[0]
+                    lo = self._working(name, self.rank)[0]
                     _cut(out[name], sharding.dim, start - lo, stop - start).copy_(piece)
         return out, received, len(buckets)
 
@@ -239,7 +262,7 @@ class NestedExchange:
         collectives."""
         any_w = next(iter(working.values()))
         dtype = reduce_dtype(any_w.dtype)
-        base = {n: working_interval(self.shardings[n], self.layouts[self.rank], self.rank)[0] for n in working}
+        base = {n: self._working(n, self.rank)[0] for n in working}
         received = 0
         buckets = self._buckets(dtype.itemsize)
         for bucket in buckets:

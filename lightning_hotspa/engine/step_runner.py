@@ -9,13 +9,15 @@ run accumulates into the same ``.grad`` and reduces once, at its last stage. The
 last backward of a reducing stage starts while that backward runs
 (:meth:`SwitchEngine.overlap_next_backward`). Then the step's one small collective gathers every
 rank's loss and stage numbers (:func:`.records.gather_step`), and a non-finite global loss goes to
-the caller's policy (a callable: the engine does not know what "stop" or "skip" mean). A mixed
-stage (``RankStage.block``) switches to its working copy's layout and computes in its rank's block
-layout (docs/DESIGN.md §4, "Mixed-cp lockstep rounds"); a mixed-tp stage (``RankStage.peers``)
-drops the previous working copy, materializes every rank's own from home
-(:meth:`SwitchEngine.materialize_blocks`), runs each block on its own and ends with the joint
-reduction (:meth:`SwitchEngine.reduce_blocks`); it never shares gradients with a neighbour
-(docs/DESIGN.md §4, "Mixed tp at once").
+the caller's policy (a callable: the engine does not know what "stop" or "skip" mean).
+
+One kind of stage: every stage is entered with every rank's working layout
+(``RankStage.working_layouts``; :meth:`SwitchEngine.enter_stage`), computes in this rank's compute
+layout, and ends with :meth:`SwitchEngine.reduce_stage`. What differs is data, decided alike on
+every rank from the global plan: one layout on every rank (a uniform stage, a legacy mixed-cp
+stage) switches and may share gradients with its neighbour; a block stage (each block its own copy,
+sharded over its ranks or replicated; docs/DESIGN.md §4, "Blocks") materializes every rank's copy
+from home and ends with the joint reduction, never sharing.
 
 The runner knows no Lightning: the strategy, the CLI's calibration and the benchmark recipes all
 call it, each adding what it needs through :class:`StepHooks` (Lightning's backward hooks, the
@@ -126,20 +128,10 @@ class StepRunner:
         cp_rank = self.engine.world.shape.rank_coords(layout, self.engine.world.rank)[2]
         return idle_micro_batch(layout.cp, cp_rank, layout.tp).to(self.device)
 
-    def switch_to(self, layout: Layout, keep_grads: bool = False) -> SwitchReport:
-        """Working params of ``layout``: from home at the start of a step, else from the active layout."""
-        if self.engine.active is None:
-            return self.engine.materialize(layout)
-        return self.engine.switch(layout, keep_grads=keep_grads)
-
     def enter(self, stage: Any, keep_grads: bool = False) -> SwitchReport:
-        """The working copy of ``stage``: a switch to its layout, or for a mixed-tp stage every
-        rank's own block layout from home (the previous copy, already reduced, is dropped)."""
-        if not getattr(stage, "peers", ()):
-            return self.switch_to(stage.layout, keep_grads=keep_grads)
-        if self.engine.active is not None:
-            self.engine.release(free=True)  # one copy at a time: the new one comes from home
-        return self.engine.materialize_blocks(stage.peers)
+        """The working copy of ``stage``: every rank's working layout (:meth:`SwitchEngine.enter_stage`:
+        a switch when it is one layout everywhere, each block's own copy from home otherwise)."""
+        return self.engine.enter_stage(stage.working_layouts, keep_grads=keep_grads)
 
     def run(self, plan: RankPlan, loss_fn: LossFn, hooks: StepHooks | None = None, *,
             on_nonfinite: NonFinitePolicy | None = None) -> StepResult:
@@ -156,16 +148,14 @@ class StepRunner:
                 hooks.enter_stage(stage)
                 t0 = clock.mark()
                 report = self.enter(stage, keep_grads=carry)
-                # the same decision on every rank: the stage list is the global plan's (a mixed-tp stage
-                # is a mixed-tp stage on every rank)
+                # the same decision on every rank: every rank's working layouts are the global plan's
                 nxt = plan.stages[k + 1] if k + 1 < len(plan.stages) else None
-                carry = self.share_gradients and nxt is not None and not stage.peers and not nxt.peers \
-                    and engine.shares_gradients(stage.layout, nxt.layout)
-                # ac follows the working copy's layout: one choice for every block of a mixed-cp stage, so
-                # every rank's backward gathers alike; the compute groups are this rank's block's (a
-                # mixed-tp block's working copy is its own: its choice)
-                ac = stage.activation_checkpointing.stronger(self.activation_checkpointing(
-                    stage.compute_layout if stage.peers else stage.layout))
+                carry = self.share_gradients and nxt is not None and \
+                    engine.stages_share_gradients(stage.working_layouts, nxt.working_layouts)
+                # ac follows this rank's working copy's layout (one copy for every block of a mixed-cp
+                # stage, so every rank's backward gathers alike; a block's own) and the plan's mode
+                ac = stage.activation_checkpointing.stronger(
+                    self.activation_checkpointing(stage.working_layout(engine.world.rank)))
                 parallel.activate(stage.compute_layout, engine.working, ac)
                 hooks.before_compute(stage)
                 t1, c1 = clock.mark(), self.cpu_clock()
@@ -183,7 +173,7 @@ class StepRunner:
                     if i < real:
                         hooks.record_loss(loss, mb)
                     scaled = loss * (loss_weight(mb, plan, stage.compute_layout) if i < real else 0.0)
-                    if self.overlap and i == rounds - 1 and not carry and not stage.peers:
+                    if self.overlap and i == rounds - 1 and not carry:
                         engine.overlap_next_backward()  # reduce buckets while the last backward runs
                     if i < real:
                         hooks.backward(scaled)
@@ -196,13 +186,9 @@ class StepRunner:
                 fsdp_end = self._fsdp_bytes()
                 if carry:  # same tp next: keep accumulating, the run's last stage reduces once
                     grad_report = GradReport(stage.layout, 0, 0, 0.0)
-                elif stage.peers:  # mixed tp: the joint reduction, then the next stage starts from home
+                else:  # a block copy's joint exchange (the next stage's copy comes from home) or the layout's
                     hooks.enter_phase("reduce")
-                    grad_report = engine.reduce_blocks()
-                    engine.release(free=True)
-                else:
-                    hooks.enter_phase("reduce")
-                    grad_report = engine.reduce_gradients()
+                    grad_report = engine.reduce_stage()
                 marks.append((t0, t1, t2, t2 if carry else clock.mark()))
                 parts.append((report, grad_report, cpu_s, ac, fsdp_end - fsdp_start))
         finally:
@@ -239,8 +225,6 @@ class StepRunner:
                         output = fn(mb)
                 for _ in range(stage.num_rounds - len(stage.micro_batches)):
                     self.units.idle_forward()  # fsdp: the busier dp groups' gathers
-                if getattr(stage, "peers", ()):
-                    self.engine.release(free=True)  # the next stage materializes from home
         finally:
             self.parallel.restore(self.engine.home)
             self.engine.release()

@@ -33,7 +33,7 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -168,6 +168,7 @@ class SwitchEngine(GradientReduction):
             raise LayoutError(f"fsdp units name parameters {unknown[:5]} the engine does not hold")
         self.fsdp_names = frozenset(names)
         self._move_plans.clear()
+        self._exchanges.clear()
         self._reduce_plans.clear()
 
     def fsdp_gathered(self, name: str, layout: Layout) -> bool:
@@ -325,17 +326,56 @@ class SwitchEngine(GradientReduction):
             raise RuntimeError("no active layout: call materialize() first")
         return self._move(self.active, self._member(layout), self.working, keep_grads)
 
+    def enter_stage(self, layouts: Sequence[Layout], keep_grads: bool = False) -> SwitchReport:
+        """The working copy of a stage in which rank ``r`` holds ``layouts[r]`` (one entry: the same
+        layout on every rank). One layout everywhere: a switch from the active copy, or from home at
+        the start of a step or after a block copy (dropped first); different layouts (a block
+        stage): the active copy is dropped (already reduced) and every rank's own comes from home
+        (:meth:`materialize_blocks`). ``keep_grads``: see :meth:`switch` (one layout only)."""
+        key = tuple(layouts)
+        if not key:
+            raise LayoutError("enter_stage() needs the working layouts of the stage's ranks, got none")
+        if self.mixed is not None:  # a block copy never outlives its stage: reduced, or evaluated
+            self.release(free=True)
+        if len(set(key)) == 1:
+            if self.active is None:
+                return self.materialize(key[0])
+            return self.switch(key[0], keep_grads=keep_grads)
+        if keep_grads:
+            raise LayoutError(f"cannot keep working gradients into a block stage (layouts "
+                              f"{sorted({str(x) for x in key})}): reduce the previous stage first")
+        if self.active is not None:
+            self.release(free=True)  # one copy at a time: the blocks' come from home
+        return self.materialize_blocks(key)
+
+    def reduce_stage(self) -> GradReport:
+        """The stage-end reduction into the home-sharded store: a block copy's joint exchange
+        (:meth:`reduce_blocks`), else :meth:`reduce_gradients` (which finishes an overlapped one)."""
+        return self.reduce_blocks() if self.mixed is not None else self.reduce_gradients()
+
+    def stages_share_gradients(self, a: Sequence[Layout], b: Sequence[Layout]) -> bool:
+        """True if a stage whose ranks hold ``a`` may leave its working gradients to the next, whose
+        ranks hold ``b``: one layout on every rank in both, and :meth:`shares_gradients` (a block
+        copy reduces at its stage end: the next stage's copy comes from home)."""
+        return len(set(a)) == 1 and len(set(b)) == 1 and self.shares_gradients(a[0], b[0])
+
     def materialize_blocks(self, layouts: tuple[Layout, ...]) -> SwitchReport:
-        """Working params of a mixed-tp stage from the home state: every rank ``r`` in its block's
-        replicated layout ``layouts[r]`` (:mod:`.nested_exchange`, one world all-to-all per bucket).
-        The engine must hold no working copy (start of a step, or after :meth:`release`)."""
+        """Working params of a block stage from the home state: every rank ``r`` in its block's
+        working layout ``layouts[r]``, replicated or sharded over the block's own ranks
+        (``:fsdp<n>``: its fsdp units' parameters at :meth:`fsdp_prefix`) (:mod:`.nested_exchange`,
+        one world all-to-all per bucket). The engine must hold no working copy (start of a step, or
+        after :meth:`release`)."""
         if self.active is not None:
             raise RuntimeError(f"materialize_blocks() while layout {self.active} is active; release() it first")
         start = time.perf_counter()
         key = tuple(self._member(x) for x in layouts)
+        sharded = sorted({str(x) for x in key if x.fsdp})
+        if sharded and not self.fsdp_names:
+            raise LayoutError(f"block layouts {sharded} shard the working copy per unit, but no fsdp units were "
+                              f"registered (set_fsdp_units; the StepRunner does it from the model)")
         if key not in self._exchanges:
             self._exchanges[key] = NestedExchange(self.shardings, self.world.shape, key, self.world.rank,
-                                                  self.bucket_bytes)
+                                                  self.bucket_bytes, prefix=self._working_prefix)
         exchange = self._exchanges[key]
         out, received, collectives = exchange.gather({n: self._home_local(n) for n in self.shardings},
                                                      self.working_dtype)
@@ -347,10 +387,11 @@ class SwitchEngine(GradientReduction):
         return SwitchReport(None, self.active, received, received, collectives, time.perf_counter() - start)
 
     def reduce_blocks(self) -> GradReport:
-        """Sums every rank's working gradients of a mixed-tp stage (fp32 at least) into the
-        home-sharded store (:mod:`.nested_exchange`); then :meth:`release` the working copy."""
+        """Sums every rank's working gradients of a block stage (fp32 at least; a sharded block's
+        already reduce-scattered inside it) into the home-sharded store (:mod:`.nested_exchange`);
+        then :meth:`release` the working copy."""
         if self.mixed is None:
-            raise RuntimeError("reduce_blocks() without a mixed-tp working copy (materialize_blocks)")
+            raise RuntimeError("reduce_blocks() without a block stage's working copy (materialize_blocks)")
         start = time.perf_counter()
         grads = {n: self.working_grad(n) for n in self.shardings}
         self.main_grads = {}  # the exchange reads them from ``grads``; each bucket's dropped once sent

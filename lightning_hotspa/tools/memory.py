@@ -121,7 +121,8 @@ def estimate_layout(config: LlamaConfig, world_size: int, layout: Layout | str, 
     ``overlap``: reduce buckets during the backward (the strategy's way) or all after it.
     ``attention``: "cpu" runs the model's CPU kernel (SDPA's flash kernel per document); "gpu" keeps
     what flash-attn's varlen kernel keeps (:mod:`lightning_hotspa.testing.gpu_attention`).
-    ``peers``: every rank's layout of a mixed-tp stage (``peers[0]`` is ``layout``): rank 0 runs as
+    ``peers``: every rank's working layout of a block stage (``peers[0]`` is ``layout``; a sharded
+    block's is its ``:fsdp<n>`` layout, gathered per unit inside the block): rank 0 runs as
     a block of it, its copy from and its gradients into home through the joint exchange, not overlapped
     (``engine/nested_exchange.py``)."""
     if attention not in ATTENTION_PATHS:

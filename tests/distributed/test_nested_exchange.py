@@ -124,8 +124,8 @@ def test_nested_exchange_refuses_sharded_or_foreign_layouts():
     shardings = build_shardings(SHAPES, ROLES, mesh)
     tp1 = Layout.parse("dp4")
     with pytest.raises(
-        LayoutError, match=r"rank 2's working layout dp4:fsdp in a mixed-tp exchange must be a replicated"
-    ):
+        LayoutError, match=r"rank 2's working layout dp4:fsdp in a block stage's exchange must be a replicated"
+    ):  # without the engine's prefix (where a sharded block's copy lies) only replicated copies are routed
         NestedExchange(shardings, mesh, (tp1, tp1, Layout.parse("dp4:fsdp"), tp1), 0)
     with pytest.raises(LayoutError, match=r"rank 0's working layout tp4 .* must be a replicated layout among"):
         NestedExchange(shardings, mesh, (Layout.parse("tp4"),) * 4, 0)

@@ -21,10 +21,9 @@ ROOT = Path(__file__).resolve().parents[2]
 DEADLINE_S = 300.0  # the job kills what still runs then; the ranks' process-group timeout is 30 min
 
 
-@pytest.fixture(scope="module")
-def killed(tmp_path_factory):
-    out = tmp_path_factory.mktemp("mixed-kill")
-    cmd = [sys.executable, str(ROOT / "tests" / "mixed_kill_job.py"), str(out), "--deadline", str(DEADLINE_S)]
+def _kill_job(out: Path, *extra: str) -> dict:
+    """Runs tests/mixed_kill_job.py into ``out``: its job.json and every rank's log."""
+    cmd = [sys.executable, str(ROOT / "tests" / "mixed_kill_job.py"), str(out), "--deadline", str(DEADLINE_S), *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen(cmd, env=env, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
@@ -40,6 +39,31 @@ def killed(tmp_path_factory):
     return job
 
 
+@pytest.fixture(scope="module")
+def killed(tmp_path_factory):
+    return _kill_job(tmp_path_factory.mktemp("mixed-kill"))
+
+
+def _check_survivors(killed: dict, blocks: dict[int, str]) -> None:
+    """Every survivor exits non-zero before the deadline with a CollectiveError naming the
+    collective, its group's ranks (which include the dead rank 1) and its own block."""
+    assert killed["hung"] == [], f"ranks {killed['hung']} still waited at the deadline"
+    assert killed["exit_codes"]["1"] == -signal.SIGKILL
+    for rank, block in blocks.items():
+        log = killed["logs"][rank]
+        assert killed["exit_codes"][str(rank)] != 0, log[-2000:]
+        errors = [x for x in log.splitlines() if "CollectiveError:" in x]
+        assert errors, f"rank {rank} failed without a CollectiveError:\n{log[-3000:]}"
+        line = errors[-1]
+        # the collective's note: a sub-group by its name and ranks, a world collective by its ranks
+        group = re.search(r"in (?:an?|the) [\w\s'-]+ (?:over ranks|on process group '[^']+' \(ranks) \[([\d, ]+)\]\)? "
+                          r"at rank (\d)", line)
+        assert group and int(group.group(2)) == rank, line
+        assert 1 in [int(x) for x in group.group(1).split(",")], line
+        assert f"block {block}" in line and "global step 0" in line, line
+        assert "timed out" not in line.lower(), line
+
+
 def test_a_rank_killed_in_a_mixed_round_fails_the_others_with_the_group_named(killed):
     """Rank 1 (cp2 block with rank 0; ranks 2 and 3 at cp1) dies inside round 2 of the mixed stage.
     Every survivor exits non-zero before the job's deadline (its collective timeout is 30 min) with
@@ -47,21 +71,18 @@ def test_a_rank_killed_in_a_mixed_round_fails_the_others_with_the_group_named(ki
     and where it was: the mixed stage, its own block's layout."""
     assert killed["kill"] is not None, "rank 1 never reached its kill point"
     assert "block dp2xcp2:fsdp" in killed["kill"]["where"], killed["kill"]
-    assert killed["hung"] == [], f"ranks {killed['hung']} still waited at the deadline"
-    assert killed["exit_codes"]["1"] == -signal.SIGKILL
-    for rank, block in ((0, "dp2xcp2:fsdp"), (2, "dp4:fsdp"), (3, "dp4:fsdp")):
-        log = killed["logs"][rank]
-        assert killed["exit_codes"][str(rank)] != 0, log[-2000:]
-        errors = [x for x in log.splitlines() if "CollectiveError:" in x]
-        assert errors, f"rank {rank} failed without a CollectiveError:\n{log[-3000:]}"
-        line = errors[-1]
-        # the collective's note: a sub-group by its name and ranks, a world collective by its ranks
-        group = re.search(r"in an? [\w\s'-]+ (?:over ranks|on process group '[^']+' \(ranks) \[([\d, ]+)\]\)? "
-                          r"at rank (\d)", line)
-        assert group and int(group.group(2)) == rank, line
-        assert 1 in [int(x) for x in group.group(1).split(",")], line
-        assert f"block {block}" in line and "global step 0" in line, line
-        assert "timed out" not in line.lower(), line
+    _check_survivors(killed, {0: "dp2xcp2:fsdp", 2: "dp4:fsdp", 3: "dp4:fsdp"})
+
+
+def test_a_rank_killed_in_a_block_fails_every_other_block_with_group_and_block_named(tmp_path):
+    """Issue 38: rank 1 dies in its second micro-batch of a sharded Ulysses cp2 block {0, 1} of a
+    block stage; rank 0 fails inside that block, ranks 2 and 3 (replicated dp blocks of their own,
+    one with no micro-batch) in the stage's joint exchange: each names the group and its block."""
+    killed = _kill_job(tmp_path, "--blocks")
+    assert killed["kill"] is not None, "rank 1 never reached its kill point"
+    assert "block 1/3 (dp2xcp2, sharded, ranks 0-1)" in killed["kill"]["where"], killed["kill"]
+    _check_survivors(killed, {0: "1/3 (dp2xcp2, sharded, ranks 0-1)", 2: "2/3 (dp4, replicated, ranks 2-2)",
+                              3: "3/3 (dp4, replicated, ranks 3-3)"})
 
 
 def _one_rank_raises_while_the_other_gathers():

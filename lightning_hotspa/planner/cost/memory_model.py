@@ -206,7 +206,10 @@ class MemoryModel:
         (``engine/nested_exchange.py``), not overlapped: the transient is then the larger
         parameter's fp32 send buffer (this rank's 1/tp of the LM head) and receive buffer (at most
         the whole head: every rank's piece of this rank's home chunk); counted as if beside the
-        activations (conservative: they are freed by then)."""
+        activations (conservative: they are freed by then). A SHARDED block (``plan.Block.sharded``)
+        is priced as its working layout ``:fsdp<n>``: parameters / block ranks; its joint exchange
+        sends this rank's shard of the largest parameter and receives at most all of it, counted
+        as a transient beside the per-unit gathers' (the larger of the two)."""
         hw = self.hardware
         home = self.params * 16.0 / self.world_size
         split, full = self._param_split(par.tp)
@@ -216,6 +219,9 @@ class MemoryModel:
         if par.fsdp:
             working = per_rank / par.fsdp_shard * (self.param_bytes + self.grad_accum_bytes)
             transient = self.largest_gathered_unit(par.tp) * (3 * self.param_bytes + self.grad_bytes)
+            if mixed_tp:  # a sharded block's joint exchange (docs/DESIGN.md §4, "Blocks")
+                largest = self.model.padded_vocab_size * self.model.hidden / par.tp
+                transient = max(transient, largest * 4.0 * (1.0 / par.fsdp_shard + par.tp))
             return MemoryUse(home, working, act, usable, margin=self.model_error_margin, transient=transient,
                              head_per_token=self.logits_bytes_per_token(par.tp, par.cp))
         largest = self.model.padded_vocab_size * self.model.hidden / par.tp  # the LM head

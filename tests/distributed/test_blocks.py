@@ -1,0 +1,214 @@
+"""Block stages (docs/DESIGN.md §4, "Blocks"): blocks of their own layouts, working copies (sharded over
+the block's own ranks or replicated), micro-batch streams and checkpointing modes at once, then one
+joint gradient reduction, against the single process on 4 and 8 ranks."""
+
+import pytest
+import torch
+from strategy_helpers import deal
+from test_strategy import LENGTHS, _worst, fit_and_compare
+
+from lightning_hotspa.layout import Layout, MeshShape
+from lightning_hotspa.plan import Block, Stage, StepPlan, block_dp_groups
+
+#: the candidates of each world: every block's compute layout and, for a sharded one, its working layout
+BLOCK_LAYOUTS = {
+    4: ["dp4", "dp2xtp2", "dp2xcp2", "dp2xcp2:kv", "dp4:fsdp2", "dp2xcp2:fsdp2", "dp2xcp2:kv:fsdp2", "cp4:kv",
+        "cp4:kv:fsdp"],
+    8: ["dp8", "dp4xtp2", "dp2xcp4:kv", "dp2xcp4:kv2", "dp4xcp2", "dp8:fsdp2", "dp2xcp4:kv:fsdp4",
+        "dp2xcp4:kv2:fsdp4", "dp4xcp2:fsdp4", "dp2xtp2xcp2", "dp8:fsdp4", "dp4xtp2:fsdp2"],
+}
+
+#: per world, per step: the block stage's blocks (layout, ranks, micro-batches per dp group, sharded,
+#: checkpointing), and the plain stages before / after it
+BLOCK_SHAPES = {
+    4: [  # cp2 all-gather-KV sharded + a dp block sharded over 2 ranks with 2 and 1 micro-batches
+        ([("dp2xcp2:kv", (0, 1), [1], True, "full"), ("dp4", (2, 3), [2, 1], True, None)], (), ()),
+        # a replicated tp2 block beside a sharded dp block whose second group has no micro-batch
+        ([("dp2xtp2", (0, 1), [2], False, None), ("dp4", (2, 3), [1, 0], True, "full")], ("dp4",), ("dp2xtp2",)),
+        # Ulysses cp2 sharded, two replicated dp1 blocks, one without a micro-batch
+        ([("dp2xcp2", (0, 1), [2], True, None), ("dp4", (2,), [2], False, "selective"),
+          ("dp4", (3,), [0], False, None)], (), ("dp4",)),
+        # one block over the world: cp4 all-gather-KV sharded over all 4 ranks
+        ([("cp4:kv", (0, 1, 2, 3), [2], True, None)], ("dp2xcp2",), ()),
+    ],
+    8: [  # cp4 all-gather-KV sharded over 0-3, a sharded dp block 4-5, a replicated tp2 block 6-7
+        ([("dp2xcp4:kv", range(4), [1], True, "full"), ("dp8", (4, 5), [2, 1], True, None),
+          ("dp4xtp2", (6, 7), [2], False, None)], (), ()),
+        # hybrid cp4 (kv2) sharded, a lockstep dp x cp2 block of two dp groups, one idle
+        ([("dp2xcp4:kv2", range(4), [2], True, None), ("dp4xcp2", range(4, 8), [1, 0], True, "full")],
+         ("dp8",), ()),
+        # tp2 x cp2 replicated beside a sharded dp block of 4 ranks (3, 1, 0, 2 micro-batches)
+        ([("dp2xtp2xcp2", range(4), [1], False, None), ("dp8", range(4, 8), [3, 1, 0, 2], True, None)],
+         (), ("dp4xtp2",)),
+        # a tp2 block sharded over its 4 ranks (two dp groups in lockstep) beside a sharded cp4 block
+        ([("dp4xtp2", range(4), [2, 1], True, None), ("dp2xcp4:kv", range(4, 8), [1], True, "full")], ("dp8",), ()),
+    ],
+}
+
+
+def block_plans(world: int) -> list[StepPlan]:
+    """:data:`BLOCK_SHAPES` of ``world`` as step plans over :data:`LENGTHS`: the longest documents go
+    to the blocks in order, the rest are dealt to the plain stages (or to the last busy block)."""
+    mesh = MeshShape.for_layouts([Layout.parse(x) for x in BLOCK_LAYOUTS[world]], world)
+    plans = []
+    for step, (blocks, before, after) in enumerate(BLOCK_SHAPES[world]):
+        lengths = LENGTHS[step % len(LENGTHS)]
+        docs = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+        built = []
+        for name, ranks, counts, sharded, ac in blocks:
+            layout = Layout.parse(name)
+            groups = tuple(tuple(tuple(docs.pop(0) for _ in range(min(2, len(docs)))) for _ in range(c))
+                           for c in counts)
+            built.append((layout, block_dp_groups(layout, mesh, ranks), groups, sharded, ac))
+        others = list(before) + list(after)
+        rest = sorted(docs)
+        if not others:  # the last block with micro-batches takes the rest, two documents each
+            k = max(i for i, b in enumerate(built) if any(b[2]))
+            layout, dp_groups, groups, sharded, ac = built[k]
+            extra = tuple(tuple(rest[i:i + 2]) for i in range(0, len(rest), 2))
+            built[k] = (layout, dp_groups, (groups[0] + extra,) + groups[1:], sharded, ac)
+        stage = Stage(Layout.parse(blocks[0][0]), (), label="blocks", blocks=tuple(
+            Block(layout, dp_groups, groups, sharded=sharded, activation_checkpointing=ac)
+            for layout, dp_groups, groups, sharded, ac in built))
+        stages: tuple[Stage, ...] = (stage,)
+        if others:
+            share = -(-len(rest) // len(others))
+            normal = [deal(Layout.parse(x), rest[i * share:(i + 1) * share]) for i, x in enumerate(others)]
+            stages = tuple(normal[:len(before)]) + (stage,) + tuple(normal[len(before):])
+        plans.append(StepPlan(step, tuple(lengths), stages))
+    return plans
+
+
+def run_blocks(world: int, precision: str, kv_heads: int | None = None):
+    """:func:`fit_and_compare` over :func:`block_plans` (one AdamW step per plan, a real Trainer);
+    ``kv_heads`` swaps in a tiny model with that many kv heads (1: fewer than every block's cp)."""
+    import test_strategy
+
+    from lightning_hotspa.models import LlamaConfig, LlamaLM
+
+    original = test_strategy._model
+    if kv_heads is not None:
+        config = LlamaConfig.preset("tiny", n_kv_heads=kv_heads)
+        test_strategy._model = lambda dtype=torch.float32: LlamaLM(config, seed=3, lr=2e-3, weight_decay=0.1).to(dtype)
+    try:
+        plans = block_plans(world)
+        return fit_and_compare(BLOCK_LAYOUTS[world], len(plans), precision, plans=plans)
+    finally:
+        test_strategy._model = original
+
+
+def _check(result, grad_tol, loss_tol, weight_tol, steps):
+    assert result["global_step"] == steps
+    for step, errors in enumerate(result["grads"]):
+        assert _worst(errors)[1] <= grad_tol, (step, _worst(errors))
+    assert max(result["losses"]) <= loss_tol, result["losses"]
+    assert _worst(result["weights"])[1] <= weight_tol, _worst(result["weights"])
+
+
+@pytest.mark.parametrize("world, precision", [
+    (4, "32-true"),
+    pytest.param(4, "64-true", marks=pytest.mark.slow),
+    pytest.param(8, "32-true", marks=pytest.mark.slow),
+    pytest.param(8, "64-true", marks=pytest.mark.slow),
+])
+def test_block_stages_match_single_process(ranks, world, precision):
+    """fp32: per step the gradients equal the single process's on the same weights (1e-5), with one
+    kv head (fewer than every block's cp); fp64: the whole trajectory matches (1e-10)."""
+    steps = len(BLOCK_SHAPES[world])
+    if precision == "32-true":
+        _check(ranks(world).run(run_blocks, world, precision, 1)[0], 1e-5, 1e-5, 1e-4, steps)
+    else:
+        _check(ranks(world).run(run_blocks, world, precision)[0], 1e-10, 1e-12, 1e-9, steps)
+
+
+class _BlockWatch:
+    """Every collective a rank issues inside each block stage, from its compute until its joint
+    reduction (StepHooks' before_compute -> enter_phase("reduce"))."""
+
+    def __init__(self) -> None:
+        from lightning_hotspa.testing.comm_bytes import count_collective_bytes
+
+        self._count, self._ctx, self.stage = count_collective_bytes, None, None
+        self.calls: list[tuple[str, str, tuple[int, ...]]] = []  # (block note, collective, its ranks)
+
+    def enter_stage(self, stage) -> None:
+        self.stage = stage
+
+    def enter_micro_batch(self, micro_batch) -> None: ...
+
+    def before_compute(self, stage) -> None:
+        if stage.block_note:
+            self._ctx = self._count()
+            self._log = self._ctx.__enter__()
+
+    def enter_phase(self, phase) -> None:
+        if phase == "reduce" and self._ctx is not None:
+            self._ctx.__exit__(None, None, None)
+            self._ctx = None
+            self.calls += [(self.stage.block_note, c[0], tuple(r)) for c, r in zip(self._log.calls, self._log.ranks)]
+
+    def compute_context(self):
+        import contextlib
+
+        return contextlib.nullcontext()
+
+    def record_loss(self, loss, micro_batch) -> None: ...
+
+    def backward(self, scaled_loss) -> None:
+        scaled_loss.backward()
+
+
+def run_block_containment() -> list[tuple[str, str, tuple[int, ...]]]:
+    """The 4-rank block plans 0 and 2 (sharded cp2 blocks beside sharded and replicated dp blocks)
+    through a StepRunner under :class:`_BlockWatch`: this rank's collectives inside its block stages."""
+    import torch.distributed as dist
+    from strategy_helpers import make_docs
+    from test_step_runner import TinyLlama, _setup
+
+    from lightning_hotspa.engine.step_runner import StepRunner
+    from lightning_hotspa.plan import slice_plan
+
+    module, world, home, parallel, engine = _setup(BLOCK_LAYOUTS[4], TinyLlama())
+    runner = StepRunner(engine, parallel)
+    out = []
+    for plan in block_plans(4)[0:3:2]:
+        mine = slice_plan(plan, make_docs(plan.step, plan.doc_lengths), world.shape, dist.get_rank())
+        watch = _BlockWatch()
+        runner.run(mine, module, watch)
+        engine.clear_grad_store()
+        out += watch.calls
+    return out
+
+
+def test_every_collective_of_a_block_stays_inside_it(ranks):
+    """Deadlock-free by construction: between a block stage's compute and its joint reduction a
+    rank joins only collectives over ranks of its own block (the sharded blocks' unit gathers and
+    reduce-scatters, the cp and tp collectives, are seen: not vacuous)."""
+    import re
+
+    per_rank = ranks(4).run(run_block_containment)
+    seen = 0
+    for rank, calls in enumerate(per_rank):
+        for note, name, group in calls:
+            lo, hi = map(int, re.search(r"ranks (\d+)-(\d+)", note).groups())
+            assert rank in group and set(group) <= set(range(lo, hi + 1)), (rank, note, name, group)
+        seen += len(calls)
+    assert all(any(n.startswith("1/") and "sharded" in n for n, _, _ in calls) for calls in per_rank[:2])
+    assert seen > 0
+
+
+def test_memory_model_and_estimator_agree_on_a_sharded_block():
+    """A block sharded over its own 2 ranks costs parameters / 2 ranks: ``hotspa memory``'s estimator,
+    running rank 0's cp2:kv block for real (FakeTensorMode; its copy from home and its gradients into
+    home through the joint exchange), peaks within 2 % of the memory model's block term."""
+    from test_memory import SMALLISH
+
+    from lightning_hotspa.planner.cost.cost_model import AnalyticCostModel
+    from lightning_hotspa.tools.memory import estimate_layout
+
+    peers = ("dp2xcp2:kv:fsdp2",) * 2 + ("dp4", "dp4")
+    got = estimate_layout(SMALLISH, 4, peers[0], 1024, peers=peers, overlap=False, bucket_bytes=1)
+    lay, cm = Layout.parse(peers[0]), AnalyticCostModel(SMALLISH, "H100", 4)
+    assert abs(got["peak_bytes"] / cm.peak_bytes(lay, False, 1024, mixed_tp=True) - 1) < 0.02
+    # the working copy and its main grads: twice the world-sharded copy's per rank (2 ranks, not 4)
+    assert cm.memory(lay, False).working == pytest.approx(2 * cm.memory(Layout.parse("dp2xcp2:kv:fsdp"), False).working)
