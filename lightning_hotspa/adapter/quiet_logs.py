@@ -24,7 +24,7 @@ __all__ = ["UNACTIONABLE_WARNINGS", "filter_unactionable_warnings", "one_console
 UNACTIONABLE_WARNINGS: tuple[tuple[str, type[Warning], str], ...] = (
     ("`isinstance(treespec, LeafSpec)` is deprecated, use `isinstance(treespec, TreeSpec) and "
      "treespec.is_leaf()` instead.", FutureWarning,
-     "torch >= 2.11 deprecates LeafSpec; Lightning's own utilities/_pytree.py still uses it, once per rank"),
+     "torch 2.13 deprecates LeafSpec; Lightning 2.6's own utilities/_pytree.py still uses it, once per rank"),
 )
 
 _LIGHTNING_LOGGERS = ("lightning", "lightning.pytorch", "lightning.fabric")

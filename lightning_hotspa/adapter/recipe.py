@@ -274,7 +274,7 @@ def save_final_checkpoint(trainer: Any, node: Any) -> Path | None:
     found = sorted(folder.glob(f"*step={step}.ckpt")) if folder.is_dir() else []
     path = found[0] if found else folder / f"step={step}.ckpt"
     if not found:  # the same answer on every rank: the folder changes only in a (collective) save
-        trainer.save_checkpoint(str(path))
+        trainer.save_checkpoint(str(path), weights_only=False)  # full: resumable too
     if trainer.global_rank == 0:
         print(f"checkpoint: {path}\n  as a Hugging Face folder:  hotspa export {path} <out_dir>", flush=True)
     return path

@@ -84,7 +84,7 @@ def test_wandb_history_has_per_step_stage_metrics_of_the_stages_that_ran(run: di
     assert len(tables) == STEPS  # the plan table, every table_every_n_steps (here 1)
 
 
-NOISE = ("LeafSpec", "The anonymous setting has no effect", "Epoch 0/-2")
+NOISE = ("LeafSpec", "The anonymous setting has no effect", "Epoch 0/-2", "`weights_only` was not set")
 
 
 def test_console_has_no_listed_noise_and_each_lightning_line_once(run: dict) -> None:
