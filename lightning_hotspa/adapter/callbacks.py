@@ -37,7 +37,7 @@ from .strategy import HotSPaStrategy
 from .telemetry import RunSummary, detect_hardware, records_as_rows, stage_flops
 from .timeline import PARTS, draw_timeline
 
-__all__ = ["HotSPaMonitor", "HotSPaProgressBar", "plan_text"]
+__all__ = ["HotSPaMonitor", "HotSPaProgressBar", "epoch_text", "plan_text"]
 
 Predictor = Callable[[StepPlan], list[float | None]]
 
@@ -280,19 +280,45 @@ def _loss_of(outputs: Any) -> float | None:
 
 
 class HotSPaProgressBar(TQDMProgressBar):
-    """Lightning's bar plus the current step's plan (bucket -> layout x micro-batches) and tokens/s."""
+    """Lightning's bar plus the current step's plan (bucket -> layout x micro-batches) and tokens/s.
 
-    def __init__(self, refresh_rate: int = 1, leave: bool = True, show_plan: bool = True) -> None:
+    Shown on rank 0 only (Lightning disables it elsewhere). Differences from Lightning's bar: the
+    epoch reads ``Epoch <n>/<total>`` counted from 1, the total from ``max_epochs`` or, for a run
+    bounded by ``max_steps``, the epochs those steps span (:func:`epoch_text`); one redraw per
+    step (Lightning redraws once for the count and once for the metrics, which a log that is not a
+    terminal keeps as two lines); and ``leave=False`` by default, as in Lightning (``leave=True``
+    there opens a new bar at every epoch start and leaves the first one open).
+    """
+
+    def __init__(self, refresh_rate: int = 1, leave: bool = False, show_plan: bool = True) -> None:
         super().__init__(refresh_rate=refresh_rate, leave=leave)
+        self.leave_bars = leave
         self.show_plan = show_plan
         self._plan = ""
+
+    def on_train_epoch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        if self.leave_bars:
+            self.train_progress_bar = self.init_train_tqdm()
+        bar, total = self.train_progress_bar, self.total_train_batches
+        bar.set_description(epoch_text(trainer), refresh=False)
+        bar.reset(total=None if total == float("inf") else total)  # one redraw, with the true epoch
+        bar.initial = 0
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         if self.show_plan and isinstance(batch, RankPlan):
             result = last_step_of(trainer)
             self._plan = plan_text(batch, result.records if result is not None else ())
-        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        bar, n = self.train_progress_bar, batch_idx + 1
+        if bar is not None and not bar.disable and self.refresh_rate > 0 and (
+                n % self.refresh_rate == 0 or n == bar.total):
+            bar.set_postfix(self.get_metrics(trainer, pl_module), refresh=False)
+            bar.n = n
+            bar.refresh()
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.leave_bars:  # the last step's redraw already shows the epoch's final numbers
+            self.train_progress_bar.close()
 
     def get_metrics(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, Any]:
         items = super().get_metrics(trainer, pl_module)
@@ -303,3 +329,21 @@ class HotSPaProgressBar(TQDMProgressBar):
         if self._plan:
             items["plan"] = self._plan
         return items
+
+
+def epoch_text(trainer: L.Trainer) -> str:
+    """``Epoch <n>/<total>`` counted from 1: the total is ``max_epochs``, or for a run bounded by
+    ``max_steps`` the epochs those steps span (``Epoch <n>`` where neither bounds the run).
+
+    Args:
+        trainer: the fitting Trainer (``num_training_batches`` known).
+    """
+    epoch = trainer.current_epoch + 1
+    total = trainer.max_epochs if trainer.max_epochs is not None and trainer.max_epochs > 0 else None
+    per_epoch = trainer.num_training_batches
+    steps = trainer.max_steps
+    if steps is not None and steps > 0 and isinstance(per_epoch, int) and per_epoch > 0:
+        accumulate = max(1, int(getattr(trainer, "accumulate_grad_batches", 1) or 1))
+        by_steps = -(-steps * accumulate // per_epoch)
+        total = by_steps if total is None else min(total, by_steps)
+    return f"Epoch {epoch}/{total}" if total else f"Epoch {epoch}"

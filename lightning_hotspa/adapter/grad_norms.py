@@ -9,12 +9,32 @@ norms; :func:`grad_norm` is a drop-in with the same keys and the true norms, one
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-__all__ = ["grad_norm"]
+__all__ = ["grad_norm", "naming_our_grad_norm"]
+
+#: the end of torch's error when Lightning's ``grad_norm`` reads ``p.grad.data`` of a DTensor gradient
+_UNALLOCATED = "data is not allocated yet"
+
+
+@contextlib.contextmanager
+def naming_our_grad_norm() -> Iterator[None]:
+    """Re-raise torch's "data is not allocated yet" (what Lightning's ``grad_norm`` raises on our
+    DTensor gradients, in ``on_before_optimizer_step``) with the replacement named."""
+    try:
+        yield
+    except RuntimeError as exc:
+        if _UNALLOCATED not in str(exc):
+            raise
+        raise RuntimeError(f"{exc}\nUnder HotSPaStrategy gradients are DTensors sharded over the world, which "
+                           f"lightning.pytorch.utilities.grad_norm cannot read: use lightning_hotspa.grad_norm"
+                           f"(module, norm_type) (the same keys, the whole gradients' norms)") from exc
 
 
 def _counted_here(g: Tensor, rank: int) -> Tensor | None:

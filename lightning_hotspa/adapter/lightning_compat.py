@@ -29,7 +29,7 @@ from lightning.pytorch.trainer.connectors.logger_connector.result import (
 
 __all__ = ["ResultMetric", "accumulates", "SubprocessScriptLauncher", "Sync", "call_callback_hooks", "call_module_hook",
            "default_process_group_backend", "distributed_is_initialized", "init_dist_connection",
-           "result_metadata", "sync_ddp_if_available", "trainer_results"]
+           "drop_unset_wandb_init_keys", "forget_logged", "result_metadata", "sync_ddp_if_available", "trainer_results"]
 
 ResultMetric = _ResultMetric
 Sync = _Sync
@@ -80,6 +80,37 @@ def trainer_results(trainer: Any) -> Any:
         trainer: the Trainer, or None.
     """
     return getattr(trainer, "_results", None) if trainer is not None else None
+
+
+def forget_logged(results: Any, prefix: str) -> None:
+    """Mark every value logged under a name starting with ``prefix`` as not logged this step.
+
+    Lightning keeps each ``self.log`` key of an epoch in its result collection and hands the loggers
+    every key's last value at every step, also the steps that did not log it (a stage that did not
+    run would read as its last value). A reset value is left out until the next ``log`` of its name.
+
+    Args:
+        results: the loop's logged-metric collection (:func:`trainer_results`), or None.
+        prefix: the start of the names to forget, e.g. ``"hotspa/"``.
+    """
+    if results is None:
+        return
+    for metric in results.values():
+        if isinstance(metric, _ResultMetric) and metric.meta.name.startswith(prefix) and not metric.has_reset:
+            metric.reset()
+
+
+def drop_unset_wandb_init_keys(logger: Any) -> None:
+    """Remove ``anonymous=None`` from a ``WandbLogger``'s pending ``wandb.init`` arguments
+    (``_wandb_init``): Lightning always passes it (``None`` unless asked), and wandb 0.31 prints
+    "The anonymous setting has no effect" for any value it is given.
+
+    Args:
+        logger: a ``WandbLogger`` before its run starts.
+    """
+    init = getattr(logger, "_wandb_init", None)
+    if isinstance(init, dict) and "anonymous" in init and init["anonymous"] is None:
+        del init["anonymous"]
 
 
 def accumulates(trainer: Any) -> bool:

@@ -22,9 +22,9 @@ from ..engine.records import StepResult
 from ..engine.step_runner import StepHooks
 from ..layout import Layout, LayoutError
 from ..plan import RankPlan, RankStage
-from .lightning_compat import call_callback_hooks, call_module_hook, trainer_results
+from .lightning_compat import call_callback_hooks, call_module_hook, forget_logged, trainer_results
 from .reliability import StepTracker
-from .stats import step_metrics
+from .stats import stage_doc_tokens, step_metrics
 
 __all__ = ["LightningStepHooks", "as_scalar_loss", "check_trainer", "open_breadcrumbs", "plain_plan", "run_eval_step",
            "run_training_step"]
@@ -113,6 +113,7 @@ def run_training_step(strategy: Any, batch: Any, batch_idx: int) -> tuple[StepRe
         batch, layout, strategy.root_device, strategy.activation_checkpointing_for(layout))
     hooks = LightningStepHooks(module.trainer, module, strategy.tracker, strategy.precision_plugin)
     results = trainer_results(module.trainer)
+    forget_logged(results, "hotspa/")  # a stage that does not run in this step must log nothing
 
     def loss_of(mb: Any) -> Tensor:
         loss = as_scalar_loss(module.training_step(mb, batch_idx), module)
@@ -122,7 +123,7 @@ def run_training_step(strategy: Any, batch: Any, batch_idx: int) -> tuple[StepRe
     with strategy.metric_sync.step(results):
         result = strategy.runner.run(plan, loss_of, hooks, on_nonfinite=strategy.nonfinite)
     strategy.metric_sync.finish(results, strategy.reduce, strategy.root_device)
-    metrics = step_metrics(result.records)
+    metrics = step_metrics(result.records, stage_doc_tokens(plan.extras.get("global_plan"), len(plan.stages)))
     if result.skip_update:
         metrics["hotspa/skipped_steps"] = float(len(strategy.nonfinite.skipped_steps))
     if strategy.built_planner is not None:

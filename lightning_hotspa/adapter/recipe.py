@@ -256,6 +256,30 @@ def resolve_ckpt_path(cfg: DictConfig) -> str | None:
     return f"{LATEST_PREFIX if spec == 'latest' else LATEST_OR_SCRATCH_PREFIX}{dirpath}"
 
 
+def save_final_checkpoint(trainer: Any, node: Any) -> Path | None:
+    """With ``checkpoint.at_end``: the trained state as ``<dirpath>/step=S.ckpt`` for ``hotspa export``
+    / ``consolidate`` or a resume; a periodic checkpoint of that step already there (``...-step=S.ckpt``)
+    is used instead. Every rank calls it (the save is collective); returns the folder.
+
+    Args:
+        trainer: the Trainer after ``fit``.
+        node: the ``checkpoint`` config node (``at_end``, ``dirpath``), or None.
+    """
+    if node is None or not node.get("at_end") or trainer.global_step == 0:
+        return None
+    dirpath = node.get("dirpath")
+    if not dirpath:
+        raise ConfigError("checkpoint.at_end needs checkpoint.dirpath (the folder to write to)")
+    folder, step = Path(str(dirpath)), trainer.global_step
+    found = sorted(folder.glob(f"*step={step}.ckpt")) if folder.is_dir() else []
+    path = found[0] if found else folder / f"step={step}.ckpt"
+    if not found:  # the same answer on every rank: the folder changes only in a (collective) save
+        trainer.save_checkpoint(str(path), weights_only=False)  # full: resumable too
+    if trainer.global_rank == 0:
+        print(f"checkpoint: {path}\n  as a Hugging Face folder:  hotspa export {path} <out_dir>", flush=True)
+    return path
+
+
 def build_trainer(cfg: DictConfig) -> Any:
     """Strategy, loggers and callbacks first, then the Trainer that gets them."""
     from lightning.pytorch.callbacks import LearningRateMonitor
@@ -300,8 +324,11 @@ def train(cfg: DictConfig) -> int:
     import lightning as L
 
     from .callbacks import HotSPaMonitor
+    from .quiet_logs import filter_unactionable_warnings, one_console_handler
 
     register_resolvers()
+    one_console_handler()  # Hydra's job logging is set up by now: each Lightning line once
+    filter_unactionable_warnings()
     check_config(cfg)
     L.seed_everything(int(cfg.seed), workers=True, verbose=False)
     trainer = build_trainer(cfg)
@@ -313,6 +340,7 @@ def train(cfg: DictConfig) -> int:
         print(f"hotspa: node {os.environ['GROUP_RANK']} (ranks from {os.environ.get('RANK')}, "
               f"{os.environ.get('LOCAL_WORLD_SIZE')} per node) writes to run folder {cfg.output_dir}", flush=True)
     trainer.fit(model, datamodule=datamodule, ckpt_path=resolve_ckpt_path(cfg))
+    save_final_checkpoint(trainer, cfg.get("checkpoint"))
     monitor = next((c for c in trainer.callbacks if isinstance(c, HotSPaMonitor)), None)
     expected = cfg.get("expect_loss_ratio")
     if trainer.global_rank != 0 or expected is None:

@@ -1,30 +1,54 @@
 """The step's logger metrics, built in this one place from the step runner's typed records.
 
-Metrics are keyed by stage (:func:`stage_keys`): ``<stage>`` is the layout's name, ``+ac`` when the
-stage checkpointed activations fully, ``+sac`` selectively (``Checkpointing.suffix``; ``dp8``,
-``dp8+ac``: the cost planner may split a layout's documents
-over two such stages in one step), and ``#2``, ``#3``... on a name's later stages in the same step.
+Metrics are keyed by stage (:func:`stage_keys`, the one place a stage's key is made):
+``<layout>@<bucket>``. ``<layout>`` is the record's name (:attr:`StageRecord.name`: the layout,
+``+ac`` when the stage checkpointed activations fully, ``+sac`` selectively; the cost planner may
+split a layout's documents over two such stages in one step); ``@<bucket>`` the stage's length
+bucket (:func:`bucket_key`: ``(256,1024]`` -> ``256-1024``; left out for a stage without a label);
+``#2``, ``#3``... on a key's later stages in the same step.
 The strategy logs :func:`step_metrics`:
-``hotspa/<stage>/{tokens,documents,micro_batches,switch_s,switch_MB,compute_s,reduce_s,tokens_per_s}``
-and step totals ``hotspa/step_s``, ``hotspa/tokens_per_s``, ``hotspa/switch_fraction``. Token counts
-are summed over ranks (tp copies once), times are the slowest rank's (:class:`StageRecord`). The
-monitor adds :func:`monitor_metrics` (what needs the model or the cost model): ``train/step_loss``,
+``hotspa/<stage>/{tokens,padded_tokens,documents,micro_batches,switch_s,switch_MB,compute_s,reduce_s,
+tokens_per_s}`` (``tokens``: the stage's documents' tokens in the global plan; ``padded_tokens``:
+what its ranks computed, cp / tp padding included) and step totals ``hotspa/tokens``,
+``hotspa/documents`` (the sums of the stages': the step's global batch), ``hotspa/step_s``,
+``hotspa/tokens_per_s``, ``hotspa/switch_fraction``. Only the stages that ran in a step have keys
+in that step: the strategy forgets the previous step's
+``hotspa/*`` values first (``lightning_compat.forget_logged``; Lightning would otherwise hand the
+loggers every key's last value at every step). Token counts are summed over ranks (tp copies once),
+times are the slowest rank's (:class:`StageRecord`). The monitor adds :func:`monitor_metrics`
+(what needs the model or the cost model): ``train/step_loss``,
 ``hotspa/<stage>/{stage_s,mfu,predicted_s}``, ``hotspa/mfu``, ``hotspa/predicted_step_s`` and
 ``hotspa/predicted_over_measured``.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from ..engine.records import StageRecord
+from ..plan import StepPlan
 
-__all__ = ["monitor_metrics", "stage_keys", "step_metrics"]
+__all__ = ["bucket_key", "monitor_metrics", "stage_doc_tokens", "stage_keys", "step_metrics"]
+
+_KEY_CHARS = re.compile(r"[^A-Za-z0-9_.+-]+")
+
+
+def bucket_key(label: str) -> str:
+    """A length bucket's label as a metric-key part: ``(256,1024]`` -> ``256-1024``.
+
+    Args:
+        label: the stage's label (:attr:`StageRecord.label`), e.g. ``"(256,1024]"``; may be empty.
+    """
+    text = label.strip().strip("()[]").replace(",", "-")
+    return _KEY_CHARS.sub("_", text).strip("_")
 
 
 def stage_keys(records: Sequence[StageRecord]) -> list[str]:
-    """One metric key per record, unique within the step: :attr:`StageRecord.name`, with ``#<n>``
-    on the n-th stage of a name that repeats.
+    """One metric key per record, unique within the step: :attr:`StageRecord.name`, then
+    ``@<bucket>`` (:func:`bucket_key` of its label, where it has one), with ``#<n>`` on the n-th
+    stage of a key that repeats.
 
     Args:
         records: one step's records, in stage order.
@@ -32,18 +56,44 @@ def stage_keys(records: Sequence[StageRecord]) -> list[str]:
     seen: dict[str, int] = {}
     keys = []
     for r in records:
-        seen[r.name] = seen.get(r.name, 0) + 1
-        keys.append(r.name if seen[r.name] == 1 else f"{r.name}#{seen[r.name]}")
+        bucket = bucket_key(r.label)
+        key = f"{r.name}@{bucket}" if bucket else r.name
+        seen[key] = seen.get(key, 0) + 1
+        keys.append(key if seen[key] == 1 else f"{key}#{seen[key]}")
     return keys
 
 
-def step_metrics(records: Sequence[StageRecord]) -> dict[str, float]:
-    """The logger metrics of one step's records (empty for a step without stages)."""
+def stage_doc_tokens(plan: Any, stages: int) -> list[int] | None:
+    """Each stage's document tokens in a global :class:`StepPlan` (the batch's tokens, without the
+    cp / tp padding the ranks add), by stage order; None for anything else, or for a plan whose
+    stages are not the ``stages`` the ranks ran.
+
+    Args:
+        plan: ``RankPlan.extras["global_plan"]``, or None.
+        stages: how many stages the rank's plan has.
+    """
+    if not isinstance(plan, StepPlan) or len(plan.stages) != stages:
+        return None
+    return [int(sum(int(plan.doc_lengths[d]) for d in stage.doc_ids)) for stage in plan.stages]
+
+
+def step_metrics(records: Sequence[StageRecord], doc_tokens: Sequence[int] | None = None) -> dict[str, float]:
+    """The logger metrics of one step's records (empty for a step without stages).
+
+    Args:
+        records: the step's records, in stage order.
+        doc_tokens: each stage's document tokens (:func:`stage_doc_tokens`), by ``order``. Given,
+            ``tokens`` and ``tokens_per_s`` count them and ``padded_tokens`` what the ranks computed
+            (documents plus cp / tp padding); else ``tokens`` is what the ranks computed.
+    """
     metrics: dict[str, float] = {}
-    step_s = switch_total = tokens_total = 0.0
+    step_s = switch_total = tokens_total = documents_total = 0.0
     for r, key in zip(records, stage_keys(records)):
         prefix = f"hotspa/{key}"
-        metrics[f"{prefix}/tokens"] = r.tokens
+        tokens = float(doc_tokens[r.order]) if doc_tokens is not None and r.order < len(doc_tokens) else r.tokens
+        metrics[f"{prefix}/tokens"] = tokens
+        if doc_tokens is not None:
+            metrics[f"{prefix}/padded_tokens"] = r.tokens
         metrics[f"{prefix}/documents"] = r.documents
         metrics[f"{prefix}/micro_batches"] = r.micro_batches
         metrics[f"{prefix}/switch_s"] = r.switch_s
@@ -52,11 +102,14 @@ def step_metrics(records: Sequence[StageRecord]) -> dict[str, float]:
             metrics[f"{prefix}/fsdp_MB"] = r.fsdp_mb
         metrics[f"{prefix}/compute_s"] = r.compute_s
         metrics[f"{prefix}/reduce_s"] = r.reduce_s
-        metrics[f"{prefix}/tokens_per_s"] = r.tokens / r.stage_s if r.stage_s > 0 else 0.0
+        metrics[f"{prefix}/tokens_per_s"] = tokens / r.stage_s if r.stage_s > 0 else 0.0
         step_s += r.stage_s
         switch_total += r.switch_s
-        tokens_total += r.tokens
+        tokens_total += tokens
+        documents_total += r.documents
     if records:
+        metrics["hotspa/tokens"] = tokens_total
+        metrics["hotspa/documents"] = documents_total
         metrics["hotspa/step_s"] = step_s
         metrics["hotspa/tokens_per_s"] = tokens_total / step_s if step_s > 0 else 0.0
         metrics["hotspa/switch_fraction"] = switch_total / step_s if step_s > 0 else 0.0

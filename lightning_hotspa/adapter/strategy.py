@@ -45,6 +45,7 @@ from .accumulation import GradAccumulation
 from .checkpoint import check_checkpoint_dirs
 from .checkpoint_hooks import StrategyCheckpoints
 from .compile_blocks import check_compile_spec, compile_blocks
+from .grad_norms import naming_our_grad_norm
 from .guarded_collectives import GuardedCollectives
 from .home_state import build_home_state
 from .launch_checks import CheckingLauncher
@@ -69,6 +70,7 @@ from .nonfinite import NonFiniteHandler
 from .planner_factory import PLANNER_NAMES, build_planner, check_planner_spec
 from .precision import HotSPaPrecision, as_hotspa_precision
 from .profiling import ProfilingFeedback
+from .quiet_logs import filter_unactionable_warnings
 from .reliability import StepTracker, as_timeout, enable_nccl_flight_recorder, subgroup_timeout
 
 __all__ = ["PLANNER_NAMES", "HotSPaStrategy", "default_layouts"]
@@ -146,6 +148,7 @@ class HotSPaStrategy(GuardedCollectives, StrategyCheckpoints, ParallelStrategy):
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin)
+        filter_unactionable_warnings()  # every rank builds a strategy: once per process
         self._layout_spec = parse_layout_spec(layouts)
         check_int(tokens_per_rank, "tokens_per_rank")
         check_planner_spec(planner, hardware)
@@ -388,7 +391,7 @@ class HotSPaStrategy(GuardedCollectives, StrategyCheckpoints, ParallelStrategy):
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
-        with self.tracker.guard():  # clipping's all-reduce; the step itself (in the closure) is guarded there
+        with self.tracker.guard(), naming_our_grad_norm():  # guard: clipping's all-reduce (the step: the closure)
             return super().optimizer_step(optimizer, closure, model, **kwargs)
 
     # ------------------------------------------------------------------ evaluation

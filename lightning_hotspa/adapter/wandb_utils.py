@@ -19,6 +19,8 @@ from urllib.parse import urlparse
 from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
+from .lightning_compat import drop_unset_wandb_init_keys
+
 __all__ = ["WandbDecision", "decide_wandb_mode", "find_api_key_source", "offline_run_message", "wandb_logger"]
 
 _DEFAULT_HOST = "https://api.wandb.ai"
@@ -83,6 +85,7 @@ def wandb_logger(*, offline: bool | str = "auto", save_dir: str | None = None, *
         Path(save_dir).mkdir(parents=True, exist_ok=True)
     _announce(decision, save_dir)
     logger = WandbLogger(offline=decision.mode == "offline", save_dir=save_dir, **kwargs)
+    drop_unset_wandb_init_keys(logger)  # wandb 0.31 warns about an `anonymous=None` it is handed
     logger.hotspa_wandb_decision = decision  # type: ignore[attr-defined]
     return logger
 

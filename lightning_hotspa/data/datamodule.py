@@ -215,6 +215,7 @@ class HotSPaDataModule(L.LightningDataModule):
         seed: int = 0,
         long_doc_policy: LongDocPolicy = "split",
         val_fraction: float = 0.0,
+        test_fraction: float = 0.0,
         val_seed: int = 0,
         val_tokens_per_batch: int | None = None,
         batches_per_epoch: int | None = None,
@@ -240,8 +241,12 @@ class HotSPaDataModule(L.LightningDataModule):
         self._tokenizer = tokenizer if isinstance(tokenizer, Tokenizer) else build_tokenizer(
             tokenizer, **dict(tokenizer_kwargs or {}))
         check_chat_pairing(self._source, self._tokenizer, name)
-        if not (isinstance(val_fraction, (int, float)) and 0.0 <= val_fraction < 1.0):
-            raise DataError(f"{name}: val_fraction must be in [0, 1), got {val_fraction!r}")
+        for key, value in (("val_fraction", val_fraction), ("test_fraction", test_fraction)):
+            if isinstance(value, bool) or not (isinstance(value, (int, float)) and 0.0 <= value < 1.0):
+                raise DataError(f"{name}: {key} must be in [0, 1), got {value!r}")
+        if val_fraction + test_fraction >= 1.0:
+            raise DataError(f"{name}: val_fraction + test_fraction must be below 1 (some documents must be left "
+                            f"to train on), got {val_fraction} + {test_fraction}")
         check_int(num_workers, f"{name}: num_workers", minimum=0, hint=" (0: load in the training process)",
                   error=DataError)
         if batches_per_epoch is not None:
@@ -249,6 +254,7 @@ class HotSPaDataModule(L.LightningDataModule):
         self.tokens_per_batch, self.context_length = tokens_per_batch, context_length
         self.seed, self.long_doc_policy = seed, long_doc_policy
         self.val_fraction, self.val_seed = float(val_fraction), val_seed
+        self.test_fraction = float(test_fraction)
         self.val_tokens_per_batch = val_tokens_per_batch
         self.num_workers, self.pin_memory = num_workers, pin_memory
         self.persistent_workers, self.multiprocessing_context = persistent_workers, multiprocessing_context
@@ -259,7 +265,8 @@ class HotSPaDataModule(L.LightningDataModule):
         self._pending_state: dict[str, Any] | None = None
         self._train_sampler: MiniBatchSampler | None = None
         self._val_sampler: MiniBatchSampler | None = None
-        self._train_ids = self._val_ids = np.zeros(0, dtype=np.int64)
+        self._test_sampler: MiniBatchSampler | None = None
+        self._train_ids = self._val_ids = self._test_ids = np.zeros(0, dtype=np.int64)
         self.batches_per_epoch: int | None = None
 
     # -- data ------------------------------------------------------------------------------
@@ -308,9 +315,17 @@ class HotSPaDataModule(L.LightningDataModule):
             k = max(1, k)
             if k >= n:
                 raise DataError(f"val_fraction={self.val_fraction} would hold out all {n} documents")
+        t = max(1, int(round(self.test_fraction * n))) if self.test_fraction > 0 else 0
+        if k + t >= n:
+            raise DataError(f"val_fraction={self.val_fraction} and test_fraction={self.test_fraction} would hold "
+                            f"out all {n} documents")
         perm = np.random.default_rng([self.val_seed, _VAL_SPLIT_STREAM]).permutation(n)
-        self._val_ids, self._train_ids = np.sort(perm[:k]), np.sort(perm[k:])
+        # the test share comes after the validation one: a run without it splits exactly as before
+        self._val_ids, self._test_ids = np.sort(perm[:k]), np.sort(perm[k:k + t])
+        self._train_ids = np.sort(perm[k + t:])
         self._train_sampler = self._sampler_over(corpus, self._train_ids, self.tokens_per_batch)
+        self._test_sampler = self._sampler_over(
+            corpus, self._test_ids, self.val_tokens_per_batch or self.tokens_per_batch) if t else None
         if k:
             self._val_sampler = self._sampler_over(
                 corpus, self._val_ids, self.val_tokens_per_batch or self.tokens_per_batch)
@@ -387,6 +402,8 @@ class HotSPaDataModule(L.LightningDataModule):
         context = self._planning()
         if split == "train":
             sampler, ids, n, endless = self._train_sampler, self._train_ids, self.batches_per_epoch, True
+        elif split == "test":  # data pass 0 of the test documents
+            sampler, ids, n, endless = self._test_sampler, self._test_ids, self._test_sampler.num_batches(0), False
         else:  # val and predict: data pass 0 of the held-out documents (predict: else of training)
             use_val = self._val_sampler is not None
             sampler = self._val_sampler if use_val else self._train_sampler
@@ -413,6 +430,14 @@ class HotSPaDataModule(L.LightningDataModule):
             return []  # no held-out documents: Lightning skips validation
         return self._loader(self._dataset("val"), resumable=False)
 
+    def test_dataloader(self) -> PlanDataLoader:
+        """Data pass 0 of the ``test_fraction`` share of the documents (held out of training and
+        validation); an error naming ``test_fraction`` without one."""
+        if self._train_sampler is not None and self._test_sampler is None:
+            raise DataError(f"{type(self).__name__} has no test split: give test_fraction > 0 (a held-out share of "
+                            f"the documents), or a DataModule of the test data to trainer.test")
+        return self._loader(self._dataset("test"), resumable=False)
+
     def predict_dataloader(self) -> PlanDataLoader:
         return self._loader(self._dataset("predict"), resumable=False)
 
@@ -420,6 +445,8 @@ class HotSPaDataModule(L.LightningDataModule):
     def _my_identity(self) -> dict[str, Any]:
         out = _identity(self._train_sampler, self.batches_per_epoch)
         out.update(val_fraction=self.val_fraction, val_seed=self.val_seed)
+        if self.test_fraction:  # absent when 0: positions saved before the test split still load
+            out["test_fraction"] = self.test_fraction
         return out
 
     def state_dict(self) -> dict[str, Any]:
@@ -444,6 +471,11 @@ class HotSPaDataModule(L.LightningDataModule):
     def val_doc_ids(self) -> np.ndarray:
         """Corpus indices of the held-out documents (empty without a validation split)."""
         return self._val_ids
+
+    @property
+    def test_doc_ids(self) -> np.ndarray:
+        """Corpus indices of the test documents (empty without a test split)."""
+        return self._test_ids
 
     @property
     def train_doc_ids(self) -> np.ndarray:

@@ -9,6 +9,7 @@ can swap in a vocab-parallel cross-entropy for vocab-sharded logits.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
@@ -147,6 +148,29 @@ class LlamaLM(L.LightningModule):
         self.log("val/loss", loss.detach(), prog_bar=True, sync_dist=True,
                  batch_size=max(int(batch.num_target_tokens), 1))
         return loss
+
+    def test_step(self, batch: PackedBatch, batch_idx: int = 0) -> Tensor:
+        """Token-mean loss of the slice, logged as ``test/loss`` weighted by its target tokens."""
+        loss = self._loss(batch)
+        self.log("test/loss", loss.detach(), sync_dist=True, batch_size=max(int(batch.num_target_tokens), 1))
+        return loss
+
+    @classmethod
+    def load_from_checkpoint(cls, checkpoint_path: Any, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        """Lightning's ``load_from_checkpoint`` of a single-file checkpoint; a checkpoint folder that
+        ``HotSPaStrategy`` wrote (DCP shards) is refused with the command that makes one file of it.
+
+        Args:
+            checkpoint_path: a ``.ckpt`` file (e.g. from ``hotspa consolidate``).
+            args: Lightning's further arguments.
+            kwargs: Lightning's further keyword arguments.
+        """
+        if isinstance(checkpoint_path, (str, os.PathLike)) and os.path.isdir(checkpoint_path):
+            raise IsADirectoryError(
+                f"{str(checkpoint_path)!r} is a checkpoint folder (one shard per rank, as HotSPaStrategy writes); "
+                f"load_from_checkpoint reads one file: make it with `hotspa consolidate {checkpoint_path} "
+                f"model.ckpt` and load model.ckpt (or resume training with trainer.fit(ckpt_path=...))")
+        return super().load_from_checkpoint(checkpoint_path, *args, **kwargs)
 
     def init_parameter(self, name: str, *, dim: int | None = None, start: int = 0,
                        stop: int | None = None) -> Tensor:

@@ -144,14 +144,34 @@ def _cmd_plan(args: argparse.Namespace) -> dict[str, Any]:
     speedup = static[best] / pred.seconds if best else None
     if best:
         print(f"best static layout {best}: {static[best]:.3f} s -> predicted speed-up {speedup:.3f}x")
+    why_static = _why_one_layout(planner.last_decision, {s.layout for s in plan.stages})
+    if why_static:
+        print(why_static)
     return {
         "command": "plan", "model": args.model, "world_size": args.world_size, "hardware": cm.hardware.name,
         "context": args.context, "data": args.data, "documents": int(lengths.size), "tokens": int(lengths.sum()),
         "layouts": [x.name for x in planner.layouts], "step_s": pred.seconds, "tokens_per_s": pred.tokens_per_s,
         "stages": [s.as_dict() for s in pred.stages],
         "best_static": {"layout": best, "seconds": static[best]} if best else None,
-        "static_s": static, "speedup_vs_best_static": speedup,
+        "static_s": static, "speedup_vs_best_static": speedup, "why_one_layout": why_static,
     }
+
+
+def _why_one_layout(decision: Any, layouts: set) -> str | None:
+    """Where the plan runs one layout: the best multi-layout plan priced, its predicted gain and the
+    never-worse-than-static guard's margin that rejected it (``planner.last_decision``)."""
+    if decision is None or len(layouts) != 1:
+        return None
+    if decision.fell_back and decision.static_s < decision.multi_s:  # the solver's pick was one layout too
+        return (f"one layout ({decision.static_layout}): the solver's cheapest plan over all candidates used a "
+                f"single layout ({decision.multi_s:.3f} s); {decision.static_layout} solved alone is faster")
+    if decision.fell_back:
+        gain = decision.static_s / decision.multi_s - 1.0 if decision.multi_s > 0 else 0.0
+        return (f"one layout ({decision.static_layout}): the best multi-layout plan priced took "
+                f"{decision.multi_s:.3f} s, a predicted gain of {gain:+.1%} over it, within the guard's margin "
+                f"static_margin={decision.margin:.1%} (a multi-layout plan must be predicted that much faster)")
+    return ("one layout: the solver's cheapest plan over all candidate layouts already uses a single layout "
+            "(no multi-layout plan was predicted faster)")
 
 
 # ------------------------------------------------------------------------------------------ simulate

@@ -39,6 +39,7 @@ from ..planner.solve.solver import CostModelPlanner
 from ..planner.solve.static_guard import DEFAULT_STATIC_MARGIN
 from .artifact_rule import RuleNotFoundError, artifact_rule
 from .oracles import LADDER, oracle_from_rates, oracle_ladder, print_breakdown
+from .progress import progress
 from .simulate import geometric_mean, rule_seconds, static_seconds
 
 __all__ = ["LONG_GRID", "SMOKE_GRID", "candidate_summary", "cell_name", "long_cell", "long_grid", "print_long_grid",
@@ -207,8 +208,9 @@ def long_grid(grid: dict[str, Any] | None = None, batches: int = 2, seed: int = 
     grid = grid or LONG_GRID
     margin = DEFAULT_STATIC_MARGIN if margin is None else margin
     start = time.perf_counter()
+    jobs = [(m, g, c, d, hw) for hw in grid["hardware"] for m, g, c in grid["settings"] for d in grid["data"]]
     cells = [long_cell(m, g, c, d, hw, batches, seed, margin, breakdown)
-             for hw in grid["hardware"] for m, g, c in grid["settings"] for d in grid["data"]]
+             for m, g, c, d, hw in progress(jobs, "hotspa simulate")]
     ok = [c for c in cells if c["feasible"]]
     big = [c["ours_over_static"] for c in ok if c["oracle_over_static"] >= 1.4]
     captured = [c["captured"] for c in ok if c["captured"] is not None]

@@ -32,6 +32,7 @@ from ..layout import Layout
 from ..models.config import LlamaConfig
 from ..planner.cost.cost_model import AnalyticCostModel, CostModelError
 from ..planner.cost.memory_model import MODEL_ERROR_MARGIN
+from .progress import progress
 
 __all__ = ["ATTENTION_PATHS", "KERNEL_DEVICE", "ROWS", "QUICK_ROWS", "add_parser", "candidate_layouts",
            "estimate_layout", "estimate_rows", "run"]
@@ -265,7 +266,7 @@ def estimate_rows(rows: Sequence[tuple], hardware: str = "H100", *, log: Any = p
     from ..planner.cost.cost_model import resolve_model
 
     out, worst = [], 0.0
-    for row in rows:
+    for row in progress(rows, "hotspa memory", unit="row"):
         model, world = row[0], row[1]
         config = resolve_model(model)
         cm = AnalyticCostModel(config, hardware, world, kernel_device=KERNEL_DEVICE[attention])

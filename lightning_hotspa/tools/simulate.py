@@ -29,6 +29,7 @@ from ..planner.solve.assign import pack_lpt
 from ..planner.solve.packing import max_doc_length
 from ..planner.solve.solver import CostModelPlanner
 from .artifact_rule import RuleNotFoundError, artifact_rule, artifact_stages
+from .progress import progress
 
 __all__ = ["CellResult", "GRID", "sample_batches", "simulate_cell", "simulate_grid", "static_seconds",
            "static_layouts", "geometric_mean"]
@@ -219,8 +220,9 @@ def simulate_grid(hardware: str = "A800-80G", batches: int = 2, sequences: int =
     """Every cell of the grid, and the geometric means of the speed-ups."""
     grid = grid or GRID
     start = time.perf_counter()
+    jobs = [(m, w, c, d) for m, w in grid["settings"] for c in grid["contexts"] for d in grid["data"]]
     cells = [simulate_cell(m, w, c, d, hardware, batches, sequences, seed)
-             for m, w in grid["settings"] for c in grid["contexts"] for d in grid["data"]]
+             for m, w, c, d in progress(jobs, "hotspa simulate")]
     return {
         "hardware": hardware, "batches_per_cell": batches, "sequences_per_batch": sequences,
         "cells": cells,

@@ -216,10 +216,11 @@ def test_metrics_of_a_layout_split_into_two_stages_keep_both(world_of_one) -> No
     records = [dataclasses.replace(r, predicted_s=float(r.order + 1)) for r in result.records]
     metrics, monitor = step_metrics(records), monitor_metrics(records, result.step_s, None, None)
     first, second = records
-    assert (metrics["hotspa/dp1+ac/tokens"], metrics["hotspa/dp1/tokens"]) == (first.tokens, second.tokens)
-    assert metrics["hotspa/dp1+ac/tokens"] + metrics["hotspa/dp1/tokens"] == sum(2 * n for n in lengths)
-    assert (metrics["hotspa/dp1+ac/documents"], metrics["hotspa/dp1/documents"]) == (3, 5)
-    assert (monitor["hotspa/dp1+ac/predicted_s"], monitor["hotspa/dp1/predicted_s"]) == (1.0, 2.0)
+    assert (metrics["hotspa/dp1+ac@short/tokens"], metrics["hotspa/dp1@long/tokens"]) == (first.tokens, second.tokens)
+    assert metrics["hotspa/dp1+ac@short/tokens"] + metrics["hotspa/dp1@long/tokens"] == sum(2 * n for n in lengths)
+    assert (metrics["hotspa/dp1+ac@short/documents"], metrics["hotspa/dp1@long/documents"]) == (3, 5)
+    assert (monitor["hotspa/dp1+ac@short/predicted_s"], monitor["hotspa/dp1@long/predicted_s"]) == (1.0, 2.0)
+    assert metrics["hotspa/tokens"] == sum(2 * n for n in lengths)
     assert plan_text(batch, records) == "short->dp1 x2, long->dp1 x3"
 
 
@@ -605,17 +606,21 @@ def test_metrics_come_from_records_with_the_documented_keys() -> None:
 
     from lightning_hotspa.adapter.stats import monitor_metrics, step_metrics
 
-    record = StageRecord(step=1, order=0, layout=Layout(dp=2, tp=2), label="b", tokens=100.0, documents=3.0,
+    record = StageRecord(step=1, order=0, layout=Layout(dp=2, tp=2), label="(0,256]", tokens=100.0, documents=3.0,
                          micro_batches=2.0, switch_s=1.0, switch_mb=2.5, compute_s=3.0, reduce_s=0.5, stage_s=4.0,
                          flops=1e9, predicted_s=5.0)
     metrics = step_metrics([record])
     extra = monitor_metrics([record], 4.0, 2.0, 1e9)
-    assert set(extra) == {"train/step_loss", "hotspa/dp2xtp2/stage_s", "hotspa/dp2xtp2/mfu",
-                          "hotspa/dp2xtp2/predicted_s", "hotspa/mfu", "hotspa/predicted_step_s",
+    assert set(extra) == {"train/step_loss", "hotspa/dp2xtp2@0-256/stage_s", "hotspa/dp2xtp2@0-256/mfu",
+                          "hotspa/dp2xtp2@0-256/predicted_s", "hotspa/mfu", "hotspa/predicted_step_s",
                           "hotspa/predicted_over_measured"}
     readme = (Path(__file__).resolve().parents[2] / "docs" / "metrics.md").read_text()
     for key in [*metrics, *(k for k in extra if k.startswith("hotspa/"))]:  # all in docs/metrics.md
-        short = key.replace("hotspa/dp2xtp2/", "")
-        assert f"`{key.replace('dp2xtp2', '<stage>')}`" in readme or f"`{short}`" in readme, key
-    assert metrics["hotspa/dp2xtp2/tokens_per_s"] == 25.0  # over the slowest rank's stage time
+        short = key.replace("hotspa/dp2xtp2@0-256/", "")
+        assert f"`{key.replace('dp2xtp2@0-256', '<stage>')}`" in readme or f"`{short}`" in readme, key
+    assert metrics["hotspa/dp2xtp2@0-256/tokens_per_s"] == 25.0  # over the slowest rank's stage time
     assert metrics["hotspa/step_s"] == 4.0 and metrics["hotspa/switch_fraction"] == 0.25
+    assert metrics["hotspa/tokens"] == 100.0 and metrics["hotspa/documents"] == 3.0
+    unpadded = step_metrics([record], doc_tokens=[90])  # the plan's document tokens; padding apart
+    assert (unpadded["hotspa/dp2xtp2@0-256/tokens"], unpadded["hotspa/dp2xtp2@0-256/padded_tokens"]) == (90.0, 100.0)
+    assert unpadded["hotspa/dp2xtp2@0-256/tokens_per_s"] == 22.5 and unpadded["hotspa/tokens"] == 90.0

@@ -407,6 +407,38 @@ def test_validation_holds_out_documents_and_covers_them_once() -> None:
     assert not is_overridden("val_dataloader", no_val) and is_overridden("val_dataloader", dm)
 
 
+class _Tester(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(1))
+        self.plans: list[RankPlan] = []
+
+    def test_step(self, batch: RankPlan, batch_idx: int) -> None:
+        self.plans.append(batch)
+
+
+def test_a_test_split_holds_out_documents_and_trainer_test_runs_it() -> None:
+    corpus = default_corpus()
+    dm = make_dm(corpus, val_fraction=0.25, test_fraction=0.25)
+    val, test, train = (set(ids.tolist()) for ids in (dm.val_doc_ids, dm.test_doc_ids, dm.train_doc_ids))
+    assert len(test) == 12 and not test & (val | train) and len(val | test | train) == len(corpus)
+    assert set(make_dm(corpus, val_fraction=0.25).train_doc_ids.tolist()) == train | test  # out of training only
+    model = _Tester()
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, use_distributed_sampler=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.test(model, datamodule=dm)
+    loader = dm.test_dataloader()
+    assert len(model.plans) == len(loader) > 0 and {p.extras["split"] for p in model.plans} == {"test"}
+    seen = {r.doc for p in model.plans for r in loader.dataset.minibatch(0, p.extras["step"])}
+    assert seen == test  # every test document, and only those
+    with pytest.raises(DataError, match="test_fraction"):
+        make_dm(corpus).test_dataloader()
+    with pytest.raises(DataError, match="test_fraction"):
+        make_dm(corpus, val_fraction=0.5, test_fraction=0.5)
+
+
 # -- bad data and bad configuration ---------------------------------------------------------------
 def test_bad_records_propagate_with_file_and_line(tmp_path: Path) -> None:
     data = tmp_path / "data"

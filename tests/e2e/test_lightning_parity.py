@@ -424,3 +424,37 @@ def test_per_block_compile_equals_eager():
     for r in results:
         assert r["compiled"] and all(r["compiled"]), r
         assert len(r["errors"]) == 2 and max(r["errors"]) <= 1e-5, r
+
+
+class _LightningGradNorm(L.Callback):
+    """Lightning's own ``grad_norm`` where a user would call it."""
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        from lightning.pytorch.utilities import grad_norm as lightning_grad_norm
+
+        lightning_grad_norm(pl_module, 2)
+
+
+def lightning_grad_norm_under_hotspa() -> str:
+    with lightning_rank_env():
+        trainer = L.Trainer(accelerator="cpu", devices=2, strategy="hotspa", max_steps=1, logger=False,
+                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                            callbacks=[_LightningGradNorm()])
+        try:
+            trainer.fit(PlainNet(), torch.utils.data.DataLoader(_plain_data(), batch_size=8))
+        except RuntimeError as exc:
+            return str(exc)
+    return "no error"
+
+
+def test_lightnings_grad_norm_fails_naming_ours(ranks):
+    messages = ranks(2).run(lightning_grad_norm_under_hotspa, timeout_s=120)
+    assert all("lightning_hotspa.grad_norm" in m for m in messages), messages
+
+
+def test_load_from_checkpoint_of_a_checkpoint_folder_names_hotspa_consolidate(tmp_path):
+    import pytest
+
+    (tmp_path / "epoch=0-step=2.ckpt").mkdir()
+    with pytest.raises(IsADirectoryError, match="hotspa consolidate"):
+        LlamaLM.load_from_checkpoint(tmp_path / "epoch=0-step=2.ckpt")

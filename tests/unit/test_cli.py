@@ -148,3 +148,30 @@ def test_calibration_errors_hold_out_later_steps_per_clock() -> None:
     assert cpu["stage_mean_error"] < 1e-6 and cpu["rank_mean_error"] < 1e-6 and cpu["noise_floor"] < 1e-6
     assert wall["stage_mean_error"] > 0.05 and wall["rank_mean_error"] > 0.05
     assert 0 < wall["noise_floor"] < wall["stage_mean_error"]  # a fit that saw the steps does better
+
+
+def test_plan_says_why_it_runs_one_layout() -> None:
+    from lightning_hotspa.planner.solve.static_guard import GuardDecision
+    from lightning_hotspa.tools.cli import _why_one_layout
+
+    rejected = GuardDecision(multi_s=9.0, static_s=10.0, static_layout="dp8", margin=0.147, fell_back=True)
+    text = _why_one_layout(rejected, {"dp8"})
+    assert "9.000 s" in text and "+11.1%" in text and "static_margin=14.7%" in text and "dp8" in text
+    assert "already uses a single layout" in _why_one_layout(
+        GuardDecision(10.0, 10.0, "dp8", 0.147, False), {"dp8"})
+    assert _why_one_layout(rejected, {"dp8", "tp2xcp4"}) is None  # a multi-layout plan runs: nothing to say
+
+
+def test_long_commands_show_progress_on_stderr_and_keep_json_last_on_stdout(monkeypatch, capsys) -> None:
+    import json
+
+    from lightning_hotspa.tools.cli import main
+
+    monkeypatch.setenv("HOTSPA_PROGRESS", "1")  # as a terminal would get it
+    assert main(["simulate", "--grid", "smoke", "--batches", "1", "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert "hotspa simulate" in err and "1/1" in err and "hotspa simulate" not in out
+    assert json.loads(out.strip().splitlines()[-1])["command"] == "simulate"
+    monkeypatch.setenv("HOTSPA_PROGRESS", "0")
+    assert main(["simulate", "--grid", "smoke", "--batches", "1", "--json"]) == 0
+    assert "1/1" not in capsys.readouterr().err

@@ -1,0 +1,114 @@
+"""What a user sees of one short ``make train``-like run (recipes/train.py, 4 ranks, W&B offline):
+the W&B history read back from the run's own ``.wandb`` file (per step only the stages that ran,
+their tokens adding up to the data's batch), a console free of the listed noise, and the checkpoint
+written at the end exported and loaded by ``transformers``. One run serves all three (~1 min)."""
+
+from __future__ import annotations
+
+import csv
+import os
+import subprocess
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+from lightning_hotspa.adapter.stats import bucket_key
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from wandb_history import history_rows  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+TRAIN = ROOT / "recipes" / "train.py"
+STEPS = 5  # the stdlib corpus at the defaults: steps 1-5 run 3 layouts, never all 3 in one step
+OVERRIDES = [f"trainer.max_steps={STEPS}", "callbacks.hotspa_monitor.table_every_n_steps=1",
+             "callbacks.hotspa_monitor.timeline_every_n_steps=0"]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    tmp = tmp_path_factory.mktemp("user_run")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HOTSPA_CACHE_DIR": str(tmp / "cache"),
+           "NETRC": str(tmp / "no_netrc")}
+    env.pop("WANDB_API_KEY", None)
+    env["WANDB_MODE"] = "offline"  # as `make train`
+    out = tmp / "out"
+    proc = subprocess.run([sys.executable, str(TRAIN), *OVERRIDES, f"hydra.run.dir={out}"], cwd=tmp, env=env,
+                          capture_output=True, text=True, timeout=420)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return {"dir": out, "stdout": proc.stdout, "stderr": proc.stderr, "tmp": tmp}
+
+
+def _batch_tokens(steps: int) -> list[int]:
+    """Tokens of the global batch of steps 1..steps, from the data alone (no planner, no ranks)."""
+    from hydra import compose, initialize_config_dir
+    from hydra.utils import instantiate
+
+    from lightning_hotspa.adapter.recipe import CONFIG_DIR, register_resolvers
+
+    register_resolvers()
+    with initialize_config_dir(version_base="1.3", config_dir=str(CONFIG_DIR)):
+        cfg = compose("config", overrides=["output_dir=.", "run_name=t"])
+    dm = instantiate(cfg.data, _convert_="all")
+    dm.setup("fit")
+    sampler = dm._train_sampler
+    assert steps <= sampler.num_batches(0)
+    return [sum(r.length for r in sampler.batch(0, s)) for s in range(steps)]
+
+
+def test_wandb_history_has_per_step_stage_metrics_of_the_stages_that_ran(run: dict) -> None:
+    runs = list((run["dir"] / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1, runs
+    rows = [r for r in history_rows(runs[0]) if "hotspa/tokens" in r]
+    by_step = {int(r["trainer/global_step"]): r for r in rows}
+    assert sorted(by_step) == list(range(STEPS)), sorted(by_step)  # Lightning logs step s+1 as s
+
+    ran: dict[int, set[str]] = defaultdict(set)  # plan_table.csv: written by the monitor, not via W&B
+    for row in csv.DictReader((run["dir"] / "plan_table.csv").open()):
+        ran[int(row["step"]) - 1].add(f"{row['layout']}@{bucket_key(row['label'])}")
+    layouts = {k.split("@")[0] for keys in ran.values() for k in keys}
+    assert len(layouts) >= 3 and all(len(keys) < len(layouts) for keys in ran.values()), ran
+
+    for step, (row, batch) in enumerate(zip((by_step[s] for s in range(STEPS)), _batch_tokens(STEPS))):
+        stage_keys = {k[len("hotspa/"):-len("/tokens")] for k in row
+                      if k.startswith("hotspa/") and k.endswith("/tokens") and k != "hotspa/tokens"}
+        assert stage_keys == ran[step], (step, stage_keys, ran[step])  # nothing carried over
+        stage_tokens = [row[f"hotspa/{k}/tokens"] for k in stage_keys]
+        assert sum(stage_tokens) == row["hotspa/tokens"] == batch, (step, stage_tokens, batch)
+        for k in stage_keys:
+            per_s = row[f"hotspa/{k}/tokens"] / row[f"hotspa/{k}/tokens_per_s"]
+            parts = row[f"hotspa/{k}/switch_s"] + row[f"hotspa/{k}/compute_s"] + row[f"hotspa/{k}/reduce_s"]
+            assert per_s >= max(row[f"hotspa/{k}/compute_s"], 1e-9) * 0.999 and per_s <= parts * 1.001, (k, row)
+    tables = [r for r in history_rows(runs[0]) if r.get("hotspa/plan/_type") == "table-file"]
+    assert len(tables) == STEPS  # the plan table, every table_every_n_steps (here 1)
+
+
+NOISE = ("LeafSpec", "The anonymous setting has no effect", "Epoch 0/-2", "`weights_only` was not set")
+
+
+def test_console_has_no_listed_noise_and_each_lightning_line_once(run: dict) -> None:
+    text = run["stdout"] + run["stderr"]
+    for line in NOISE:
+        assert line not in text, line
+    for line in ("GPU available: False", "`Trainer.fit` stopped: `max_steps=5` reached."):
+        assert text.count(line) == 1, (line, text.count(line))
+    assert "Epoch 0" not in text and "Epoch 1/1" in text  # counted from 1, of the epochs max_steps spans
+    # rank 0 only, one redraw per step; the finished bar once more when the process exits (was 4 times)
+    assert 1 <= text.count(f"{STEPS}/{STEPS} [") <= 2
+
+
+def test_checkpoint_at_the_end_exports_and_loads_in_transformers(run: dict) -> None:
+    import torch
+    import transformers
+
+    from lightning_hotspa.tools.cli import main
+
+    ckpt = run["dir"] / "checkpoints" / f"step={STEPS}.ckpt"
+    assert f"checkpoint: {ckpt}" in run["stdout"]
+    out = run["tmp"] / "hf"
+    assert main(["export", str(ckpt), str(out)]) == 0
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
+    ids = torch.tensor([list(b"def main():")])
+    logits = model(ids).logits
+    assert logits.shape[:2] == ids.shape and torch.isfinite(logits).all()
