@@ -22,9 +22,11 @@ from lightning_hotspa.tools.oracles import LADDER, charged_oracle
 # curve and attention efficiency FITTED to published runs (recipes/benchmark_published.py, docs/cost-model.md),
 # the NIC count read into the inter-node bandwidth (HardwareProfile.bandwidth). 2026-12-02: gemm_half_width 478
 # -> 476, the refit once the published rows' optimizer step was priced (before/after long grid:
-# benchmarks/2026-12-02-published.md).
+# benchmarks/2026-12-02-published.md). 2026-12-03: a cuDNN (Transformer Engine) entry added for the NeMo cp rows;
+# the long grid prices fa2, so it is unmoved (before/after: benchmarks/2026-12-03-published-cp.md).
 _HOPPER = dict(peak_flops=989e12, dense_efficiency=0.507, gemm_half_width=476.0, attention_efficiency=0.175,
-               attention_kernels=(("fa2", 128, 0.175),), intra_node_bw=360e9, inter_node_bw=45e9, devices_per_node=8)
+               attention_kernels=(("fa2", 128, 0.175), ("cudnn", 128, 0.578)),
+               intra_node_bw=360e9, inter_node_bw=45e9, devices_per_node=8)
 FROZEN = {
     "H100": dict(**_HOPPER, memory_bytes=80 * 2**30),
     "H200": dict(**_HOPPER, memory_bytes=141e9),
