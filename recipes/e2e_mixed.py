@@ -20,6 +20,8 @@ instead, no planner: even steps a sharded all-gather-KV cp2 block on ranks {0, 1
 checkpointing) takes the long documents, one per micro-batch, beside a dp block sharded over {2, 3}
 that runs the short ones (any count per dp group); odd steps a replicated tp2 block {0, 1} beside
 two replicated dp blocks {2}, {3}, the last with no micro-batch when there are few short documents.
+``block_tokens_logged``: per step the sum of the per-block ``tokens`` the strategy logged (its W&B
+block metrics, docs/metrics.md), which must equal ``batch_tokens``.
 """
 
 from __future__ import annotations
@@ -155,11 +157,14 @@ def train_rank(args: argparse.Namespace) -> dict[str, Any]:
     mesh = MeshShape.for_layouts([Layout.parse(x) for x in layouts], WORLD)
     vocab = LlamaLM("tiny").config.vocab_size
     batches = [slice_plan(p, documents(p, vocab), mesh, rank) for p in plans]
+    for batch, plan in zip(batches, plans):
+        batch.extras["global_plan"] = plan  # as the DataModule does: the W&B block metrics read it
 
     class Losses(Callback):
         def __init__(self) -> None:
             self.losses: list[float] = []
             self.seconds: list[float] = []
+            self.block_tokens: list[float] = []  # per step: the sum of the logged block tokens
             self.t0 = 0.0
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
@@ -168,6 +173,9 @@ def train_rank(args: argparse.Namespace) -> dict[str, Any]:
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             self.losses.append(float(outputs["loss"]))
             self.seconds.append(time.perf_counter() - self.t0)
+            metrics = trainer.strategy.last_metrics  # what the strategy logged this step
+            self.block_tokens.append(sum(float(v) for k, v in metrics.items()
+                                         if k.count("/") == 3 and k.endswith("/tokens")))
 
     record = Losses()
     trainer = L.Trainer(accelerator="cpu", devices=WORLD, strategy=HotSPaStrategy(layouts), max_steps=len(plans),
@@ -188,6 +196,7 @@ def train_rank(args: argparse.Namespace) -> dict[str, Any]:
         optimizer.step()
         reference.append(float(loss))
     return {"losses": record.losses, "reference": reference, "step_s": record.seconds, "draws": draws,
+            "block_tokens": record.block_tokens, "batch_tokens": [sum(p.doc_lengths) for p in plans],
             "plans": [plan_mix(p) for p in plans],
             "predicted_s": [planner.predict(p).seconds for p in plans] if planner is not None else None}
 
@@ -211,6 +220,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
            "losses_match": max(diffs) <= args.tolerance, "steps_with_a_mixed_stage": mixed_steps,
            "draws_per_step": raw["draws"], "mixed_of_draws": mixed_steps / sum(raw["draws"]),
            "plans": raw["plans"], "predicted_s_h100": raw["predicted_s"], "step_s_cpu": raw["step_s"],
+           "block_tokens_logged": raw["block_tokens"], "batch_tokens": raw["batch_tokens"],
            "wall_s": round(time.perf_counter() - t0, 1)}
     print(f"{'block' if args.blocks else 'mixed'} e2e: {mixed_steps} of {args.steps} steps with a block stage; "
           f"max loss rel diff "

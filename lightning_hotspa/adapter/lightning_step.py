@@ -24,7 +24,7 @@ from ..layout import Layout, LayoutError
 from ..plan import RankPlan, RankStage
 from .lightning_compat import call_callback_hooks, call_module_hook, forget_logged, trainer_results
 from .reliability import StepTracker
-from .stats import stage_doc_tokens, step_metrics
+from .stats import block_metrics, stage_doc_tokens, step_metrics
 
 __all__ = ["LightningStepHooks", "as_scalar_loss", "check_trainer", "open_breadcrumbs", "plain_plan", "run_eval_step",
            "run_training_step"]
@@ -123,7 +123,9 @@ def run_training_step(strategy: Any, batch: Any, batch_idx: int) -> tuple[StepRe
     with strategy.metric_sync.step(results):
         result = strategy.runner.run(plan, loss_of, hooks, on_nonfinite=strategy.nonfinite)
     strategy.metric_sync.finish(results, strategy.reduce, strategy.root_device)
-    metrics = step_metrics(result.records, stage_doc_tokens(plan.extras.get("global_plan"), len(plan.stages)))
+    global_plan = plan.extras.get("global_plan")
+    metrics = step_metrics(result.records, stage_doc_tokens(global_plan, len(plan.stages)))
+    metrics.update(block_metrics(result.records, global_plan, result.table, strategy.mesh_shape))
     if result.skip_update:
         metrics["hotspa/skipped_steps"] = float(len(strategy.nonfinite.skipped_steps))
     if strategy.built_planner is not None:

@@ -11,8 +11,10 @@ The strategy logs :func:`step_metrics`:
 tokens_per_s}`` (``tokens``: the stage's documents' tokens in the global plan; ``padded_tokens``:
 what its ranks computed, cp / tp padding included) and step totals ``hotspa/tokens``,
 ``hotspa/documents`` (the sums of the stages': the step's global batch), ``hotspa/step_s``,
-``hotspa/tokens_per_s``, ``hotspa/switch_fraction``. Only the stages that ran in a step have keys
-in that step: the strategy forgets the previous step's
+``hotspa/tokens_per_s``, ``hotspa/switch_fraction``. A block stage adds one key set per block that
+ran (:func:`block_metrics`): ``hotspa/<stage>/<k>.<block layout>/{tokens,documents,micro_batches,ranks,
+compute_s,tokens_per_s}``, ``<k>`` the block's index in the stage, its tokens summing to the stage's.
+Only the stages that ran in a step have keys in that step: the strategy forgets the previous step's
 ``hotspa/*`` values first (``lightning_compat.forget_logged``; Lightning would otherwise hand the
 loggers every key's last value at every step). Token counts are summed over ranks (tp copies once),
 times are the slowest rank's (:class:`StageRecord`). The monitor adds :func:`monitor_metrics`
@@ -27,10 +29,12 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ..engine.records import StageRecord
-from ..plan import StepPlan
+from ..checkpointing import Checkpointing
+from ..engine.records import StageRecord, rank_stage_fields
+from ..layout import MeshShape
+from ..plan import StepPlan, block_ranks
 
-__all__ = ["bucket_key", "monitor_metrics", "stage_doc_tokens", "stage_keys", "step_metrics"]
+__all__ = ["block_metrics", "bucket_key", "monitor_metrics", "stage_doc_tokens", "stage_keys", "step_metrics"]
 
 _KEY_CHARS = re.compile(r"[^A-Za-z0-9_.+-]+")
 
@@ -114,6 +118,46 @@ def step_metrics(records: Sequence[StageRecord], doc_tokens: Sequence[int] | Non
         metrics["hotspa/tokens_per_s"] = tokens_total / step_s if step_s > 0 else 0.0
         metrics["hotspa/switch_fraction"] = switch_total / step_s if step_s > 0 else 0.0
     return metrics
+
+
+def block_metrics(records: Sequence[StageRecord], plan: Any, table: Any, mesh: MeshShape | None) -> dict[str, float]:
+    """Each block's metrics in the step's block stages (empty without one): its documents' tokens
+    (the global plan's, so a stage's blocks add up to the stage), documents, micro-batches, ranks,
+    and its slowest rank's switch + compute seconds and tokens per second over them. A block with no
+    micro-batch logs nothing (it did not run).
+
+    Args:
+        records: the step's records, in stage order.
+        plan: ``RankPlan.extras["global_plan"]`` (a :class:`StepPlan`), or None: no block metrics.
+        table: the step's gathered ``[world, ...]`` table (:attr:`StepResult.table`).
+        mesh: the world mesh's shape, or None: no block metrics.
+    """
+    if not isinstance(plan, StepPlan) or mesh is None or len(plan.stages) != len(records):
+        return {}
+    stages = [s for s in plan.stages if s.blocks and not s.blocks[0].legacy]
+    if not stages:
+        return {}
+    fields = rank_stage_fields(table, len(records))
+    out: dict[str, float] = {}
+    for i, (key, stage) in enumerate(zip(stage_keys(records), plan.stages)):
+        if not stage.blocks or stage.blocks[0].legacy:
+            continue
+        for k, block in enumerate(stage.blocks):
+            docs = [d for group in block.micro_batches for mb in group for d in mb]
+            if not docs:
+                continue
+            ranks = block_ranks(block, mesh)
+            seconds = max(fields[rank][i]["switch_s"] + fields[rank][i]["compute_s"] for rank in ranks)
+            tokens = float(sum(int(plan.doc_lengths[d]) for d in docs))
+            name = block.layout.name + Checkpointing.parse(block.checkpointing(stage.activation_checkpointing)).suffix
+            prefix = f"hotspa/{key}/{k}.{name}"
+            out[f"{prefix}/tokens"] = tokens
+            out[f"{prefix}/documents"] = float(len(docs))
+            out[f"{prefix}/micro_batches"] = float(sum(len(group) for group in block.micro_batches))
+            out[f"{prefix}/ranks"] = float(len(ranks))
+            out[f"{prefix}/compute_s"] = max(fields[rank][i]["compute_s"] for rank in ranks)
+            out[f"{prefix}/tokens_per_s"] = tokens / seconds if seconds > 0 else 0.0
+    return out
 
 
 def monitor_metrics(records: Sequence[StageRecord], step_s: float | None, loss: float | None,
