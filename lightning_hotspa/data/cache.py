@@ -25,7 +25,7 @@ import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from itertools import islice
 from pathlib import Path
@@ -105,11 +105,22 @@ class TokenizedCorpus:
         *,
         use_cache: bool = True,
         batch_docs: int = 64,
+        progress: Callable[[Iterable[Any]], Iterable[Any]] | None = None,
     ) -> TokenizedCorpus:
-        """Open the cached tokenization of ``source`` or make (and publish) it."""
+        """Open the cached tokenization of ``source`` or make (and publish) it.
+
+        Args:
+            source: the documents.
+            tokenizer: what turns them into token ids.
+            cache_dir: where entries live (default :func:`default_cache_dir`).
+            use_cache: False: tokenize in memory, write nothing.
+            batch_docs: documents per tokenizer call.
+            progress: wraps the stream of tokenized documents while they are made (a command's
+                progress bar, e.g. ``tools.progress``); None: nothing shown.
+        """
         key = cache_key(source, tokenizer)
         if not use_cache:
-            return _in_memory(source, tokenizer, batch_docs, key)
+            return _in_memory(source, tokenizer, batch_docs, key, progress)
         root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
         final = root / key
         if final.exists():
@@ -119,7 +130,7 @@ class TokenizedCorpus:
                 log.warning("token cache %s is invalid (%s); rebuilding", final, exc)
         root.mkdir(parents=True, exist_ok=True)
         log.info("token cache miss: tokenizing %s into %s", type(source).__name__, final)
-        _publish(root, final, key, source, tokenizer, batch_docs)
+        _publish(root, final, key, source, tokenizer, batch_docs, progress)
         corpus = _open_entry(final, key)
         corpus.cache_hit = False
         return corpus
@@ -249,12 +260,13 @@ def _offsets(lengths: list[int]) -> np.ndarray:
 
 
 def _in_memory(
-    source: DocumentSource, tokenizer: Tokenizer, batch_docs: int, key: str
+    source: DocumentSource, tokenizer: Tokenizer, batch_docs: int, key: str,
+    progress: Callable[[Iterable[Any]], Iterable[Any]] | None = None,
 ) -> TokenizedCorpus:
     """The uncached path: same counting and checks, nothing written."""
     pass_ = _Tokenized(source, tokenizer, batch_docs)
     ids, arrays = [], []
-    for doc_id, arr in pass_:
+    for doc_id, arr in (progress(pass_) if progress else pass_):
         ids.append(doc_id)
         arrays.append(arr)
     offsets = _offsets([a.size for a in arrays])
@@ -263,7 +275,8 @@ def _in_memory(
 
 
 def _write_entry(
-    directory: Path, key: str, source: DocumentSource, tokenizer: Tokenizer, batch_docs: int
+    directory: Path, key: str, source: DocumentSource, tokenizer: Tokenizer, batch_docs: int,
+    progress: Callable[[Iterable[Any]], Iterable[Any]] | None = None,
 ) -> None:
     """Tokenize every document of ``source`` into the files of one entry in ``directory``."""
     dtype = tokenizer.storage_dtype
@@ -271,7 +284,7 @@ def _write_entry(
     lengths: list[int] = []
     ids: list[str] = []
     with open(directory / _TOKENS, "wb") as out:
-        for doc_id, arr in pass_:
+        for doc_id, arr in (progress(pass_) if progress else pass_):
             out.write(arr.astype(dtype, copy=False).tobytes())
             lengths.append(int(arr.size))
             ids.append(doc_id)
@@ -299,12 +312,13 @@ def _write_entry(
 
 
 def _publish(
-    root: Path, final: Path, key: str, source: DocumentSource, tokenizer: Tokenizer, batch_docs: int
+    root: Path, final: Path, key: str, source: DocumentSource, tokenizer: Tokenizer, batch_docs: int,
+    progress: Callable[[Iterable[Any]], Iterable[Any]] | None = None,
 ) -> None:
     """Write into a temp dir beside ``final``, then rename it into place in one step."""
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{key[:12]}-", dir=root))
     try:
-        _write_entry(tmp, key, source, tokenizer, batch_docs)
+        _write_entry(tmp, key, source, tokenizer, batch_docs, progress)
         os.chmod(tmp, 0o755)
         if final.exists():
             if _is_valid(final, key):  # another process published meanwhile: keep theirs

@@ -83,7 +83,10 @@ def _corpus_lengths(path: str) -> np.ndarray:
             source = JsonlSource(p)
         else:
             source = TextFolderSource(p if p.is_dir() else p.parent)
-    corpus = TokenizedCorpus.build(source, ByteTokenizer(), use_cache=False)
+    from .progress import progress
+
+    corpus = TokenizedCorpus.build(source, ByteTokenizer(), use_cache=False,
+                                   progress=lambda docs: progress(docs, "hotspa plan: tokenizing --data", unit="doc"))
     return np.asarray(corpus.lengths, dtype=np.int64)
 
 

@@ -175,3 +175,17 @@ def test_long_commands_show_progress_on_stderr_and_keep_json_last_on_stdout(monk
     monkeypatch.setenv("HOTSPA_PROGRESS", "0")
     assert main(["simulate", "--grid", "smoke", "--batches", "1", "--json"]) == 0
     assert "1/1" not in capsys.readouterr().err
+
+
+def test_plan_on_a_corpus_shows_its_tokenizing_progress(monkeypatch, capsys, tmp_path) -> None:
+    import json
+
+    from lightning_hotspa.tools.cli import main
+
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": "x" * (50 + i)}) + "\n" for i in range(40)))
+    monkeypatch.setenv("HOTSPA_PROGRESS", "1")
+    assert main(["plan", "--data", str(tmp_path / "docs.jsonl"), "--global-batch-tokens", "2048",
+                 "--context", "512", "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert "hotspa plan: tokenizing --data" in err and "40doc" in err.replace(" ", "")
+    assert json.loads(out.strip().splitlines()[-1])["command"] == "plan"
