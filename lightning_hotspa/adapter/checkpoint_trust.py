@@ -228,7 +228,8 @@ def read_marker(folder: Path) -> dict[str, Any]:
 
 
 def verify_files(folder: Path, marker: Mapping[str, Any], required: Iterable[str], *, share: tuple[int, int] = (0, 1),
-                 gather: Callable[[Any], list[Any]] = lambda x: [x]) -> None:
+                 gather: Callable[[Any], list[Any]] = lambda x: [x],
+                 progress: Callable[[list[str]], Iterable[str]] | None = None) -> None:
     """Checks every listed file's size and sha256 (this caller: its ``share`` of them); raises, on every
     caller alike, a :class:`CheckpointError` naming each file that differs.
 
@@ -238,13 +239,14 @@ def verify_files(folder: Path, marker: Mapping[str, Any], required: Iterable[str
         required: names the marker must list (``meta.pt``, ``.metadata``).
         share: ``(index, count)``: this process checks the files whose sorted position is ``index`` mod ``count``.
         gather: returns every caller's value (one all-gather; single process: ``[x]``).
+        progress: wraps this caller's list of files while they are hashed (a command's progress
+            bar); None: nothing shown.
     """
     files = marker["files"]
     problems = [f"{COMMIT_FILE} lists no {name!r}" for name in required if name not in files]
     index, count = share
-    for i, name in enumerate(sorted(files)):
-        if i % count != index:
-            continue
+    mine = [name for i, name in enumerate(sorted(files)) if i % count == index]
+    for name in (progress(mine) if progress else mine):
         path, entry = folder / name, files[name]
         if not path.is_file():
             problems.append(f"{name}: missing")
@@ -261,7 +263,8 @@ def verify_files(folder: Path, marker: Mapping[str, Any], required: Iterable[str
 
 
 def verify_checkpoint(folder: Path, *, share: tuple[int, int] = (0, 1),
-                      gather: Callable[[Any], list[Any]] = lambda x: [x]) -> dict[str, Any]:
+                      gather: Callable[[Any], list[Any]] = lambda x: [x],
+                      progress: Callable[[list[str]], Iterable[str]] | None = None) -> dict[str, Any]:
     """Reads the commit marker and checks the files against it, before anything in the folder is
     unpickled; every caller raises the same error (one all-gather each) or gets the marker.
 
@@ -269,6 +272,7 @@ def verify_checkpoint(folder: Path, *, share: tuple[int, int] = (0, 1),
         folder: the checkpoint folder.
         share: ``(index, count)`` of this caller among those checking this folder.
         gather: returns every caller's value.
+        progress: wraps the files while they are hashed (:func:`verify_files`).
     """
     marker, problem = None, None
     try:
@@ -280,5 +284,5 @@ def verify_checkpoint(folder: Path, *, share: tuple[int, int] = (0, 1),
         kind, text = problems[0]
         raise (LegacyCheckpointError if kind == LegacyCheckpointError.__name__ else CheckpointError)(text)
     assert marker is not None
-    verify_files(folder, marker, (META_FILE, DCP_METADATA), share=share, gather=gather)
+    verify_files(folder, marker, (META_FILE, DCP_METADATA), share=share, gather=gather, progress=progress)
     return marker

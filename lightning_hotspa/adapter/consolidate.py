@@ -12,6 +12,7 @@ tensors only (the model's size in fp32).
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -35,15 +36,19 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def consolidate_checkpoint(checkpoint_dir: str | os.PathLike, output_file: str | os.PathLike) -> dict[str, Any]:
+def consolidate_checkpoint(checkpoint_dir: str | os.PathLike, output_file: str | os.PathLike, *,
+                           progress: Callable[[list[str]], Iterable[str]] | None = None) -> dict[str, Any]:
     """Writes the single-file checkpoint; returns it.
 
     Args:
         checkpoint_dir: a checkpoint folder written by ``HotSPaStrategy`` (or ``latest:<dir>``).
         output_file: the ``.ckpt`` file to write (written whole, then renamed into place).
+        progress: wraps the folder's files while their checksums are checked (a command's progress
+            bar, the slow part of a large folder); None: nothing shown.
     """
     folder, output_file = resolve_checkpoint(checkpoint_dir), Path(output_file)
-    verify_checkpoint(folder)  # checksums before anything in the folder is unpickled (docs/checkpoint-trust.md)
+    # checksums before anything in the folder is unpickled (docs/checkpoint-trust.md)
+    verify_checkpoint(folder, progress=progress)
     meta = read_meta(folder / META_FILE)  # weights-only, with the allow-list
     model = read_model_tensors(folder)
     out: dict[str, Any] = {k: meta[k] for k in _KEPT if k in meta}

@@ -12,6 +12,7 @@ export writes (no stale shard or index can win over the new weights).
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +52,8 @@ def _check_out_dir(out: Path, overwrite: bool) -> None:
 
 
 def export_hf(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathLike,
-              dtype: torch.dtype | None = None, *, overwrite: bool = False) -> list[str]:
+              dtype: torch.dtype | None = None, *, overwrite: bool = False,
+              progress: Callable[[Iterable[Any], str, str], Iterable[Any]] | None = None) -> list[str]:
     """Writes ``out_dir`` (config.json + safetensors) from the DCP checkpoint folder; returns the
     Hugging Face tensor names written.
 
@@ -60,11 +62,16 @@ def export_hf(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathLike,
         out_dir: the Hugging Face folder to write (absent or empty unless ``overwrite``).
         dtype: cast on the way (default: as stored, fp32).
         overwrite: replace a non-empty ``out_dir``; only the exported files remain in it.
+        progress: ``progress(items, what, unit)`` wraps the files while they are hashed and the
+            tensors while they are read (a command's progress bar, ``tools/progress.py``); None: none.
     """
+    def shown(items: list[Any], what: str, unit: str) -> Iterable[Any]:
+        return progress(items, what, unit) if progress else items
+
     out = Path(out_dir).expanduser()
     _check_out_dir(out, overwrite)
     path = resolve_checkpoint(checkpoint_dir)
-    verify_checkpoint(path)  # before anything in the folder is unpickled
+    verify_checkpoint(path, progress=lambda files: shown(files, "hotspa export: checksums", "file"))
     config = _config(read_meta(path / META_FILE), path)
     metadata = dcp.FileSystemReader(str(path)).read_metadata()
     keys = [k for k in metadata.state_dict_metadata if k.startswith(_PREFIX)]
@@ -72,7 +79,7 @@ def export_hf(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathLike,
         raise CheckpointError(f"{str(path)!r} holds no LlamaLM parameters (keys like {_PREFIX}...)")
 
     def tensors():
-        for key in keys:
+        for key in shown(keys, "hotspa export: tensors", "tensor"):
             info = metadata.state_dict_metadata[key]
             buffer = {"model": {key.removeprefix("model."): torch.empty(info.size, dtype=info.properties.dtype)}}
             dcp.load(buffer, checkpoint_id=str(path), no_dist=True)  # this process reads it all

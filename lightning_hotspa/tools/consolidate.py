@@ -29,7 +29,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         args: the parsed ``checkpoint_dir`` and ``out_file``.
     """
     from ..adapter.consolidate import consolidate_checkpoint
+    from .progress import progress
 
-    ckpt = consolidate_checkpoint(args.checkpoint_dir, args.out_file)
+    ckpt = consolidate_checkpoint(args.checkpoint_dir, args.out_file,
+                                  progress=lambda files: progress(files, "hotspa consolidate: checksums", unit="file"))
     print(f"wrote {len(ckpt['state_dict'])} tensors (global step {ckpt.get('global_step')}) to {args.out_file}")
     return {"out_file": args.out_file, "tensors": len(ckpt["state_dict"]), "global_step": ckpt.get("global_step")}

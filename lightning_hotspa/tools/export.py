@@ -27,9 +27,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     from ..adapter.hf_export import export_hf
+    from .progress import progress
 
     names = export_hf(args.checkpoint_dir, args.out_dir, getattr(torch, args.dtype) if args.dtype else None,
-                      overwrite=args.overwrite)
+                      overwrite=args.overwrite, progress=lambda items, what, unit: progress(items, what, unit=unit))
     print(f"wrote {len(names)} tensors and config.json to {args.out_dir}")
     return {"out_dir": args.out_dir, "tensors": len(names)}
 

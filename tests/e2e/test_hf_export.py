@@ -46,7 +46,7 @@ def train_and_save(hf_dir: str, out: str) -> dict:
 
 
 @pytest.mark.slow
-def test_export_from_live_module_and_from_dcp_checkpoint_load_in_transformers(ranks, tmp_path, capsys):
+def test_export_from_live_module_and_from_dcp_checkpoint_load_in_transformers(ranks, tmp_path, capsys, monkeypatch):
     import transformers
 
     from lightning_hotspa.tools.cli import main
@@ -55,8 +55,11 @@ def test_export_from_live_module_and_from_dcp_checkpoint_load_in_transformers(ra
     hf.save_pretrained(tmp_path / "hf")
     info = ranks(4).run(train_and_save, str(tmp_path / "hf"), str(tmp_path))
     assert all(r["step"] == 2 and r["sliced"] > 0 for r in info), info
+    monkeypatch.setenv("HOTSPA_PROGRESS", "1")  # as a terminal would get it: bars on stderr only
     assert main(["export", str(tmp_path / "ckpt"), str(tmp_path / "exported")]) == 0
-    assert "config.json" in capsys.readouterr().out
+    out, err = capsys.readouterr()
+    assert "config.json" in out and "hotspa export" not in out
+    assert "hotspa export: checksums" in err and "hotspa export: tensors" in err
     load = transformers.AutoModelForCausalLM.from_pretrained
     live, exported = (load(str(tmp_path / k), dtype=torch.float32).state_dict() for k in ("live", "exported"))
     before = hf.state_dict()

@@ -70,6 +70,20 @@ def test_a_payload_in_a_checkpoint_never_runs_on_resume_or_export(tmp_path, name
         assert not marker.exists(), "export ran code from the checkpoint folder"
 
 
+def test_a_progress_wrapper_sees_every_file_while_it_is_hashed(tmp_path, monkeypatch, capsys):
+    from lightning_hotspa.adapter.checkpoint_trust import read_marker, verify_checkpoint
+    from lightning_hotspa.tools.consolidate import run
+
+    folder = _save(tmp_path / "step=2", 2.0, 2)
+    seen: list[str] = []
+    verify_checkpoint(folder, progress=lambda files: (seen.append(f) or f for f in files))
+    assert seen == sorted(read_marker(folder)["files"]) and ".metadata" in seen
+    monkeypatch.setenv("HOTSPA_PROGRESS", "1")  # the CLI's bar: on stderr, stdout keeps its own line
+    run(type("Args", (), {"checkpoint_dir": str(folder), "out_file": str(tmp_path / "c.ckpt")}))
+    out, err = capsys.readouterr()
+    assert "hotspa consolidate: checksums: 100%" in err and "wrote" in out and "checksums" not in out
+
+
 def test_meta_is_read_weights_only_even_when_its_checksum_was_forged(tmp_path):
     folder = _save(tmp_path / "step=2", 2.0, 2)
     marker = tmp_path / "PWNED"
