@@ -183,6 +183,19 @@ RUNTIME_PROFILES: dict[str, RuntimeProfile] = {
         "fitted with the H100's cuDNN attention efficiency on every other row of its long-sequence table "
         "(published_fit.fit_fp8_and_attention; the table has no bf16 twin).",
     ),
+    "trl-deepspeed-ulysses": RuntimeProfile(
+        name="trl-deepspeed-ulysses", fsdp_gather_prefetch=True, fsdp_recompute_gather_prefetch=True,
+        fsdp_reduce_scatter_overlap=True, dp_reduce_overlap=True,
+        tp_comm_overlap=False, cp_comm_overlap=False, attention_kernel="fa2", optimizer_bytes_per_param=0.0,
+        source="Hugging Face TRL SFTTrainer on DeepSpeed ZeRO-3 with Ulysses sequence parallelism (the ulysses-sp "
+        "blog's benchmark, huggingface/blog ulysses-sp.md): the working copy sharded over every rank, its gathers "
+        "prefetched and its gradient reduce-scatters overlapped (ZeRO-3's prefetch and overlap_comm: ASSUMED, the "
+        "blog does not say); Ulysses (DeepSpeed UlyssesSPAttentionHF): two all-to-alls per layer around the "
+        "attention kernel, on the critical path (not overlapped); attention: flash-attn 2 (kernels-community/"
+        "flash-attn2); HF gradient checkpointing: every decoder layer's forward re-run. The optimizer is "
+        "offloaded to the CPU (its Adam step on the host, gradients and weights over PCIe): not priced "
+        "(optimizer_bytes_per_param 0), which is why its rows are listed, not priced.",
+    ),
 }
 
 
