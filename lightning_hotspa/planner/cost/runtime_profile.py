@@ -4,7 +4,8 @@ The hardware profile (:mod:`.hardware`) says how fast a GPU computes and moves b
 profile says which of those moves hide behind which compute. :data:`HOTSPA` describes OUR runtime as
 it is on this commit (the planner and the simulator price it, never an idealized one); the others
 describe the systems whose published runs ``recipes/benchmark_published.py`` prices
-(:mod:`.published_runs`), and are used only for those rows. A hardware profile's
+(:mod:`.published_runs`), and are used only for those rows (``trl-deepspeed-ulysses`` describes
+rows that are listed, not priced: its optimizer runs on the CPU). A hardware profile's
 ``layer_comm_overlap`` caps every overlap here (cpu-gloo: 0.0, its ranks' collectives and compute
 share the same cores), so on cpu-gloo every description prices as fully exposed.
 """
