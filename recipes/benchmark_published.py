@@ -11,11 +11,13 @@ written and prints a table, the excluded rows with their reasons, and ONE JSON l
 ``geomean_ratio``, ``max_abs_log_ratio``, ``by_attention_share`` (over all bf16 rows),
 ``held_out`` (the same over the rows the fit did not see) and ``fit`` (the constants); the
 context-parallel rows alone (``cp_rows``, ``cp_geomean_ratio``, ``cp_max_abs_log_ratio``, ``cp_kinds``,
-``cp_sources``); the FP8 rates (``fp8``: torchtitan's from its Table 1 pair, NeMo / TE's fitted with the
-H100's cuDNN attention efficiency on every other row of its long-sequence table); ``between_layout_error``
+``cp_sources``; ``cp_listed``: the same counts over every listed row, priced or excluded); the FP8
+rates (``fp8``: torchtitan's from its Table 1 pair, NeMo / TE's fitted with the H100's cuDNN attention
+efficiency on every other row of its long-sequence table); ``between_layout_error``
 ({mean, p90, max, pairs} over rows of one source, model and GPU in different layouts, and the same over
 held-out rows only) and ``guard_margin_derived`` (docs/cost-model.md's rule applied to the held-out one) beside
-``guard_margin_in_use`` (the planner's DEFAULT_STATIC_MARGIN, read from the code).
+``guard_margin_in_use`` (the planner's DEFAULT_STATIC_MARGIN, read from the code); ``targets`` (issue 39's,
+each with its value and whether it is met).
 
     python recipes/benchmark_published.py
 """
@@ -90,6 +92,38 @@ def fp8_rates() -> tuple[dict, set[str]]:
     return out, {FP8_PAIR[1]} | {r["id"] for r in nemo.rows}
 
 
+def cp_kind(run: PublishedRun) -> str:
+    """How a row's cp exchanges K / V: ``ulysses`` (all-to-all), ``ring/all-gather-KV`` or ``hybrid``."""
+    return "ulysses" if run.cp_kv == 1 else "ring/all-gather-KV" if run.cp_kv == run.cp else "hybrid"
+
+
+def cp_summary(runs: list[PublishedRun]) -> dict:
+    """Count, kinds and source repositories of the rows with cp > 1 among ``runs``."""
+    cp = [r for r in runs if r.cp > 1]
+    return {"rows": len(cp), "kinds": sorted({cp_kind(r) for r in cp}),
+            "sources": sorted({r.source.split(" ")[0] for r in cp})}
+
+
+def targets(out: dict) -> dict:
+    """Issue 39's targets, each ``{"value", "target", "met"}``, from the JSON's own statistics."""
+    def band(v: float, lo: float, hi: float) -> dict:
+        return {"value": v, "target": [lo, hi], "met": lo <= v <= hi}
+
+    def at_most(v: float, hi: float) -> dict:
+        return {"value": v, "target": f"<= {hi}", "met": v <= hi}
+
+    n, src, kinds = out["cp_rows"], len(out["cp_sources"]), len(out["cp_kinds"])
+    return {"geomean_ratio": band(out["geomean_ratio"], 0.92, 1.08),
+            "max_abs_log_ratio": at_most(out["max_abs_log_ratio"], 0.22),
+            "cp_rows_sources_kinds": {"value": [n, src, kinds], "target": ">= [12, 3, 2]",
+                                      "met": n >= 12 and src >= 3 and kinds >= 2},
+            "cp_geomean_ratio": band(out["cp_geomean_ratio"], 0.9, 1.1),
+            "cp_max_abs_log_ratio": at_most(out["cp_max_abs_log_ratio"], 0.25),
+            "guard_margin_derived_equals_in_use": {"value": [out["guard_margin_derived"], out["guard_margin_in_use"]],
+                                                   "target": "equal",
+                                                   "met": out["guard_margin_derived"] == out["guard_margin_in_use"]}}
+
+
 def main(argv: list[str] | None = None) -> dict:
     """Fits, prices, prints the tables and the JSON line; returns the JSON object."""
     argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args(argv)
@@ -144,11 +178,16 @@ def main(argv: list[str] | None = None) -> dict:
            "by_attention_share": stats["by_attention_share"], "held_out": held, "fit": fits, "fp8": fp8,
            "cp_rows": cp_stats["count"], "cp_geomean_ratio": cp_stats["geomean_ratio"],
            "cp_max_abs_log_ratio": cp_stats["max_abs_log_ratio"],
-           "cp_kinds": sorted({"ulysses" if p.run.cp_kv == 1 else "ring/all-gather-KV" if p.run.cp_kv == p.run.cp
-                               else "hybrid" for p in cp}),
-           "cp_sources": sorted({p.run.source.split(" ")[0] for p in cp}),
+           "cp_kinds": cp_summary([p.run for p in cp])["kinds"],
+           "cp_sources": cp_summary([p.run for p in cp])["sources"],
+           "cp_listed": cp_summary(list(PUBLISHED_RUNS)),
            "between_layout_error": between, "between_layout_error_held_out": between_held,
            "guard_margin_derived": derived, "guard_margin_in_use": DEFAULT_STATIC_MARGIN}
+    out["targets"] = targets(out)
+    listed = out["cp_listed"]
+    print(f"cp rows listed (priced or not): {listed['rows']} from {listed['sources']}, kinds {listed['kinds']}")
+    for name, t in out["targets"].items():
+        print(f"target {name}: {t['value']} (want {t['target']}): {'met' if t['met'] else 'NOT met'}")
     print(json.dumps(out))
     return out
 

@@ -4,7 +4,8 @@ Each row is the source's own stated configuration and measured throughput, cited
 file + commit or paper + table; ``recipes/benchmark_published.py`` prices them. FP8 rows are priced
 with their linears at their runtime's ``fp8_gemm_speedup`` (docs/cost-model.md). Rows that the cost
 model cannot express (pipeline parallelism, FP8 of a runtime without a stated rate) are kept with
-``excluded`` saying why, outside the statistics. MPT models (llm-foundry) are priced as
+``excluded`` saying why, outside the statistics (the only readable Ulysses table, the Hugging Face
+blog's Qwen3-4B runs, among them: its head_dim and its CPU-offloaded optimizer). MPT models (llm-foundry) are priced as
 FLOP-equivalent Llama shapes: multi-head attention, and a SwiGLU width of 8h/3 (three h x 8h/3
 matrices = MPT's two h x 4h ones); their embedding is tied, as MPT's is.
 """
@@ -15,7 +16,8 @@ from dataclasses import dataclass
 
 from ...models.config import LlamaConfig
 
-__all__ = ["PublishedRun", "PUBLISHED_RUNS", "mpt_config", "megatron_gpt_config", "nemo_llama2_tokens_per_s"]
+__all__ = ["PublishedRun", "PUBLISHED_RUNS", "QWEN3_4B_AS_LLAMA", "mpt_config", "megatron_gpt_config",
+           "nemo_llama2_tokens_per_s"]
 
 LLM_FOUNDRY = ("mosaicml/llm-foundry scripts/train/benchmarking/README.md @ 495218376830947dce625efabc4d86be7c47cc45, "
                "table '{table}'; model shape scripts/train/yamls/pretrain/mpt-{size}.yaml @ 8c8dd48f7216")
@@ -41,6 +43,23 @@ NEMO_LONG = ("NVIDIA/NeMo docs/source/performance/performance_long_sequence.md @
 TORCHTITAN_CP = ("pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md @ "
                  "820504e20d1149fbf0b98c567af24c4b0433b22d, Table 2 row '{row}' (FSDP + CP + torch.compile + "
                  "Float8, 8 GPUs, local batch 1, full activation checkpointing)")
+
+HF_ULYSSES = ("huggingface/blog ulysses-sp.md @ 01d33d5c4b3eef17ffb79275e339f6ecad6484a4, section 'Benchmarks', "
+              "tables 'Setup' and 'Throughput', row '{row}' (Qwen3-4B, TRL SFTTrainer, H100 80GB, DeepSpeed ZeRO-3 "
+              "with CPU optimizer offloading, gradient checkpointing, kernels-community/flash-attn2; global batch 8 "
+              "= grad acc 8 x 1 sequence); tokens/s/GPU = the table's Tokens/s / {gpus} GPUs (ASSUMED: the figure is "
+              "over all GPUs, its 'vs Baseline' column compares it with the 1-GPU run)")
+#: Qwen3-4B as far as :class:`LlamaConfig` can hold it: 36 layers, 32 / 8 heads, tied embeddings (Qwen3
+#: Technical Report, arXiv 2505.09388, Table 1); hidden 2560, ffn 9728, vocab 151936 and head_dim 128 as the
+#: model's config.json gives them (quoted by a third-party table; config.json itself not readable here).
+#: LlamaConfig derives head_dim = hidden / n_heads = 80: Qwen3's explicit 128 is not expressible.
+QWEN3_4B_AS_LLAMA = LlamaConfig(vocab_size=151936, hidden=2560, n_layers=36, n_heads=32, n_kv_heads=8,
+                                ffn_hidden=9728, max_seq_len=131072, tie_embeddings=True)
+_HF_UNPRICED = ("not expressible: Qwen3-4B's head_dim is 128 with hidden 2560 (attention width 4096), LlamaConfig "
+                "derives head_dim = hidden / n_heads = 80, so attention, the term a cp row tests, would be priced at "
+                "0.625x its FLOPs; and the optimizer is offloaded to the CPU (DeepSpeed ZeRO-3 offload_optimizer): "
+                "the host's Adam step and its PCIe traffic are not priced, and the table's own steps show them "
+                "dominating (26.9 s for 65,536 tokens on 1 GPU, 28.3 s on 4 GPUs at 8K)")
 
 #: Llama 2's vocabulary in NeMo's FLOPs formula (LLM_VOCAB_SIZE_MAP["llama2"], nemo/utils/flops_formulas.py)
 _NEMO_LLAMA2_VOCAB = 32000
@@ -143,6 +162,17 @@ def _titan_cp(fsdp: int, cp: int, seq: int, tps: float) -> PublishedRun:
                         "load-balanced causal chunks); torch.compile not priced")
 
 
+def _hf_ulysses(row: str, seq: int, gpus: int, tokens_per_s: float) -> PublishedRun:
+    """A row of the Hugging Face Ulysses blog's benchmark (Qwen3-4B on H100s, SP = the GPU count, dp 1,
+    bf16 ASSUMED: the blog's accelerate config says mixed_precision bf16); listed, not priced."""
+    return PublishedRun(id=f"hf-qwen3-4b-{seq // 1024}k-sp{gpus}", source=HF_ULYSSES.format(row=row, gpus=gpus),
+                        system="trl-deepspeed-ulysses", gpu="H100", model=QWEN3_4B_AS_LLAMA, world=gpus, dp=1, tp=1,
+                        cp=gpus, pp=1, sharding="full" if gpus > 1 else "none", seq_len=seq, micro_batch=1,
+                        grad_accum=8, checkpointing="full", precision="bf16",
+                        tokens_per_s_per_gpu=round(tokens_per_s / gpus, 2), excluded=_HF_UNPRICED, cp_kv=1,
+                        note="cp = Ulysses (all-to-all of q, k, v and the output); bf16 and the per-GPU split ASSUMED")
+
+
 _H = "H100 80GB BF16"
 _HL = "H100 80GB BF16 (Large Scale, >= 128 GPUs)"
 _A = "A100 80GB with 1600 Gbps node-node interconnect (RoCE)"
@@ -240,6 +270,11 @@ PUBLISHED_RUNS: tuple[PublishedRun, ...] = (
                  "full",
                  8192, 2, 1, "selective", "fp8", 10938,
                  excluded="Float8 linears and Float8 FSDP all-gather (the only published H200 figures found)"),
+    # ---- Ulysses (all-to-all) cp, the only readable training table with its configuration: listed, not priced
+    _hf_ulysses("Baseline (1 GPU), 8K", 8192, 1, 2436),
+    _hf_ulysses("SP=4 (4 GPU), 8K", 8192, 4, 2315),
+    _hf_ulysses("SP=4 (4 GPU), 32K", 32768, 4, 7872),
+    _hf_ulysses("SP=4 (4 GPU), 64K", 65536, 4, 13396),
     PublishedRun("nemo-llama3-70b-tp4-pp8", "NVIDIA-NeMo/Megatron-Bridge, file performance-summary-archive.md under "
                  "its docs folder, @ "
                  "4ab94dfad36641cabdeb96452b21bf676aac4772, 25.09 DGX-H100 table, LLAMA3_70B row", "megatron-2022",

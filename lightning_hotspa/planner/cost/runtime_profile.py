@@ -4,7 +4,8 @@ The hardware profile (:mod:`.hardware`) says how fast a GPU computes and moves b
 profile says which of those moves hide behind which compute. :data:`HOTSPA` describes OUR runtime as
 it is on this commit (the planner and the simulator price it, never an idealized one); the others
 describe the systems whose published runs ``recipes/benchmark_published.py`` prices
-(:mod:`.published_runs`), and are used only for those rows. A hardware profile's
+(:mod:`.published_runs`), and are used only for those rows (``trl-deepspeed-ulysses`` describes
+rows that are listed, not priced: its optimizer runs on the CPU). A hardware profile's
 ``layer_comm_overlap`` caps every overlap here (cpu-gloo: 0.0, its ranks' collectives and compute
 share the same cores), so on cpu-gloo every description prices as fully exposed.
 """
@@ -182,6 +183,19 @@ RUNTIME_PROFILES: dict[str, RuntimeProfile] = {
         "(fp32 main params and grads, 42 B per parameter). TE FP8 linears (delayed scaling): their rate over bf16 "
         "fitted with the H100's cuDNN attention efficiency on every other row of its long-sequence table "
         "(published_fit.fit_fp8_and_attention; the table has no bf16 twin).",
+    ),
+    "trl-deepspeed-ulysses": RuntimeProfile(
+        name="trl-deepspeed-ulysses", fsdp_gather_prefetch=True, fsdp_recompute_gather_prefetch=True,
+        fsdp_reduce_scatter_overlap=True, dp_reduce_overlap=True,
+        tp_comm_overlap=False, cp_comm_overlap=False, attention_kernel="fa2", optimizer_bytes_per_param=0.0,
+        source="Hugging Face TRL SFTTrainer on DeepSpeed ZeRO-3 with Ulysses sequence parallelism (the ulysses-sp "
+        "blog's benchmark, huggingface/blog ulysses-sp.md): the working copy sharded over every rank, its gathers "
+        "prefetched and its gradient reduce-scatters overlapped (ZeRO-3's prefetch and overlap_comm: ASSUMED, the "
+        "blog does not say); Ulysses (DeepSpeed UlyssesSPAttentionHF): two all-to-alls per layer around the "
+        "attention kernel, on the critical path (not overlapped); attention: flash-attn 2 (kernels-community/"
+        "flash-attn2); HF gradient checkpointing: every decoder layer's forward re-run. The optimizer is "
+        "offloaded to the CPU (its Adam step on the host, gradients and weights over PCIe): not priced "
+        "(optimizer_bytes_per_param 0), which is why its rows are listed, not priced.",
     ),
 }
 
