@@ -196,10 +196,11 @@ def _sequence_parallel(preset: str = "llama3-8b") -> dict[str, object]:
     """Per-token activation bytes of ``preset`` per tp degree, measured by ``hotspa memory``'s estimator
     on the GPU path (slope of the peak between :data:`TOKENS`), next to the memory model's."""
     from lightning_hotspa.layout import Layout
-    from lightning_hotspa.planner.cost.cost_model import AnalyticCostModel, resolve_model
+    from lightning_hotspa.models.config import LlamaConfig
+    from lightning_hotspa.planner.cost.cost_model import AnalyticCostModel
     from lightning_hotspa.tools.memory import estimate_layout
 
-    config = resolve_model(preset)
+    config = LlamaConfig.preset(preset)
     cm = AnalyticCostModel(config, "H100", SP_WORLD)
     measured, predicted, peak_errors = {}, {}, {}
     for name, layout in SP_LAYOUTS:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..checks import check_int, check_number
+from ..model_shape import PRESET_SHAPES, ModelShape
 
 __all__ = ["ARTIFACT_VOCAB", "Llama3RopeScaling", "LLAMA2_VOCAB", "LLAMA3_VOCAB", "LlamaConfig", "PRESETS"]
 
@@ -102,66 +103,42 @@ class LlamaConfig:
             )
         return dataclasses.replace(PRESETS[name], **overrides)
 
+    def shape(self) -> ModelShape:
+        """What the planner and the cost model read of this config (:mod:`..model_shape`)."""
+        return ModelShape(vocab_size=self.vocab_size, hidden=self.hidden, n_layers=self.n_layers,
+                          n_heads=self.n_heads, n_kv_heads=self.n_kv_heads, ffn_hidden=self.ffn_hidden,
+                          head_dim=self.head_dim, tie_embeddings=self.tie_embeddings, qkv_bias=self.qkv_bias,
+                          vocab_multiple=self.vocab_multiple)
+
     def num_params(self, *, include_embedding: bool = True) -> int:
-        """Exact parameter count of :class:`Llama` built from this config (padded vocab)."""
-        h, hd = self.hidden, self.head_dim
-        attention = h * self.n_heads * hd * 2 + h * self.n_kv_heads * hd * 2  # wq, wo, wk, wv
-        if self.qkv_bias:
-            attention += (self.n_heads + 2 * self.n_kv_heads) * hd
-        ffn = 3 * h * self.ffn_hidden
-        per_layer = attention + ffn + 2 * h  # two RMSNorm weights
-        head = self.padded_vocab_size * h  # the LM head (a matmul, also when tied)
-        total = self.n_layers * per_layer + h + head
-        if include_embedding and not self.tie_embeddings:  # tied: the head's matrix is the embedding
-            total += self.padded_vocab_size * h
-        return total
+        """Exact parameter count of :class:`Llama` built from this config (padded vocab;
+        :meth:`ModelShape.num_params`)."""
+        return self.shape().num_params(include_embedding=include_embedding)
 
     def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs (forward + backward) per token of a document of ``seq_len`` tokens.
-
-        Dense part: 6 x the matmul parameters (the embedding lookup is not a matmul).
-        Attention part: QK^T and AV cost 2 * 2 * n_heads * head_dim FLOPs per (query, key)
-        pair forward, x3 for forward + backward; causal masking means a token of a document
-        of length s attends to (s + 1) / 2 keys on average.
-        """
-        if seq_len < 1:
-            raise ValueError(f"seq_len must be >= 1, got {seq_len!r}")
-        dense = 6.0 * self.num_params(include_embedding=False)
-        attn_width = self.n_heads * self.head_dim
-        attention = 12.0 * self.n_layers * attn_width * (seq_len + 1) / 2.0
-        return dense + attention
+        """Training FLOPs (forward + backward) per token of a document of ``seq_len`` tokens
+        (:meth:`ModelShape.flops_per_token`)."""
+        return self.shape().flops_per_token(seq_len)
 
 
 LLAMA2_VOCAB = 32000  # the LLaMA / LLaMA-2 SentencePiece tokenizer (Hugging Face "meta-llama/Llama-2-*")
 LLAMA3_VOCAB = 128256  # the Llama-3 tiktoken-based tokenizer (128000 + 256 reserved specials)
 ARTIFACT_VOCAB = 30592  # the HotSPa artifact's Megatron-padded vocabulary: planning comparisons only
 
-
-def _llama(vocab: int, hidden: int, layers: int, heads: int, kv: int, ffn: int, **kw: Any) -> LlamaConfig:
-    return LlamaConfig(vocab_size=vocab, hidden=hidden, n_layers=layers, n_heads=heads,
-                       n_kv_heads=kv, ffn_hidden=ffn, max_seq_len=kw.pop("max_seq_len", 32768), **kw)
-
-
-PRESETS: dict[str, LlamaConfig] = {
-    # Tests: 2 layers, GQA (4 q heads over 2 kv heads), byte vocab + specials padded to 320.
-    # The byte tokenizer's ids are 0..255 and its specials from 256 on (up to 4 fit here).
-    "tiny": LlamaConfig(vocab_size=260, hidden=64, n_layers=2, n_heads=4, n_kv_heads=2,
-                        ffn_hidden=176, max_seq_len=2048, vocab_multiple=64),
-    # CPU demo, about 10M parameters, byte vocabulary (+ specials such as <eos> = 256).
-    "small": LlamaConfig(vocab_size=260, hidden=384, n_layers=6, n_heads=8, n_kv_heads=4,
-                         ffn_hidden=1024, max_seq_len=4096, vocab_multiple=64),
-    # 1B class: TinyLlama's shape, which uses the LLaMA-2 tokenizer (32000 ids).
-    "1b": _llama(LLAMA2_VOCAB, 2048, 22, 32, 4, 5632),
-    # The paper's shapes (docs/REFERENCE.md §2) with the real LLaMA-2 vocabulary.
-    "llama7b": _llama(LLAMA2_VOCAB, 4096, 32, 32, 32, 11008),
-    "llama13b": _llama(LLAMA2_VOCAB, 5120, 40, 40, 40, 13824),
-    "llama30b": _llama(LLAMA2_VOCAB, 6656, 60, 64, 64, 17920),
-    # Llama 3 / 3.1 shapes ("The Llama 3 Herd of Models", table 3; 128K context for 3.1): GQA 8 kv heads,
-    # RoPE theta 500000, the 128256-id vocabulary; the long-context simulator grid prices them to 512K.
-    "llama3-8b": _llama(LLAMA3_VOCAB, 4096, 32, 32, 8, 14336, rope_theta=500000.0, max_seq_len=131072),
-    "llama3-70b": _llama(LLAMA3_VOCAB, 8192, 80, 64, 8, 28672, rope_theta=500000.0, max_seq_len=131072),
-    # The HotSPa artifact's models exactly (vocabulary 30592): for comparisons with its numbers.
-    "artifact-llama7b": _llama(ARTIFACT_VOCAB, 4096, 32, 32, 32, 11008),
-    "artifact-llama13b": _llama(ARTIFACT_VOCAB, 5120, 40, 40, 40, 13824),
-    "artifact-llama30b": _llama(ARTIFACT_VOCAB, 6656, 60, 64, 64, 17920),
+#: Each preset's Llama settings beside its shape (:data:`..model_shape.PRESET_SHAPES`): context and
+#: RoPE (Llama 3 / 3.1: theta 500000, 128K context; the long-context simulator prices them to 512K).
+_LLAMA_SETTINGS: dict[str, dict[str, Any]] = {
+    "tiny": {"max_seq_len": 2048}, "small": {"max_seq_len": 4096},
+    "llama3-8b": {"rope_theta": 500000.0, "max_seq_len": 131072},
+    "llama3-70b": {"rope_theta": 500000.0, "max_seq_len": 131072},
 }
+
+
+def _from_shape(name: str, shape: ModelShape) -> LlamaConfig:
+    return LlamaConfig(vocab_size=shape.vocab_size, hidden=shape.hidden, n_layers=shape.n_layers,
+                       n_heads=shape.n_heads, n_kv_heads=shape.n_kv_heads, ffn_hidden=shape.ffn_hidden,
+                       vocab_multiple=shape.vocab_multiple, tie_embeddings=shape.tie_embeddings,
+                       qkv_bias=shape.qkv_bias, **({"max_seq_len": 32768} | _LLAMA_SETTINGS.get(name, {})))
+
+
+PRESETS: dict[str, LlamaConfig] = {name: _from_shape(name, shape) for name, shape in PRESET_SHAPES.items()}

@@ -33,7 +33,7 @@ import numpy as np
 from ..checkpointing import Checkpointing
 from ..checks import check_int
 from ..layout import Layout, LayoutError, MeshShape
-from ..models.config import LlamaConfig
+from ..model_shape import ModelShape
 from .cost.cost_model import AnalyticCostModel, CostModelError, OptionCost
 from .cost.hardware import HardwareProfile
 from .solve.oracle_bound import charged_oracle
@@ -142,7 +142,7 @@ def prune_dominated(layouts: Sequence[Layout], rates: np.ndarray, fixed: Sequenc
 
 def auto_layouts(
     world_size: int,
-    model: LlamaConfig | str,
+    model: ModelShape | str | Any,
     hardware: HardwareProfile | str,
     context: int,
     *,
@@ -348,7 +348,7 @@ def _oracle_seeded(cm: AnalyticCostModel, layouts: Sequence[Layout], batches: Se
     return sorted(out)[:k]
 
 
-def auto_planner(world_size: int, context: int, *, model: LlamaConfig | str, hardware: HardwareProfile | str,
+def auto_planner(world_size: int, context: int, *, model: ModelShape | str | Any, hardware: HardwareProfile | str,
                  lengths: Sequence[int] | None = None, **planner_kwargs: Any) -> CostModelPlanner:
     """A :class:`CostModelPlanner` over :func:`auto_layouts` (the choice scores sets with the solver,
     so it lives here, above the solver; ``planner_kwargs`` go to the planner)."""

@@ -263,12 +263,10 @@ def estimate_rows(rows: Sequence[tuple], hardware: str = "H100", *, log: Any = p
     (no checkpointing first); a layout with no capacity at all runs ``2*cp*64`` tokens with
     checkpointing, to show how far its weights alone are from fitting.
     """
-    from ..planner.cost.cost_model import resolve_model
-
     out, worst = [], 0.0
     for row in progress(rows, "hotspa memory", unit="row"):
         model, world = row[0], row[1]
-        config = resolve_model(model)
+        config = model if isinstance(model, LlamaConfig) else LlamaConfig.preset(model)  # the real step's model
         cm = AnalyticCostModel(config, hardware, world, kernel_device=KERNEL_DEVICE[attention])
         layouts = [Layout.parse(x) for x in row[2]] if len(row) > 2 else candidate_layouts(cm)
         for lay in layouts:

@@ -20,7 +20,7 @@ PACKAGE = Path(lightning_hotspa.__file__).resolve().parent
 #: floor of each part of the package: a module may import its own floor and the floors below
 FLOORS = {
     "checks": 0, "checkpointing": 0, "torch_compat": 0, "host": 0, "host_facts": 0, "layout": 0, "mesh": 0,
-    "placements": 0, "plan": 0, "micro_batch": 0, "collective_names": 0, "group_collectives": 0,
+    "placements": 0, "plan": 0, "micro_batch": 0, "collective_names": 0, "group_collectives": 0, "model_shape": 0,
     "models": 1, "parallel": 1, "planner": 1, "data": 1, "engine": 1, "testing": 1,
     "adapter": 2,
     "tools": 3, "configs": 3,
@@ -60,6 +60,17 @@ def test_dependencies_point_down() -> None:
             if FLOORS[_part(target)] > FLOORS[_part(module)]:
                 upward.append(f"{module} -> {target}")
     assert upward == []
+
+
+def test_the_planner_reads_a_model_description_not_a_model_class() -> None:
+    """planner/ (solver, candidates, the cost model and its published rows) imports nothing of models/: it
+    reads a ModelShape (lightning_hotspa/model_shape.py), filled from a preset, a LlamaConfig or a
+    Hugging Face config, so a new model family needs no planner edit."""
+    graph = import_graph(PACKAGE)
+    into_models = sorted(f"{m} -> {t}" for m, targets in graph.items() if _part(m) == "planner"
+                         for t in targets if _part(t) == "models")
+    assert into_models == []
+    assert "lightning_hotspa.model_shape" in graph["lightning_hotspa.planner.cost.terms"]
 
 
 _CHECK_NO_LIGHTNING = """

@@ -86,7 +86,7 @@ def test_simulate_long_grid_smoke_json(capsys: pytest.CaptureFixture[str]) -> No
      "no candidate layout can hold it"),
     (["plan", "--layouts", "tp3", "--world-size", "3"], "does not divide the model's 32 attention heads"),
     (["plan", "--world-size", "1", "--model", "llama30b"], "has no layout on 1 x A800-80G"),
-    (["plan", "--model", "llama99b"], "unknown LlamaConfig preset"),
+    (["plan", "--model", "llama99b"], "unknown model preset"),
     (["plan", "--data", "/no/such/corpus"], "neither a length generator"),
     (["plan", "--layouts", "dp4,dp8"], "covers 4 ranks"),
     (["check-calibration", "--steps", "4", "--warmup", "3"], "--warmup 3 leaves fewer than 2 of the 4 steps"),

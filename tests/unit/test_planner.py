@@ -168,7 +168,7 @@ def test_memory_capacity_grows_with_sharding_and_model_splits_are_checked() -> N
     assert AnalyticCostModel("artifact-llama30b", "A800-80G", 1).capacity(Layout(), True) == 0  # weights alone
     with pytest.raises(CostModelError, match="heads"):
         AnalyticCostModel("artifact-llama7b", "A800-80G", 3).option(Layout(tp=3), False)
-    with pytest.raises(CostModelError, match="unknown LlamaConfig preset"):
+    with pytest.raises(CostModelError, match="unknown model preset .llama99b."):
         AnalyticCostModel("llama99b", "A800-80G", 8)
     with pytest.raises(CostModelError, match="world size"):
         AnalyticCostModel("artifact-llama7b", "A800-80G", 0)

@@ -254,17 +254,16 @@ def test_the_guard_margin_in_use_is_the_rule_applied_to_the_published_rows(resul
 
 def test_the_ulysses_rows_are_listed_with_why_they_are_not_priced(result):
     """The only readable Ulysses (all-to-all) training table, the Hugging Face blog's Qwen3-4B runs, is
-    listed with its citation and left out of the statistics for two stated reasons: Qwen3's head_dim 128
-    is not hidden / n_heads (LlamaConfig cannot hold it) and its optimizer runs on the CPU (unpriced). If
-    LlamaConfig learns an explicit head_dim, this test fails: price the rows then."""
+    listed with its citation and left out of the statistics for its stated reason: its optimizer runs on
+    the CPU (unpriced). Its shape is expressible (a ModelShape states Qwen3's head_dim 128)."""
     from lightning_hotspa.planner.cost.published_fit import measured_step_s
-    from lightning_hotspa.planner.cost.published_runs import QWEN3_4B_AS_LLAMA
+    from lightning_hotspa.planner.cost.published_runs import QWEN3_4B
 
     hf = {r.id: r for r in PUBLISHED_RUNS if r.system == "trl-deepspeed-ulysses"}
     sp = [r for r in hf.values() if r.cp > 1]
     assert len(sp) == 3 and all(r.cp_kv == 1 and r.cp == r.world == 4 and r.dp == 1 for r in sp)
-    assert all(" @ " in r.source and "head_dim" in r.excluded and "CPU" in r.excluded for r in hf.values())
-    assert QWEN3_4B_AS_LLAMA.head_dim == 80 != 128
+    assert all(" @ " in r.source and "CPU" in r.excluded for r in hf.values())
+    assert QWEN3_4B.head_dim == 128 and QWEN3_4B.n_heads * QWEN3_4B.head_dim == 4096 != QWEN3_4B.hidden
     # the step seconds the exclusion quotes are the rows' own
     assert measured_step_s(hf["hf-qwen3-4b-8k-sp1"]) == pytest.approx(26.9, abs=0.05)
     assert measured_step_s(hf["hf-qwen3-4b-8k-sp4"]) == pytest.approx(28.3, abs=0.05)

@@ -80,13 +80,14 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from ...checkpointing import Checkpointing
 from ...checks import check_int
 from ...layout import Layout
-from ...models.config import LlamaConfig
+from ...model_shape import ModelShape
 from ..solve.packing import cp_padded_lengths, max_doc_length
 from .efficiency import UNFUSED_KERNELS, unfused_attention_seconds
 from .hardware import DEVICE_TYPES, HardwareProfile, get_profile
@@ -203,7 +204,7 @@ class AnalyticCostModel(MemoryModel):
     profile's curves (:mod:`.efficiency`, fitted to published runs: docs/cost-model.md).
     """
 
-    def __init__(self, model: LlamaConfig | str, hardware: HardwareProfile | str, world_size: int, *,
+    def __init__(self, model: ModelShape | str | Any, hardware: HardwareProfile | str, world_size: int, *,
                  grad_bytes: int = 4, param_bytes: int = 2, capacity_multiple: int = 128,
                  grad_accum_bytes: int = 4, attention_backend: str = "flash",
                  runtime: RuntimeProfile | str = "hotspa", kernel_device: str | None = None) -> None:

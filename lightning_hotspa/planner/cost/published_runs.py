@@ -5,7 +5,7 @@ file + commit or paper + table; ``recipes/benchmark_published.py`` prices them. 
 with their linears at their runtime's ``fp8_gemm_speedup`` (docs/cost-model.md). Rows that the cost
 model cannot express (pipeline parallelism, FP8 of a runtime without a stated rate) are kept with
 ``excluded`` saying why, outside the statistics (the only readable Ulysses table, the Hugging Face
-blog's Qwen3-4B runs, among them: its head_dim and its CPU-offloaded optimizer). MPT models (llm-foundry) are priced as
+blog's Qwen3-4B runs, among them: its CPU-offloaded optimizer). MPT models (llm-foundry) are priced as
 FLOP-equivalent Llama shapes: multi-head attention, and a SwiGLU width of 8h/3 (three h x 8h/3
 matrices = MPT's two h x 4h ones); their embedding is tied, as MPT's is.
 """
@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ...models.config import LlamaConfig
+from ...model_shape import ModelShape
 
-__all__ = ["PublishedRun", "PUBLISHED_RUNS", "QWEN3_4B_AS_LLAMA", "mpt_config", "megatron_gpt_config",
+__all__ = ["PublishedRun", "PUBLISHED_RUNS", "QWEN3_4B", "mpt_config", "megatron_gpt_config",
            "nemo_llama2_tokens_per_s"]
 
 LLM_FOUNDRY = ("mosaicml/llm-foundry scripts/train/benchmarking/README.md @ 495218376830947dce625efabc4d86be7c47cc45, "
@@ -49,17 +49,16 @@ HF_ULYSSES = ("huggingface/blog ulysses-sp.md @ 01d33d5c4b3eef17ffb79275e339f6ec
               "with CPU optimizer offloading, gradient checkpointing, kernels-community/flash-attn2; global batch 8 "
               "= grad acc 8 x 1 sequence); tokens/s/GPU = the table's Tokens/s / {gpus} GPUs (ASSUMED: the figure is "
               "over all GPUs, its 'vs Baseline' column compares it with the 1-GPU run)")
-#: Qwen3-4B as far as :class:`LlamaConfig` can hold it: 36 layers, 32 / 8 heads, tied embeddings (Qwen3
-#: Technical Report, arXiv 2505.09388, Table 1); hidden 2560, ffn 9728, vocab 151936 and head_dim 128 as the
-#: model's config.json gives them (quoted by a third-party table; config.json itself not readable here).
-#: LlamaConfig derives head_dim = hidden / n_heads = 80: Qwen3's explicit 128 is not expressible.
-QWEN3_4B_AS_LLAMA = LlamaConfig(vocab_size=151936, hidden=2560, n_layers=36, n_heads=32, n_kv_heads=8,
-                                ffn_hidden=9728, max_seq_len=131072, tie_embeddings=True)
-_HF_UNPRICED = ("not expressible: Qwen3-4B's head_dim is 128 with hidden 2560 (attention width 4096), LlamaConfig "
-                "derives head_dim = hidden / n_heads = 80, so attention, the term a cp row tests, would be priced at "
-                "0.625x its FLOPs; and the optimizer is offloaded to the CPU (DeepSpeed ZeRO-3 offload_optimizer): "
-                "the host's Adam step and its PCIe traffic are not priced, and the table's own steps show them "
-                "dominating (26.9 s for 65,536 tokens on 1 GPU, 28.3 s on 4 GPUs at 8K)")
+#: Qwen3-4B: 36 layers, 32 / 8 heads, tied embeddings (Qwen3 Technical Report, arXiv 2505.09388, Table 1);
+#: hidden 2560, ffn 9728, vocab 151936 and head_dim 128 as the model's config.json gives them (quoted by a
+#: third-party table; config.json itself not readable here). Its attention width (32 x 128 = 4096) is not
+#: its hidden size: a :class:`ModelShape` states head_dim.
+QWEN3_4B = ModelShape(vocab_size=151936, hidden=2560, n_layers=36, n_heads=32, n_kv_heads=8, ffn_hidden=9728,
+                      head_dim=128, tie_embeddings=True)
+_HF_UNPRICED = ("the optimizer is offloaded to the CPU (DeepSpeed ZeRO-3 offload_optimizer): the host's Adam step "
+                "and its PCIe traffic are not priced, and the table's own steps show them dominating (26.9 s for "
+                "65,536 tokens on 1 GPU, 28.3 s on 4 GPUs at 8K; no constant overhead fits both the 8K and the 64K "
+                "rows)")
 
 #: Llama 2's vocabulary in NeMo's FLOPs formula (LLM_VOCAB_SIZE_MAP["llama2"], nemo/utils/flops_formulas.py)
 _NEMO_LLAMA2_VOCAB = 32000
@@ -79,17 +78,17 @@ _MPT = {"1b": (2048, 24, 16), "3b": (2560, 32, 20), "7b": (4096, 32, 32), "13b":
         "30b": (7168, 48, 56), "70b": (8192, 80, 64)}
 
 
-def mpt_config(size: str) -> LlamaConfig:
+def mpt_config(size: str) -> ModelShape:
     """The FLOP-equivalent Llama shape of llm-foundry's ``mpt-<size>.yaml`` (vocab 50368, head dim 128)."""
     h, layers, heads = _MPT[size]
-    return LlamaConfig(vocab_size=50368, hidden=h, n_layers=layers, n_heads=heads, n_kv_heads=heads,
-                       ffn_hidden=round(8 * h / 3), max_seq_len=65536, tie_embeddings=True)
+    return ModelShape(vocab_size=50368, hidden=h, n_layers=layers, n_heads=heads, n_kv_heads=heads,
+                      ffn_hidden=round(8 * h / 3), tie_embeddings=True)
 
 
-def megatron_gpt_config(hidden: int, layers: int, heads: int, vocab: int = 51200) -> LlamaConfig:
+def megatron_gpt_config(hidden: int, layers: int, heads: int, vocab: int = 51200) -> ModelShape:
     """The FLOP-equivalent Llama shape of a Megatron GPT (4h GELU MLP -> SwiGLU 8h/3, rounded to 64)."""
-    return LlamaConfig(vocab_size=vocab, hidden=hidden, n_layers=layers, n_heads=heads, n_kv_heads=heads,
-                       ffn_hidden=64 * round(8 * hidden / 3 / 64), max_seq_len=8192)
+    return ModelShape(vocab_size=vocab, hidden=hidden, n_layers=layers, n_heads=heads, n_kv_heads=heads,
+                      ffn_hidden=64 * round(8 * hidden / 3 / 64))
 
 
 @dataclass(frozen=True)
@@ -109,7 +108,7 @@ class PublishedRun:
     source: str
     system: str
     gpu: str
-    model: str | LlamaConfig
+    model: str | ModelShape
     world: int
     dp: int
     tp: int
@@ -166,7 +165,7 @@ def _hf_ulysses(row: str, seq: int, gpus: int, tokens_per_s: float) -> Published
     """A row of the Hugging Face Ulysses blog's benchmark (Qwen3-4B on H100s, SP = the GPU count, dp 1,
     bf16 ASSUMED: the blog's accelerate config says mixed_precision bf16); listed, not priced."""
     return PublishedRun(id=f"hf-qwen3-4b-{seq // 1024}k-sp{gpus}", source=HF_ULYSSES.format(row=row, gpus=gpus),
-                        system="trl-deepspeed-ulysses", gpu="H100", model=QWEN3_4B_AS_LLAMA, world=gpus, dp=1, tp=1,
+                        system="trl-deepspeed-ulysses", gpu="H100", model=QWEN3_4B, world=gpus, dp=1, tp=1,
                         cp=gpus, pp=1, sharding="full" if gpus > 1 else "none", seq_len=seq, micro_batch=1,
                         grad_accum=8, checkpointing="full", precision="bf16",
                         tokens_per_s_per_gpu=round(tokens_per_s / gpus, 2), excluded=_HF_UNPRICED, cp_kv=1,

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from ...layout import Layout
-from ...models.config import LlamaConfig
+from ...model_shape import ModelShape, describe_model
 
 __all__ = ["CostModelError", "gradient_kind", "resolve_model", "shares_gradients"]
 
@@ -12,13 +14,16 @@ class CostModelError(ValueError):
     """A model / world / layout combination the cost model cannot price; the message names it."""
 
 
-def resolve_model(model: LlamaConfig | str) -> LlamaConfig:
-    """A :class:`LlamaConfig` or a preset name (``llama7b``, ``llama13b``, ``llama30b``, ...)."""
-    if isinstance(model, LlamaConfig):
-        return model
+def resolve_model(model: ModelShape | str | Any) -> ModelShape:
+    """The :class:`ModelShape` the cost model prices (:func:`describe_model`: a shape, a preset name such
+    as ``llama7b``, a ``LlamaConfig`` or a Hugging Face config), its errors as :class:`CostModelError`.
+
+    Args:
+        model: what to price.
+    """
     try:
-        return LlamaConfig.preset(str(model))
-    except ValueError as err:
+        return describe_model(model)
+    except (ValueError, TypeError) as err:
         raise CostModelError(str(err)) from None
 
 

@@ -48,7 +48,7 @@ import numpy as np
 from ...checkpointing import Checkpointing, parse_checkpointing_spec
 from ...checks import check_int
 from ...layout import Layout, LayoutError, MeshShape, parse_layouts
-from ...models.config import LlamaConfig
+from ...model_shape import ModelShape
 from ...plan import Block, PlanError, Stage, StepPlan
 from ..base import PlannerBase
 from ..cost.cost_model import AnalyticCostModel, OptionCost
@@ -82,7 +82,8 @@ class CostModelPlanner(PlannerBase):
     Args:
         layouts: candidate layouts (for a chosen set: :func:`~lightning_hotspa.planner.candidates.auto_planner`,
             which scores candidate sets with this solver, so the choice lives above it).
-        model: a :class:`LlamaConfig` or preset name whose shape the analytic model prices.
+        model: what the analytic model prices: a :class:`~lightning_hotspa.model_shape.ModelShape`, a preset name, a
+            ``LlamaConfig`` or a Hugging Face config (:func:`~lightning_hotspa.model_shape.describe_model`).
         hardware: a profile name (``A100-80G``, ``A800-80G``, ``H100``, ``H200``, ``cpu-gloo``) or
             :class:`HardwareProfile`.
         tokens_per_rank: if given, a layout's capacity is ``tokens_per_rank * tp * cp`` (the
@@ -113,7 +114,7 @@ class CostModelPlanner(PlannerBase):
         self,
         layouts: Iterable[LayoutSpec] | Literal["auto"],
         *,
-        model: LlamaConfig | str,
+        model: ModelShape | str | Any,
         hardware: HardwareProfile | str = "cpu-gloo",
         world_size: int | None = None,
         tokens_per_rank: int | None = None,
