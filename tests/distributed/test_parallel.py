@@ -27,11 +27,9 @@ from lightning_hotspa.models import Llama, LlamaConfig, llama_tp_plan, param_rol
 from lightning_hotspa.models.attention import sdpa_attention
 from lightning_hotspa.parallel.attention import ParallelCoreAttention, kv_head_range
 from lightning_hotspa.parallel.collectives import (
-    all_gather_rows,
     all_to_all_heads_to_tokens,
     all_to_all_tokens_to_heads,
     gather_last_dim,
-    reduce_scatter_rows,
 )
 from lightning_hotspa.parallel.context_parallel import install_context_parallel
 from lightning_hotspa.parallel.model import ParallelModel
@@ -43,6 +41,7 @@ from lightning_hotspa.parallel.tensor_parallel import (
 )
 from lightning_hotspa.placements import build_shardings
 from lightning_hotspa.plan import Stage, StepPlan, pack_micro_batch, slice_plan
+from lightning_hotspa.shard_rows import all_gather_rows, reduce_scatter_rows
 
 # Ulysses (cp4), all-gather-KV (":kv", the tiny Llama's 2 kv heads are fewer than cp=4) and the
 # hybrid (cp4:kv2: Ulysses over 2, KV gather over 2)

@@ -20,10 +20,11 @@ PACKAGE = Path(lightning_hotspa.__file__).resolve().parent
 #: floor of each part of the package: a module may import its own floor and the floors below
 FLOORS = {
     "checks": 0, "checkpointing": 0, "torch_compat": 0, "host": 0, "host_facts": 0, "layout": 0, "mesh": 0,
-    "placements": 0, "plan": 0, "micro_batch": 0, "collective_names": 0, "group_collectives": 0,
-    "models": 1, "parallel": 1, "planner": 1, "data": 1, "engine": 1, "testing": 1,
-    "adapter": 2,
-    "tools": 3, "configs": 3,
+    "placements": 0, "plan": 0, "micro_batch": 0, "collective_names": 0, "group_collectives": 0, "shard_rows": 0,
+    "models": 1, "planner": 1, "data": 1, "testing": 1,
+    "parallel": 2, "engine": 2,
+    "adapter": 3,
+    "tools": 4, "configs": 4,
 }
 
 
@@ -60,6 +61,35 @@ def test_dependencies_point_down() -> None:
             if FLOORS[_part(target)] > FLOORS[_part(module)]:
                 upward.append(f"{module} -> {target}")
     assert upward == []
+
+
+def test_the_folders_import_each_other_without_a_loop() -> None:
+    """Two parts of one floor may import each other's modules only one way round (no folder loop, as
+    ``parallel -> models.vocab`` beside ``models.loss_head -> parallel.collectives`` was)."""
+    graph = import_graph(PACKAGE)
+    parts: dict[str, set[str]] = {}
+    for module, targets in graph.items():
+        if module != "lightning_hotspa":
+            others = {_part(t) for t in targets} - {"", _part(module)}
+            parts.setdefault(_part(module), set()).update(others)
+    assert find_cycles(parts) == []
+    assert FLOORS["models"] < FLOORS["parallel"], "docs/DESIGN.md §5: the model is written for one device"
+
+
+#: a test of the process-group backend or of the device type (docs/DESIGN.md §9: one collectives
+#: object per group, chosen once in group_collectives; kernels per device in the attention-kernel registry)
+_BACKEND_OR_DEVICE_TEST = re.compile(r"_is_gloo|backend\s*[!=]=|get_backend\(|device\.type\s*[!=]=|\.type\s*[!=]=\s*"
+                                     r"[\"'](?:cpu|cuda)|\.is_cuda\b|\bweakref\b")
+
+
+def test_the_runtime_asks_no_backend_or_device_type() -> None:
+    """parallel/ and engine/ run the same path on every backend and device: no test of either there
+    (and no weak reference into another op's state in parallel/)."""
+    hits = [f"{path.relative_to(PACKAGE)}:{n}: {line.strip()}"
+            for folder in ("parallel", "engine") for path in sorted((PACKAGE / folder).rglob("*.py"))
+            for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+            if _BACKEND_OR_DEVICE_TEST.search(line.split("#")[0])]
+    assert hits == []
 
 
 _CHECK_NO_LIGHTNING = """
