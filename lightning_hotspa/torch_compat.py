@@ -15,7 +15,7 @@ the benchmark counters are such modes), through a private helper kept here.
 
 :func:`cpu_flash_attention` / :func:`cpu_flash_attention_backward` call the CPU flash-attention
 kernel SDPA dispatches to (private aten ops, same signature on 2.11-2.13) for its log-sum-exp, which
-the public SDPA does not return (``models/chunk_attention.py, cpu_flash_chunks`` merges two calls with it).
+the public SDPA does not return (``models/chunk_attention.py`` merges two calls with it).
 """
 
 from __future__ import annotations

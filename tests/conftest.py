@@ -13,8 +13,9 @@ os.environ.setdefault("WANDB_MODE", "offline")
 
 from lightning_hotspa.testing.spawn import RankPool  # noqa: E402
 
-# tests/unit, tests/distributed, tests/e2e on sys.path: test modules import each other by name
-# (`from test_step_runner import TinyLlama`) across the tier folders, and spawned ranks inherit sys.path
+# tests/unit, tests/distributed, tests/e2e on sys.path: spawned ranks inherit sys.path and import the
+# test module of the function they run by name; the shared helpers are tests/helpers.py (no test file
+# imports another: tests/unit/test_architecture.py)
 for _tier in ("unit", "distributed", "e2e"):
     _folder = str(Path(__file__).resolve().parent / _tier)
     if _folder not in sys.path:

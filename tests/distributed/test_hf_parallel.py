@@ -8,7 +8,10 @@ import torch
 
 pytest.importorskip("transformers")
 
-from hf_helpers import DOC_LENGTHS, docs, hf_model, hf_reference, rel  # noqa: E402
+from helpers import HF_DOC_LENGTHS as DOC_LENGTHS  # noqa: E402
+from helpers import hf_docs as docs
+from helpers import hf_model, hf_reference
+from helpers import rel_error as rel
 
 LAYOUTS = ["dp4", "dp2xtp2", "tp4", "dp2xcp2", "tp2xcp2"]
 

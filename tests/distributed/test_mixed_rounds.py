@@ -1,10 +1,11 @@
 """Mixed-cp lockstep rounds: one sharded working copy, different cp degrees on different dp blocks
 in one stage (docs/DESIGN.md §4), against the single process; and the plan's checks of them."""
 
+import functools
+
 import pytest
 import torch
-from strategy_helpers import block_of, deal, evaluate_plans, groups_of
-from test_strategy import LENGTHS, _worst, fit_and_compare
+from helpers import LENGTHS, block_of, deal, evaluate_plans, fit_and_compare, groups_of, tiny_lm, worst
 
 from lightning_hotspa.layout import Layout, LayoutError, MeshShape
 from lightning_hotspa.plan import Block, PlanError, Stage, StepPlan, slice_plan
@@ -45,21 +46,11 @@ def mixed_block_plans() -> list[StepPlan]:
 
 
 def run_mixed_blocks(precision="32-true", kv_heads=None):
-    """:func:`fit_and_compare` over :func:`mixed_block_plans`; ``kv_heads`` swaps in a tiny model
-    with that many kv heads (fewer than the cp2 blocks' cp with 1) for this call."""
-    import test_strategy
-
-    from lightning_hotspa.models import LlamaConfig, LlamaLM
-
-    original = test_strategy._model
-    if kv_heads is not None:
-        config = LlamaConfig.preset("tiny", n_kv_heads=kv_heads)
-        test_strategy._model = lambda dtype=torch.float32: LlamaLM(config, seed=3, lr=2e-3, weight_decay=0.1).to(dtype)
-    try:
-        return fit_and_compare(MIXED_LAYOUTS, 3, precision, plans=mixed_block_plans(),
-                               activation_checkpointing=["dp2xcp2:fsdp"])
-    finally:
-        test_strategy._model = original
+    """:func:`fit_and_compare` over :func:`mixed_block_plans`; ``kv_heads``: a tiny model with that many
+    kv heads (fewer than the cp2 blocks' cp with 1)."""
+    return fit_and_compare(MIXED_LAYOUTS, 3, precision, plans=mixed_block_plans(),
+                           activation_checkpointing=["dp2xcp2:fsdp"],
+                           make_model=functools.partial(tiny_lm, kv_heads=kv_heads))
 
 
 @pytest.mark.parametrize("precision, kv_heads, grad_tol, loss_tol, weight_tol", [
@@ -76,9 +67,9 @@ def test_mixed_cp_blocks_in_one_sharded_stage_match_single_process(ranks, precis
     result = ranks(4).run(run_mixed_blocks, precision, kv_heads)[0]
     assert result["global_step"] == 3
     for step, errors in enumerate(result["grads"]):
-        assert _worst(errors)[1] <= grad_tol, (step, _worst(errors))
+        assert worst(errors)[1] <= grad_tol, (step, worst(errors))
     assert max(result["losses"]) <= loss_tol, result["losses"]
-    assert _worst(result["weights"])[1] <= weight_tol, _worst(result["weights"])
+    assert worst(result["weights"])[1] <= weight_tol, worst(result["weights"])
 
 
 def test_a_rank_slices_its_blocks_micro_batches_with_its_blocks_cp():
@@ -132,7 +123,7 @@ def run_mixed_evaluation(**overrides):
     Args:
         overrides: the tiny preset's config changes (``n_kv_heads=1``: fewer kv heads than cp).
     """
-    from test_step_runner import TinyLlama
+    from helpers import TinyLlama
 
     return [(loss, reference) for loss, reference, _ in
             evaluate_plans(MIXED_LAYOUTS, lambda: TinyLlama(**overrides), mixed_block_plans())]

@@ -137,6 +137,24 @@ def test_trainer_finds_hotspa_after_a_bare_import_in_either_order(imports: str) 
     assert _python(code).strip().splitlines()[-2:] == ["HotSPaStrategy", "HotSPaStrategy"]
 
 
+def test_no_test_file_imports_another_test_file() -> None:
+    """The tests' shared helpers live in tests/helpers.py: a test module never imports a ``test_*``
+    module (nor a helper file other than that one). Not yet: tests/mixed_kill_job.py (a job script a
+    test launches) reuses test_blocks' and test_mixed_planner's plans, until they move to helpers."""
+    import ast
+
+    found = []
+    for path in sorted((ROOT / "tests").rglob("*.py")):
+        if path.name == "mixed_kill_job.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+            found += [f"{path.relative_to(ROOT)}: {n}" for n in names
+                      if n.split(".")[0].startswith("test_") or n in ("strategy_helpers", "hf_helpers")]
+    assert found == []
+
+
 # --------------------------------------------------------------------------------------- docs
 _OUTSIDE = re.compile(r"\.\./" + "shared|/work/" + "shared")
 _BARE = re.compile(r"(?<![\w/])(?:DESIGN|REFERENCE)\.md")  # outside docs/ these must say docs/...

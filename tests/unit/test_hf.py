@@ -12,7 +12,9 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
-from hf_helpers import docs, hf_model, hf_reference, rel  # noqa: E402
+from helpers import hf_docs as docs  # noqa: E402
+from helpers import hf_model, hf_reference
+from helpers import rel_error as rel
 
 from lightning_hotspa.models import LlamaLM  # noqa: E402
 from lightning_hotspa.models.hf_config import HFConfigError, config_from_hf  # noqa: E402

@@ -8,6 +8,7 @@ import dataclasses
 
 import pytest
 import torch
+from helpers import SMALLISH
 
 from lightning_hotspa.engine.home import build_home_parameters
 from lightning_hotspa.engine.switch import SwitchEngine
@@ -22,8 +23,6 @@ from lightning_hotspa.tools.memory import CHUNK_KERNEL, estimate_layout
 
 TINY = LlamaConfig.preset("tiny")
 # wider than "tiny" so weights, not the fixed terms, dominate: 4 layers, MHA and GQA
-SMALLISH = LlamaConfig(vocab_size=1000, hidden=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_hidden=704,
-                       vocab_multiple=64)
 
 
 @pytest.mark.parametrize("layout", ["dp4", "dp2xtp2", "tp2xcp2"])
