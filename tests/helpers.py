@@ -154,7 +154,10 @@ LENGTHS = [[7, 30, 12, 5, 64, 9, 3, 40, 17, 25, 11, 50, 8, 33],
            [20, 4, 44, 13, 6, 70, 15, 9, 31, 2, 27, 18],
            [60, 10, 21, 35, 5, 14, 48, 26, 7, 19, 3, 38, 12]]
 
+#: the 4-rank layouts every strategy and planning test starts from (one of each tp and cp degree)
 FOUNDATION = ["dp4", "dp2xtp2", "tp4", "dp2xcp2", "tp2xcp2"]
+#: an 8-rank set: every dp x tp x cp split with tp and cp up to 4 (and tp8)
+EIGHT = ["dp8", "dp4xtp2", "dp2xtp4", "tp8", "dp4xcp2", "tp4xcp2", "dp2xtp2xcp2"]
 
 # stage order of each step's plan: every stage next to another tp degree (each reduces), then runs of
 # same-tp stages (tp 4,2,2,1,1 and 1,1,2,2,4) that reduce once per run, with tp changes in between
@@ -258,6 +261,40 @@ def fit_and_compare(layout_names, steps=3, precision="32-true", stage_orders=Non
     ref_model, _, _ = reference_run(lambda: make_model(ref_dtype), plans)
     return {"grads": grad_errors, "losses": loss_errors, "global_step": trainer.global_step,
             "weights": rel_errors(ours, dict(ref_model.named_parameters())), "reductions": recorder.reductions}
+
+
+def check_against_single_process(result, steps, grad_tol, loss_tol, weight_tol):
+    """A :func:`fit_and_compare` result holds the invariant: ``steps`` optimizer steps, every step's
+    gradients within ``grad_tol`` of the single process's from the same weights, the losses within
+    ``loss_tol`` and the final weights within ``weight_tol``."""
+    assert result["global_step"] == steps
+    for step, errors in enumerate(result["grads"]):
+        assert worst(errors)[1] <= grad_tol, (step, worst(errors))
+    assert max(result["losses"]) <= loss_tol, result["losses"]
+    assert worst(result["weights"])[1] <= weight_tol, worst(result["weights"])
+
+
+def home_grad_errors(parallel, engine, home, loss_sum, ref_grads, ref_name=lambda name: name):
+    """After a step's stages ran by hand: the home parameters back in place, ``loss_sum`` summed over
+    the ranks (in place), and each home gradient's relative error against ``ref_grads[ref_name(name)]``
+    (gradients cleared after).
+
+    Args:
+        parallel, engine, home: what :func:`setup_runner` returned.
+        loss_sum: this rank's share of the loss (a tensor; all-reduced here).
+        ref_grads: the single process's gradients.
+        ref_name: the reference's name of a home parameter.
+    """
+    parallel.restore(home)
+    engine.release()
+    dist.all_reduce(loss_sum)
+    engine.assign_home_grads()
+    errors = {}
+    for name, p in home.items():
+        errors[name] = rel_error(p.grad.full_tensor(), ref_grads[ref_name(name)])
+        p.grad = None
+    engine.clear_grad_store()
+    return errors
 
 
 def worst(errors):

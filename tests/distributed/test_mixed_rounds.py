@@ -3,9 +3,9 @@ in one stage (docs/DESIGN.md §4), against the single process; and the plan's ch
 
 import functools
 
+import helpers
 import pytest
 import torch
-from helpers import LENGTHS, block_of, deal, evaluate_plans, fit_and_compare, groups_of, tiny_lm, worst
 
 from lightning_hotspa.layout import Layout, LayoutError, MeshShape
 from lightning_hotspa.plan import Block, PlanError, Stage, StepPlan, slice_plan
@@ -16,11 +16,11 @@ MIXED_LAYOUTS = ["dp4:fsdp", "dp2xcp2:fsdp", "dp2xcp2:kv:fsdp", "dp2xtp2", "dp4:
 
 
 def _groups_of(layout: Layout, ranks) -> tuple[int, ...]:
-    return groups_of(MIXED_LAYOUTS, layout, ranks)
+    return helpers.groups_of(MIXED_LAYOUTS, layout, ranks)
 
 
 def _block(name: str, ranks, counts, docs: list[int]) -> Block:
-    return block_of(MIXED_LAYOUTS, name, ranks, counts, docs)
+    return helpers.block_of(MIXED_LAYOUTS, name, ranks, counts, docs)
 
 
 def mixed_block_plans() -> list[StepPlan]:
@@ -35,11 +35,11 @@ def mixed_block_plans() -> list[StepPlan]:
         ("dp4:fsdp2", [("dp2xcp2:fsdp2", (2, 3), [2]), ("dp4:fsdp2", (0, 1), [1, 1])], "dp2xtp2"),
     ]):
         working, blocks, other = shape
-        lengths = LENGTHS[step]
+        lengths = helpers.LENGTHS[step]
         docs = sorted(range(len(lengths)), key=lambda i: -lengths[i])  # the longest ones go first
         mixed = Stage(Layout.parse(working), (), label="mixed",
                       blocks=tuple(_block(name, ranks, counts, docs) for name, ranks, counts in blocks))
-        rest = deal(Layout.parse(other), sorted(docs))
+        rest = helpers.deal(Layout.parse(other), sorted(docs))
         stages = (mixed, rest) if step != 1 else (rest, mixed)
         plans.append(StepPlan(step, tuple(lengths), stages))
     return plans
@@ -48,9 +48,9 @@ def mixed_block_plans() -> list[StepPlan]:
 def run_mixed_blocks(precision="32-true", kv_heads=None):
     """:func:`fit_and_compare` over :func:`mixed_block_plans`; ``kv_heads``: a tiny model with that many
     kv heads (fewer than the cp2 blocks' cp with 1)."""
-    return fit_and_compare(MIXED_LAYOUTS, 3, precision, plans=mixed_block_plans(),
-                           activation_checkpointing=["dp2xcp2:fsdp"],
-                           make_model=functools.partial(tiny_lm, kv_heads=kv_heads))
+    return helpers.fit_and_compare(MIXED_LAYOUTS, 3, precision, plans=mixed_block_plans(),
+                                   activation_checkpointing=["dp2xcp2:fsdp"],
+                                   make_model=functools.partial(helpers.tiny_lm, kv_heads=kv_heads))
 
 
 @pytest.mark.parametrize("precision, kv_heads, grad_tol, loss_tol, weight_tol", [
@@ -65,11 +65,7 @@ def test_mixed_cp_blocks_in_one_sharded_stage_match_single_process(ranks, precis
     """The core invariant for mixed-cp rounds: per step the gradients equal the single process's on
     the same weights, and after 3 AdamW steps the weights equal the single process's."""
     result = ranks(4).run(run_mixed_blocks, precision, kv_heads)[0]
-    assert result["global_step"] == 3
-    for step, errors in enumerate(result["grads"]):
-        assert worst(errors)[1] <= grad_tol, (step, worst(errors))
-    assert max(result["losses"]) <= loss_tol, result["losses"]
-    assert worst(result["weights"])[1] <= weight_tol, worst(result["weights"])
+    helpers.check_against_single_process(result, 3, grad_tol, loss_tol, weight_tol)
 
 
 def test_a_rank_slices_its_blocks_micro_batches_with_its_blocks_cp():
@@ -126,7 +122,7 @@ def run_mixed_evaluation(**overrides):
     from helpers import TinyLlama
 
     return [(loss, reference) for loss, reference, _ in
-            evaluate_plans(MIXED_LAYOUTS, lambda: TinyLlama(**overrides), mixed_block_plans())]
+            helpers.evaluate_plans(MIXED_LAYOUTS, lambda: TinyLlama(**overrides), mixed_block_plans())]
 
 
 @pytest.mark.parametrize("overrides", [{}, {"n_kv_heads": 1}], ids=["gqa2", "one_kv_head"])

@@ -10,8 +10,15 @@ import zlib
 
 import pytest
 import torch
-import torch.distributed as dist
-from helpers import LlamaFusedLoss, dealt_stage, fit_and_compare, single_process_reference, tiny_lm, worst
+from helpers import (
+    LlamaFusedLoss,
+    dealt_stage,
+    fit_and_compare,
+    home_grad_errors,
+    single_process_reference,
+    tiny_lm,
+    worst,
+)
 from torch import nn
 
 from lightning_hotspa.layout import Layout, LayoutError
@@ -91,16 +98,7 @@ def run_sequence_parallel(layouts: list[str], kv_heads: int) -> dict:
                 if parallel.state.groups.tp.index == 0:
                     loss_sum += float(loss.detach()) * mb.num_target_tokens / plan.global_target_tokens
             engine.reduce_gradients()
-        parallel.restore(home)
-        engine.release()
-        dist.all_reduce(loss_sum)
-        engine.assign_home_grads()
-        errors = {}
-        for pname, p in home.items():
-            full = p.grad.full_tensor()
-            errors[pname] = float((full - ref_grads[pname]).norm() / ref_grads[pname].norm())
-            p.grad = None
-        engine.clear_grad_store()
+        errors = home_grad_errors(parallel, engine, home, loss_sum, ref_grads)
         results[name] = {"loss_err": abs(float(loss_sum) - ref_loss) / abs(ref_loss), "errors": errors,
                          "shares": sorted(set(shares)), "padded": padded}
     return results
