@@ -15,7 +15,7 @@ the benchmark counters are such modes), through a private helper kept here.
 
 :func:`cpu_flash_attention` / :func:`cpu_flash_attention_backward` call the CPU flash-attention
 kernel SDPA dispatches to (private aten ops, same signature on 2.11-2.13) for its log-sum-exp, which
-the public SDPA does not return (``parallel/cpu_chunks.py`` merges two calls with it).
+the public SDPA does not return (``models/chunk_attention.py`` merges two calls with it).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import warnings
 import torch
 
 __all__ = ["C10D_DEPRECATION_MESSAGE", "causal_lower_right", "cpu_flash_attention", "cpu_flash_attention_backward",
-           "outer_saved_tensor_hooks"]
+           "cuda_events_time", "outer_saved_tensor_hooks"]
 
 #: The warning-message pattern of the two deprecated collectives (regex, as ``warnings`` wants).
 C10D_DEPRECATION_MESSAGE = ".*(all_gather_into_tensor|reduce_scatter_tensor).*deprecated"
@@ -90,3 +90,13 @@ def cpu_flash_attention_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.T
     """
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
         grad, q, k, v, out, lse, 0.0, is_causal)
+
+
+def cuda_events_time(device: torch.device) -> bool:
+    """Whether torch's CUDA events time work on ``device`` (a CUDA device of a CUDA build): the stage
+    clock's one device question (``engine/timing.py`` asks it here; the runtime asks none itself).
+
+    Args:
+        device: the device the stage runs on.
+    """
+    return device.type == "cuda" and torch.cuda.is_available()

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lightning_hotspa.models.attention import BACKENDS, select_attention_backend  # noqa: E402
+from lightning_hotspa.models.attention_kernels import BACKENDS, select_attention_backend  # noqa: E402
 from lightning_hotspa.models.config import LlamaConfig  # noqa: E402
 from lightning_hotspa.models.init import build_llama  # noqa: E402
 from lightning_hotspa.models.llama import Llama  # noqa: E402

@@ -195,7 +195,7 @@ def reduce_waits() -> dict:
 
 def kv_calls() -> dict:
     """Kernel calls per layer forward for one document, busiest cp rank (the geometry does not depend
-    on the heads): one per local chunk on CUDA; on CPU (``parallel/cpu_chunks.py``) two for a chunk
+    on the heads): one per local chunk on CUDA; on CPU (``models/chunk_attention.py``) two for a chunk
     with keys before its diagonal block."""
     from lightning_hotspa.parallel.kv_gather import kv_geometry
 

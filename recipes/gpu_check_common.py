@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_hotspa.models.attention import BACKENDS, select_attention_backend
+from lightning_hotspa.models.attention_kernels import BACKENDS, select_attention_backend
 
 DATASHEET_BF16_FLOPS = 989e12  # NVIDIA H100/H200 SXM dense bf16 (data sheet; the H200 profile's peak_flops)
 

@@ -5,7 +5,7 @@ Under all-gather-KV context parallelism a rank's attention is a few query chunks
 before it; the costliest is the last chunk of a document: ``rows`` queries at the end of ``keys`` keys.
 For the chunk shapes a cp ladder of 8K-512K documents uses (1K-64K rows, rows = keys / 8: cp4's
 2 x 4 chunks), one Llama-3-8B layer's heads (GQA 32 / 8, head dim 128) run through
-:func:`lightning_hotspa.parallel.kv_gather.chunk_attention`, and the measured seconds are set beside
+:func:`lightning_hotspa.models.chunk_attention.chunk_attention`, and the measured seconds are set beside
 ``AnalyticCostModel.attention_seconds_per_pair`` x the chunk's visible pairs (our runtime's kernel on
 the device's hardware profile). The K / V exchange itself is not run: one device has no peer.
 """
@@ -40,7 +40,7 @@ def cp_chunk_check(cells: tuple[tuple[int, int], ...], device: torch.device, dty
                    budget: Budget, heads: int = 32, kv_heads: int = 8, dim: int = 128) -> dict[str, Any]:
     """Part (g): measured vs predicted forward + backward seconds of each chunk cell, within ``budget``
     (a cell that would not fit the time left is skipped and says so)."""
-    from lightning_hotspa.parallel.kv_gather import chunk_attention
+    from lightning_hotspa.models.chunk_attention import chunk_attention
 
     layer = LlamaConfig(vocab_size=256, hidden=heads * dim, n_layers=1, n_heads=heads, n_kv_heads=kv_heads,
                         ffn_hidden=4 * dim, max_seq_len=max(k for _, k in cells))
@@ -80,5 +80,5 @@ def cp_chunk_check(cells: tuple[tuple[int, int], ...], device: torch.device, dty
         out.append(cell)
     ok = [c["measured_over_predicted"] for c in out if c.get("status") == "ok"]
     return {"cells": out, "heads": [heads, kv_heads, dim], "hardware_profile": hardware, "timer": timer.kind,
-            "kernel": "parallel/kv_gather.chunk_attention (SDPA, bottom-right causal, GQA native)",
+            "kernel": "models/chunk_attention.chunk_attention (SDPA, bottom-right causal, GQA native)",
             "measured_over_predicted": {"min": min(ok), "max": max(ok)} if ok else None}

@@ -5,7 +5,7 @@ against ``torch_varlen`` on one long document (one device, no collectives).
   backward steps of the tiny GQA model (a pinned micro-batch moved with ``.to``), its warnings
   counted; on CPU (the dry run) :func:`lightning_hotspa.testing.host_syncs.count_host_syncs` stands in.
 * ``kv_chunks``: one document split for cp4 ``:kv``; every rank's two query chunks run through
-  :func:`lightning_hotspa.parallel.kv_gather.chunk_attention` over the (already gathered) K/V, forward
+  :func:`lightning_hotspa.models.chunk_attention.chunk_attention` over the (already gathered) K/V, forward
   + backward, summed over the 4 ranks, against one call of the whole document through
   ``torch_varlen`` (CUDA) or ``sdpa`` (CPU). The all-gather / reduce-scatter are not run: one device
   cannot hold two NCCL ranks, so the collective code stays unmeasured on a GPU.
@@ -67,7 +67,7 @@ def _kv_chunks(tokens: int, device: torch.device, dtype: torch.dtype, budget: Bu
     """Sum over cp ranks of the chunk kernel's forward+backward vs the whole document in one call."""
     from gpu_check_speed import backends_for
 
-    from lightning_hotspa.parallel.kv_gather import chunk_attention
+    from lightning_hotspa.models.chunk_attention import chunk_attention
 
     gen = torch.Generator(device=device).manual_seed(0)
     q, k, v = (torch.randn(tokens, h, dim, device=device, dtype=dtype, generator=gen, requires_grad=True)

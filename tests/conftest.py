@@ -13,8 +13,9 @@ os.environ.setdefault("WANDB_MODE", "offline")
 
 from lightning_hotspa.testing.spawn import RankPool  # noqa: E402
 
-# tests/unit, tests/distributed, tests/e2e on sys.path: test modules import each other by name
-# (`from test_step_runner import TinyLlama`) across the tier folders, and spawned ranks inherit sys.path
+# tests/unit, tests/distributed, tests/e2e on sys.path: spawned ranks inherit sys.path and import the
+# test module of the function they run by name; the shared helpers are tests/helpers.py (no test file
+# imports another: tests/unit/test_architecture.py)
 for _tier in ("unit", "distributed", "e2e"):
     _folder = str(Path(__file__).resolve().parent / _tier)
     if _folder not in sys.path:
@@ -41,7 +42,8 @@ def ranks():
 #: test modules whose tests run in one process (no process group, no spawned ranks); their tests
 #: that take the ``ranks`` fixture or are marked ``slow`` stay out of the fast tier
 FAST_MODULES = frozenset({
-    "test_block_plan", "test_chat_data", "test_checkpointing", "test_docs_paths", "test_fsdp_planner", "test_hf",
+    "test_block_plan", "test_chat_data", "test_checkpointing", "test_docs_agree", "test_docs_paths",
+    "test_fsdp_planner", "test_hf",
     "test_kv_gather",
     "test_layout", "test_long_grid", "test_minibatches", "test_packing", "test_plan", "test_planner",
     "test_profile_update", "test_timeline", "test_vocab",

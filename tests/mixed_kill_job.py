@@ -33,7 +33,7 @@ sys.path[:0] = [str(TESTS.parent), str(TESTS), str(TESTS / "distributed"), str(T
 
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
-from strategy_helpers import rank_plans  # noqa: E402
+from helpers import rank_plans  # noqa: E402
 from test_blocks import BLOCK_LAYOUTS, block_plans  # noqa: E402
 from test_mixed_planner import PAIR_4, planner_mixed_plans  # noqa: E402
 

@@ -20,6 +20,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from ..torch_compat import cuda_events_time
+
 __all__ = ["Clock", "CudaEventClock", "HostClock", "clock_for", "cpu_seconds"]
 
 #: this process' CPU seconds (all threads): the second clock a stage record carries
@@ -69,6 +71,4 @@ def clock_for(device: torch.device | str) -> Clock:
     """The device's own clock: CUDA events on a CUDA device, the host clock elsewhere (CPU, and
     devices whose events torch does not time)."""
     device = torch.device(device)
-    if device.type == "cuda" and torch.cuda.is_available():
-        return CudaEventClock(device)
-    return HostClock()
+    return CudaEventClock(device) if cuda_events_time(device) else HostClock()

@@ -1,12 +1,12 @@
 """Llama-style decoder written for one device, with its declarative tensor-parallel plan."""
 
-from .attention import (
+from .attention import CoreAttention, repeat_kv, sdpa_attention
+from .attention_kernels import (
     BACKENDS,
-    CoreAttention,
+    KERNELS,
+    AttentionKernel,
     auto_attention,
     auto_backend_name,
-    repeat_kv,
-    sdpa_attention,
     select_attention_backend,
 )
 from .config import PRESETS, LlamaConfig
@@ -37,7 +37,9 @@ def __getattr__(name: str) -> object:
 
 
 __all__ = [
+    "AttentionKernel",
     "BACKENDS",
+    "KERNELS",
     "IGNORE_INDEX",
     "PRESETS",
     "ROLES",

@@ -1,4 +1,4 @@
-"""Causal core attention over packed documents, with interchangeable backends.
+"""Causal core attention over packed documents: the kernels (which one runs: :mod:`.attention_kernels`).
 
 Every backend has the signature ``(q, k, v, cu_seqlens, max_seqlen) -> out`` with q [T, h, d],
 k and v [T, hkv, d], out [T, h, d], and masks attention at the ``cu_seqlens`` document
@@ -13,7 +13,6 @@ this module must never need it.
 from __future__ import annotations
 
 import functools
-import importlib.util
 import inspect
 from collections.abc import Callable
 
@@ -26,20 +25,14 @@ from ..host_facts import recall
 
 __all__ = [
     "CoreAttention",
-    "BACKENDS",
-    "auto_attention",
-    "auto_backend_name",
     "flash_varlen_attention",
     "repeat_kv",
     "sdpa_attention",
-    "select_attention_backend",
     "torch_varlen_attention",
     "with_sliding_window",
 ]
 
 CoreAttention = Callable[[Tensor, Tensor, Tensor, Tensor, int], Tensor]
-
-_LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
 def repeat_kv(kv: Tensor, n_q_heads: int) -> Tensor:
@@ -161,57 +154,6 @@ def torch_varlen_attention(
     return varlen_attn(q, k, v, cu, cu, int(max_seqlen), int(max_seqlen), **kwargs)
 
 
-BACKENDS: dict[str, CoreAttention] = {
-    "flash_varlen": flash_varlen_attention,
-    "torch_varlen": torch_varlen_attention,
-    "sdpa": sdpa_attention,
-}
-
-
-@functools.cache
-def _flash_attn_installed() -> bool:
-    return importlib.util.find_spec("flash_attn") is not None
-
-
-@functools.cache
-def _torch_varlen_available() -> bool:
-    try:
-        from torch.nn.attention.varlen import varlen_attn  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def _unavailable_reason(name: str, device: torch.device | None) -> str | None:
-    if name == "sdpa":
-        return None
-    if device is not None and device.type != "cuda":
-        return f"it runs only on CUDA, not on {device.type!r}"
-    if name == "flash_varlen" and not _flash_attn_installed():
-        return "flash-attn is not installed (pip install 'lightning-hotspa[gpu]')"
-    if name == "torch_varlen" and not _torch_varlen_available():
-        return f"torch {torch.__version__} has no torch.nn.attention.varlen"
-    return None
-
-
-def auto_backend_name(device: torch.device | str, dtype: torch.dtype) -> str:
-    """The backend "auto" uses for inputs on ``device`` with ``dtype``."""
-    device = torch.device(device)
-    if device.type == "cuda" and dtype in _LOW_PRECISION:
-        for name in ("flash_varlen", "torch_varlen"):
-            if _unavailable_reason(name, device) is None:
-                return name
-    return "sdpa"  # CPU, fp32 on GPU (the kernels need fp16/bf16), or no GPU kernel installed
-
-
-def auto_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int,
-                   window: int | None = None) -> Tensor:
-    """Pick the backend per call from the inputs' device and dtype (the model's default)."""
-    fn = BACKENDS[auto_backend_name(q.device, q.dtype)]
-    return fn(q, k, v, cu_seqlens, max_seqlen) if window is None else fn(q, k, v, cu_seqlens, max_seqlen,
-                                                                         window=window)
-
-
 def with_sliding_window(fn: CoreAttention, window: int | None) -> CoreAttention:
     """``fn`` with its ``window`` bound (a core attention of the usual 5 arguments); ``fn`` for None."""
     if window is None:
@@ -222,24 +164,3 @@ def with_sliding_window(fn: CoreAttention, window: int | None) -> CoreAttention:
         raise ValueError(f"core attention {getattr(fn, '__name__', fn)!r} takes no window argument: it "
                          f"cannot run the model's sliding window of {window}")
     return functools.partial(fn, window=window)
-
-
-def select_attention_backend(
-    name: str = "auto", device: torch.device | str | None = None
-) -> CoreAttention:
-    """The core-attention callable for ``name``.
-
-    "auto" returns :func:`auto_attention`, which decides per call (so it stays right when the
-    model moves between devices or precisions). A named backend is checked against ``device``
-    when one is given, and against what is installed.
-    """
-    if name == "auto":
-        return auto_attention
-    if name not in BACKENDS:
-        raise ValueError(
-            f"unknown attention backend {name!r}; choose one of {['auto', *BACKENDS]}"
-        )
-    reason = _unavailable_reason(name, None if device is None else torch.device(device))
-    if reason is not None:
-        raise ValueError(f"attention backend {name!r} is unavailable: {reason}")
-    return BACKENDS[name]

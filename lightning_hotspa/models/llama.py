@@ -14,7 +14,8 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from ..checkpointing import Checkpointing
-from .attention import CoreAttention, select_attention_backend, with_sliding_window
+from .attention import CoreAttention, with_sliding_window
+from .attention_kernels import select_attention_backend
 from .config import LlamaConfig
 from .kernels import SwiGLUDown, rms_norm
 from .loss_head import LMHead, linear_cross_entropy

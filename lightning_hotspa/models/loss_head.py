@@ -23,8 +23,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..checks import check_int
-from ..parallel.collectives import all_gather_rows
 from ..plan import IGNORE_INDEX
+from ..shard_rows import all_gather_rows
 from .vocab import check_token_ids
 
 __all__ = ["DEFAULT_VOCAB_BLOCK", "LMHead", "linear_cross_entropy"]

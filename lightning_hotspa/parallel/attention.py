@@ -70,9 +70,9 @@ class ParallelCoreAttention:
             start, stop = kv_head_range(*self.heads, tp, groups.tp.index)
             k, v = k[:, start:stop], v[:, start:stop]
         if self.context_parallel and groups.cp.size > 1 and groups.layout.cp_kv > 1:
-            # its own bottom-right-causal SDPA chunks: the inner backend's kernel is not used, its window is
+            # bottom-right-causal chunks in the chunk kernel the registry sets beside the inner backend
             return kv_gather_attention(q, k, v, cu_seqlens, groups, self.state.micro_batch, self.owner,
-                                       window=sliding_window(self.inner))
+                                       window=sliding_window(self.inner), core=self.inner)
         if self.context_parallel and groups.cp.size > 1:
             return ulysses_attention(self.inner, q, k, v, cu_seqlens, max_seqlen, groups.cp,
                                      self.state.micro_batch, self.owner)

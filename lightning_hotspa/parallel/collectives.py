@@ -6,8 +6,9 @@ Why a module of its own: the hot path computes on local tensors with explicit co
 * Megatron's conjugate pairs: an op that is the identity forward must all-reduce backward (``f``)
   and vice versa (``g``), otherwise tp ranks silently train on partial gradients;
 * ``dist.new_group`` orders members by global rank while shard indices nest across mesh dims, so the
-  output slot of a member is ``group.slot_of_shard[shard]``, not ``shard``. Gathers and all-to-alls
-  map slots to shards here, once, and nowhere else.
+  output slot of a member is ``group.slot_of_shard[shard]``, not ``shard``. The all-to-alls here map
+  slots to shards with :func:`lightning_hotspa.shard_rows.order`; the row gathers and reduce-scatters
+  without autograd are :mod:`lightning_hotspa.shard_rows`' (the ground floor: the loss head uses one).
 
 The ``torch.distributed`` functions are looked up at call time (``dist.all_reduce``), so
 :func:`lightning_hotspa.testing.comm_bytes.count_collective_bytes` sees every call.
@@ -23,6 +24,7 @@ from torch import Tensor
 
 from ..collective_names import collective
 from ..mesh import RankGroup
+from ..shard_rows import order as _order
 from ..torch_compat import C10D_DEPRECATION_MESSAGE  # noqa: F401  (installs the warning filter)
 
 __all__ = [
@@ -34,30 +36,7 @@ __all__ = [
     "all_to_all_heads_to_tokens",
     "all_to_all_tokens_to_heads",
     "permute_rows",
-    "all_gather_rows",
-    "reduce_scatter_rows",
-    "reduce_scatter_and_gather_rows",
 ]
-
-
-def _shard_of_slot(group: RankGroup) -> list[int]:
-    """Inverse of ``slot_of_shard``: the shard index held by each collective slot."""
-    out = [0] * group.size
-    for shard, slot in enumerate(group.slot_of_shard):
-        out[slot] = shard
-    return out
-
-
-def _order(group: RankGroup, kind: str, device: torch.device) -> Tensor:
-    """The slot<->shard permutation (``kind``: "slot_of_shard" or "shard_of_slot") as an index tensor
-    on ``device``, built once per group and device: indexing with a Python list would copy the list
-    from the host on every call (a host-to-device copy that waits, docs/DESIGN.md §4)."""
-    cache = group.__dict__.setdefault("_index_tensors", {})
-    key = (kind, str(device))
-    if key not in cache:
-        order = group.slot_of_shard if kind == "slot_of_shard" else _shard_of_slot(group)
-        cache[key] = torch.tensor(order, dtype=torch.int64, device=device)
-    return cache[key]
 
 
 def all_reduce_sum(x: Tensor, group: RankGroup) -> Tensor:
@@ -224,48 +203,3 @@ def all_to_all_tokens_to_heads(y: Tensor, group: RankGroup) -> Tensor:
 def permute_rows(x: Tensor, perm: Tensor, inverse: Tensor) -> Tensor:
     """Rows of ``x`` in the order ``perm``; ``inverse`` must be its inverse permutation."""
     return _PermuteRows.apply(x, perm, inverse)
-
-
-def _to_shard_order(buffer: Tensor, group: RankGroup, rows: int) -> Tensor:
-    """``[n*rows, ...]`` in slot order -> shard order."""
-    if group.in_shard_order:
-        return buffer
-    order = _order(group, "slot_of_shard", buffer.device)
-    return buffer.view(group.size, rows, *buffer.shape[1:]).index_select(0, order).reshape(buffer.shape)
-
-
-def _blocks_by_slot(x: Tensor, group: RankGroup) -> Tensor:
-    """``[n*T, ...]`` (block s for shard s) -> ``[n, T, ...]`` with block k for slot k."""
-    n = group.size
-    send = x.reshape(n, x.shape[0] // n, *x.shape[1:])
-    if not group.in_shard_order:
-        send = send.index_select(0, _order(group, "shard_of_slot", send.device))
-    return send
-
-
-def all_gather_rows(x: Tensor, group: RankGroup) -> Tensor:
-    """[T, ...] -> [n*T, ...]: every member's rows, member s at rows s*T (shard order); no autograd
-    (the all-gather-KV attention re-gathers in its own backward). How: ``group.comm``."""
-    flat = x.contiguous()
-    return _to_shard_order(group.comm.all_gather(flat), group, flat.shape[0])
-
-
-def reduce_scatter_rows(x: Tensor, group: RankGroup) -> Tensor:
-    """[n*T, ...] -> [T, ...]: the sum over members of their rows block ``index`` (the backward of
-    :func:`all_gather_rows`). How: ``group.comm``."""
-    return group.comm.reduce_scatter(_blocks_by_slot(x, group))
-
-
-def reduce_scatter_and_gather_rows(x: Tensor, shard: Tensor, group: RankGroup) -> tuple[Tensor, Tensor]:
-    """:func:`reduce_scatter_rows` of ``x`` and :func:`all_gather_rows` of ``shard`` together (a
-    sequence-parallel region's backward: its input gradient and its input again), one collective
-    where the group's backend allows it (``group.comm``).
-
-    Args:
-        x: ``[n*T, ...]``, block s for shard s (the gradient to sum).
-        shard: ``[T, ...]``, this rank's rows to gather.
-        group: the group.
-    """
-    flat = shard.contiguous()
-    summed, gathered = group.comm.reduce_scatter_and_all_gather(_blocks_by_slot(x, group), flat)
-    return summed, _to_shard_order(gathered, group, flat.shape[0])

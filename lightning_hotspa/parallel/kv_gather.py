@@ -13,21 +13,17 @@ the heads for the rows of cp ranks ``a' * cp_kv + b`` (``a'`` in order, not perm
 over ``b'`` then yields every row of every document, permuted here into document order.
 
 Attention. A query chunk at offset ``s`` of its document attends keys ``[0, s + C)`` of that
-document, query ``i`` seeing keys ``<= s + i`` (bottom-right causal; top-left ``is_causal`` is wrong
-for ``s > 0``). ONE 4-D SDPA call per local query chunk: ``is_causal`` for the document's first
-chunk, torch's ``causal_lower_right`` bias otherwise (flash on CUDA; the CPU flash kernel with the
-materialized mask on CPU), ``enable_gqa`` (K/V never repeated). A sliding window narrows the keys to
-``[s - window + 1, s + C)`` and masks the band explicitly (SDPA's memory-efficient kernel on CUDA).
+document, query ``i`` seeing keys ``<= s + i`` (bottom-right causal); a sliding window narrows the keys
+to ``[s - window + 1, s + C)``. The chunks run in the chunk kernel the attention-kernel registry sets
+beside the model's core attention (``models.attention_kernels.chunk_kernel_for``; the kernels:
+``models/chunk_attention.py``): ``sdpa_chunk`` (one SDPA call per chunk, recomputed in backward) or,
+on CPU without a window, ``cpu_flash_chunks`` (two CPU flash calls merged by log-sum-exp, backward from
+the kept output and log-sum-exp).
 
-Backward (:class:`_KVGatherAttention`): only q and the LOCAL k, v are saved; K and V are re-gathered
-and each chunk's SDPA is recomputed and back-propagated through SDPA's own backward kernel, one
-chunk at a time (one extra attention forward, the price of not holding ~0.5 GB per layer of
-gathered K/V at 128K); dK / dV are summed in fp32 and reduce-scattered over the KV group.
-
-On CPU without a window (:mod:`.cpu_chunks`) a chunk is two CPU-flash calls (prefix unmasked,
-diagonal ``is_causal``) merged by log-sum-exp instead of one call over a materialized mask (twice
-the work), and backward runs the flash backward from the saved output and log-sum-exp (no
-recomputed forward).
+Backward (:class:`_KVGatherAttention`): only q, the LOCAL k, v and what the chunk kernel keeps are
+saved; K and V are re-gathered and each chunk is back-propagated by the kernel, one chunk at a time
+(``sdpa_chunk``: one extra attention forward, the price of not holding ~0.5 GB per layer of gathered
+K/V at 128K); dK / dV are summed in fp32 and reduce-scattered over the KV group.
 
 Host syncs: none per micro-batch. The chunks come from the micro-batch's host-side boundaries
 (:mod:`..host_facts`), the row permutations are computed on the device from ``cu_seqlens``.
@@ -39,16 +35,15 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from ..host_facts import recall, remember
 from ..layout import LayoutError
 from ..mesh import LayoutGroups, RankGroup
+from ..models.attention_kernels import AttentionKernel, chunk_kernel_for
 from ..plan import MicroBatch
-from ..torch_compat import causal_lower_right
-from .collectives import all_gather_rows, all_to_all_tokens_to_heads, reduce_scatter_rows
-from .cpu_chunks import chunk_backward, chunk_forward, cpu_chunks_apply
+from ..shard_rows import all_gather_rows, reduce_scatter_rows
+from .collectives import all_to_all_tokens_to_heads
 from .ulysses import check_micro_batch, exchange_qkv, host_bounds
 
 __all__ = ["KVGeometry", "kv_geometry", "kv_gather_attention"]
@@ -133,33 +128,6 @@ def kv_geometry(cu_seqlens: Tensor, cp: int, ulysses: int, kv: int, kv_index: in
     return geometry
 
 
-def chunk_attention(q: Tensor, k: Tensor, v: Tensor, first: int, key_start: int = 0,
-                    window: int | None = None) -> Tensor:
-    """ONE kernel call: q [C, h, d] at positions ``first..first+C-1`` over k / v [S, hkv, d] at
-    positions ``key_start..first+C-1`` (bottom-right causal, optionally a sliding window); GQA native.
-
-    Args:
-        q: the query chunk, [C, h, d].
-        k, v: its keys and values, [S, hkv, d], S = first + C - key_start.
-        first: the document position of the chunk's first query.
-        key_start: the document position of the first key.
-        window: the sliding window (query i sees keys in (i - window, i]); None: full causal.
-    """
-    n, s = q.shape[0], k.shape[0]
-    gqa = q.shape[1] != k.shape[1]
-    qh, kh, vh = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
-    if window is not None and first + n - key_start > window and n > 1:
-        rows = first + torch.arange(n, device=q.device)[:, None]
-        keys = key_start + torch.arange(s, device=q.device)[None, :]
-        mask = (keys <= rows) & (keys > rows - window)
-        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, enable_gqa=gqa)
-    elif n == s:
-        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=gqa)
-    else:
-        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=causal_lower_right(n, s), enable_gqa=gqa)
-    return out.squeeze(0).transpose(0, 1)
-
-
 def _gather_kv(k: Tensor, v: Tensor, geometry: KVGeometry, group: RankGroup) -> tuple[Tensor, Tensor]:
     both = all_gather_rows(torch.cat([k, v], dim=1), group).index_select(0, geometry.perm)
     return both.split([k.shape[1], v.shape[1]], dim=1)
@@ -168,19 +136,11 @@ def _gather_kv(k: Tensor, v: Tensor, geometry: KVGeometry, group: RankGroup) -> 
 class _KVGatherAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, geometry: KVGeometry, group: RankGroup,
-                window: int | None) -> Tensor:
+                window: int | None, chunks: AttentionKernel) -> Tensor:
         kf, vf = _gather_kv(k, v, geometry, group)
-        ctx.geometry, ctx.group, ctx.window = geometry, group, window
-        ctx.cpu = cpu_chunks_apply(q, window)
-        if ctx.cpu:  # no mask, and backward needs no recomputation: it keeps out and the lse
-            parts = [chunk_forward(q[q0:q1], kf[k0:k1], vf[k0:k1], first, lo)
-                     for q0, q1, k0, k1, first, lo in geometry.blocks]
-            out, lse = torch.cat([o for o, _ in parts]), torch.cat([s for _, s in parts], dim=-1)
-            ctx.save_for_backward(q, k, v, out, lse)
-            return out
-        out = torch.cat([chunk_attention(q[q0:q1], kf[k0:k1], vf[k0:k1], first, lo, window)
-                         for q0, q1, k0, k1, first, lo in geometry.blocks])
-        ctx.save_for_backward(q, k, v)
+        ctx.geometry, ctx.group, ctx.window, ctx.chunks = geometry, group, window, chunks
+        out, kept = chunks.call(q, kf, vf, geometry.blocks, window)
+        ctx.save_for_backward(q, k, v, *kept)
         return out
 
     @staticmethod
@@ -192,30 +152,33 @@ class _KVGatherAttention(torch.autograd.Function):
         width = kf.shape[1]
         acc = torch.promote_types(kf.dtype, torch.float32)  # fp32 at least: fp64 stays fp64
         dkv = torch.zeros((kf.shape[0], width + vf.shape[1], kf.shape[2]), dtype=acc, device=kf.device)
-        for q0, q1, k0, k1, first, lo in geometry.blocks:  # one chunk's graph alive at a time
-            if ctx.cpu:
-                out, lse = kept
-                gq, gk, gv = chunk_backward(grad[q0:q1], q[q0:q1], kf[k0:k1], vf[k0:k1], out[q0:q1],
-                                            lse[..., q0:q1].contiguous(), first, lo)
-            else:
-                qb, kb, vb = (t.detach().requires_grad_() for t in (q[q0:q1], kf[k0:k1], vf[k0:k1]))
-                with torch.enable_grad():
-                    out = chunk_attention(qb, kb, vb, first, lo, ctx.window)
-                gq, gk, gv = torch.autograd.grad(out, (qb, kb, vb), grad[q0:q1])
+        for block in geometry.blocks:  # one chunk's graph alive at a time
+            q0, q1, k0, k1, _, _ = block
+            gq, gk, gv = ctx.chunks.backward(grad, q, kf, vf, tuple(kept), block, ctx.window)
             dq[q0:q1] = gq
             dkv[k0:k1, :width] += gk
             dkv[k0:k1, width:] += gv
         # summed in fp32 (fp64) here, reduced in the K/V dtype (bf16 under mixed precision: half the bytes)
         local = reduce_scatter_rows(dkv.index_select(0, geometry.full_index).to(k.dtype), group)
         dk, dv = local.split([width, vf.shape[1]], dim=1)
-        return dq, dk.contiguous(), dv.contiguous(), None, None, None
+        return dq, dk.contiguous(), dv.contiguous(), None, None, None, None
 
 
 def kv_gather_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, groups: LayoutGroups,
                         micro_batch: MicroBatch | None = None, where: str = "context parallel",
-                        window: int | None = None) -> Tensor:
-    """Causal document attention for ``groups.layout``'s all-gather-KV / hybrid cp; q [T, h, d] and
-    k / v [T, hkv, d] local rows, as packed for this cp rank; ``window``: the model's sliding window."""
+                        window: int | None = None, core: object = None) -> Tensor:
+    """Causal document attention for ``groups.layout``'s all-gather-KV / hybrid cp.
+
+    Args:
+        q, k, v: q [T, h, d] and k / v [T, hkv, d] local rows, as packed for this cp rank.
+        cu_seqlens: this rank's local document boundaries.
+        groups: the active layout's groups (its Ulysses and KV sub-groups of cp).
+        micro_batch: the micro-batch, checked against ``cu_seqlens``.
+        where: the module, for error messages.
+        window: the model's sliding window (None: full causal).
+        core: the model's core attention: the registry's chunk kernel beside it runs the chunks
+            (``models.attention_kernels.chunk_kernel_for``; None: as "auto").
+    """
     ulysses, kv = groups.cp_ulysses, groups.cp_kv
     if ulysses is None or kv is None or ulysses.size * kv.size != groups.cp.size:
         raise LayoutError(f"{where}: layout {groups.layout} needs its Ulysses and KV sub-groups of cp "
@@ -232,5 +195,5 @@ def kv_gather_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, gro
         q, k, v = exchange_qkv(q, k, v, ulysses)
     if q.shape[1] % k.shape[1]:
         raise LayoutError(f"{where}: {k.shape[1]} kv heads do not divide the {q.shape[1]} query heads")
-    out = _KVGatherAttention.apply(q, k, v, geometry, kv, window)
+    out = _KVGatherAttention.apply(q, k, v, geometry, kv, window, chunk_kernel_for(core, q, window))
     return all_to_all_tokens_to_heads(out, ulysses) if ulysses.size > 1 else out

@@ -28,7 +28,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..mesh import RankGroup
-from .collectives import all_reduce_sum, reduce_scatter_and_gather_rows
+from ..shard_rows import reduce_scatter_and_gather_rows
+from .collectives import all_reduce_sum
 from .sequence_parallel import all_gather_tokens, check_token_split, reduce_scatter_tokens
 
 __all__ = ["ColumnRegion"]

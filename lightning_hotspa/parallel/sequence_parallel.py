@@ -16,7 +16,8 @@ from torch import Tensor
 
 from ..layout import LayoutError
 from ..mesh import RankGroup
-from .collectives import all_gather_rows, collective_pair, reduce_scatter_rows
+from ..shard_rows import all_gather_rows, reduce_scatter_rows
+from .collectives import collective_pair
 
 __all__ = ["all_gather_tokens", "check_token_split", "gather_tokens", "reduce_scatter_tokens", "scatter_tokens"]
 

@@ -51,3 +51,8 @@ def flash_varlen_standin(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, ma
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"local q heads ({q.shape[1]}) are not a multiple of local kv heads ({k.shape[1]})")
     return _FlashVarlenStandIn.apply(q, k, v, cu_seqlens)
+
+
+#: the registered kernel it stands in for (models.attention_kernels.kernel_of): the KV gather runs that
+#: kernel's chunk kernel beside it (one SDPA call per chunk, as on CUDA)
+flash_varlen_standin.attention_kernel = "flash_varlen"  # type: ignore[attr-defined]

@@ -29,12 +29,13 @@ import torch
 from torch import nn
 
 from ..layout import Layout
+from ..models.attention_kernels import default_chunk_kernel, kernel
 from ..models.config import LlamaConfig
 from ..planner.cost.cost_model import AnalyticCostModel, CostModelError
 from ..planner.cost.memory_model import MODEL_ERROR_MARGIN
 from .progress import progress
 
-__all__ = ["ATTENTION_PATHS", "KERNEL_DEVICE", "ROWS", "QUICK_ROWS", "add_parser", "candidate_layouts",
+__all__ = ["ATTENTION_PATHS", "CHUNK_KERNEL", "ROWS", "QUICK_ROWS", "add_parser", "candidate_layouts",
            "estimate_layout", "estimate_rows", "run"]
 
 GiB = 2**30
@@ -44,8 +45,8 @@ ROWS = (("llama7b", 8), ("llama7b", 16), ("llama13b", 8), ("llama13b", 16), ("ll
         ("llama3-8b", 8), ("llama3-70b", 64))
 #: what ``--attention`` may name: the CPU kernels, or the tensors the GPU's flash-attn varlen kernel keeps
 ATTENTION_PATHS = ("cpu", "gpu")
-#: the cost model's ``kernel_device`` that predicts each path
-KERNEL_DEVICE = {"cpu": "cpu", "gpu": "cuda"}
+#: the cost model's ``chunk_kernel`` that predicts each path (the registry's chunk kernel beside it)
+CHUNK_KERNEL = {"cpu": default_chunk_kernel("cpu"), "gpu": kernel("flash_varlen").chunk_kernel}
 #: ``--quick``: one 7B and one 70B row, a few layouts each (under 5 minutes on the 2-core box)
 QUICK_ROWS = (("llama7b", 8, ("dp8", "dp4xtp2", "dp2xtp2xcp2")), ("llama3-70b", 64, ("dp8xtp8", "dp4xtp8xcp2")))
 
@@ -137,7 +138,6 @@ def estimate_layout(config: LlamaConfig, world_size: int, layout: Layout | str, 
     from ..engine.switch import SwitchEngine
     from ..host import set_host_reads
     from ..mesh import WorldMesh
-    from ..parallel.cpu_chunks import cuda_chunk_path
     from ..parallel.model import ParallelModel
     from ..testing.fake_world import FakeWorld, MemoryTracker, fake_mode, host_reads_real
 
@@ -156,10 +156,8 @@ def estimate_layout(config: LlamaConfig, world_size: int, layout: Layout | str, 
         widest = max(mixed, key=lambda x: x.tp) if mixed else layout  # one tp plan for every block
         roles, shardings = llama_roles_and_shardings(module, config, widest, world)
         previous = set_host_reads(host_reads_real)
-        # the GPU path: all-gather-KV chunks as CUDA runs them too (one call each, recomputed in backward)
-        kv_path = cuda_chunk_path() if attention == "gpu" else contextlib.nullcontext()
         try:
-            with fake_mode(), kv_path:
+            with fake_mode():
                 module.to_empty(device="cpu")
                 home = build_home_parameters(world, shardings, None, init_shard=_empty_shard)
                 parallel = ParallelModel(module, roles, world)
@@ -267,7 +265,7 @@ def estimate_rows(rows: Sequence[tuple], hardware: str = "H100", *, log: Any = p
     for row in progress(rows, "hotspa memory", unit="row"):
         model, world = row[0], row[1]
         config = model if isinstance(model, LlamaConfig) else LlamaConfig.preset(model)  # the real step's model
-        cm = AnalyticCostModel(config, hardware, world, kernel_device=KERNEL_DEVICE[attention])
+        cm = AnalyticCostModel(config, hardware, world, chunk_kernel=CHUNK_KERNEL[attention])
         layouts = [Layout.parse(x) for x in row[2]] if len(row) > 2 else candidate_layouts(cm)
         for lay in layouts:
             ac = cm.capacity(lay, False) < 2 * lay.cp

@@ -2,10 +2,10 @@
 the block's own ranks or replicated), micro-batch streams and checkpointing modes at once, then one
 joint gradient reduction, against the single process on 4 and 8 ranks."""
 
+import functools
+
 import pytest
-import torch
-from strategy_helpers import deal
-from test_strategy import LENGTHS, _worst, fit_and_compare
+from helpers import LENGTHS, SMALLISH, deal, fit_and_compare, tiny_lm, worst
 
 from lightning_hotspa.layout import Layout, MeshShape
 from lightning_hotspa.plan import Block, Stage, StepPlan, block_dp_groups
@@ -81,28 +81,18 @@ def block_plans(world: int) -> list[StepPlan]:
 
 def run_blocks(world: int, precision: str, kv_heads: int | None = None):
     """:func:`fit_and_compare` over :func:`block_plans` (one AdamW step per plan, a real Trainer);
-    ``kv_heads`` swaps in a tiny model with that many kv heads (1: fewer than every block's cp)."""
-    import test_strategy
-
-    from lightning_hotspa.models import LlamaConfig, LlamaLM
-
-    original = test_strategy._model
-    if kv_heads is not None:
-        config = LlamaConfig.preset("tiny", n_kv_heads=kv_heads)
-        test_strategy._model = lambda dtype=torch.float32: LlamaLM(config, seed=3, lr=2e-3, weight_decay=0.1).to(dtype)
-    try:
-        plans = block_plans(world)
-        return fit_and_compare(BLOCK_LAYOUTS[world], len(plans), precision, plans=plans)
-    finally:
-        test_strategy._model = original
+    ``kv_heads``: a tiny model with that many kv heads (1: fewer than every block's cp)."""
+    plans = block_plans(world)
+    return fit_and_compare(BLOCK_LAYOUTS[world], len(plans), precision, plans=plans,
+                           make_model=functools.partial(tiny_lm, kv_heads=kv_heads))
 
 
 def _check(result, grad_tol, loss_tol, weight_tol, steps):
     assert result["global_step"] == steps
     for step, errors in enumerate(result["grads"]):
-        assert _worst(errors)[1] <= grad_tol, (step, _worst(errors))
+        assert worst(errors)[1] <= grad_tol, (step, worst(errors))
     assert max(result["losses"]) <= loss_tol, result["losses"]
-    assert _worst(result["weights"])[1] <= weight_tol, _worst(result["weights"])
+    assert worst(result["weights"])[1] <= weight_tol, worst(result["weights"])
 
 
 @pytest.mark.parametrize("world, precision", [
@@ -162,13 +152,12 @@ def run_block_containment() -> list[tuple[str, str, tuple[int, ...]]]:
     """The 4-rank block plans 0 and 2 (sharded cp2 blocks beside sharded and replicated dp blocks)
     through a StepRunner under :class:`_BlockWatch`: this rank's collectives inside its block stages."""
     import torch.distributed as dist
-    from strategy_helpers import make_docs
-    from test_step_runner import TinyLlama, _setup
+    from helpers import TinyLlama, make_docs, setup_runner
 
     from lightning_hotspa.engine.step_runner import StepRunner
     from lightning_hotspa.plan import slice_plan
 
-    module, world, home, parallel, engine = _setup(BLOCK_LAYOUTS[4], TinyLlama())
+    module, world, home, parallel, engine = setup_runner(BLOCK_LAYOUTS[4], TinyLlama())
     runner = StepRunner(engine, parallel)
     out = []
     for plan in block_plans(4)[0:3:2]:
@@ -201,8 +190,6 @@ def test_memory_model_and_estimator_agree_on_a_sharded_block():
     """A block sharded over its own 2 ranks costs parameters / 2 ranks: ``hotspa memory``'s estimator,
     running rank 0's cp2:kv block for real (FakeTensorMode; its copy from home and its gradients into
     home through the joint exchange), peaks within 2 % of the memory model's block term."""
-    from test_memory import SMALLISH
-
     from lightning_hotspa.planner.cost.cost_model import AnalyticCostModel
     from lightning_hotspa.tools.memory import estimate_layout
 

@@ -21,7 +21,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from test_step_runner import TinyLlama, _setup
+from helpers import TinyLlama, setup_runner
 
 from lightning_hotspa.engine.step_runner import StepHooks, StepRunner
 from lightning_hotspa.layout import Layout
@@ -108,7 +108,7 @@ def _plan(world, stages, lengths, seed):
 def _run(layouts, stages, lengths, seed, sleepy=None):
     """One StepRunner step (overlapped, shared reductions: the strategy's defaults) under a watch;
     ``sleepy``: (stage label, dp index) whose ranks sleep before each of that stage's micro-batches."""
-    module, world, home, parallel, engine = _setup(layouts, TinyLlama())
+    module, world, home, parallel, engine = setup_runner(layouts, TinyLlama())
     plan, docs, mine = _plan(world, stages, lengths, seed)
     watch = _RunWatch(mine)
     overlap = engine.overlap_next_backward

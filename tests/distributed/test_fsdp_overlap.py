@@ -1,7 +1,7 @@
 """``:fsdp`` gradient reduce-scatters: asynchronous with one unit in flight, optionally in bf16."""
 
 import torch
-from test_step_runner import TinyLlama, _setup, _uneven_plan
+from helpers import TinyLlama, setup_runner, uneven_plan
 
 from lightning_hotspa.engine.step_runner import StepRunner
 
@@ -10,7 +10,7 @@ def run_fsdp_reduce(reduce_dtype) -> tuple:
     """Gradients of one plan in dp4:fsdp and in dp4, the units in flight whenever one more starts,
     and the reduce-scatter bytes."""
     layouts = ["dp4:fsdp", "dp4"]
-    module, world, home, parallel, engine = _setup(layouts, TinyLlama())
+    module, world, home, parallel, engine = setup_runner(layouts, TinyLlama())
     runner = StepRunner(engine, parallel, fsdp_reduce_dtype=reduce_dtype)
     units, in_flight = runner.units, []
     for unit in units.units:  # reduce-scatters still pending when each unit's own start
@@ -22,7 +22,7 @@ def run_fsdp_reduce(reduce_dtype) -> tuple:
         unit.reduce_scatter = spy
     grads = []
     for names in (layouts[:1], layouts[1:]):
-        runner.run(_uneven_plan(world, names), module)
+        runner.run(uneven_plan(world, names), module)
         engine.assign_home_grads()
         grads.append({n: p.grad.full_tensor() for n, p in home.items()})
         engine.clear_grad_store()

@@ -8,7 +8,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from hf_helpers import DOC_LENGTHS, docs, hf_model, hf_reference, rel  # noqa: E402
+from helpers import HF_DOC_LENGTHS, hf_docs, hf_model, hf_reference, home_grad_errors  # noqa: E402
 
 LAYOUTS = ["dp4", "dp2xtp2", "tp4", "dp2xcp2", "tp2xcp2"]
 
@@ -19,7 +19,6 @@ def run_layouts(cases: dict) -> dict:
 
 
 def _run_one(path: str, ref_loss: float, ref_grads: dict) -> dict:
-    import torch.distributed as dist
 
     from lightning_hotspa.engine.switch import SwitchEngine, build_home_parameters
     from lightning_hotspa.layout import Layout
@@ -30,7 +29,7 @@ def _run_one(path: str, ref_loss: float, ref_grads: dict) -> dict:
     from lightning_hotspa.placements import build_shardings
     from lightning_hotspa.plan import Stage, StepPlan, slice_plan
 
-    documents = docs()
+    documents = hf_docs()
     world = WorldMesh(LAYOUTS)
     with torch.device("meta"):  # as under trainer.init_module(empty_init=True)
         module = LlamaLM.from_pretrained(path)
@@ -49,9 +48,9 @@ def _run_one(path: str, ref_loss: float, ref_grads: dict) -> dict:
     results = {}
     for name in LAYOUTS:
         lay = Layout.parse(name)
-        ids = list(range(len(DOC_LENGTHS)))
+        ids = list(range(len(HF_DOC_LENGTHS)))
         groups = tuple(tuple((d,) for d in ids[i::lay.dp]) for i in range(lay.dp))  # one doc per micro-batch
-        plan = StepPlan(0, tuple(DOC_LENGTHS), (Stage(lay, groups),))
+        plan = StepPlan(0, tuple(HF_DOC_LENGTHS), (Stage(lay, groups),))
         mine = slice_plan(plan, documents, world.shape, world.rank)
         loss_sum = torch.zeros((), dtype=torch.float64)
         for stage in mine.stages:
@@ -65,15 +64,8 @@ def _run_one(path: str, ref_loss: float, ref_grads: dict) -> dict:
                 if parallel.state.groups.tp.index == 0:
                     loss_sum += float(scaled.detach())
             engine.reduce_gradients()
-        parallel.restore(home)
-        engine.release()
-        dist.all_reduce(loss_sum)
-        engine.assign_home_grads()
-        errors = {}
-        for pname, p in home.items():
-            errors[pname] = rel(p.grad.full_tensor(), ref_grads[hf_name(pname.removeprefix("model."))])
-            p.grad = None
-        engine.clear_grad_store()
+        errors = home_grad_errors(parallel, engine, home, loss_sum, ref_grads,
+                                  lambda pname: hf_name(pname.removeprefix("model.")))
         worst = max(errors, key=errors.get)
         results[name] = {"loss_err": abs(float(loss_sum) - ref_loss) / ref_loss, "grad_err": errors[worst],
                          "worst": worst}
@@ -90,7 +82,7 @@ def test_hf_checkpoints_train_in_dp_tp_cp_like_transformers(ranks, tmp_path):
     for arch, extra in (("qwen2", {"tie_word_embeddings": False}), ("mistral", {})):
         model = hf_model(arch, **extra)
         model.save_pretrained(tmp_path / arch)
-        _, ref_loss, ref_grads = hf_reference(model, docs())
+        _, ref_loss, ref_grads = hf_reference(model, hf_docs())
         cases[arch] = (str(tmp_path / arch), ref_loss, ref_grads)
     out = ranks(4).run(run_layouts, cases)
     for rank_out in out:

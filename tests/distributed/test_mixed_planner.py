@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from helpers import fit_and_compare, worst
 
 from lightning_hotspa.layout import Layout, MeshShape
 from lightning_hotspa.plan import slice_plan
@@ -111,22 +112,18 @@ def test_the_planner_makes_a_mixed_stage_of_each_batch_of_the_gloo_run():
 
 def run_planner_mixed_plans(precision="32-true"):
     """The strategy trains on :func:`planner_mixed_plans` (test_strategy's comparison)."""
-    from test_strategy import fit_and_compare
-
     return fit_and_compare(PAIR_4, len(MIXED_BATCHES), precision, plans=planner_mixed_plans())
 
 
 def test_a_planner_made_mixed_plan_matches_the_single_process_on_4_ranks(ranks):
     """The invariant for the planner's mixed stages: per step the gradients equal the single
     process's from the same weights at 1e-5 (fp32), and the weights after the 3 steps too."""
-    from test_strategy import _worst
-
     result = ranks(4).run(run_planner_mixed_plans)[0]
     assert result["global_step"] == len(MIXED_BATCHES)
     for step, errors in enumerate(result["grads"]):
-        assert _worst(errors)[1] <= 1e-5, (step, _worst(errors))
+        assert worst(errors)[1] <= 1e-5, (step, worst(errors))
     assert max(result["losses"]) <= 1e-5, result["losses"]
-    assert _worst(result["weights"])[1] <= 1e-4, _worst(result["weights"])
+    assert worst(result["weights"])[1] <= 1e-4, worst(result["weights"])
 
 
 def test_plan_statistics_count_a_mixed_stages_blocks():

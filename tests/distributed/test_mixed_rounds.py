@@ -1,10 +1,11 @@
 """Mixed-cp lockstep rounds: one sharded working copy, different cp degrees on different dp blocks
 in one stage (docs/DESIGN.md §4), against the single process; and the plan's checks of them."""
 
+import functools
+
+import helpers
 import pytest
 import torch
-from strategy_helpers import block_of, deal, evaluate_plans, groups_of
-from test_strategy import LENGTHS, _worst, fit_and_compare
 
 from lightning_hotspa.layout import Layout, LayoutError, MeshShape
 from lightning_hotspa.plan import Block, PlanError, Stage, StepPlan, slice_plan
@@ -15,11 +16,11 @@ MIXED_LAYOUTS = ["dp4:fsdp", "dp2xcp2:fsdp", "dp2xcp2:kv:fsdp", "dp2xtp2", "dp4:
 
 
 def _groups_of(layout: Layout, ranks) -> tuple[int, ...]:
-    return groups_of(MIXED_LAYOUTS, layout, ranks)
+    return helpers.groups_of(MIXED_LAYOUTS, layout, ranks)
 
 
 def _block(name: str, ranks, counts, docs: list[int]) -> Block:
-    return block_of(MIXED_LAYOUTS, name, ranks, counts, docs)
+    return helpers.block_of(MIXED_LAYOUTS, name, ranks, counts, docs)
 
 
 def mixed_block_plans() -> list[StepPlan]:
@@ -34,32 +35,22 @@ def mixed_block_plans() -> list[StepPlan]:
         ("dp4:fsdp2", [("dp2xcp2:fsdp2", (2, 3), [2]), ("dp4:fsdp2", (0, 1), [1, 1])], "dp2xtp2"),
     ]):
         working, blocks, other = shape
-        lengths = LENGTHS[step]
+        lengths = helpers.LENGTHS[step]
         docs = sorted(range(len(lengths)), key=lambda i: -lengths[i])  # the longest ones go first
         mixed = Stage(Layout.parse(working), (), label="mixed",
                       blocks=tuple(_block(name, ranks, counts, docs) for name, ranks, counts in blocks))
-        rest = deal(Layout.parse(other), sorted(docs))
+        rest = helpers.deal(Layout.parse(other), sorted(docs))
         stages = (mixed, rest) if step != 1 else (rest, mixed)
         plans.append(StepPlan(step, tuple(lengths), stages))
     return plans
 
 
 def run_mixed_blocks(precision="32-true", kv_heads=None):
-    """:func:`fit_and_compare` over :func:`mixed_block_plans`; ``kv_heads`` swaps in a tiny model
-    with that many kv heads (fewer than the cp2 blocks' cp with 1) for this call."""
-    import test_strategy
-
-    from lightning_hotspa.models import LlamaConfig, LlamaLM
-
-    original = test_strategy._model
-    if kv_heads is not None:
-        config = LlamaConfig.preset("tiny", n_kv_heads=kv_heads)
-        test_strategy._model = lambda dtype=torch.float32: LlamaLM(config, seed=3, lr=2e-3, weight_decay=0.1).to(dtype)
-    try:
-        return fit_and_compare(MIXED_LAYOUTS, 3, precision, plans=mixed_block_plans(),
-                               activation_checkpointing=["dp2xcp2:fsdp"])
-    finally:
-        test_strategy._model = original
+    """:func:`fit_and_compare` over :func:`mixed_block_plans`; ``kv_heads``: a tiny model with that many
+    kv heads (fewer than the cp2 blocks' cp with 1)."""
+    return helpers.fit_and_compare(MIXED_LAYOUTS, 3, precision, plans=mixed_block_plans(),
+                                   activation_checkpointing=["dp2xcp2:fsdp"],
+                                   make_model=functools.partial(helpers.tiny_lm, kv_heads=kv_heads))
 
 
 @pytest.mark.parametrize("precision, kv_heads, grad_tol, loss_tol, weight_tol", [
@@ -74,11 +65,7 @@ def test_mixed_cp_blocks_in_one_sharded_stage_match_single_process(ranks, precis
     """The core invariant for mixed-cp rounds: per step the gradients equal the single process's on
     the same weights, and after 3 AdamW steps the weights equal the single process's."""
     result = ranks(4).run(run_mixed_blocks, precision, kv_heads)[0]
-    assert result["global_step"] == 3
-    for step, errors in enumerate(result["grads"]):
-        assert _worst(errors)[1] <= grad_tol, (step, _worst(errors))
-    assert max(result["losses"]) <= loss_tol, result["losses"]
-    assert _worst(result["weights"])[1] <= weight_tol, _worst(result["weights"])
+    helpers.check_against_single_process(result, 3, grad_tol, loss_tol, weight_tol)
 
 
 def test_a_rank_slices_its_blocks_micro_batches_with_its_blocks_cp():
@@ -132,10 +119,10 @@ def run_mixed_evaluation(**overrides):
     Args:
         overrides: the tiny preset's config changes (``n_kv_heads=1``: fewer kv heads than cp).
     """
-    from test_step_runner import TinyLlama
+    from helpers import TinyLlama
 
     return [(loss, reference) for loss, reference, _ in
-            evaluate_plans(MIXED_LAYOUTS, lambda: TinyLlama(**overrides), mixed_block_plans())]
+            helpers.evaluate_plans(MIXED_LAYOUTS, lambda: TinyLlama(**overrides), mixed_block_plans())]
 
 
 @pytest.mark.parametrize("overrides", [{}, {"n_kv_heads": 1}], ids=["gqa2", "one_kv_head"])

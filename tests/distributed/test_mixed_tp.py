@@ -2,12 +2,22 @@
 different tp degrees and run on their own, then one joint gradient reduction (docs/DESIGN.md §4),
 against the single process; and the plan's checks of such stages."""
 
+import functools
 import math
 
 import pytest
 import torch
-from strategy_helpers import block_of, deal, evaluate_plans, groups_of
-from test_strategy import LENGTHS, _worst, fit_and_compare
+from helpers import (
+    LENGTHS,
+    SMALLISH,
+    block_of,
+    check_against_single_process,
+    deal,
+    evaluate_plans,
+    fit_and_compare,
+    groups_of,
+    tiny_lm,
+)
 
 from lightning_hotspa.layout import Layout, MeshShape
 from lightning_hotspa.plan import Block, PlanError, Stage, StepPlan, slice_plan
@@ -60,20 +70,10 @@ def mixed_tp_plans() -> list[StepPlan]:
 
 def run_mixed_tp(precision="32-true", kv_heads=None):
     """:func:`fit_and_compare` over :func:`mixed_tp_plans` (3 AdamW steps under a real Trainer);
-    ``kv_heads`` swaps in a tiny model with that many kv heads for this call (1: fewer than the tp2
-    blocks' tp, so the kv projections are ``replicated_partial``)."""
-    import test_strategy
-
-    from lightning_hotspa.models import LlamaConfig, LlamaLM
-
-    original = test_strategy._model
-    if kv_heads is not None:
-        config = LlamaConfig.preset("tiny", n_kv_heads=kv_heads)
-        test_strategy._model = lambda dtype=torch.float32: LlamaLM(config, seed=3, lr=2e-3, weight_decay=0.1).to(dtype)
-    try:
-        return fit_and_compare(MIXED_TP_LAYOUTS, 3, precision, plans=mixed_tp_plans())
-    finally:
-        test_strategy._model = original
+    ``kv_heads``: a tiny model with that many kv heads (1: fewer than the tp2 blocks' tp, so the kv
+    projections are ``replicated_partial``)."""
+    return fit_and_compare(MIXED_TP_LAYOUTS, 3, precision, plans=mixed_tp_plans(),
+                           make_model=functools.partial(tiny_lm, kv_heads=kv_heads))
 
 
 @pytest.mark.parametrize("precision, kv_heads, grad_tol, loss_tol, weight_tol", [
@@ -91,11 +91,7 @@ def test_mixed_tp_blocks_in_one_replicated_stage_match_single_process(ranks, pre
     same weights (tp2 and tp1 blocks at once, uneven blocks, next to normal stages), and after 3
     AdamW steps the weights equal the single process's."""
     result = ranks(4).run(run_mixed_tp, precision, kv_heads)[0]
-    assert result["global_step"] == 3
-    for step, errors in enumerate(result["grads"]):
-        assert _worst(errors)[1] <= grad_tol, (step, _worst(errors))
-    assert max(result["losses"]) <= loss_tol, result["losses"]
-    assert _worst(result["weights"])[1] <= weight_tol, _worst(result["weights"])
+    check_against_single_process(result, 3, grad_tol, loss_tol, weight_tol)
 
 
 def test_a_rank_of_a_mixed_tp_stage_gets_its_blocks_layout_and_every_peers():
@@ -183,7 +179,7 @@ def test_memory_model_plans_each_block_with_the_joint_exchange_buffers(layout):
 def run_mixed_tp_evaluation():
     """Evaluation of every mixed-tp plan (``StepRunner.run_forward``): the token-weighted sum of the
     micro-batch losses over all ranks, and the single process's loss on the same documents."""
-    from test_step_runner import TinyLlama
+    from helpers import TinyLlama
 
     return evaluate_plans(MIXED_TP_LAYOUTS, TinyLlama, mixed_tp_plans())
 
@@ -205,8 +201,6 @@ def test_estimator_runs_a_mixed_tp_block_within_the_memory_models_term(layout, p
     the joint exchange each way): its peak agrees with the model's, and what the joint reduction
     adds (one parameter per bucket, the model's assumption) stays within the model's mixed-tp term
     but not within the overlapped reduction's."""
-    from test_memory import SMALLISH
-
     from lightning_hotspa.planner.cost.cost_model import AnalyticCostModel
     from lightning_hotspa.tools.memory import estimate_layout
 

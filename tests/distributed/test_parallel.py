@@ -17,21 +17,20 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from helpers import LlamaFusedLoss, LlamaLoss, dealt_stage, home_grad_errors, single_process_reference
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from lightning_hotspa.engine.switch import SwitchEngine, build_home_parameters
 from lightning_hotspa.layout import Layout, LayoutError
 from lightning_hotspa.mesh import LayoutGroups, RankGroup, WorldMesh
-from lightning_hotspa.models import Llama, LlamaConfig, llama_tp_plan, param_roles
+from lightning_hotspa.models import LlamaConfig, param_roles
 from lightning_hotspa.models.attention import sdpa_attention
 from lightning_hotspa.parallel.attention import ParallelCoreAttention, kv_head_range
 from lightning_hotspa.parallel.collectives import (
-    all_gather_rows,
     all_to_all_heads_to_tokens,
     all_to_all_tokens_to_heads,
     gather_last_dim,
-    reduce_scatter_rows,
 )
 from lightning_hotspa.parallel.context_parallel import install_context_parallel
 from lightning_hotspa.parallel.model import ParallelModel
@@ -43,6 +42,7 @@ from lightning_hotspa.parallel.tensor_parallel import (
 )
 from lightning_hotspa.placements import build_shardings
 from lightning_hotspa.plan import Stage, StepPlan, pack_micro_batch, slice_plan
+from lightning_hotspa.shard_rows import all_gather_rows, reduce_scatter_rows
 
 # Ulysses (cp4), all-gather-KV (":kv", the tiny Llama's 2 kv heads are fewer than cp=4) and the
 # hybrid (cp4:kv2: Ulysses over 2, KV gather over 2)
@@ -53,41 +53,6 @@ TINY = LlamaConfig.preset("tiny")
 
 
 # ----------------------------------------------------------------------------------- the models
-class LlamaLoss(nn.Module):
-    """The LlamaLM contract without Lightning: logits are consumed only through ``loss_fn``."""
-
-    vocab_parallel_loss = True  # opts in: its loss_fn may be wrapped by the vocab-parallel CE
-
-    def __init__(self, config: LlamaConfig) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.model = Llama(config)
-        for name, p in self.model.named_parameters():
-            if name.endswith("norm.weight"):  # not all ones, so norm gradients are not symmetric
-                nn.init.uniform_(p, 0.5, 1.5)
-        from lightning_hotspa.models import token_mean_cross_entropy
-
-        self.loss_fn = token_mean_cross_entropy
-
-    def training_step(self, mb):
-        logits = self.model(mb.input_ids, mb.position_ids, mb.cu_seqlens, mb.max_seqlen)
-        return self.loss_fn(logits, mb.labels)
-
-    @staticmethod
-    def plan(config: LlamaConfig = TINY) -> dict[str, str]:
-        return llama_tp_plan(config, 4, prefix="model.")  # the largest tp: kv replicated_partial
-
-
-class LlamaFusedLoss(LlamaLoss):
-    """LlamaLM's default: the loss through the model's blocked head (labels into its forward), the
-    vocabulary walked in blocks of 48 rows (several per tp shard of the 320 padded rows)."""
-
-    def __init__(self, config: LlamaConfig) -> None:
-        super().__init__(config)
-        self.model.output.vocab_block = 48
-
-    def training_step(self, mb):
-        return self.model(mb.input_ids, mb.position_ids, mb.cu_seqlens, mb.max_seqlen, labels=mb.labels)
 
 
 class GPTAttention(nn.Module):
@@ -170,40 +135,25 @@ def _docs(vocab: int) -> list[torch.Tensor]:
 
 
 # ----------------------------------------------------------------------------------- the runner
-def _stage(layout: str, doc_ids: list[int], checkpointing: bool | str = False) -> Stage:
-    """Documents dealt round-robin to dp groups; each dp group's share in two micro-batches."""
-    lay = Layout.parse(layout)
-    groups = [doc_ids[i::lay.dp] for i in range(lay.dp)]
-    mbs = tuple(tuple(tuple(part) for part in (g[: (len(g) + 1) // 2], g[(len(g) + 1) // 2:]) if part)
-                for g in groups)
-    return Stage(lay, mbs, activation_checkpointing=checkpointing)
 
 
 def _cases(layouts: list[str], selective: bool = False) -> dict[str, tuple[Stage, ...]]:
     everything = list(range(len(DOC_LENGTHS)))
     if selective:  # each layout's stage recomputing the attention core; one step mixing every mode
-        cases = {name + "+sac": (_stage(name, everything, "selective"),) for name in layouts}
+        cases = {name + "+sac": (dealt_stage(name, everything, "selective"),) for name in layouts}
         modes = ("selective", "full", "none")
-        cases["mixed"] = tuple(_stage(name, everything[i::len(layouts)], modes[i % 3])
+        cases["mixed"] = tuple(dealt_stage(name, everything[i::len(layouts)], modes[i % 3])
                                for i, name in enumerate(layouts))
         first = layouts[0]  # one layout split: selective for some documents, plain for the rest
-        cases["split"] = (_stage(first, everything[::2], "selective"), _stage(first, everything[1::2]))
+        cases["split"] = (dealt_stage(first, everything[::2], "selective"), dealt_stage(first, everything[1::2]))
         return cases
-    cases = {name: (_stage(name, everything),) for name in layouts}
+    cases = {name: (dealt_stage(name, everything),) for name in layouts}
     for name in ("dp2xtp2", "tp2xcp2", "cp4", "cp4:kv2"):
         if name in layouts:
-            cases[name + "+ac"] = (_stage(name, everything, checkpointing=True),)
+            cases[name + "+ac"] = (dealt_stage(name, everything, checkpointing=True),)
     if len(layouts) > 1:  # one step over all layouts: each stage a share of the documents
-        cases["multi-stage"] = tuple(_stage(name, everything[i::len(layouts)]) for i, name in enumerate(layouts))
+        cases["multi-stage"] = tuple(dealt_stage(name, everything[i::len(layouts)]) for i, name in enumerate(layouts))
     return cases
-
-
-def _reference(build, docs) -> tuple[float, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    model = build()
-    init = {n: p.detach().clone() for n, p in model.named_parameters()}
-    loss = model.training_step(pack_micro_batch(docs))  # token mean over the whole mini-batch
-    loss.backward()
-    return float(loss.detach()), init, {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
 def _fingerprint(module: nn.Module) -> list[tuple]:
@@ -217,7 +167,7 @@ def run_equivalence(model_key: str, layouts: list[str], tolerance_probe: bool = 
     (``selective``: the selective-checkpointing cases of :func:`_cases`)."""
     build, plan_fn, vocab = (MODELS | WINDOW_MODELS)[model_key]
     docs = _docs(vocab)
-    ref_loss, init, ref_grads = _reference(build, docs)
+    ref_loss, init, ref_grads = single_process_reference(build, docs)
     world = WorldMesh(layouts)
     module = build()
     roles = param_roles(module, plan_fn())
@@ -249,18 +199,9 @@ def run_equivalence(model_key: str, layouts: list[str], tolerance_probe: bool = 
                 if parallel.state.groups.tp.index == 0:  # tp ranks hold copies of one loss
                     loss_sum += float(scaled.detach())
             engine.reduce_gradients()
-        parallel.restore(home)
-        engine.release()
-        dist.all_reduce(loss_sum)
         seconds["run"] += time.perf_counter() - start
         start = time.perf_counter()
-        engine.assign_home_grads()
-        errors = {}
-        for name, p in home.items():
-            full = p.grad.full_tensor()
-            errors[name] = float((full - ref_grads[name]).norm() / ref_grads[name].norm())
-            p.grad = None
-        engine.clear_grad_store()
+        errors = home_grad_errors(parallel, engine, home, loss_sum, ref_grads)  # the all-reduce counts here
         seconds["compare"] += time.perf_counter() - start
         worst = max(errors, key=errors.get)
         results[case] = {"loss_err": abs(float(loss_sum) - ref_loss) / abs(ref_loss),
@@ -331,6 +272,10 @@ def test_selective_checkpointing_matches_single_process(ranks, model_key):
     assert set(cases) == {x + "+sac" for x in SELECTIVE_LAYOUTS} | {"mixed", "split"}
     assert cases["mixed"]["modes"] == ["selective", "full", "none", "selective"] and cases["split"]["modes"] == [
         "selective", "none"] and all(cases[x + "+sac"]["modes"] == ["selective"] for x in SELECTIVE_LAYOUTS)
+    _every_case_within_tolerance(per_rank, model_key)
+
+
+def _every_case_within_tolerance(per_rank, model_key):
     for rank_result in per_rank:
         for case, r in rank_result["cases"].items():
             assert r["loss_err"] <= TOLERANCE, (model_key, case, r)
@@ -342,10 +287,7 @@ def test_every_layout_matches_single_process(equivalence, model_key):
     per_rank = equivalence[model_key]
     cases = per_rank[0]["cases"]
     assert set(cases) >= set(LAYOUTS) | {"multi-stage", "dp2xtp2+ac", "tp2xcp2+ac", "cp4+ac", "cp4:kv2+ac"}
-    for rank_result in per_rank:
-        for case, r in rank_result["cases"].items():
-            assert r["loss_err"] <= TOLERANCE, (model_key, case, r)
-            assert r["max_grad_err"] <= TOLERANCE, (model_key, case, r)
+    _every_case_within_tolerance(per_rank, model_key)
 
 
 @pytest.mark.parametrize("model_key", list(MODELS))

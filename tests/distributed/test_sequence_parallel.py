@@ -10,7 +10,15 @@ import zlib
 
 import pytest
 import torch
-import torch.distributed as dist
+from helpers import (
+    LlamaFusedLoss,
+    dealt_stage,
+    fit_and_compare,
+    home_grad_errors,
+    single_process_reference,
+    tiny_lm,
+    worst,
+)
 from torch import nn
 
 from lightning_hotspa.layout import Layout, LayoutError
@@ -53,8 +61,6 @@ def _watch_token_shares(module: nn.Module) -> list[int]:
 def run_sequence_parallel(layouts: list[str], kv_heads: int) -> dict:
     """Each layout as one step (two micro-batches per dp group) against the single process: loss
     and per-tensor gradient errors, and the token shares the norms saw."""
-    from test_parallel import LlamaFusedLoss, _reference, _stage
-
     from lightning_hotspa.engine.switch import SwitchEngine, build_home_parameters
     from lightning_hotspa.mesh import WorldMesh
     from lightning_hotspa.parallel.model import ParallelModel
@@ -64,7 +70,7 @@ def run_sequence_parallel(layouts: list[str], kv_heads: int) -> dict:
     config = LlamaConfig.preset("tiny", n_kv_heads=kv_heads)
     build = lambda: LlamaFusedLoss(config)  # noqa: E731
     docs = _docs()
-    ref_loss, init, ref_grads = _reference(build, docs)
+    ref_loss, init, ref_grads = single_process_reference(build, docs)
     world = WorldMesh(layouts)
     module = build()
     roles = param_roles(module, llama_tp_plan(config, max(Layout.parse(x).tp for x in layouts), prefix="model."))
@@ -76,7 +82,7 @@ def run_sequence_parallel(layouts: list[str], kv_heads: int) -> dict:
     shares = _watch_token_shares(module)
     results = {}
     for name in layouts:
-        plan = StepPlan(0, tuple(DOC_LENGTHS), (_stage(name, list(range(len(DOC_LENGTHS)))),))
+        plan = StepPlan(0, tuple(DOC_LENGTHS), (dealt_stage(name, list(range(len(DOC_LENGTHS)))),))
         mine = slice_plan(plan, docs, world.shape, world.rank)
         loss_sum, padded = torch.zeros((), dtype=torch.float64), 0
         shares.clear()
@@ -92,16 +98,7 @@ def run_sequence_parallel(layouts: list[str], kv_heads: int) -> dict:
                 if parallel.state.groups.tp.index == 0:
                     loss_sum += float(loss.detach()) * mb.num_target_tokens / plan.global_target_tokens
             engine.reduce_gradients()
-        parallel.restore(home)
-        engine.release()
-        dist.all_reduce(loss_sum)
-        engine.assign_home_grads()
-        errors = {}
-        for pname, p in home.items():
-            full = p.grad.full_tensor()
-            errors[pname] = float((full - ref_grads[pname]).norm() / ref_grads[pname].norm())
-            p.grad = None
-        engine.clear_grad_store()
+        errors = home_grad_errors(parallel, engine, home, loss_sum, ref_grads)
         results[name] = {"loss_err": abs(float(loss_sum) - ref_loss) / abs(ref_loss), "errors": errors,
                          "shares": sorted(set(shares)), "padded": padded}
     return results
@@ -137,45 +134,35 @@ def test_tp2xcp2_and_tp4_with_fewer_kv_heads_than_tp_match_single_process(ranks)
 
 
 def run_trajectory() -> dict | None:
-    """3 AdamW steps in fp64 over tp layouts under a real Trainer (test_strategy.fit_and_compare),
-    with the token shares the norms saw."""
-    import test_strategy
-
-    original, seen = test_strategy._model, []
+    """3 AdamW steps in fp64 over tp layouts under a real Trainer (helpers.fit_and_compare), with the
+    token shares the norms saw."""
+    seen = []
 
     def watched(dtype=torch.float32):
-        model = original(dtype)
+        model = tiny_lm(dtype)
         seen.append(_watch_token_shares(model))
         return model
 
-    test_strategy._model = watched
     orders = [["tp2xcp2", "dp4", "tp4", "dp2xtp2"], ["tp4", "dp2xtp2", "tp2xcp2", "dp4"],
               ["dp4", "tp2xcp2", "dp2xtp2", "tp4"]]
-    try:
-        result = test_strategy.fit_and_compare(orders[0], 3, "64-true", stage_orders=orders)
-    finally:
-        test_strategy._model = original
+    result = fit_and_compare(orders[0], 3, "64-true", stage_orders=orders, make_model=watched)
     if result is not None:
         result["shares"] = sorted(set(seen[0]))
     return result
 
 
 def test_three_step_fp64_trajectory_over_sequence_parallel_layouts_matches_single_process(ranks):
-    from test_strategy import _worst
-
     result = ranks(4).run(run_trajectory, timeout_s=600)[0]
     assert result["global_step"] == 3
     assert result["shares"] == [1, 2, 4], result["shares"]  # dp4, tp2 layouts, tp4
     for step, errors in enumerate(result["grads"]):
-        assert _worst(errors)[1] <= 1e-10, (step, _worst(errors))
+        assert worst(errors)[1] <= 1e-10, (step, worst(errors))
     assert max(result["losses"]) <= 1e-12, result["losses"]
-    assert _worst(result["weights"])[1] <= 1e-9, _worst(result["weights"])
+    assert worst(result["weights"])[1] <= 1e-9, worst(result["weights"])
 
 
 def run_indivisible() -> str:
     """A hand-built micro-batch whose token count tp2 does not divide: the error names both."""
-    from test_parallel import LlamaFusedLoss
-
     from lightning_hotspa.mesh import WorldMesh
     from lightning_hotspa.parallel.model import ParallelModel
 
@@ -229,8 +216,6 @@ class _NoEmbedding(nn.Module):
 def test_a_sequence_parallel_plan_refuses_replicated_weights_and_needs_a_vocab_embedding():
     """'sequence' roles turn sequence parallelism on: a 'replicated' weight would then get one rank's
     partial gradient (named), and without a vocab embedding nothing splits the tokens."""
-    from test_parallel import LlamaFusedLoss
-
     config = LlamaConfig.preset("tiny")
     module = LlamaFusedLoss(config)
     roles = param_roles(module, llama_tp_plan(config, 2, prefix="model."))

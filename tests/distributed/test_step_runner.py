@@ -9,64 +9,15 @@ import types
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import TinyLlama, setup_runner, uneven_plan
 from torch import nn
 
 from lightning_hotspa.checkpointing import Checkpointing
 from lightning_hotspa.engine.records import StageRecord
 from lightning_hotspa.engine.step_runner import StepHooks, StepRunner
-from lightning_hotspa.engine.switch import SwitchEngine, build_home_parameters
 from lightning_hotspa.engine.timing import HostClock, clock_for
 from lightning_hotspa.layout import Layout, MeshShape
-from lightning_hotspa.mesh import WorldMesh
-from lightning_hotspa.parallel.model import ParallelModel
-from lightning_hotspa.placements import build_shardings
 from lightning_hotspa.plan import Stage, StepPlan, slice_plan
-
-
-class TinyLM(nn.Module):
-    """Embedding + head: a loss over packed micro-batches, every parameter replicated."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.emb, self.head = nn.Embedding(32, 8), nn.Linear(8, 32)
-
-    def forward(self, mb) -> torch.Tensor:  # the mean over the micro-batch's target tokens
-        logits = self.head(self.emb(mb.input_ids))
-        return nn.functional.cross_entropy(logits.view(-1, 32), mb.labels.view(-1), ignore_index=-100)
-
-
-class TinyLlama(nn.Module):
-    def __init__(self, **overrides) -> None:
-        from lightning_hotspa.models import Llama, LlamaConfig
-
-        super().__init__()
-        torch.manual_seed(0)
-        self.config = LlamaConfig.preset("tiny", **overrides)
-        self.model = Llama(self.config)
-
-    def forward(self, mb) -> torch.Tensor:
-        from lightning_hotspa.models import token_mean_cross_entropy
-
-        return token_mean_cross_entropy(self.model(mb.input_ids, mb.position_ids, mb.cu_seqlens, mb.max_seqlen),
-                                        mb.labels)
-
-
-def _setup(layouts, module=None):
-    module = module or TinyLM()
-    world = WorldMesh(layouts)
-    init = {n: p.detach().clone() for n, p in module.named_parameters()}
-    roles = {n: "replicated" for n in init}
-    if isinstance(module, TinyLlama):
-        from lightning_hotspa.models import llama_tp_plan, param_roles
-
-        roles = param_roles(module, llama_tp_plan(module.config, max(Layout.parse(x).tp for x in layouts),
-                                                  prefix="model."))
-    shardings = build_shardings({n: tuple(p.shape) for n, p in init.items()}, roles, world.shape)
-    home = build_home_parameters(world, shardings, lambda name, shape: init[name])
-    parallel = ParallelModel(module, roles, world)
-    parallel.restore(home)
-    return module, world, home, parallel, SwitchEngine(world, shardings, home)
 
 
 def _rank_plan(world, layouts, step=0):
@@ -109,7 +60,7 @@ def world_of_one(tmp_path):
 
 def test_stage_seconds_come_from_the_runners_clock(world_of_one) -> None:
     """Two stages in one layout share gradients: the first does not reduce (0 s), the second does."""
-    module, world, home, parallel, engine = _setup(["dp1"])
+    module, world, home, parallel, engine = setup_runner(["dp1"])
     cpu = iter([1.0, 1.5, 4.0, 6.0])
     runner = StepRunner(engine, parallel, clock=FakeClock(), cpu_clock=lambda: next(cpu))
     result = runner.run(_rank_plan(world, ["dp1", "dp1"]), module)
@@ -123,7 +74,7 @@ def test_stage_seconds_come_from_the_runners_clock(world_of_one) -> None:
 
 
 def test_a_non_finite_loss_goes_to_the_callers_policy(world_of_one) -> None:
-    module, world, home, parallel, engine = _setup(["dp1"])
+    module, world, home, parallel, engine = setup_runner(["dp1"])
     calls = []
 
     def policy(loss, plan) -> bool:
@@ -140,7 +91,7 @@ def test_a_non_finite_loss_goes_to_the_callers_policy(world_of_one) -> None:
 
 
 def test_hooks_see_every_stage_and_micro_batch(world_of_one) -> None:
-    module, world, home, parallel, engine = _setup(["dp1"])
+    module, world, home, parallel, engine = setup_runner(["dp1"])
     seen = []
 
     class Recorder(StepHooks):
@@ -175,7 +126,7 @@ def test_one_layout_runs_a_checkpointed_and_a_plain_stage_back_to_back(world_of_
 
     def grads(stages):
         module = TinyLlama()
-        _, world, home, parallel, engine = _setup(["dp1"], module)
+        _, world, home, parallel, engine = setup_runner(["dp1"], module)
         seen = []
 
         class Spy(StepHooks):
@@ -208,7 +159,7 @@ def test_metrics_of_a_layout_split_into_two_stages_keep_both(world_of_one) -> No
     g = torch.Generator().manual_seed(0)
     docs = [torch.randint(0, 32, (2 * n,), generator=g) for n in lengths]
     dp1, module = Layout.parse("dp1"), TinyLlama()
-    _, world, home, parallel, engine = _setup(["dp1"], module)
+    _, world, home, parallel, engine = setup_runner(["dp1"], module)
     plan = StepPlan(0, tuple(2 * n for n in lengths), (Stage(dp1, (((0, 1), (2,)),), True, "short"),
                                                         Stage(dp1, (((3, 4), (5,), (6, 7)),), False, "long")))
     batch = slice_plan(plan, docs, world.shape, world.rank)
@@ -226,7 +177,7 @@ def test_metrics_of_a_layout_split_into_two_stages_keep_both(world_of_one) -> No
 
 def _grads_under_options(overlap: bool, share: bool) -> dict:
     layouts = ["dp4", "dp2xtp2", "tp2xcp2"]  # the last two share gradients (same tp)
-    module, world, home, parallel, engine = _setup(layouts, TinyLlama())
+    module, world, home, parallel, engine = setup_runner(layouts, TinyLlama())
     StepRunner(engine, parallel, overlap=overlap, share_gradients=share).run(_rank_plan(world, layouts), module)
     engine.assign_home_grads()
     return {n: p.grad.full_tensor() for n, p in home.items()}
@@ -245,25 +196,6 @@ def test_reduction_options_give_the_same_gradients(ranks) -> None:
             for name, g in reference.items():
                 assert torch.allclose(other[name], g, rtol=1e-6, atol=1e-7), name
         assert any(g.abs().sum() > 0 for g in reference.values())
-
-
-def _uneven_plan(world, layout_names, rounds=3):
-    """One stage per layout; dp group 0 gets ``rounds`` micro-batches, the others one (idle rounds)."""
-    lengths, stages, doc = [], [], 0
-    for name in layout_names:
-        lay = Layout.parse(name)
-        groups = []
-        for g in range(lay.dp):
-            mbs = []
-            for _ in range(rounds if g == 0 else 1):
-                mbs.append((doc,))
-                lengths.append(10 + 3 * doc)
-                doc += 1
-            groups.append(tuple(mbs))
-        stages.append(Stage(lay, tuple(groups), label=name))
-    g = torch.Generator().manual_seed(7)
-    docs = [torch.randint(0, 32, (n,), generator=g) for n in lengths]
-    return slice_plan(StepPlan(0, tuple(lengths), tuple(stages)), docs, world.shape, world.rank)
 
 
 class _StageTraffic(StepHooks):
@@ -290,7 +222,7 @@ def _calls(units) -> dict:
 
 def run_fsdp_traffic() -> dict:
     layouts = ["dp4:fsdp", "dp4", "dp2xcp2:kv:fsdp"]
-    module, world, home, parallel, engine = _setup(layouts, TinyLlama())
+    module, world, home, parallel, engine = setup_runner(layouts, TinyLlama())
     runner = StepRunner(engine, parallel, overlap=False, share_gradients=False,  # no reductions in compute
                         activation_checkpointing=lambda layout: layout.cp > 1)
     traffic, units = _StageTraffic(), runner.units
@@ -311,7 +243,7 @@ def run_fsdp_traffic() -> dict:
         _StageTraffic.enter_phase(traffic, phase)
 
     traffic.before_compute, traffic.enter_phase = before_compute, enter_phase
-    plan = _uneven_plan(world, layouts)
+    plan = uneven_plan(world, layouts)
     result = runner.run(plan, module, traffic)
     out = {"units": len(units.units)}
     start = units.collectives["forward"]
@@ -340,10 +272,10 @@ def run_odd_dims() -> tuple:
     """The same plan with sharded and with replicated working copies; ffn_hidden 178 splits over 2
     of the 4 ranks only, so home replicates those weights on one mesh dim (summed at the stage end)."""
     layouts = ["dp4:fsdp", "dp2xcp2:fsdp", "dp4", "dp2xcp2"]
-    module, world, home, parallel, engine = _setup(layouts, TinyLlama(ffn_hidden=178))
+    module, world, home, parallel, engine = setup_runner(layouts, TinyLlama(ffn_hidden=178))
     runner, grads = StepRunner(engine, parallel), []
     for names in (layouts[:2], layouts[2:]):
-        runner.run(_uneven_plan(world, names), module)
+        runner.run(uneven_plan(world, names), module)
         engine.assign_home_grads()
         grads.append({n: p.grad.full_tensor() for n, p in home.items()})
         engine.clear_grad_store()
@@ -416,7 +348,7 @@ def test_fsdp_working_copies_sit_at_home_and_share_gradients_with_fsdp_peers_onl
 
     layouts = ["dp4:fsdp", "dp2xcp2:fsdp", "dp4", "dp2xtp2:fsdp", "dp2xtp2"]
     with FakeWorld(4):
-        module, world, home, parallel, engine = _setup(layouts, TinyLlama())
+        module, world, home, parallel, engine = setup_runner(layouts, TinyLlama())
         StepRunner(engine, parallel)  # registers the units: every parameter but the final norm
         assert engine.fsdp_names == set(home) - {"model.norm.weight"}
         engine.materialize(Layout.parse("dp2xtp2:fsdp"))
@@ -456,7 +388,7 @@ def test_fsdp_backward_prefetch_nobody_consumes_is_dropped_at_the_backward_end()
     from lightning_hotspa.testing.fake_world import FakeWorld
 
     with FakeWorld(4):  # collectives are no-ops: the order and counts are what is checked
-        module, world, home, parallel, engine = _setup(["dp4:fsdp"], _DeadBranch())
+        module, world, home, parallel, engine = setup_runner(["dp4:fsdp"], _DeadBranch())
         runner = StepRunner(engine, parallel)
         units = runner.units
         engine.materialize(Layout.parse("dp4:fsdp"))
@@ -496,7 +428,7 @@ def test_fsdp_layouts_refuse_what_they_cannot_shard() -> None:
     from lightning_hotspa.testing.fake_world import FakeWorld
 
     with FakeWorld(4):  # collectives are no-ops: only the checks run
-        module, world, home, parallel, engine = _setup(["dp4:fsdp", "dp4"])  # TinyLM: no blocks
+        module, world, home, parallel, engine = setup_runner(["dp4:fsdp", "dp4"])  # TinyLM: no blocks
         with pytest.raises(LayoutError,
                            match=r"\['dp4:fsdp'\] shard the working copy per unit, but TinyLM has no units"):
             StepRunner(engine, parallel)
@@ -506,7 +438,7 @@ def test_fsdp_layouts_refuse_what_they_cannot_shard() -> None:
             engine.set_fsdp_units({"nope"})
         with pytest.raises(LayoutError, match="fsdp unit 'missing' is not a submodule of TinyLM"):
             ShardedUnits(engine, module, ["missing"])
-        tied, _, _, _, engine = _setup(["dp4:fsdp"], _TiedBlocks())
+        tied, _, _, _, engine = setup_runner(["dp4:fsdp"], _TiedBlocks())
         tied.blocks[1].weight = tied.blocks[0].weight  # installing the home params untied them: tie again
         with pytest.raises(LayoutError,
                            match=r"'blocks.1': parameter blocks.1.weight is shared \(also 'blocks.0.weight'\)"):

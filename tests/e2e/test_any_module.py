@@ -7,7 +7,7 @@ import lightning as L
 import pytest
 import torch
 import torch.distributed as dist
-from strategy_helpers import lightning_rank_env, rel_errors
+from helpers import lightning_rank_env, rel_errors
 from torch import nn
 
 import lightning_hotspa  # noqa: F401  (registers "hotspa")

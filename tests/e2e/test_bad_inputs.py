@@ -348,7 +348,7 @@ def _fit(model, layouts, *, ckpt_path=None, steps=1, callbacks=(), **trainer_kwa
     import lightning as L
     import torch
     import torch.distributed as dist
-    from strategy_helpers import lightning_rank_env, mixed_plan, rank_plans
+    from helpers import lightning_rank_env, mixed_plan, rank_plans
 
     from lightning_hotspa import HotSPaStrategy
     from lightning_hotspa.layout import Layout
@@ -370,7 +370,7 @@ def _fit(model, layouts, *, ckpt_path=None, steps=1, callbacks=(), **trainer_kwa
 
 def save_at_world_4(path: str) -> int:
     """A checkpoint written by 4 ranks with layouts dp4 and dp2xtp2."""
-    from strategy_helpers import lightning_rank_env
+    from helpers import lightning_rank_env
 
     from lightning_hotspa.models import LlamaLM
 
@@ -426,7 +426,7 @@ def bad_fits_at_world_2(base: str, world4_checkpoint: str) -> dict[str, str | No
 
 
 def _save_after_fit(path: str) -> None:
-    from strategy_helpers import lightning_rank_env
+    from helpers import lightning_rank_env
 
     from lightning_hotspa.models import LlamaLM
 

@@ -13,6 +13,7 @@ import lightning as L
 import numpy as np
 import pytest
 import torch
+from helpers import EIGHT, FOUNDATION
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -31,8 +32,6 @@ from lightning_hotspa.layout import Layout, MeshShape
 from lightning_hotspa.plan import IGNORE_INDEX, RankPlan
 from lightning_hotspa.planner import ThresholdPlanner
 
-FOUNDATION = ["dp4", "dp2xtp2", "tp4", "dp2xcp2", "tp2xcp2"]
-EIGHT = ["dp8", "dp4xtp2", "dp2xtp4", "tp8", "dp4xcp2", "tp4xcp2", "dp2xtp2xcp2"]
 LAYOUT_SETS = [FOUNDATION, ["dp4", "dp2xtp2", "tp4"], ["dp4", "dp2xcp2", "tp2xcp2"], ["tp4"], EIGHT,
                ["dp2", "tp2", "cp2"]]
 CONTEXT = 128

@@ -9,13 +9,13 @@ import torch
 
 pytest.importorskip("transformers")
 
-from hf_helpers import hf_model  # noqa: E402
+from helpers import hf_model  # noqa: E402
 
 
 def train_and_save(hf_dir: str, out: str) -> dict:
     import lightning as L
     import torch.distributed as dist
-    from strategy_helpers import lightning_rank_env, mixed_plan, rank_plans
+    from helpers import lightning_rank_env, mixed_plan, rank_plans
 
     from lightning_hotspa import HotSPaStrategy
     from lightning_hotspa.layout import Layout

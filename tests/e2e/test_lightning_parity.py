@@ -6,7 +6,7 @@ from __future__ import annotations
 import lightning as L
 import torch
 import torch.distributed as dist
-from strategy_helpers import deal, lightning_rank_env, rank_plans
+from helpers import deal, lightning_rank_env, rank_plans
 
 import lightning_hotspa  # noqa: F401  (registers "hotspa")
 from lightning_hotspa import HotSPaStrategy
@@ -184,7 +184,7 @@ def predict_every_micro_batch() -> dict:
 
 
 def test_predict_returns_every_micro_batch_in_document_order(ranks):
-    from strategy_helpers import make_docs
+    from helpers import make_docs
 
     from lightning_hotspa.plan import pack_micro_batch
 
@@ -237,7 +237,7 @@ def accumulate_two_plans() -> dict:
 
 
 def test_accumulated_plans_equal_one_plan_of_all_their_tokens(ranks):
-    from strategy_helpers import make_docs, rel_errors
+    from helpers import make_docs, rel_errors
 
     from lightning_hotspa.plan import pack_micro_batch
 
@@ -310,7 +310,7 @@ def plain_module_vs_ddp_accumulating(ckpt_dir: str) -> dict:
         resumed = PlainNet()
         out["steps"] = fit(HotSPaStrategy(), 2, resumed, our_norms, ckpt_path=path).global_step
     finals = {n: p.detach().full_tensor() for n, p in resumed.named_parameters()}
-    from strategy_helpers import rel_errors
+    from helpers import rel_errors
 
     out["errors"] = rel_errors(finals, {n: p.detach() for n, p in ddp.named_parameters()})
     out["norms"], out["ddp_norms"] = our_norms.totals, ddp_norms.totals
@@ -392,7 +392,7 @@ def test_consolidated_checkpoint_loads_with_load_from_checkpoint(ranks, tmp_path
 
 def compiled_vs_eager() -> dict:
     """Row 8: ``compile_blocks`` (aot_eager: dynamo and AOT autograd, no C++ build) against eager."""
-    from strategy_helpers import rel_errors
+    from helpers import rel_errors
 
     layouts = [Layout.parse(x) for x in TP_LAYOUTS]
     batches = rank_plans(_tp_plans(2), layouts, dist.get_rank())

@@ -10,8 +10,8 @@ import lightning as L
 import numpy as np
 import pytest
 import torch.distributed as dist
+from helpers import lightning_rank_env
 from lightning.pytorch.callbacks import Callback
-from strategy_helpers import lightning_rank_env
 
 import lightning_hotspa  # noqa: F401  (registers "hotspa")
 from lightning_hotspa import HotSPaStrategy

@@ -15,6 +15,7 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
+from helpers import make_tokenizer
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
@@ -122,13 +123,11 @@ def test_every_config_group_option_composes_resolves_and_builds(tmp_path: Path) 
             if group == "data" and option in paths:
                 extra.append(f"data.source_kwargs.path={paths[option]}")
             if group == "data" and option == "chat":  # a chat file and a tokenizer folder made here
-                from test_chat_data import make_tokenizer
-
                 (tmp_path / "chat.jsonl").write_text(json.dumps({"prompt": "hello", "response": "world"}) + "\n")
                 extra += [f"data.source_kwargs.path={tmp_path / 'chat.jsonl'}",
                           f"data.tokenizer_kwargs.path={make_tokenizer(tmp_path / 'tok')}"]
             if group == "model" and option == "hf":  # a tiny random Hugging Face folder, made here
-                from hf_helpers import hf_model
+                from helpers import hf_model
 
                 hf_model("llama").save_pretrained(tmp_path / "hf")
                 extra.append(f"model.path={tmp_path / 'hf'}")

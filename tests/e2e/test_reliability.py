@@ -221,8 +221,8 @@ def nonfinite_phase(policy: str | None, value: float | None, steps: list[int]) -
     the first stage of global step 1 into ``value`` (None: a clean run)."""
     import lightning as L
     import torch.distributed as dist
+    from helpers import lightning_rank_env, mixed_plan, rank_plans
     from lightning.pytorch.callbacks import Callback
-    from strategy_helpers import lightning_rank_env, mixed_plan, rank_plans
 
     from lightning_hotspa import HotSPaStrategy
     from lightning_hotspa.layout import Layout

@@ -4,112 +4,23 @@ import lightning as L
 import pytest
 import torch
 import torch.distributed as dist
-from lightning.pytorch.callbacks import Callback
-from strategy_helpers import lightning_rank_env, mixed_plan, rank_plans, reference_run, rel_errors
+from helpers import (
+    FOUNDATION,
+    LENGTHS,
+    STAGE_ORDERS,
+    fit_and_compare,
+    lightning_rank_env,
+    mixed_plan,
+    rank_plans,
+    rel_errors,
+    tiny_lm,
+    worst,
+)
 
 import lightning_hotspa  # noqa: F401  (registers "hotspa")
 from lightning_hotspa import HotSPaStrategy
 from lightning_hotspa.layout import Layout
 from lightning_hotspa.models import LlamaLM
-
-LENGTHS = [[7, 30, 12, 5, 64, 9, 3, 40, 17, 25, 11, 50, 8, 33],
-           [20, 4, 44, 13, 6, 70, 15, 9, 31, 2, 27, 18],
-           [60, 10, 21, 35, 5, 14, 48, 26, 7, 19, 3, 38, 12]]
-
-
-FOUNDATION = ["dp4", "dp2xtp2", "tp4", "dp2xcp2", "tp2xcp2"]
-# stage order of each step's plan: every stage next to another tp degree (each reduces), then runs of
-# same-tp stages (tp 4,2,2,1,1 and 1,1,2,2,4) that reduce once per run, with tp changes in between
-STAGE_ORDERS = [FOUNDATION, ["tp4", "dp2xtp2", "tp2xcp2", "dp4", "dp2xcp2"],
-                ["dp2xcp2", "dp4", "tp2xcp2", "dp2xtp2", "tp4"]]
-
-
-def _model(dtype=torch.float32):
-    return LlamaLM("tiny", seed=3, lr=2e-3, weight_decay=0.1).to(dtype)
-
-
-class _Recorder(Callback):
-    """Per optimizer step: the pre-update home weights and gradients (full tensors), and hook counts."""
-
-    def __init__(self):
-        self.before = self.after = 0
-        self.losses, self.grads, self.weights, self.reductions = [], [], [], []
-
-    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-        params = dict(pl_module.named_parameters())  # collectives: every rank gathers
-        self.grads.append({n: p.grad.full_tensor() for n, p in params.items()})
-        self.weights.append({n: p.detach().full_tensor() for n, p in params.items()})
-
-    def on_before_backward(self, trainer, pl_module, loss):
-        self.before += 1
-
-    def on_after_backward(self, trainer, pl_module):
-        self.after += 1
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.losses.append(float(outputs["loss"]))
-        self.reductions.append([(s.layout.name, s.layout.tp, s.reduce_collectives, s.reduce_bytes, s.reduce_s)
-                                for s in trainer.strategy.last_step.stages])
-
-
-def _reference_grads(weights, plan, dtype):
-    """Single process, the same weights, the whole global mini-batch, token-mean loss."""
-    from strategy_helpers import make_docs
-
-    from lightning_hotspa.plan import pack_micro_batch
-
-    model = _model(dtype)
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            p.copy_(weights[n])
-    loss = model.training_step(pack_micro_batch(make_docs(plan.step, plan.doc_lengths)), 0)
-    loss.backward()
-    return float(loss), {n: p.grad for n, p in model.named_parameters()}
-
-
-def fit_and_compare(layout_names, steps=3, precision="32-true", stage_orders=None, plans=None, **strategy_kwargs):
-    """3 optimizer steps of mixed plans (every layout a stage, uneven dp groups, stage orders of
-    :data:`STAGE_ORDERS`, or the given ``plans``) under a real Trainer.
-
-    Returns, per step, the gradient error against the single process started from the SAME weights
-    (the update's input: the core invariant), the loss errors, the error of the final weights
-    against a single-process run of the same 3 AdamW steps, and each stage's gradient reduction.
-    """
-    dtype = torch.float64 if precision == "64-true" else torch.float32
-    layouts = [Layout.parse(x) for x in layout_names]
-    orders = stage_orders or STAGE_ORDERS
-    plans = plans or [mixed_plan(s, LENGTHS[s % len(LENGTHS)], [Layout.parse(x) for x in orders[s % len(orders)]])
-                      for s in range(steps)]
-    batches = rank_plans(plans, layouts, dist.get_rank())
-    recorder = _Recorder()
-    with lightning_rank_env():
-        trainer = L.Trainer(accelerator="cpu", devices=dist.get_world_size(),
-                            strategy=HotSPaStrategy(layout_names, **strategy_kwargs),
-                            max_steps=steps, precision=precision, logger=False, enable_checkpointing=False,
-                            enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
-                            callbacks=[recorder])
-        model = _model()
-        trainer.fit(model, train_dataloaders=torch.utils.data.DataLoader(batches, batch_size=None,
-                                                                         collate_fn=lambda x: x))
-    ours = {n: p.detach().full_tensor() for n, p in model.named_parameters()}
-    micro_batches = sum(len(b.micro_batches) for b in batches)
-    assert recorder.before == recorder.after == micro_batches, (recorder.before, micro_batches)
-    if dist.get_rank() != 0:
-        return None
-    ref_dtype = torch.float32 if precision == "bf16-mixed" else dtype
-    grad_errors, loss_errors = [], []
-    for plan, weights, grads, loss in zip(plans, recorder.weights, recorder.grads, recorder.losses):
-        ref_loss, ref = _reference_grads(weights, plan, ref_dtype)
-        grad_errors.append(rel_errors(grads, ref))
-        loss_errors.append(abs(loss - ref_loss) / abs(ref_loss))
-    ref_model, _, _ = reference_run(lambda: _model(ref_dtype), plans)
-    return {"grads": grad_errors, "losses": loss_errors, "global_step": trainer.global_step,
-            "weights": rel_errors(ours, dict(ref_model.named_parameters())), "reductions": recorder.reductions}
-
-
-def _worst(errors):
-    name = max(errors, key=errors.get)
-    return name, errors[name]
 
 
 @pytest.mark.parametrize("precision, grad_tol, loss_tol, weight_tol", [
@@ -124,9 +35,9 @@ def test_mixed_plans_over_every_layout_match_single_process(ranks, precision, gr
     result = ranks(4).run(fit_and_compare, FOUNDATION, 3, precision)[0]
     assert result["global_step"] == 3
     for step, errors in enumerate(result["grads"]):
-        assert _worst(errors)[1] <= grad_tol, (step, _worst(errors))
+        assert worst(errors)[1] <= grad_tol, (step, worst(errors))
     assert max(result["losses"]) <= loss_tol, result["losses"]
-    assert _worst(result["weights"])[1] <= weight_tol, _worst(result["weights"])
+    assert worst(result["weights"])[1] <= weight_tol, worst(result["weights"])
     _check_one_reduction_per_tp_run(result["reductions"])
 
 
@@ -142,9 +53,9 @@ def test_all_gather_kv_and_hybrid_cp_match_single_process(ranks):
     result = ranks(4).run(fit_and_compare, KV_LAYOUTS, 3, "32-true", KV_ORDERS)[0]
     assert result["global_step"] == 3
     for step, errors in enumerate(result["grads"]):
-        assert _worst(errors)[1] <= 1e-5, (step, _worst(errors))
+        assert worst(errors)[1] <= 1e-5, (step, worst(errors))
     assert max(result["losses"]) <= 1e-5, result["losses"]
-    assert _worst(result["weights"])[1] <= 1e-4, _worst(result["weights"])
+    assert worst(result["weights"])[1] <= 1e-4, worst(result["weights"])
 
 
 # sharded working copies (":fsdp") over every cp kind, next to replicated ones of the same tp degree
@@ -166,9 +77,9 @@ def test_sharded_working_copies_match_single_process(ranks, precision, grad_tol,
                           activation_checkpointing=["tp2xcp2:kv:fsdp", "dp2xcp2:fsdp"])[0]
     assert result["global_step"] == 3
     for step, errors in enumerate(result["grads"]):
-        assert _worst(errors)[1] <= grad_tol, (step, _worst(errors))
+        assert worst(errors)[1] <= grad_tol, (step, worst(errors))
     assert max(result["losses"]) <= loss_tol, result["losses"]
-    assert _worst(result["weights"])[1] <= weight_tol, _worst(result["weights"])
+    assert worst(result["weights"])[1] <= weight_tol, worst(result["weights"])
 
 
 # working copies sharded over part of dp x cp and replicated over the rest (HSDP, ":fsdp2"): over
@@ -185,9 +96,9 @@ def test_working_copies_sharded_within_part_of_the_layout_match_single_process(r
                           activation_checkpointing=["dp2xcp2:kv:fsdp2"])[0]
     assert result["global_step"] == 3
     for step, errors in enumerate(result["grads"]):
-        assert _worst(errors)[1] <= 1e-5, (step, _worst(errors))
+        assert worst(errors)[1] <= 1e-5, (step, worst(errors))
     assert max(result["losses"]) <= 1e-5, result["losses"]
-    assert _worst(result["weights"])[1] <= 1e-4, _worst(result["weights"])
+    assert worst(result["weights"])[1] <= 1e-4, worst(result["weights"])
     hsdp = ("dp4:fsdp2", "cp4:fsdp2", "dp2xcp2:kv:fsdp2")
     alone = {layout: nbytes for layout, _, _, nbytes, _ in result["reductions"][0]}
     # a lone HSDP stage reduce-scatters its replicas' shards at its end: more than plain fsdp (only
@@ -252,7 +163,7 @@ def test_checkpoint_at_world_4_resumes_at_world_2_with_other_layouts(ranks, tmp_
     ranks(4).run(checkpoint_phase, "save", FOUNDATION, path)
     resumed = ranks(2).run(checkpoint_phase, "resume", ["dp2", "tp2", "cp2"], path)[0]
     errors = rel_errors(resumed, full)
-    assert max(errors.values()) <= 1e-12, _worst(errors)
+    assert max(errors.values()) <= 1e-12, worst(errors)
     # a single-file export for inference holds the same (step-2) weights as the sharded checkpoint
     from lightning_hotspa.adapter.checkpoint import export_consolidated
 
@@ -262,7 +173,7 @@ def test_checkpoint_at_world_4_resumes_at_world_2_with_other_layouts(ranks, tmp_
 
 def _micro_batches(n, seed=0):
     """Equal target tokens per micro-batch, so a token mean equals DDP's mean of means."""
-    from strategy_helpers import make_docs
+    from helpers import make_docs
 
     from lightning_hotspa.plan import pack_micro_batch
 
@@ -379,7 +290,7 @@ def validate_and_log(log_dir):
                             max_steps=2, logger=CSVLogger(log_dir, name="run", version=0), log_every_n_steps=1,
                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                             use_distributed_sampler=False, num_sanity_val_steps=0)
-        model = _model()
+        model = tiny_lm()
         trainer.fit(model, train_dataloaders=loader, val_dataloaders=loader)
         metrics = trainer.validate(model, dataloaders=loader, verbose=False)
         weights = {n: p.detach().full_tensor() for n, p in model.named_parameters()}  # collective
@@ -392,11 +303,11 @@ def _reference_val_loss(weights, plans):
     log the same micro-batch, so a token of a stage with tp t counts t times; each token's loss comes
     from the single-process model on the whole document."""
     import torch.nn.functional as F
-    from strategy_helpers import make_docs
+    from helpers import make_docs
 
     from lightning_hotspa.plan import pack_micro_batch
 
-    ref = _model()
+    ref = tiny_lm()
     with torch.no_grad():
         for n, p in ref.named_parameters():
             p.copy_(weights[n])

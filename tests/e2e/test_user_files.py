@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import make_tokenizer
 
 from lightning_hotspa.adapter.checkpoint import save_distributed_checkpoint
 
@@ -116,8 +117,6 @@ def test_chat_sources_and_the_chat_tokenizer_only_go_together(tmp_path):
                          context_length=32, use_cache=False)
     pytest.importorskip("tokenizers")
     pytest.importorskip("transformers")
-    from test_chat_data import make_tokenizer
-
     (tmp_path / "p.jsonl").write_text(json.dumps({"text": "hello world"}) + "\n")
     with pytest.raises(DataError, match=r"the chat tokenizer renders conversations.*JsonlSource yields plain text"):
         HotSPaDataModule("jsonl", {"path": str(tmp_path / "p.jsonl")}, "chat",

@@ -13,11 +13,9 @@ from collections import defaultdict
 from pathlib import Path
 
 import pytest
+from helpers import history_rows
 
 from lightning_hotspa.adapter.stats import bucket_key
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from wandb_history import history_rows  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 TRAIN = ROOT / "recipes" / "train.py"

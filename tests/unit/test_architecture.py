@@ -20,10 +20,12 @@ PACKAGE = Path(lightning_hotspa.__file__).resolve().parent
 #: floor of each part of the package: a module may import its own floor and the floors below
 FLOORS = {
     "checks": 0, "checkpointing": 0, "torch_compat": 0, "host": 0, "host_facts": 0, "layout": 0, "mesh": 0,
-    "placements": 0, "plan": 0, "micro_batch": 0, "collective_names": 0, "group_collectives": 0, "model_shape": 0,
-    "models": 1, "parallel": 1, "planner": 1, "data": 1, "engine": 1, "testing": 1,
-    "adapter": 2,
-    "tools": 3, "configs": 3,
+    "placements": 0, "plan": 0, "micro_batch": 0, "collective_names": 0, "group_collectives": 0, "shard_rows": 0,
+    "model_shape": 0,
+    "models": 1, "planner": 1, "data": 1, "testing": 1,
+    "parallel": 2, "engine": 2,
+    "adapter": 3,
+    "tools": 4, "configs": 4,
 }
 
 
@@ -63,14 +65,44 @@ def test_dependencies_point_down() -> None:
 
 
 def test_the_planner_reads_a_model_description_not_a_model_class() -> None:
-    """planner/ (solver, candidates, the cost model and its published rows) imports nothing of models/: it
+    """planner/ (solver, candidates, the cost model and its published rows) imports no model class: it
     reads a ModelShape (lightning_hotspa/model_shape.py), filled from a preset, a LlamaConfig or a
-    Hugging Face config, so a new model family needs no planner edit."""
+    Hugging Face config, so a new model family needs no planner edit. Of models/ it reads only the
+    attention-kernel registry's records (their memory and cost terms)."""
     graph = import_graph(PACKAGE)
     into_models = sorted(f"{m} -> {t}" for m, targets in graph.items() if _part(m) == "planner"
-                         for t in targets if _part(t) == "models")
+                         for t in targets if _part(t) == "models" and t != "lightning_hotspa.models.attention_kernels")
     assert into_models == []
     assert "lightning_hotspa.model_shape" in graph["lightning_hotspa.planner.cost.terms"]
+
+
+def test_the_folders_import_each_other_without_a_loop() -> None:
+    """Two parts of one floor may import each other's modules only one way round (no folder loop, as
+    ``parallel -> models.vocab`` beside ``models.loss_head -> parallel.collectives`` was)."""
+    graph = import_graph(PACKAGE)
+    parts: dict[str, set[str]] = {}
+    for module, targets in graph.items():
+        if module != "lightning_hotspa":
+            others = {_part(t) for t in targets} - {"", _part(module)}
+            parts.setdefault(_part(module), set()).update(others)
+    assert find_cycles(parts) == []
+    assert FLOORS["models"] < FLOORS["parallel"], "docs/DESIGN.md §5: the model is written for one device"
+
+
+#: a test of the process-group backend or of the device type (docs/DESIGN.md §9: one collectives
+#: object per group, chosen once in group_collectives; kernels per device in the attention-kernel registry)
+_BACKEND_OR_DEVICE_TEST = re.compile(r"_is_gloo|backend\s*[!=]=|get_backend\(|device\.type\s*[!=]=|\.type\s*[!=]=\s*"
+                                     r"[\"'](?:cpu|cuda)|\.is_cuda\b|\bweakref\b")
+
+
+def test_the_runtime_asks_no_backend_or_device_type() -> None:
+    """parallel/ and engine/ run the same path on every backend and device: no test of either there
+    (and no weak reference into another op's state in parallel/)."""
+    hits = [f"{path.relative_to(PACKAGE)}:{n}: {line.strip()}"
+            for folder in ("parallel", "engine") for path in sorted((PACKAGE / folder).rglob("*.py"))
+            for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+            if _BACKEND_OR_DEVICE_TEST.search(line.split("#")[0])]
+    assert hits == []
 
 
 _CHECK_NO_LIGHTNING = """
@@ -116,6 +148,24 @@ def test_trainer_finds_hotspa_after_a_bare_import_in_either_order(imports: str) 
             "from lightning_hotspa.adapter import registration\n"
             "registration.install(); registration.install(); registration.register_strategy()\n" + _TRAINER)
     assert _python(code).strip().splitlines()[-2:] == ["HotSPaStrategy", "HotSPaStrategy"]
+
+
+def test_no_test_file_imports_another_test_file() -> None:
+    """The tests' shared helpers live in tests/helpers.py: a test module never imports a ``test_*``
+    module (nor a helper file other than that one). Not yet: tests/mixed_kill_job.py (a job script a
+    test launches) reuses test_blocks' and test_mixed_planner's plans, until they move to helpers."""
+    import ast
+
+    found = []
+    for path in sorted((ROOT / "tests").rglob("*.py")):
+        if path.name == "mixed_kill_job.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+            found += [f"{path.relative_to(ROOT)}: {n}" for n in names
+                      if n.split(".")[0].startswith("test_") or n in ("strategy_helpers", "hf_helpers")]
+    assert found == []
 
 
 # --------------------------------------------------------------------------------------- docs

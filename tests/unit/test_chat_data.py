@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import WORDS, make_tokenizer
 
 pytest.importorskip("transformers")
 
@@ -16,27 +17,6 @@ from lightning_hotspa.data import HotSPaDataModule  # noqa: E402
 from lightning_hotspa.data.chat import ChatTemplateTokenizer  # noqa: E402
 from lightning_hotspa.layout import Layout, MeshShape  # noqa: E402
 from lightning_hotspa.planner.rule import ThresholdPlanner  # noqa: E402
-
-TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} <|end|> {% endfor %}"
-            "{% if add_generation_prompt %}<|assistant|> {% endif %}")
-WORDS = "hello world how are you fine thanks what is two plus equals four sky blue".split()
-
-
-def make_tokenizer(folder):
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    specials = ["<|system|>", "<|user|>", "<|assistant|>", "<|end|>", "<unk>"]
-    vocab = {w: i for i, w in enumerate(specials + WORDS)}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.add_special_tokens(specials)
-    folder.mkdir(parents=True, exist_ok=True)
-    tok.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "chat_template": TEMPLATE, "eos_token": "<|end|>",
-        "unk_token": "<unk>"}))
-    return folder
-
 
 ROWS = [
     {"messages": [{"role": "system", "content": "fine"}, {"role": "user", "content": "hello how are you"},

@@ -95,12 +95,19 @@ BAD_LINES = {
 }
 
 
-@pytest.mark.parametrize("case", sorted(BAD_LINES))
-def test_jsonl_bad_record_raise_names_file_and_line(tmp_path: Path, case: str) -> None:
-    bad, reason = BAD_LINES[case]
+def _jsonl_around(tmp_path: Path, case: str, blank: bool) -> Path:
+    """A JSONL file: a good record, (a blank line,) the bad record of ``case``, a good record."""
+    bad = BAD_LINES[case][0]
     path = tmp_path / "data.jsonl"
     bad_bytes = bad if isinstance(bad, bytes) else bad.encode()
-    path.write_bytes(b'{"text": "ok"}\n\n' + bad_bytes + b'\n{"text": "after"}\n')
+    path.write_bytes(b'{"text": "ok"}\n' + (b"\n" if blank else b"") + bad_bytes + b'\n{"text": "after"}\n')
+    return path
+
+
+@pytest.mark.parametrize("case", sorted(BAD_LINES))
+def test_jsonl_bad_record_raise_names_file_and_line(tmp_path: Path, case: str) -> None:
+    reason = BAD_LINES[case][1]
+    path = _jsonl_around(tmp_path, case, blank=True)
     with pytest.raises(DataError) as err:
         list(JsonlSource(path))
     assert str(path) in str(err.value) and "line 3" in str(err.value) and reason in str(err.value)
@@ -108,10 +115,7 @@ def test_jsonl_bad_record_raise_names_file_and_line(tmp_path: Path, case: str) -
 
 @pytest.mark.parametrize("case", sorted(BAD_LINES))
 def test_jsonl_bad_record_skip_counts(tmp_path: Path, case: str) -> None:
-    bad, _ = BAD_LINES[case]
-    path = tmp_path / "data.jsonl"
-    bad_bytes = bad if isinstance(bad, bytes) else bad.encode()
-    path.write_bytes(b'{"text": "ok"}\n' + bad_bytes + b'\n{"text": "after"}\n')
+    path = _jsonl_around(tmp_path, case, blank=False)
     src = JsonlSource(path, on_bad_record="skip")
     assert [t for _, t in src] == ["ok", "after"]
     assert src.stats.bad_records_skipped == 1 and "line 2" in src.stats.notes[0]

@@ -12,7 +12,7 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
-from hf_helpers import docs, hf_model, hf_reference, rel  # noqa: E402
+from helpers import hf_docs, hf_model, hf_reference, rel_error  # noqa: E402
 
 from lightning_hotspa.models import LlamaLM  # noqa: E402
 from lightning_hotspa.models.hf_config import HFConfigError, config_from_hf  # noqa: E402
@@ -38,33 +38,33 @@ def folders(tmp_path_factory):
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
 def test_packed_logits_loss_and_grads_equal_transformers(folders, arch):
     path, hf = folders[arch]
-    documents = docs()
+    documents = hf_docs()
     ref_logits, ref_loss, ref_grads = hf_reference(hf, documents)
     ours = LlamaLM.from_pretrained(str(path))
     mb = pack_micro_batch(documents)
     logits = ours(mb.input_ids, mb.position_ids, mb.cu_seqlens, mb.max_seqlen)
     for i, piece in enumerate(logits.split([len(d) for d in documents])):
-        assert rel(piece, ref_logits[i]) <= TOL, (arch, i, rel(piece, ref_logits[i]))
+        assert rel_error(piece, ref_logits[i]) <= TOL, (arch, i, rel_error(piece, ref_logits[i]))
     loss = ours.training_step(mb)
     assert abs(float(loss.detach()) - ref_loss) / ref_loss <= TOL
     loss.backward()
     grads = {hf_name(n): p.grad for n, p in ours.model.named_parameters()}
     assert set(grads) == set(ref_grads) - ({"lm_head.weight"} if ours.config.tie_embeddings else set())
-    errors = {n: rel(g, ref_grads[n]) for n, g in grads.items()}
+    errors = {n: rel_error(g, ref_grads[n]) for n, g in grads.items()}
     worst = max(errors, key=errors.get)
     assert errors[worst] <= TOL, (arch, worst, errors[worst])
 
 
 def test_the_features_are_really_exercised(folders):
     """Each architecture's special feature changes the result: without it the match breaks."""
-    documents = docs()
+    documents = hf_docs()
     mb = pack_micro_batch(documents)
     for arch, override in (("llama", {"rope_scaling": None}), ("mistral", {"sliding_window": None})):
         path, hf = folders[arch]
         ref_logits, _, _ = hf_reference(hf, documents)
         plain = LlamaLM.from_pretrained(str(path), **override)
         logits = plain(mb.input_ids, mb.position_ids, mb.cu_seqlens, mb.max_seqlen).detach()
-        assert rel(logits, torch.cat(ref_logits)) > 1e-3, arch
+        assert rel_error(logits, torch.cat(ref_logits)) > 1e-3, arch
     qwen = LlamaLM.from_pretrained(str(folders["qwen2"][0]))
     assert qwen.config.qkv_bias and qwen.config.tie_embeddings and not hasattr(qwen.model, "output")
     from lightning_hotspa.adapter.module_layouts import supported_layouts

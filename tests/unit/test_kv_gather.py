@@ -5,6 +5,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from lightning_hotspa.models import chunk_attention as chunks
 from lightning_hotspa.models.attention import sdpa_attention
 from lightning_hotspa.parallel import kv_gather
 from lightning_hotspa.plan import pack_micro_batch
@@ -66,7 +67,7 @@ def test_chunk_is_bottom_right_causal_in_one_gqa_call(window):
         lo = 0 if window is None else max(0, first - window + 1)
         mode = _Calls()
         with mode:
-            out = kv_gather.chunk_attention(q[first:first + n], k[lo:first + n], v[lo:first + n], first, lo, window)
+            out = chunks.chunk_attention(q[first:first + n], k[lo:first + n], v[lo:first + n], first, lo, window)
         assert mode.calls == 1, (first, mode.calls)
         torch.testing.assert_close(out, ref[first:first + n])
 
@@ -80,7 +81,7 @@ def test_chunk_backward_matches_the_whole_document():
     ref = sdpa_attention(q, k, v, cu, full, window=window)[first:first + n]
     expected = torch.autograd.grad(ref, (q, k, v), grad)
     lo = first - window + 1
-    out = kv_gather.chunk_attention(q[first:first + n], k[lo:first + n], v[lo:first + n], first, lo, window)
+    out = chunks.chunk_attention(q[first:first + n], k[lo:first + n], v[lo:first + n], first, lo, window)
     for got, want in zip(torch.autograd.grad(out, (q, k, v), grad), expected):
         torch.testing.assert_close(got, want)
 
@@ -104,20 +105,18 @@ def _groups():
 def test_cpu_chunks_take_two_calls_without_a_mask_and_match_the_one_call():
     """On CPU a chunk is at most 2 flash calls (prefix, causal diagonal) with no [C, S] mask, and its
     output and gradients (from the saved output and log-sum-exp) equal the one masked call (fp64)."""
-    from lightning_hotspa.parallel import cpu_chunks
-
     torch.manual_seed(2)
     n = 8
     for first, lo in ((0, 0), (16, 0), (24, 5)):
         q = torch.randn(n, 4, 8, dtype=torch.float64, requires_grad=True)
         k, v = (torch.randn(first + n - lo, 2, 8, dtype=torch.float64, requires_grad=True) for _ in range(2))
-        ref = kv_gather.chunk_attention(q, k, v, first, lo)
+        ref = chunks.chunk_attention(q, k, v, first, lo)
         grad = torch.randn_like(ref)
         expected = torch.autograd.grad(ref, (q, k, v), grad)
         mode = _Calls()
         with mode, torch.no_grad():
-            out, lse = cpu_chunks.chunk_forward(q, k, v, first, lo)
-            got = cpu_chunks.chunk_backward(grad, q, k, v, out, lse, first, lo)
+            out, lse = chunks.chunk_forward(q, k, v, first, lo)
+            got = chunks.chunk_backward(grad, q, k, v, out, lse, first, lo)
         assert mode.calls == (1 if first == lo else 2), mode.calls
         torch.testing.assert_close(out, ref)
         for a, b in zip(got, expected):
@@ -149,3 +148,48 @@ def test_kv_backward_on_cpu_recomputes_no_forward():
     assert mode.calls == 0, mode.calls
     for a, b in zip(got, expected):
         torch.testing.assert_close(a, b)
+
+
+def test_the_kv_gather_runs_the_chunk_kernel_the_registry_sets_beside_the_core_attention():
+    """The chunk kernel follows the model's core attention (registry records), not a global: the
+    flash stand-in (the memory estimator's GPU path) gets the one-call SDPA chunks on CPU tensors, and
+    "auto" / sdpa on CPU get the CPU flash chunks unless a window or a dtype rules them out."""
+    import functools
+
+    from lightning_hotspa.models.attention_kernels import auto_attention, chunk_kernel_for
+    from lightning_hotspa.testing.gpu_attention import flash_varlen_standin
+
+    q = torch.zeros(4, 2, 8)
+    assert chunk_kernel_for(flash_varlen_standin, q, None).name == "sdpa_chunk"
+    assert chunk_kernel_for(auto_attention, q, None).name == "cpu_flash_chunks"
+    assert chunk_kernel_for(functools.partial(sdpa_attention, window=3), q, 3).name == "sdpa_chunk"
+    assert chunk_kernel_for(sdpa_attention, q.half(), None).name == "sdpa_chunk"
+    assert chunk_kernel_for(lambda *a: a, q.double(), None).name == "cpu_flash_chunks"  # unknown: as auto
+
+
+def _saved_by_the_kv_gather(core) -> int:
+    """How many tensors the KV gather's autograd function keeps for backward under ``core``."""
+    import torch.distributed as dist
+
+    mb = _mb([16], 1, 0)
+    q, k, v = (torch.randn(16, h, 8, requires_grad=True) for h in (4, 2, 2))
+    saved = []
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            kv_gather.kv_gather_attention(q, k, v, mb.cu_seqlens, _groups(), mb, core=core)
+    finally:
+        dist.destroy_process_group()
+    return len(saved)
+
+
+def test_the_flash_stand_in_chunks_keep_no_log_sum_exp_in_the_kv_gather():
+    """Under the stand-in the KV gather keeps only q, k, v (sdpa_chunk); under sdpa the merged output
+    and log-sum-exp too (cpu_flash_chunks): the two memory-model term sets, seen in what is saved."""
+    from lightning_hotspa.models.attention_kernels import KERNELS
+    from lightning_hotspa.testing.gpu_attention import flash_varlen_standin
+
+    assert (KERNELS["sdpa_chunk"].saves_lse, KERNELS["sdpa_chunk"].saves_output) == (False, False)
+    assert (KERNELS["cpu_flash_chunks"].saves_lse, KERNELS["cpu_flash_chunks"].saves_output) == (True, True)
+    assert _saved_by_the_kv_gather(flash_varlen_standin) == 3
+    assert _saved_by_the_kv_gather(sdpa_attention) == 5

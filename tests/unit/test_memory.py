@@ -8,6 +8,7 @@ import dataclasses
 
 import pytest
 import torch
+from helpers import SMALLISH
 
 from lightning_hotspa.engine.home import build_home_parameters
 from lightning_hotspa.engine.switch import SwitchEngine
@@ -18,12 +19,10 @@ from lightning_hotspa.placements import build_shardings
 from lightning_hotspa.planner.cost.cost_model import AnalyticCostModel, CostModelError
 from lightning_hotspa.planner.cost.hardware import get_profile
 from lightning_hotspa.testing.fake_world import CATEGORIES, FakeWorld
-from lightning_hotspa.tools.memory import KERNEL_DEVICE, estimate_layout
+from lightning_hotspa.tools.memory import CHUNK_KERNEL, estimate_layout
 
 TINY = LlamaConfig.preset("tiny")
 # wider than "tiny" so weights, not the fixed terms, dominate: 4 layers, MHA and GQA
-SMALLISH = LlamaConfig(vocab_size=1000, hidden=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_hidden=704,
-                       vocab_multiple=64)
 
 
 @pytest.mark.parametrize("layout", ["dp4", "dp2xtp2", "tp2xcp2"])
@@ -136,15 +135,17 @@ def test_a_switch_holds_both_copies_of_at_most_one_bucket() -> None:
 
 def test_memory_model_has_an_activation_term_per_attention_backend() -> None:
     flash = AnalyticCostModel("llama7b", "H100", 8)
-    math_ = AnalyticCostModel("llama7b", "H100", 8, attention_backend="math")
+    math_ = AnalyticCostModel("llama7b", "H100", 8, attention_backend="sdpa-math")
     lay = Layout.parse("dp2xtp2xcp2")
     assert flash.attention_quadratic_bytes(lay) == 0
     assert math_.attention_quadratic_bytes(lay) == pytest.approx(32 / 4 * (32 * 2 + 8))
     gap = math_.peak_bytes(lay, False, 8192) - flash.peak_bytes(lay, False, 8192)
     assert gap == pytest.approx(math_.attention_quadratic_bytes(lay) * 8192**2 - 4 * 32 * 32 / 4 * 8192, rel=1e-6)
     assert 0 < math_.capacity(lay, False) < flash.capacity(lay, False)
-    with pytest.raises(ValueError, match="attention_backend must be"):
+    with pytest.raises(ValueError, match="attention_backend must be a registered attention kernel.*got 'xformers'"):
         AnalyticCostModel("llama7b", "H100", 8, attention_backend="xformers")
+    with pytest.raises(ValueError, match="got 'math' \\('math' is now 'sdpa-math'\\)"):
+        AnalyticCostModel("llama7b", "H100", 8, attention_backend="math")
 
 
 def test_memory_cli_names_bad_rows(capsys: pytest.CaptureFixture[str]) -> None:
@@ -218,9 +219,10 @@ def test_memory_model_counts_the_kv_gather_buffers(layout: str) -> None:
     assert abs(got["peak_bytes"] / predicted - 1) < 0.05, (got["peak"], predicted)
 
 
-# Each path is predicted with its own kernel_device: the CPU all-gather-KV chunks (parallel/cpu_chunks.py)
-# keep their lse and, in the hybrid, their pre-exchange output for backward (cp4:kv2 measured 9,053.75
-# B/token on CPU against 8,492.5 when the model counted only what CUDA keeps: +6.6 %).
+# Each path is predicted with its own chunk_kernel: the CPU all-gather-KV chunks (cpu_flash_chunks,
+# models/chunk_attention.py) keep their lse and, in the hybrid, their pre-exchange output for backward
+# (cp4:kv2 measured 9,053.75 B/token on CPU against 8,492.5 when the model counted only what CUDA keeps:
+# +6.6 %).
 @pytest.mark.parametrize("attention", ["cpu", "gpu"])
 @pytest.mark.parametrize("layout", ["dp4", "dp2xtp2", "tp2xcp2", "cp4", "cp4:kv", "cp4:kv2"])
 def test_memory_model_counts_what_each_token_keeps_on_both_attention_paths(layout: str, attention: str) -> None:
@@ -231,7 +233,7 @@ def test_memory_model_counts_what_each_token_keeps_on_both_attention_paths(layou
     at 1024 tokens a cp4 layout's peak is the head gradient's overlapped reduction instead (the
     estimator's 4 MiB buckets, a fixed term), which made the per-token growth look 8-12 % off."""
     small, large = (estimate_layout(SMALLISH, 4, layout, t, attention=attention)["peak_bytes"] for t in (2048, 4096))
-    cm = AnalyticCostModel(SMALLISH, "H100", 4, kernel_device=KERNEL_DEVICE[attention])
+    cm = AnalyticCostModel(SMALLISH, "H100", 4, chunk_kernel=CHUNK_KERNEL[attention])
     lay = Layout.parse(layout)
     predicted = (cm.peak_bytes(lay, False, 4096) - cm.peak_bytes(lay, False, 2048)) / 2048
     assert abs((large - small) / 2048 / predicted - 1) < 0.02, ((large - small) / 2048, predicted)
@@ -255,10 +257,11 @@ def test_memory_cli_names_a_bad_attention_path() -> None:
         estimate_layout(SMALLISH, 4, "dp4", 64, attention="tpu")
 
 
-def test_a_bad_kernel_device_is_named() -> None:
-    with pytest.raises(CostModelError, match="kernel_device must be one of \\('cuda', 'cpu'\\), got 'tpu'"):
-        AnalyticCostModel(SMALLISH, "H100", 4, kernel_device="tpu")
+def test_a_bad_chunk_kernel_is_named() -> None:
+    with pytest.raises(CostModelError, match="chunk_kernel must be a registered attention kernel, one of "
+                                             "\\['cpu_flash_chunks', 'sdpa_chunk'\\]; got 'sdpa'"):
+        AnalyticCostModel(SMALLISH, "H100", 4, chunk_kernel="sdpa")
     with pytest.raises(ValueError, match="device_type must be one of \\('cuda', 'cpu'\\), got 'xpu'"):
         dataclasses.replace(get_profile("H100"), device_type="xpu")
-    assert AnalyticCostModel(SMALLISH, "cpu-gloo", 4).kernel_device == "cpu"
-    assert AnalyticCostModel(SMALLISH, "H100", 4).kernel_device == "cuda"
+    assert AnalyticCostModel(SMALLISH, "cpu-gloo", 4).chunk_kernel == "cpu_flash_chunks"
+    assert AnalyticCostModel(SMALLISH, "H100", 4).chunk_kernel == "sdpa_chunk"

@@ -8,6 +8,7 @@ from collections import Counter
 import numpy as np
 import pytest
 import torch
+from helpers import EIGHT, FOUNDATION
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -27,8 +28,6 @@ from lightning_hotspa.planner.solve.packing import (
     spread_over_groups,
 )
 
-FOUNDATION = ["dp4", "dp2xtp2", "tp4", "dp2xcp2", "tp2xcp2"]
-EIGHT = ["dp8", "dp4xtp2", "dp2xtp4", "tp8", "dp4xcp2", "tp4xcp2", "dp2xtp2xcp2"]
 LAYOUT_SETS = [
     FOUNDATION,
     ["dp4", "dp2xtp2", "tp4"],

@@ -88,9 +88,10 @@ from ...checkpointing import Checkpointing
 from ...checks import check_int
 from ...layout import Layout
 from ...model_shape import ModelShape
+from ...models.attention_kernels import KERNELS, AttentionKernel, default_chunk_kernel
 from ..solve.packing import cp_padded_lengths, max_doc_length
 from .efficiency import UNFUSED_KERNELS, unfused_attention_seconds
-from .hardware import DEVICE_TYPES, HardwareProfile, get_profile
+from .hardware import HardwareProfile, get_profile
 from .memory_model import MemoryModel, MemoryUse
 from .runtime_profile import RuntimeProfile, get_runtime
 from .terms import (
@@ -188,6 +189,20 @@ class OptionCost:
                                    per_document=self.per_document if per_document is None else float(per_document))
 
 
+#: names this argument took before the attention-kernel registry (a clear error names the new one)
+_RENAMED = {"flash": "flash_varlen", "math": "sdpa-math"}
+
+
+def _registered(name: str, roles: tuple[str, ...], what: str) -> AttentionKernel:
+    """The registry's record of ``name`` with one of ``roles``, or a CostModelError listing them."""
+    record = KERNELS.get(name) if isinstance(name, str) else None
+    if record is None or record.role not in roles:
+        known = [k for k, r in KERNELS.items() if r.role in roles]
+        hint = f" ({name!r} is now {_RENAMED[name]!r})" if name in _RENAMED else ""
+        raise CostModelError(f"{what} must be a registered attention kernel, one of {known}; got {name!r}{hint}")
+    return record
+
+
 class AnalyticCostModel(MemoryModel):
     """Prices options, stages and switches of ``model`` on ``world_size`` devices of ``hardware``.
 
@@ -195,10 +210,12 @@ class AnalyticCostModel(MemoryModel):
     fp32). ``param_bytes``: working weights (bf16). ``capacity_multiple``: capacities are rounded
     down to it, so tables read cleanly. ``grad_accum_bytes``: working gradient accumulators (4: fp32
     main grads, the bf16-mixed default; 2: ``grad_accumulation="bf16"``). ``attention_backend``:
-    ``"flash"`` (linear memory) or ``"math"`` (SDPA's fallback, quadratic in the document length).
-    ``kernel_device``: whose attention kernels the runtime runs, ``"cuda"`` or ``"cpu"`` (the
-    memory terms differ: CPU all-gather-KV chunks keep their output and log-sum-exp for backward);
-    default: the hardware profile's ``device_type``.
+    the registered attention kernel (``models.attention_kernels``) whose memory terms price the core
+    attention: ``"flash_varlen"`` (linear memory, the default; sdpa and torch_varlen keep the same) or
+    ``"sdpa-math"`` (SDPA's fallback, quadratic in the document length). ``chunk_kernel``: the
+    registered chunk kernel the all-gather-KV attention runs (its memory terms differ: the CPU flash
+    chunks keep their output and log-sum-exp for backward); default: the one that runs on the hardware
+    profile's ``device_type``.
     ``runtime``: what the runtime overlaps (:mod:`.runtime_profile`); OUR runtime, ``"hotspa"``, unless
     pricing another system's published run. GEMM and attention efficiencies come from the hardware
     profile's curves (:mod:`.efficiency`, fitted to published runs: docs/cost-model.md).
@@ -206,8 +223,8 @@ class AnalyticCostModel(MemoryModel):
 
     def __init__(self, model: ModelShape | str | Any, hardware: HardwareProfile | str, world_size: int, *,
                  grad_bytes: int = 4, param_bytes: int = 2, capacity_multiple: int = 128,
-                 grad_accum_bytes: int = 4, attention_backend: str = "flash",
-                 runtime: RuntimeProfile | str = "hotspa", kernel_device: str | None = None) -> None:
+                 grad_accum_bytes: int = 4, attention_backend: str = "flash_varlen",
+                 runtime: RuntimeProfile | str = "hotspa", chunk_kernel: str | None = None) -> None:
         check_int(world_size, "world size", error=CostModelError)
         self.model = resolve_model(model)
         self.hardware = get_profile(hardware)
@@ -217,13 +234,10 @@ class AnalyticCostModel(MemoryModel):
         self.param_bytes = param_bytes
         self.capacity_multiple = capacity_multiple
         self.grad_accum_bytes = grad_accum_bytes  # working gradient accumulators (fp32 main grads: 4)
-        if attention_backend not in ("flash", "math"):
-            raise CostModelError(f"attention_backend must be 'flash' (flash_varlen, torch_varlen, sdpa) or "
-                                 f"'math' (SDPA's quadratic fallback), got {attention_backend!r}")
         self.attention_backend = attention_backend
-        self.kernel_device = self.hardware.device_type if kernel_device is None else kernel_device
-        if self.kernel_device not in DEVICE_TYPES:
-            raise CostModelError(f"kernel_device must be one of {DEVICE_TYPES}, got {kernel_device!r}")
+        self.attention = _registered(attention_backend, ("documents", "priced"), "attention_backend")
+        self.chunk_kernel = default_chunk_kernel(self.hardware.device_type) if chunk_kernel is None else chunk_kernel
+        self.chunks = _registered(self.chunk_kernel, ("chunks",), "chunk_kernel")
         m = self.model
         self.params = float(m.num_params())
         self.dense_params = float(m.num_params(include_embedding=False))

@@ -18,11 +18,13 @@ device's memory bandwidth (a roofline sum; no fitted constant).
 
 from __future__ import annotations
 
+from ...models.attention_kernels import KERNELS
+
 __all__ = ["UNFUSED_KERNELS", "UNFUSED_SCORE_BYTES", "attention_efficiency", "check_attention_table",
            "gemm_efficiency", "unfused_attention_seconds"]
 
 #: kernel families that materialize the score matrix (priced by :func:`unfused_attention_seconds`)
-UNFUSED_KERNELS = ("unfused",)
+UNFUSED_KERNELS = tuple(k.name for k in KERNELS.values() if k.priced_by_flops)
 
 #: bytes moved through HBM per score element per head, forward + backward, by the unfused sequence
 #: baddbmm -> fused scale-mask-softmax -> dropout -> bmm (bf16 scores, a 1-byte dropout mask):

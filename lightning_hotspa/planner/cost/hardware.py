@@ -73,7 +73,7 @@ class HardwareProfile:
     # 0: unknown (nothing that needs it can be priced on this profile)
     hbm_bandwidth: float = 0.0
     # whose kernels a rank runs: "cuda", or "cpu" (the CPU attention kernels keep other tensors for
-    # backward: parallel/cpu_chunks.py; the memory model counts them, planner/cost/memory_model.py)
+    # backward: models/chunk_attention.py; the memory model counts them, planner/cost/memory_model.py)
     device_type: str = "cuda"
 
     def __post_init__(self) -> None:

@@ -4,7 +4,8 @@ What our runtime holds per rank, term by term (the cost model's module docstring
 against the real code path under FakeTensorMode + the fake process group by ``hotspa memory``
 (tools/memory.py). A mixin of :class:`~.cost_model.AnalyticCostModel`, which sets ``model``,
 ``hardware``, ``world_size``, ``params``, ``layer_params``, ``param_bytes``, ``grad_bytes``,
-``grad_accum_bytes``, ``attention_backend``, ``kernel_device``, ``attn_width``, ``kv_width`` and
+``grad_accum_bytes``, ``attention`` and ``chunks`` (the attention-kernel registry's records of the core
+attention and the all-gather-KV chunk kernel: their memory terms), ``attn_width``, ``kv_width`` and
 ``capacity_multiple``.
 """
 
@@ -74,8 +75,10 @@ class MemoryModel:
     hardware: Any
     #: planned peak x (1 + this) <= usable; set 0 to plan against the bare prediction
     model_error_margin: float = MODEL_ERROR_MARGIN
-    #: whose attention kernels the runtime runs ("cuda" or "cpu"; the cost model sets it)
-    kernel_device: str = "cuda"
+    #: the registry records whose memory terms price the core attention and the all-gather-KV chunks
+    #: (``models.attention_kernels``; the cost model sets them)
+    attention: Any
+    chunks: Any
     #: the loss head's per-token state (:data:`HEAD_STATE_BYTES`; read by :mod:`.kv_gather_memory`)
     head_state_bytes: float = HEAD_STATE_BYTES
 
@@ -103,20 +106,20 @@ class MemoryModel:
         exchange; the KV gather saves q, its LOCAL k / v and wo's input (its own output, or in the
         hybrid the Ulysses output, which replaces it: the all-to-all saves nothing), and no
         log-sum-exp (its kernels run inside its own autograd function, recomputed in backward;
-        measured, tests/unit/test_memory.py), except on CPU kernels (``kernel_device == "cpu"``),
-        whose chunks keep their merged log-sum-exp and, in the hybrid, their output before the
-        Ulysses exchange back (parallel/cpu_chunks.py; the pure gather's output is wo's input
-        itself). Under tp with kv heads fewer than tp (replicated_partial)
-        each rank's k / v are views of the whole kv projection, which is what stays alive."""
+        measured, tests/unit/test_memory.py), except with a chunk kernel that keeps them
+        (``chunks.saves_lse`` / ``saves_output``: cpu_flash_chunks, models/chunk_attention.py), whose
+        chunks keep their merged log-sum-exp and, in the hybrid, their output before the Ulysses
+        exchange back (the pure gather's output is wo's input itself). Under tp with kv heads fewer
+        than tp (replicated_partial) each rank's k / v are views of the whole kv projection, which is
+        what stays alive."""
         m, wb, a = self.model, self.param_bytes, self.attn_width
         par = Layout(dp=1, tp=tp, cp=cp, cp_kv=cp_kv)
         state = self._attention_state_bytes() / (tp * cp)
         if cp_kv > 1:
             kv_local = _local_kv_heads(m, par) * par.cp_ulysses * tp * m.head_dim  # full-width units
-            cpu = 0.0
-            if self.kernel_device == "cpu":
-                cpu = 4.0 * m.n_heads + (wb * a if par.cp_ulysses > 1 else 0.0)
-            return (wb * (2 * a + 2 * kv_local) + cpu) / (tp * cp)
+            kept = (4.0 * m.n_heads if self.chunks.saves_lse else 0.0) \
+                + (wb * a if self.chunks.saves_output and par.cp_ulysses > 1 else 0.0)
+            return (wb * (2 * a + 2 * kv_local) + kept) / (tp * cp)
         if cp > 1:  # Ulysses: the kv heads each rank holds after the exchange, for the whole row
             return wb * (3 * a / (tp * cp) + 2 * _local_kv_heads(m, par) * m.head_dim) + state
         kv = self.kv_width if m.n_kv_heads % tp else self.kv_width / tp
@@ -126,7 +129,7 @@ class MemoryModel:
                                    cp_kv: int = 1) -> float:
         """Bytes one token of a micro-batch adds to the peak of one rank in a tp x cp group: the
         tensors autograd saves (models/llama.py and models/kernels.py; attention per
-        ``attention_backend`` and cp kind) plus the loss head's transients at the forward/backward turn.
+        ``attention`` kernel and cp kind) plus the loss head's transients at the forward/backward turn.
         Full checkpointing keeps each layer's input and one layer recomputed; selective keeps every
         layer's tensors but its attention core's (q / k / v, the kernel's; wo's input stays), and a
         layer's recomputed core counts where it exceeds the loss head's transients, freed by then
@@ -163,15 +166,15 @@ class MemoryModel:
 
     def _attention_state_bytes(self) -> float:
         """Per token per layer beyond q, k, v and out: flash kernels keep an fp32 log-sum-exp per
-        head; the quadratic math fallback is :meth:`attention_quadratic_bytes`."""
-        return 4.0 * self.model.n_heads if self.attention_backend == "flash" else 0.0
+        head (``attention.saves_lse``); the quadratic math fallback is :meth:`attention_quadratic_bytes`."""
+        return 4.0 * self.model.n_heads if self.attention.saves_lse else 0.0
 
     def attention_quadratic_bytes(self, par: Layout) -> float:
         """Bytes per rank per (document length)^2: zero for flash kernels (flash_varlen, torch_varlen,
         CPU SDPA with 4-D inputs); the math kernel saves each layer's softmax [h/tp, s, s] in the
         working dtype (split by cp under Ulysses) and holds fp32 scores and their gradient in the
         layer being differentiated."""
-        if self.attention_backend == "flash":
+        if not self.attention.quadratic:
             return 0.0
         heads = self.model.n_heads / (par.tp * par.cp)
         return heads * (self.model.n_layers * self.param_bytes + 2 * 4.0)

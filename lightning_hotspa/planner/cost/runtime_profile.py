@@ -14,11 +14,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ...models.attention_kernels import PRICED_KERNELS
+
 __all__ = ["ATTENTION_KERNELS", "HOTSPA", "RUNTIME_PROFILES", "RuntimeProfile", "SELECTIVE_POLICIES",
            "UnknownRuntimeError", "get_runtime"]
 
-#: attention kernel families a hardware profile may rate (``HardwareProfile.attention_kernels``)
-ATTENTION_KERNELS = ("fa2", "fa3", "cudnn", "flex", "sdpa-math", "cpu", "unfused")
+#: attention kernel families a hardware profile may rate (``HardwareProfile.attention_kernels``): the
+#: ``priced`` records of the attention-kernel registry (``models/attention_kernels.py``)
+ATTENTION_KERNELS = PRICED_KERNELS
 
 #: what a runtime's "selective" activation checkpointing recomputes (``RuntimeProfile.selective_recompute``):
 #: nothing; the core attention (scores, softmax, dropout, context: Megatron-LM's selective recompute);
