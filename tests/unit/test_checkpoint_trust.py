@@ -201,3 +201,108 @@ def test_numpy_values_in_the_metadata_are_stored_as_plain_numbers(tmp_path):
     module.w = torch.nn.Parameter(torch.zeros(4))
     planner = ck.load_distributed_checkpoint(folder, module, [])["hotspa"]["planner"]
     assert planner["scale"] == 1.25 and type(planner["scale"]) is float and planner["fit"].tolist() == [0, 1, 2]
+
+
+# ------------------------------------------------------------------ issue 41: a rewritten commit.json runs no code either
+def _rehash(folder: Path, *names: str) -> None:
+    """What a hostile author does after planting a file: rewrite commit.json to match it."""
+    commit = json.loads((folder / "commit.json").read_text())
+    commit["files"].update(ck.file_entries(folder, names))
+    (folder / "commit.json").write_text(json.dumps(commit))
+
+
+def _legacy(folder: Path) -> Path:
+    """A folder as main wrote it before commit markers (no commit.json, a pickled meta.pt)."""
+    (folder / "commit.json").unlink()
+    torch.save({"global_step": 2}, folder / "meta.pt")
+    return folder
+
+
+def _planted_path(path: str, tmp_path: Path, marker: Path):
+    """Plants a payload for one load path; returns the call that must refuse it."""
+    from lightning_hotspa.adapter.checkpoint_upgrade import upgrade_legacy_checkpoint
+    from lightning_hotspa.adapter.consolidate import consolidate_checkpoint
+    from lightning_hotspa.adapter.hf_export import export_hf
+    from lightning_hotspa.adapter.node_checkpoint import CheckpointPlacement
+
+    _save(tmp_path / "step=1", 1.0, 1)
+    folder = _save(tmp_path / "step=2", 2.0, 2, hyper_parameters={"config": "tiny"})  # exportable metadata
+    if path.startswith("upgrade"):
+        _legacy(folder)
+        if path == "upgrade-meta.pt":
+            torch.save({"global_step": 2, "x": _Payload(marker)}, folder / "meta.pt")
+        else:
+            _plant(folder, ".metadata", marker)
+        return lambda: upgrade_legacy_checkpoint(folder)
+    _plant(folder, ".metadata", marker)
+    _rehash(folder, ".metadata")
+    placement = CheckpointPlacement(0, (0,), broadcast=lambda x: x, barrier=lambda: None)
+    return {"resume": lambda: _load(folder),
+            "latest:": lambda: _load(placement.resolve(f"latest:{tmp_path}", ["dp1"])),
+            "export": lambda: export_hf(f"latest:{tmp_path}", tmp_path / "hf"),
+            "consolidate": lambda: consolidate_checkpoint(folder, tmp_path / "c.ckpt"),
+            "export-rehashed": lambda: export_hf(folder, tmp_path / "hf")}[path]
+
+
+@pytest.mark.parametrize("path", ["resume", "latest:", "export", "consolidate", "upgrade-meta.pt",
+                                  "upgrade-.metadata", "export-rehashed"])
+def test_a_planted_payload_runs_on_none_of_the_load_paths(tmp_path, path):
+    marker = tmp_path / "PWNED"
+    error = _try(_planted_path(path, tmp_path, marker))
+    assert not marker.exists(), f"{path} ran code from the checkpoint folder"
+    assert isinstance(error, CheckpointError), error
+    assert "open" in str(error) or "weights-only" in str(error), error  # names the global it refused
+
+
+class _WithExtra(torch.nn.Module):
+    """A module with a non-tensor state item (DCP stores it as torch.save bytes)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(4))
+        self.extra = {"k": 1}
+
+    def get_extra_state(self):
+        return self.extra
+
+    def set_extra_state(self, state) -> None:
+        self.extra = state
+
+
+def test_a_planted_non_tensor_item_in_a_shard_runs_no_code_on_resume(tmp_path):
+    import dataclasses
+
+    from lightning_hotspa.adapter.dcp_trust import load_dcp_metadata
+
+    module = _WithExtra()
+    folder = tmp_path / "step=2"
+    ck.save_distributed_checkpoint({"state_dict": module.state_dict(), "global_step": 2}, folder,
+                                   is_rank_zero=True, barrier=lambda: None)
+    assert ck.load_distributed_checkpoint(folder, _WithExtra(), [])["global_step"] == 2  # the clean folder loads
+    metadata = load_dcp_metadata((folder / ".metadata").read_bytes(), "x")
+    index = next(i for i in metadata.storage_data if i.fqn.startswith("model._extra_state"))
+    info = metadata.storage_data[index]
+    marker, payload = tmp_path / "PWNED", __import__("io").BytesIO()
+    torch.save(_Payload(marker), payload)
+    shard = folder / info.relative_path
+    offset = shard.stat().st_size
+    shard.write_bytes(shard.read_bytes() + payload.getvalue())
+    metadata.storage_data[index] = dataclasses.replace(info, offset=offset, length=len(payload.getvalue()))
+    (folder / ".metadata").write_bytes(pickle.dumps(metadata))
+    _rehash(folder, ".metadata", info.relative_path)
+    error = _try(ck.load_distributed_checkpoint, folder, _WithExtra(), [])
+    assert not marker.exists(), "a planted non-tensor item ran code on resume"
+    assert isinstance(error, CheckpointError) and "model._extra_state" in str(error), error
+
+
+def test_upgrade_unpickles_in_full_only_when_asked_by_flag_and_says_so(tmp_path, capsys):
+    from lightning_hotspa.tools.cli import main
+
+    folder = _legacy(_save(tmp_path / "step=2", 2.0, 2))
+    torch.save({"global_step": 2, "hyper_parameters": {"thing": _Custom()}}, folder / "meta.pt")
+    assert main(["upgrade-checkpoint", str(folder)]) == 2
+    err = capsys.readouterr().err
+    assert "_Custom" in err and "--trust-pickle" in err and not (folder / "commit.json").exists()
+    assert main(["upgrade-checkpoint", str(folder), "--trust-pickle"]) == 2  # unpickled; still not storable
+    err = capsys.readouterr().err
+    assert "unpickling" in err and "in full" in err and "weights-only load cannot read back" in err, err
