@@ -203,7 +203,7 @@ def test_numpy_values_in_the_metadata_are_stored_as_plain_numbers(tmp_path):
     assert planner["scale"] == 1.25 and type(planner["scale"]) is float and planner["fit"].tolist() == [0, 1, 2]
 
 
-# ------------------------------------------------------------------ issue 41: a rewritten commit.json runs no code either
+# ---------------------------------------------------------- issue 41: a rewritten commit.json runs no code either
 def _rehash(folder: Path, *names: str) -> None:
     """What a hostile author does after planting a file: rewrite commit.json to match it."""
     commit = json.loads((folder / "commit.json").read_text())
