@@ -50,6 +50,7 @@ from .guarded_collectives import GuardedCollectives
 from .home_state import build_home_state
 from .launch_checks import CheckingLauncher
 from .layout_choice import (
+    check_checkpointing_layouts,
     check_checkpointing_spec,
     checkpointing_for,
     choose_default_layout,
@@ -71,7 +72,7 @@ from .planner_factory import PLANNER_NAMES, build_planner, check_planner_spec
 from .precision import HotSPaPrecision, as_hotspa_precision
 from .profiling import ProfilingFeedback
 from .quiet_logs import filter_unactionable_warnings
-from .reliability import StepTracker, as_timeout, enable_nccl_flight_recorder, subgroup_timeout
+from .reliability import StepTracker, as_timeout, check_breadcrumb_dir, enable_nccl_flight_recorder, subgroup_timeout
 
 __all__ = ["PLANNER_NAMES", "HotSPaStrategy", "default_layouts"]
 
@@ -161,6 +162,9 @@ class HotSPaStrategy(GuardedCollectives, StrategyCheckpoints, ParallelStrategy):
         if breadcrumb_dir is not None and not isinstance(breadcrumb_dir, (str, os.PathLike)):
             raise TypeError(f"breadcrumb_dir must be a folder path (str or os.PathLike) or None, got "
                             f"{breadcrumb_dir!r}")
+        check_breadcrumb_dir(breadcrumb_dir if breadcrumb_dir is not None else os.environ.get("HOTSPA_BREADCRUMB_DIR"))
+        if self._layout_spec != "auto":  # explicit layouts: an activation_checkpointing list is checked now
+            check_checkpointing_layouts(self._ac_spec, self._layout_spec, type(self).__name__)
         self._compile = check_compile_spec(compile_blocks)
         # collective bucket sizes (None: the backend's default, engine/buckets.py); checked here, sized at setup
         self._bucket_args = (bucket_mb, switch_buckets_in_flight, reduce_buckets_in_flight)
@@ -269,6 +273,7 @@ class HotSPaStrategy(GuardedCollectives, StrategyCheckpoints, ParallelStrategy):
         world_size = dist.get_world_size()
         self.layouts = resolve_layouts(self._layout_spec, world_size, type(self).__name__,
                                        module=self.lightning_module)
+        check_checkpointing_layouts(self._ac_spec, self.layouts, type(self).__name__)
         self.world = WorldMesh(self.layouts, device_type=self.root_device.type,
                                timeout=subgroup_timeout(self._process_group_backend, self._timeout,
                                                         self._subgroup_timeout))
