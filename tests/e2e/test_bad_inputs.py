@@ -199,7 +199,8 @@ def _tokenizer(tmp: Path) -> Callable[[], Any]:
 
 
 DATA = [
-    Bad("empty_corpus", "data", _jsonl("\n\n   \n"), DataError, ("HotSPaDataModule", "the corpus has no documents")),
+    Bad("empty_corpus", "data", _jsonl("\n\n   \n"), DataError, ("JsonlSource", "corpus.jsonl",
+                                                                "the documents were empty")),
     Bad("jsonl_line_not_json", "data", _jsonl('{"text": "fine"}\n{"text": oops}\n'), DataError,
         ("corpus.jsonl line 2", "not valid JSON")),
     Bad("jsonl_missing_text_field", "data", _jsonl('{"text": "fine"}\n{"body": "x"}\n'), DataError,
