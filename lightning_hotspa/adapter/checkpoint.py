@@ -317,8 +317,9 @@ def _names(keys: list[str]) -> str:
 
 
 def check_key_sets(path: Path, metadata: Any, state: dict[str, Any]) -> None:
-    """The checkpoint's model keys are exactly the module's, and its optimizers are this run's:
-    anything missing or left over is a CheckpointError naming the keys (DCP would drop extra ones).
+    """The checkpoint's model keys are exactly the module's, and its optimizers are this run's (when
+    the run has any: a run without one, e.g. ``trainer.validate``, reads the weights only): anything
+    missing or left over is a CheckpointError naming the keys (DCP would drop extra ones).
 
     Args:
         path: the checkpoint folder (named in the error).
@@ -341,7 +342,7 @@ def check_key_sets(path: Path, metadata: Any, state: dict[str, Any]) -> None:
         problems.append(f"unexpected parameters {_names([k.removeprefix('model.') for k in unexpected])}")
     saved_opts = sorted({k.split(".", 1)[0] for k in saved if k.startswith("optimizer_")})
     our_opts = sorted(k for k in state if k.startswith("optimizer_"))
-    if saved_opts != our_opts:
+    if our_opts and saved_opts != our_opts:  # no optimizer (validate / test / predict): the weights only
         problems.append(f"it holds optimizer states {saved_opts}, this run has {our_opts}")
     if problems:
         raise CheckpointError(f"checkpoint {str(path)!r} does not fit this model: {'; '.join(problems)} (a "

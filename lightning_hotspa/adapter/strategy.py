@@ -95,15 +95,17 @@ class HotSPaStrategy(GuardedCollectives, StrategyCheckpoints, ParallelStrategy):
             default: the profile of the device it runs on (``cpu-gloo`` on CPU).
         activation_checkpointing: ``"none"`` / ``"selective"`` / ``"full"`` for all layouts (``False`` /
             ``True`` mean none / full), ``"auto"`` (the cost planner decides per stage among the three;
-            other planners: full where tp*cp > 1) or a list of layouts that checkpoint fully.
+            other planners: full where tp*cp > 1) or a list of layouts that checkpoint fully (each one
+            of the candidate layouts, else a LayoutError naming it).
         default_layout: the layout plain (non-plan) batches, validation and prediction run in;
             default: the most data-parallel candidate.
         nonfinite: what a NaN/Inf micro-batch loss does, decided alike on every rank before the
             optimizer step: ``"stop"`` (default; raises ``NonFiniteLossError`` naming the step, stage,
             layout and micro-batch) or ``"skip"`` (no update for that step; logged with its plan).
         breadcrumb_dir: where each rank keeps its step / stage / layout / micro-batch / phase as
-            ``rank<N>.txt`` (also ``$HOTSPA_BREADCRUMB_DIR``). Default: off on gloo (a failed collective
-            raises an error naming it), ``<default_root_dir>/hotspa_breadcrumbs`` on NCCL.
+            ``rank<N>.txt`` (also ``$HOTSPA_BREADCRUMB_DIR``; a file there is refused at construction).
+            Default: off on gloo (a failed collective raises an error naming it),
+            ``<default_root_dir>/hotspa_breadcrumbs`` on NCCL.
         timeout: the process-group timeout (a ``timedelta`` or seconds): how long a rank waits in a
             collective for a peer that hangs (a peer that dies is noticed at once on gloo).
         subgroup_timeout: the same for the mesh's tp / cp / dp / switch groups, where a step's

@@ -40,7 +40,7 @@ def _tokens(text: str) -> int:
     try:
         value = int(float(t[:-1] if mult > 1 else t) * mult)
     except (ValueError, OverflowError):  # OverflowError: 'inf'
-        raise argparse.ArgumentTypeError(f"expected a finite token count like 32768, 32K or 1M, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected a token count like 32768, 32K or 1M, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"token counts must be positive, got {text!r}")
     return value
