@@ -12,7 +12,7 @@ __all__ = ["add_parser", "run", "run_upgrade"]
 def add_parser(sub: Any) -> argparse.ArgumentParser:
     exp = sub.add_parser("export",
                          help="one of our DCP checkpoints as a Hugging Face folder (config.json + safetensors)")
-    exp.add_argument("checkpoint_dir")
+    exp.add_argument("checkpoint_dir", help="a checkpoint folder, or latest:<dir> (the newest committed one in <dir>)")
     exp.add_argument("out_dir")
     exp.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"], help="default: as stored")
     exp.add_argument("--overwrite", action="store_true",
