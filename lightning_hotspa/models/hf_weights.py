@@ -132,7 +132,8 @@ class HFCheckpoint:
 
     def check_float(self, names: Iterable[str]) -> None:
         """Every named tensor is stored in a floating dtype; else an HFWeightsError naming them."""
-        bad = [(n, self.dtype(n)) for n in names if self.dtype(n) not in _FLOAT_DTYPES]
+        stored = [(n, self.dtype(n)) for n in names]
+        bad = [(n, d) for n, d in stored if d not in _FLOAT_DTYPES]
         if bad:
             raise HFWeightsError(f"{str(self.path)!r}: tensors of a non-float dtype {bad[:4]}"
                                  f"{f' (and {len(bad) - 4} more)' if len(bad) > 4 else ''}: weights are floats "
