@@ -19,14 +19,18 @@ import json
 import os
 import struct
 import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from lightning_hotspa.data import DataError
 from lightning_hotspa.layout import Layout, MeshShape
 from lightning_hotspa.models import LlamaConfig, llama_tp_plan
 from lightning_hotspa.plan import Block, Stage, StepPlan, pack_micro_batch, slice_plan
@@ -589,3 +593,142 @@ def history_rows(run_dir: str | Path) -> list[dict[str, Any]]:
             row[key] = json.loads(item.value_json) if item.value_json else None
         rows.append(row)
     return rows
+
+
+# ---------------------------------------------------------------------------------- bad inputs
+# (tests/e2e/test_bad_inputs.py and tests/unit/test_bad_input_table.py: one row per bad input)
+@dataclass(frozen=True)
+class Bad:
+    name: str
+    area: str  # "config", "data" or "api"
+    make: Callable[[Path], Callable[[], Any]]  # builds the input files, returns the call that must fail
+    error: type[BaseException]
+    says: tuple[str, ...]  # what the message must contain: the bad value and where it came from
+
+def files_under(root: Path) -> set[Path]:
+    return {p for p in root.rglob("*") if p.is_file()}
+
+def half_written(root: Path, before: set[Path]) -> list[str]:
+    """New files that are not part of a complete, valid token-cache entry (those are published
+    atomically and are a legitimate product of tokenizing before a later check failed)."""
+    from lightning_hotspa.data import TokenizedCorpus
+
+    bad, valid = [], {}
+    for path in sorted(files_under(root) - before):
+        entry = path.parent
+        if entry.parent.name == "cache" and entry not in valid:
+            try:
+                TokenizedCorpus.open(entry)
+                valid[entry] = True
+            except DataError:
+                valid[entry] = False
+        if not valid.get(entry, False):
+            bad.append(str(path))
+    return bad
+
+def config_case(*overrides: str, build: bool = False) -> Callable[[Path], Callable[[], Any]]:
+    def make(tmp: Path) -> Callable[[], Any]:
+        def call() -> Any:
+            from hydra import compose, initialize_config_dir
+
+            from lightning_hotspa.adapter.recipe import (
+                CONFIG_DIR,
+                build_trainer,
+                check_config,
+                register_resolvers,
+            )
+
+            register_resolvers()
+            with initialize_config_dir(version_base="1.3", config_dir=str(CONFIG_DIR)):
+                cfg = compose("config", overrides=[f"output_dir={tmp / 'out'}", "run_name=t", "logger=none",
+                                                   "hardware=cpu-gloo", *overrides])
+            check_config(cfg)
+            if build:
+                build_trainer(cfg)
+        return call
+    return make
+
+def write_data(tmp: Path, name: str, text: str) -> Path:
+    (tmp / "data").mkdir(exist_ok=True)
+    path = tmp / "data" / name
+    path.write_text(text)
+    return path
+
+def datamodule_case(source: Any, tmp: Path, layouts=("dp1",), planner: Any = None, **kwargs: Any) -> Callable[[], Any]:
+    """A HotSPaDataModule set up for world 1 with the token cache in tmp (so a failed build would show)."""
+    from lightning_hotspa import HotSPaDataModule
+    from lightning_hotspa.layout import Layout, MeshShape, parse_layouts
+    from lightning_hotspa.planner.rule import ThresholdPlanner
+
+    layouts = parse_layouts(list(layouts), Layout.parse(layouts[0]).world_size)
+    planner = planner or ThresholdPlanner(layouts, 64)
+    options = {"tokens_per_batch": 512, "context_length": 64, "cache_dir": str(tmp / "cache"), "rank": 0, **kwargs}
+
+    def call() -> Any:
+        dm = HotSPaDataModule(source() if callable(source) else source, planner=planner,
+                              mesh_shape=MeshShape.for_layouts(layouts, layouts[0].world_size), **options)
+        dm.prepare_data()
+        dm.setup("fit")
+        return dm.train_dataloader()
+    return call
+
+def jsonl_case(text: str, **kwargs: Any) -> Callable[[Path], Callable[[], Any]]:
+    def make(tmp: Path) -> Callable[[], Any]:
+        from lightning_hotspa.data import JsonlSource
+
+        path = write_data(tmp, "corpus.jsonl", text)
+        return datamodule_case(lambda: JsonlSource(path), tmp, **kwargs)
+    return make
+
+def raises_case(fn: Callable[[], Any]) -> Callable[[Path], Callable[[], Any]]:
+    return lambda tmp: fn
+
+def strategy_case(*args: Any, **kwargs: Any) -> Callable[[], Any]:
+    from lightning_hotspa import HotSPaStrategy
+
+    return lambda: HotSPaStrategy(*args, **kwargs)
+
+def check_refused(case: Bad, tmp_path: Path) -> None:
+    """``case``'s call raises its error type with every fragment in the message, and leaves no
+    half-written file in ``tmp_path`` (tests/unit/test_bad_input_table.py runs its rows through this too)."""
+    call = case.make(tmp_path)
+    before = files_under(tmp_path)
+    with pytest.raises(case.error) as info:
+        call()
+    message = str(info.value)
+    for fragment in case.says:
+        assert fragment in message, f"{fragment!r} not in: {message}"
+    assert not half_written(tmp_path, before), f"left files behind: {half_written(tmp_path, before)}"
+
+
+# ---------------------------------------------------------------------------------- checkpoint trust
+# (tests/unit/test_checkpoint_trust.py and the bad-input table: tiny DCP folders and planted payloads)
+class Payload:
+    """Unpickling this creates ``marker`` (what a planted payload could do with any code)."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+def save_tiny(path: Path, value: float, step: int, **extra) -> Path:
+    from lightning_hotspa.adapter import checkpoint as ck
+
+    checkpoint = {"state_dict": {"w": torch.full((4,), value)}, "global_step": step, **extra}
+    ck.save_distributed_checkpoint(checkpoint, path, is_rank_zero=True, barrier=lambda: None)
+    return path
+
+def rehash(folder: Path, *names: str) -> None:
+    """What a hostile author does after planting a file: rewrite commit.json to match it."""
+    from lightning_hotspa.adapter import checkpoint as ck
+
+    commit = json.loads((folder / "commit.json").read_text())
+    commit["files"].update(ck.file_entries(folder, names))
+    (folder / "commit.json").write_text(json.dumps(commit))
+
+def legacy_folder(folder: Path) -> Path:
+    """A folder as main wrote it before commit markers (no commit.json, a pickled meta.pt)."""
+    (folder / "commit.json").unlink()
+    torch.save({"global_step": 2}, folder / "meta.pt")
+    return folder

@@ -47,15 +47,17 @@ from .checkpoint_trust import (
     write_fsync,
     write_marker,
 )
+from .dcp_trust import SafeFileSystemReader, safe_dcp_load
 from .reliability import is_collective_failure
 
 __all__ = ["save_distributed_checkpoint", "load_distributed_checkpoint", "export_consolidated", "latest_checkpoint",
            "is_complete_checkpoint", "resolve_checkpoint", "check_checkpoint_dirs", "CheckpointError", "META_FILE",
-           "DCP_METADATA", "COMMIT_FILE", "all_gather_objects", "scan_checkpoints", "RecordingWriter"]
+           "DCP_METADATA", "COMMIT_FILE", "LATEST_PREFIX", "all_gather_objects", "scan_checkpoints", "RecordingWriter"]
 
 log = logging.getLogger(__name__)
 
 _PARTIAL_SUFFIXES = (".tmp", ".old")
+LATEST_PREFIX = "latest:"  # "latest:<dir>": the newest committed checkpoint in <dir> (none: an error)
 
 
 def all_gather_objects(obj: Any) -> list[Any]:
@@ -221,11 +223,20 @@ def save_distributed_checkpoint(checkpoint: dict[str, Any], path: str | os.PathL
 
 def resolve_checkpoint(path: str | os.PathLike) -> Path:
     """``path`` if it is a committed checkpoint; else ``path.old`` when a save that was replacing
-    ``path`` died between its two renames; else a clear error (nothing in the folder is read).
+    ``path`` died between its two renames; ``latest:<dir>``: the newest committed checkpoint in
+    ``<dir>`` (:func:`latest_checkpoint`); else a clear error (nothing in the folder is read).
 
     Args:
-        path: the checkpoint folder asked for.
+        path: the checkpoint folder asked for, or ``latest:<dir>``.
     """
+    if str(path).startswith(LATEST_PREFIX):
+        directory = str(path)[len(LATEST_PREFIX):]
+        if not directory:
+            raise CheckpointError(f"{str(path)!r}: give the folder after {LATEST_PREFIX!r}")
+        found = latest_checkpoint(directory)
+        if found is None:
+            raise CheckpointError(f"{str(path)!r}: no complete checkpoint in {directory!r}")
+        return resolve_checkpoint(found)
     path = Path(path)
     if is_complete_checkpoint(path) and not has_legacy_layout(path):
         return path
@@ -301,6 +312,43 @@ def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
     return directory / max(found, key=lambda name: found[name])
 
 
+def _names(keys: list[str]) -> str:
+    return ", ".join(keys[:8]) + (f", ... ({len(keys)} in all)" if len(keys) > 8 else "")
+
+
+def check_key_sets(path: Path, metadata: Any, state: dict[str, Any]) -> None:
+    """The checkpoint's model keys are exactly the module's, and its optimizers are this run's (when
+    the run has any: a run without one, e.g. ``trainer.validate``, reads the weights only): anything
+    missing or left over is a CheckpointError naming the keys (DCP would drop extra ones).
+
+    Args:
+        path: the checkpoint folder (named in the error).
+        metadata: its DCP metadata (read through the allow-list).
+        state: what is about to be loaded (``model`` and ``optimizer_<i>`` entries).
+    """
+    saved = set(metadata.state_dict_metadata)
+    ours = {f"model.{k}" for k in state["model"]}
+    theirs = {k for k in saved if k.startswith("model.")}
+
+    def within(key: str, keys: set[str]) -> bool:  # DCP flattens a nested item: "k" is stored as "k.<field>"
+        return key in keys or any(key.startswith(k + ".") for k in keys)
+
+    missing = sorted(k for k in ours if not (k in theirs or any(t.startswith(k + ".") for t in theirs)))
+    unexpected = sorted(k for k in theirs if not within(k, ours))
+    problems = []
+    if missing:
+        problems.append(f"missing parameters {_names([k.removeprefix('model.') for k in missing])}")
+    if unexpected:
+        problems.append(f"unexpected parameters {_names([k.removeprefix('model.') for k in unexpected])}")
+    saved_opts = sorted({k.split(".", 1)[0] for k in saved if k.startswith("optimizer_")})
+    our_opts = sorted(k for k in state if k.startswith("optimizer_"))
+    if our_opts and saved_opts != our_opts:  # no optimizer (validate / test / predict): the weights only
+        problems.append(f"it holds optimizer states {saved_opts}, this run has {our_opts}")
+    if problems:
+        raise CheckpointError(f"checkpoint {str(path)!r} does not fit this model: {'; '.join(problems)} (a "
+                              f"different model config, e.g. n_layers? Nothing was loaded)")
+
+
 def load_distributed_checkpoint(path: str | os.PathLike, module: nn.Module, optimizers: Sequence[Any], *,
                                 share: tuple[int, int] = (0, 1),
                                 gather: Callable[[Any], list[Any]] = lambda x: [x]) -> dict[str, Any]:
@@ -321,13 +369,16 @@ def load_distributed_checkpoint(path: str | os.PathLike, module: nn.Module, opti
     state: dict[str, Any] = {"model": module.state_dict()}
     for i, optimizer in enumerate(optimizers):
         state[f"optimizer_{i}"] = get_optimizer_state_dict(module, optimizer)
+    check_key_sets(path, SafeFileSystemReader(str(path)).read_metadata(), state)
     try:
-        dcp.load(state, checkpoint_id=str(path))
+        safe_dcp_load(state, path)
     except (RuntimeError, ValueError, KeyError, CheckpointException) as exc:
         if isinstance(exc, CheckpointException) and exc.failures:  # DCP wraps every rank's error
             exc = next(iter(exc.failures.values()))[0]
         if is_collective_failure(exc):
             raise
+        if isinstance(exc, CheckpointError):  # a refused item (dcp_trust), named
+            raise CheckpointError(f"checkpoint {str(path)!r}: {exc}") from None
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise CheckpointError(f"checkpoint {str(path)!r} (its files intact) does not fit {type(module).__name__} "
                               f"(a different model or optimizer?): {type(exc).__name__}: {first[:600]}") from exc
@@ -346,7 +397,7 @@ def read_model_tensors(path: Path, prefix: str = "model.") -> dict[str, torch.Te
     """
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    metadata = SafeFileSystemReader(str(path)).read_metadata()
     keys = [k for k, v in metadata.state_dict_metadata.items()
             if k.startswith(prefix) and isinstance(v, TensorStorageMetadata)]
     if not keys:
@@ -354,7 +405,7 @@ def read_model_tensors(path: Path, prefix: str = "model.") -> dict[str, torch.Te
     buffer = {k.removeprefix(prefix): torch.empty(metadata.state_dict_metadata[k].size,
                                                   dtype=metadata.state_dict_metadata[k].properties.dtype)
               for k in keys}
-    dcp.load({prefix.rstrip("."): buffer}, checkpoint_id=str(path), no_dist=True)
+    safe_dcp_load({prefix.rstrip("."): buffer}, path, no_dist=True)
     return buffer
 
 

@@ -6,9 +6,9 @@ in it. Our own metadata (``meta.pt``: Lightning's loops, callbacks, schedulers, 
 the data position and the planner's state) is read with ``torch.load(weights_only=True)`` and a
 short allow-list of plain-data types, and a save that would store anything else is refused when it
 is written. DCP's ``.metadata`` and its non-tensor items are pickles by torch's design: they are
-read only after every file of the folder matched its checksum. A checksum stops corruption, not an
-author: whoever can write the folder can rewrite ``commit.json`` too, so a checkpoint folder is
-trusted code (load only folders you, or someone you trust, wrote).
+read only after every file of the folder matched its checksum, and then only through the
+allow-lists of :mod:`.dcp_trust`. A checksum stops corruption, not an author who rewrites
+``commit.json`` too; the allow-lists stop such an author from running code.
 """
 
 from __future__ import annotations

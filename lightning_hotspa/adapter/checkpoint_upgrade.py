@@ -1,16 +1,22 @@
 """``hotspa upgrade-checkpoint FOLDER``: a checkpoint written before commit markers, converted once.
 
 Such a folder (format version 1) has a pickled ``meta.pt`` and no checksums, so it is refused on
-load. Converting it unpickles that ``meta.pt`` (the one step that trusts the folder: run it only
-on folders you, or someone you trust, wrote), rewrites it as weights-only-readable metadata and
-writes the commit marker with every file's checksum (docs/checkpoint-trust.md).
+load. Converting it reads that ``meta.pt`` weights-only with the metadata allow-list (plus numpy's
+scalar and array constructors, which old saves held) and DCP's ``.metadata`` through DCP's allow-list
+(:mod:`.dcp_trust`), rewrites ``meta.pt`` as weights-only-readable metadata and writes the commit
+marker with every file's checksum (docs/checkpoint-trust.md). An old ``meta.pt`` that holds anything
+else is refused, naming the type, unless ``trust_pickle`` (``--trust-pickle``): then it is unpickled
+in full, after a line on stderr that says so. Never a prompt: a closed stdin cannot answer for you.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -21,6 +27,7 @@ from .checkpoint_trust import (
     KIND_SHARED,
     META_FILE,
     CheckpointError,
+    _allowed_types,
     encode_meta,
     file_entries,
     has_legacy_layout,
@@ -28,20 +35,59 @@ from .checkpoint_trust import (
     write_marker,
 )
 
-__all__ = ["upgrade_legacy_checkpoint"]
+__all__ = ["TRUST_FLAG", "upgrade_legacy_checkpoint"]
+
+TRUST_FLAG = "--trust-pickle"
 
 
-def upgrade_legacy_checkpoint(folder: str | os.PathLike) -> Path:
-    """Converts a version-1 checkpoint folder in place (trusting its pickled ``meta.pt``); returns it.
+def _numpy_globals() -> list[Any]:
+    """numpy's scalar, dtype and array constructors (data only), as old metadata pickled them."""
+    import numpy as np
+
+    found: list[Any] = [np.dtype, np.ndarray]
+    for module in ("numpy.core.multiarray", "numpy._core.multiarray"):
+        try:
+            mod = __import__(module, fromlist=["scalar", "_reconstruct"])
+        except ImportError:
+            continue
+        found += [getattr(mod, n) for n in ("scalar", "_reconstruct") if hasattr(mod, n)]
+    found += [type(np.dtype(t)) for t in ("float64", "float32", "int64", "int32", "bool")]
+    return found
+
+
+def _read_old_meta(file: Path, trust_pickle: bool) -> Any:
+    """The old ``meta.pt`` through the allow-list, or (``trust_pickle``) unpickled in full, said on stderr."""
+    try:
+        with torch.serialization.safe_globals([*_allowed_types(), *_numpy_globals()]):
+            return torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - torch names the refused global
+        found = re.search(r"GLOBAL ([\w.]+)", str(exc))
+        what = f"type {found.group(1)}" if found else (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+        if not trust_pickle:
+            raise CheckpointError(
+                f"{str(file)!r} holds {what}, which a weights-only load cannot read; nothing was changed. If you "
+                f"wrote this checkpoint yourself (or trust who did), unpickle it in full, which runs any code it "
+                f"holds: `hotspa upgrade-checkpoint {file.parent} {TRUST_FLAG}`") from None
+    print(f"hotspa upgrade-checkpoint: unpickling {str(file)!r} in full ({TRUST_FLAG}): any code it holds runs now",
+          file=sys.stderr, flush=True)
+    return torch.load(file, map_location="cpu", weights_only=False)  # the explicit trust, asked for by flag
+
+
+def upgrade_legacy_checkpoint(folder: str | os.PathLike, *, trust_pickle: bool = False) -> Path:
+    """Converts a version-1 checkpoint folder in place; returns it.
 
     Args:
         folder: a folder main wrote before commit markers (``meta.pt`` + ``.metadata``, no versioned marker).
+        trust_pickle: unpickle an old ``meta.pt`` in full when the allow-list cannot read it (runs its code).
     """
+    from .dcp_trust import load_dcp_metadata
+
     path = Path(folder)
     if not has_legacy_layout(path):
         raise CheckpointError(f"{str(path)!r} is not an old-format hotspa checkpoint (meta.pt and .metadata "
                               f"without a versioned {COMMIT_FILE}); nothing to convert")
-    meta = torch.load(path / META_FILE, map_location="cpu", weights_only=False)  # the explicit trust
+    load_dcp_metadata((path / DCP_METADATA).read_bytes(), path / DCP_METADATA)  # DCP's classes only
+    meta = _read_old_meta(path / META_FILE, trust_pickle)
     if not isinstance(meta, dict):
         raise CheckpointError(f"{str(path / META_FILE)!r} holds a {type(meta).__name__}, not a checkpoint's metadata")
     old_marker = {}

@@ -2,7 +2,8 @@
 
 Runs in ONE process, whatever world size wrote the checkpoint: every file of the folder is first
 checked against its commit marker (``commit.json``: size and sha256, :mod:`.checkpoint_trust`),
-our metadata is read weights-only, and only then DCP's metadata (a pickle); each parameter is read
+our metadata is read weights-only, and only then DCP's metadata (through an allow-list of DCP's own
+classes, :mod:`.dcp_trust`); each parameter is read
 in full through DCP's public API (``dcp.load`` of just that key), one at a time. The model config
 comes from the LightningModule's hyper-parameters in the metadata (a :class:`LlamaLM` checkpoint).
 The output folder must be empty or absent unless ``overwrite``, which leaves in it only what the
@@ -17,12 +18,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 
 from ..models.hf_config import config_to_hf
 from ..models.hf_weights import hf_name, save_hf_folder
 from .checkpoint import META_FILE, CheckpointError, resolve_checkpoint
 from .checkpoint_trust import read_meta, verify_checkpoint
+from .dcp_trust import SafeFileSystemReader, safe_dcp_load
 
 __all__ = ["export_hf"]
 
@@ -73,7 +74,7 @@ def export_hf(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathLike,
     path = resolve_checkpoint(checkpoint_dir)
     verify_checkpoint(path, progress=lambda files: shown(files, "hotspa export: checksums", "file"))
     config = _config(read_meta(path / META_FILE), path)
-    metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    metadata = SafeFileSystemReader(str(path)).read_metadata()  # through the allow-list (dcp_trust)
     keys = [k for k in metadata.state_dict_metadata if k.startswith(_PREFIX)]
     if not keys:
         raise CheckpointError(f"{str(path)!r} holds no LlamaLM parameters (keys like {_PREFIX}...)")
@@ -82,7 +83,7 @@ def export_hf(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathLike,
         for key in shown(keys, "hotspa export: tensors", "tensor"):
             info = metadata.state_dict_metadata[key]
             buffer = {"model": {key.removeprefix("model."): torch.empty(info.size, dtype=info.properties.dtype)}}
-            dcp.load(buffer, checkpoint_id=str(path), no_dist=True)  # this process reads it all
+            safe_dcp_load(buffer, path, no_dist=True)  # this process reads it all
             value = buffer["model"][key.removeprefix("model.")]
             yield hf_name(key.removeprefix(_PREFIX)), value if dtype is None else value.to(dtype)
 

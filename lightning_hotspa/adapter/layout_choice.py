@@ -18,8 +18,8 @@ from ..checkpointing import Checkpointing, parse_checkpointing_spec
 from ..layout import Layout, LayoutError, parse_layouts
 from .module_layouts import supported_layouts
 
-__all__ = ["checkpointing_for", "check_checkpointing_spec", "choose_default_layout", "default_layouts",
-           "parse_layout_spec", "resolve_layouts"]
+__all__ = ["checkpointing_for", "check_checkpointing_layouts", "check_checkpointing_spec", "choose_default_layout",
+           "default_layouts", "parse_layout_spec", "resolve_layouts"]
 
 
 def default_layouts(world_size: int) -> list[Layout]:
@@ -80,6 +80,24 @@ def check_checkpointing_spec(spec: Any) -> Any:
             a mode comes back as a :class:`Checkpointing`, a list as a tuple of :class:`Layout`.
     """
     return parse_checkpointing_spec(spec)
+
+
+def check_checkpointing_layouts(spec: Any, layouts: Sequence[Layout], owner: str) -> None:
+    """Every layout an ``activation_checkpointing`` list names is one of ``layouts`` (else a LayoutError
+    naming it and the candidates: a typo would otherwise checkpoint nothing, without a word).
+
+    Args:
+        spec: what :func:`check_checkpointing_spec` returned.
+        layouts: the run's candidate layouts.
+        owner: named in the error.
+    """
+    if not isinstance(spec, tuple):
+        return
+    unknown = [str(x) for x in spec if x not in layouts]
+    if unknown:
+        raise LayoutError(f"{owner}(activation_checkpointing={[str(x) for x in spec]}): {unknown} "
+                          f"{'is' if len(unknown) == 1 else 'are'} not among the layouts {[str(x) for x in layouts]}; "
+                          f"name candidate layouts only")
 
 
 def checkpointing_for(spec: Any, layout: Layout) -> Checkpointing:

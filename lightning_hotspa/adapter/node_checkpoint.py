@@ -37,6 +37,7 @@ from torch.distributed.checkpoint import DefaultSavePlanner
 from .checkpoint import (
     COMMIT_FILE,
     DCP_METADATA,
+    LATEST_PREFIX,
     META_FILE,
     CheckpointError,
     RecordingWriter,
@@ -63,7 +64,6 @@ __all__ = ["NODE_FIELD", "LATEST_PREFIX", "LATEST_OR_SCRATCH_PREFIX", "COMMIT_FI
 log = logging.getLogger(__name__)
 
 NODE_FIELD = "{node}"  # in a checkpoint path: this rank's node rank (one folder per node)
-LATEST_PREFIX = "latest:"  # ckpt_path="latest:<dir>": the newest step every rank has in <dir> (none: an error)
 LATEST_OR_SCRATCH_PREFIX = "latest_or_scratch:"  # the same, starting from scratch when there is none
 SHARED, NODE_LOCAL = KIND_SHARED, KIND_NODE_LOCAL
 

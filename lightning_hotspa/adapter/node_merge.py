@@ -1,6 +1,7 @@
 """One shared checkpoint from every node's copy of a node-local one (``merge_node_copies``).
 
-Every copy is checked against its commit marker before its DCP metadata (a pickle) is read; the
+Every copy is checked against its commit marker before its DCP metadata is read (through the
+allow-list of :mod:`.dcp_trust`); the
 merged folder gets shard files copied, the per-node metadata merged and a commit marker of its own.
 """
 
@@ -26,6 +27,7 @@ from .checkpoint_trust import (
     write_fsync,
     write_marker,
 )
+from .dcp_trust import load_dcp_metadata
 
 __all__ = ["merge_node_copies"]
 
@@ -64,7 +66,7 @@ def merge_node_copies(folders: Sequence[str | os.PathLike], output: str | os.Pat
     tmp.mkdir(parents=True)
     merged, files = None, {}
     for folder, marker in zip(folders, markers):
-        metadata = pickle.loads((folder / DCP_METADATA).read_bytes())  # verified above
+        metadata = load_dcp_metadata((folder / DCP_METADATA).read_bytes(), folder / DCP_METADATA)  # allow-list
         if merged is None:
             merged = metadata
         else:

@@ -169,6 +169,49 @@ def _check_context(cfg: DictConfig) -> None:
             f"data.context_length or raise strategy.tokens_per_rank")
 
 
+#: (key, kind, minimum or None, what is valid beyond it): the values a recipe run type-checks before
+#: building anything; kinds: "int" (check_int), "number" (check_number, > 0), "number0" (>= 0)
+VALUE_CHECKS = (
+    ("seed", "int", 0, ""),
+    ("trainer.max_steps", "int", -1, " (-1: no limit)"),
+    ("trainer.min_steps", "int", 0, " or null"),
+    ("trainer.max_epochs", "int", -1, " (-1: no limit) or null"),
+    ("trainer.min_epochs", "int", 0, " or null"),
+    ("trainer.log_every_n_steps", "int", 1, ""),
+    ("expect_loss_ratio", "number", None, " or null"),
+    ("model.lr", "number", None, ""),
+    ("model.weight_decay", "number0", None, ""),
+    ("model.warmup_steps", "int", 0, ""),
+    ("model.seed", "int", 0, ""),
+    ("strategy.tokens_per_rank", "int", 1, ""),
+    ("data.tokens_per_batch", "int", 1, ""),
+    ("data.context_length", "int", 1, ""),
+)
+
+
+def check_values(cfg: DictConfig) -> None:
+    """The plain values of :data:`VALUE_CHECKS` (where the config has them; null allowed where the
+    hint says so) have their type and range, else a ConfigError naming the key and the value
+    (``trainer.max_steps=lots``, ``seed=abc``, ``trainer.max_epochs=1.5``, ``model.lr=fast``)."""
+    from ..checks import check_number
+
+    for key, kind, minimum, hint in VALUE_CHECKS:
+        parent, _, leaf = key.rpartition(".")
+        node = OmegaConf.select(cfg, parent, default=None) if parent else cfg
+        if not isinstance(node, DictConfig) or leaf not in node:
+            continue
+        value = node[leaf]
+        if value is None and "null" in hint:
+            continue
+        if kind == "int":
+            check_int(value, key, minimum=minimum, hint=hint, error=ConfigError)
+            continue
+        try:
+            check_number(value, key, strict=kind == "number", error=ConfigError)
+        except ConfigError as exc:
+            raise ConfigError(f"{exc}; valid: a number{hint}") from None
+
+
 def check_config(cfg: DictConfig) -> None:
     """Raises :class:`ConfigError` (one line) for what would otherwise fail late or obscurely."""
     for group in REQUIRED_GROUPS:
@@ -184,6 +227,7 @@ def check_config(cfg: DictConfig) -> None:
                           f"e.g. {key}=...") from None
     except OmegaConfBaseException as exc:
         raise ConfigError(f"cannot resolve the config: {_first_line(exc)}") from None
+    check_values(cfg)
     check_layouts(cfg.strategy, cfg.trainer)
     _check_context(cfg)
 

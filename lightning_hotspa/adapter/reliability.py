@@ -33,7 +33,7 @@ import torch.distributed as dist
 from ..collective_names import failed_collective
 
 __all__ = ["NONFINITE_POLICIES", "CollectiveError", "as_timeout", "NonFiniteLossError", "StepTracker",
-           "check_nonfinite_policy", "enable_nccl_flight_recorder", "is_collective_failure",
+           "check_breadcrumb_dir", "check_nonfinite_policy", "enable_nccl_flight_recorder", "is_collective_failure",
            "subgroup_timeout"]
 
 log = logging.getLogger(__name__)
@@ -105,6 +105,23 @@ class _Loss:
     doc_ids: tuple[int, ...]
 
 
+def check_breadcrumb_dir(directory: str | os.PathLike | None) -> None:
+    """A breadcrumb folder that is a file, or lies under one, is a ValueError naming it (not a bare
+    FileExistsError at setup).
+
+    Args:
+        directory: ``breadcrumb_dir`` (or ``$HOTSPA_BREADCRUMB_DIR``); None: off.
+    """
+    if directory is None:
+        return
+    path = Path(directory).expanduser()
+    blocker = next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None)
+    if blocker is not None:
+        where = "is a file" if blocker == path else f"lies under the file {str(blocker)!r}"
+        raise ValueError(f"breadcrumb_dir {str(directory)!r} {where}: give a folder (each rank writes "
+                         f"rank<N>.txt into it)")
+
+
 class StepTracker:
     """One rank's breadcrumb and the step's micro-batch losses. Cheap to update: attribute writes,
     plus one ``pwrite`` per phase change when a breadcrumb file is on."""
@@ -128,8 +145,13 @@ class StepTracker:
     def open_file(self, directory: str | os.PathLike, rank: int) -> Path:
         """Keep the breadcrumb in ``directory/rank<rank>.txt`` too (what survives an NCCL abort)."""
         self.close_file()
+        check_breadcrumb_dir(directory)
         self.path = Path(directory) / f"rank{rank}.txt"
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ValueError(f"breadcrumb_dir {str(directory)!r} cannot be created: {type(exc).__name__}: "
+                             f"{exc.strerror or exc}") from None
         self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         self._changed()
         return self.path

@@ -50,6 +50,7 @@ from .guarded_collectives import GuardedCollectives
 from .home_state import build_home_state
 from .launch_checks import CheckingLauncher
 from .layout_choice import (
+    check_checkpointing_layouts,
     check_checkpointing_spec,
     checkpointing_for,
     choose_default_layout,
@@ -71,7 +72,7 @@ from .planner_factory import PLANNER_NAMES, build_planner, check_planner_spec
 from .precision import HotSPaPrecision, as_hotspa_precision
 from .profiling import ProfilingFeedback
 from .quiet_logs import filter_unactionable_warnings
-from .reliability import StepTracker, as_timeout, enable_nccl_flight_recorder, subgroup_timeout
+from .reliability import StepTracker, as_timeout, check_breadcrumb_dir, enable_nccl_flight_recorder, subgroup_timeout
 
 __all__ = ["PLANNER_NAMES", "HotSPaStrategy", "default_layouts"]
 
@@ -94,15 +95,17 @@ class HotSPaStrategy(GuardedCollectives, StrategyCheckpoints, ParallelStrategy):
             default: the profile of the device it runs on (``cpu-gloo`` on CPU).
         activation_checkpointing: ``"none"`` / ``"selective"`` / ``"full"`` for all layouts (``False`` /
             ``True`` mean none / full), ``"auto"`` (the cost planner decides per stage among the three;
-            other planners: full where tp*cp > 1) or a list of layouts that checkpoint fully.
+            other planners: full where tp*cp > 1) or a list of layouts that checkpoint fully (each one
+            of the candidate layouts, else a LayoutError naming it).
         default_layout: the layout plain (non-plan) batches, validation and prediction run in;
             default: the most data-parallel candidate.
         nonfinite: what a NaN/Inf micro-batch loss does, decided alike on every rank before the
             optimizer step: ``"stop"`` (default; raises ``NonFiniteLossError`` naming the step, stage,
             layout and micro-batch) or ``"skip"`` (no update for that step; logged with its plan).
         breadcrumb_dir: where each rank keeps its step / stage / layout / micro-batch / phase as
-            ``rank<N>.txt`` (also ``$HOTSPA_BREADCRUMB_DIR``). Default: off on gloo (a failed collective
-            raises an error naming it), ``<default_root_dir>/hotspa_breadcrumbs`` on NCCL.
+            ``rank<N>.txt`` (also ``$HOTSPA_BREADCRUMB_DIR``; a file there is refused at construction).
+            Default: off on gloo (a failed collective raises an error naming it),
+            ``<default_root_dir>/hotspa_breadcrumbs`` on NCCL.
         timeout: the process-group timeout (a ``timedelta`` or seconds): how long a rank waits in a
             collective for a peer that hangs (a peer that dies is noticed at once on gloo).
         subgroup_timeout: the same for the mesh's tp / cp / dp / switch groups, where a step's
@@ -161,6 +164,9 @@ class HotSPaStrategy(GuardedCollectives, StrategyCheckpoints, ParallelStrategy):
         if breadcrumb_dir is not None and not isinstance(breadcrumb_dir, (str, os.PathLike)):
             raise TypeError(f"breadcrumb_dir must be a folder path (str or os.PathLike) or None, got "
                             f"{breadcrumb_dir!r}")
+        check_breadcrumb_dir(breadcrumb_dir if breadcrumb_dir is not None else os.environ.get("HOTSPA_BREADCRUMB_DIR"))
+        if self._layout_spec != "auto":  # explicit layouts: an activation_checkpointing list is checked now
+            check_checkpointing_layouts(self._ac_spec, self._layout_spec, type(self).__name__)
         self._compile = check_compile_spec(compile_blocks)
         # collective bucket sizes (None: the backend's default, engine/buckets.py); checked here, sized at setup
         self._bucket_args = (bucket_mb, switch_buckets_in_flight, reduce_buckets_in_flight)
@@ -269,6 +275,7 @@ class HotSPaStrategy(GuardedCollectives, StrategyCheckpoints, ParallelStrategy):
         world_size = dist.get_world_size()
         self.layouts = resolve_layouts(self._layout_spec, world_size, type(self).__name__,
                                        module=self.lightning_module)
+        check_checkpointing_layouts(self._ac_spec, self.layouts, type(self).__name__)
         self.world = WorldMesh(self.layouts, device_type=self.root_device.type,
                                timeout=subgroup_timeout(self._process_group_backend, self._timeout,
                                                         self._subgroup_timeout))

@@ -107,7 +107,8 @@ class TokenizedCorpus:
         batch_docs: int = 64,
         progress: Callable[[Iterable[Any]], Iterable[Any]] | None = None,
     ) -> TokenizedCorpus:
-        """Open the cached tokenization of ``source`` or make (and publish) it.
+        """Open the cached tokenization of ``source`` or make (and publish) it; a corpus without a
+        single non-empty document is a DataError naming the source's input and what was empty.
 
         Args:
             source: the documents.
@@ -120,12 +121,12 @@ class TokenizedCorpus:
         """
         key = cache_key(source, tokenizer)
         if not use_cache:
-            return _in_memory(source, tokenizer, batch_docs, key, progress)
+            return _not_empty(_in_memory(source, tokenizer, batch_docs, key, progress), source)
         root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
         final = root / key
         if final.exists():
             try:
-                return _open_entry(final, key)
+                return _not_empty(_open_entry(final, key), source)
             except _InvalidEntry as exc:
                 log.warning("token cache %s is invalid (%s); rebuilding", final, exc)
         root.mkdir(parents=True, exist_ok=True)
@@ -133,7 +134,7 @@ class TokenizedCorpus:
         _publish(root, final, key, source, tokenizer, batch_docs, progress)
         corpus = _open_entry(final, key)
         corpus.cache_hit = False
-        return corpus
+        return _not_empty(corpus, source)
 
     @classmethod
     def open(cls, path: str | os.PathLike[str]) -> TokenizedCorpus:
@@ -251,6 +252,21 @@ class _Tokenized:
             bad_records_skipped=s.bad_records_skipped,
             bad_files_skipped=s.bad_files_skipped,
         )
+
+
+def _not_empty(corpus: TokenizedCorpus, source: DocumentSource) -> TokenizedCorpus:
+    """``corpus``, or a DataError naming the input (files) and that its documents were empty."""
+    if len(corpus):
+        return corpus
+    s = corpus.stats
+    files = [str(f) for f in getattr(source, "files", [])]
+    where = getattr(source, "root", None)
+    named = (f"{files[0]!r}" if len(files) == 1 else f"{len(files)} files under {str(where)!r}" if files
+             else repr(str(where)) if where is not None else "its input")
+    raise DataError(f"{type(source).__name__}: no document to train on in {named}: the documents were empty "
+                    f"({s.empty_skipped} empty, {s.empty_after_tokenization} empty after tokenization, "
+                    f"{s.bad_records_skipped} bad records and {s.bad_files_skipped} bad files skipped; a blank "
+                    f"line is no document)")
 
 
 def _offsets(lengths: list[int]) -> np.ndarray:

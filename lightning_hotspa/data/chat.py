@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from .errors import BadRecordPolicy, DataError
-from .source_base import Document, DocumentSource, _existing, files_fingerprint, list_files
+from .source_base import Document, DocumentSource, _existing, files_fingerprint, list_files, utf8_problem
 from .tokenizer import ChatTemplateTokenizer
 
 __all__ = ["ChatJsonlSource", "ChatTemplateTokenizer", "apply_prompt_mask", "check_chat_pairing", "response_targets"]
@@ -52,6 +52,13 @@ def _messages(row: Any, fields: Mapping[str, str]) -> list[dict[str, str]]:
             raise ValueError(f"a message needs a role in {list(ROLES)} and a string content, got {m!r:.80}")
     if not any(m["role"] == "assistant" for m in messages):
         raise ValueError("the conversation has no assistant message: nothing to train on")
+    first = next(i for i, m in enumerate(messages) if m["role"] != "system")
+    if messages[first]["role"] == "assistant":
+        raise ValueError(f"message {first} (the first after any system message) is the assistant's: a conversation "
+                         f"starts with a user (or tool) turn that the reply answers")
+    bad = [i for i, m in enumerate(messages) if utf8_problem(m["content"])]
+    if bad:
+        raise ValueError(f"message {bad[0]} content: {utf8_problem(messages[bad[0]]['content'])}")
     empty = [i for i, m in enumerate(messages) if m["role"] == "assistant" and not m["content"].strip()]
     if empty:
         raise ValueError(f"assistant message {empty[0]} (of {len(messages)}) has empty content: its reply would be "
@@ -61,10 +68,10 @@ def _messages(row: Any, fields: Mapping[str, str]) -> list[dict[str, str]]:
 
 def _utf8(raw: bytes) -> str:
     """One line as text; a line that is not UTF-8 is a ``ValueError`` naming the byte (a bad record)."""
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise ValueError(f"not UTF-8 text (byte {exc.start}: {raw[exc.start:exc.start + 1]!r})") from None
+    problem = utf8_problem(raw)
+    if problem:
+        raise ValueError(problem)
+    return raw.decode("utf-8")
 
 
 class ChatJsonlSource(DocumentSource):

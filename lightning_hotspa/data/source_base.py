@@ -13,7 +13,7 @@ from typing import Any
 
 from .errors import BadRecordPolicy, DataError, check_policy
 
-__all__ = ["Document", "DocumentSource", "SourceStats", "files_fingerprint", "list_files"]
+__all__ = ["Document", "DocumentSource", "SourceStats", "files_fingerprint", "list_files", "utf8_problem"]
 
 Document = tuple[str, bytes | str]
 
@@ -75,6 +75,23 @@ class DocumentSource(abc.ABC):
         else:
             self.stats.bad_records_skipped += 1
         self.stats.note(message)
+
+
+def utf8_problem(doc: bytes | str) -> str | None:
+    """Why a text record breaks the UTF-8 policy (every text source alike: jsonl, chat jsonl, parquet
+    string or binary columns, hf_disk): bytes that are not UTF-8, or a lone surrogate (a JSON
+    ``\\ud800`` escape) that no UTF-8 text holds; None if it is fine.
+
+    Args:
+        doc: one record's text.
+    """
+    try:
+        (doc.encode("utf-8") if isinstance(doc, str) else bytes(doc).decode("utf-8"))
+    except UnicodeEncodeError as exc:
+        return f"lone surrogate {doc[exc.start]!r} at character {exc.start} (not UTF-8 text)"  # type: ignore[index]
+    except UnicodeDecodeError as exc:
+        return f"not UTF-8 text (byte {exc.start}: {bytes(doc)[exc.start:exc.start + 1]!r})"
+    return None
 
 
 def _existing(path: str | os.PathLike[str], what: str) -> Path:

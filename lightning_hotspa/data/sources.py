@@ -1,5 +1,9 @@
 """Offline document sources: each yields ``(doc_id, text_or_bytes)`` in a fixed, sorted order.
 
+Text records (jsonl, chat jsonl, parquet string and binary columns, hf_disk) follow one UTF-8 policy,
+:func:`~.source_base.utf8_problem`: invalid bytes and lone surrogates are bad records. Files of a
+text folder (and the stdlib corpus) are documents as raw bytes, for the byte tokenizer, by design.
+
 Order matters because mini-batch composition is a pure function of (data, seed, epoch, step):
 the same files must give the same document indices on every rank and every run. Bad data is
 either an error naming the file and line/row (``on_bad_record="raise"``, the default) or is
@@ -31,6 +35,7 @@ from .source_base import (  # noqa: F401  (re-exported: their public home)
     _rel,
     files_fingerprint,
     list_files,
+    utf8_problem,
 )
 
 DEFAULT_TEXT_SUFFIXES: tuple[str, ...] = tuple(
@@ -172,6 +177,10 @@ class JsonlSource(DocumentSource):
                 where, f"text field {self.text_field!r} is {type(text).__name__}, not a string"
             )
             return None
+        problem = utf8_problem(text)
+        if problem:
+            self._bad(where, f"text field {self.text_field!r}: {problem}")
+            return None
         doc_id = f"{_rel(self.root, f)}:{lineno}"
         if self.id_field is not None and self.id_field in record:
             doc_id = str(record[self.id_field])
@@ -190,7 +199,8 @@ class JsonlSource(DocumentSource):
 class ParquetSource(DocumentSource):
     """``.parquet`` files read with pyarrow in record batches (bounded memory).
 
-    ``text_field`` may be a string or binary column. A null value is a bad record (named by
+    ``text_field`` may be a string or binary column; a binary value must be UTF-8, as every text
+    record must (:func:`~.source_base.utf8_problem`). A null value is a bad record (named by
     row); an unreadable file, a missing column or a column of another type is a bad file.
     Document ids are ``<file>:<row>``.
     """
@@ -251,8 +261,11 @@ class ParquetSource(DocumentSource):
         try:
             for batch in pf.iter_batches(batch_size=self.batch_size, columns=[self.text_field]):
                 for value in batch.column(0).to_pylist():
+                    problem = None if value is None else utf8_problem(value)
                     if value is None:
                         self._bad(f"{f} row {row}", f"null {self.text_field!r}")
+                    elif problem:
+                        self._bad(f"{f} row {row}", f"column {self.text_field!r}: {problem}")
                     else:
                         yield f"{rel}:{row}", value
                     row += 1
@@ -310,6 +323,8 @@ class HFDiskSource(DocumentSource):
                 self._bad(where, f"missing or null text field {self.text_field!r}")
             elif not isinstance(text, (str, bytes)):
                 self._bad(where, f"text field {self.text_field!r} is {type(text).__name__}")
+            elif utf8_problem(text):
+                self._bad(where, f"text field {self.text_field!r}: {utf8_problem(text)}")
             else:
                 yield f"{prefix}:{row}", text
 

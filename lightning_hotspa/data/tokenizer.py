@@ -171,7 +171,12 @@ class ChatTemplateTokenizer(Tokenizer):
         if not (self.path / "tokenizer.json").is_file():
             raise DataError(f"ChatTemplateTokenizer: {str(self.path)!r} has no tokenizer.json")
         transformers = require("transformers", "ChatTemplateTokenizer (chat templates)")
-        self._tok = transformers.PreTrainedTokenizerFast.from_pretrained(str(self.path))
+        try:
+            self._tok = transformers.PreTrainedTokenizerFast.from_pretrained(str(self.path))
+        except Exception as exc:  # noqa: BLE001 - a JSONDecodeError or the Rust side's error names no file
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+            raise DataError(f"ChatTemplateTokenizer: cannot load the tokenizer in {str(self.path)!r} (tokenizer.json "
+                            f"or tokenizer_config.json corrupt or cut off?): {type(exc).__name__}: {first}") from None
         if chat_template is not None:
             self._tok.chat_template = chat_template
         if not getattr(self._tok, "chat_template", None):
@@ -183,7 +188,19 @@ class ChatTemplateTokenizer(Tokenizer):
         self._digest = hashlib.sha256(b"".join(
             (self.path / f).read_bytes() for f in ("tokenizer.json", "tokenizer_config.json")
             if (self.path / f).is_file()) + self._tok.chat_template.encode()).hexdigest()
+        self._check_template()
 
+    def _check_template(self) -> None:
+        """A two-turn probe conversation must give the assistant's reply some target tokens (else
+        :meth:`encode` raises, naming the template: every label would be -100)."""
+        probe = [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": "Hi there"}]
+        try:
+            self.encode(json.dumps(probe))
+        except DataError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a template that fails on the probe is named here
+            raise DataError(f"ChatTemplateTokenizer: the chat template of {str(self.path)!r} fails on a "
+                            f"user + assistant conversation: {type(exc).__name__}: {exc}") from None
     @property
     def prompt_offset(self) -> int:
         """Prompt tokens are stored as ``id + prompt_offset`` (the DataModule undoes it per plan)."""
@@ -210,6 +227,10 @@ class ChatTemplateTokenizer(Tokenizer):
                 raise DataError("ChatTemplateTokenizer: the chat template does not render a conversation as "
                                 "a prefix of its continuation; the assistant turns cannot be found")
             response[start:len(turn)] = True
+        if not response.any():
+            raise DataError(f"ChatTemplateTokenizer: the chat template of {str(self.path)!r} renders no tokens of the "
+                            f"assistant's turns in this conversation ({doc[:80]!r}): every label would be -100, it "
+                            f"would train on nothing; use a template that renders the assistant's turns")
         out = np.asarray(ids, dtype=np.int64)
         return np.where(response, out, out + self.token_vocab_size).astype(np.int32)
 

@@ -18,18 +18,23 @@ from torch import Tensor, nn
 
 from .config import LlamaConfig
 from .hf_config import HFConfigError, config_from_hf, config_to_hf, read_hf_config
-from .hf_weights import HFCheckpoint, hf_name, save_hf_folder
+from .hf_weights import HFCheckpoint, HFWeightsError, hf_name, save_hf_folder
 
 __all__ = ["PretrainedSource", "load_pretrained", "hf_tensors", "save_pretrained"]
 
 
 class PretrainedSource:
-    """Where a module's initial weights come from: names inside :class:`Llama` -> checkpoint reads."""
+    """Where a module's initial weights come from: names inside :class:`Llama` -> checkpoint reads.
 
-    def __init__(self, path: str | os.PathLike[str], config: LlamaConfig) -> None:
+    ``strict_weights`` (the default) refuses tensors of a non-float dtype (at :meth:`check`) and
+    non-finite values (each tensor or slice as it is read); False casts and loads them anyway.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], config: LlamaConfig, strict_weights: bool = True) -> None:
         self.path = str(path)
         self.checkpoint = HFCheckpoint(path)
         self.config = config
+        self.strict_weights = strict_weights
         available = set(self.checkpoint.names())
         if config.tie_embeddings:
             available.discard("lm_head.weight")  # tied checkpoints may or may not store the copy
@@ -42,6 +47,8 @@ class PretrainedSource:
         extra = sorted(n for n in self._available - set(wanted) if not n.endswith("rotary_emb.inv_freq"))
         if missing or extra:
             raise HFConfigError(f"{self.path!r}: checkpoint tensors missing {missing[:6]}, unexpected {extra[:6]}")
+        if self.strict_weights:
+            self.checkpoint.check_float(wanted)
         for hf, ours in wanted.items():
             found = self.checkpoint.shape(hf)
             if found != shapes[ours]:
@@ -49,7 +56,13 @@ class PretrainedSource:
 
     def read(self, name: str, dim: int | None = None, start: int = 0, stop: int | None = None) -> Tensor:
         """Parameter ``name`` (inside :class:`Llama`) in fp32, whole or ``[start, stop)`` along ``dim``."""
-        return self.checkpoint.read(hf_name(name), dim, start, stop).float()
+        value = self.checkpoint.read(hf_name(name), dim, start, stop).float()
+        if self.strict_weights:
+            bad = int((~torch.isfinite(value)).sum())  # once per tensor at load, not on the hot path
+            if bad:
+                raise HFWeightsError(f"{self.path!r}: tensor {hf_name(name)} holds {bad} non-finite value(s) (NaN or "
+                                     f"Inf) of {value.numel()}; pass strict_weights=False to load it anyway")
+        return value
 
 
 def _split_overrides(cls: type, overrides: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -58,8 +71,17 @@ def _split_overrides(cls: type, overrides: dict[str, Any]) -> tuple[dict[str, An
             {k: v for k, v in overrides.items() if k in module_args})
 
 
-def load_pretrained(cls: type, path: str | os.PathLike[str], **overrides: Any) -> Any:
-    """``cls(config_from_hf(...), **module_args)`` with the checkpoint's weights (see module doc)."""
+def load_pretrained(cls: type, path: str | os.PathLike[str], *, strict_weights: bool = True, **overrides: Any) -> Any:
+    """``cls(config_from_hf(...), **module_args)`` with the checkpoint's weights (see module doc).
+
+    Args:
+        cls: the LightningModule class.
+        path: the Hugging Face folder.
+        strict_weights: refuse non-float and non-finite weights (False: load them).
+        overrides: LlamaConfig fields or ``cls`` arguments.
+    """
+    if not isinstance(strict_weights, bool):
+        raise HFConfigError(f"strict_weights must be a bool, got {strict_weights!r}")
     config_fields, module_args = _split_overrides(cls, overrides)
     config = config_from_hf(read_hf_config(path), **config_fields)
     if config.padded_vocab_size != config.vocab_size:
@@ -69,7 +91,7 @@ def load_pretrained(cls: type, path: str | os.PathLike[str], **overrides: Any) -
     target = torch.empty(0).device  # the caller's default device: meta under init_module(empty_init=True)
     with torch.device("meta"):
         module = cls(config, **module_args)
-    source = PretrainedSource(path, config)
+    source = PretrainedSource(path, config, strict_weights)
     names = [n for n, _ in module.model.named_parameters()]
     source.check(names, {n: tuple(p.shape) for n, p in module.model.named_parameters()})
     module.pretrained = source

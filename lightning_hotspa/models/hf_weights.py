@@ -9,6 +9,7 @@ copy of it (not even one full parameter) in one process. The tensor layouts are 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import shutil
@@ -17,7 +18,9 @@ from pathlib import Path
 
 from torch import Tensor
 
-__all__ = ["HFCheckpoint", "HFWeightsError", "hf_name", "our_name", "save_hf_folder"]
+__all__ = ["HFCheckpoint", "HFWeightsError", "WEIGHT_PATTERNS", "hf_name", "our_name", "save_hf_folder"]
+
+log = logging.getLogger(__name__)
 
 # ours (inside Llama) <-> Hugging Face, per layer; the {i} is the layer index
 _LAYER = {
@@ -68,25 +71,44 @@ def our_name(name: str) -> str:
     return out
 
 
+#: files that hold weights in a Hugging Face folder (what save_hf_folder removes when it did not write them)
+WEIGHT_PATTERNS = ("*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin", "pytorch_model.bin.index.json",
+                   "tf_model.h5", "flax_model.msgpack")
+_FLOAT_DTYPES = ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2")
+
+
 class HFCheckpoint:
-    """The safetensors files of a local Hugging Face folder (``model.safetensors`` or sharded with
-    ``model.safetensors.index.json``), read tensor by tensor or slice by slice."""
+    """The safetensors files of a local Hugging Face folder, read tensor by tensor or slice by slice.
+
+    One index-or-file rule: with ``model.safetensors.index.json`` the folder's ``*.safetensors``
+    must be exactly the shards the index maps to; without one it must hold exactly one
+    ``*.safetensors`` file. Anything else (``model.safetensors`` beside a stale index, a stray
+    ``old.safetensors``) is refused naming the files, never merged or picked silently.
+    """
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path).expanduser()
         index = self.path / "model.safetensors.index.json"
+        present = sorted(p.name for p in self.path.glob("*.safetensors"))
         if index.is_file():
             self.files = _index_files(index, self.path)
+            stray = sorted(set(present) - {f.name for f in self.files.values()})
+            if stray:
+                raise HFWeightsError(f"{str(self.path)!r} holds {stray} beside {index.name}, which maps no tensor to "
+                                     f"them: either the index or those files are stale; remove one of them (a folder "
+                                     f"holds one model.safetensors or the shards of its index)")
         else:
-            files = sorted(self.path.glob("*.safetensors"))
-            if not files:
+            if not present:
                 raise FileNotFoundError(f"{str(self.path)!r} holds no *.safetensors weights (.bin checkpoints "
                                         f"are not read: convert them with transformers' save_pretrained)")
-
+            if len(present) > 1:
+                raise HFWeightsError(f"{str(self.path)!r} holds {len(present)} weight files {present} and no "
+                                     f"model.safetensors.index.json: which is the model? Keep one, or write the "
+                                     f"index of the shards")
             self.files = {}
-            for file in files:
-                with _safe_open(file) as f:
-                    self.files.update(dict.fromkeys(f.keys(), file))
+            file = self.path / present[0]
+            with _safe_open(file) as f:
+                self.files.update(dict.fromkeys(f.keys(), file))
         for name, file in self.files.items():
             if not file.is_file():
                 raise FileNotFoundError(f"the index maps {name!r} to {str(file)!r}, which does not exist")
@@ -102,6 +124,20 @@ class HFCheckpoint:
     def shape(self, name: str) -> tuple[int, ...]:
         with self._open(name) as f:
             return tuple(f.get_slice(name).get_shape())
+
+    def dtype(self, name: str) -> str:
+        """The stored dtype of tensor ``name`` as safetensors names it (``F32``, ``BF16``, ``I64``, ...)."""
+        with self._open(name) as f:
+            return str(f.get_slice(name).get_dtype())
+
+    def check_float(self, names: Iterable[str]) -> None:
+        """Every named tensor is stored in a floating dtype; else an HFWeightsError naming them."""
+        stored = [(n, self.dtype(n)) for n in names]
+        bad = [(n, d) for n, d in stored if d not in _FLOAT_DTYPES]
+        if bad:
+            raise HFWeightsError(f"{str(self.path)!r}: tensors of a non-float dtype {bad[:4]}"
+                                 f"{f' (and {len(bad) - 4} more)' if len(bad) > 4 else ''}: weights are floats "
+                                 f"({', '.join(_FLOAT_DTYPES)}); pass strict_weights=False to cast them anyway")
 
     def read(self, name: str, dim: int | None = None, start: int = 0, stop: int | None = None) -> Tensor:
         """Tensor ``name``, or only ``[start, stop)`` along ``dim`` (read from disk, nothing else)."""
@@ -166,8 +202,9 @@ def save_hf_folder(path: str | os.PathLike[str], config_json: Mapping, tensors: 
         tensors: (Hugging Face name, tensor) pairs.
         max_shard_bytes: at most this many bytes per shard, with an index when there is more than one.
         replace_folder: the folder ends up holding only these files (written beside it, then swapped
-            in); else they are written into it and stale weight files (other ``model*.safetensors``,
-            an index, ``pytorch_model*.bin``) are removed, so no loader can pick old weights.
+            in); else they are written into it and every weight file it did not write
+            (:data:`WEIGHT_PATTERNS`: any other ``*.safetensors``, an index, ``pytorch_model*.bin``) is
+            removed, named in a warning, so no loader can pick old weights.
     """
     from safetensors.torch import save_file
 
@@ -205,8 +242,10 @@ def save_hf_folder(path: str | os.PathLike[str], config_json: Mapping, tensors: 
         os.replace(out, final)
         shutil.rmtree(old, ignore_errors=True)
     else:
-        for stale in [*out.glob("model*.safetensors"), *out.glob("model.safetensors.index.json"),
-                      *out.glob("pytorch_model*.bin"), *out.glob("pytorch_model.bin.index.json")]:
-            if stale.name not in written:
-                stale.unlink()
+        stale = sorted({p for pattern in WEIGHT_PATTERNS for p in out.glob(pattern) if p.name not in written})
+        for file in stale:
+            file.unlink()
+        if stale:
+            log.warning("hotspa: save_pretrained removed weight files it did not write from %s: %s", out,
+                        ", ".join(p.name for p in stale))
     return names

@@ -9,6 +9,7 @@ can swap in a vocab-parallel cross-entropy for vocab-sharded logits.
 from __future__ import annotations
 
 import math
+import numbers
 import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
@@ -18,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..checkpointing import Checkpointing
+from ..checks import check_int, check_number
 from ..plan import IGNORE_INDEX
 from .config import LlamaConfig
 from .init import build_llama, init_parameter
@@ -62,6 +65,26 @@ def _as_config(config: LlamaConfig | str | Mapping[str, Any]) -> LlamaConfig:
     return LlamaConfig.preset(preset, **fields) if preset else LlamaConfig(**fields)
 
 
+def _check_arguments(*, seed: Any, lr: Any, weight_decay: Any, betas: Any, warmup_steps: Any, max_steps: Any,
+                     min_lr_ratio: Any, activation_checkpointing: Any, attention_backend: Any) -> None:
+    """:class:`LlamaLM`'s arguments type-checked at construction (``from_pretrained(path, lr="fast")``
+    and Hydra's ``model.lr=fast`` fail here, naming the value, not later inside AdamW)."""
+    check_int(seed, "LlamaLM seed", minimum=0)
+    check_number(lr, "LlamaLM lr")
+    check_number(weight_decay, "LlamaLM weight_decay", strict=False)
+    if (isinstance(betas, (str, bytes)) or not isinstance(betas, Sequence) or len(betas) != 2
+            or not all(isinstance(b, numbers.Real) and not isinstance(b, bool) and 0 <= b < 1 for b in betas)):
+        raise ValueError(f"LlamaLM betas must be two numbers in [0, 1), got {betas!r}")
+    check_int(warmup_steps, "LlamaLM warmup_steps", minimum=0)
+    if max_steps is not None:  # -1 (Lightning's "no limit", via ${trainer.max_steps}): no cosine decay
+        check_int(max_steps, "LlamaLM max_steps", minimum=-1, hint=" or None")
+    if not (isinstance(min_lr_ratio, numbers.Real) and not isinstance(min_lr_ratio, bool) and 0 <= min_lr_ratio <= 1):
+        raise ValueError(f"LlamaLM min_lr_ratio must be a number in [0, 1], got {min_lr_ratio!r}")
+    Checkpointing.parse(activation_checkpointing)  # the one grammar: a mode name or a bool, named if neither
+    if not isinstance(attention_backend, str):
+        raise ValueError(f"LlamaLM attention_backend must be a backend name (str), got {attention_backend!r}")
+
+
 class LlamaLM(L.LightningModule):
     """Causal LM over packed documents.
 
@@ -95,6 +118,9 @@ class LlamaLM(L.LightningModule):
         attention_backend: str = "auto",
     ) -> None:
         super().__init__()
+        _check_arguments(seed=seed, lr=lr, weight_decay=weight_decay, betas=betas, warmup_steps=warmup_steps,
+                         max_steps=max_steps, min_lr_ratio=min_lr_ratio,
+                         activation_checkpointing=activation_checkpointing, attention_backend=attention_backend)
         self.save_hyperparameters()
         self.config = _as_config(config)
         self.model: Llama = build_llama(self.config, seed)
@@ -104,16 +130,17 @@ class LlamaLM(L.LightningModule):
         self.pretrained: Any = None  # a models.hf.PretrainedSource after from_pretrained
 
     @classmethod
-    def from_pretrained(cls, path: str, **overrides: Any) -> LlamaLM:
+    def from_pretrained(cls, path: str, *, strict_weights: bool = True, **overrides: Any) -> LlamaLM:
         """A local Hugging Face Llama / Mistral / Qwen2 folder (config.json + safetensors).
 
-        ``overrides`` are LlamaConfig fields (e.g. ``max_seq_len``) or this class's arguments (``lr``).
+        ``overrides`` are LlamaConfig fields (e.g. ``max_seq_len``) or this class's arguments (``lr``),
+        type-checked. ``strict_weights=False`` loads non-float (cast) and non-finite weights, refused by default.
         Under ``trainer.init_module(empty_init=True)`` nothing is read here: the HotSPa strategy reads
         each rank's home slices at setup. Otherwise the weights are read here, one tensor at a time.
         """
         from .hf import load_pretrained
 
-        return load_pretrained(cls, path, **overrides)
+        return load_pretrained(cls, path, strict_weights=strict_weights, **overrides)
 
     def save_pretrained(self, path: str, dtype: torch.dtype | None = None) -> None:
         """Writes a folder ``transformers`` loads; with the strategy's sharded parameters every rank

@@ -39,7 +39,7 @@ def _tokens(text: str) -> int:
     mult = {"k": 1024, "m": 1024**2}.get(t[-1:], 1)
     try:
         value = int(float(t[:-1] if mult > 1 else t) * mult)
-    except ValueError:
+    except (ValueError, OverflowError):  # OverflowError: 'inf'
         raise argparse.ArgumentTypeError(f"expected a token count like 32768, 32K or 1M, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"token counts must be positive, got {text!r}")
@@ -178,7 +178,22 @@ def _why_one_layout(decision: Any, layouts: set) -> str | None:
 
 
 # ------------------------------------------------------------------------------------------ simulate
+def _check_hardware(args: argparse.Namespace) -> None:
+    """``--hardware`` names a known profile; the long / smoke grids price their own (H100, H200)."""
+    from ..planner.cost.hardware import get_profile
+
+    if args.hardware is not None and args.grid != "paper":
+        raise CliError(f"--hardware {args.hardware!r}: --grid {args.grid} prices its own hardware (H100, H200 per "
+                       f"cell); --hardware applies to --grid paper")
+    try:
+        get_profile(args.hardware or "A800-80G")
+    except ValueError as exc:
+        raise CliError(f"--hardware: {exc}") from None
+
+
 def _cmd_simulate(args: argparse.Namespace) -> dict[str, Any]:
+    _check_hardware(args)
+    args.hardware = args.hardware or "A800-80G"
     if args.grid != "paper":
         return _cmd_long_grid(args)
     from .simulate import GRID, simulate_grid
@@ -419,7 +434,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--step", type=int, default=0)
     plan.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     sim = sub.add_parser("simulate", help="the paper-scale grid: speed-ups over static layouts and the hand-set rule")
-    sim.add_argument("--hardware", default="A800-80G")
+    sim.add_argument("--hardware", default=None, help="--grid paper: the profile (default A800-80G)")
     sim.add_argument("--batches", type=_positive, default=2, help="global batches per cell")
     sim.add_argument("--sequences", type=_positive, default=512, help="documents per global batch")
     sim.add_argument("--contexts", type=_tokens, nargs="+", default=None)
@@ -454,9 +469,34 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _value_options(parser: argparse.ArgumentParser) -> set[str]:
+    """The option strings of ``parser`` and its sub-commands that take exactly one value."""
+    found: set[str] = set()
+    for action in parser._actions:  # noqa: SLF001 - argparse keeps its actions there
+        if isinstance(action, argparse._SubParsersAction):  # noqa: SLF001
+            for sub in action.choices.values():
+                found |= _value_options(sub)
+        elif action.option_strings and action.nargs is None:
+            found.update(action.option_strings)
+    return found
+
+
+def _attach_dash_values(parser: argparse.ArgumentParser, argv: Sequence[str]) -> list[str]:
+    """``--opt -5K`` as ``--opt=-5K`` for options that take one value, so argparse hands the value to
+    its type check (which names it and says what is valid) instead of "expected one argument"."""
+    takes_value, out = _value_options(parser), []
+    for arg in argv:
+        if out and out[-1] in takes_value and arg[:1] == "-" and arg[1:2].isdigit():
+            out[-1] = f"{out[-1]}={arg}"
+        else:
+            out.append(arg)
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``hotspa`` console script; returns the exit code."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(_attach_dash_values(parser, list(sys.argv[1:] if argv is None else argv)))
     from . import consolidate, export, memory
     commands = {"plan": _cmd_plan, "simulate": _cmd_simulate, "calibrate": _cmd_calibrate, "memory": memory.run,
                 "check-calibration": _cmd_check_calibration, "export": export.run, "consolidate": consolidate.run,

@@ -17,7 +17,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     """
     cmd = sub.add_parser("consolidate", help="a DCP checkpoint folder as one Lightning .ckpt file "
                                              "(load_from_checkpoint reads it; no optimizer state)")
-    cmd.add_argument("checkpoint_dir")
+    cmd.add_argument("checkpoint_dir", help="a checkpoint folder, or latest:<dir> (the newest committed one in <dir>)")
     cmd.add_argument("out_file")
     return cmd
 

@@ -9,11 +9,20 @@ hang into a failure). The module prints how many inputs it tried and how many we
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import (
+    Bad,
+    check_refused,
+    config_case,
+    datamodule_case,
+    files_under,
+    jsonl_case,
+    raises_case,
+    strategy_case,
+)
 
 from lightning_hotspa.adapter.checkpoint import CheckpointError
 from lightning_hotspa.adapter.recipe import ConfigError
@@ -23,13 +32,6 @@ from lightning_hotspa.layout import LayoutError
 TALLY = {"tried": 0, "handled": 0}
 
 
-@dataclass(frozen=True)
-class Bad:
-    name: str
-    area: str  # "config", "data" or "api"
-    make: Callable[[Path], Callable[[], Any]]  # builds the input files, returns the call that must fail
-    error: type[BaseException]
-    says: tuple[str, ...]  # what the message must contain: the bad value and where it came from
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -38,118 +40,51 @@ def tally():
     print(f"\nbad-input sweep: {TALLY['tried']} inputs tried, {TALLY['handled']} handled with a clear error")
 
 
-def _files(root: Path) -> set[Path]:
-    return {p for p in root.rglob("*") if p.is_file()}
 
 
-def _half_written(root: Path, before: set[Path]) -> list[str]:
-    """New files that are not part of a complete, valid token-cache entry (those are published
-    atomically and are a legitimate product of tokenizing before a later check failed)."""
-    from lightning_hotspa.data import TokenizedCorpus
-
-    bad, valid = [], {}
-    for path in sorted(_files(root) - before):
-        entry = path.parent
-        if entry.parent.name == "cache" and entry not in valid:
-            try:
-                TokenizedCorpus.open(entry)
-                valid[entry] = True
-            except DataError:
-                valid[entry] = False
-        if not valid.get(entry, False):
-            bad.append(str(path))
-    return bad
 
 
 # ------------------------------------------------------------------ config (Hydra, recipes/train.py)
-def _config(*overrides: str, build: bool = False) -> Callable[[Path], Callable[[], Any]]:
-    def make(tmp: Path) -> Callable[[], Any]:
-        def call() -> Any:
-            from hydra import compose, initialize_config_dir
-
-            from lightning_hotspa.adapter.recipe import (
-                CONFIG_DIR,
-                build_trainer,
-                check_config,
-                register_resolvers,
-            )
-
-            register_resolvers()
-            with initialize_config_dir(version_base="1.3", config_dir=str(CONFIG_DIR)):
-                cfg = compose("config", overrides=[f"output_dir={tmp / 'out'}", "run_name=t", "logger=none",
-                                                   "hardware=cpu-gloo", *overrides])
-            check_config(cfg)
-            if build:
-                build_trainer(cfg)
-        return call
-    return make
 
 
 CONFIG = [
-    Bad("layouts_as_a_string", "config", _config("strategy.layouts=dp4"), ConfigError,
+    Bad("layouts_as_a_string", "config", config_case("strategy.layouts=dp4"), ConfigError,
         ("strategy.layouts", "got the string 'dp4'")),
-    Bad("negative_degree", "config", _config("strategy.layouts=[{dp: -2, tp: -2}]"), ConfigError,
+    Bad("negative_degree", "config", config_case("strategy.layouts=[{dp: -2, tp: -2}]"), ConfigError,
         ("strategy.layouts", "Layout.dp must be a positive int, got -2")),
-    Bad("layouts_not_covering_the_world", "config", _config("trainer=cpu4", "strategy.layouts=[{dp: 2}]"),
+    Bad("layouts_not_covering_the_world", "config", config_case("trainer=cpu4", "strategy.layouts=[{dp: 2}]"),
         ConfigError, ("strategy.layouts", "layout dp2 covers 2 ranks", "world size is 4")),
-    Bad("context_longer_than_any_micro_batch", "config", _config("data.context_length=4096"), ConfigError,
+    Bad("context_longer_than_any_micro_batch", "config", config_case("data.context_length=4096"), ConfigError,
         ("data.context_length=4096", "strategy.tokens_per_rank=256")),
     Bad("context_smaller_than_a_bucket_bound", "config",
-        _config("strategy=hotspa_buckets", "data.context_length=512"), ConfigError,
+        config_case("strategy=hotspa_buckets", "data.context_length=512"), ConfigError,
         ("strategy.planner.buckets", "[1024]", "data.context_length=512")),
-    Bad("checkpoint_every_negative", "config", _config("checkpoint.every_n_steps=-3", build=True), ConfigError,
+    Bad("checkpoint_every_negative", "config", config_case("checkpoint.every_n_steps=-3", build=True), ConfigError,
         ("checkpoint.every_n_steps", "got -3")),
-    Bad("missing_jsonl_path", "config", _config("data=jsonl"), ConfigError, ("data.source_kwargs.path", "required")),
-    Bad("unknown_nonfinite_policy", "config", _config("+strategy.nonfinite=ignore", build=True), ConfigError,
+    Bad("missing_jsonl_path", "config", config_case("data=jsonl"), ConfigError,
+        ("data.source_kwargs.path", "required")),
+    Bad("unknown_nonfinite_policy", "config", config_case("+strategy.nonfinite=ignore", build=True), ConfigError,
         ("strategy: could not build", "nonfinite must be one of", "'ignore'")),
-    Bad("negative_timeout", "config", _config("+strategy.timeout=-5", build=True), ConfigError,
+    Bad("negative_timeout", "config", config_case("+strategy.timeout=-5", build=True), ConfigError,
         ("strategy: could not build", "timeout must be positive, got -5")),
-    Bad("wrong_type_tokens_per_rank", "config", _config("strategy.tokens_per_rank=lots", build=True), ConfigError,
-        ("strategy: could not build", "tokens_per_rank must be a positive int, got 'lots'")),
+    Bad("wrong_type_tokens_per_rank", "config", config_case("strategy.tokens_per_rank=lots", build=True), ConfigError,
+        ("strategy.tokens_per_rank must be a positive int, got 'lots'",)),  # the recipe edge, before building
 ]
 
 
 # ------------------------------------------------------------------ data
-def _write(tmp: Path, name: str, text: str) -> Path:
-    (tmp / "data").mkdir(exist_ok=True)
-    path = tmp / "data" / name
-    path.write_text(text)
-    return path
 
 
-def _datamodule(source: Any, tmp: Path, layouts=("dp1",), planner: Any = None, **kwargs: Any) -> Callable[[], Any]:
-    """A HotSPaDataModule set up for world 1 with the token cache in tmp (so a failed build would show)."""
-    from lightning_hotspa import HotSPaDataModule
-    from lightning_hotspa.layout import Layout, MeshShape, parse_layouts
-    from lightning_hotspa.planner.rule import ThresholdPlanner
-
-    layouts = parse_layouts(list(layouts), Layout.parse(layouts[0]).world_size)
-    planner = planner or ThresholdPlanner(layouts, 64)
-    options = {"tokens_per_batch": 512, "context_length": 64, "cache_dir": str(tmp / "cache"), "rank": 0, **kwargs}
-
-    def call() -> Any:
-        dm = HotSPaDataModule(source() if callable(source) else source, planner=planner,
-                              mesh_shape=MeshShape.for_layouts(layouts, layouts[0].world_size), **options)
-        dm.prepare_data()
-        dm.setup("fit")
-        return dm.train_dataloader()
-    return call
 
 
-def _jsonl(text: str, **kwargs: Any) -> Callable[[Path], Callable[[], Any]]:
-    def make(tmp: Path) -> Callable[[], Any]:
-        from lightning_hotspa.data import JsonlSource
-
-        path = _write(tmp, "corpus.jsonl", text)
-        return _datamodule(lambda: JsonlSource(path), tmp, **kwargs)
-    return make
 
 
 def _synthetic(**kwargs: Any) -> Callable[[Path], Callable[[], Any]]:
     def make(tmp: Path) -> Callable[[], Any]:
         from lightning_hotspa.data import SyntheticSource
 
-        return _datamodule(lambda: SyntheticSource(20, kind="uniform", params={"low": 2, "high": 60}), tmp, **kwargs)
+        return datamodule_case(lambda: SyntheticSource(20, kind="uniform", params={"low": 2, "high": 60}), tmp,
+                               **kwargs)
     return make
 
 
@@ -157,7 +92,7 @@ def _resume_with_other_seed(tmp: Path) -> Callable[[], Any]:
     from lightning_hotspa.data import SyntheticSource
 
     source = SyntheticSource(20, kind="uniform", params={"low": 2, "high": 60})
-    _datamodule(source, tmp, seed=0)()  # the token cache exists before the bad call
+    datamodule_case(source, tmp, seed=0)()  # the token cache exists before the bad call
     saved = {"format": 1, "epoch": 0, "step": 1, "seed": 0, "tokens_per_batch": 512, "context_length": 64}
 
     def call() -> Any:
@@ -179,7 +114,7 @@ def _hand_set_buckets(tmp: Path) -> Callable[[], Any]:
     from lightning_hotspa.planner.rule import ThresholdPlanner
 
     planner = ThresholdPlanner(parse_layouts(["dp2", "tp2"], 2), 64, buckets=[(32, "dp2"), (128, "tp2")])
-    return _datamodule(lambda: SyntheticSource(20, kind="uniform", params={"low": 2, "high": 60}), tmp,
+    return datamodule_case(lambda: SyntheticSource(20, kind="uniform", params={"low": 2, "high": 60}), tmp,
                        layouts=("dp2", "tp2"), planner=planner, context_length=100)
 
 
@@ -199,12 +134,13 @@ def _tokenizer(tmp: Path) -> Callable[[], Any]:
 
 
 DATA = [
-    Bad("empty_corpus", "data", _jsonl("\n\n   \n"), DataError, ("HotSPaDataModule", "the corpus has no documents")),
-    Bad("jsonl_line_not_json", "data", _jsonl('{"text": "fine"}\n{"text": oops}\n'), DataError,
+    Bad("empty_corpus", "data", jsonl_case("\n\n   \n"), DataError, ("JsonlSource", "corpus.jsonl",
+                                                                "the documents were empty")),
+    Bad("jsonl_line_not_json", "data", jsonl_case('{"text": "fine"}\n{"text": oops}\n'), DataError,
         ("corpus.jsonl line 2", "not valid JSON")),
-    Bad("jsonl_missing_text_field", "data", _jsonl('{"text": "fine"}\n{"body": "x"}\n'), DataError,
+    Bad("jsonl_missing_text_field", "data", jsonl_case('{"text": "fine"}\n{"body": "x"}\n'), DataError,
         ("corpus.jsonl line 2", "missing text field 'text'", "['body']")),
-    Bad("jsonl_text_not_a_string", "data", _jsonl('{"text": 42}\n'), DataError,
+    Bad("jsonl_text_not_a_string", "data", jsonl_case('{"text": 42}\n'), DataError,
         ("corpus.jsonl line 1", "text field 'text' is int")),
     Bad("missing_tokenizer_file", "data", _tokenizer, DataError,
         ("HFTokenizer", "tokenizer file does not exist", "models/tokenizer.json")),
@@ -232,14 +168,8 @@ DATA = [
 
 
 # ------------------------------------------------------------------ API (single process)
-def _raises(fn: Callable[[], Any]) -> Callable[[Path], Callable[[], Any]]:
-    return lambda tmp: fn
 
 
-def _strategy(*args: Any, **kwargs: Any) -> Callable[[], Any]:
-    from lightning_hotspa import HotSPaStrategy
-
-    return lambda: HotSPaStrategy(*args, **kwargs)
 
 
 def _layout(**kwargs: Any) -> Callable[[], Any]:
@@ -297,25 +227,28 @@ def _load_missing(tmp: Path) -> Callable[[], Any]:
 
 
 API = [
-    Bad("negative_degree", "api", _raises(_layout(dp=-2)), LayoutError, ("Layout.dp must be a positive int, got -2",)),
-    Bad("fractional_degree", "api", _raises(_layout(tp=2.5)), LayoutError,
+    Bad("negative_degree", "api", raises_case(_layout(dp=-2)), LayoutError,
+        ("Layout.dp must be a positive int, got -2",)),
+    Bad("fractional_degree", "api", raises_case(_layout(tp=2.5)), LayoutError,
         ("Layout.tp must be a positive int, got 2.5",)),
-    Bad("layouts_as_a_string", "api", _raises(_strategy("dp4")), LayoutError,
+    Bad("layouts_as_a_string", "api", raises_case(strategy_case("dp4")), LayoutError,
         ("layouts must be 'auto' or a list of layouts, got 'dp4'",)),
-    Bad("unparsable_layout", "api", _raises(_strategy(["dp2xfoo"])), LayoutError, ("cannot parse layout 'dp2xfoo'",)),
-    Bad("layouts_not_covering_the_world", "api", _raises(_parse(["dp2", "tp4"], 4)), LayoutError,
+    Bad("unparsable_layout", "api", raises_case(strategy_case(["dp2xfoo"])), LayoutError,
+        ("cannot parse layout 'dp2xfoo'",)),
+    Bad("layouts_not_covering_the_world", "api", raises_case(_parse(["dp2", "tp4"], 4)), LayoutError,
         ("layout dp2 covers 2 ranks", "world size is 4")),
-    Bad("layouts_that_do_not_nest", "api", _raises(_parse(["tp3xdp2", "tp2xdp3"], 6)), LayoutError,
+    Bad("layouts_that_do_not_nest", "api", raises_case(_parse(["tp3xdp2", "tp2xdp3"], 6)), LayoutError,
         ("dp2xtp3", "dp3xtp2", "do not nest")),
     Bad("tp_not_dividing_heads", "api", _heads, ValueError, ("tp=4 does not divide n_heads=2",)),
-    Bad("unknown_nonfinite_policy", "api", _raises(_strategy(nonfinite="ignore")), ValueError,
+    Bad("unknown_nonfinite_policy", "api", raises_case(strategy_case(nonfinite="ignore")), ValueError,
         ("nonfinite must be one of ('stop', 'skip'), got 'ignore'",)),
-    Bad("unknown_planner", "api", _raises(_strategy(planner="magic")), ValueError, ("unknown planner 'magic'",)),
-    Bad("unknown_hardware_profile", "api", _raises(_strategy(planner="cost", hardware="tpu-v9")), ValueError,
+    Bad("unknown_planner", "api", raises_case(strategy_case(planner="magic")), ValueError,
+        ("unknown planner 'magic'",)),
+    Bad("unknown_hardware_profile", "api", raises_case(strategy_case(planner="cost", hardware="tpu-v9")), ValueError,
         ("unknown hardware profile 'tpu-v9'", "H200")),
-    Bad("timeout_wrong_type", "api", _raises(_strategy(timeout="30s")), ValueError,
+    Bad("timeout_wrong_type", "api", raises_case(strategy_case(timeout="30s")), ValueError,
         ("timeout must be a datetime.timedelta or a number of seconds, got '30s'",)),
-    Bad("tokens_per_rank_wrong_type", "api", _raises(_strategy(tokens_per_rank="4096")), ValueError,
+    Bad("tokens_per_rank_wrong_type", "api", raises_case(strategy_case(tokens_per_rank="4096")), ValueError,
         ("tokens_per_rank must be a positive int, got '4096'",)),
     Bad("unsupported_precision", "api", _precision, ValueError, ("got '16-true'", "bf16-mixed")),
     Bad("checkpoint_dir_is_a_file", "api", _save_into_a_file, CheckpointError,
@@ -329,17 +262,12 @@ API = [
 SINGLE = CONFIG + DATA + API
 
 
+
+
 @pytest.mark.parametrize("case", SINGLE, ids=[f"{c.area}-{c.name}" for c in SINGLE])
 def test_bad_input_single_process(case: Bad, tmp_path: Path) -> None:
     TALLY["tried"] += 1
-    call = case.make(tmp_path)
-    before = _files(tmp_path)
-    with pytest.raises(case.error) as info:
-        call()
-    message = str(info.value)
-    for fragment in case.says:
-        assert fragment in message, f"{fragment!r} not in: {message}"
-    assert not _half_written(tmp_path, before), f"left files behind: {_half_written(tmp_path, before)}"
+    check_refused(case, tmp_path)
     TALLY["handled"] += 1
 
 
@@ -460,9 +388,9 @@ def trainer_errors(ranks, tmp_path_factory):
     (base / "blocker").write_text("a file where a folder should be")
     (base / "epoch=0-step=9.ckpt.tmp").mkdir()
     (base / "epoch=0-step=9.ckpt.tmp" / "__0_0.distcp").write_bytes(b"partial")  # an interrupted save
-    before = _files(base)
+    before = files_under(base)
     results = ranks(2).run(bad_fits_at_world_2, str(base), ckpt, timeout_s=300)
-    return results, before, _files(base), base
+    return results, before, files_under(base), base
 
 
 @pytest.mark.parametrize("name", list(MULTI))

@@ -10,25 +10,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import Payload, legacy_folder, rehash, save_tiny
 
 from lightning_hotspa.adapter import checkpoint as ck
 from lightning_hotspa.adapter.checkpoint import CheckpointError
-
-
-class _Payload:
-    """Unpickling this creates ``marker`` (what a planted payload could do with any code)."""
-
-    def __init__(self, marker: Path) -> None:
-        self.marker = str(marker)
-
-    def __reduce__(self):
-        return (open, (self.marker, "w"))
-
-
-def _save(path: Path, value: float, step: int, **extra) -> Path:
-    checkpoint = {"state_dict": {"w": torch.full((4,), value)}, "global_step": step, **extra}
-    ck.save_distributed_checkpoint(checkpoint, path, is_rank_zero=True, barrier=lambda: None)
-    return path
 
 
 def _load(path: Path) -> tuple[float, int]:
@@ -40,9 +25,9 @@ def _load(path: Path) -> tuple[float, int]:
 
 def _plant(folder: Path, name: str, marker: Path) -> None:
     if name == "meta.pt":
-        torch.save(_Payload(marker), folder / name)
+        torch.save(Payload(marker), folder / name)
     else:
-        (folder / name).write_bytes(pickle.dumps(_Payload(marker)))
+        (folder / name).write_bytes(pickle.dumps(Payload(marker)))
 
 
 def _try(fn, *args) -> Exception | None:
@@ -58,7 +43,7 @@ def test_a_payload_in_a_checkpoint_never_runs_on_resume_or_export(tmp_path, name
     from lightning_hotspa.adapter.consolidate import consolidate_checkpoint
     from lightning_hotspa.adapter.hf_export import export_hf
 
-    folder = _save(tmp_path / "step=2", 2.0, 2)
+    folder = save_tiny(tmp_path / "step=2", 2.0, 2)
     marker = tmp_path / "PWNED"
     _plant(folder, name, marker)
     error = _try(_load, folder)
@@ -74,7 +59,7 @@ def test_a_progress_wrapper_sees_every_file_while_it_is_hashed(tmp_path, monkeyp
     from lightning_hotspa.adapter.checkpoint_trust import read_marker, verify_checkpoint
     from lightning_hotspa.tools.consolidate import run
 
-    folder = _save(tmp_path / "step=2", 2.0, 2)
+    folder = save_tiny(tmp_path / "step=2", 2.0, 2)
     seen: list[str] = []
     verify_checkpoint(folder, progress=lambda files: (seen.append(f) or f for f in files))
     assert seen == sorted(read_marker(folder)["files"]) and ".metadata" in seen
@@ -85,7 +70,7 @@ def test_a_progress_wrapper_sees_every_file_while_it_is_hashed(tmp_path, monkeyp
 
 
 def test_meta_is_read_weights_only_even_when_its_checksum_was_forged(tmp_path):
-    folder = _save(tmp_path / "step=2", 2.0, 2)
+    folder = save_tiny(tmp_path / "step=2", 2.0, 2)
     marker = tmp_path / "PWNED"
     _plant(folder, "meta.pt", marker)
     commit = json.loads((folder / "commit.json").read_text())
@@ -100,7 +85,7 @@ def test_meta_is_read_weights_only_even_when_its_checksum_was_forged(tmp_path):
 def test_latest_reads_only_commit_markers_and_never_unpickles_other_folders(tmp_path):
     from lightning_hotspa.adapter.node_checkpoint import CheckpointPlacement
 
-    old, new = _save(tmp_path / "step=2", 2.0, 2), _save(tmp_path / "step=4", 4.0, 4)
+    old, new = save_tiny(tmp_path / "step=2", 2.0, 2), save_tiny(tmp_path / "step=4", 4.0, 4)
     marker = tmp_path / "PWNED"
     _plant(old, "meta.pt", marker)
     _plant(old, ".metadata", marker)
@@ -129,7 +114,7 @@ def test_merge_of_node_copies_checks_them_before_reading_their_dcp_metadata(tmp_
 
 @pytest.mark.parametrize("damage", ["flip", "truncate"])
 def test_a_corrupt_shard_is_named_and_nothing_is_loaded(tmp_path, damage):
-    folder = _save(tmp_path / "step=2", 2.0, 2)
+    folder = save_tiny(tmp_path / "step=2", 2.0, 2)
     shard = folder / "__0_0.distcp"
     data = bytearray(shard.read_bytes())
     if damage == "flip":
@@ -149,7 +134,7 @@ def test_a_corrupt_shard_is_named_and_nothing_is_loaded(tmp_path, damage):
 def test_old_format_folders_are_refused_with_the_way_to_convert_them(tmp_path):
     from lightning_hotspa.tools.cli import main
 
-    folder = _save(tmp_path / "step=2", 2.0, 2)
+    folder = save_tiny(tmp_path / "step=2", 2.0, 2)
     (folder / "commit.json").unlink()  # what main wrote: a pickled meta.pt and DCP files, nothing else
     torch.save({"global_step": 2}, folder / "meta.pt")
     with pytest.raises(ck.LegacyCheckpointError, match=r"older lightning_hotspa.*hotspa upgrade-checkpoint"):
@@ -165,7 +150,7 @@ class _Custom:
 
 def test_a_save_whose_metadata_would_need_unpickling_code_is_refused_when_written(tmp_path):
     with pytest.raises(CheckpointError, match=r"weights-only load cannot read back.*_Custom"):
-        _save(tmp_path / "step=2", 2.0, 2, hyper_parameters={"thing": _Custom()})
+        save_tiny(tmp_path / "step=2", 2.0, 2, hyper_parameters={"thing": _Custom()})
     assert not (tmp_path / "step=2").exists()
 
 
@@ -184,8 +169,8 @@ def test_latest_with_nothing_to_resume_is_an_error_unless_asked_for(tmp_path):
 
 
 def test_latest_names_a_folder_whose_marker_is_unreadable(tmp_path, caplog):
-    _save(tmp_path / "step=2", 2.0, 2)
-    newest = _save(tmp_path / "step=4", 4.0, 4)
+    save_tiny(tmp_path / "step=2", 2.0, 2)
+    newest = save_tiny(tmp_path / "step=4", 4.0, 4)
     (newest / "commit.json").write_text('{"format": "lightning_hotspa checkpoint", "vers')
     with caplog.at_level("WARNING"):
         assert ck.latest_checkpoint(tmp_path) == tmp_path / "step=2"
@@ -210,8 +195,102 @@ def test_hf_index_entries_that_leave_the_model_folder_are_refused(tmp_path):
 def test_numpy_values_in_the_metadata_are_stored_as_plain_numbers(tmp_path):
     import numpy as np
 
-    folder = _save(tmp_path / "step=2", 2.0, 2, hotspa={"planner": {"scale": np.float64(1.25), "fit": np.arange(3)}})
+    folder = save_tiny(tmp_path / "step=2", 2.0, 2,
+                       hotspa={"planner": {"scale": np.float64(1.25), "fit": np.arange(3)}})
     module = torch.nn.Module()
     module.w = torch.nn.Parameter(torch.zeros(4))
     planner = ck.load_distributed_checkpoint(folder, module, [])["hotspa"]["planner"]
     assert planner["scale"] == 1.25 and type(planner["scale"]) is float and planner["fit"].tolist() == [0, 1, 2]
+
+
+# ---------------------------------------------------------- issue 41: a rewritten commit.json runs no code either
+
+
+
+
+def _planted_path(path: str, tmp_path: Path, marker: Path):
+    """Plants a payload for one load path; returns the call that must refuse it."""
+    from lightning_hotspa.adapter.checkpoint_upgrade import upgrade_legacy_checkpoint
+    from lightning_hotspa.adapter.consolidate import consolidate_checkpoint
+    from lightning_hotspa.adapter.hf_export import export_hf
+    from lightning_hotspa.adapter.node_checkpoint import CheckpointPlacement
+
+    save_tiny(tmp_path / "step=1", 1.0, 1)
+    folder = save_tiny(tmp_path / "step=2", 2.0, 2, hyper_parameters={"config": "tiny"})  # exportable metadata
+    if path.startswith("upgrade"):
+        legacy_folder(folder)
+        if path == "upgrade-meta.pt":
+            torch.save({"global_step": 2, "x": Payload(marker)}, folder / "meta.pt")
+        else:
+            _plant(folder, ".metadata", marker)
+        return lambda: upgrade_legacy_checkpoint(folder)
+    _plant(folder, ".metadata", marker)
+    rehash(folder, ".metadata")
+    placement = CheckpointPlacement(0, (0,), broadcast=lambda x: x, barrier=lambda: None)
+    return {"resume": lambda: _load(folder),
+            "latest:": lambda: _load(placement.resolve(f"latest:{tmp_path}", ["dp1"])),
+            "export": lambda: export_hf(f"latest:{tmp_path}", tmp_path / "hf"),
+            "consolidate": lambda: consolidate_checkpoint(folder, tmp_path / "c.ckpt"),
+            "export-rehashed": lambda: export_hf(folder, tmp_path / "hf")}[path]
+
+
+@pytest.mark.parametrize("path", ["resume", "latest:", "export", "consolidate", "upgrade-meta.pt",
+                                  "upgrade-.metadata", "export-rehashed"])
+def test_a_planted_payload_runs_on_none_of_the_load_paths(tmp_path, path):
+    marker = tmp_path / "PWNED"
+    error = _try(_planted_path(path, tmp_path, marker))
+    assert not marker.exists(), f"{path} ran code from the checkpoint folder"
+    assert isinstance(error, CheckpointError), error
+    assert "open" in str(error) or "weights-only" in str(error), error  # names the global it refused
+
+
+class _WithExtra(torch.nn.Module):
+    """A module with a non-tensor state item (DCP stores it as torch.save bytes)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(4))
+        self.extra = {"k": 1}
+
+    def get_extra_state(self):
+        return self.extra
+
+    def set_extra_state(self, state) -> None:
+        self.extra = state
+
+
+def test_a_planted_non_tensor_item_in_a_shard_runs_no_code_on_resume(tmp_path):
+    import dataclasses
+
+    module = _WithExtra()
+    folder = tmp_path / "step=2"
+    ck.save_distributed_checkpoint({"state_dict": module.state_dict(), "global_step": 2}, folder,
+                                   is_rank_zero=True, barrier=lambda: None)
+    assert ck.load_distributed_checkpoint(folder, _WithExtra(), [])["global_step"] == 2  # the clean folder loads
+    metadata = pickle.loads((folder / ".metadata").read_bytes())  # the folder this test just wrote
+    index = next(i for i in metadata.storage_data if i.fqn.startswith("model._extra_state"))
+    info = metadata.storage_data[index]
+    marker, payload = tmp_path / "PWNED", __import__("io").BytesIO()
+    torch.save(Payload(marker), payload)
+    shard = folder / info.relative_path
+    offset = shard.stat().st_size
+    shard.write_bytes(shard.read_bytes() + payload.getvalue())
+    metadata.storage_data[index] = dataclasses.replace(info, offset=offset, length=len(payload.getvalue()))
+    (folder / ".metadata").write_bytes(pickle.dumps(metadata))
+    rehash(folder, ".metadata", info.relative_path)
+    error = _try(ck.load_distributed_checkpoint, folder, _WithExtra(), [])
+    assert not marker.exists(), "a planted non-tensor item ran code on resume"
+    assert isinstance(error, CheckpointError) and "model._extra_state" in str(error), error
+
+
+def test_upgrade_unpickles_in_full_only_when_asked_by_flag_and_says_so(tmp_path, capsys):
+    from lightning_hotspa.tools.cli import main
+
+    folder = legacy_folder(save_tiny(tmp_path / "step=2", 2.0, 2))
+    torch.save({"global_step": 2, "hyper_parameters": {"thing": _Custom()}}, folder / "meta.pt")
+    assert main(["upgrade-checkpoint", str(folder)]) == 2
+    err = capsys.readouterr().err
+    assert "_Custom" in err and "--trust-pickle" in err and not (folder / "commit.json").exists()
+    assert main(["upgrade-checkpoint", str(folder), "--trust-pickle"]) == 2  # unpickled; still not storable
+    err = capsys.readouterr().err
+    assert "unpickling" in err and "in full" in err and "weights-only load cannot read back" in err, err

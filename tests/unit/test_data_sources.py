@@ -143,14 +143,14 @@ def write_parquet(path: Path, column: list, name: str = "text", binary: bool = F
 def test_parquet_reads_rows_across_files_and_batches(tmp_path: Path) -> None:
     write_parquet(tmp_path / "b.parquet", ["b0"])
     write_parquet(tmp_path / "a.parquet", [f"a{i}" for i in range(5)] + [""])
-    write_parquet(tmp_path / "c.parquet", [b"\xff\xfe raw"], binary=True)
+    write_parquet(tmp_path / "c.parquet", ["café raw".encode()], binary=True)  # binary: UTF-8 like any text
     src = ParquetSource(tmp_path, batch_size=2)
     docs = list(src)
     assert [d for d, _ in docs] == [f"a.parquet:{i}" for i in range(5)] + [
         "b.parquet:0",
         "c.parquet:0",
     ]
-    assert docs[-1][1] == b"\xff\xfe raw"
+    assert docs[-1][1] == "café raw".encode()
     assert src.stats.empty_skipped == 1
 
 
