@@ -450,6 +450,17 @@ class CostModelPlanner(PlannerBase):
         notes = self.last_decision.notes() if self.last_decision is not None else ()
         return StepPlan(int(step), tuple(int(n) for n in lengths.tolist()), tuple(out), notes=notes)
 
+    def plan_ladder(self, step: int, doc_lengths: Sequence[int]) -> StepPlan | None:
+        """The ladder alone: one block stage over every document (:mod:`.ladder`), whatever today's
+        plans price and unguarded (inspection, benchmarks and the block-plan correctness tests);
+        None when ladders are off or none holds the documents."""
+        lengths = self._check_lengths(doc_lengths)
+        found = self.ladder.solve(lengths) if self.ladder is not None else None
+        if found is None:
+            return None
+        return StepPlan(int(step), tuple(int(n) for n in lengths.tolist()),
+                        (_ladder_stage(found[1], lengths, self.block_mesh()),))
+
     def predict(self, plan: StepPlan) -> StepPrediction:
         """Predicted seconds of any plan over these layouts (another planner's too)."""
         def opt_of(lay: Layout, ac: bool) -> OptionCost:
@@ -466,11 +477,17 @@ class CostModelPlanner(PlannerBase):
             stages.append((opt_of(s.layout, ac), groups))
         return predict_stages(stages, plan.doc_lengths, self.cost_model, self.blocks)
 
-    def _ladder_of(self, stage: Stage, opt_of) -> tuple[OptionCost, LadderGroups]:
-        """A plan's block stage as the solver prices it (:mod:`.ladder`)."""
+    def block_mesh(self) -> MeshShape:
+        """The mesh the plans' blocks are placed on: the candidates' (with the ladder's derived
+        layouts in ``ladder="auto"``)."""
         mesh = self.ladder.mesh if self.ladder is not None and self.ladder.mesh is not None else self.blocks.shape
         if mesh is None:
-            raise PlanError(f"{type(self).__name__}: block stage {stage.layout}: the candidates share no mesh")
+            raise PlanError(f"{type(self).__name__}: the candidates {[x.name for x in self.layouts]} share no mesh")
+        return mesh
+
+    def _ladder_of(self, stage: Stage, opt_of) -> tuple[OptionCost, LadderGroups]:
+        """A plan's block stage as the solver prices it (:mod:`.ladder`)."""
+        mesh = self.block_mesh()
         blocks = []
         for b in stage.blocks:
             ranks = block_ranks(b, mesh)
@@ -553,8 +570,10 @@ def _ladder_stage(ladder: LadderGroups, lengths: np.ndarray, mesh: MeshShape) ->
         dp = [mesh.rank_coords(b.compute, b.start + j * unit)[0] for j in range(len(b.groups))]
         order = sorted(range(len(dp)), key=lambda j: dp[j])
         assert tuple(sorted(dp)) == block_dp_groups(b.compute, mesh, range(b.start, b.start + b.size))
+        secs = b.option.doc_seconds(b.option.padded(lengths))  # costliest micro-batch first (lockstep rounds)
+        key = lambda mb, s=secs: (-float(s[list(mb)].sum()), -len(mb), mb)  # noqa: E731
         blocks.append(Block(b.compute, tuple(dp[j] for j in order),
-                            tuple(tuple(sorted(b.groups[j], key=lambda mb: (-len(mb), mb))) for j in order),
+                            tuple(tuple(sorted(b.groups[j], key=key)) for j in order),
                             sharded=b.sharded, activation_checkpointing=b.option.activation_checkpointing))
     ids = ladder.doc_ids
     label = f"{int(lengths[ids].min())}-{int(lengths[ids].max())}"
