@@ -105,7 +105,8 @@ def test_declared_layouts_only_and_the_plan_slices_on_the_real_mesh(lengths):
     slices on the mesh of those layouts for a rank of every block."""
     auto = _planner(static_margin=0.0)
     stage = _block_stage(auto.plan(1, lengths))
-    declared = sorted({*LAYOUTS, *(b.layout.name for b in stage.blocks), *(b.working_layout.name for b in stage.blocks)})
+    declared = sorted({*LAYOUTS, *(b.layout.name for b in stage.blocks),
+                       *(b.working_layout.name for b in stage.blocks)})
     real = CostModelPlanner(declared, model="llama3-8b", hardware="H100", world_size=64, static_margin=0.0)
     allowed = {Layout.parse(x) for x in declared}
     assert {e.option.layout for e in real.ladder.entries} <= allowed
