@@ -229,7 +229,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
            "draws_per_step": raw["draws"], "mixed_of_draws": mixed_steps / sum(raw["draws"]),
            "plans": raw["plans"], "predicted_s_h100": raw["predicted_s"], "step_s_cpu": raw["step_s"],
            "wall_s": round(time.perf_counter() - t0, 1)}
-    print(f"{'ladder' if args.ladder else 'block' if args.blocks else 'mixed'} e2e: {mixed_steps} of {args.steps} steps with a block stage; "
+    kind = "ladder" if args.ladder else "block" if args.blocks else "mixed"
+    print(f"{kind} e2e: {mixed_steps} of {args.steps} steps with a block stage; "
           f"max loss rel diff "
           f"{out['max_loss_rel_diff']:.1e} (tolerance {args.tolerance:g}): "
           f"{'match' if out['losses_match'] else 'MISMATCH'}")
