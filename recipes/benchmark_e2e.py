@@ -39,6 +39,7 @@ communication. The last line is one JSON object.
     python recipes/benchmark_e2e.py --calibration e2e_calibration.json   # reuse / write the fit
     python recipes/benchmark_e2e.py --mixed           # mixed-cp rounds vs one process (recipes/e2e_mixed.py)
     python recipes/benchmark_e2e.py --blocks          # block stages vs one process (recipes/e2e_mixed.py)
+    python recipes/benchmark_e2e.py --ladder          # the planner's ladder of blocks vs one process
 """
 
 from __future__ import annotations
@@ -480,7 +481,7 @@ def summarize(name: str, raw: dict[str, Any], args: argparse.Namespace) -> dict[
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     given = sys.argv[1:] if argv is None else argv
-    if "--mixed" in given or "--blocks" in given:
+    if "--mixed" in given or "--blocks" in given or "--ladder" in given:
         from e2e_mixed import main as mixed  # a planner-made mixed-cp plan / a block plan against one process
 
         return mixed([a for a in given if a != "--mixed"])

@@ -22,6 +22,11 @@ that runs the short ones (any count per dp group); odd steps a replicated tp2 bl
 two replicated dp blocks {2}, {3}, the last with no micro-batch when there are few short documents.
 ``block_tokens_logged``: per step the sum of the per-block ``tokens`` the strategy logged (its W&B
 block metrics, docs/metrics.md), which must equal ``batch_tokens``.
+
+``--ladder`` (``python recipes/benchmark_e2e.py --ladder``; issue 38, planner half): each step's block
+stage is the PLANNER's ladder (``CostModelPlanner.plan_ladder``, planner/solve/ladder.py) over the same
+candidates (no checkpointing, so the long documents need a cp2 block); ``planner_choice_s_h100`` is
+what the planner's own choice (ladder or not) is predicted to take for the same documents.
 """
 
 from __future__ import annotations
@@ -98,6 +103,14 @@ def make_plans(args: argparse.Namespace):
     that mixed plans train correctly, and ``draws`` says how often the planner mixes such batches."""
     from lightning_hotspa.planner.solve.solver import CostModelPlanner
 
+    if args.ladder:  # the planner's own ladder (planner/solve/ladder.py) of every mini-batch
+        planner = CostModelPlanner(BLOCK_LAYOUTS, model=MODEL, hardware="H100", world_size=WORLD,
+                                   tokens_per_rank=args.tokens_per_rank, activation_checkpointing="none")
+        rng = np.random.default_rng(args.seed)
+        plans = [planner.plan_ladder(step, draw(rng, args)) for step in range(args.steps)]
+        if any(p is None for p in plans):
+            raise SystemExit("the ladder planner found no block plan for a drawn mini-batch")
+        return plans, planner, [1] * args.steps
     if args.blocks:
         rng = np.random.default_rng(args.seed)
         return [block_plan(step, draw(rng, args), args.tokens_per_rank) for step in range(args.steps)], None, \
@@ -153,7 +166,7 @@ def train_rank(args: argparse.Namespace) -> dict[str, Any]:
 
     plans, planner, draws = make_plans(args)
     rank = dist.get_rank()
-    layouts = BLOCK_LAYOUTS if args.blocks else LAYOUTS
+    layouts = BLOCK_LAYOUTS if args.blocks or args.ladder else LAYOUTS
     mesh = MeshShape.for_layouts([Layout.parse(x) for x in layouts], WORLD)
     vocab = LlamaLM("tiny").config.vocab_size
     batches = [slice_plan(p, documents(p, vocab), mesh, rank) for p in plans]
@@ -198,7 +211,9 @@ def train_rank(args: argparse.Namespace) -> dict[str, Any]:
     return {"losses": record.losses, "reference": reference, "step_s": record.seconds, "draws": draws,
             "block_tokens": record.block_tokens, "batch_tokens": [sum(p.doc_lengths) for p in plans],
             "plans": [plan_mix(p) for p in plans],
-            "predicted_s": [planner.predict(p).seconds for p in plans] if planner is not None else None}
+            "predicted_s": [planner.predict(p).seconds for p in plans] if planner is not None else None,
+            # what the planner itself would run for the same documents (the ladder only where cheaper)
+            "planner_choice_s": [planner.solve(p.doc_lengths)[0] for p in plans] if args.ladder else None}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -206,6 +221,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for key, value in DEFAULTS.items():
         parser.add_argument(f"--{key.replace('_', '-')}", type=type(value), default=value)
     parser.add_argument("--blocks", action="store_true", help="hand-built block stages (issue 38), no planner")
+    parser.add_argument("--ladder", action="store_true", help="the planner's ladder of blocks (issue 38) per step")
     args = parser.parse_args(argv)
     if args.steps < 1 or args.tokens_per_rank < 8 or args.short_docs < 1:
         raise SystemExit(f"--steps >= 1, --tokens-per-rank >= 8 and --short-docs >= 1, got {args.steps}, "
@@ -214,7 +230,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     raw = run_on_ranks(train_rank, WORLD, args, timeout_s=1800)[0]
     diffs = [abs(a - b) / abs(b) for a, b in zip(raw["losses"], raw["reference"])]
     mixed_steps = sum(any("blocks" in s for s in p) for p in raw["plans"])
-    out = {"world": WORLD, "layouts": BLOCK_LAYOUTS if args.blocks else LAYOUTS, "blocks": args.blocks,
+    out = {"world": WORLD, "layouts": BLOCK_LAYOUTS if args.blocks or args.ladder else LAYOUTS, "blocks": args.blocks,
+           "ladder": args.ladder, "planner_choice_s_h100": raw["planner_choice_s"],
            **{k: getattr(args, k) for k in DEFAULTS},
            "losses": raw["losses"], "reference_losses": raw["reference"], "max_loss_rel_diff": max(diffs),
            "losses_match": max(diffs) <= args.tolerance, "steps_with_a_mixed_stage": mixed_steps,
@@ -222,7 +239,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
            "plans": raw["plans"], "predicted_s_h100": raw["predicted_s"], "step_s_cpu": raw["step_s"],
            "block_tokens_logged": raw["block_tokens"], "batch_tokens": raw["batch_tokens"],
            "wall_s": round(time.perf_counter() - t0, 1)}
-    print(f"{'block' if args.blocks else 'mixed'} e2e: {mixed_steps} of {args.steps} steps with a block stage; "
+    kind = "ladder" if args.ladder else "block" if args.blocks else "mixed"
+    print(f"{kind} e2e: {mixed_steps} of {args.steps} steps with a block stage; "
           f"max loss rel diff "
           f"{out['max_loss_rel_diff']:.1e} (tolerance {args.tolerance:g}): "
           f"{'match' if out['losses_match'] else 'MISMATCH'}")

@@ -35,7 +35,7 @@ from ..planner.base import PricedPlanner
 from .stats import monitor_metrics
 from .strategy import HotSPaStrategy
 from .telemetry import RunSummary, detect_hardware, records_as_rows, stage_flops
-from .timeline import PARTS, draw_timeline
+from .timeline import PARTS, block_lanes, draw_timeline
 
 __all__ = ["HotSPaMonitor", "HotSPaProgressBar", "epoch_text", "plan_text"]
 
@@ -185,7 +185,9 @@ class HotSPaMonitor(L.Callback):
         if self._due(self.table_every, trainer):
             self._log_table(trainer, step, records)
         if result is not None and result.stages and self._due(self.timeline_every, trainer):
-            self._log_timeline(trainer, step, _rank_timings(result), stages, predicted)
+            lanes = block_lanes(plan, trainer.strategy.mesh_shape) if isinstance(plan, StepPlan) and getattr(
+                trainer.strategy, "mesh_shape", None) is not None else []
+            self._log_timeline(trainer, step, _rank_timings(result), stages, predicted, lanes)
 
     def _flops(self, plan: StepPlan) -> list[float | None] | None:
         if self._flops_per_token is None:
@@ -227,11 +229,12 @@ class HotSPaMonitor(L.Callback):
                                  step=step)
 
     def _log_timeline(self, trainer: L.Trainer, step: int, timings: np.ndarray, stages: Sequence[tuple[str, str]],
-                      predicted: Sequence[float | None] | None) -> None:
+                      predicted: Sequence[float | None] | None, lanes: Sequence[tuple[str, Sequence[int]]] = ()
+                      ) -> None:
         path = self.output_dir / "timeline" / f"step_{step:06d}.png"
         try:
             draw_timeline(timings, [s[0] for s in stages], [s[1] for s in stages], path, step=step,
-                          predicted_s=predicted)
+                          predicted_s=predicted, lanes=lanes or None)
         except Exception as exc:  # a plot must never stop training
             self._warn_once("timeline", f"could not draw the timeline ({type(exc).__name__}: {exc})")
             return

@@ -284,7 +284,7 @@ def _best_static(cm: AnalyticCostModel, layouts: Sequence[Layout], batches: Sequ
     # the bound ranks the layouts; the real solver decides among the closest few
     real = []
     for _, i in sorted(bounds)[:8]:  # 8: every degree set comes in two working copies
-        planner = CostModelPlanner([layouts[i]], model=cm.model, hardware=cm.hardware)
+        planner = CostModelPlanner([layouts[i]], model=cm.model, hardware=cm.hardware, ladder=False)
         real.append((sum(planner.solve(b)[0] for b in batches), i))
     return min(real)[1]
 
@@ -300,7 +300,7 @@ def _refine(cm: AnalyticCostModel, layouts: Sequence[Layout],
     """
     def real(subset: tuple[int, ...]) -> float:  # the plans' own quality: no guard (a gain below the
         planner = CostModelPlanner([layouts[i] for i in subset], model=cm.model,  # margin would score as
-                                   hardware=cm.hardware, static_margin=0.0)  # the star's static plan)
+                                   hardware=cm.hardware, static_margin=0.0, ladder=False)  # the star's static plan)
         return sum(planner.solve(sample)[0] for sample in samples)
 
     ranked = sorted(scored)

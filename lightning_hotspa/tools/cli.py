@@ -125,8 +125,9 @@ def _cmd_plan(args: argparse.Namespace) -> dict[str, Any]:
         layouts: Any = auto_layouts(args.world_size, cm.model, cm.hardware, args.context, lengths=lengths)
     else:
         layouts = [x for x in args.layouts.split(",") if x.strip()]
+    ladder = {"auto": "auto", "declared": True, "off": False}[args.ladder]
     planner = CostModelPlanner(layouts, model=cm.model, hardware=cm.hardware, world_size=args.world_size,
-                               tokens_per_rank=args.tokens_per_rank)
+                               tokens_per_rank=args.tokens_per_rank, ladder=ladder)
     plan = planner.plan(args.step, lengths)
     pred = planner.predict(plan)
     statics = static_layouts(cm, int(lengths.max()), include_pp=False, tokens_per_rank=args.tokens_per_rank)
@@ -140,24 +141,55 @@ def _cmd_plan(args: argparse.Namespace) -> dict[str, Any]:
     print(f"{cm.model.n_layers}-layer model ({cm.params / 1e9:.2f}B) on {args.world_size} x {cm.hardware.name}; "
           f"{lengths.size} documents, {int(lengths.sum())} tokens; candidates "
           f"{', '.join(x.name for x in planner.layouts)}")
-    for r in rows:
+    blocks = [block_rows(planner, st, sp) for st, sp in zip(plan.stages, pred.stages)]
+    for k, r in enumerate(rows):
         cells = enumerate(zip(r, widths, strict=True))
         print("  ".join(c.rjust(w) if i in (1, 2, 5, 6) else c.ljust(w) for i, (c, w) in cells))
+        for b in blocks[k - 1] if k else ():
+            print(f"    block {b['block']}: ranks {b['ranks']}, {b['layout']} ({b['copy']} copy {b['working']}, "
+                  f"ckpt {b['checkpointing']}), micro-batches {b['micro_batches']}, {b['documents']} docs, "
+                  f"predicted {b['predicted_s']:.3f} s")
     print(f"switches {pred.switch_seconds:.3f} s; step {pred.seconds:.3f} s; {pred.tokens_per_s:,.0f} tokens/s")
     speedup = static[best] / pred.seconds if best else None
     if best:
         print(f"best static layout {best}: {static[best]:.3f} s -> predicted speed-up {speedup:.3f}x")
-    why_static = _why_one_layout(planner.last_decision, {s.layout for s in plan.stages})
+    why_static = _why_one_layout(planner.last_decision, {s.layout for s in plan.stages}
+                                 | {b.layout for s in plan.stages for b in s.blocks})
     if why_static:
         print(why_static)
     return {
         "command": "plan", "model": args.model, "world_size": args.world_size, "hardware": cm.hardware.name,
         "context": args.context, "data": args.data, "documents": int(lengths.size), "tokens": int(lengths.sum()),
         "layouts": [x.name for x in planner.layouts], "step_s": pred.seconds, "tokens_per_s": pred.tokens_per_s,
-        "stages": [s.as_dict() for s in pred.stages],
+        "stages": [{**s.as_dict(), **({"blocks": b} if b else {})} for s, b in zip(pred.stages, blocks)],
         "best_static": {"layout": best, "seconds": static[best]} if best else None,
         "static_s": static, "speedup_vs_best_static": speedup, "why_one_layout": why_static,
     }
+
+
+def block_rows(planner: Any, stage: Any, predicted: Any) -> list[dict[str, Any]]:
+    """The blocks of a block stage as ``hotspa plan`` prints them (empty for any other stage): ranks,
+    compute and working layout, checkpointing, micro-batches per dp group, predicted seconds.
+
+    Args:
+        planner: the :class:`CostModelPlanner` that made the plan (its mesh places the blocks).
+        stage: a :class:`~lightning_hotspa.plan.Stage`.
+        predicted: its :class:`~lightning_hotspa.planner.cost.predict.StagePrediction` (per block seconds).
+    """
+    from ..plan import block_ranks
+
+    if not stage.blocks or stage.lockstep_blocks:
+        return []
+    mesh = planner.block_mesh()
+    out = []
+    for k, (b, secs) in enumerate(zip(stage.blocks, predicted.group_seconds)):
+        ranks = block_ranks(b, mesh)
+        out.append({"block": k, "ranks": f"{ranks[0]}-{ranks[-1]}", "layout": b.layout.name,
+                    "working": b.working_layout.name, "copy": "sharded" if b.sharded else "replicated",
+                    "checkpointing": b.checkpointing(stage.activation_checkpointing).value,
+                    "micro_batches": [len(g) for g in b.micro_batches],
+                    "documents": sum(len(mb) for g in b.micro_batches for mb in g), "predicted_s": float(secs)})
+    return out
 
 
 def _why_one_layout(decision: Any, layouts: set) -> str | None:
@@ -430,6 +462,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--layouts", default="auto", help="'auto' or a comma list like dp8,dp4xtp2,tp4xcp2")
     plan.add_argument("--tokens-per-rank", type=_positive, default=None,
                       help="micro-batch capacity per rank (default: from the memory model)")
+    plan.add_argument("--ladder", choices=("declared", "auto", "off"), default="declared",
+                      help="block stages (a cp ladder, blocks side by side): of the given layouts only (a real "
+                           "run's mesh), of derived ones too (auto: declare them to run it), or none")
     plan.add_argument("--seed", type=int, default=0)
     plan.add_argument("--step", type=int, default=0)
     plan.add_argument("--json", action="store_true", help="print one JSON object as the last line")

@@ -199,3 +199,26 @@ def test_memory_model_and_estimator_agree_on_a_sharded_block():
     assert abs(got["peak_bytes"] / cm.peak_bytes(lay, False, 1024, mixed_tp=True) - 1) < 0.02
     # the working copy and its main grads: twice the world-sharded copy's per rank (2 ranks, not 4)
     assert cm.memory(lay, False).working == pytest.approx(2 * cm.memory(Layout.parse("dp2xcp2:kv:fsdp"), False).working)
+
+
+def ladder_plans() -> list[StepPlan]:
+    """The ladder planner's own block plans (planner/solve/ladder.py) over :data:`LENGTHS` on 4 ranks:
+    the candidates declare every block layout (priced as llama7b on H100 with 36 tokens per rank and no
+    checkpointing, so the longest documents need a cp2 block beside dp blocks)."""
+    from lightning_hotspa.planner.solve.solver import CostModelPlanner
+
+    planner = CostModelPlanner(BLOCK_LAYOUTS[4], model="llama7b", hardware="H100", world_size=4,
+                               tokens_per_rank=36, activation_checkpointing="none")
+    plans = [planner.plan_ladder(step, LENGTHS[step % len(LENGTHS)]) for step in range(2)]
+    assert all(p is not None and len({b.layout for b in p.stages[0].blocks}) > 1 for p in plans), plans
+    return plans
+
+
+def run_ladder(precision: str):
+    return fit_and_compare(BLOCK_LAYOUTS[4], 2, precision, plans=ladder_plans())
+
+
+def test_the_planners_ladder_matches_single_process(ranks):
+    """A planner-made block plan (a cp2 block beside a dp block, each on its own stream) trains like
+    the single process: fp32 gradients per step at 1e-5."""
+    _check(ranks(4).run(run_ladder, "32-true", timeout_s=900)[0], 1e-5, 1e-5, 1e-4, 2)

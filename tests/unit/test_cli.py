@@ -193,3 +193,22 @@ def test_plan_on_a_corpus_shows_its_tokenizing_progress(monkeypatch, capsys, tmp
     out, err = capsys.readouterr()
     assert "hotspa plan: tokenizing --data" in err and "40doc" in err.replace(" ", "")
     assert json.loads(out.strip().splitlines()[-1])["command"] == "plan"
+
+
+def test_plan_prints_the_blocks_of_a_block_stage(capsys: pytest.CaptureFixture[str]) -> None:
+    """``hotspa plan`` lists each block of a block stage: ranks, layout, copy, micro-batches, seconds."""
+    code, out, err = run(capsys, "plan", "--model", "llama3-8b", "--world-size", "64", "--hardware", "H100",
+                         "--data", "github", "--global-batch-tokens", "4M", "--context", "256K", "--step", "1",
+                         "--layouts", "dp16xtp4,dp4xtp4xcp4:kv,dp2xtp4xcp8:kv4,tp4xcp16:kv8", "--ladder", "auto",
+                         "--json")
+    assert code == 0, err
+    result = json.loads(out.strip().splitlines()[-1])
+    (stage,) = [s for s in result["stages"] if "blocks" in s]
+    blocks = stage["blocks"]
+    assert len(blocks) >= 2 and stage["layout"].startswith("blocks[")
+    spans = [tuple(int(x) for x in b["ranks"].split("-")) for b in blocks]
+    assert sum(hi - lo + 1 for lo, hi in spans) == 64 and spans[0][0] == 0
+    assert max(b["predicted_s"] for b in blocks) == pytest.approx(stage["compute_s"])
+    assert sum(b["documents"] for b in blocks) == stage["documents"]
+    for b in blocks:
+        assert f"block {b['block']}: ranks {b['ranks']}, {b['layout']} ({b['copy']} copy {b['working']}" in out

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from ...checkpointing import Checkpointing
+from ..solve.ladder import LadderGroups
 from ..solve.mixed_rounds import MixedGroups, mixed_seconds
 from .cost_model import AnalyticCostModel, OptionCost, shares_gradients
 from .timeline import GroupBlocks, Timeline, stage_group_seconds
@@ -91,6 +92,11 @@ class StepPrediction:
                 "stages": [s.as_dict() for s in self.stages]}
 
 
+def _ladder_name(ladder: LadderGroups) -> str:
+    """A block stage's name in predictions: its blocks, ``blocks[dp4xcp256:kv32:fsdp256+ac x256 | ...]``."""
+    return "blocks[" + " | ".join(f"{b.option.label} x{b.size}" for b in ladder.blocks) + "]"
+
+
 def predict_stages(stages: Sequence[tuple[OptionCost, Groups]], lengths: Sequence[int] | np.ndarray,
                    cost_model: AnalyticCostModel, blocks: GroupBlocks | None = None,
                    in_order: bool = True) -> StepPrediction:
@@ -101,7 +107,21 @@ def predict_stages(stages: Sequence[tuple[OptionCost, Groups]], lengths: Sequenc
     arr = np.asarray(lengths, dtype=np.int64)
     out, prev, line = [], None, Timeline(blocks)
     for k, (opt, groups) in enumerate(stages):
-        carried = k + 1 < len(stages) and shares_gradients(opt.layout, stages[k + 1][0].layout)
+        carried = k + 1 < len(stages) and shares_gradients(opt.layout, stages[k + 1][0].layout) \
+            and not isinstance(groups, LadderGroups) and not isinstance(stages[k + 1][1], LadderGroups)
+        if isinstance(groups, LadderGroups):  # blocks on their own clocks: the stage is its slowest
+            ids = np.asarray(groups.doc_ids, dtype=np.int64)  # block, then the joint exchange
+            group_seconds = groups.block_seconds(arr, in_order)
+            line.add_barrier(float(group_seconds.max(initial=0.0)))
+            out.append(StagePrediction(
+                layout=_ladder_name(groups), activation_checkpointing=opt.activation_checkpointing,
+                documents=int(ids.size), tokens=int(arr[ids].sum()) if ids.size else 0,
+                micro_batches=groups.micro_batches, min_length=int(arr[ids].min()) if ids.size else 0,
+                max_length=int(arr[ids].max()) if ids.size else 0, group_seconds=tuple(group_seconds.tolist()),
+                stage_fixed=groups.exchange, switch_seconds=groups.switch_in, switch_bytes=max(
+                    cost_model.switch_bytes(None, b.option.layout) for b in groups.blocks)))
+            prev = None  # the next stage starts from home
+            continue
         if isinstance(groups, MixedGroups):  # mixed-cp lockstep rounds: all blocks end together
             ids = np.asarray(groups.doc_ids, dtype=np.int64)
             group_seconds = np.array([mixed_seconds(groups, arr, in_order)])

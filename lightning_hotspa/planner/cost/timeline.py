@@ -92,6 +92,11 @@ class Timeline:
         busy = seconds > 0
         self._free[spans[busy]] = (self._free[spans[busy]].max(axis=1) + seconds[busy])[:, None]
 
+    def add_barrier(self, seconds: float) -> None:
+        """A stage every rank starts together and ends together (a block stage: ``seconds``, its slowest block)."""
+        self._close()
+        self.total += float(seconds)
+
     def _close(self) -> None:
         self.total += float(self._free.max(initial=0.0))
         self._run, self._free = None, np.zeros(0)

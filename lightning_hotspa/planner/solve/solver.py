@@ -49,7 +49,7 @@ from ...checkpointing import Checkpointing, parse_checkpointing_spec
 from ...checks import check_int
 from ...layout import Layout, LayoutError, MeshShape, parse_layouts
 from ...model_shape import ModelShape
-from ...plan import Block, PlanError, Stage, StepPlan
+from ...plan import Block, PlanError, Stage, StepPlan, block_dp_groups, block_ranks
 from ..base import PlannerBase
 from ..cost.cost_model import AnalyticCostModel, OptionCost
 from ..cost.hardware import HardwareProfile
@@ -59,6 +59,7 @@ from ..profiled.calibration import Observation, ProfiledCoefficients, apply_coef
 from ..profiled.schedule import CoefficientSchedule, ScheduleEntry
 from .assign import pack_in_order, solve_heuristic
 from .exact import solve_exact
+from .ladder import LadderBlock, LadderGroups, LadderPlanner, joint_exchange_seconds, remap
 from .mixed_rounds import MixedBlock, MixedGroups, MixedRounds
 from .packing import DocumentTooLongError, pack_layout
 from .static_guard import DEFAULT_STATIC_MARGIN, GuardDecision, check_margin, guard
@@ -69,6 +70,8 @@ __all__ = ["CostModelPlanner"]
 # (max group / mean - 1) and it has at most this many documents (pack_layout costs ~10 ms at 500).
 _POLISH_IMBALANCE = 0.002
 _POLISH_MAX_DOCS = 256
+#: a ladder's head: the documents whose least time alone on a block exceeds this share of today's plan
+_HEAD_SHARES = (0.75, 0.5)
 #: checkpointing options in the order they are listed (plain first)
 _MODES = (Checkpointing.NONE, Checkpointing.SELECTIVE, Checkpointing.FULL)
 
@@ -108,6 +111,11 @@ class CostModelPlanner(PlannerBase):
         mixed_rounds: a sharded working copy's stage may compute in two of its candidate layouts
             on different dp blocks at once (:mod:`.mixed_rounds`) where that prices lower; False:
             every stage computes in one layout.
+        ladder: also consider one block stage of blocks side by side (:mod:`.ladder`), whose
+            compute and working layouts are among ``layouts`` (True: what a real run's mesh has);
+            ``"auto"``: blocks of every cp degree (powers of two up to the candidates' widest) of
+            the candidates' tp degrees and cp kinds, working copies derived (simulation and dry
+            runs: the mesh must then be declared with them); False: none.
     """
 
     def __init__(
@@ -126,11 +134,13 @@ class CostModelPlanner(PlannerBase):
         static_margin: float = DEFAULT_STATIC_MARGIN,
         split_checkpointing: bool = True,
         mixed_rounds: bool = True,
+        ladder: bool | Literal["auto"] = True,
     ) -> None:
         self.decides_checkpointing = True  # each stage's flag is the plan's choice (priced so)
         name = type(self).__name__
         self.static_margin = check_margin(static_margin, name)
         self.last_decision: GuardDecision | None = None  # the guard's view of the last solve
+        self.last_multi: tuple[float, list] | None = None
         if isinstance(layouts, str) and layouts == "auto":
             raise PlanError(f"{name}(layouts='auto'): choose the candidates with "
                             f"planner.candidates.auto_planner(world_size, context, model=..., hardware=...)")
@@ -150,6 +160,7 @@ class CostModelPlanner(PlannerBase):
         self.profiled = bool(profiled)
         self._plan_lag = check_int(plan_lag, f"{name}: plan_lag", minimum=0, error=PlanError)
         self.coefficients = ProfiledCoefficients(refit_every=refit_every)
+        self._ac_spec = activation_checkpointing
         self._ac_modes = {lay: self._ac_mode(lay, activation_checkpointing) for lay in self.layouts}
         self._analytic: dict[tuple[Layout, Checkpointing], OptionCost] = {}
         for lay in self.layouts:
@@ -163,6 +174,7 @@ class CostModelPlanner(PlannerBase):
                                 f"optimizer state alone exceed the memory of a {self.cost_model.hardware.name}")
         self.mixed_rounds = MixedRounds(list(self._analytic.values()), self.blocks.shape) if mixed_rounds \
             else MixedRounds((), None)  # which options a sharded stage may mix (mixed_rounds.py)
+        self.ladder = self._ladder_planner(ladder)
         self._orders: dict[frozenset[Layout], tuple[float, tuple[Layout, ...]]] = {}
         self._schedule = CoefficientSchedule(self._sorted_keys(self._analytic), refit_every, plan_lag) \
             if self.profiled else None
@@ -186,6 +198,36 @@ class CostModelPlanner(PlannerBase):
                                 f"use 'auto' (none or full there), 'full' or 'none'")
             return (mode,)
         return (Checkpointing.FULL if lay in parsed else Checkpointing.NONE,)
+
+    def _ladder_planner(self, spec: bool | str) -> LadderPlanner | None:
+        """The ladder's block options (None: off): from the candidates, or derived (``"auto"``)."""
+        if spec is False:
+            return None
+        if spec not in (True, "auto"):
+            raise PlanError(f"{type(self).__name__}: ladder must be True, False or 'auto', got {spec!r}")
+        world = self.cost_model.world_size
+        plain = sorted({lay.degrees for lay in self.layouts if lay.pp == 1}, key=lambda x: (x.tp, x.cp, x.cp_kv))
+        modes = {lay: self._ac_mode(lay, self._ac_spec) for lay in plain}
+        if spec == "auto":
+            computes = set(plain)
+            for base in plain:
+                cp = 1
+                while base.tp * cp <= world and world % (base.tp * cp) == 0 and cp <= base.cp:
+                    for kv in sorted({1, cp, min(cp, base.cp_kv)}):
+                        if cp % kv == 0:
+                            try:
+                                lay = Layout(dp=world // (base.tp * cp), tp=base.tp, cp=cp, cp_kv=kv)
+                                self.cost_model.check(lay)
+                                computes.add(lay)
+                            except (LayoutError, ValueError):
+                                pass
+                    cp *= 2
+            computes_list = sorted(computes, key=lambda x: (x.tp, x.cp, x.cp_kv))
+            modes = {lay: self._ac_mode(lay, self._ac_spec) for lay in computes_list}
+            return LadderPlanner(self.cost_model, computes_list, None, modes, self._capacity_override) or None
+        computes_list = [lay for lay in plain if lay in self.layouts]
+        return LadderPlanner(self.cost_model, computes_list, set(self.layouts), modes,
+                             self._capacity_override) or None
 
     def _capacity_override(self, lay: Layout, ac: Checkpointing) -> int | None:
         if self.tokens_per_rank is None:
@@ -241,6 +283,8 @@ class CostModelPlanner(PlannerBase):
     def capacity(self, layout: Layout) -> int:
         """Largest micro-batch of ``layout`` over its allowed checkpointing choices."""
         caps = [o.capacity for k, o in self.options.items() if k[0] == layout]
+        if not caps and self.ladder is not None:  # a block's working layout
+            caps = [o.capacity for k, o in self.ladder.options.items() if k[0] == layout]
         if not caps:
             raise LayoutError(f"layout {layout} is not among the candidates {[str(x) for x in self.layouts]}")
         return max(caps)
@@ -293,8 +337,41 @@ class CostModelPlanner(PlannerBase):
         lengths = self._check_lengths(doc_lengths)
         option_list = list(self._option_list if options is None else options)
         multi = self._solve_over(lengths, option_list)
+        if self.ladder is not None:  # a block stage of blocks side by side, where it prices lower
+            found = self._ladder_plan(lengths, option_list, multi[0])
+            if found is not None and found[0] < multi[0] * (1 - 1e-9):
+                multi = found
+        self.last_multi = multi  # before the guard (the grid re-guards it at other margins)
         chosen, self.last_decision = guard(lengths, option_list, multi, self.static_margin, self._solve_over)
         return chosen
+
+    def _ladder_plan(self, lengths: np.ndarray, option_list: list[OptionCost], plain_s: float
+                     ) -> tuple[float, list] | None:
+        """The cheapest plan of a ladder stage (:mod:`.ladder`), either over every document or after
+        a head of ordinary stages (the plain solver's) for the longest documents that no block
+        finishes alone within ``plain_s`` (today's plan): they need the whole world."""
+        assert self.ladder is not None
+        order = np.lexsort((np.arange(lengths.size), -lengths))
+        alone = self.ladder.alone_seconds(lengths)
+        best = None
+        for k in sorted({0, *(int((alone > share * plain_s).sum()) for share in _HEAD_SHARES)}):
+            if k >= lengths.size:
+                continue
+            rest = np.sort(order[k:])
+            found = self.ladder.solve(lengths[rest])
+            if found is None:
+                continue
+            stages: list = []
+            if k:
+                head = np.sort(order[:k])
+                _, plain = self._solve_plain(lengths[head], option_list)
+                stages = [(o, tuple(tuple(tuple(int(head[d]) for d in mb) for mb in g) for g in groups))
+                          for o, groups in plain]
+            stages.append((found[1].blocks[0].option, remap(found[1], rest)))
+            secs = self._seconds(lengths, stages)
+            if best is None or secs < best[0] - 1e-12:
+                best = (secs, stages)
+        return best
 
     def _solve_over(self, lengths: np.ndarray, option_list: list[OptionCost]) -> tuple[float, list]:
         total, stages = self._solve_plain(lengths, option_list)
@@ -359,6 +436,9 @@ class CostModelPlanner(PlannerBase):
             if isinstance(groups, MixedGroups):
                 out.append(_mixed_stage(opt, groups, lengths))
                 continue
+            if isinstance(groups, LadderGroups):
+                out.append(_ladder_stage(groups, lengths, self.ladder.mesh))
+                continue
             ids = [d for g in groups for mb in g for d in mb]
             label = f"{int(lengths[ids].min())}-{int(lengths[ids].max())}"
             if opt.layout.lockstep:  # lockstep rounds: costliest micro-batches first in every group
@@ -371,6 +451,17 @@ class CostModelPlanner(PlannerBase):
         notes = self.last_decision.notes() if self.last_decision is not None else ()
         return StepPlan(int(step), tuple(int(n) for n in lengths.tolist()), tuple(out), notes=notes)
 
+    def plan_ladder(self, step: int, doc_lengths: Sequence[int]) -> StepPlan | None:
+        """The ladder alone: one block stage over every document (:mod:`.ladder`), whatever today's
+        plans price and unguarded (inspection, benchmarks and the block-plan correctness tests);
+        None when ladders are off or none holds the documents."""
+        lengths = self._check_lengths(doc_lengths)
+        found = self.ladder.solve(lengths) if self.ladder is not None else None
+        if found is None:
+            return None
+        return StepPlan(int(step), tuple(int(n) for n in lengths.tolist()),
+                        (_ladder_stage(found[1], lengths, self.block_mesh()),))
+
     def predict(self, plan: StepPlan) -> StepPrediction:
         """Predicted seconds of any plan over these layouts (another planner's too)."""
         def opt_of(lay: Layout, ac: bool) -> OptionCost:
@@ -379,10 +470,36 @@ class CostModelPlanner(PlannerBase):
         stages = []
         for s in plan.stages:
             ac = s.activation_checkpointing
+            if s.blocks and not s.lockstep_blocks:
+                stages.append(self._ladder_of(s, opt_of))
+                continue
             groups = MixedGroups(tuple(MixedBlock(opt_of(b.layout, ac), b.dp_groups, b.micro_batches)
                                        for b in s.blocks)) if s.blocks else s.micro_batches
             stages.append((opt_of(s.layout, ac), groups))
         return predict_stages(stages, plan.doc_lengths, self.cost_model, self.blocks)
+
+    def block_mesh(self) -> MeshShape:
+        """The mesh the plans' blocks are placed on: the candidates' (with the ladder's derived
+        layouts in ``ladder="auto"``)."""
+        mesh = self.ladder.mesh if self.ladder is not None and self.ladder.mesh is not None else self.blocks.shape
+        if mesh is None:
+            raise PlanError(f"{type(self).__name__}: the candidates {[x.name for x in self.layouts]} share no mesh")
+        return mesh
+
+    def _ladder_of(self, stage: Stage, opt_of) -> tuple[OptionCost, LadderGroups]:
+        """A plan's block stage as the solver prices it (:mod:`.ladder`)."""
+        mesh = self.block_mesh()
+        blocks = []
+        for b in stage.blocks:
+            ranks = block_ranks(b, mesh)
+            opt = opt_of(b.working_layout, b.checkpointing(stage.activation_checkpointing))
+            blocks.append(LadderBlock(opt, b.layout, ranks[0], len(ranks), b.sharded, b.micro_batches))
+        blocks.sort(key=lambda x: x.start)
+        trio = [(x.compute, x.size, x.sharded) for x in blocks]
+        cm = self.cost_model
+        groups = LadderGroups(tuple(blocks), max(cm.switch_seconds(None, x.option.layout) for x in blocks),
+                              joint_exchange_seconds(cm, trio))
+        return blocks[0].option, groups
 
     # ------------------------------------------------------------------ profiled mode
     def observe(self, observations: Iterable[Observation]) -> None:
@@ -444,6 +561,24 @@ def _mixed_stage(opt: OptionCost, mixed: MixedGroups, lengths: np.ndarray) -> St
                    for b in mixed.blocks)
     label = f"{int(lengths[ids].min())}-{int(lengths[ids].max())}"
     return Stage(opt.layout, (), opt.activation_checkpointing, label, blocks=blocks)
+
+
+def _ladder_stage(ladder: LadderGroups, lengths: np.ndarray, mesh: MeshShape) -> Stage:
+    """The plan's block stage: a :class:`Block` per ladder block, its dp groups in the mesh's dp order."""
+    blocks = []
+    for b in ladder.blocks:
+        unit = b.compute.tp * b.compute.cp
+        dp = [mesh.rank_coords(b.compute, b.start + j * unit)[0] for j in range(len(b.groups))]
+        order = sorted(range(len(dp)), key=lambda j: dp[j])
+        assert tuple(sorted(dp)) == block_dp_groups(b.compute, mesh, range(b.start, b.start + b.size))
+        secs = b.option.doc_seconds(b.option.padded(lengths))  # costliest micro-batch first (lockstep rounds)
+        key = lambda mb, s=secs: (-float(s[list(mb)].sum()), -len(mb), mb)  # noqa: E731
+        blocks.append(Block(b.compute, tuple(dp[j] for j in order),
+                            tuple(tuple(sorted(b.groups[j], key=key)) for j in order),
+                            sharded=b.sharded, activation_checkpointing=b.option.activation_checkpointing))
+    ids = ladder.doc_ids
+    label = f"{int(lengths[ids].min())}-{int(lengths[ids].max())}"
+    return Stage(ladder.blocks[0].compute, (), Checkpointing.NONE, label, blocks=tuple(blocks))
 
 
 def _in_loader_worker() -> bool:

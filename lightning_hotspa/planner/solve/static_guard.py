@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..cost.cost_model import OptionCost
+from .ladder import LadderGroups
 from .mixed_rounds import MixedGroups
 
 __all__ = ["DEFAULT_STATIC_MARGIN", "GuardDecision", "check_margin", "guard"]
@@ -70,7 +71,11 @@ def guard(lengths: np.ndarray, options: Sequence[OptionCost], multi: Solution, m
     (the same solver the multi-layout plan came from)."""
     total, stages = multi
     used = {opt.layout for opt, _ in stages}  # a mixed stage's blocks compute in layouts of their own
-    used.update(lay for _, groups in stages if isinstance(groups, MixedGroups) for lay in groups.layouts)
+    for _, groups in stages:
+        if isinstance(groups, (MixedGroups, LadderGroups)):
+            used.update(groups.layouts)
+        if isinstance(groups, LadderGroups):  # never a static plan, even of one compute layout:
+            used.update(("block", k) for k in range(len(groups.blocks)))  # its blocks run copies of their own
     longest = int(lengths.max())
     by_layout: dict[object, list[OptionCost]] = {}
     for opt in options:

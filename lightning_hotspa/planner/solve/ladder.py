@@ -1,0 +1,487 @@
+"""A context-parallel ladder of blocks: one block stage whose blocks run side by side (issue 38).
+
+Why: the headroom of long-context steps sits in the longest document's own time on its group. In a
+plan of stages in sequence, the stage holding the 512K document on cp256 idles (or under-fills)
+every other dp group of that layout while it runs. A block stage (``plan.Block``, docs/DESIGN.md §4
+"Blocks") lets the world split into aligned sub-meshes that each run their own layout, copy and
+micro-batch stream at once: the long document's block on wide cp, medium documents on narrower cp
+beside it, the short ones on plain dp, all ending together in ONE joint gradient exchange.
+
+Priced as the runtime runs it (:func:`ladder_seconds`): each block on its own clock over its own
+working copy (a sharded copy: its option is the ``:fsdp<n>`` working layout's, whose per-micro-batch
+gathers and reduce-scatters span the block only and whose capacity holds parameters / block ranks;
+a replicated one: the plain layout's), the stage's compute is its slowest block, plus the copy's
+materialization from home (the slowest block's gather) and the joint exchange (each rank's share
+of its block's fp32 gradient sent to the home holders, one all-to-all at the per-rank inter-node
+bandwidth once the world spans nodes).
+
+How (deterministic, no randomness; :meth:`LadderPlanner.solve`): per compute layout and document
+the cheapest option (block size, copy, checkpointing) that holds it gives a rate; for a step time
+``T``, every document goes to its cheapest-rate layout in which it alone finishes within ``T``
+(longest documents decide ``T``'s floor), each layout gets the dp groups its work needs in ``T``,
+rounded up to aligned block sizes (a divisor chain of the world), bisection finds the smallest
+``T`` whose blocks tile the world, and the spare ranks go to the busiest layouts. Each block takes
+its cheapest copy / checkpointing that holds its documents; then documents, longest first, go by
+LPT to the dp group (over every block that holds them) that finishes them earliest on its own
+clock, and are packed first-fit into micro-batches of their block's capacity. A few ``T`` are
+priced exactly and the cheapest kept.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from ...checkpointing import Checkpointing
+from ...layout import Layout, LayoutError, MeshShape
+from ..cost.cost_model import AnalyticCostModel, CostModelError, OptionCost
+from ..cost.timeline import stage_group_seconds
+
+__all__ = ["LadderBlock", "LadderGroups", "LadderPlanner", "block_chain", "joint_exchange_seconds", "ladder_seconds",
+           "remap", "working_layout"]
+
+StageGroups = tuple[tuple[tuple[int, ...], ...], ...]  # [dp group][micro-batch] -> doc indices
+#: step-time multiples of the smallest tiling ``T`` that are priced exactly (larger ``T``: fewer,
+#: cheaper-rate blocks)
+_T_TRIES = (1.0, 1.1, 1.25)
+_BISECT = 14
+#: a class keeps a dp group its work fills to 1 - this much (the rest: spare ranks, given by load);
+#: each is tried (rounding to the nearest group overshoots the world when many classes round up)
+_ROUNDS = (0.5, 0.25)
+_MODE_ORDER = tuple(Checkpointing)
+
+
+def block_chain(world: int) -> tuple[int, ...]:
+    """Block sizes that tile ``world`` aligned when placed largest first: ``world / 2^j``."""
+    out, n = [], world
+    while True:
+        out.append(n)
+        if n % 2:
+            return tuple(out)
+        n //= 2
+
+
+def working_layout(compute: Layout, ranks: int, sharded: bool) -> Layout:
+    """The working layout of a block of ``ranks`` ranks computing in ``compute``: ``compute`` itself
+    (replicated copy) or ``compute`` sharded over the block's dp x cp ranks (``plan.Block.working_layout``)."""
+    if not sharded:
+        return compute
+    shard = ranks // compute.tp
+    return Layout(dp=compute.dp, tp=compute.tp, cp=compute.cp, cp_kv=compute.cp_kv, fsdp=True,
+                  fsdp_shard=0 if shard == compute.dp * compute.cp else shard)
+
+
+@dataclass(frozen=True)
+class LadderBlock:
+    """One block of a ladder as the solver holds it.
+
+    Args:
+        option: the working copy's option (its layout is the working layout).
+        compute: the plain compute layout (tp, cp, cp kind).
+        start: the block's first rank (its ranks: ``start .. start + size - 1``).
+        size: how many ranks.
+        sharded: the working copy is sharded over the block's ranks.
+        groups: per dp group of the block, in rank order, its micro-batches.
+    """
+
+    option: OptionCost
+    compute: Layout
+    start: int
+    size: int
+    sharded: bool
+    groups: StageGroups
+
+
+@dataclass(frozen=True)
+class LadderGroups:
+    """A block stage's blocks (the solver's stand-in for a stage's groups of micro-batches).
+
+    Args:
+        blocks: the blocks, tiling the world.
+        switch_in: seconds to materialize every block's copy from home (the slowest block).
+        exchange: seconds of the joint gradient exchange at the stage's end.
+    """
+
+    blocks: tuple[LadderBlock, ...]
+    switch_in: float
+    exchange: float
+
+    @property
+    def doc_ids(self) -> list[int]:
+        return [d for b in self.blocks for g in b.groups for mb in g for d in mb]
+
+    @property
+    def micro_batches(self) -> int:
+        return sum(len(g) for b in self.blocks for g in b.groups)
+
+    @property
+    def layouts(self) -> tuple[Layout, ...]:
+        """The blocks' compute layouts."""
+        return tuple(b.compute for b in self.blocks)
+
+    def block_seconds(self, lengths: np.ndarray, in_order: bool = False) -> np.ndarray:
+        """Each block's compute seconds on its own clock (its slowest dp group; lockstep rounds when
+        its sharded copy spans its dp groups)."""
+        out = []
+        for b in self.blocks:
+            opt = b.option
+            secs = stage_group_seconds(opt, b.groups, opt.doc_seconds(opt.padded(lengths)), in_order)
+            out.append(float(secs.max(initial=0.0)))
+        return np.asarray(out)
+
+
+def ladder_seconds(ladder: LadderGroups, lengths: np.ndarray, in_order: bool = False) -> float:
+    """The block stage's seconds: materialization + slowest block + joint exchange."""
+    return ladder.switch_in + float(ladder.block_seconds(lengths, in_order).max(initial=0.0)) + ladder.exchange
+
+
+def joint_exchange_seconds(cm: AnalyticCostModel, blocks: Sequence[tuple[Layout, int, bool]]) -> float:
+    """The joint exchange of blocks ``(compute, ranks, sharded)``: each rank sends its block's fp32
+    gradient share (all of a sharded block's shard; a replicated block's tp shard) and each home
+    holder receives one contribution per block; one all-to-all at the per-rank bandwidth."""
+    hw = cm.hardware
+    send = max(cm.params * cm.grad_bytes / (n if sharded else lay.tp) for lay, n, sharded in blocks)
+    recv = len(blocks) * cm.params * cm.grad_bytes / cm.world_size
+    span = cm.world_size
+    bw = hw.intra_node_bw if span <= hw.devices_per_node else hw.inter_node_bw
+    return max(send, recv) / bw + hw.latency(span)
+
+
+@dataclass(frozen=True)
+class _Entry:
+    compute: int  # index into LadderPlanner.computes
+    size: int
+    sharded: bool
+    option: OptionCost
+
+
+class LadderPlanner:
+    """Ladder plans over blocks of ``computes`` (plain layouts of one world).
+
+    Args:
+        cost_model: prices every block option.
+        computes: the plain compute layouts blocks may run.
+        allowed: working layouts a block may use (a real run: the mesh's layouts); None: any.
+        modes: per compute layout, the checkpointing modes it may run.
+        capacity: a capacity override per (working layout, mode) (the planner's
+            ``tokens_per_rank`` rule); None: the memory model's.
+    """
+
+    def __init__(self, cost_model: AnalyticCostModel, computes: Sequence[Layout],
+                 allowed: set[Layout] | None, modes: dict[Layout, tuple[Checkpointing, ...]],
+                 capacity=None) -> None:
+        self.cm = cost_model
+        world = cost_model.world_size
+        self.computes = tuple(c for c in computes if not c.fsdp and c.pp == 1)
+        self.chain = block_chain(world)
+        entries: list[_Entry] = []
+        for i, comp in enumerate(self.computes):
+            unit = comp.tp * comp.cp
+            for size in self.chain:
+                if size % unit:
+                    continue
+                for sharded in (False, True):
+                    if sharded and size // comp.tp < 2:
+                        continue
+                    try:
+                        work = working_layout(comp, size, sharded)
+                        if allowed is not None and work not in allowed:
+                            continue
+                        if allowed is None:
+                            MeshShape.for_layouts([comp, work], world)
+                        cost_model.check(work)
+                    except (CostModelError, LayoutError):
+                        continue
+                    for ac in modes.get(comp, (Checkpointing.NONE, Checkpointing.FULL)):
+                        if sharded and ac is Checkpointing.SELECTIVE:
+                            continue
+                        cap = capacity(work, ac) if capacity is not None else None
+                        opt = cost_model.option(work, ac, cap)
+                        if opt.capacity >= 2 * comp.cp:
+                            entries.append(_Entry(i, size, sharded, opt))
+        self.entries = tuple(entries)
+        self.options = {(e.option.layout, e.option.activation_checkpointing): e.option for e in entries}
+        # a class: (compute layout, copy, checkpointing); its blocks differ in size only
+        self._classes = sorted({(e.compute, e.sharded, _MODE_ORDER.index(e.option.activation_checkpointing))
+                                for e in entries})
+        index = {c: j for j, c in enumerate(self._classes)}
+        self._class_of = [index[(e.compute, e.sharded, _MODE_ORDER.index(e.option.activation_checkpointing))]
+                          for e in entries]
+        self._by_class = [[k for k in range(len(entries)) if self._class_of[k] == j] for j in range(len(self._classes))]
+        self._sizes = [sorted({entries[k].size for k in ks}) for ks in self._by_class]  # block sizes it can run
+        self._mesh = None
+        if entries:
+            lays = sorted({*self.computes, *(e.option.layout for e in entries)}, key=lambda x: x.name)
+            try:
+                self._mesh = MeshShape.for_layouts(lays, world)
+            except LayoutError:
+                self._mesh = None
+
+    def _comp(self, cls: int) -> Layout:
+        """The compute layout of class ``cls``."""
+        return self.computes[self._classes[cls][0]]
+
+    @property
+    def mesh(self) -> MeshShape | None:
+        """The mesh every block layout shares (None: the blocks share none: no ladder)."""
+        return self._mesh
+
+    def __bool__(self) -> bool:
+        return bool(self.entries) and self._mesh is not None and len(self.computes) > 0
+
+    # ------------------------------------------------------------------ per batch
+    def solve(self, lengths: np.ndarray) -> tuple[float, LadderGroups] | None:
+        """(seconds, ladder) of the cheapest ladder found for ``lengths``; None when no ladder of
+        two or more blocks holds every document."""
+        if not self:
+            return None
+        lengths = np.asarray(lengths, dtype=np.int64)
+        costs, fits = self._tables(lengths)
+        big = np.where(fits, costs, np.inf)
+        rates = np.full((len(self._classes), lengths.size), np.inf)
+        for i, ks in enumerate(self._by_class):
+            rates[i] = big[ks].min(axis=0)
+        alone = rates.copy()
+        units = np.array([self._comp(i).tp * self._comp(i).cp for i in range(len(self._classes))], dtype=np.float64)
+        rates = rates * units[:, None]  # rank-seconds
+        floor = float(alone.min(axis=0).max())
+        if not math.isfinite(floor):
+            return None
+        world = self.cm.world_size
+        best: tuple[float, LadderGroups] | None = None
+        seen = set()
+        for round_up in _ROUNDS:
+            lo = max(floor, float(rates.min(axis=0).sum()) / world)
+            hi = lo
+            while self._allocate(rates, alone, hi, round_up) is None:
+                hi *= 1.5
+                if hi > lo * 1e4:
+                    break
+            else:
+                for _ in range(_BISECT):
+                    mid = 0.5 * (lo + hi)
+                    lo, hi = (lo, mid) if self._allocate(rates, alone, mid, round_up) is not None else (mid, hi)
+                for mult in _T_TRIES:
+                    alloc = self._allocate(rates, alone, hi * mult, round_up)
+                    if alloc is None or alloc[0] in seen:
+                        continue
+                    seen.add(alloc[0])
+                    ladder = self._build(lengths, costs, fits, alloc[0], alloc[1])
+                    if ladder is None:
+                        continue
+                    secs = ladder_seconds(ladder, lengths)
+                    if best is None or secs < best[0] - 1e-12:
+                        best = (secs, ladder)
+        return best
+
+    def alone_seconds(self, lengths: np.ndarray) -> np.ndarray:
+        """Per document, its least seconds alone on one dp group of any block (inf: none holds it)."""
+        costs, fits = self._tables(np.asarray(lengths, dtype=np.int64))
+        return np.where(fits, costs, np.inf).min(axis=0) if len(self.entries) else np.full(len(lengths), np.inf)
+
+    def _tables(self, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """[entry, doc] balance cost (seconds + micro-batch share) and whether the entry holds it."""
+        padded_by_cp: dict[int, np.ndarray] = {}
+        costs = np.empty((len(self.entries), lengths.size))
+        fits = np.empty((len(self.entries), lengths.size), dtype=bool)
+        for k, e in enumerate(self.entries):
+            opt = e.option
+            cp = opt.layout.cp
+            if cp not in padded_by_cp:
+                padded_by_cp[cp] = opt.padded(lengths)
+            padded = padded_by_cp[cp]
+            costs[k] = opt.balance_cost(padded)
+            fits[k] = padded <= opt.capacity
+        return costs, fits
+
+    def _allocate(self, rates: np.ndarray, alone: np.ndarray, limit: float, round_up: float = 0.5
+                  ) -> tuple[tuple[tuple[int, int], ...], np.ndarray] | None:
+        """((compute, size) per block, largest first; per doc its compute) for step time ``limit``;
+        None when the blocks it needs exceed the world or fewer than two blocks result. Each layout
+        gets its work's share of ranks rounded to whole dp groups (to the nearest: the LPT moves the
+        remainder between blocks), at least one group for the layout of the longest documents
+        (no other holds them within ``limit``), in aligned chain sizes; spare ranks go to the
+        busiest layouts per rank."""
+        masked = np.where(alone <= limit, rates, np.inf)
+        cols = np.arange(alone.shape[1])
+        world = self.cm.world_size
+        live = np.ones(len(self._classes), dtype=bool)
+        while True:  # classes whose work rounds to no dp group give their documents to the others
+            sub = np.where(live[:, None], masked, np.inf)
+            rows = sub.argmin(axis=0)
+            if not np.isfinite(sub[rows, cols]).all():
+                return None
+            work = np.bincount(rows, weights=sub[rows, cols], minlength=len(self._classes))
+            groups = {}
+            for i in np.flatnonzero(work > 0):
+                comp = self._comp(int(i))
+                groups[int(i)] = int(math.floor(work[i] / limit / (comp.tp * comp.cp) + round_up))
+            empty = [i for i, g in groups.items() if g == 0]
+            if not empty:
+                break
+            only = np.isfinite(sub).sum(axis=0) == 1  # documents no other live class holds in time
+            drop = [i for i in empty if not np.any(only & (rows == i))]
+            if not drop:
+                for i in empty:
+                    groups[i] = 1
+                break
+            live[drop] = False
+        blocks: list[tuple[int, int]] = []
+        for i, g in sorted(groups.items()):
+            if g == 0:
+                continue
+            comp = self._comp(i)
+            sizes = self._decompose(g * comp.tp * comp.cp, self._sizes[i])
+            if sizes is None:
+                return None
+            blocks += [(i, s) for s in sizes]
+        used = sum(s for _, s in blocks)
+        if used > world or not blocks:
+            return None
+        spare = world - used
+        ranks = {i: sum(s for j, s in blocks if j == i) for i in {j for j, _ in blocks}}
+        while spare > 0:  # spare ranks to the busiest layouts (per rank), largest pieces first
+            piece = max(s for s in self.chain if s <= spare)
+            fit = [i for i in ranks if piece in self._sizes[i]]
+            if fit:
+                i = max(fit, key=lambda j: (work[j] / ranks[j], -j))
+            else:  # a piece no used class runs: a new block of the cheapest class that does
+                other = [j for j in range(len(self._classes)) if piece in self._sizes[j]]
+                if not other:
+                    return None
+                cost = np.where(np.isfinite(masked), masked, 0.0).sum(axis=1)
+                i = min(other, key=lambda j: (-np.isfinite(masked[j]).sum(), cost[j], j))
+                ranks[i] = 0
+            blocks.append((i, piece))
+            spare -= piece
+            ranks[i] += piece
+        if len(blocks) < 2:
+            return None
+        # largest first, then the widest compute (the longest documents' blocks at the low ranks)
+        blocks.sort(key=lambda b: (-b[1], -self._comp(b[0]).cp, b[0]))
+        return tuple(blocks), rows
+
+    def _decompose(self, need: int, sizes: Sequence[int]) -> list[int] | None:
+        """Block sizes of ``sizes`` (chain members a layout can run) summing to at least ``need``."""
+        out, rest = [], need
+        if not sizes:
+            return None
+        while rest > 0:
+            fit = [s for s in sizes if s <= rest]
+            s = max(fit) if fit else min(sizes)
+            out.append(s)
+            rest -= s
+        return out
+
+    def _build(self, lengths: np.ndarray, costs: np.ndarray, fits: np.ndarray,
+               blocks: tuple[tuple[int, int], ...], rows: np.ndarray) -> LadderGroups | None:
+        """Options per block, LPT of the documents over every block's dp groups, first-fit packing."""
+        chosen: list[int] = []
+        for i, size in blocks:
+            mine = np.flatnonzero(rows == i)
+            best = None
+            for k in self._by_class[i]:
+                e = self.entries[k]
+                if e.size != size:
+                    continue
+                held = int(fits[k, mine].sum())
+                cost = float(np.where(fits[k, mine], costs[k, mine], 0.0).sum())
+                key = (-held, cost, k)
+                if best is None or key < best[0]:
+                    best = (key, k)
+            if best is None:
+                return None
+            chosen.append(best[1])
+        # dp groups of every block, in rank order; LPT on each group's own clock: its documents'
+        # seconds plus its micro-batches' fixed cost (a sharded block spanning its dp groups: the
+        # block's rounds, every group pays each round)
+        group_entry, group_block = [], []
+        for b, k in enumerate(chosen):
+            comp = self.computes[self.entries[k].compute]
+            for _ in range(blocks[b][1] // (comp.tp * comp.cp)):
+                group_entry.append(k)
+                group_block.append(b)
+        ge, gb = np.asarray(group_entry), np.asarray(group_block)
+        opts = [self.entries[k].option for k in group_entry]
+        cap = np.array([o.capacity for o in opts], dtype=np.float64)
+        fixed = np.array([o.per_micro_batch for o in opts])
+        lock = np.array([o.layout.lockstep for o in opts])
+        padded = {}
+        secs = np.empty((ge.size, lengths.size))
+        toks = np.empty((ge.size, lengths.size))
+        for k in sorted(set(group_entry)):
+            opt = self.entries[k].option
+            cp = opt.layout.cp
+            if cp not in padded:
+                padded[cp] = opt.padded(lengths)
+            rows_k = ge == k
+            secs[rows_k] = np.where(fits[k], opt.doc_seconds(padded[cp]), np.inf)
+            toks[rows_k] = padded[cp]
+        busy = np.zeros(ge.size)
+        tokens = np.zeros(ge.size)
+        rounds = np.zeros(len(blocks))
+        owner = np.full(lengths.size, -1)
+        for d in np.lexsort((np.arange(lengths.size), -lengths)):  # longest first, index ties
+            mbs = np.ceil((tokens + toks[:, d]) / cap)
+            mbs = np.where(lock, np.maximum(mbs, rounds[gb]), mbs)
+            finish = busy + secs[:, d] + fixed * mbs
+            g = int(np.argmin(finish))
+            if not math.isfinite(finish[g]):
+                return None
+            owner[d] = g
+            busy[g] += secs[g, d]
+            tokens[g] += toks[g, d]
+            rounds[gb[g]] = max(rounds[gb[g]], mbs[g])
+        out, start = [], 0
+        for b, k in enumerate(chosen):
+            e = self.entries[k]
+            opt = e.option
+            gs = np.flatnonzero(gb == b).tolist()
+            pad, cost = opt.padded(lengths), opt.doc_seconds(opt.padded(lengths))
+            least = int(rounds[b]) if opt.layout.lockstep else 0
+            groups = tuple(_balanced(np.flatnonzero(owner == g), pad, cost, opt.capacity, least) for g in gs)
+            out.append(LadderBlock(opt, self.computes[e.compute], start, e.size, e.sharded, groups))
+            start += e.size
+        trio = [(blk.compute, blk.size, blk.sharded) for blk in out]
+        switch_in = max(self.cm.switch_seconds(None, blk.option.layout) for blk in out)
+        return LadderGroups(tuple(out), switch_in, joint_exchange_seconds(self.cm, trio))
+
+
+def remap(ladder: LadderGroups, ids: np.ndarray) -> LadderGroups:
+    """``ladder`` planned over ``lengths[ids]`` with its document indices mapped back to ``ids``."""
+    def back(groups: StageGroups) -> StageGroups:
+        return tuple(tuple(tuple(sorted(int(ids[d]) for d in mb)) for mb in g) for g in groups)
+
+    blocks = tuple(dataclasses.replace(b, groups=back(b.groups)) for b in ladder.blocks)
+    return dataclasses.replace(ladder, blocks=blocks)
+
+
+def _balanced(docs: np.ndarray, padded: np.ndarray, cost: np.ndarray, capacity: int,
+              least: int) -> tuple[tuple[int, ...], ...]:
+    """``docs`` packed into micro-batches of ``capacity`` tokens with even seconds: at least
+    ``least`` (a lockstep block's rounds: each round lasts its slowest group's micro-batch) and as
+    many as the tokens need; LPT by seconds into the least loaded one that has room (a new one if none)."""
+    if docs.size == 0:
+        return ()
+    n = max(least, int(math.ceil(float(padded[docs].sum()) / capacity)), 1)
+    n = min(n, int(docs.size))
+    bins: list[list[int]] = [[] for _ in range(n)]
+    load = [0.0] * n
+    room = [int(capacity)] * n
+    for d in sorted(docs.tolist(), key=lambda x: (-float(cost[x]), x)):
+        need = int(padded[d])
+        fit = [j for j in range(len(bins)) if room[j] >= need]
+        if not fit:
+            bins.append([])
+            load.append(0.0)
+            room.append(int(capacity))
+            fit = [len(bins) - 1]
+        j = min(fit, key=lambda i: (load[i], i))
+        bins[j].append(d)
+        load[j] += float(cost[d])
+        room[j] -= need
+    return tuple(tuple(sorted(b)) for b in bins if b)

@@ -1,0 +1,143 @@
+"""The cp ladder planner (planner/solve/ladder.py): blocks that tile the world, every document once,
+micro-batches within each block's own capacity, deterministic plans, the guard's fallback, and the
+plan a real mesh runs (pure python: no ranks)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from lightning_hotspa.layout import Layout, MeshShape
+from lightning_hotspa.plan import block_ranks, check_block_capacity, slice_plan
+from lightning_hotspa.planner.solve.ladder import LadderGroups, block_chain, working_layout
+from lightning_hotspa.planner.solve.solver import CostModelPlanner
+from lightning_hotspa.tools.cli import batch_lengths
+
+pytestmark = pytest.mark.fast
+
+#: 8B on 64 H100s at 256K: step 1 of the github mix is a batch the ladder wins by more than the margin
+LAYOUTS = ["dp16xtp4", "dp4xtp4xcp4:kv", "dp2xtp4xcp8:kv4", "tp4xcp16:kv8"]
+
+
+def _planner(**kwargs) -> CostModelPlanner:
+    return CostModelPlanner(LAYOUTS, model="llama3-8b", hardware="H100", world_size=64, ladder="auto", **kwargs)
+
+
+@pytest.fixture(scope="module")
+def lengths() -> np.ndarray:
+    return batch_lengths("github", 4 * 2**20, 256 * 1024, 0, 1)
+
+
+def _block_stage(plan):
+    stages = [s for s in plan.stages if s.blocks]
+    assert len(stages) == 1, plan
+    return stages[0]
+
+
+def test_block_chain_and_working_layouts():
+    assert block_chain(64) == (64, 32, 16, 8, 4, 2, 1) and block_chain(24) == (24, 12, 6, 3)
+    cp4 = Layout.parse("dp16xcp4:kv")
+    assert working_layout(cp4, 16, True) == Layout.parse("dp16xcp4:kv:fsdp16")
+    assert working_layout(cp4, 64, True) == Layout.parse("dp16xcp4:kv:fsdp")
+    assert working_layout(cp4, 16, False) == cp4
+
+
+def test_a_ladder_tiles_the_world_and_holds_every_document_once(lengths):
+    planner = _planner()
+    plan = planner.plan(1, lengths)
+    stage = _block_stage(plan)
+    mesh = planner.block_mesh()
+    spans = sorted(block_ranks(b, mesh) for b in stage.blocks)
+    assert [r for span in spans for r in span] == list(range(64))  # tiled, no rank twice
+    for span in spans:  # aligned sub-meshes
+        assert 64 % len(span) == 0 and span[0] % len(span) == 0
+    docs = sorted(d for s in plan.stages for g in s.groups for mb in g for d in mb)
+    assert docs == list(range(len(lengths)))  # every document exactly once
+    assert len({b.layout.cp for b in stage.blocks}) > 1  # a ladder: blocks of different cp side by side
+    # memory per block: every micro-batch within its block's working layout's capacity
+    check_block_capacity(plan, planner.capacity)
+    for b in stage.blocks:
+        cap = planner.capacity(b.working_layout)
+        for g in b.micro_batches:
+            for mb in g:
+                assert sum(-(-lengths[d] // (2 * b.layout.cp)) * 2 * b.layout.cp if b.layout.cp > 1 else lengths[d]
+                           for d in mb) <= cap
+    # the prediction of the emitted plan is what the solver priced
+    assert planner.predict(plan).seconds == pytest.approx(planner.solve(lengths)[0], rel=1e-9)
+
+
+def test_a_block_sharded_over_fewer_ranks_holds_fewer_tokens():
+    """Memory: a block-sharded copy costs parameters / block ranks: the smaller the block, the less
+    room for activations (the planner trades block size against it)."""
+    planner = _planner()
+    caps = {e.size: e.option.capacity for e in planner.ladder.entries
+            if e.option.layout.degrees == Layout.parse("dp4xtp4xcp4") and e.sharded
+            and not e.option.activation_checkpointing}
+    sizes = sorted(caps)
+    assert len(sizes) >= 3 and all(caps[a] < caps[b] for a, b in zip(sizes, sizes[1:])), caps
+
+
+def test_ladders_are_deterministic(lengths):
+    """The same plan from two planners and repeated calls (every rank computes it alone)."""
+    a, b = _planner(), _planner()
+    first = a.plan(1, lengths)
+    assert a.plan(1, lengths) == first == b.plan(1, lengths)
+    assert a.ladder.solve(lengths)[0] == b.ladder.solve(lengths[::-1].copy())[0]  # order-free price
+
+
+def test_the_guard_falls_back_when_a_ladder_gains_less_than_the_margin(lengths):
+    free = _planner(static_margin=0.0)
+    assert any(s.blocks for s in free.plan(1, lengths).stages)
+    ladder_s = free.last_decision.multi_s
+    strict = _planner(static_margin=9.0)  # no predicted gain is that large: the static plan runs
+    plan = strict.plan(1, lengths)
+    decision = strict.last_decision
+    assert decision.fell_back and not any(s.blocks for s in plan.stages) and len({s.layout for s in plan.stages}) == 1
+    assert decision.multi_s == pytest.approx(ladder_s) and strict.predict(plan).seconds == pytest.approx(
+        decision.static_s) and decision.static_s > ladder_s  # it gave up a predicted gain, as told
+    default = _planner()  # the default margin (0.138): this ladder's gain clears it
+    assert any(s.blocks for s in default.plan(1, lengths).stages)
+    assert default.last_decision.static_s > default.last_decision.multi_s * 1.138
+
+
+def test_declared_layouts_only_and_the_plan_slices_on_the_real_mesh(lengths):
+    """A real run: blocks only of the declared layouts (their working copies too), and the plan
+    slices on the mesh of those layouts for a rank of every block."""
+    auto = _planner(static_margin=0.0)
+    stage = _block_stage(auto.plan(1, lengths))
+    declared = sorted({*LAYOUTS, *(b.layout.name for b in stage.blocks),
+                       *(b.working_layout.name for b in stage.blocks)})
+    real = CostModelPlanner(declared, model="llama3-8b", hardware="H100", world_size=64, static_margin=0.0)
+    allowed = {Layout.parse(x) for x in declared}
+    assert {e.option.layout for e in real.ladder.entries} <= allowed
+    plan = real.plan_ladder(1, lengths)
+    assert plan is not None
+    mesh = MeshShape.for_layouts(real.layouts, 64)
+    docs = [np.zeros(int(n), dtype=np.int64) for n in lengths]
+    import torch
+
+    tensors = [torch.from_numpy(d) for d in docs]
+    for b in plan.stages[0].blocks:
+        assert b.layout in allowed and b.working_layout in allowed
+        rank = block_ranks(b, mesh)[0]
+        rs = slice_plan(plan, tensors, mesh, rank, capacity=real.capacity).stages[0]
+        assert rs.compute_layout == b.working_layout if b.sharded else rs.compute_layout == b.layout
+    off = CostModelPlanner(LAYOUTS, model="llama3-8b", hardware="H100", world_size=64, ladder=False)
+    assert off.ladder is None and off.plan_ladder(1, lengths) is None
+
+
+def test_ladder_option_is_checked():
+    with pytest.raises(Exception, match="ladder must be True, False or 'auto'"):
+        CostModelPlanner(LAYOUTS, model="llama3-8b", hardware="H100", world_size=64, ladder="sometimes")
+
+
+def test_a_ladder_stage_is_priced_per_block_plus_the_joint_exchange(lengths):
+    planner = _planner(static_margin=0.0)
+    _, stages = planner.solve(lengths)
+    ladder = next(g for _, g in stages if isinstance(g, LadderGroups))
+    per_block = ladder.block_seconds(lengths)
+    pred = planner.predict(planner.plan(1, lengths))
+    stage = next(s for s in pred.stages if s.layout.startswith("blocks["))
+    assert stage.compute_seconds == pytest.approx(float(per_block.max()))  # the slowest block
+    assert stage.stage_fixed == pytest.approx(ladder.exchange) and ladder.exchange > 0
+    assert stage.switch_seconds == pytest.approx(ladder.switch_in)
