@@ -26,7 +26,9 @@ def _planner(layouts, mixed=True, **kw):
 
 
 def _mixed(plan):
-    return [s for s in plan.stages if s.blocks]
+    """The plan's mixed-cp lockstep stages (blocks on one sharded copy); a ladder's block stage, whose
+    blocks run on their own copies, is not one (tests/unit/test_ladder.py)."""
+    return [s for s in plan.stages if s.blocks and s.lockstep_blocks]
 
 
 def test_one_long_and_many_short_documents_get_a_mixed_round_priced_below_separate_stages():
