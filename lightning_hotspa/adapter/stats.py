@@ -134,13 +134,12 @@ def block_metrics(records: Sequence[StageRecord], plan: Any, table: Any, mesh: M
     """
     if not isinstance(plan, StepPlan) or mesh is None or len(plan.stages) != len(records):
         return {}
-    stages = [s for s in plan.stages if s.blocks and not s.blocks[0].legacy]
-    if not stages:
+    if not any(s.blocks and not s.lockstep_blocks for s in plan.stages):
         return {}
     fields = rank_stage_fields(table, len(records))
     out: dict[str, float] = {}
     for i, (key, stage) in enumerate(zip(stage_keys(records), plan.stages)):
-        if not stage.blocks or stage.blocks[0].legacy:
+        if not stage.blocks or stage.lockstep_blocks:
             continue
         for k, block in enumerate(stage.blocks):
             docs = [d for group in block.micro_batches for mb in group for d in mb]

@@ -40,6 +40,7 @@ from ...checkpointing import Checkpointing
 from ...layout import Layout, LayoutError, MeshShape
 from ..cost.cost_model import AnalyticCostModel, CostModelError, OptionCost
 from ..cost.timeline import stage_group_seconds
+from .mixed_rounds import BlockGroups
 
 __all__ = ["LadderBlock", "LadderGroups", "LadderPlanner", "block_chain", "joint_exchange_seconds", "ladder_seconds",
            "remap", "working_layout"]
@@ -97,7 +98,7 @@ class LadderBlock:
 
 
 @dataclass(frozen=True)
-class LadderGroups:
+class LadderGroups(BlockGroups):
     """A block stage's blocks (the solver's stand-in for a stage's groups of micro-batches).
 
     Args:
@@ -109,14 +110,6 @@ class LadderGroups:
     blocks: tuple[LadderBlock, ...]
     switch_in: float
     exchange: float
-
-    @property
-    def doc_ids(self) -> list[int]:
-        return [d for b in self.blocks for g in b.groups for mb in g for d in mb]
-
-    @property
-    def micro_batches(self) -> int:
-        return sum(len(g) for b in self.blocks for g in b.groups)
 
     @property
     def layouts(self) -> tuple[Layout, ...]:

@@ -59,15 +59,11 @@ class MixedBlock:
     groups: StageGroups
 
 
-@dataclass(frozen=True)
-class MixedGroups:
-    """A mixed stage's blocks (the solver's stand-in for a stage's groups of micro-batches).
+class BlockGroups:
+    """What a stage of blocks (``self.blocks``, each with ``groups`` of micro-batches) tells the
+    solver: its documents and its micro-batch count (:class:`MixedGroups`, ``ladder.LadderGroups``)."""
 
-    Args:
-        blocks: the blocks, together tiling every rank of the world once.
-    """
-
-    blocks: tuple[MixedBlock, ...]
+    blocks: tuple
 
     @property
     def doc_ids(self) -> list[int]:
@@ -78,6 +74,17 @@ class MixedGroups:
     def micro_batches(self) -> int:
         """How many micro-batches the stage computes (idle rounds not counted)."""
         return sum(len(g) for b in self.blocks for g in b.groups)
+
+
+@dataclass(frozen=True)
+class MixedGroups(BlockGroups):
+    """A mixed stage's blocks (the solver's stand-in for a stage's groups of micro-batches).
+
+    Args:
+        blocks: the blocks, together tiling every rank of the world once.
+    """
+
+    blocks: tuple[MixedBlock, ...]
 
     @property
     def layouts(self) -> tuple[Layout, ...]:
