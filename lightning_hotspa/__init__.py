@@ -3,12 +3,12 @@
 The plain-value names (layouts, step plans) load at once; the Lightning-facing ones
 (``HotSPaStrategy``, ``HotSPaDataModule``) on first access, so that importing the planner, the
 layouts or the data side never imports Lightning. The strategy name "hotspa" is registered with
-Lightning as soon as Lightning is (or gets) imported: see :mod:`lightning_hotspa.adapter.registration`.
+Lightning as soon as Lightning is (or gets) imported: see :mod:`lightning_hotspa.adapter.lightning.registration`.
 """
 
 from typing import Any
 
-from .adapter import registration as _registration
+from .adapter.lightning import registration as _registration
 from .layout import Layout, LayoutError, MeshShape, parse_layouts
 from .mesh import WorldMesh
 from .plan import MicroBatch, RankPlan, StepPlan
@@ -16,8 +16,8 @@ from .plan import MicroBatch, RankPlan, StepPlan
 __version__ = "0.1.0"
 
 #: name -> module that defines it, imported on first access (they import Lightning)
-_LAZY = {"HotSPaStrategy": ".adapter.strategy", "HotSPaDataModule": ".data.datamodule",
-         "grad_norm": ".adapter.grad_norms"}
+_LAZY = {"HotSPaStrategy": ".adapter.lightning.strategy", "HotSPaDataModule": ".data.datamodule",
+         "grad_norm": ".adapter.lightning.grad_norms"}
 
 __all__ = ["HotSPaDataModule", "HotSPaStrategy", "Layout", "LayoutError", "MeshShape", "MicroBatch",
            "RankPlan", "StepPlan", "WorldMesh", "grad_norm", "parse_layouts"]

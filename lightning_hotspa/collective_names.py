@@ -5,7 +5,7 @@ runtime's groups the rank was waiting in (its block's cp group, a tp group, the 
 group, the world); a mixed-cp round runs different ones on different ranks at the same moment. The
 runtime's collectives are issued and waited on inside :func:`collective`, which notes the collective
 and its group (the ``RankGroup``'s name and ranks) on any exception leaving it;
-:func:`failed_collective` reads the note back from an exception's chain (``adapter/reliability.py``
+:func:`failed_collective` reads the note back from an exception's chain (``adapter/lightning/reliability.py``
 puts it into the ``CollectiveError`` it raises). One mechanism: nothing else guesses the group.
 """
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .checkpointing import Checkpointing
+from .activation_checkpointing import Checkpointing
 from .checks import is_int
 from .layout import Layout, LayoutError, MeshShape
 from .micro_batch import (

@@ -269,7 +269,7 @@ def _recorder(calibrate: bool):
             self.steps.append({"step_s": float(t[0]), "cpu_s": float(cpu_all), "loss": float(loss),
                                "switch_s": [float(x) for x in t[1::3]], "work_s": [float(x) for x in t[2::3]]})
             if calibrate:
-                from lightning_hotspa.adapter.profiling import gathered_observations
+                from lightning_hotspa.adapter.lightning.profiling import gathered_observations
 
                 ac = [st.activation_checkpointing for st in batch.stages]
                 self.observations.append((batch_idx, gathered_observations(result, ac)))

@@ -22,7 +22,7 @@ sys.path.insert(0, str(ROOT))  # a checkout works without installing
 import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
-from lightning_hotspa.adapter.recipe import CONFIG_DIR, ConfigError, register_resolvers, train  # noqa: E402
+from lightning_hotspa.adapter.recipes.hydra_recipe import CONFIG_DIR, ConfigError, register_resolvers, train  # noqa: E402
 from lightning_hotspa.data.errors import DataError  # noqa: E402
 from lightning_hotspa.layout import LayoutError  # noqa: E402
 from lightning_hotspa.plan import PlanError  # noqa: E402

@@ -631,7 +631,7 @@ def config_case(*overrides: str, build: bool = False) -> Callable[[Path], Callab
         def call() -> Any:
             from hydra import compose, initialize_config_dir
 
-            from lightning_hotspa.adapter.recipe import (
+            from lightning_hotspa.adapter.recipes.hydra_recipe import (
                 CONFIG_DIR,
                 build_trainer,
                 check_config,
@@ -713,7 +713,7 @@ class Payload:
         return (open, (self.marker, "w"))
 
 def save_tiny(path: Path, value: float, step: int, **extra) -> Path:
-    from lightning_hotspa.adapter import checkpoint as ck
+    from lightning_hotspa.adapter.checkpoints import dcp_state as ck
 
     checkpoint = {"state_dict": {"w": torch.full((4,), value)}, "global_step": step, **extra}
     ck.save_distributed_checkpoint(checkpoint, path, is_rank_zero=True, barrier=lambda: None)
@@ -721,7 +721,7 @@ def save_tiny(path: Path, value: float, step: int, **extra) -> Path:
 
 def rehash(folder: Path, *names: str) -> None:
     """What a hostile author does after planting a file: rewrite commit.json to match it."""
-    from lightning_hotspa.adapter import checkpoint as ck
+    from lightning_hotspa.adapter.checkpoints import dcp_state as ck
 
     commit = json.loads((folder / "commit.json").read_text())
     commit["files"].update(ck.file_entries(folder, names))

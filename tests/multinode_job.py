@@ -86,7 +86,7 @@ class Recorder(Callback):
 def rank_main(job: dict, rank: int, port: int) -> None:
     from hydra import compose, initialize_config_dir
 
-    from lightning_hotspa.adapter.recipe import CONFIG_DIR, register_resolvers, train
+    from lightning_hotspa.adapter.recipes.hydra_recipe import CONFIG_DIR, register_resolvers, train
 
     out = Path(job["out"])
     log = (out / f"rank{rank}.log").open("w")
@@ -122,7 +122,7 @@ def main() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent))  # multinode_job.Recorder for Hydra
     import lightning  # noqa: F401 - imported once, before the forks
 
-    import lightning_hotspa.adapter.recipe  # noqa: F401
+    import lightning_hotspa.adapter.recipes.hydra_recipe  # noqa: F401
     import lightning_hotspa.models  # noqa: F401
 
     for job in json.loads(Path(sys.argv[1]).read_text()):

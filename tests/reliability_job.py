@@ -38,7 +38,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
 
 import lightning_hotspa  # noqa: E402, F401
 from lightning_hotspa import HotSPaStrategy  # noqa: E402
-from lightning_hotspa.adapter.checkpoint import latest_checkpoint  # noqa: E402
+from lightning_hotspa.adapter.checkpoints.dcp_state import latest_checkpoint  # noqa: E402
 from lightning_hotspa.data import HotSPaDataModule  # noqa: E402
 from lightning_hotspa.data.sources import SyntheticSource  # noqa: E402
 from lightning_hotspa.models import LlamaLM  # noqa: E402

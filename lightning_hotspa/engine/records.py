@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..checkpointing import Checkpointing
+from ..activation_checkpointing import Checkpointing
 from ..collective_names import collective
 from ..layout import Layout
 from ..plan import RankStage

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..checkpointing import Checkpointing
+from ..activation_checkpointing import Checkpointing
 from ..checks import check_int, check_number
 from ..plan import IGNORE_INDEX
 from .config import LlamaConfig

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from ..checkpointing import Checkpointing
+from ..activation_checkpointing import Checkpointing
 from .attention import CoreAttention, with_sliding_window
 from .attention_kernels import select_attention_backend
 from .config import LlamaConfig
@@ -124,7 +124,7 @@ class Llama(nn.Module):
     :func:`lightning_hotspa.models.init_weights` (one parameter at a time, seeded by name).
     """
 
-    #: ``set_activation_checkpointing`` takes a :class:`~lightning_hotspa.checkpointing.Checkpointing`
+    #: ``set_activation_checkpointing`` takes a :class:`~lightning_hotspa.activation_checkpointing.Checkpointing`
     #: mode, selective included (parallel/model.py passes other modules a bool)
     selective_checkpointing = True
     #: the column-parallel regions of the tp plan (parallel/tensor_parallel.py reads them)

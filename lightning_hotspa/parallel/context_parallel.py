@@ -11,7 +11,7 @@ from __future__ import annotations
 from torch import nn
 
 from ..layout import LayoutError
-from .attention import attention_modules, ensure_parallel_attention
+from .core_attention import attention_modules, ensure_parallel_attention
 from .state import ParallelState
 
 __all__ = ["install_context_parallel"]

@@ -18,7 +18,7 @@ from collections.abc import Iterator, Mapping
 
 from torch import nn
 
-from ..checkpointing import Checkpointing
+from ..activation_checkpointing import Checkpointing
 from ..layout import Layout, LayoutError
 from ..mesh import WorldMesh
 from ..plan import MicroBatch
@@ -72,7 +72,7 @@ class ParallelModel:
                                   f"(docs/DESIGN.md §11); use 'full' or 'none' there")
         groups = self.world.layout_groups(layout)
         if self.hooks:
-            from .attention import check_attention
+            from .core_attention import check_attention
 
             check_attention(self.module, groups)  # re-attach swapped backends; heads vs layout
         self.state.groups = groups
@@ -120,7 +120,7 @@ def uninstall_parallel(module: nn.Module) -> int:
     Args:
         module: the root module a ParallelModel was built on.
     """
-    from .attention import ParallelCoreAttention
+    from .core_attention import ParallelCoreAttention
     from .loss import VocabParallelLoss
     from .tensor_parallel import TPForward
 

@@ -51,8 +51,8 @@ from torch import Tensor, nn
 from ..layout import LayoutError
 from ..mesh import RankGroup
 from ..models.vocab import check_token_ids
-from .attention import attention_modules, ensure_parallel_attention
 from .collectives import copy_to_group, gather_last_dim, reduce_from_group
+from .core_attention import attention_modules, ensure_parallel_attention
 from .loss import VocabParallelLoss
 from .regions import ColumnRegion
 from .sequence_parallel import gather_tokens, scatter_tokens

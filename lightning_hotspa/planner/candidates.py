@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from ..checkpointing import Checkpointing
+from ..activation_checkpointing import Checkpointing
 from ..checks import check_int
 from ..layout import Layout, LayoutError, MeshShape
 from ..model_shape import ModelShape

@@ -38,7 +38,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from ..checkpointing import Checkpointing, parse_checkpointing_spec
+from ..activation_checkpointing import Checkpointing, parse_checkpointing_spec
 from ..checks import check_int
 from ..layout import Layout, LayoutError, MeshShape, parse_layouts
 from ..plan import PlanError, Stage, StepPlan
@@ -131,7 +131,7 @@ class ThresholdPlanner(PlannerBase):
     # -- configuration ---------------------------------------------------------------------
     def _full_checkpointing(self, spec: Any) -> frozenset[Layout]:
         """The layouts that checkpoint fully under ``activation_checkpointing=spec`` (the one grammar,
-        :func:`~lightning_hotspa.checkpointing.parse_checkpointing_spec`; this planner has no
+        :func:`~lightning_hotspa.activation_checkpointing.parse_checkpointing_spec`; this planner has no
         selective stages and does not decide: 'full' / True is every layout, 'none' / False none)."""
         try:
             parsed = parse_checkpointing_spec(spec)

@@ -1,5 +1,5 @@
 """``hotspa consolidate CKPT_DIR OUT.ckpt``: one of our DCP checkpoint folders as a single-file
-Lightning checkpoint that ``load_from_checkpoint`` reads (``adapter/consolidate.py``)."""
+Lightning checkpoint that ``load_from_checkpoint`` reads (``adapter/checkpoints/single_file.py``)."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     Args:
         args: the parsed ``checkpoint_dir`` and ``out_file``.
     """
-    from ..adapter.consolidate import consolidate_checkpoint
+    from ..adapter.checkpoints.single_file import consolidate_checkpoint
     from .progress import progress
 
     ckpt = consolidate_checkpoint(args.checkpoint_dir, args.out_file,

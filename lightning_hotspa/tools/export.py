@@ -29,7 +29,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
-    from ..adapter.hf_export import export_hf
+    from ..adapter.checkpoints.hf_export import export_hf
     from .progress import progress
 
     names = export_hf(args.checkpoint_dir, args.out_dir, getattr(torch, args.dtype) if args.dtype else None,
@@ -39,8 +39,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run_upgrade(args: argparse.Namespace) -> dict[str, Any]:
-    """Converts an old-format checkpoint folder in place (see :mod:`..adapter.checkpoint_upgrade`)."""
-    from ..adapter.checkpoint_upgrade import upgrade_legacy_checkpoint
+    """Converts an old-format checkpoint folder in place (see :mod:`..adapter.checkpoints.upgrade`)."""
+    from ..adapter.checkpoints.upgrade import upgrade_legacy_checkpoint
 
     path = upgrade_legacy_checkpoint(args.folder, trust_pickle=args.trust_pickle)
     print(f"converted {path}: weights-only metadata and a commit marker with checksums")

@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from ..checkpointing import Checkpointing
+from ..activation_checkpointing import Checkpointing
 from ..layout import Layout, LayoutError, MeshShape
 from ..planner.candidates import auto_layouts, enumerate_layouts, layout_rates
 from ..planner.cost.cost_model import AnalyticCostModel, CostModelError

@@ -26,13 +26,13 @@ from lightning_hotspa.layout import Layout, LayoutError
 from lightning_hotspa.mesh import LayoutGroups, RankGroup, WorldMesh
 from lightning_hotspa.models import LlamaConfig, param_roles
 from lightning_hotspa.models.attention import sdpa_attention
-from lightning_hotspa.parallel.attention import ParallelCoreAttention, kv_head_range
 from lightning_hotspa.parallel.collectives import (
     all_to_all_heads_to_tokens,
     all_to_all_tokens_to_heads,
     gather_last_dim,
 )
 from lightning_hotspa.parallel.context_parallel import install_context_parallel
+from lightning_hotspa.parallel.core_attention import ParallelCoreAttention, kv_head_range
 from lightning_hotspa.parallel.model import ParallelModel
 from lightning_hotspa.parallel.state import ParallelState
 from lightning_hotspa.parallel.tensor_parallel import (

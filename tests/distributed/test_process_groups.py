@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_hotspa import mesh as mesh_module
-from lightning_hotspa.adapter.reliability import CollectiveError, StepTracker, subgroup_timeout
+from lightning_hotspa.adapter.lightning.reliability import CollectiveError, StepTracker, subgroup_timeout
 from lightning_hotspa.engine.switch import SwitchEngine, build_home_parameters
 from lightning_hotspa.layout import Layout, LayoutError
 from lightning_hotspa.mesh import WorldMesh
@@ -68,7 +68,7 @@ def test_split_group_makes_each_range_in_one_call(monkeypatch):
 
 
 def test_subgroup_timeout_defaults_and_bad_values():
-    from lightning_hotspa.adapter.strategy import HotSPaStrategy
+    from lightning_hotspa.adapter.lightning.strategy import HotSPaStrategy
 
     half_hour = timedelta(minutes=30)
     assert subgroup_timeout("nccl", half_hour) < half_hour

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from helpers import TinyLlama, setup_runner, uneven_plan
 from torch import nn
 
-from lightning_hotspa.checkpointing import Checkpointing
+from lightning_hotspa.activation_checkpointing import Checkpointing
 from lightning_hotspa.engine.records import StageRecord
 from lightning_hotspa.engine.step_runner import StepHooks, StepRunner
 from lightning_hotspa.engine.timing import HostClock, clock_for
@@ -152,8 +152,8 @@ def test_metrics_of_a_layout_split_into_two_stages_keep_both(world_of_one) -> No
     metric keys, the per-stage tokens add up to the step's, and the plan text counts each stage."""
     import dataclasses
 
-    from lightning_hotspa.adapter.callbacks import plan_text
-    from lightning_hotspa.adapter.stats import monitor_metrics, step_metrics
+    from lightning_hotspa.adapter.observability.callbacks import plan_text
+    from lightning_hotspa.adapter.observability.stats import monitor_metrics, step_metrics
 
     lengths = [9, 5, 7, 6, 12, 4, 8, 10]
     g = torch.Generator().manual_seed(0)
@@ -256,7 +256,7 @@ def run_fsdp_traffic() -> dict:
                      "fsdp_bytes": before[name][0], "fsdp_calls": before[name][1],
                      "switch_bytes": stage.switch_bytes, "reduce_bytes": stage.reduce_bytes,
                      "stage_fsdp_bytes": stage.fsdp_bytes}
-    from lightning_hotspa.adapter.stats import stage_keys, step_metrics
+    from lightning_hotspa.adapter.observability.stats import stage_keys, step_metrics
 
     local = torch.tensor([float(s.fsdp_bytes) for s in result.stages], dtype=torch.float64)
     dist.all_reduce(local)  # every rank's bytes: what the records and the logged metrics carry
@@ -519,7 +519,7 @@ def test_the_datamodule_plans_with_the_strategys_context_only() -> None:
 
 
 def test_cost_planner_follows_the_accelerator(monkeypatch) -> None:
-    from lightning_hotspa.adapter.planner_factory import hardware_for
+    from lightning_hotspa.adapter.lightning.planner_factory import hardware_for
     from lightning_hotspa.planner.cost.hardware import profile_for_device
 
     assert hardware_for(None, torch.device("cpu")) == "cpu-gloo"
@@ -536,7 +536,7 @@ def test_cost_planner_follows_the_accelerator(monkeypatch) -> None:
 def test_metrics_come_from_records_with_the_documented_keys() -> None:
     from pathlib import Path
 
-    from lightning_hotspa.adapter.stats import monitor_metrics, step_metrics
+    from lightning_hotspa.adapter.observability.stats import monitor_metrics, step_metrics
 
     record = StageRecord(step=1, order=0, layout=Layout(dp=2, tp=2), label="(0,256]", tokens=100.0, documents=3.0,
                          micro_batches=2.0, switch_s=1.0, switch_mb=2.5, compute_s=3.0, reduce_s=0.5, stage_s=4.0,

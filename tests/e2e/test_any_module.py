@@ -11,7 +11,7 @@ from helpers import lightning_rank_env, rel_errors
 from torch import nn
 
 import lightning_hotspa  # noqa: F401  (registers "hotspa")
-from lightning_hotspa.adapter.module_layouts import supported_layouts
+from lightning_hotspa.adapter.lightning.module_layouts import supported_layouts
 from lightning_hotspa.layout import Layout
 from lightning_hotspa.models import LlamaLM
 from lightning_hotspa.models.attention import sdpa_attention

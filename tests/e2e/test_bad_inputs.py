@@ -24,8 +24,8 @@ from helpers import (
     strategy_case,
 )
 
-from lightning_hotspa.adapter.checkpoint import CheckpointError
-from lightning_hotspa.adapter.recipe import ConfigError
+from lightning_hotspa.adapter.checkpoints.dcp_state import CheckpointError
+from lightning_hotspa.adapter.recipes.hydra_recipe import ConfigError
 from lightning_hotspa.data import DataError
 from lightning_hotspa.layout import LayoutError
 
@@ -202,7 +202,7 @@ def _precision(tmp: Path) -> Callable[[], Any]:
 def _save_into_a_file(tmp: Path) -> Callable[[], Any]:
     import torch
 
-    from lightning_hotspa.adapter.checkpoint import save_distributed_checkpoint
+    from lightning_hotspa.adapter.checkpoints.dcp_state import save_distributed_checkpoint
 
     (tmp / "runs").mkdir()
     (tmp / "runs" / "ckpts").write_text("I am a file, not a folder")
@@ -211,7 +211,7 @@ def _save_into_a_file(tmp: Path) -> Callable[[], Any]:
 
 
 def _load_incomplete(tmp: Path) -> Callable[[], Any]:
-    from lightning_hotspa.adapter.checkpoint import export_consolidated
+    from lightning_hotspa.adapter.checkpoints.dcp_state import export_consolidated
 
     (tmp / "ck" / "step=4").mkdir(parents=True)
     (tmp / "ck" / "step=4" / "__0_0.distcp").write_bytes(b"partial")
@@ -221,7 +221,7 @@ def _load_incomplete(tmp: Path) -> Callable[[], Any]:
 def _load_missing(tmp: Path) -> Callable[[], Any]:
     import torch
 
-    from lightning_hotspa.adapter.checkpoint import load_distributed_checkpoint
+    from lightning_hotspa.adapter.checkpoints.dcp_state import load_distributed_checkpoint
 
     return lambda: load_distributed_checkpoint(tmp / "no-such-checkpoint", torch.nn.Linear(2, 2), [])
 

@@ -185,7 +185,7 @@ def _steps(out: Path) -> dict[int, dict]:
 
 @pytest.fixture(scope="module")
 def chain(tmp_path_factory):
-    from lightning_hotspa.adapter.node_checkpoint import merge_node_copies
+    from lightning_hotspa.adapter.checkpoints.nodes import merge_node_copies
 
     base = tmp_path_factory.mktemp("multinode")
     ckpt = str(base / "ckpt" / "node{node}")
@@ -328,7 +328,7 @@ def test_crash_and_resume_at_another_node_count_loses_and_repeats_no_token(chain
 
 
 def test_tp_groups_that_span_nodes_are_named():
-    from lightning_hotspa.adapter.node_checkpoint import tp_groups_across_nodes
+    from lightning_hotspa.adapter.checkpoints.nodes import tp_groups_across_nodes
     from lightning_hotspa.layout import MeshShape
 
     shape = MeshShape.for_layouts(["dp4", "dp2xtp2", "tp2xcp2"], 4)
@@ -339,7 +339,7 @@ def test_tp_groups_that_span_nodes_are_named():
 
 def _node_copy(folder: Path, node: int, ranks: list[int], step: int = 2) -> Path:
     """A stand-in for one node's copy of a node-local checkpoint (files only, no tensors)."""
-    from lightning_hotspa.adapter.checkpoint_trust import file_entries, write_marker
+    from lightning_hotspa.adapter.checkpoints.trust import file_entries, write_marker
 
     folder.mkdir(parents=True)
     (folder / ".metadata").write_bytes(pickle.dumps({}))
@@ -350,8 +350,8 @@ def _node_copy(folder: Path, node: int, ranks: list[int], step: int = 2) -> Path
 
 
 def test_node_local_copies_are_refused_where_they_cannot_load_and_merged_only_when_complete(tmp_path):
-    from lightning_hotspa.adapter.checkpoint import CheckpointError
-    from lightning_hotspa.adapter.node_checkpoint import CheckpointPlacement, merge_node_copies
+    from lightning_hotspa.adapter.checkpoints.dcp_state import CheckpointError
+    from lightning_hotspa.adapter.checkpoints.nodes import CheckpointPlacement, merge_node_copies
 
     copy0 = _node_copy(tmp_path / "node0" / "step=2", 0, [0, 1])
     placement = CheckpointPlacement(0, (0, 0, 0, 0), broadcast=lambda x: x, barrier=lambda: None)

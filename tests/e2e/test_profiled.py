@@ -15,7 +15,7 @@ from lightning.pytorch.callbacks import Callback
 
 import lightning_hotspa  # noqa: F401  (registers "hotspa")
 from lightning_hotspa import HotSPaStrategy
-from lightning_hotspa.checkpointing import Checkpointing
+from lightning_hotspa.activation_checkpointing import Checkpointing
 from lightning_hotspa.data import HotSPaDataModule, PlanDataLoader, TokenizedCorpus
 from lightning_hotspa.layout import Layout, MeshShape
 from lightning_hotspa.models import LlamaLM

@@ -20,7 +20,9 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from lightning_hotspa.adapter.recipe import (
+from lightning_hotspa.adapter.observability.telemetry import RunSummary, StageRecord, detect_hardware
+from lightning_hotspa.adapter.observability.wandb_run import decide_wandb_mode
+from lightning_hotspa.adapter.recipes.hydra_recipe import (
     CONFIG_DIR,
     ConfigError,
     check_config,
@@ -28,8 +30,6 @@ from lightning_hotspa.adapter.recipe import (
     register_resolvers,
     run_dir_name,
 )
-from lightning_hotspa.adapter.telemetry import RunSummary, StageRecord, detect_hardware
-from lightning_hotspa.adapter.wandb_utils import decide_wandb_mode
 from lightning_hotspa.data import SOURCE_KINDS, HotSPaDataModule
 from lightning_hotspa.layout import Layout
 

@@ -304,7 +304,7 @@ def test_nonfinite_loss_skip_policy_drops_only_that_update(ranks):
 
 # ---------------------------------------------------------------------------------------- single process
 def test_breadcrumb_names_the_position_and_survives_in_its_file(tmp_path):
-    from lightning_hotspa.adapter.reliability import StepTracker
+    from lightning_hotspa.adapter.lightning.reliability import StepTracker
     from lightning_hotspa.layout import Layout
     from lightning_hotspa.plan import RankStage, pack_micro_batch
 
@@ -328,7 +328,7 @@ def test_breadcrumb_names_the_position_and_survives_in_its_file(tmp_path):
 
 
 def test_guard_wraps_failed_collectives_only():
-    from lightning_hotspa.adapter.reliability import CollectiveError, StepTracker
+    from lightning_hotspa.adapter.lightning.reliability import CollectiveError, StepTracker
 
     tracker = StepTracker()
     tracker.begin_step(4, 4, 1)
@@ -347,7 +347,7 @@ def test_guard_wraps_failed_collectives_only():
 
 
 def test_nccl_flight_recorder_is_enabled_unless_the_user_chose():
-    from lightning_hotspa.adapter.reliability import enable_nccl_flight_recorder
+    from lightning_hotspa.adapter.lightning.reliability import enable_nccl_flight_recorder
 
     env: dict[str, str] = {}
     assert enable_nccl_flight_recorder("nccl", env) and env["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "2000"
@@ -359,14 +359,14 @@ def test_nccl_flight_recorder_is_enabled_unless_the_user_chose():
 
 
 def _save(path, value: float, step: int):
-    from lightning_hotspa.adapter.checkpoint import save_distributed_checkpoint
+    from lightning_hotspa.adapter.checkpoints.dcp_state import save_distributed_checkpoint
 
     checkpoint = {"state_dict": {"w": torch.full((4,), value)}, "global_step": step}
     save_distributed_checkpoint(checkpoint, path, is_rank_zero=True, barrier=lambda: None)
 
 
 def _load(path) -> float:
-    from lightning_hotspa.adapter.checkpoint import load_distributed_checkpoint
+    from lightning_hotspa.adapter.checkpoints.dcp_state import load_distributed_checkpoint
 
     module = torch.nn.Module()
     module.w = torch.nn.Parameter(torch.zeros(4))
@@ -377,7 +377,7 @@ def _load(path) -> float:
 def test_interrupted_saves_leave_the_previous_checkpoint_usable(tmp_path, monkeypatch):
     import torch.distributed.checkpoint as dcp
 
-    from lightning_hotspa.adapter import checkpoint as ck
+    from lightning_hotspa.adapter.checkpoints import dcp_state as ck
 
     _save(tmp_path / "step=2", 2.0, 2)
     # 1) a new checkpoint dies while DCP writes its shards
@@ -421,7 +421,7 @@ def test_periodic_checkpoints_come_from_the_hydra_config(tmp_path):
     from hydra import compose, initialize_config_dir
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    from lightning_hotspa.adapter.recipe import CONFIG_DIR, build_trainer, register_resolvers
+    from lightning_hotspa.adapter.recipes.hydra_recipe import CONFIG_DIR, build_trainer, register_resolvers
 
     register_resolvers()
     with initialize_config_dir(str(CONFIG_DIR), version_base="1.3"):

@@ -165,7 +165,7 @@ def test_checkpoint_at_world_4_resumes_at_world_2_with_other_layouts(ranks, tmp_
     errors = rel_errors(resumed, full)
     assert max(errors.values()) <= 1e-12, worst(errors)
     # a single-file export for inference holds the same (step-2) weights as the sharded checkpoint
-    from lightning_hotspa.adapter.checkpoint import export_consolidated
+    from lightning_hotspa.adapter.checkpoints.dcp_state import export_consolidated
 
     exported = export_consolidated(path, tmp_path / "model.pt")
     assert set(exported) == set(full) and torch.load(tmp_path / "model.pt")["model.norm.weight"].dtype == torch.float64

@@ -11,7 +11,7 @@ import pytest
 import torch
 from helpers import make_tokenizer
 
-from lightning_hotspa.adapter.checkpoint import save_distributed_checkpoint
+from lightning_hotspa.adapter.checkpoints.dcp_state import save_distributed_checkpoint
 
 
 def _tiny_checkpoint(path: Path, seed: int = 0):
@@ -27,7 +27,7 @@ def _tiny_checkpoint(path: Path, seed: int = 0):
 
 def test_padded_tiny_model_exports_and_loads_in_transformers_with_equal_logits(tmp_path):
     transformers = pytest.importorskip("transformers")
-    from lightning_hotspa.adapter.hf_export import export_hf
+    from lightning_hotspa.adapter.checkpoints.hf_export import export_hf
     from lightning_hotspa.plan import pack_micro_batch
 
     model = _tiny_checkpoint(tmp_path / "ckpt")
@@ -167,7 +167,7 @@ def test_a_missing_ckpt_path_fails_before_any_process_or_group_starts(tmp_path):
     import torch.distributed as dist
 
     from lightning_hotspa import HotSPaStrategy
-    from lightning_hotspa.adapter.checkpoint import CheckpointError
+    from lightning_hotspa.adapter.checkpoints.dcp_state import CheckpointError
     from lightning_hotspa.models import LlamaLM
 
     trainer = L.Trainer(accelerator="cpu", devices=1, strategy=HotSPaStrategy(["dp1"]), logger=False,

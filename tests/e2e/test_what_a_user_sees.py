@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from helpers import history_rows
 
-from lightning_hotspa.adapter.stats import bucket_key
+from lightning_hotspa.adapter.observability.stats import bucket_key
 
 ROOT = Path(__file__).resolve().parents[2]
 TRAIN = ROOT / "recipes" / "train.py"
@@ -43,7 +43,7 @@ def _batch_tokens(steps: int) -> list[int]:
     from hydra import compose, initialize_config_dir
     from hydra.utils import instantiate
 
-    from lightning_hotspa.adapter.recipe import CONFIG_DIR, register_resolvers
+    from lightning_hotspa.adapter.recipes.hydra_recipe import CONFIG_DIR, register_resolvers
 
     register_resolvers()
     with initialize_config_dir(version_base="1.3", config_dir=str(CONFIG_DIR)):

@@ -19,7 +19,7 @@ PACKAGE = Path(lightning_hotspa.__file__).resolve().parent
 
 #: floor of each part of the package: a module may import its own floor and the floors below
 FLOORS = {
-    "checks": 0, "checkpointing": 0, "torch_compat": 0, "host": 0, "host_facts": 0, "layout": 0, "mesh": 0,
+    "checks": 0, "activation_checkpointing": 0, "torch_compat": 0, "host": 0, "host_facts": 0, "layout": 0, "mesh": 0,
     "placements": 0, "plan": 0, "micro_batch": 0, "collective_names": 0, "group_collectives": 0, "shard_rows": 0,
     "model_shape": 0,
     "models": 1, "planner": 1, "data": 1, "testing": 1,
@@ -145,7 +145,7 @@ def test_trainer_finds_hotspa_after_a_bare_import_in_either_order(imports: str) 
             + "import sys\n"
             "assert not [f for f in sys.meta_path if getattr(f, 'hotspa_registration_hook', 0)]\n"
             "assert type(sys.modules['lightning'].__loader__).__name__ != '_RegisterAfterExec'\n"
-            "from lightning_hotspa.adapter import registration\n"
+            "from lightning_hotspa.adapter.lightning import registration\n"
             "registration.install(); registration.install(); registration.register_strategy()\n" + _TRAINER)
     assert _python(code).strip().splitlines()[-2:] == ["HotSPaStrategy", "HotSPaStrategy"]
 

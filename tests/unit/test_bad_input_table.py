@@ -38,8 +38,8 @@ from helpers import (  # noqa: E402
     strategy_case,
 )
 
-from lightning_hotspa.adapter.checkpoint import CheckpointError  # noqa: E402
-from lightning_hotspa.adapter.recipe import ConfigError  # noqa: E402
+from lightning_hotspa.adapter.checkpoints.dcp_state import CheckpointError  # noqa: E402
+from lightning_hotspa.adapter.recipes.hydra_recipe import ConfigError  # noqa: E402
 from lightning_hotspa.data import DataError, SyntheticSource, TextFolderSource  # noqa: E402
 from lightning_hotspa.data.chat import ChatTemplateTokenizer  # noqa: E402
 from lightning_hotspa.layout import LayoutError  # noqa: E402
@@ -57,7 +57,7 @@ def _composed() -> Any:
     """The default config composed once by Hydra (each row merges its override into a copy)."""
     from hydra import compose, initialize_config_dir
 
-    from lightning_hotspa.adapter.recipe import CONFIG_DIR, register_resolvers
+    from lightning_hotspa.adapter.recipes.hydra_recipe import CONFIG_DIR, register_resolvers
 
     register_resolvers()
     with initialize_config_dir(version_base="1.3", config_dir=str(CONFIG_DIR)):
@@ -68,7 +68,7 @@ def _hydra(override: str) -> Callable[[Path], Callable[[], Any]]:
     def make(tmp: Path) -> Callable[[], Any]:
         from omegaconf import OmegaConf
 
-        from lightning_hotspa.adapter.recipe import check_config
+        from lightning_hotspa.adapter.recipes.hydra_recipe import check_config
 
         def call() -> None:
             cfg = copy.deepcopy(_composed())
@@ -314,7 +314,7 @@ def _resave(folder: Path, drop: str | None = None, add: dict[str, torch.Tensor] 
 
 # ------------------------------------------------------------------ checkpoints
 def _llama_ckpt(path: Path, n_layers: int) -> None:
-    from lightning_hotspa.adapter.checkpoint import save_distributed_checkpoint
+    from lightning_hotspa.adapter.checkpoints.dcp_state import save_distributed_checkpoint
     from lightning_hotspa.models import LlamaLM
 
     model = LlamaLM({"preset": "tiny", "n_layers": n_layers})
@@ -325,7 +325,7 @@ def _llama_ckpt(path: Path, n_layers: int) -> None:
 
 def _resume(saved_layers: int, model_layers: int) -> Callable[[Path], Callable[[], Any]]:
     def make(tmp: Path) -> Callable[[], Any]:
-        from lightning_hotspa.adapter.checkpoint import load_distributed_checkpoint
+        from lightning_hotspa.adapter.checkpoints.dcp_state import load_distributed_checkpoint
         from lightning_hotspa.models import LlamaLM
 
         _llama_ckpt(tmp / "ck", saved_layers)
@@ -337,9 +337,9 @@ def _resume(saved_layers: int, model_layers: int) -> Callable[[Path], Callable[[
 def _checkpoint(damage: Callable[[Path], Any], load: str = "resume") -> Callable[[Path], Callable[[], Any]]:
     """A clean 4-float checkpoint at tmp/c/step=2, damaged, then loaded one way."""
     def make(tmp: Path) -> Callable[[], Any]:
-        from lightning_hotspa.adapter.checkpoint import export_consolidated, load_distributed_checkpoint
-        from lightning_hotspa.adapter.checkpoint_upgrade import upgrade_legacy_checkpoint
-        from lightning_hotspa.adapter.consolidate import consolidate_checkpoint
+        from lightning_hotspa.adapter.checkpoints.dcp_state import export_consolidated, load_distributed_checkpoint
+        from lightning_hotspa.adapter.checkpoints.single_file import consolidate_checkpoint
+        from lightning_hotspa.adapter.checkpoints.upgrade import upgrade_legacy_checkpoint
 
         folder = save_tiny(tmp / "c" / "step=2", 2.0, 2)
         damage(folder)
@@ -452,7 +452,7 @@ def _checkpoint_rows() -> list[Bad]:
 
 
 def _optimizer_mismatch(tmp: Path) -> Callable[[], Any]:
-    from lightning_hotspa.adapter.checkpoint import load_distributed_checkpoint
+    from lightning_hotspa.adapter.checkpoints.dcp_state import load_distributed_checkpoint
 
     module = torch.nn.Linear(2, 2)
     optimizer = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
@@ -460,7 +460,7 @@ def _optimizer_mismatch(tmp: Path) -> Callable[[], Any]:
     optimizer.step()
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-    from lightning_hotspa.adapter.checkpoint import save_distributed_checkpoint
+    from lightning_hotspa.adapter.checkpoints.dcp_state import save_distributed_checkpoint
 
     state = get_optimizer_state_dict(module, optimizer)
     save_distributed_checkpoint({"state_dict": dict(module.state_dict()), "global_step": 1,
@@ -474,13 +474,13 @@ class _Obj:
 
 
 def _resolve(spec: str) -> Any:
-    from lightning_hotspa.adapter.checkpoint import resolve_checkpoint
+    from lightning_hotspa.adapter.checkpoints.dcp_state import resolve_checkpoint
 
     return resolve_checkpoint(spec)
 
 
 def _consolidate(spec: str, out: Path) -> Any:
-    from lightning_hotspa.adapter.consolidate import consolidate_checkpoint
+    from lightning_hotspa.adapter.checkpoints.single_file import consolidate_checkpoint
 
     return consolidate_checkpoint(spec, out)
 

@@ -1,11 +1,11 @@
-"""The timeline picture of a block stage: one lane per block (adapter/timeline.py)."""
+"""The timeline picture of a block stage: one lane per block (adapter/observability/timeline_png.py)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from lightning_hotspa.adapter.timeline import block_lanes, draw_timeline, lane_timings
+from lightning_hotspa.adapter.observability.timeline_png import block_lanes, draw_timeline, lane_timings
 from lightning_hotspa.layout import Layout, MeshShape
 from lightning_hotspa.plan import Block, Stage, StepPlan, block_dp_groups
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from lightning_hotspa.adapter.stats import block_metrics, stage_doc_tokens, step_metrics
+from lightning_hotspa.adapter.observability.stats import block_metrics, stage_doc_tokens, step_metrics
 from lightning_hotspa.engine.records import FIELDS, StageRecord
 from lightning_hotspa.layout import Layout, MeshShape
 from lightning_hotspa.plan import Block, Stage, StepPlan, block_dp_groups

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from lightning_hotspa.checkpointing import Checkpointing
+from lightning_hotspa.activation_checkpointing import Checkpointing
 from lightning_hotspa.layout import Layout, LayoutError, MeshShape
 from lightning_hotspa.plan import (
     Block,

@@ -12,8 +12,8 @@ import pytest
 import torch
 from helpers import Payload, legacy_folder, rehash, save_tiny
 
-from lightning_hotspa.adapter import checkpoint as ck
-from lightning_hotspa.adapter.checkpoint import CheckpointError
+from lightning_hotspa.adapter.checkpoints import dcp_state as ck
+from lightning_hotspa.adapter.checkpoints.dcp_state import CheckpointError
 
 
 def _load(path: Path) -> tuple[float, int]:
@@ -40,8 +40,8 @@ def _try(fn, *args) -> Exception | None:
 
 @pytest.mark.parametrize("name", ["meta.pt", ".metadata"])
 def test_a_payload_in_a_checkpoint_never_runs_on_resume_or_export(tmp_path, name):
-    from lightning_hotspa.adapter.consolidate import consolidate_checkpoint
-    from lightning_hotspa.adapter.hf_export import export_hf
+    from lightning_hotspa.adapter.checkpoints.hf_export import export_hf
+    from lightning_hotspa.adapter.checkpoints.single_file import consolidate_checkpoint
 
     folder = save_tiny(tmp_path / "step=2", 2.0, 2)
     marker = tmp_path / "PWNED"
@@ -56,7 +56,7 @@ def test_a_payload_in_a_checkpoint_never_runs_on_resume_or_export(tmp_path, name
 
 
 def test_a_progress_wrapper_sees_every_file_while_it_is_hashed(tmp_path, monkeypatch, capsys):
-    from lightning_hotspa.adapter.checkpoint_trust import read_marker, verify_checkpoint
+    from lightning_hotspa.adapter.checkpoints.trust import read_marker, verify_checkpoint
     from lightning_hotspa.tools.consolidate import run
 
     folder = save_tiny(tmp_path / "step=2", 2.0, 2)
@@ -83,7 +83,7 @@ def test_meta_is_read_weights_only_even_when_its_checksum_was_forged(tmp_path):
 
 
 def test_latest_reads_only_commit_markers_and_never_unpickles_other_folders(tmp_path):
-    from lightning_hotspa.adapter.node_checkpoint import CheckpointPlacement
+    from lightning_hotspa.adapter.checkpoints.nodes import CheckpointPlacement
 
     old, new = save_tiny(tmp_path / "step=2", 2.0, 2), save_tiny(tmp_path / "step=4", 4.0, 4)
     marker = tmp_path / "PWNED"
@@ -98,7 +98,7 @@ def test_latest_reads_only_commit_markers_and_never_unpickles_other_folders(tmp_
 
 
 def test_merge_of_node_copies_checks_them_before_reading_their_dcp_metadata(tmp_path):
-    from lightning_hotspa.adapter.node_checkpoint import CheckpointPlacement, merge_node_copies
+    from lightning_hotspa.adapter.checkpoints.nodes import CheckpointPlacement, merge_node_copies
 
     placement = CheckpointPlacement(0, (0,), broadcast=lambda x: x, barrier=lambda: None)
     copy = tmp_path / "node0" / "step=2"
@@ -155,7 +155,7 @@ def test_a_save_whose_metadata_would_need_unpickling_code_is_refused_when_writte
 
 
 def test_latest_with_nothing_to_resume_is_an_error_unless_asked_for(tmp_path):
-    from lightning_hotspa.adapter.node_checkpoint import CheckpointPlacement
+    from lightning_hotspa.adapter.checkpoints.nodes import CheckpointPlacement
 
     placement = CheckpointPlacement(0, (0,), broadcast=lambda x: x, barrier=lambda: None)
     (tmp_path / "empty").mkdir()
@@ -210,10 +210,10 @@ def test_numpy_values_in_the_metadata_are_stored_as_plain_numbers(tmp_path):
 
 def _planted_path(path: str, tmp_path: Path, marker: Path):
     """Plants a payload for one load path; returns the call that must refuse it."""
-    from lightning_hotspa.adapter.checkpoint_upgrade import upgrade_legacy_checkpoint
-    from lightning_hotspa.adapter.consolidate import consolidate_checkpoint
-    from lightning_hotspa.adapter.hf_export import export_hf
-    from lightning_hotspa.adapter.node_checkpoint import CheckpointPlacement
+    from lightning_hotspa.adapter.checkpoints.hf_export import export_hf
+    from lightning_hotspa.adapter.checkpoints.nodes import CheckpointPlacement
+    from lightning_hotspa.adapter.checkpoints.single_file import consolidate_checkpoint
+    from lightning_hotspa.adapter.checkpoints.upgrade import upgrade_legacy_checkpoint
 
     save_tiny(tmp_path / "step=1", 1.0, 1)
     folder = save_tiny(tmp_path / "step=2", 2.0, 2, hyper_parameters={"config": "tiny"})  # exportable metadata

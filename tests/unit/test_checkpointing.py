@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_hotspa.checkpointing import Checkpointing
+from lightning_hotspa.activation_checkpointing import Checkpointing
 from lightning_hotspa.layout import Layout
 from lightning_hotspa.plan import PlanError, Stage
 from lightning_hotspa.planner.cost.cost_model import AnalyticCostModel
@@ -60,7 +60,7 @@ def test_selective_prices_between_none_and_full(layout: str) -> None:
 
 
 def test_strategy_reads_the_three_modes_and_keeps_bools() -> None:
-    from lightning_hotspa.adapter.strategy import HotSPaStrategy
+    from lightning_hotspa.adapter.lightning.strategy import HotSPaStrategy
 
     tp = Layout.parse("dp2xtp2")
     for spec, mode in (("selective", "selective"), ("full", "full"), ("none", "none"), (True, "full"), (False, "none")):
@@ -73,8 +73,8 @@ def test_strategy_reads_the_three_modes_and_keeps_bools() -> None:
 
 
 def test_one_grammar_parses_activation_checkpointing_for_the_strategy_and_both_planners():
-    from lightning_hotspa.adapter.layout_choice import check_checkpointing_spec
-    from lightning_hotspa.checkpointing import parse_checkpointing_spec
+    from lightning_hotspa.activation_checkpointing import parse_checkpointing_spec
+    from lightning_hotspa.adapter.lightning.layout_choice import check_checkpointing_spec
     from lightning_hotspa.planner.rule import ThresholdPlanner
 
     assert parse_checkpointing_spec("auto") == "auto"

@@ -67,7 +67,7 @@ def test_the_features_are_really_exercised(folders):
         assert rel_error(logits, torch.cat(ref_logits)) > 1e-3, arch
     qwen = LlamaLM.from_pretrained(str(folders["qwen2"][0]))
     assert qwen.config.qkv_bias and qwen.config.tie_embeddings and not hasattr(qwen.model, "output")
-    from lightning_hotspa.adapter.module_layouts import supported_layouts
+    from lightning_hotspa.adapter.lightning.module_layouts import supported_layouts
 
     layouts, why = supported_layouts(qwen, 4)  # tied: no tp plan yet, cp through its attention core
     assert [str(x) for x in layouts] == ["dp4", "dp2xcp2", "cp4"] and "tied embeddings" in why

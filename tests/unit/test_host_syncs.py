@@ -7,7 +7,7 @@ import pickle
 import pytest
 import torch
 
-from lightning_hotspa.adapter.nccl_runtime import (
+from lightning_hotspa.adapter.lightning.nccl_runtime import (
     ALLOCATOR_SETTINGS,
     apply_allocator_settings,
     objects_to_cpu,

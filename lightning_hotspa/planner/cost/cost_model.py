@@ -40,7 +40,7 @@ rows); the cost is padding (``s`` rounded up to ``2*cp``) and communication:
   Ours does not save the gathered K/V, so backward recomputes the attention forward: attention FLOPs
   x 4/3 (``RuntimeProfile.kv_gather_recomputes_attention``; a ring attention that saves its output and
   log-sum-exp does not).
-* Activation checkpointing (:class:`~lightning_hotspa.checkpointing.Checkpointing`): full recomputes
+* Activation checkpointing (:class:`~lightning_hotspa.activation_checkpointing.Checkpointing`): full recomputes
   each layer's forward, +1/3 of the layers' training FLOPs (and its tp / cp collectives); selective
   recomputes the attention core (the q/k/v projections' GEMMs, rotary, the attention kernel's
   forward and its cp exchange; under sequence parallelism the attention input's tp all-gather), +1/3
@@ -84,7 +84,7 @@ from typing import Any
 
 import numpy as np
 
-from ...checkpointing import Checkpointing
+from ...activation_checkpointing import Checkpointing
 from ...checks import check_int
 from ...layout import Layout
 from ...model_shape import ModelShape

@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from ...checkpointing import Checkpointing
+from ...activation_checkpointing import Checkpointing
 from ...layout import Layout
 from .kv_gather_memory import _local_kv_heads, kv_gather_extra_bytes
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from ...checkpointing import Checkpointing
+from ...activation_checkpointing import Checkpointing
 from ..solve.ladder import LadderGroups
 from ..solve.mixed_rounds import MixedGroups, mixed_seconds
 from .cost_model import AnalyticCostModel, OptionCost, shares_gradients

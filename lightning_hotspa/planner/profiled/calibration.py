@@ -14,7 +14,7 @@ comparable with observed ones.
 Determinism (docs/DESIGN.md §4, "Who holds what"): every rank must plan with the same coefficients. Ranks
 time different micro-batches, so the strategy rides the rows on the step's one all-gather
 (:func:`lightning_hotspa.engine.records.gather_step`, then
-:func:`lightning_hotspa.adapter.profiling.gathered_observations`),
+:func:`lightning_hotspa.adapter.lightning.profiling.gathered_observations`),
 every rank feeds the same rows in the same order to :meth:`ProfiledCoefficients.observe`, and
 coefficients change only in :meth:`ProfiledCoefficients.refit` at steps that are multiples of
 ``refit_every``; which plans a new version affects is :mod:`.schedule`'s business. Fitted values are
@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from ...checkpointing import Checkpointing
+from ...activation_checkpointing import Checkpointing
 from ...layout import Layout
 from ..cost.cost_model import OptionCost
 from ..solve.packing import cp_padded_lengths

@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from ...checkpointing import Checkpointing
+from ...activation_checkpointing import Checkpointing
 from ...layout import Layout
 from ...plan import PlanError
 

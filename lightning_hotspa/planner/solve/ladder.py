@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ...checkpointing import Checkpointing
+from ...activation_checkpointing import Checkpointing
 from ...layout import Layout, LayoutError, MeshShape
 from ..cost.cost_model import AnalyticCostModel, CostModelError, OptionCost
 from ..cost.timeline import stage_group_seconds

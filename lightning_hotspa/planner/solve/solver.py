@@ -45,7 +45,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from ...checkpointing import Checkpointing, parse_checkpointing_spec
+from ...activation_checkpointing import Checkpointing, parse_checkpointing_spec
 from ...checks import check_int
 from ...layout import Layout, LayoutError, MeshShape, parse_layouts
 from ...model_shape import ModelShape

@@ -29,10 +29,10 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ..checkpointing import Checkpointing
-from ..engine.records import StageRecord, rank_stage_fields
-from ..layout import MeshShape
-from ..plan import StepPlan, block_ranks
+from ...activation_checkpointing import Checkpointing
+from ...engine.records import StageRecord, rank_stage_fields
+from ...layout import MeshShape
+from ...plan import StepPlan, block_ranks
 
 __all__ = ["block_metrics", "bucket_key", "monitor_metrics", "stage_doc_tokens", "stage_keys", "step_metrics"]
 

@@ -12,9 +12,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .checkpoint_trust import CheckpointError
+from ..checkpoints.nodes import LATEST_OR_SCRATCH_PREFIX, LATEST_PREFIX, expand_node
+from ..checkpoints.trust import CheckpointError
 from .lightning_compat import SubprocessScriptLauncher
-from .node_checkpoint import LATEST_OR_SCRATCH_PREFIX, LATEST_PREFIX, expand_node
 
 __all__ = ["CheckingLauncher", "precheck_ckpt_path"]
 

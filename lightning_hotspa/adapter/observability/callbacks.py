@@ -28,14 +28,14 @@ import torch
 from lightning.pytorch.callbacks import TQDMProgressBar
 from lightning.pytorch.loggers import WandbLogger
 
-from ..checks import check_int
-from ..engine.records import StageRecord, StepResult, rank_stage_fields
-from ..plan import RankPlan, StepPlan
-from ..planner.base import PricedPlanner
+from ...checks import check_int
+from ...engine.records import StageRecord, StepResult, rank_stage_fields
+from ...plan import RankPlan, StepPlan
+from ...planner.base import PricedPlanner
+from ..lightning.strategy import HotSPaStrategy
 from .stats import monitor_metrics
-from .strategy import HotSPaStrategy
 from .telemetry import RunSummary, detect_hardware, records_as_rows, stage_flops
-from .timeline import PARTS, block_lanes, draw_timeline
+from .timeline_png import PARTS, block_lanes, draw_timeline
 
 __all__ = ["HotSPaMonitor", "HotSPaProgressBar", "epoch_text", "plan_text"]
 
@@ -137,7 +137,7 @@ class HotSPaMonitor(L.Callback):
             if prediction is None and pricing is None:
                 if self.hardware is None or config is None:
                     return None
-                from ..planner.solve.solver import CostModelPlanner
+                from ...planner.solve.solver import CostModelPlanner
 
                 pricing = CostModelPlanner(strategy.layouts, model=config, hardware=self.hardware,
                                            tokens_per_rank=strategy.tokens_per_rank, activation_checkpointing="auto")
@@ -263,7 +263,7 @@ class HotSPaMonitor(L.Callback):
         lines.append(f"summary: {self.output_dir / 'summary.json'}")
         for logger in trainer.loggers:
             if isinstance(logger, WandbLogger):
-                from .wandb_utils import offline_run_message
+                from .wandb_run import offline_run_message
 
                 lines.append(offline_run_message(logger))
             elif getattr(logger, "log_dir", None):

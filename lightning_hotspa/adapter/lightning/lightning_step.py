@@ -18,13 +18,13 @@ import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 
-from ..engine.records import StepResult
-from ..engine.step_runner import StepHooks
-from ..layout import Layout, LayoutError
-from ..plan import RankPlan, RankStage
+from ...engine.records import StepResult
+from ...engine.step_runner import StepHooks
+from ...layout import Layout, LayoutError
+from ...plan import RankPlan, RankStage
+from ..observability.stats import block_metrics, stage_doc_tokens, step_metrics
 from .lightning_compat import call_callback_hooks, call_module_hook, forget_logged, trainer_results
 from .reliability import StepTracker
-from .stats import block_metrics, stage_doc_tokens, step_metrics
 
 __all__ = ["LightningStepHooks", "as_scalar_loss", "check_trainer", "open_breadcrumbs", "plain_plan", "run_eval_step",
            "run_training_step"]

@@ -14,8 +14,8 @@ from typing import Any
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
-from ..checkpointing import Checkpointing, parse_checkpointing_spec
-from ..layout import Layout, LayoutError, parse_layouts
+from ...activation_checkpointing import Checkpointing, parse_checkpointing_spec
+from ...layout import Layout, LayoutError, parse_layouts
 from .module_layouts import supported_layouts
 
 __all__ = ["checkpointing_for", "check_checkpointing_layouts", "check_checkpointing_spec", "choose_default_layout",
@@ -72,7 +72,7 @@ def choose_default_layout(spec: Layout | None, layouts: Sequence[Layout]) -> Lay
 
 def check_checkpointing_spec(spec: Any) -> Any:
     """The strategy's ``activation_checkpointing`` argument, parsed once
-    (:func:`~lightning_hotspa.checkpointing.parse_checkpointing_spec`, the one grammar).
+    (:func:`~lightning_hotspa.activation_checkpointing.parse_checkpointing_spec`, the one grammar).
 
     Args:
         spec: ``"none"``, ``"selective"``, ``"full"`` (or True / False: full / none) for every layout,

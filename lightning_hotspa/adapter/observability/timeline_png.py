@@ -30,7 +30,7 @@ def block_lanes(plan, mesh) -> list[tuple[str, tuple[int, ...]]]:
         plan: a :class:`~lightning_hotspa.plan.StepPlan`.
         mesh: the world mesh's :class:`~lightning_hotspa.layout.MeshShape`.
     """
-    from ..plan import block_ranks
+    from ...plan import block_ranks
 
     for stage in plan.stages:
         if stage.blocks and not stage.lockstep_blocks:

@@ -18,12 +18,12 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from ..engine.home import build_home_parameters, region_initializer
-from ..engine.switch import SwitchEngine
-from ..layout import LayoutError
-from ..mesh import WorldMesh
-from ..parallel.model import ParallelModel, uninstall_parallel
-from ..placements import build_shardings
+from ...engine.home import build_home_parameters, region_initializer
+from ...engine.switch import SwitchEngine
+from ...layout import LayoutError
+from ...mesh import WorldMesh
+from ...parallel.model import ParallelModel, uninstall_parallel
+from ...placements import build_shardings
 
 __all__ = ["HomeState", "build_home_state", "param_roles_of"]
 
@@ -44,7 +44,7 @@ def param_roles_of(module: nn.Module, max_tp: int) -> dict[str, str]:
             raise LayoutError(f"layouts with tp={max_tp} need a tensor-parallel plan, but "
                               f"{type(module).__name__} defines no tp_plan(tp) method")
         return {n: "replicated" for n, _ in module.named_parameters()}
-    from ..models.tp_plan import param_roles
+    from ...models.tp_plan import param_roles
 
     # tp degrees nest, so a plan valid for the largest tp is valid for every layout
     return param_roles(module, tp_plan(max_tp))

@@ -9,7 +9,7 @@ torch 2.11-2.13: ``Metadata``, ``TensorStorageMetadata``, ``BytesStorageMetadata
 ``ChunkStorageMetadata``, ``TensorProperties`` and its memory-format enum, ``MetadataIndex``,
 ``StorageMeta``, the file system's ``_StorageInfo``, ``torch.Size``, dtypes, layouts and the
 checkpoint id's ``pathlib`` path); the items through ``torch.load(weights_only=True)``. Anything
-else is a :class:`~.checkpoint_trust.CheckpointError` naming the file and the refused global.
+else is a :class:`~.trust.CheckpointError` naming the file and the refused global.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 
-from .checkpoint_trust import DCP_METADATA, CheckpointError
+from .trust import DCP_METADATA, CheckpointError
 
 __all__ = ["ALLOWED_GLOBALS", "SafeFileSystemReader", "SafeLoadPlanner", "load_dcp_metadata", "safe_dcp_load"]
 

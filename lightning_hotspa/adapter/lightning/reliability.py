@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..collective_names import failed_collective
+from ...collective_names import failed_collective
 
 __all__ = ["NONFINITE_POLICIES", "CollectiveError", "as_timeout", "NonFiniteLossError", "StepTracker",
            "check_breadcrumb_dir", "check_nonfinite_policy", "enable_nccl_flight_recorder", "is_collective_failure",

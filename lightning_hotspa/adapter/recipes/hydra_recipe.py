@@ -19,7 +19,7 @@ from typing import Any
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
-from ..checks import check_int, is_int
+from ...checks import check_int, is_int
 
 __all__ = ["ConfigError", "CONFIG_DIR", "check_config", "group_options", "hardware_profile", "register_resolvers",
            "run_dir_name", "train"]
@@ -27,7 +27,7 @@ __all__ = ["ConfigError", "CONFIG_DIR", "check_config", "group_options", "hardwa
 # Shipped as package data, so an installed wheel finds them too (not only a checkout).
 CONFIG_DIR = Path(str(importlib.resources.files("lightning_hotspa") / "configs"))
 REQUIRED_GROUPS = ("model", "strategy", "data", "trainer")
-_STRATEGY_TARGETS = ("lightning_hotspa.HotSPaStrategy", "lightning_hotspa.adapter.strategy.HotSPaStrategy")
+_STRATEGY_TARGETS = ("lightning_hotspa.HotSPaStrategy", "lightning_hotspa.adapter.lightning.strategy.HotSPaStrategy")
 
 
 class ConfigError(ValueError):
@@ -37,7 +37,7 @@ class ConfigError(ValueError):
 def hardware_profile(profile: str | None, accelerator: str) -> str:
     """The hardware group's profile, or the one this machine's accelerator implies (for configs that
     build a cost-model planner before any process exists)."""
-    from .telemetry import detect_hardware
+    from ..observability.telemetry import detect_hardware
 
     if profile:
         return profile
@@ -100,7 +100,7 @@ def _world_size(trainer_cfg: Any) -> int | None:
 
 
 def _layout_error(world: int | None, problem: str) -> ConfigError:
-    from .strategy import default_layouts
+    from ..lightning.strategy import default_layouts
 
     if world is None:
         valid = "'auto', or a list of {dp, tp, cp} whose product dp*tp*cp is the world size"
@@ -115,7 +115,7 @@ def _layout_error(world: int | None, problem: str) -> ConfigError:
 
 def check_layouts(strategy_cfg: Any, trainer_cfg: Any) -> None:
     """``strategy.layouts`` is "auto" or a list of layouts of the world size that share one mesh."""
-    from ..layout import Layout, LayoutError, MeshShape, parse_layouts
+    from ...layout import Layout, LayoutError, MeshShape, parse_layouts
 
     spec = strategy_cfg.get("layouts", "auto")
     world = _world_size(trainer_cfg)
@@ -138,9 +138,9 @@ def check_layouts(strategy_cfg: Any, trainer_cfg: Any) -> None:
 
 def _check_context(cfg: DictConfig) -> None:
     """With the rule planner: the context must fit the largest micro-batch some layout holds."""
-    from ..layout import LayoutError, parse_layouts
-    from ..planner.rule import ThresholdPlanner
-    from .strategy import default_layouts
+    from ...layout import LayoutError, parse_layouts
+    from ...planner.rule import ThresholdPlanner
+    from ..lightning.strategy import default_layouts
 
     s, world = cfg.strategy, _world_size(cfg.trainer)
     context = cfg.data.get("context_length")
@@ -193,7 +193,7 @@ def check_values(cfg: DictConfig) -> None:
     """The plain values of :data:`VALUE_CHECKS` (where the config has them; null allowed where the
     hint says so) have their type and range, else a ConfigError naming the key and the value
     (``trainer.max_steps=lots``, ``seed=abc``, ``trainer.max_epochs=1.5``, ``model.lr=fast``)."""
-    from ..checks import check_number
+    from ...checks import check_number
 
     for key, kind, minimum, hint in VALUE_CHECKS:
         parent, _, leaf = key.rpartition(".")
@@ -288,7 +288,7 @@ def resolve_ckpt_path(cfg: DictConfig) -> str | None:
     every rank has (``latest:<dirpath>``, which HotSPaStrategy resolves with one collective once the
     processes are up: with node-local folders, the newest step every node has committed; none: an
     error), and ``latest_or_scratch`` the same, starting from scratch when there is none."""
-    from .node_checkpoint import LATEST_OR_SCRATCH_PREFIX, LATEST_PREFIX
+    from ..checkpoints.nodes import LATEST_OR_SCRATCH_PREFIX, LATEST_PREFIX
 
     spec = cfg.get("ckpt_path")
     if spec not in ("latest", "latest_or_scratch"):
@@ -367,8 +367,8 @@ def train(cfg: DictConfig) -> int:
     """Check, build, fit, report; returns the process exit status (non-zero: the loss check failed)."""
     import lightning as L
 
-    from .callbacks import HotSPaMonitor
-    from .quiet_logs import filter_unactionable_warnings, one_console_handler
+    from ..observability.callbacks import HotSPaMonitor
+    from ..observability.quiet_logs import filter_unactionable_warnings, one_console_handler
 
     register_resolvers()
     one_console_handler()  # Hydra's job logging is set up by now: each Lightning line once

@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ..engine.records import StageRecord
+from ...engine.records import StageRecord
 
 __all__ = [
     "RunSummary",
@@ -47,7 +47,7 @@ def detect_hardware(profile: str | None, peak_flops_per_device: float | None,
     An explicit ``profile`` wins; otherwise a CUDA device name picks one and CPU gets ``cpu-gloo``.
     ``peak_flops_per_device`` overrides the profile's peak. Unknown hardware: (None, override).
     """
-    from ..planner.cost.hardware import get_profile, profile_for_device
+    from ...planner.cost.hardware import get_profile, profile_for_device
 
     if profile is None:
         profile = profile_for_device(device_type, device_name)

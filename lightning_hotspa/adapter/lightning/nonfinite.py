@@ -13,7 +13,7 @@ from typing import Any
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 
-from ..plan import RankPlan
+from ...plan import RankPlan
 from .reliability import NonFiniteLossError, StepTracker, check_nonfinite_policy
 
 __all__ = ["NonFiniteHandler"]

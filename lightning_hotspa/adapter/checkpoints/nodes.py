@@ -34,7 +34,7 @@ from typing import Any
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultSavePlanner
 
-from .checkpoint import (
+from .dcp_state import (
     COMMIT_FILE,
     DCP_METADATA,
     LATEST_PREFIX,
@@ -47,8 +47,9 @@ from .checkpoint import (
     save_distributed_checkpoint,
     scan_checkpoints,
 )
-from .checkpoint import all_gather_objects as _all_gather
-from .checkpoint_trust import (
+from .dcp_state import all_gather_objects as _all_gather
+from .node_merge import merge_node_copies
+from .trust import (
     KIND_NODE_LOCAL,
     KIND_SHARED,
     file_entries,
@@ -56,7 +57,6 @@ from .checkpoint_trust import (
     write_fsync,
     write_marker,
 )
-from .node_merge import merge_node_copies
 
 __all__ = ["NODE_FIELD", "LATEST_PREFIX", "LATEST_OR_SCRATCH_PREFIX", "COMMIT_FILE", "CheckpointPlacement",
            "expand_node", "gather_node_map", "merge_node_copies", "tp_groups_across_nodes"]
@@ -226,7 +226,7 @@ class CheckpointPlacement:
         self._save_node_local(checkpoint, self.local(filepath), list(layouts))
 
     def _save_node_local(self, checkpoint: dict[str, Any], path: Path, layouts: list[str]) -> None:
-        from .checkpoint import _PARTIAL_SUFFIXES, _prepare
+        from .dcp_state import _PARTIAL_SUFFIXES, _prepare
 
         if path.name.endswith(_PARTIAL_SUFFIXES):
             raise CheckpointError(f"checkpoint path {str(path)!r} ends in {path.suffix!r}, a name reserved for "

@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from .checkpoint import read_model_tensors, resolve_checkpoint
-from .checkpoint_trust import META_FILE, read_meta, verify_checkpoint
+from .dcp_state import read_model_tensors, resolve_checkpoint
+from .trust import META_FILE, read_meta, verify_checkpoint
 
 __all__ = ["consolidate_checkpoint"]
 

@@ -33,7 +33,7 @@ def hotspa_strategy(**kwargs: Any) -> Any:
     """What the registry builds for ``strategy="hotspa"``: a :class:`HotSPaStrategy`.
 
     A function, not the class, so that registering imports nothing of ours: the hook runs while some
-    other module is being imported (often ``adapter/strategy.py`` itself, whose first Lightning import
+    other module is being imported (often ``adapter/lightning/strategy.py`` itself, whose first Lightning import
     triggers it), and importing the strategy from there would meet it half-initialized. Lightning's
     registry only ever calls the entry (``StrategyRegistry.get``), when a Trainer is built."""
     from .strategy import HotSPaStrategy

@@ -3,7 +3,7 @@
 A checkpoint is a folder: DCP shards of the model and optimizer states (DCP's ``.metadata`` is
 written last, after every rank's shards), ``meta.pt`` (loops, schedulers, callbacks, data and
 planner state, read weights-only) from rank 0, and last the commit marker ``commit.json`` (every
-file's size and sha256, :mod:`.checkpoint_trust`), checked before anything in the folder is
+file's size and sha256, :mod:`.trust`), checked before anything in the folder is
 unpickled. It is written into ``<path>.tmp`` and renamed into place only when complete, so a
 crash mid-write leaves the previous checkpoint usable; :func:`latest_checkpoint` finds the newest
 committed one from the markers alone and skips (and names) what an interrupted save left behind.
@@ -30,7 +30,9 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from .checkpoint_trust import (
+from ..lightning.reliability import is_collective_failure
+from .dcp_metadata import SafeFileSystemReader, safe_dcp_load
+from .trust import (
     COMMIT_FILE,
     DCP_METADATA,
     KIND_SHARED,
@@ -47,8 +49,6 @@ from .checkpoint_trust import (
     write_fsync,
     write_marker,
 )
-from .dcp_trust import SafeFileSystemReader, safe_dcp_load
-from .reliability import is_collective_failure
 
 __all__ = ["save_distributed_checkpoint", "load_distributed_checkpoint", "export_consolidated", "latest_checkpoint",
            "is_complete_checkpoint", "resolve_checkpoint", "check_checkpoint_dirs", "CheckpointError", "META_FILE",
@@ -70,7 +70,7 @@ def all_gather_objects(obj: Any) -> list[Any]:
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return [obj]
-    from .nccl_runtime import objects_to_cpu
+    from ..lightning.nccl_runtime import objects_to_cpu
 
     out: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(out, objects_to_cpu(obj))  # no CUDA tensor in a pickle (it lands on cuda:0)
@@ -377,7 +377,7 @@ def load_distributed_checkpoint(path: str | os.PathLike, module: nn.Module, opti
             exc = next(iter(exc.failures.values()))[0]
         if is_collective_failure(exc):
             raise
-        if isinstance(exc, CheckpointError):  # a refused item (dcp_trust), named
+        if isinstance(exc, CheckpointError):  # a refused item (dcp_metadata), named
             raise CheckpointError(f"checkpoint {str(path)!r}: {exc}") from None
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise CheckpointError(f"checkpoint {str(path)!r} (its files intact) does not fit {type(module).__name__} "

@@ -11,9 +11,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from ..engine.records import StepResult, rank_stage_fields
-from ..plan import RankPlan
-from ..planner.base import Planner, ProfiledPlanner, is_profiled
+from ...engine.records import StepResult, rank_stage_fields
+from ...plan import RankPlan
+from ...planner.base import Planner, ProfiledPlanner, is_profiled
 
 __all__ = ["ProfilingFeedback", "gathered_observations"]
 
@@ -22,7 +22,7 @@ def gathered_observations(result: StepResult, activation_checkpointing: Sequence
     """Every rank's measured stage seconds (``compute_s``) with its cost-model features:
     rank-major, stage order, bit-identical on every rank. ``activation_checkpointing``: per stage
     (default: what each stage ran with). Stages a rank had no micro-batch in are skipped."""
-    from ..planner.profiled.calibration import Observation
+    from ...planner.profiled.calibration import Observation
 
     ac = activation_checkpointing if activation_checkpointing is not None else [
         s.activation_checkpointing for s in result.stages]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from ..layout import Layout
+from ...layout import Layout
 
 __all__ = ["supported_layouts"]
 

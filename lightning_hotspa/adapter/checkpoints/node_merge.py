@@ -1,7 +1,7 @@
 """One shared checkpoint from every node's copy of a node-local one (``merge_node_copies``).
 
 Every copy is checked against its commit marker before its DCP metadata is read (through the
-allow-list of :mod:`.dcp_trust`); the
+allow-list of :mod:`.dcp_metadata`); the
 merged folder gets shard files copied, the per-node metadata merged and a commit marker of its own.
 """
 
@@ -13,8 +13,9 @@ import shutil
 from collections.abc import Sequence
 from pathlib import Path
 
-from .checkpoint import resolve_checkpoint
-from .checkpoint_trust import (
+from .dcp_metadata import load_dcp_metadata
+from .dcp_state import resolve_checkpoint
+from .trust import (
     COMMIT_FILE,
     DCP_METADATA,
     KIND_NODE_LOCAL,
@@ -27,7 +28,6 @@ from .checkpoint_trust import (
     write_fsync,
     write_marker,
 )
-from .dcp_trust import load_dcp_metadata
 
 __all__ = ["merge_node_copies"]
 

@@ -19,7 +19,7 @@ from urllib.parse import urlparse
 from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
-from .lightning_compat import drop_unset_wandb_init_keys
+from ..lightning.lightning_compat import drop_unset_wandb_init_keys
 
 __all__ = ["WandbDecision", "decide_wandb_mode", "find_api_key_source", "offline_run_message", "wandb_logger"]
 

@@ -3,7 +3,7 @@
 Such a folder (format version 1) has a pickled ``meta.pt`` and no checksums, so it is refused on
 load. Converting it reads that ``meta.pt`` weights-only with the metadata allow-list (plus numpy's
 scalar and array constructors, which old saves held) and DCP's ``.metadata`` through DCP's allow-list
-(:mod:`.dcp_trust`), rewrites ``meta.pt`` as weights-only-readable metadata and writes the commit
+(:mod:`.dcp_metadata`), rewrites ``meta.pt`` as weights-only-readable metadata and writes the commit
 marker with every file's checksum (docs/checkpoint-trust.md). An old ``meta.pt`` that holds anything
 else is refused, naming the type, unless ``trust_pickle`` (``--trust-pickle``): then it is unpickled
 in full, after a line on stderr that says so. Never a prompt: a closed stdin cannot answer for you.
@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from .checkpoint_trust import (
+from .trust import (
     COMMIT_FILE,
     DCP_METADATA,
     KIND_NODE_LOCAL,
@@ -80,7 +80,7 @@ def upgrade_legacy_checkpoint(folder: str | os.PathLike, *, trust_pickle: bool =
         folder: a folder main wrote before commit markers (``meta.pt`` + ``.metadata``, no versioned marker).
         trust_pickle: unpickle an old ``meta.pt`` in full when the allow-list cannot read it (runs its code).
     """
-    from .dcp_trust import load_dcp_metadata
+    from .dcp_metadata import load_dcp_metadata
 
     path = Path(folder)
     if not has_legacy_layout(path):

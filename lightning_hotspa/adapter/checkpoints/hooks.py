@@ -1,7 +1,7 @@
 """What the strategy's checkpoint hooks add to Lightning's: the planner's state and the layouts.
 
 The distributed save and load themselves are :mod:`.checkpoint` (DCP folders, committed only
-when complete) and :mod:`.node_checkpoint` (shared or node-local folders, the newest step every
+when complete) and :mod:`.nodes` (shared or node-local folders, the newest step every
 rank has). A checkpoint also records the layouts and world size it was written with, so a
 resume on another number of ranks says what changed; a stateful planner (profiled coefficients)
 is saved and restored with it.
@@ -14,11 +14,11 @@ from typing import Any
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from ..layout import Layout
-from ..planner.base import Planner, StatefulPlanner
-from .checkpoint import all_gather_objects, load_distributed_checkpoint
-from .node_checkpoint import CheckpointPlacement, no_checkpoint
-from .reliability import StepTracker
+from ...layout import Layout
+from ...planner.base import Planner, StatefulPlanner
+from ..lightning.reliability import StepTracker
+from .dcp_state import all_gather_objects, load_distributed_checkpoint
+from .nodes import CheckpointPlacement, no_checkpoint
 
 __all__ = ["StrategyCheckpoints", "load_with_planner", "save_with_planner"]
 

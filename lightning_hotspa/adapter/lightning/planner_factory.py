@@ -13,8 +13,8 @@ from typing import Any
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from ..layout import Layout
-from ..planner.base import Planner, check_planner
+from ...layout import Layout
+from ...planner.base import Planner, check_planner
 
 __all__ = ["PLANNER_NAMES", "build_planner", "check_planner_spec", "hardware_for"]
 
@@ -34,7 +34,7 @@ def check_planner_spec(planner: Any, hardware: str | None) -> None:
         raise ValueError(f"hardware={hardware!r} prices plans for planner='cost' or 'cost-profiled' only; "
                          f"planner={shown!r} would ignore it: drop hardware= or choose planner='cost'")
     if hardware is not None:
-        from ..planner.cost.hardware import get_profile
+        from ...planner.cost.hardware import get_profile
 
         get_profile(hardware)  # an unknown profile name fails here, naming the known ones
 
@@ -43,7 +43,7 @@ def hardware_for(hardware: str | None, device: torch.device) -> str:
     """The profile name to price plans with: ``hardware`` if given, else the device's own."""
     if hardware is not None:
         return hardware
-    from ..planner.cost.hardware import PROFILES, profile_for_device
+    from ...planner.cost.hardware import PROFILES, profile_for_device
 
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
     found = profile_for_device(device.type, name)
@@ -61,11 +61,11 @@ def build_planner(spec: Any, layouts: tuple[Layout, ...], *, tokens_per_rank: in
                   device: torch.device, module: Any, activation_checkpointing: Any) -> Planner:
     """The planner ``spec`` names (checked by :func:`check_planner_spec`), over ``layouts``."""
     if spec == "rule":
-        from ..planner.rule import ThresholdPlanner
+        from ...planner.rule import ThresholdPlanner
 
         return ThresholdPlanner(layouts, tokens_per_rank=tokens_per_rank)
     if spec in ("cost", "cost-profiled"):
-        from ..planner.solve.solver import CostModelPlanner
+        from ...planner.solve.solver import CostModelPlanner
 
         config = getattr(module, "config", None)
         if config is None:

@@ -7,7 +7,7 @@ the data position and the planner's state) is read with ``torch.load(weights_onl
 short allow-list of plain-data types, and a save that would store anything else is refused when it
 is written. DCP's ``.metadata`` and its non-tensor items are pickles by torch's design: they are
 read only after every file of the folder matched its checksum, and then only through the
-allow-lists of :mod:`.dcp_trust`. A checksum stops corruption, not an author who rewrites
+allow-lists of :mod:`.dcp_metadata`. A checksum stops corruption, not an author who rewrites
 ``commit.json`` too; the allow-lists stop such an author from running code.
 """
 
@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from ..checks import is_int, read_json_object
+from ...checks import is_int, read_json_object
 
 __all__ = ["COMMIT_FILE", "META_FILE", "DCP_METADATA", "KIND_SHARED", "KIND_NODE_LOCAL", "FORMAT", "VERSION",
            "CheckpointError", "LegacyCheckpointError", "sha256_file", "file_entries", "encode_meta", "write_fsync",
@@ -54,7 +54,7 @@ class LegacyCheckpointError(CheckpointError):
 
 def _allowed_types() -> list[Any]:
     """Plain-data types our metadata may hold beyond torch's weights-only defaults."""
-    from ..models.config import Llama3RopeScaling, LlamaConfig
+    from ...models.config import Llama3RopeScaling, LlamaConfig
 
     allowed: list[Any] = [LlamaConfig, Llama3RopeScaling]
     try:

@@ -1,9 +1,9 @@
 """``hotspa export CKPT_DIR OUT_DIR``: one of our DCP checkpoints as a Hugging Face folder.
 
 Runs in ONE process, whatever world size wrote the checkpoint: every file of the folder is first
-checked against its commit marker (``commit.json``: size and sha256, :mod:`.checkpoint_trust`),
+checked against its commit marker (``commit.json``: size and sha256, :mod:`.trust`),
 our metadata is read weights-only, and only then DCP's metadata (through an allow-list of DCP's own
-classes, :mod:`.dcp_trust`); each parameter is read
+classes, :mod:`.dcp_metadata`); each parameter is read
 in full through DCP's public API (``dcp.load`` of just that key), one at a time. The model config
 comes from the LightningModule's hyper-parameters in the metadata (a :class:`LlamaLM` checkpoint).
 The output folder must be empty or absent unless ``overwrite``, which leaves in it only what the
@@ -19,11 +19,11 @@ from typing import Any
 
 import torch
 
-from ..models.hf_config import config_to_hf
-from ..models.hf_weights import hf_name, save_hf_folder
-from .checkpoint import META_FILE, CheckpointError, resolve_checkpoint
-from .checkpoint_trust import read_meta, verify_checkpoint
-from .dcp_trust import SafeFileSystemReader, safe_dcp_load
+from ...models.hf_config import config_to_hf
+from ...models.hf_weights import hf_name, save_hf_folder
+from .dcp_metadata import SafeFileSystemReader, safe_dcp_load
+from .dcp_state import META_FILE, CheckpointError, resolve_checkpoint
+from .trust import read_meta, verify_checkpoint
 
 __all__ = ["export_hf"]
 
@@ -32,7 +32,7 @@ _PREFIX = "model.model."  # DCP key = "model" (the state dict) + LlamaLM's "mode
 
 def _config(meta: dict[str, Any], path: Path) -> Any:
     """The LlamaConfig in the checkpoint's hyper-parameters; an error naming ``meta.pt`` without one."""
-    from ..models.lightning_module import _as_config
+    from ...models.lightning_module import _as_config
 
     hparams = meta.get("hyper_parameters") or {}
     if "config" not in hparams:
@@ -74,7 +74,7 @@ def export_hf(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathLike,
     path = resolve_checkpoint(checkpoint_dir)
     verify_checkpoint(path, progress=lambda files: shown(files, "hotspa export: checksums", "file"))
     config = _config(read_meta(path / META_FILE), path)
-    metadata = SafeFileSystemReader(str(path)).read_metadata()  # through the allow-list (dcp_trust)
+    metadata = SafeFileSystemReader(str(path)).read_metadata()  # through the allow-list (dcp_metadata)
     keys = [k for k in metadata.state_dict_metadata if k.startswith(_PREFIX)]
     if not keys:
         raise CheckpointError(f"{str(path)!r} holds no LlamaLM parameters (keys like {_PREFIX}...)")

@@ -6,7 +6,7 @@ hands it to the engine's :class:`StepRunner`. Lightning then zeroes ``.grad`` an
 :meth:`backward`, which hands the reduced gradients to the home parameters (fp32 DTensors sharded
 over the world: what the optimizer, checkpoints and ``module.parameters()`` see outside a step).
 The Lightning plumbing only; each other job is a module of its own (planner_factory, home_state,
-lightning_step, nonfinite, profiling, stats, checkpoint_hooks, layout_choice).
+lightning_step, nonfinite, profiling, stats, hooks, layout_choice).
 """
 
 from __future__ import annotations
@@ -29,21 +29,23 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch import Tensor, nn
 from typing_extensions import override
 
-from ..checkpointing import Checkpointing
-from ..checks import check_int
-from ..data.context import PlanningContext
-from ..engine.buckets import bucket_defaults
-from ..engine.records import StepResult
-from ..engine.step_runner import StepRunner
-from ..engine.switch import SwitchEngine
-from ..layout import Layout, MeshShape
-from ..mesh import WorldMesh
-from ..parallel.model import ParallelModel
-from ..plan import RankPlan
-from ..planner.base import Planner, PricedPlanner
+from ...activation_checkpointing import Checkpointing
+from ...checks import check_int
+from ...data.context import PlanningContext
+from ...engine.buckets import bucket_defaults
+from ...engine.records import StepResult
+from ...engine.step_runner import StepRunner
+from ...engine.switch import SwitchEngine
+from ...layout import Layout, MeshShape
+from ...mesh import WorldMesh
+from ...parallel.model import ParallelModel
+from ...plan import RankPlan
+from ...planner.base import Planner, PricedPlanner
+from ..checkpoints.dcp_state import check_checkpoint_dirs
+from ..checkpoints.hooks import StrategyCheckpoints
+from ..checkpoints.nodes import placement_for
+from ..observability.quiet_logs import filter_unactionable_warnings
 from .accumulation import GradAccumulation
-from .checkpoint import check_checkpoint_dirs
-from .checkpoint_hooks import StrategyCheckpoints
 from .compile_blocks import check_compile_spec, compile_blocks
 from .grad_norms import naming_our_grad_norm
 from .guarded_collectives import GuardedCollectives
@@ -66,12 +68,10 @@ from .lightning_compat import (
 from .lightning_step import check_trainer, open_breadcrumbs, run_eval_step, run_training_step
 from .metric_sync import StepMetricSync
 from .nccl_runtime import apply_allocator_settings
-from .node_checkpoint import placement_for
 from .nonfinite import NonFiniteHandler
 from .planner_factory import PLANNER_NAMES, build_planner, check_planner_spec
 from .precision import HotSPaPrecision, as_hotspa_precision
 from .profiling import ProfilingFeedback
-from .quiet_logs import filter_unactionable_warnings
 from .reliability import StepTracker, as_timeout, check_breadcrumb_dir, enable_nccl_flight_recorder, subgroup_timeout
 
 __all__ = ["PLANNER_NAMES", "HotSPaStrategy", "default_layouts"]

@@ -1,0 +1,1 @@
+"""Checkpoints: DCP folders, their trust checks, nodes, upgrades and exports."""

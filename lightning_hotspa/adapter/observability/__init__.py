@@ -1,0 +1,1 @@
+"""What a user sees of a run: metrics, callbacks, timelines, W&B and console noise."""
