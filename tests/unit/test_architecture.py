@@ -64,6 +64,24 @@ def test_dependencies_point_down() -> None:
     assert upward == []
 
 
+def test_no_two_package_modules_share_a_file_name() -> None:
+    """One name per idea: a file name means one module in the package (``__init__`` aside), so a
+    newcomer who reads ``timeline.py`` in a traceback knows which one it is."""
+    names: dict[str, list[str]] = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path.name != "__init__.py":
+            names.setdefault(path.name, []).append(str(path.relative_to(PACKAGE)))
+    assert {name: paths for name, paths in names.items() if len(paths) > 1} == {}
+
+
+def test_adapter_is_folded_by_job() -> None:
+    """adapter/ holds sub-packages only (the Lightning seam, checkpoints, observability, recipes)."""
+    adapter = PACKAGE / "adapter"
+    assert sorted(p.name for p in adapter.glob("*.py")) == ["__init__.py"]
+    assert sorted(p.name for p in adapter.iterdir() if p.is_dir() and p.name != "__pycache__") == [
+        "checkpoints", "lightning", "observability", "recipes"]
+
+
 def test_the_planner_reads_a_model_description_not_a_model_class() -> None:
     """planner/ (solver, candidates, the cost model and its published rows) imports no model class: it
     reads a ModelShape (lightning_hotspa/model_shape.py), filled from a preset, a LlamaConfig or a

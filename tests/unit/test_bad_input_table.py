@@ -97,6 +97,11 @@ def _hydra_rows() -> list[Bad]:
     }
     rows = [Bad(f"hydra {key}={value}", "hydra", _hydra(f"{key}={value}"), ConfigError, (key, says))
             for key, values in table.items() for value, says in values]
+    # a target of the flat adapter/ that moved into sub-packages: named, with where it lives now
+    rows.append(Bad("hydra moved strategy target", "hydra",
+                    _hydra("strategy._target_=lightning_hotspa.adapter.strategy.HotSPaStrategy"), ConfigError,
+                    ("strategy._target_=lightning_hotspa.adapter.strategy.HotSPaStrategy",
+                     "lightning_hotspa.adapter.lightning.strategy.HotSPaStrategy")))
     # two through Hydra's own override parser end to end (compose per row)
     rows += [Bad("hydra compose trainer.max_steps=lots", "hydra", config_case("trainer.max_steps=lots"), ConfigError,
                  ("trainer.max_steps", "'lots'")),

@@ -6,7 +6,7 @@ hands it to the engine's :class:`StepRunner`. Lightning then zeroes ``.grad`` an
 :meth:`backward`, which hands the reduced gradients to the home parameters (fp32 DTensors sharded
 over the world: what the optimizer, checkpoints and ``module.parameters()`` see outside a step).
 The Lightning plumbing only; each other job is a module of its own (planner_factory, home_state,
-lightning_step, nonfinite, profiling, stats, hooks, layout_choice).
+lightning_step, nonfinite, profiling, layout_choice beside it; ``checkpoints.hooks``, ``observability.stats``).
 """
 
 from __future__ import annotations
