@@ -16,6 +16,9 @@ the benchmark counters are such modes), through a private helper kept here.
 :func:`cpu_flash_attention` / :func:`cpu_flash_attention_backward` call the CPU flash-attention
 kernel SDPA dispatches to (private aten ops, same signature on 2.11-2.13) for its log-sum-exp, which
 the public SDPA does not return (``models/chunk_attention.py`` merges two calls with it).
+
+:func:`process_groups` lists the process groups this process holds (torch keeps no public list):
+the test pool destroys the ones a task made, whose gloo threads would otherwise keep polling.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import warnings
 import torch
 
 __all__ = ["C10D_DEPRECATION_MESSAGE", "causal_lower_right", "cpu_flash_attention", "cpu_flash_attention_backward",
-           "cuda_events_time", "outer_saved_tensor_hooks"]
+           "cuda_events_time", "outer_saved_tensor_hooks", "process_groups"]
 
 #: The warning-message pattern of the two deprecated collectives (regex, as ``warnings`` wants).
 C10D_DEPRECATION_MESSAGE = ".*(all_gather_into_tensor|reduce_scatter_tensor).*deprecated"
@@ -100,3 +103,10 @@ def cuda_events_time(device: torch.device) -> bool:
         device: the device the stage runs on.
     """
     return device.type == "cuda" and torch.cuda.is_available()
+
+
+def process_groups() -> list[object]:
+    """Every process group this process holds, the default one included (a private map, kept here)."""
+    from torch.distributed import distributed_c10d
+
+    return list(distributed_c10d._world.pg_map)

@@ -3,6 +3,9 @@
 Used by the tests and the benchmark recipes. A :class:`RankPool` keeps its ranks (and their process
 group) alive between calls, because starting 4 torch processes costs seconds on a 2-core machine;
 any failure or timeout tears the pool down, so a broken process group never leaks into the next call.
+After each call every rank destroys the groups the call made: each gloo group keeps two worker
+threads and a transport loop that polls, and a pool that ran a few hundred tests kept ~670 threads
+per rank busy enough to take a core of the two (docs/DESIGN.md §9).
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ def _worker(rank: int, world: int, init_file: str, tasks, results, collective_ti
     import torch
     import torch.distributed as dist
 
+    from ..torch_compat import process_groups
+
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
@@ -41,9 +46,11 @@ def _worker(rank: int, world: int, init_file: str, tasks, results, collective_ti
             if task is None:
                 break
             fn, args, kwargs = task
+            held = set(process_groups())
             try:
                 value = fn(*args, **kwargs)
                 ForkingPickler.dumps(value)  # fail here, not silently in the queue's feeder thread
+                _destroy_groups_made_since(held)
                 results.put((rank, True, value))
             except BaseException:  # noqa: BLE001 - reported to the parent, which raises
                 results.put((rank, False, traceback.format_exc()))
@@ -56,6 +63,20 @@ def _worker(rank: int, world: int, init_file: str, tasks, results, collective_ti
         dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+def _destroy_groups_made_since(held: set[object]) -> None:
+    """Destroys the process groups made since ``held`` was taken, once every rank is done with them
+    (a world barrier first: no peer may still be inside a collective on one)."""
+    import torch.distributed as dist
+
+    from ..torch_compat import process_groups
+
+    made = [pg for pg in process_groups() if pg not in held]
+    if made:
+        dist.barrier()
+        for pg in made:
+            dist.destroy_process_group(pg)
 
 
 class RankPool:

@@ -150,3 +150,30 @@ def test_failed_subgroup_collective_names_the_group(ranks):
     assert len(messages) == 2
     for message in messages:
         assert "on process group 'hotspa mesh dims [0] ranks 0..1 (2)' (ranks [0, 1])" in message, message
+
+
+def _make_groups(n: int) -> int:
+    groups = [dist.new_group(list(range(dist.get_world_size()))) for _ in range(n)]
+    for group in groups:
+        dist.all_reduce(torch.ones(1), group=group)
+    return len(groups)
+
+
+def _held_groups_and_threads() -> tuple[int, int]:
+    import os
+
+    from lightning_hotspa.torch_compat import process_groups
+
+    return len(process_groups()), len(os.listdir("/proc/self/task"))
+
+
+def test_the_rank_pool_destroys_the_groups_each_call_made(ranks):
+    """A pooled rank that kept every test's groups kept their gloo threads too (three per group, a
+    transport loop among them that polls): ~670 threads per rank after the suite's first half."""
+    pool = ranks(2)
+    pool.run(_make_groups, 1)  # the pool's own threads (its result queue's feeder) start on a first call
+    before = pool.run(_held_groups_and_threads)
+    assert pool.run(_make_groups, 12) == [12, 12]
+    after = pool.run(_held_groups_and_threads)
+    assert [groups for groups, _ in after] == [1, 1]  # only the default group
+    assert after == before, (before, after)
