@@ -104,7 +104,7 @@ class WorldMesh:
     """The one ``DeviceMesh`` of the run plus the process groups over the mesh-dim ranges it uses.
 
     Built collectively (every rank, same arguments) after ``init_process_group``. Only the ranges
-    something calls are created (docs/DESIGN.md §9, "only the groups a run uses"): every layout's tp,
+    something calls are created (docs/DESIGN.md §7, trap "Only the groups a run uses"): every layout's tp,
     cp, dp and cp parts here, and what the switch engine's moves and reductions need when it is built
     (:meth:`create_groups`, at setup). Creation is eager and in the same order on every rank, since
     ``dist.new_group`` must be called by all; a range asked for at run time that was not created

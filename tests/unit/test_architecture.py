@@ -107,7 +107,7 @@ def test_the_folders_import_each_other_without_a_loop() -> None:
     assert FLOORS["models"] < FLOORS["parallel"], "docs/DESIGN.md §5: the model is written for one device"
 
 
-#: a test of the process-group backend or of the device type (docs/DESIGN.md §9: one collectives
+#: a test of the process-group backend or of the device type (docs/DESIGN.md §8-9: one collectives
 #: object per group, chosen once in group_collectives; kernels per device in the attention-kernel registry)
 _BACKEND_OR_DEVICE_TEST = re.compile(r"_is_gloo|backend\s*[!=]=|get_backend\(|device\.type\s*[!=]=|\.type\s*[!=]=\s*"
                                      r"[\"'](?:cpu|cuda)|\.is_cuda\b|\bweakref\b")
