@@ -3,9 +3,11 @@
 Used by the tests and the benchmark recipes. A :class:`RankPool` keeps its ranks (and their process
 group) alive between calls, because starting 4 torch processes costs seconds on a 2-core machine;
 any failure or timeout tears the pool down, so a broken process group never leaks into the next call.
-After each call every rank destroys the groups the call made: each gloo group keeps two worker
-threads and a transport loop that polls, and a pool that ran a few hundred tests kept ~670 threads
-per rank busy enough to take a core of the two (docs/DESIGN.md §9).
+A pool whose ranks hold more than :data:`MAX_GROUPS` process groups after a call is restarted before
+the next one: each gloo group keeps two worker threads and a transport loop that polls, and a pool
+that had run a few hundred tests held ~670 threads per rank, busy enough to take a core of the two.
+Destroying a call's groups instead is not safe: torch caches DeviceMesh lookups by mesh equality,
+and a later mesh of the same shape then resolves a destroyed group (docs/DESIGN.md §9).
 """
 
 from __future__ import annotations
@@ -21,7 +23,10 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
-__all__ = ["RankPool", "RankFailure", "run_on_ranks"]
+__all__ = ["MAX_GROUPS", "RankPool", "RankFailure", "run_on_ranks"]
+
+#: process groups a pooled rank may hold after a call before the pool is restarted (3 threads each)
+MAX_GROUPS = 64
 
 
 class RankFailure(RuntimeError):
@@ -46,12 +51,10 @@ def _worker(rank: int, world: int, init_file: str, tasks, results, collective_ti
             if task is None:
                 break
             fn, args, kwargs = task
-            held = set(process_groups())
             try:
                 value = fn(*args, **kwargs)
                 ForkingPickler.dumps(value)  # fail here, not silently in the queue's feeder thread
-                _destroy_groups_made_since(held)
-                results.put((rank, True, value))
+                results.put((rank, True, (value, len(process_groups()))))
             except BaseException:  # noqa: BLE001 - reported to the parent, which raises
                 results.put((rank, False, traceback.format_exc()))
                 # leave at once: a rank still blocked in a collective with this one (e.g. the step's
@@ -63,20 +66,6 @@ def _worker(rank: int, world: int, init_file: str, tasks, results, collective_ti
         dist.barrier()
     finally:
         dist.destroy_process_group()
-
-
-def _destroy_groups_made_since(held: set[object]) -> None:
-    """Destroys the process groups made since ``held`` was taken, once every rank is done with them
-    (a world barrier first: no peer may still be inside a collective on one)."""
-    import torch.distributed as dist
-
-    from ..torch_compat import process_groups
-
-    made = [pg for pg in process_groups() if pg not in held]
-    if made:
-        dist.barrier()
-        for pg in made:
-            dist.destroy_process_group(pg)
 
 
 class RankPool:
@@ -138,7 +127,9 @@ class RankPool:
             first = min(errors)
             raise RankFailure(f"{getattr(fn, '__name__', fn)} failed on ranks {sorted(errors)}; rank {first}:\n"
                               f"{errors[first]}")
-        return [results[r] for r in range(self.world)]
+        if max(groups for _, groups in results.values()) > MAX_GROUPS:
+            self.close(force=True)  # idle ranks: nothing to flush; the next call starts fresh ones
+        return [results[r][0] for r in range(self.world)]
 
     def close(self, force: bool = False) -> None:
         if not self._procs:

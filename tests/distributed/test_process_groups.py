@@ -167,13 +167,26 @@ def _held_groups_and_threads() -> tuple[int, int]:
     return len(process_groups()), len(os.listdir("/proc/self/task"))
 
 
-def test_the_rank_pool_destroys_the_groups_each_call_made(ranks):
+def test_the_rank_pool_restarts_ranks_that_hold_too_many_groups():
     """A pooled rank that kept every test's groups kept their gloo threads too (three per group, a
-    transport loop among them that polls): ~670 threads per rank after the suite's first half."""
-    pool = ranks(2)
+    transport loop among them that polls): ~670 threads per rank after the suite's first half. Past
+    MAX_GROUPS the pool starts fresh ranks for the next call."""
+    from lightning_hotspa.testing.spawn import MAX_GROUPS, RankPool
+
+    pool = RankPool(2)  # its own: the session's pools hold what earlier tests made
+    try:
+        _check_restarts(pool, MAX_GROUPS)
+    finally:
+        pool.close()
+
+
+def _check_restarts(pool, max_groups: int) -> None:
     pool.run(_make_groups, 1)  # the pool's own threads (its result queue's feeder) start on a first call
     before = pool.run(_held_groups_and_threads)
-    assert pool.run(_make_groups, 12) == [12, 12]
-    after = pool.run(_held_groups_and_threads)
-    assert [groups for groups, _ in after] == [1, 1]  # only the default group
-    assert after == before, (before, after)
+    assert pool.run(_make_groups, 4) == [4, 4]
+    grown = pool.run(_held_groups_and_threads)
+    assert [g for g, _ in grown] == [g + 4 for g, _ in before] and all(
+        a[1] == b[1] + 12 for a, b in zip(grown, before)), (before, grown)  # 3 threads per group
+    assert pool.run(_make_groups, max_groups) == [max_groups] * 2
+    fresh = pool.run(_held_groups_and_threads)
+    assert [g for g, _ in fresh] == [1, 1]  # only the default group: new ranks
