@@ -141,3 +141,14 @@ def test_a_ladder_stage_is_priced_per_block_plus_the_joint_exchange(lengths):
     assert stage.compute_seconds == pytest.approx(float(per_block.max()))  # the slowest block
     assert stage.stage_fixed == pytest.approx(ladder.exchange) and ladder.exchange > 0
     assert stage.switch_seconds == pytest.approx(ladder.switch_in)
+
+
+def test_the_head_takes_the_documents_only_the_whole_world_finishes_in_time(lengths):
+    """``head_size``: the longest documents whose time alone on a block smaller than the world
+    would set the ladder's step run before it (deterministic, at most 32)."""
+    planner = _planner(static_margin=0.0)
+    k = planner.ladder.head_size(lengths)
+    assert 0 <= k <= 32 and k == planner.ladder.head_size(lengths[::-1].copy())
+    one_long = np.array([2048] * 100 + [256 * 1024] + [2048] * 100)
+    assert planner.ladder.head_size(one_long) == 1
+    assert planner.ladder.head_size(np.array([2048] * 200)) == 0

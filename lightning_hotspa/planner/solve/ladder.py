@@ -18,8 +18,10 @@ bandwidth once the world spans nodes).
 How (deterministic, no randomness; :meth:`LadderPlanner.solve`): per compute layout and document
 the cheapest option (block size, copy, checkpointing) that holds it gives a rate; for a step time
 ``T``, every document goes to its cheapest-rate layout in which it alone finishes within ``T``
-(longest documents decide ``T``'s floor), each layout gets the dp groups its work needs in ``T``,
-rounded up to aligned block sizes (a divisor chain of the world), bisection finds the smallest
+(longest documents decide ``T``'s floor), each layout, widest first, gets the dp groups its work
+needs in ``T`` (in one variant less the idle time the wider layouts' rounded-up groups leave, which
+the LPT fills with narrower documents), rounded up to aligned block sizes (a divisor chain of the
+world), bisection finds the smallest
 ``T`` whose blocks tile the world, and the spare ranks go to the busiest layouts. Each block takes
 its cheapest copy / checkpointing that holds its documents; then documents, longest first, go by
 LPT to the dp group (over every block that holds them) that finishes them earliest on its own
@@ -50,9 +52,14 @@ StageGroups = tuple[tuple[tuple[int, ...], ...], ...]  # [dp group][micro-batch]
 #: cheaper-rate blocks)
 _T_TRIES = (1.0, 1.1, 1.25)
 _BISECT = 14
-#: a class keeps a dp group its work fills to 1 - this much (the rest: spare ranks, given by load);
-#: each is tried (rounding to the nearest group overshoots the world when many classes round up)
-_ROUNDS = (0.5, 0.25)
+#: the most documents a ladder's head may hold (:meth:`LadderPlanner.head_size`)
+_HEAD_MOST = 32
+#: (round_up, carry): a class keeps a dp group its work fills to 1 - round_up (the rest: spare
+#: ranks, given by load), with or without the wider classes' idle time carried to it
+#: (:meth:`LadderPlanner._allocate`); both are tried (the carry fills a long document's wide
+#: block, but sometimes leaves the narrower classes too few groups; a second rounding, 0.25,
+#: was tried too until the carry's pass took its time: issue 38, benchmarks/2026-12-04-ladder-2.md)
+_ROUNDS = ((0.5, True), (0.5, False))
 _MODE_ORDER = tuple(Checkpointing)
 
 
@@ -247,19 +254,19 @@ class LadderPlanner:
         world = self.cm.world_size
         best: tuple[float, LadderGroups] | None = None
         seen = set()
-        for round_up in _ROUNDS:
+        for round_up, carry in _ROUNDS:
             lo = max(floor, float(rates.min(axis=0).sum()) / world)
             hi = lo
-            while self._allocate(rates, alone, hi, round_up) is None:
+            while self._allocate(rates, alone, hi, round_up, carry) is None:
                 hi *= 1.5
                 if hi > lo * 1e4:
                     break
             else:
                 for _ in range(_BISECT):
                     mid = 0.5 * (lo + hi)
-                    lo, hi = (lo, mid) if self._allocate(rates, alone, mid, round_up) is not None else (mid, hi)
+                    lo, hi = (lo, mid) if self._allocate(rates, alone, mid, round_up, carry) is not None else (mid, hi)
                 for mult in _T_TRIES:
-                    alloc = self._allocate(rates, alone, hi * mult, round_up)
+                    alloc = self._allocate(rates, alone, hi * mult, round_up, carry)
                     if alloc is None or alloc[0] in seen:
                         continue
                     seen.add(alloc[0])
@@ -271,10 +278,45 @@ class LadderPlanner:
                         best = (secs, ladder)
         return best
 
-    def alone_seconds(self, lengths: np.ndarray) -> np.ndarray:
+    def tables(self, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """[option, doc] balance cost and whether the option holds the document (``tables`` of
+        :meth:`alone_seconds` and :meth:`head_size`, computed once for both)."""
+        return self._tables(np.asarray(lengths, dtype=np.int64))
+
+    def alone_seconds(self, lengths: np.ndarray, tables: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
         """Per document, its least seconds alone on one dp group of any block (inf: none holds it)."""
-        costs, fits = self._tables(np.asarray(lengths, dtype=np.int64))
+        costs, fits = self.tables(lengths) if tables is None else tables
         return np.where(fits, costs, np.inf).min(axis=0) if len(self.entries) else np.full(len(lengths), np.inf)
+
+    def head_size(self, lengths: np.ndarray, most: int = _HEAD_MOST,
+                  tables: tuple[np.ndarray, np.ndarray] | None = None) -> int:
+        """How many of the longest documents (longest first, index ties) to run before the ladder in
+        ordinary stages over the world: the ``k <= most`` that minimizes the estimate "the head's
+        least seconds alone on a world-sized block, summed, + max(the rest's largest least time
+        alone on a smaller block, the rest's least rank-seconds / world)" (a ladder of two or more
+        blocks has no block of the world's size); 0: no head."""
+        lengths = np.asarray(lengths, dtype=np.int64)
+        if not self.entries or lengths.size < 2:
+            return 0
+        costs, fits = self.tables(lengths) if tables is None else tables
+        big = np.where(fits, costs, np.inf)
+        world = self.cm.world_size
+        sizes = np.array([e.size for e in self.entries])
+        units = np.array([self.computes[e.compute].tp * self.computes[e.compute].cp for e in self.entries],
+                         dtype=np.float64)
+        order = np.lexsort((np.arange(lengths.size), -lengths))
+        none = np.full(lengths.size, np.inf)
+        whole = big[sizes == world].min(axis=0)[order] if (sizes == world).any() else none
+        part = big[sizes < world].min(axis=0)[order] if (sizes < world).any() else none
+        work = (big * units[:, None]).min(axis=0)[order] / world
+        k = np.arange(min(most, lengths.size - 1) + 1)
+        head = np.concatenate([[0.0], np.cumsum(whole)])[k]
+        rest_floor = np.maximum.accumulate(part[::-1])[::-1][k]
+        rest_work = np.cumsum(work[::-1])[::-1][k]
+        est = head + np.maximum(rest_floor, rest_work)
+        if not np.isfinite(est).any():
+            return 0
+        return int(k[int(np.argmin(est))])
 
     def _tables(self, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """[entry, doc] balance cost (seconds + micro-batch share) and whether the entry holds it."""
@@ -291,8 +333,8 @@ class LadderPlanner:
             fits[k] = padded <= opt.capacity
         return costs, fits
 
-    def _allocate(self, rates: np.ndarray, alone: np.ndarray, limit: float, round_up: float = 0.5
-                  ) -> tuple[tuple[tuple[int, int], ...], np.ndarray] | None:
+    def _allocate(self, rates: np.ndarray, alone: np.ndarray, limit: float, round_up: float = 0.5,
+                  carry_idle: bool = True) -> tuple[tuple[tuple[int, int], ...], np.ndarray] | None:
         """((compute, size) per block, largest first; per doc its compute) for step time ``limit``;
         None when the blocks it needs exceed the world or fewer than two blocks result. Each layout
         gets its work's share of ranks rounded to whole dp groups (to the nearest: the LPT moves the
@@ -310,10 +352,21 @@ class LadderPlanner:
                 return None
             work = np.bincount(rows, weights=sub[rows, cols], minlength=len(self._classes))
             groups = {}
-            for i in np.flatnonzero(work > 0):
-                comp = self._comp(int(i))
-                groups[int(i)] = int(math.floor(work[i] / limit / (comp.tp * comp.cp) + round_up))
-            empty = [i for i, g in groups.items() if g == 0]
+            # widest classes first; the time their rounded-up groups leave idle within ``limit``
+            # (rank-seconds) is carried to the narrower classes, whose documents the LPT may put
+            # there: a 175K document alone on a cp64 block no longer forces every narrower class
+            # to round up on top of it
+            carry, absorbed = 0.0, set()
+            for i in sorted(np.flatnonzero(work > 0).tolist(), key=lambda j: (-self._width(j), j)):
+                unit = self._width(i)
+                need = float(work[i])
+                use = min(carry, need) if carry_idle else 0.0
+                need, carry = need - use, carry - use
+                groups[i] = int(math.floor(need / limit / unit + round_up))
+                if groups[i] == 0 and need <= 1e-12 * float(work[i]):
+                    absorbed.add(i)  # all of its work fits in the wider blocks' idle time
+                carry += max(0.0, groups[i] * unit * limit - need)
+            empty = [i for i, g in groups.items() if g == 0 and i not in absorbed]
             if not empty:
                 break
             only = np.isfinite(sub).sum(axis=0) == 1  # documents no other live class holds in time
@@ -357,6 +410,11 @@ class LadderPlanner:
         # largest first, then the widest compute (the longest documents' blocks at the low ranks)
         blocks.sort(key=lambda b: (-b[1], -self._comp(b[0]).cp, b[0]))
         return tuple(blocks), rows
+
+    def _width(self, cls: int) -> int:
+        """Ranks of one dp group of class ``cls`` (tp x cp)."""
+        comp = self._comp(cls)
+        return comp.tp * comp.cp
 
     def _decompose(self, need: int, sizes: Sequence[int]) -> list[int] | None:
         """Block sizes of ``sizes`` (chain members a layout can run) summing to at least ``need``."""

@@ -352,9 +352,12 @@ class CostModelPlanner(PlannerBase):
         finishes alone within ``plain_s`` (today's plan): they need the whole world."""
         assert self.ladder is not None
         order = np.lexsort((np.arange(lengths.size), -lengths))
-        alone = self.ladder.alone_seconds(lengths)
+        tables = self.ladder.tables(lengths)
+        alone = self.ladder.alone_seconds(lengths, tables)
         best = None
-        for k in sorted({0, *(int((alone > share * plain_s).sum()) for share in _HEAD_SHARES)}):
+        heads = {0, self.ladder.head_size(lengths, tables=tables),
+                 *(int((alone > share * plain_s).sum()) for share in _HEAD_SHARES)}
+        for k in sorted(heads):
             if k >= lengths.size:
                 continue
             rest = np.sort(order[k:])
