@@ -57,8 +57,9 @@ _HEAD_MOST = 32
 #: (round_up, carry): a class keeps a dp group its work fills to 1 - round_up (the rest: spare
 #: ranks, given by load), with or without the wider classes' idle time carried to it
 #: (:meth:`LadderPlanner._allocate`); both are tried (the carry fills a long document's wide
-#: block, but sometimes leaves the narrower classes too few groups; a second rounding, 0.25,
-#: was tried too until the carry's pass took its time: issue 38, benchmarks/2026-12-04-ladder-2.md)
+#: block, but sometimes leaves the narrower classes too few groups). The first ladder's second
+#: pass, round_up 0.25 without the carry, gave way to the carry's pass to keep the planner's time
+#: (benchmarks/2026-12-04-ladder-2.md).
 _ROUNDS = ((0.5, True), (0.5, False))
 _MODE_ORDER = tuple(Checkpointing)
 
