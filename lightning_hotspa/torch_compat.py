@@ -18,7 +18,7 @@ kernel SDPA dispatches to (private aten ops, same signature on 2.11-2.13) for it
 the public SDPA does not return (``models/chunk_attention.py`` merges two calls with it).
 
 :func:`process_groups` lists the process groups this process holds (torch keeps no public list):
-the test pool destroys the ones a task made, whose gloo threads would otherwise keep polling.
+the test pool restarts ranks that hold too many (each gloo group keeps threads that poll).
 """
 
 from __future__ import annotations
