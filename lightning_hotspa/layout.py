@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from .checks import check_int, is_int
+from .cp_kinds import CP_KINDS, CP_SUFFIX, kind_of, parse_suffix
 
 __all__ = ["Layout", "LayoutError", "MeshShape", "parse_layouts", "require_member"]
 
@@ -35,9 +36,9 @@ class LayoutError(ValueError):
 
 
 _ROLE = r"(dp|tp|cp|pp)(\d+)"
-_LAYOUT_RE = re.compile(rf"^{_ROLE}(?:\s*[x×*]\s*{_ROLE})*(?::kv(\d+)?)?(?::fsdp(\d+)?)?$")
+_LAYOUT_RE = re.compile(rf"^{_ROLE}(?:\s*[x×*]\s*{_ROLE})*(?:{CP_SUFFIX})?(?::fsdp(\d+)?)?$")
 _PART_RE = re.compile(_ROLE)
-_KV_RE = re.compile(r":kv(\d+)?$")
+_KV_RE = re.compile(rf"(?:{CP_SUFFIX})$")  # a cp kind's name suffix (cp_kinds.py)
 _FSDP_RE = re.compile(r":fsdp(\d+)?$")
 
 
@@ -47,10 +48,10 @@ class Layout:
 
     Keyword-only: ``Layout(dp=2, tp=2)``; ``Layout.parse("dp2xtp2")`` reads a name.
 
-    ``cp_kv`` says how context parallelism is done (:mod:`lightning_hotspa.parallel.kv_gather`):
-    1 (default) is Ulysses over all ``cp`` ranks; ``cp_kv == cp`` is all-gather-KV over all of them
-    (name suffix ``:kv``); in between is the hybrid, Ulysses over the ``cp // cp_kv`` most local cp
-    ranks (inside a node) and all-gather-KV over ``cp_kv`` groups of them (``:kv<cp_kv>``).
+    ``cp_kv`` says how context parallelism is done, its kind (:mod:`lightning_hotspa.cp_kinds`, the
+    registry): 1 (default) is Ulysses over all ``cp`` ranks; ``cp_kv == cp`` is all-gather-KV over all
+    of them (name suffix ``:kv``); in between is the hybrid, Ulysses over the ``cp // cp_kv`` most
+    local cp ranks (inside a node) and all-gather-KV over ``cp_kv`` groups of them (``:kv<cp_kv>``).
 
     ``fsdp`` (name suffix ``:fsdp``): the working copy is also sharded over the layout's dp and cp
     ranks (ZeRO-3 / FSDP inside the layout) and gathered layer by layer; False: each tp shard of the
@@ -134,10 +135,9 @@ class Layout:
 
     @property
     def cp_kind(self) -> str:
-        """``"ulysses"``, ``"kv"`` (all-gather-KV over the whole cp group) or ``"hybrid"``."""
-        if self.cp_kv == 1:
-            return "ulysses"
-        return "kv" if self.cp_kv == self.cp else "hybrid"
+        """The name of its kind of context parallelism in :data:`~lightning_hotspa.cp_kinds.CP_KINDS`:
+        ``"ulysses"``, ``"kv"`` (all-gather-KV over the whole cp group) or ``"hybrid"``."""
+        return kind_of(self.cp, self.cp_kv).name
 
     @property
     def degrees(self) -> Layout:
@@ -165,8 +165,7 @@ class Layout:
         parts = [f"{k}{v}" for k, v in (("dp", self.dp), ("tp", self.tp), ("cp", self.cp), ("pp", self.pp))
                  if v > 1]
         base = "x".join(parts) or "dp1"
-        if self.cp_kv != 1:
-            base += ":kv" if self.cp_kv == self.cp else f":kv{self.cp_kv}"
+        base += CP_KINDS[self.cp_kind].suffix_of(self.cp, self.cp_kv)
         if not self.fsdp:
             return base
         return base + (":fsdp" if self.fsdp_shard in (0, self.dp * self.cp) else f":fsdp{self.fsdp_shard}")
@@ -253,7 +252,7 @@ def _from_name(spec: str) -> Layout:
         if cp == 1:
             raise LayoutError(f"layout {spec!r}: ':kv' names a kind of context parallelism, but the "
                               f"layout has no cp > 1")
-        degrees["cp_kv"] = int(kv.group(1)) if kv.group(1) else cp
+        degrees["cp_kv"] = parse_suffix(kv.group(0), cp)
     return Layout(**degrees, fsdp=fsdp, fsdp_shard=shard)
 
 

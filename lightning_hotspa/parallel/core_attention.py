@@ -2,8 +2,10 @@
 
 Why one object and not two nested wrappers: the two installers run in either order, but the
 steps must run in a fixed one — first pick the kv heads this tp rank's q heads need (replicated_partial
-kv projections), then the Ulysses exchange over cp. Each installer switches its part on; the wrapper
-reads the active layout from :class:`ParallelState` at call time, so a layout switch re-wraps nothing.
+kv projections), then the layout's cp kind's attention over cp (:data:`CP_ATTENTION`, one call per
+kind of the registry :mod:`lightning_hotspa.cp_kinds`). Each installer switches its part on; the
+wrapper reads the active layout from :class:`ParallelState` at call time, so a layout switch re-wraps
+nothing.
 
 Global head counts do not depend on the layout (local heads x tp), so the wrapper records them on
 its first call and :meth:`validate` rejects a later layout that cannot split them, before any
@@ -14,14 +16,15 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
+from ..cp_kinds import CP_KINDS, check_bound
 from ..layout import LayoutError
 from ..mesh import LayoutGroups
 from .kv_gather import kv_gather_attention
 from .state import ParallelState
 from .ulysses import ulysses_attention
 
-__all__ = ["ParallelCoreAttention", "attention_modules", "ensure_parallel_attention", "kv_head_range",
-           "check_attention"]
+__all__ = ["CP_ATTENTION", "ParallelCoreAttention", "attention_modules", "ensure_parallel_attention",
+           "kv_head_range", "check_attention"]
 
 
 def kv_head_range(q_heads: int, kv_heads: int, tp: int, tp_rank: int) -> tuple[int, int]:
@@ -69,13 +72,8 @@ class ParallelCoreAttention:
         if self.select_kv and tp > 1:
             start, stop = kv_head_range(*self.heads, tp, groups.tp.index)
             k, v = k[:, start:stop], v[:, start:stop]
-        if self.context_parallel and groups.cp.size > 1 and groups.layout.cp_kv > 1:
-            # bottom-right-causal chunks in the chunk kernel the registry sets beside the inner backend
-            return kv_gather_attention(q, k, v, cu_seqlens, groups, self.state.micro_batch, self.owner,
-                                       window=sliding_window(self.inner), core=self.inner)
         if self.context_parallel and groups.cp.size > 1:
-            return ulysses_attention(self.inner, q, k, v, cu_seqlens, max_seqlen, groups.cp,
-                                     self.state.micro_batch, self.owner)
+            return CP_ATTENTION[groups.layout.cp_kind](self, q, k, v, cu_seqlens, max_seqlen, groups)
         return self.inner(q, k, v, cu_seqlens, max_seqlen)
 
     def _record_heads(self, q_heads: int, kv_heads: int) -> None:
@@ -101,13 +99,36 @@ class ParallelCoreAttention:
         elif kv_heads % tp:
             raise LayoutError(f"layout {layout}: tp={tp} does not divide the {kv_heads} kv heads of "
                               f"{self.owner}; give its kv projections the role 'replicated_partial'")
+        kind = CP_KINDS[layout.cp_kind]
         scattered = layout.cp_ulysses  # Ulysses' share of cp scatters heads; all-gather-KV splits none
-        if self.context_parallel and (q_heads // tp) % scattered:
-            part = f"cp={cp}" if layout.cp_kv == 1 else f"the Ulysses part of cp ({scattered} = cp / cp_kv)"
-            hint = "; all-gather-KV ('cp..:kv') does not split heads" if layout.cp_kv == 1 else ""
+        if self.context_parallel and kind.scatters_heads and (q_heads // tp) % scattered:
+            part = f"the Ulysses part of cp ({scattered} = cp / cp_kv)" if kind.gathers_kv else f"cp={cp}"
+            hint = "" if kind.gathers_kv else "; all-gather-KV ('cp..:kv') does not split heads"
             raise LayoutError(f"layout {layout}: {part} does not divide the {q_heads // tp} query heads each "
                               f"tp rank of {self.owner} holds ({q_heads} heads / tp={tp}); Ulysses scatters "
                               f"heads{hint}")
+
+
+def _ulysses(wrapper: ParallelCoreAttention, q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor,
+             max_seqlen: int, groups: LayoutGroups) -> Tensor:
+    """Ulysses over the whole cp group around the wrapper's inner attention."""
+    return ulysses_attention(wrapper.inner, q, k, v, cu_seqlens, max_seqlen, groups.cp,
+                             wrapper.state.micro_batch, wrapper.owner)
+
+
+def _kv_gather(wrapper: ParallelCoreAttention, q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor,
+               max_seqlen: int, groups: LayoutGroups) -> Tensor:
+    """All-gather-KV (under Ulysses in the hybrid): bottom-right-causal chunks in the chunk kernel the
+    attention-kernel registry sets beside the inner backend."""
+    return kv_gather_attention(q, k, v, cu_seqlens, groups, wrapper.state.micro_batch, wrapper.owner,
+                               window=sliding_window(wrapper.inner), core=wrapper.inner)
+
+
+#: each registered cp kind's attention (``lightning_hotspa.cp_kinds``), by its name: ``(wrapper, q, k,
+#: v, cu_seqlens, max_seqlen, groups) -> out``
+CP_ATTENTION = {"ulysses": _ulysses, "kv": _kv_gather, "hybrid": _kv_gather}
+
+check_bound(CP_ATTENTION, "parallel/core_attention.py's CP_ATTENTION")
 
 
 def ensure_parallel_attention(module: nn.Module, name: str, state: ParallelState) -> ParallelCoreAttention:

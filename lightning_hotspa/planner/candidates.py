@@ -2,9 +2,9 @@
 
 1. **Enumerate** every ``dp x tp x cp`` of the world the model can split (heads over tp*cp, kv heads
    over tp, ffn and vocab over tp), with tp inside one node, whose weights and optimizer state leave
-   room for activations; each cp > 1 in up to three kinds (:func:`cp_kinds`): Ulysses, all-gather-KV
-   (``:kv``) and, when tp*cp crosses a node, the hybrid with Ulysses filling the node; each with a
-   replicated and a sharded (``:fsdp``) working copy.
+   room for activations; each cp > 1 in the kinds the cp-kind registry offers (:func:`cp_kinds`):
+   Ulysses, all-gather-KV (``:kv``) and, when tp*cp crosses a node, the hybrid with Ulysses filling
+   the node; each with a replicated and a sharded (``:fsdp``) working copy.
 2. **Prune dominated** layouts: B dominates A when B holds every document A holds and costs no more
    world-seconds per document at every reference length (the throughput view the solver starts from)
    and no more per step: this is where a degree set keeps its replicated or its sharded working copy
@@ -32,6 +32,7 @@ import numpy as np
 
 from ..activation_checkpointing import Checkpointing
 from ..checks import check_int
+from ..cp_kinds import CP_KINDS
 from ..layout import Layout, LayoutError, MeshShape
 from ..model_shape import ModelShape
 from .cost.cost_model import AnalyticCostModel, CostModelError, OptionCost
@@ -47,15 +48,18 @@ def _divisors(n: int) -> list[int]:
 
 
 def cp_kinds(tp: int, cp: int, devices_per_node: int) -> list[int]:
-    """The ``cp_kv`` values offered for a tp x cp group: 1 (Ulysses), ``cp`` (all-gather-KV) and, when
-    the group crosses a node, the hybrid whose Ulysses part is the largest that stays in the node."""
-    if cp == 1:
-        return [1]
-    kinds = [1, cp]
-    inside = [u for u in _divisors(cp) if 1 < u < cp and tp * u <= devices_per_node]
-    if tp * cp > devices_per_node and inside:
-        kinds.append(cp // max(inside))
-    return kinds
+    """The ``cp_kv`` values offered for a tp x cp group: each registered kind's offer
+    (:data:`~lightning_hotspa.cp_kinds.CP_KINDS`, ``CpKind.offer``), in registry order: 1 (Ulysses),
+    ``cp`` (all-gather-KV) and, when the group crosses a node, the hybrid whose Ulysses part is the
+    largest that stays in the node.
+
+    Args:
+        tp: the group's tp degree.
+        cp: its cp degree.
+        devices_per_node: the hardware's devices per node.
+    """
+    offered = [kind.offer(tp, cp, devices_per_node) for kind in CP_KINDS.values()]
+    return [cp_kv for cp_kv in offered if cp_kv is not None]
 
 
 def enumerate_layouts(world_size: int, cost_model: AnalyticCostModel, cp_kind: bool = True,

@@ -1,11 +1,12 @@
 """The docs say what the code has: one table of figures (BENCHMARKS.md, the README links it), and
-only registered attention kernels named as backends."""
+only registered attention kernels named as backends, the registered cp kinds listed exactly."""
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
 
+from lightning_hotspa.cp_kinds import CP_KINDS
 from lightning_hotspa.models.attention_kernels import BACKENDS, KERNELS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -46,3 +47,11 @@ def test_docs_and_configs_name_only_registered_attention_kernels() -> None:
     extending = (ROOT / "docs" / "extending.md").read_text(encoding="utf-8")
     listed = re.findall(r"^\| `([\w-]+)` \| (documents|chunks|priced) \|", extending, re.M)
     assert sorted(listed) == sorted((k.name, k.role) for k in KERNELS.values())
+
+
+def test_the_cp_kind_table_lists_the_registry_exactly() -> None:
+    """docs/extending.md's cp-kind table: one row per registered kind, its name as a layout writes it."""
+    extending = _section((ROOT / "docs" / "extending.md").read_text(encoding="utf-8"),
+                         "A context-parallel kind: one record in the registry")
+    listed = re.findall(r"^\| `(\w+)` \| `cp<n>([^`]*)` \| (.+) \|$", extending, re.M)
+    assert listed == [(k.name, k.suffix, k.summary) for k in CP_KINDS.values()]

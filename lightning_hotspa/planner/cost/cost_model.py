@@ -39,7 +39,8 @@ rows); the cost is padding (``s`` rounded up to ``2*cp``) and communication:
   with checkpointing); each moves ``(cp_kv-1)`` local K/V slices of ``s/cp`` tokens x ``2 kv_width/tp``.
   Ours does not save the gathered K/V, so backward recomputes the attention forward: attention FLOPs
   x 4/3 (``RuntimeProfile.kv_gather_recomputes_attention``; a ring attention that saves its output and
-  log-sum-exp does not).
+  log-sum-exp does not). Each kind's collectives are data in its record (:mod:`lightning_hotspa.cp_kinds`,
+  ``CpKind.exchanges``), which this model prices without asking which kind it is.
 * Activation checkpointing (:class:`~lightning_hotspa.activation_checkpointing.Checkpointing`): full recomputes
   each layer's forward, +1/3 of the layers' training FLOPs (and its tp / cp collectives); selective
   recomputes the attention core (the q/k/v projections' GEMMs, rotary, the attention kernel's
@@ -86,6 +87,7 @@ import numpy as np
 
 from ...activation_checkpointing import Checkpointing
 from ...checks import check_int
+from ...cp_kinds import CP_KINDS
 from ...layout import Layout
 from ...model_shape import ModelShape
 from ...models.attention_kernels import KERNELS, AttentionKernel, default_chunk_kernel
@@ -293,24 +295,15 @@ class AnalyticCostModel(MemoryModel):
             b += exposed * calls * 2.0 * (par.tp - 1) / par.tp * m.hidden * self.param_bytes / par.cp / bw
             # on a CPU (gloo) group the re-gathers ride in the input gradients' reduce-scatters: no launch of their own
             d += (calls - (regather * layers if hw.device_type == "cpu" else 0.0)) * lat
-        # ---- context parallelism (Ulysses part, then all-gather-KV part) ----
-        u, g = par.cp_ulysses, par.cp_kv
-        if u > 1:
-            span = par.tp * u
-            bw, lat = hw.bandwidth(span, par.tp), hw.latency(span)
-            per_token = (2 * self.attn_width + 2 * self.kv_width) / par.tp * self.param_bytes / par.cp
-            rounds = 2 + (1 if mode else 0)  # forward, backward, recomputed forward (either mode)
-            b += self._exposed(self.runtime.cp_comm_overlap) * rounds * layers * (u - 1) / u * per_token / bw
-            d += rounds * 2 * layers * lat
-        if g > 1:
-            span = par.tp * par.cp
-            bw, lat = hw.bandwidth(span, par.tp * u), hw.latency(span)
-            per_token = 2 * self.kv_width / par.tp * self.param_bytes / par.cp  # local K and V per token
-            rounds = 3 + (1 if mode else 0)  # gather, re-gather + reduce-scatter backward, recompute
-            b += self._exposed(self.runtime.cp_comm_overlap) * rounds * layers * (g - 1) * per_token / bw
-            d += rounds * layers * lat
-            if self.runtime.kv_gather_recomputes_attention:  # K/V not saved: backward re-runs the forward
-                recompute_attn = 1.0 / 3.0
+        # ---- context parallelism: the collectives its kind issues per layer (cp_kinds.py) ----
+        for ex in CP_KINDS[par.cp_kind].exchanges(m, par.tp, par.cp, par.cp_kv):
+            bw, lat = hw.bandwidth(ex.span, ex.stride), hw.latency(ex.span)
+            per_token = ex.width / par.tp * self.param_bytes / par.cp  # this rank's tokens and head slice
+            rounds = ex.rounds + (ex.recompute_rounds if mode else 0)  # (either checkpointing mode)
+            b += self._exposed(self.runtime.cp_comm_overlap) * rounds * layers * ex.steps / ex.per * per_token / bw
+            d += rounds * ex.calls * layers * lat
+            if ex.recomputes_attention and self.runtime.kv_gather_recomputes_attention:  # backward re-runs
+                recompute_attn = 1.0 / 3.0  # the attention forward (K / V not saved)
                 a += attn * recompute_attn / recompute
                 b += attn * recompute_attn / recompute
         # ---- end context parallelism ----

@@ -1,9 +1,8 @@
-"""The memory terms of all-gather-KV / hybrid context parallelism (``cp_kv > 1``,
-:mod:`lightning_hotspa.parallel.kv_gather`) for :class:`~.memory_model.MemoryModel`.
+"""The transient memory term of all-gather-KV / hybrid context parallelism (``cp_kv > 1``,
+:mod:`lightning_hotspa.parallel.kv_gather`), bound to those kinds in :mod:`.cp_memory`.
 
-Why its own terms: the KV gather saves different tensors than Ulysses or no cp (those the memory
-model's ``attention_saved_bytes`` counts) and holds, per layer, transient buffers the size of the
-WHOLE micro-batch's K/V. Checked against the real code path by ``hotspa memory``
+Why its own term: beside what it saves (:mod:`.cp_memory`), the KV gather holds, per layer, transient
+buffers the size of the WHOLE micro-batch's K/V. Checked against the real code path by ``hotspa memory``
 (tests/unit/test_memory.py, BENCHMARKS.md).
 """
 
@@ -42,7 +41,7 @@ def kv_gather_extra_bytes(mm: Any, par: Layout, tokens: int, recomputed: float =
     tokens under sequence parallelism, as the norms). By then the loss head's transients and its
     per-token state, the final norm, this layer's ffn side (its norm and the SwiGLU tensors) and wo's
     saved input are freed: the term counts only where it exceeds them."""
-    if par.cp_kv == 1 or tokens <= 0:
+    if tokens <= 0:
         return 0.0
     m, wb, t = mm.model, mm.param_bytes, float(tokens)
     h, a = m.hidden, mm.attn_width

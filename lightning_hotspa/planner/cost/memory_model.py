@@ -17,7 +17,7 @@ from typing import Any
 
 from ...activation_checkpointing import Checkpointing
 from ...layout import Layout
-from .kv_gather_memory import _local_kv_heads, kv_gather_extra_bytes
+from .cp_memory import MEMORY_TERMS
 
 __all__ = ["HEAD_STATE_BYTES", "HEAD_VOCAB_BLOCK", "MODEL_ERROR_MARGIN", "MemoryModel", "MemoryUse"]
 
@@ -101,27 +101,17 @@ class MemoryModel:
     def attention_saved_bytes(self, tp: int = 1, cp: int = 1, cp_kv: int = 1) -> float:
         """Per token per layer, what one rank's attention saves: q, k and v as the kernel sees them
         (GQA K/V unrepeated: SDPA ``enable_gqa`` / flash), the output once (a view of it feeds wo),
-        the kernel's fp32 log-sum-exp per head (flash kernels); Ulysses adds the output after its
-        all-to-all back (a new tensor, wo's input) and saves the kv heads it repeated for the
-        exchange; the KV gather saves q, its LOCAL k / v and wo's input (its own output, or in the
-        hybrid the Ulysses output, which replaces it: the all-to-all saves nothing), and no
-        log-sum-exp (its kernels run inside its own autograd function, recomputed in backward;
-        measured, tests/unit/test_memory.py), except with a chunk kernel that keeps them
-        (``chunks.saves_lse`` / ``saves_output``: cpu_flash_chunks, models/chunk_attention.py), whose
-        chunks keep their merged log-sum-exp and, in the hybrid, their output before the Ulysses
-        exchange back (the pure gather's output is wo's input itself). Under tp with kv heads fewer
-        than tp (replicated_partial) each rank's k / v are views of the whole kv projection, which is
-        what stays alive."""
+        the kernel's fp32 log-sum-exp per head (flash kernels); under cp what its kind saves
+        (:data:`~.cp_memory.MEMORY_TERMS`: Ulysses adds the output after its all-to-all back and the
+        kv heads it repeated for the exchange; the KV gather saves q, its LOCAL k / v and wo's input,
+        and the log-sum-exp and output only with a chunk kernel that keeps them; measured,
+        tests/unit/test_memory.py). Under tp with kv heads fewer than tp (replicated_partial) each
+        rank's k / v are views of the whole kv projection, which is what stays alive."""
         m, wb, a = self.model, self.param_bytes, self.attn_width
         par = Layout(dp=1, tp=tp, cp=cp, cp_kv=cp_kv)
-        state = self._attention_state_bytes() / (tp * cp)
-        if cp_kv > 1:
-            kv_local = _local_kv_heads(m, par) * par.cp_ulysses * tp * m.head_dim  # full-width units
-            kept = (4.0 * m.n_heads if self.chunks.saves_lse else 0.0) \
-                + (wb * a if self.chunks.saves_output and par.cp_ulysses > 1 else 0.0)
-            return (wb * (2 * a + 2 * kv_local) + kept) / (tp * cp)
-        if cp > 1:  # Ulysses: the kv heads each rank holds after the exchange, for the whole row
-            return wb * (3 * a / (tp * cp) + 2 * _local_kv_heads(m, par) * m.head_dim) + state
+        if cp > 1:
+            return MEMORY_TERMS[par.cp_kind].saved(self, par)
+        state = self.attention_state_bytes() / (tp * cp)
         kv = self.kv_width if m.n_kv_heads % tp else self.kv_width / tp
         return wb * (2 * a / tp + 2 * kv) + state
 
@@ -164,7 +154,7 @@ class MemoryModel:
         low = wb if wb < 4 else 0.0  # a working-dtype copy next to the fp32 one (none in fp32)
         return ((4.0 + low) * block + 4.0 * m.hidden) / cp
 
-    def _attention_state_bytes(self) -> float:
+    def attention_state_bytes(self) -> float:
         """Per token per layer beyond q, k, v and out: flash kernels keep an fp32 log-sum-exp per
         head (``attention.saves_lse``); the quadratic math fallback is :meth:`attention_quadratic_bytes`."""
         return 4.0 * self.model.n_heads if self.attention.saves_lse else 0.0
@@ -250,15 +240,18 @@ class MemoryModel:
 
     def kv_gather_extra_bytes(self, par: Layout, activation_checkpointing: Checkpointing | bool,
                               tokens: int) -> float:
-        """The all-gather-KV / hybrid cp transients beyond what is freed by then (0 for Ulysses or no
-        cp; :mod:`.kv_gather_memory`); under selective checkpointing the layer's recomputed q / k / v
-        are alive again during its backward."""
+        """The cp kind's per-layer transients beyond what is freed by then (``CpMemoryTerms.extra``:
+        the all-gather-KV / hybrid ones, :mod:`.kv_gather_memory`; 0 for Ulysses or no cp); under
+        selective checkpointing the layer's recomputed q / k / v are alive again during its backward."""
         mode = Checkpointing.parse(activation_checkpointing)
+        extra = MEMORY_TERMS[par.cp_kind].extra
+        if extra is None:
+            return 0.0
         again = 0.0
         if mode is Checkpointing.SELECTIVE:
             kept = self.param_bytes * self.attn_width / (par.tp * par.cp)  # wo's input
             again = self.attention_saved_bytes(par.tp, par.cp, par.cp_kv) - kept
-        return kv_gather_extra_bytes(self, par, tokens, again)
+        return extra(self, par, tokens, again)
 
     def capacity(self, par: Layout, activation_checkpointing: Checkpointing | bool, mixed_tp: bool = False) -> int:
         """Most tokens one micro-batch may hold (0: the weights alone do not fit): its predicted peak
@@ -274,7 +267,7 @@ class MemoryModel:
                      _most_tokens(free - mem.transient, mem.activation_per_token - mem.head_per_token, q))
         if tokens <= 0:
             return 0
-        if par.cp_kv > 1:  # the KV gather's extra is piecewise: bisect below the bound
+        if MEMORY_TERMS[par.cp_kind].extra is not None:  # its kind's transients are piecewise: bisect
             budget = mem.planning_budget
             lo, hi = 0, tokens
             while lo < hi:

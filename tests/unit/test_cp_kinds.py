@@ -1,0 +1,77 @@
+"""The context-parallel kind registry (lightning_hotspa/cp_kinds.py): every reader takes a kind from it,
+and every implementation bound by a kind's name covers the registry exactly."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from lightning_hotspa.cp_kinds import CP_KINDS, check_bound, kind_of, parse_suffix
+from lightning_hotspa.layout import Layout, LayoutError
+from lightning_hotspa.model_shape import PRESET_SHAPES
+from lightning_hotspa.parallel.core_attention import CP_ATTENTION
+from lightning_hotspa.planner.candidates import cp_kinds
+from lightning_hotspa.planner.cost.cost_model import AnalyticCostModel
+from lightning_hotspa.planner.cost.cp_memory import MEMORY_TERMS
+
+
+def test_each_split_of_cp_is_one_kind_and_its_name_reads_back() -> None:
+    for cp in (1, 2, 3, 4, 6, 8, 12, 16):
+        for cp_kv in (d for d in range(1, cp + 1) if cp % d == 0):
+            lay = Layout(cp=cp, cp_kv=cp_kv)
+            expected = "ulysses" if cp_kv == 1 else "kv" if cp_kv == cp else "hybrid"
+            assert lay.cp_kind == kind_of(cp, cp_kv).name == expected, (cp, cp_kv)
+            assert Layout.parse(lay.name) == lay
+    assert [Layout.parse(n).name for n in ("cp4:kv1", "cp4:kv4", "tp2xcp8:kv2:fsdp4")] == [
+        "cp4", "cp4:kv", "tp2xcp8:kv2:fsdp4"]
+
+
+def test_a_bad_suffix_names_itself() -> None:
+    with pytest.raises(ValueError, match=r"':ring' is no cp-kind suffix; registered: \[':kv', ':kv<m>'\]"):
+        parse_suffix(":ring", 4)
+    with pytest.raises(LayoutError, match="cannot parse layout 'cp4:ring'"):
+        Layout.parse("cp4:ring")
+    with pytest.raises(LayoutError, match="':kv' names a kind of context parallelism"):
+        Layout.parse("dp4:kv")
+
+
+def test_candidates_offer_what_each_kind_offers() -> None:
+    assert cp_kinds(1, 1, 8) == [1]
+    assert cp_kinds(1, 4, 8) == [1, 4]  # inside a node: no hybrid
+    assert cp_kinds(1, 16, 8) == [1, 16, 2]  # Ulysses over 8 inside the node, KV gather over 2 nodes
+    assert cp_kinds(2, 8, 8) == [1, 8, 2]
+    assert cp_kinds(8, 4, 8) == [1, 4]  # tp fills the node: no Ulysses part fits in it
+
+
+def test_every_kind_has_one_attention_call_and_one_set_of_memory_terms() -> None:
+    assert set(CP_ATTENTION) == set(MEMORY_TERMS) == set(CP_KINDS)
+    check_bound(CP_ATTENTION, "attention")
+    with pytest.raises(ValueError, match=r"missing \['kv'\], not registered \[\]"):
+        check_bound({k: v for k, v in CP_ATTENTION.items() if k != "kv"}, "attention")
+    with pytest.raises(ValueError, match=r"missing \[\], not registered \['ring'\]"):
+        check_bound({**MEMORY_TERMS, "ring": MEMORY_TERMS["kv"]}, "memory")
+
+
+def test_each_kind_issues_collectives_over_its_parts() -> None:
+    shape = PRESET_SHAPES["llama3-8b"]
+    for name, ranks in (("dp8", []), ("cp8", [8]), ("cp8:kv", [8]), ("cp8:kv2", [4, 2])):
+        lay = Layout.parse(name)
+        found = [e.ranks for e in CP_KINDS[lay.cp_kind].exchanges(shape, lay.tp, lay.cp, lay.cp_kv)]
+        assert found == ranks, name
+    hybrid = CP_KINDS["hybrid"].exchanges(shape, 2, 8, 2)
+    assert [(e.span, e.stride) for e in hybrid] == [(8, 2), (16, 8)]  # Ulysses inside, the gather outside it
+    assert [e.recomputes_attention for e in hybrid] == [False, True]
+
+
+def test_the_cost_model_prices_the_kinds_collectives(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cost model reads a kind's collectives from its record: without them the hybrid costs
+    what the same degrees cost without cp traffic."""
+    cm = AnalyticCostModel("llama3-8b", "H100", 16)
+    lay = Layout.parse("tp2xcp8:kv2")
+    with_exchanges = cm.option(lay, False, capacity=65536)
+    record = CP_KINDS["hybrid"]
+    monkeypatch.setitem(CP_KINDS, "hybrid", dataclasses.replace(record, exchanges=lambda *args: ()))
+    without = cm.option(lay, False, capacity=65536)
+    assert without.per_micro_batch < with_exchanges.per_micro_batch
+    assert without.linear < with_exchanges.linear and without.quadratic < with_exchanges.quadratic
