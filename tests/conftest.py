@@ -11,7 +11,7 @@ import pytest
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
 
-from lightning_hotspa.testing.spawn import RankPool  # noqa: E402
+from lightning_hotspa.testing.spawn import RankPool, use_fork_server  # noqa: E402
 
 # tests/unit, tests/distributed, tests/e2e on sys.path: spawned ranks inherit sys.path and import the
 # test module of the function they run by name; the shared helpers are tests/helpers.py (no test file
@@ -21,6 +21,10 @@ for _tier in ("unit", "distributed", "e2e"):
     if _folder not in sys.path:
         sys.path.insert(0, _folder)
 
+# the ranks fork from one server that imported these once (a spawned rank imports Lightning, ~8 s of CPU
+# on the 2-core CI box, every time a pool starts); the server starts with the first pool, and the fast
+# tier starts none
+use_fork_server("lightning", "lightning_hotspa.adapter.lightning.strategy", "helpers")
 _POOLS: dict[int, RankPool] = {}
 
 

@@ -8,6 +8,12 @@ the next one: each gloo group keeps two worker threads and a transport loop that
 that had run a few hundred tests held ~670 threads per rank, busy enough to take a core of the two.
 Destroying a call's groups instead is not safe: torch caches DeviceMesh lookups by mesh equality,
 and a later mesh of the same shape then resolves a destroyed group (docs/DESIGN.md §9).
+
+Ranks are spawned fresh interpreters unless :func:`use_fork_server` was called: then they fork from
+one server process that imported torch, Lightning and the given modules once, so a new rank costs no
+imports (``import lightning`` alone is ~8 s of CPU on the 2-core CI box; the test suite starts pools
+dozens of times). A forked rank takes the caller's environment, working folder and ``sys.path`` as
+they are when the pool starts, as a spawned one does.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from __future__ import annotations
 import datetime
 import os
 import queue
+import sys
 import tempfile
 import traceback
 from collections.abc import Callable
@@ -23,17 +30,40 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
-__all__ = ["MAX_GROUPS", "RankPool", "RankFailure", "run_on_ranks"]
+__all__ = ["MAX_GROUPS", "RankPool", "RankFailure", "run_on_ranks", "use_fork_server"]
 
 #: process groups a pooled rank may hold after a call before the pool is restarted (3 threads each)
 MAX_GROUPS = 64
+#: the start method of new ranks: "spawn", or "forkserver" after :func:`use_fork_server`
+_START_METHOD = "spawn"
+
+
+def use_fork_server(*modules: str) -> None:
+    """Start later pools' ranks from one fork server that imports torch and ``modules`` once.
+
+    Args:
+        modules: importable module names the server loads before forking ranks (e.g. ``"lightning"``).
+            Takes effect only before the server's first start (the first pool started after this call).
+    """
+    global _START_METHOD
+    for name in modules:
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"use_fork_server takes module names, got {name!r}")
+    mp.get_context("forkserver").set_forkserver_preload(["torch", "torch.distributed", __name__, *modules])
+    _START_METHOD = "forkserver"
 
 
 class RankFailure(RuntimeError):
     """A rank raised, or the ranks did not finish before the deadline."""
 
 
-def _worker(rank: int, world: int, init_file: str, tasks, results, collective_timeout_s: float) -> None:
+def _worker(rank: int, world: int, init_file: str, tasks, results, collective_timeout_s: float,
+            caller: tuple[dict[str, str], str, list[str]]) -> None:
+    env, cwd, path = caller  # a forked rank starts with the fork server's; take the caller's, as spawn does
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    sys.path[:] = path
     os.environ["OMP_NUM_THREADS"] = "1"
     import torch
     import torch.distributed as dist
@@ -79,14 +109,15 @@ class RankPool:
         self._procs: list = []
 
     def _start(self) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = mp.get_context(_START_METHOD)
         self._dir = tempfile.TemporaryDirectory(prefix="hotspa-rdzv-")
         init_file = os.path.join(self._dir.name, "rendezvous")
         self._results = ctx.Queue()
         self._tasks = [ctx.Queue() for _ in range(self.world)]
+        caller = (dict(os.environ), os.getcwd(), list(sys.path))
         self._procs = [
             ctx.Process(target=_worker, args=(r, self.world, init_file, self._tasks[r], self._results,
-                                               self.collective_timeout_s), daemon=True)
+                                               self.collective_timeout_s, caller), daemon=True)
             for r in range(self.world)
         ]
         for p in self._procs:

@@ -190,3 +190,38 @@ def _check_restarts(pool, max_groups: int) -> None:
     assert pool.run(_make_groups, max_groups) == [max_groups] * 2
     fresh = pool.run(_held_groups_and_threads)
     assert [g for g, _ in fresh] == [1, 1]  # only the default group: new ranks
+
+
+def _what_the_rank_started_with() -> dict:
+    import os
+    import sys
+
+    return {"mark": os.environ.get("HOTSPA_CALLER_MARK"), "cwd": os.getcwd(), "path0": sys.path[0],
+            "parent": os.getppid()}
+
+
+def test_pooled_ranks_fork_from_the_server_with_the_callers_environment(monkeypatch, tmp_path):
+    """The suite's ranks fork from one server that imported torch and Lightning once (conftest.py
+    calls use_fork_server), and each takes the environment, working folder and sys.path its caller
+    had when the pool started, as a spawned rank does; a fork of the server alone would have the
+    server's."""
+    import os
+    from multiprocessing import forkserver
+
+    from lightning_hotspa.testing.spawn import RankPool, use_fork_server
+
+    forkserver.ensure_running()  # the server exists before the caller's changes below, as in the suite
+    monkeypatch.setenv("HOTSPA_CALLER_MARK", "set after the server started")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    pool = RankPool(2)
+    try:
+        seen = pool.run(_what_the_rank_started_with)
+    finally:
+        pool.close()
+    for rank in seen:
+        assert rank == {"mark": "set after the server started", "cwd": str(tmp_path), "path0": str(tmp_path),
+                        "parent": rank["parent"]}, rank
+        assert rank["parent"] != os.getpid(), "the rank was not forked by the server"
+    with pytest.raises(ValueError, match="use_fork_server takes module names, got ''"):
+        use_fork_server("")
