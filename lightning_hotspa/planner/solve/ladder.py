@@ -22,7 +22,12 @@ the cheapest option (block size, copy, checkpointing) that holds it gives a rate
 needs in ``T`` (in one variant less the idle time the wider layouts' rounded-up groups leave, which
 the LPT fills with narrower documents), rounded up to aligned block sizes (a divisor chain of the
 world), bisection finds the smallest
-``T`` whose blocks tile the world, and the spare ranks go to the busiest layouts. Each block takes
+``T`` whose blocks tile the world, and the spare ranks go to the busiest layouts. A class's rate is
+its best block size's; a further pass re-prices each class at the block sizes that allocation gave
+it (a sharded copy on a small block: fewer tokens a micro-batch, more gathers per token), bisects
+again and builds that ladder (in the carry's rounding also with its small sharded blocks merged
+pairwise into blocks of twice the size where that lowers their documents' estimated rank-seconds,
+and a second re-pricing from the re-priced sizes: ``_REPRICED``). Each block takes
 its cheapest copy / checkpointing that holds its documents; then documents, longest first, go by
 LPT to the dp group (over every block that holds them) that finishes them earliest on its own
 clock, and are packed first-fit into micro-batches of their block's capacity. A few ``T`` are
@@ -62,6 +67,15 @@ _HEAD_MOST = 32
 #: (benchmarks/2026-12-04-ladder-2.md).
 _ROUNDS = ((0.5, True), (0.5, False))
 _MODE_ORDER = tuple(Checkpointing)
+#: per rounding of ``_ROUNDS``, its re-pricing passes (:meth:`LadderPlanner._repriced`), each from
+#: the previous pass's allocation, and per pass its ladders: as allocated (False) and with its small
+#: sharded blocks merged (True, :meth:`LadderPlanner._widen`), at its step time only
+#: (``_REPRICED_TRIES``). The carry's rounding gets two passes, the other one pass of one ladder: on
+#: the long cells, more passes, more ladders per pass or 1.1 / 1.25 of the step time gained nothing
+#: more, and fewer lost (benchmarks/2026-12-04-ladder-3.md; the planner's time)
+_REPRICED: dict[tuple[float, bool], tuple[tuple[bool, ...], ...]] = {(0.5, True): ((False, True), (False,)),
+                                                                     (0.5, False): ((False,),)}
+_REPRICED_TRIES = (1.0,)
 
 
 def block_chain(world: int) -> tuple[int, ...]:
@@ -214,6 +228,7 @@ class LadderPlanner:
                           for e in entries]
         self._by_class = [[k for k in range(len(entries)) if self._class_of[k] == j] for j in range(len(self._classes))]
         self._sizes = [sorted({entries[k].size for k in ks}) for ks in self._by_class]  # block sizes it can run
+        self._entry_at = {(self._class_of[k], e.size): k for k, e in enumerate(entries)}  # (class, size) -> entry
         self._mesh = None
         if entries:
             lays = sorted({*self.computes, *(e.option.layout for e in entries)}, key=lambda x: x.name)
@@ -252,32 +267,135 @@ class LadderPlanner:
         floor = float(alone.min(axis=0).max())
         if not math.isfinite(floor):
             return None
-        world = self.cm.world_size
         best: tuple[float, LadderGroups] | None = None
-        seen = set()
+        seen: set[tuple[tuple[int, int], ...]] = set()
         for round_up, carry in _ROUNDS:
-            lo = max(floor, float(rates.min(axis=0).sum()) / world)
-            hi = lo
-            while self._allocate(rates, alone, hi, round_up, carry) is None:
-                hi *= 1.5
-                if hi > lo * 1e4:
+            hi = self._bisect(rates, alone, round_up, carry)
+            if hi is None:
+                continue
+            best = self._try(lengths, costs, fits, rates, alone, hi, round_up, carry, seen, best, _T_TRIES)
+            first = self._allocate(rates, alone, hi, round_up, carry)
+            if first is None:
+                continue
+            # the classes re-priced at the block sizes this allocation gives them (a 70B copy sharded
+            # over 8 ranks holds 384-3,712 tokens a micro-batch, not the 3,456-26,112 of a world-sized
+            # block: 3.3-4x the rank-seconds of a 1K document), a new step time for them and its
+            # ladder (as allocated, and with its small sharded blocks merged); in the carry's
+            # rounding once more from the re-priced allocation's sizes
+            passes = _REPRICED.get((round_up, carry), ())
+            for n, widens in enumerate(passes):
+                re_rates, re_alone = self._repriced(big, units, rates, alone, first[0])
+                re_hi = self._bisect(re_rates, re_alone, round_up, carry)
+                if re_hi is None:
                     break
-            else:
-                for _ in range(_BISECT):
-                    mid = 0.5 * (lo + hi)
-                    lo, hi = (lo, mid) if self._allocate(rates, alone, mid, round_up, carry) is not None else (mid, hi)
-                for mult in _T_TRIES:
-                    alloc = self._allocate(rates, alone, hi * mult, round_up, carry)
-                    if alloc is None or alloc[0] in seen:
-                        continue
-                    seen.add(alloc[0])
-                    ladder = self._build(lengths, costs, fits, alloc[0], alloc[1])
-                    if ladder is None:
-                        continue
-                    secs = ladder_seconds(ladder, lengths)
-                    if best is None or secs < best[0] - 1e-12:
-                        best = (secs, ladder)
+                for widen in widens:
+                    best = self._try(lengths, costs, fits, re_rates, re_alone, re_hi, round_up, carry, seen, best,
+                                     _REPRICED_TRIES, (big, units) if widen else None)
+                if n + 1 < len(passes):  # the next pass starts from this pass's allocation
+                    first = self._allocate(re_rates, re_alone, re_hi, round_up, carry)
+                    if first is None:
+                        break
         return best
+
+    def _bisect(self, rates: np.ndarray, alone: np.ndarray, round_up: float, carry: bool) -> float | None:
+        """The smallest step time (to the bisection's precision) whose allocation tiles the world;
+        None: none up to 10^4 times the lower bound (or a document no class holds)."""
+        floor = float(alone.min(axis=0).max())
+        if not math.isfinite(floor):
+            return None
+        lo = max(floor, float(rates.min(axis=0).sum()) / self.cm.world_size)
+        hi = lo
+        while self._allocate(rates, alone, hi, round_up, carry) is None:
+            hi *= 1.5
+            if hi > lo * 1e4:
+                return None
+        for _ in range(_BISECT):
+            mid = 0.5 * (lo + hi)
+            lo, hi = (lo, mid) if self._allocate(rates, alone, mid, round_up, carry) is not None else (mid, hi)
+        return hi
+
+    def _try(self, lengths: np.ndarray, costs: np.ndarray, fits: np.ndarray, rates: np.ndarray, alone: np.ndarray,
+             hi: float, round_up: float, carry: bool, seen: set, best: tuple[float, LadderGroups] | None,
+             mults: Sequence[float], widen: tuple[np.ndarray, np.ndarray] | None = None
+             ) -> tuple[float, LadderGroups] | None:
+        """Builds and prices the allocation of each step time ``hi * mult`` (``widen``: (``big``,
+        ``units``) of :meth:`_widen`, its small sharded blocks merged) not built before (``seen``);
+        the cheapest of them and ``best``."""
+        for mult in mults:
+            alloc = self._allocate(rates, alone, hi * mult, round_up, carry)
+            if alloc is not None and widen is not None:
+                alloc = (self._widen(alloc[0], alloc[1], *widen), alloc[1])
+            if alloc is None or alloc[0] in seen:
+                continue
+            seen.add(alloc[0])
+            ladder = self._build(lengths, costs, fits, alloc[0], alloc[1])
+            if ladder is None:
+                continue
+            secs = ladder_seconds(ladder, lengths)
+            if best is None or secs < best[0] - 1e-12:
+                best = (secs, ladder)
+        return best
+
+    def _widen(self, blocks: tuple[tuple[int, int], ...], rows: np.ndarray, big: np.ndarray,
+               units: np.ndarray) -> tuple[tuple[int, int], ...]:
+        """``blocks`` with pairs of sharded blocks of one size merged into one block of twice the
+        size (of either's class) while that lowers the estimated rank-seconds of their documents
+        (each block holds its class's documents in proportion to its ranks)."""
+        ranks: dict[int, int] = {}
+        for i, size in blocks:
+            ranks[i] = ranks.get(i, 0) + size
+        items = [(i, size, np.where(rows == i, size / ranks[i], 0.0)) for i, size in blocks]
+
+        def est(i: int, size: int, w: np.ndarray) -> float:
+            k = self._entry_at.get((i, size))
+            if k is None:
+                return math.inf
+            r = big[k] * units[i]
+            on = w > 0
+            return float((w[on] * r[on]).sum())
+
+        while True:
+            found = None
+            for a in range(len(items)):
+                ia, sa, wa = items[a]
+                if not self._classes[ia][1]:
+                    continue
+                for b in range(a + 1, len(items)):
+                    ib, sb, wb = items[b]
+                    if sb != sa or not self._classes[ib][1]:
+                        continue
+                    before = est(ia, sa, wa) + est(ib, sb, wb)
+                    for c in dict.fromkeys((ia, ib)):
+                        after = est(c, 2 * sa, wa + wb)
+                        if after < before * (1 - 1e-9) and (found is None or before - after > found[0]):
+                            found = (before - after, a, b, c)
+            if found is None:
+                break
+            _, a, b, c = found
+            merged = (c, 2 * items[a][1], items[a][2] + items[b][2])
+            items = [x for j, x in enumerate(items) if j not in (a, b)] + [merged]
+        out = [(i, size) for i, size, _ in items]
+        out.sort(key=lambda x: (-x[1], -self._comp(x[0]).cp, x[0]))
+        return tuple(out)
+
+    def _repriced(self, big: np.ndarray, units: np.ndarray, rates: np.ndarray, alone: np.ndarray,
+                  blocks: tuple[tuple[int, int], ...]) -> tuple[np.ndarray, np.ndarray]:
+        """(rates, alone) with every class of ``blocks`` priced at the block sizes it was given:
+        per document, its rank-seconds on the class's blocks as they run it in parallel (the
+        rank-weighted harmonic mean of the sizes' rates) and its least seconds alone on one of
+        their dp groups; classes without a block keep their rates (their best size's)."""
+        rates, alone = rates.copy(), alone.copy()
+        by: dict[int, list[int]] = {}
+        for i, size in blocks:
+            by.setdefault(i, []).append(size)
+        for i, sizes in by.items():
+            ks = [self._entry_at[(i, s)] for s in sizes]
+            w = np.asarray(sizes, dtype=np.float64)[:, None]
+            with np.errstate(divide="ignore"):
+                speed = (w / (big[ks] * units[i])).sum(axis=0)  # docs per second over the class's blocks
+                rates[i] = np.where(speed > 0, float(w.sum()) / speed, np.inf)
+            alone[i] = big[ks].min(axis=0)
+        return rates, alone
 
     def tables(self, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """[option, doc] balance cost and whether the option holds the document (``tables`` of
@@ -473,29 +591,49 @@ class LadderPlanner:
             rows_k = ge == k
             secs[rows_k] = np.where(fits[k], opt.doc_seconds(padded[cp]), np.inf)
             toks[rows_k] = padded[cp]
+        # [doc, group] rows (contiguous per document) and in-place arithmetic: the same operations
+        # in the same order as a plain loop, a few times faster at hundreds of groups
+        secs_t, toks_t = np.ascontiguousarray(secs.T), np.ascontiguousarray(toks.T)
+        bounds = np.searchsorted(gb, np.arange(len(blocks) + 1))  # groups of block b: bounds[b]:bounds[b + 1]
+        lock_block = [bool(lock[bounds[b]]) if bounds[b] < bounds[b + 1] else False for b in range(len(blocks))]
+        floor = np.zeros(ge.size)  # a lockstep group's least micro-batches: its block's rounds so far
         busy = np.zeros(ge.size)
         tokens = np.zeros(ge.size)
+        mbs = np.empty(ge.size)
+        finish = np.empty(ge.size)
+        extra = np.empty(ge.size)
         rounds = np.zeros(len(blocks))
         owner = np.full(lengths.size, -1)
         for d in np.lexsort((np.arange(lengths.size), -lengths)):  # longest first, index ties
-            mbs = np.ceil((tokens + toks[:, d]) / cap)
-            mbs = np.where(lock, np.maximum(mbs, rounds[gb]), mbs)
-            finish = busy + secs[:, d] + fixed * mbs
+            np.add(tokens, toks_t[d], out=mbs)
+            np.divide(mbs, cap, out=mbs)
+            np.ceil(mbs, out=mbs)
+            np.maximum(mbs, floor, out=mbs)
+            np.add(busy, secs_t[d], out=finish)
+            np.multiply(fixed, mbs, out=extra)
+            finish += extra
             g = int(np.argmin(finish))
             if not math.isfinite(finish[g]):
                 return None
             owner[d] = g
-            busy[g] += secs[g, d]
-            tokens[g] += toks[g, d]
-            rounds[gb[g]] = max(rounds[gb[g]], mbs[g])
+            busy[g] += secs_t[d, g]
+            tokens[g] += toks_t[d, g]
+            b = int(gb[g])
+            if mbs[g] > rounds[b]:
+                rounds[b] = mbs[g]
+                if lock_block[b]:
+                    floor[bounds[b]:bounds[b + 1]] = mbs[g]
+        by_owner = np.argsort(owner, kind="stable")  # documents by group, index order within one
+        cuts = np.searchsorted(owner[by_owner], np.arange(ge.size + 1))
         out, start = [], 0
         for b, k in enumerate(chosen):
             e = self.entries[k]
             opt = e.option
-            gs = np.flatnonzero(gb == b).tolist()
-            pad, cost = opt.padded(lengths), opt.doc_seconds(opt.padded(lengths))
+            pad = padded[opt.layout.cp]
+            cost = opt.doc_seconds(pad)
             least = int(rounds[b]) if opt.layout.lockstep else 0
-            groups = tuple(_balanced(np.flatnonzero(owner == g), pad, cost, opt.capacity, least) for g in gs)
+            groups = tuple(_balanced(by_owner[cuts[g]:cuts[g + 1]], pad, cost, opt.capacity, least)
+                           for g in range(bounds[b], bounds[b + 1]))
             out.append(LadderBlock(opt, self.computes[e.compute], start, e.size, e.sharded, groups))
             start += e.size
         trio = [(blk.compute, blk.size, blk.sharded) for blk in out]
@@ -524,15 +662,17 @@ def _balanced(docs: np.ndarray, padded: np.ndarray, cost: np.ndarray, capacity: 
     bins: list[list[int]] = [[] for _ in range(n)]
     load = [0.0] * n
     room = [int(capacity)] * n
-    for d in sorted(docs.tolist(), key=lambda x: (-float(cost[x]), x)):
+    for d in docs[np.lexsort((docs, -cost[docs]))].tolist():  # costliest first, index ties
         need = int(padded[d])
-        fit = [j for j in range(len(bins)) if room[j] >= need]
-        if not fit:
+        j = -1
+        for i in range(len(bins)):  # the least loaded bin with room (the first of equals)
+            if room[i] >= need and (j < 0 or load[i] < load[j]):
+                j = i
+        if j < 0:
             bins.append([])
             load.append(0.0)
             room.append(int(capacity))
-            fit = [len(bins) - 1]
-        j = min(fit, key=lambda i: (load[i], i))
+            j = len(bins) - 1
         bins[j].append(d)
         load[j] += float(cost[d])
         room[j] -= need
