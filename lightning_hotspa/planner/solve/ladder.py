@@ -262,11 +262,8 @@ class LadderPlanner:
         for i, ks in enumerate(self._by_class):
             rates[i] = big[ks].min(axis=0)
         alone = rates.copy()
-        units = np.array([self._comp(i).tp * self._comp(i).cp for i in range(len(self._classes))], dtype=np.float64)
+        units = np.array([self._width(i) for i in range(len(self._classes))], dtype=np.float64)
         rates = rates * units[:, None]  # rank-seconds
-        floor = float(alone.min(axis=0).max())
-        if not math.isfinite(floor):
-            return None
         best: tuple[float, LadderGroups] | None = None
         seen: set[tuple[tuple[int, int], ...]] = set()
         for round_up, carry in _ROUNDS:
@@ -499,8 +496,7 @@ class LadderPlanner:
         for i, g in sorted(groups.items()):
             if g == 0:
                 continue
-            comp = self._comp(i)
-            sizes = self._decompose(g * comp.tp * comp.cp, self._sizes[i])
+            sizes = self._decompose(g * self._width(i), self._sizes[i])
             if sizes is None:
                 return None
             blocks += [(i, s) for s in sizes]
