@@ -19,6 +19,7 @@ they are when the pool starts, as a spawned one does.
 from __future__ import annotations
 
 import datetime
+import importlib.util
 import os
 import queue
 import sys
@@ -49,6 +50,12 @@ def use_fork_server(*modules: str) -> None:
     for name in modules:
         if not isinstance(name, str) or not name:
             raise ValueError(f"use_fork_server takes module names, got {name!r}")
+        try:  # the server skips a module it cannot import without a word: refuse it here
+            found = importlib.util.find_spec(name) is not None
+        except ModuleNotFoundError:
+            found = False
+        if not found:
+            raise ValueError(f"use_fork_server: no module {name!r} on sys.path")
     mp.get_context("forkserver").set_forkserver_preload(["torch", "torch.distributed", __name__, *modules])
     _START_METHOD = "forkserver"
 

@@ -225,3 +225,7 @@ def test_pooled_ranks_fork_from_the_server_with_the_callers_environment(monkeypa
         assert rank["parent"] != os.getpid(), "the rank was not forked by the server"
     with pytest.raises(ValueError, match="use_fork_server takes module names, got ''"):
         use_fork_server("")
+    with pytest.raises(ValueError, match="use_fork_server: no module 'lightning_hotspa.no_such_module' on sys.path"):
+        use_fork_server("lightning_hotspa.no_such_module")
+    with pytest.raises(ValueError, match="no module 'no_such_package.sub' on sys.path"):
+        use_fork_server("no_such_package.sub")
