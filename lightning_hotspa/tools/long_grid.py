@@ -36,6 +36,7 @@ from ..activation_checkpointing import Checkpointing
 from ..layout import Layout, LayoutError, MeshShape
 from ..planner.candidates import auto_layouts, enumerate_layouts, layout_rates
 from ..planner.cost.cost_model import AnalyticCostModel, CostModelError
+from ..planner.solve.packing import DocumentTooLongError
 from ..planner.solve.solver import CostModelPlanner
 from ..planner.solve.static_guard import DEFAULT_STATIC_MARGIN, guard
 from .artifact_rule import RuleNotFoundError, artifact_rule
@@ -43,8 +44,8 @@ from .oracles import LADDER, oracle_from_rates, oracle_ladder, print_breakdown
 from .progress import progress
 from .simulate import geometric_mean, rule_seconds, static_seconds
 
-__all__ = ["LONG_GRID", "SMOKE_GRID", "candidate_summary", "cell_name", "long_cell", "long_grid", "print_long_grid",
-           "token_batch"]
+__all__ = ["LONG_GRID", "SMOKE_GRID", "candidate_summary", "cell_name", "guarded_bound", "long_cell", "long_grid",
+           "print_long_grid", "token_batch"]
 
 #: (model, GPUs, context) settings; GPUs in nodes of 8.
 LONG_GRID: dict[str, Any] = {
@@ -105,6 +106,26 @@ def oracle_seconds(cm: AnalyticCostModel, lengths: np.ndarray, layouts: Sequence
     return oracle_from_rates(rates, np.array([lay.dp for lay in layouts], dtype=np.float64), reduce)
 
 
+def guarded_bound(bound: float, single: float, margin: float) -> float:
+    """The least seconds any guarded plan of a batch can reach: ``bound`` (no plan is faster) when
+    the best single candidate layout (``single`` seconds, the guard's fallback) is slower than it
+    by more than ``margin``, else ``single`` (a plan of at least ``bound`` seconds gains at most
+    ``single / bound - 1 <= margin``: the guard keeps the static layout)."""
+    return bound if single > bound * (1.0 + margin) else single
+
+
+def _single_seconds(cm: AnalyticCostModel, lay: Layout, lengths: np.ndarray, planners: dict,
+                    per_batch: dict[Layout, list[float]], batch: int) -> float:
+    """``lay``'s static seconds for batch ``batch`` (``lengths``), as the guard solves it (inf: a
+    document it cannot hold); the static layouts' are already in ``per_batch``."""
+    if lay in per_batch:
+        return per_batch[lay][batch]
+    try:
+        return static_seconds(cm, lay, lengths, planners)
+    except DocumentTooLongError:
+        return math.inf
+
+
 def megatron_rows_seconds(cm: AnalyticCostModel, lengths: np.ndarray, context: int) -> tuple[float, str]:
     """Concatenated context-length rows, row-wide causal attention, the best static layout for them."""
     rows = int(math.ceil(lengths.sum() / context))
@@ -128,7 +149,8 @@ def megatron_rows_seconds(cm: AnalyticCostModel, lengths: np.ndarray, context: i
 def long_cell(model: str, gpus: int, context: int, data: str, hardware: str, batches: int = 2, seed: int = 0,
               margin: float = DEFAULT_STATIC_MARGIN, breakdown: bool = False) -> dict[str, Any]:
     """One cell; ``feasible`` False (with ``reason``) when no layout holds the context.
-    ``breakdown``: also the oracle ladder of :mod:`.oracles` and ours with margin 0."""
+    ``breakdown``: also the oracle ladder of :mod:`.oracles`, the most any plan reaches under the
+    guard (``guarded_bound``) and ours with margin 0."""
     cm = AnalyticCostModel(model, hardware, gpus)
     tokens = max(TOKENS_PER_GPU * gpus, 2 * context)
     out: dict[str, Any] = {"model": model, "gpus": gpus, "context": context, "data": data, "hardware": hardware,
@@ -148,7 +170,8 @@ def long_cell(model: str, gpus: int, context: int, data: str, hardware: str, bat
                if max(cm.option(lay, ac).max_doc_length for ac in (False, True)) >= context]
     batch_list = [token_batch(data, context, tokens, seed + b) for b in range(batches)]
     planners: dict[Layout, CostModelPlanner] = {}
-    static_totals = {p: sum(static_seconds(cm, p, lengths, planners) for lengths in batch_list) for p in statics}
+    per_batch = {p: [static_seconds(cm, p, lengths, planners) for lengths in batch_list] for p in statics}
+    static_totals = {p: sum(v) for p, v in per_batch.items()}
     best = min(statics, key=lambda p: (static_totals[p], p.name))
     layouts = with_layout(layouts, best, gpus)  # the grid's best static layout is a candidate (issue 38)
     planner = CostModelPlanner(layouts, model=cm.model, hardware=cm.hardware, static_margin=margin, ladder="auto")
@@ -157,12 +180,12 @@ def long_cell(model: str, gpus: int, context: int, data: str, hardware: str, bat
     alt = {m: 0.0 for m in ALT_MARGINS if m != margin}
     user_sums = {k: 0.0 for k in users}
     fallbacks, rows_layout, has_rule = 0, "", True
-    ladder = {k: 0.0 for k in (*LADDER, "ours_margin0")}
+    ladder = {k: 0.0 for k in (*LADDER, "guarded_bound", "ours_margin0")}
     free = None
     ladders = 0
     if breakdown and margin > 0:
         free = CostModelPlanner(layouts, model=cm.model, hardware=cm.hardware, static_margin=0.0, ladder="auto")
-    for lengths in batch_list:
+    for b, lengths in enumerate(batch_list):
         ours, stages = planner.solve(lengths)
         sums["ours"] += ours
         ladders += any(type(g).__name__ == "LadderGroups" for _, g in stages)
@@ -175,6 +198,8 @@ def long_cell(model: str, gpus: int, context: int, data: str, hardware: str, bat
             steps = oracle_ladder(cm, lengths, layouts)
             for k, v in steps.items():
                 ladder[k] += v
+            single = min((_single_seconds(cm, p, lengths, planners, per_batch, b) for p in layouts), default=math.inf)
+            ladder["guarded_bound"] += guarded_bound(steps["exclusive"], single, margin)
             ladder["ours_margin0"] += free.solve(lengths)[0] if free is not None else 0.0
             sums["oracle"] += steps["oracle"]
         else:
@@ -348,7 +373,9 @@ def candidate_summary(cells: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """What ours captures of its OWN candidates' bound (issue 31's targets), from cells priced with
     ``breakdown``: ``geomean_ours`` and ``geomean_bound_candidates`` over the best static layout,
     ``captured_of_candidates`` per cell whose bound is >= 1.05x, ``(ours - 1) / (bound - 1)``, and
-    its mean; ``min_ours_over_candidate_static`` (ours over the candidate set's best static layout).
+    its mean; ``min_ours_over_candidate_static`` (ours over the candidate set's best static layout);
+    ``guarded_bound``: the same figures for the most any plan reaches under the guard (the
+    breakdown's ``guarded_bound``, :func:`guarded_bound` per batch): their ceiling at the margin.
 
     Args:
         cells: the feasible cells, each with its ``breakdown``.
@@ -357,12 +384,22 @@ def candidate_summary(cells: Sequence[dict[str, Any]]) -> dict[str, Any]:
     captured = {cell_name(c): (c["breakdown"]["ours"] - 1) / (c["breakdown"]["candidates"] - 1)
                 for c in cells if c["breakdown"]["candidates"] >= 1.05}
     own = [c["breakdown"]["ours"] / c["breakdown"]["candidate_static"] for c in cells]
+    guarded = [(c["breakdown"]["guarded_bound"] - 1) / (c["breakdown"]["candidates"] - 1)
+               for c in cells if c["breakdown"]["candidates"] >= 1.05 and "guarded_bound" in c["breakdown"]]
+    long_cells = [c["breakdown"]["guarded_bound"] for c in cells
+                  if c["context"] >= 256 * 1024 and "guarded_bound" in c["breakdown"]]
     return {"geomean_ours": geometric_mean([c["breakdown"]["ours"] for c in cells]) if cells else None,
             "geomean_bound_candidates": (geometric_mean([c["breakdown"]["candidates"] for c in cells])
                                          if cells else None),
             "captured_of_candidates": captured,
             "mean_captured_of_candidates": float(np.mean(list(captured.values()))) if captured else None,
-            "min_ours_over_candidate_static": min(own) if own else None}
+            "min_ours_over_candidate_static": min(own) if own else None,
+            # the most any plan reaches under the guard (per batch :func:`guarded_bound` of the
+            # exclusive bound): the ceiling of the three above at the cells' margin
+            "guarded_bound": {"geomean": geometric_mean([c["breakdown"]["guarded_bound"] for c in cells
+                                                         if "guarded_bound" in c["breakdown"]]) if cells else None,
+                              "geomean_long_cells": geometric_mean(long_cells) if long_cells else None,
+                              "mean_captured_of_candidates": float(np.mean(guarded)) if guarded else None}}
 
 
 def print_long_grid(result: dict[str, Any]) -> None:

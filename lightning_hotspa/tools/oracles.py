@@ -12,7 +12,10 @@ constraint, so the gaps between the steps say which relaxation holds the headroo
    compute (the loosest oracle lets the reduction hide in the longest document's idle groups);
 3. ``switches``: plus the cheapest order of switches between the tp degrees used;
 4. ``candidates``: only the planner's 2-4 candidate layouts (one mesh; chosen on sample batches);
-5. then the real plans: ours with margin 0 (real packing, the solver), ours with the guard.
+5. ``exclusive``: plus what a world-wide group excludes: a document on a layout of one dp group runs
+   while nothing else does (:func:`~..planner.solve.oracle_bound.exclusive_seconds`; the steps
+   before let a 491K document on the whole world overlap everything else);
+6. then the real plans: ours with margin 0 (real packing, the solver), ours with the guard.
 
 Every step is a minimum over the subsets of gradient kinds (tp degree x working copy: at most 8,
 255 subsets), each an oracle of one rate table: cheap next to the solver.
@@ -34,7 +37,7 @@ from ..planner.solve.oracle_bound import charged_oracles, oracle_from_rates
 __all__ = ["LADDER", "charged_oracle", "oracle_from_rates", "oracle_ladder", "print_breakdown"]
 
 #: The steps of the ladder, loosest first (keys of :func:`oracle_ladder`).
-LADDER = ("oracle", "reductions", "switches", "candidates")
+LADDER = ("oracle", "reductions", "switches", "candidates", "exclusive")
 
 
 def charged_oracle(cm: AnalyticCostModel, lengths: np.ndarray, layouts: Sequence[Layout], *,
@@ -53,20 +56,23 @@ def oracle_ladder(cm: AnalyticCostModel, lengths: np.ndarray, candidates: Sequen
     dp = np.array([lay.dp for lay in layouts], dtype=np.float64)
     loosest = oracle_from_rates(rates, dp, min(cm.grad_reduce_seconds(lay) for lay in layouts))
     charged = charged_oracles(cm, rates, layouts)  # both steps from one pass over the subsets
+    own = layout_rates(cm, list(candidates), lengths)
     return {"oracle": loosest, "reductions": charged[False][0], "switches": charged[True][0],
-            "candidates": charged_oracle(cm, lengths, candidates, switches=True)}
+            "candidates": charged_oracle(cm, lengths, candidates, switches=True, rates=own),
+            "exclusive": charged_oracles(cm, own, candidates, exclusive=True)[True][0]}
 
 
 def print_breakdown(result: dict[str, Any]) -> None:
     """Per cell: each step's speed-up over the best static layout, and the summary."""
     print("\n| hw | model | GPUs | ctx | data | oracle | + reductions | + switches | candidates only "
-          "| ours margin 0 | ours | candidates' best static | captured of + reductions |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| + world-wide alone | most under the guard | ours margin 0 | ours | candidates' best static "
+          "| captured of + reductions |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for c in result["cells"]:
         if not c["feasible"] or "breakdown" not in c:
             continue
         b = c["breakdown"]
-        vals = " | ".join(f"{b[k]:.3f}" for k in (*LADDER, "ours_margin0", "ours", "candidate_static"))
+        vals = " | ".join(f"{b[k]:.3f}" for k in (*LADDER, "guarded_bound", "ours_margin0", "ours", "candidate_static"))
         cap = c["captured_vs_reductions"]
         vals += " | -" if cap is None else f" | {cap:.2f}"
         print(f"| {c['hardware']} | {c['model']} | {c['gpus']} | {c['context'] // 1024}K | {c['data']} | {vals} |")

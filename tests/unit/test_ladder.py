@@ -198,3 +198,41 @@ def test_a_class_is_repriced_at_the_block_sizes_it_is_given():
     decision = planner.last_decision
     assert any(s.blocks for s in plan.stages) and not decision.fell_back
     assert decision.static_s > decision.multi_s * 1.138
+
+
+def test_a_head_of_one_round_runs_the_longest_documents_side_by_side_on_the_world():
+    """``round_size`` (benchmarks/2026-12-06-ladder-4.md): where the world's widest groups are a
+    quarter of it (70B on 1024 H100: ``dp4xtp2xcp128``, 256 ranks a group), four 512K documents run
+    side by side in one world-wide stage in one document's time; a ladder has no block of the
+    world's size, so without that head they took two rounds on two groups of 256 ranks (106.3 s).
+    ``head_size``'s estimate alone does not pick it (the head's work is the same rank-seconds)."""
+    planner = CostModelPlanner(["dp1024:fsdp", "dp16xcp64:fsdp", "dp16xtp2xcp32:fsdp", "dp4xtp2xcp128:kv:fsdp",
+                                "dp4xtp2xcp128:kv32:fsdp"], model="llama3-70b", hardware="H100", ladder="auto",
+                               static_margin=0.0)
+    batch = token_batch("github", 524288, 16384 * 1024, 1)  # the long grid's second batch of this cell
+    longest = np.argsort(-batch, kind="stable")[:5]
+    assert batch[longest].tolist() == [524288] * 4 + [491549]
+    assert planner.ladder.round_size(batch) == 4 and planner.ladder.head_size(batch) == 0
+    assert planner.ladder.round_size(np.full(100, 2048)) == 0  # short documents: a head gains nothing
+    secs, stages = planner.solve(batch)
+    (head_opt, head), (_, ladder) = stages
+    assert sorted(d for g in head for mb in g for d in mb) == sorted(longest[:4].tolist())
+    assert head_opt.layout.dp == 4 and isinstance(ladder, LadderGroups)
+    alone, _ = planner.ladder.solve(batch)  # the ladder over every document, no head
+    assert secs < 0.9 * alone
+
+
+def test_lockstep_blocks_are_also_tried_split_into_blocks_of_one_dp_group():
+    """``_split``: a sharded block of several dp groups runs lockstep rounds (each waits for its
+    slowest group's micro-batch); the same ranks as blocks of one dp group each run on their own.
+    Replicated blocks, blocks of one group and sizes the class cannot run stay as they are."""
+    ladder = _planner().ladder
+    cp4 = _class(ladder, "dp4xtp4xcp4")  # groups of 16 ranks
+    tp4 = _class(ladder, "dp16xtp4")  # groups of 4 ranks: a copy sharded over 4 tp ranks is no sharded copy
+    blocks = ((cp4, 32), (tp4, 16), (cp4, 16))
+    split = ladder._split(blocks)
+    assert split == ((cp4, 16), (cp4, 16), (cp4, 16), (tp4, 16))  # largest first, the wider cp first
+    assert sum(s for _, s in split) == sum(s for _, s in blocks)
+    assert ladder._split(((tp4, 32), (cp4, 16), (cp4, 16))) == ((tp4, 32), (cp4, 16), (cp4, 16))
+    ladder._classes = [(c, not sh if c == ladder._classes[cp4][0] else sh, m) for c, sh, m in ladder._classes]
+    assert ladder._split(((cp4, 32),)) == ((cp4, 32),)  # a replicated copy: no rounds to split

@@ -1,16 +1,21 @@
 """The long-context grid's invariants, the frozen hardware profiles it prices, and how the cost
 model prices the context-parallel kinds."""
 
+import itertools
+import math
+
 import numpy as np
 import pytest
 
 from lightning_hotspa.layout import Layout
 from lightning_hotspa.planner.cost.cost_model import AnalyticCostModel, CostModelError
 from lightning_hotspa.planner.cost.hardware import PROFILES
+from lightning_hotspa.planner.solve.oracle_bound import exclusive_seconds, oracle_assignment
 from lightning_hotspa.planner.solve.solver import CostModelPlanner
 from lightning_hotspa.tools.long_grid import (
     SMOKE_GRID,
     candidate_summary,
+    guarded_bound,
     long_grid,
     oracle_seconds,
     token_batch,
@@ -56,10 +61,55 @@ def test_smoke_grid_cells_respect_the_oracle_bound():
     steps = [b[k] for k in (*LADDER, "ours_margin0")]
     assert all(x >= y * (1 - 1e-9) for x, y in zip(steps, steps[1:])), b
     assert b["ours_margin0"] >= b["ours"] * (1 - 1e-9) and b["ours"] == pytest.approx(cell["ours_over_static"])
+    # no guarded plan beats the guarded bound; it is never above the bound it guards
+    assert b["ours"] <= b["guarded_bound"] * (1 + 1e-9) and b["guarded_bound"] <= b["exclusive"] * (1 + 1e-9)
     assert set(result["breakdown_summary"]) == set(b)
     assert result["geomean_ours"] == pytest.approx(b["ours"])
     assert result["geomean_bound_candidates"] == pytest.approx(b["candidates"])
     assert set(result["captured_of_candidates"]) <= {"H100 llama3-8b 16 64K github"}
+
+
+def _two_level_optimum(world_s: np.ndarray, half_s: np.ndarray) -> float:
+    """The best plan of documents that each run on the whole world (``world_s`` seconds, alone) or
+    on one of its two halves (``half_s``, the halves side by side): every assignment tried."""
+    best = math.inf
+    for where in itertools.product((0, 1, 2), repeat=world_s.size):
+        where = np.array(where)
+        halves = [float(half_s[where == h].sum()) for h in (1, 2)]
+        best = min(best, float(world_s[where == 0].sum()) + max(halves))
+    return best
+
+
+def test_the_exclusive_bound_is_a_lower_bound_that_sees_world_wide_documents_run_alone():
+    """:func:`exclusive_seconds`: a document on a one-group (world-wide) layout runs while nothing
+    else does. A 10 s document only the world finishes in time and a 5 s (world) / 8 s (half) one:
+    the oracle overlaps them (14 s), a plan cannot (15 s). On random two-level instances it is
+    never above the best plan (brute force) and never below the oracle; without a one-group layout
+    it is the oracle."""
+    alone = np.array([[10.0, 5.0], [30.0, 8.0]])  # rows: world (dp 1), half (dp 2)
+    dp = np.array([1.0, 2.0])
+    assert oracle_assignment(alone / dp[:, None], dp)[0] == pytest.approx(14.0)
+    assert exclusive_seconds(alone / dp[:, None], dp) == pytest.approx(15.0)
+    rng = np.random.default_rng(0)
+    tighter = 0
+    for _ in range(200):
+        n = int(rng.integers(1, 6))
+        world_s = rng.uniform(1.0, 10.0, n)
+        half_s = world_s * rng.uniform(1.2, 4.0, n)  # a half is slower, at most 4x
+        half_s[rng.random(n) < 0.2] = np.inf  # some only the whole world holds
+        rates = np.stack([world_s, half_s / 2])
+        bound, loose = exclusive_seconds(rates, dp), oracle_assignment(rates, dp)[0]
+        assert loose <= bound * (1 + 1e-9) and bound <= _two_level_optimum(world_s, half_s) * (1 + 1e-6)
+        tighter += bound > loose * (1 + 1e-6)
+    assert tighter > 20  # it is tighter in many of them
+    halves = np.array([[4.0, 6.0, 1.0]]) / 2
+    assert exclusive_seconds(halves, np.array([2.0])) == oracle_assignment(halves, np.array([2.0]))[0]
+
+
+def test_the_guarded_bound_is_the_bound_only_where_it_clears_the_margin():
+    assert guarded_bound(10.0, 12.0, 0.138) == 10.0  # a plan at the bound gains 20 %: it may run
+    assert guarded_bound(10.0, 11.0, 0.138) == 11.0  # at most 10 %, under 13.8 %: the single layout runs
+    assert guarded_bound(10.0, 11.0, 0.0) == 10.0
 
 
 def test_candidate_summary_says_what_ours_captures_of_its_own_candidates_bound():

@@ -30,13 +30,18 @@ pairwise into blocks of twice the size where that lowers their documents' estima
 and a second re-pricing from the re-priced sizes: ``_REPRICED``). Each block takes
 its cheapest copy / checkpointing that holds its documents; then documents, longest first, go by
 LPT to the dp group (over every block that holds them) that finishes them earliest on its own
-clock, and are packed first-fit into micro-batches of their block's capacity. A few ``T`` are
-priced exactly and the cheapest kept.
+clock, and are packed first-fit into micro-batches of their block's capacity. Each allocation is
+also built with its lockstep blocks (a sharded block of several dp groups) split into blocks of one
+dp group (:meth:`LadderPlanner._split`: no rounds that wait for the slowest group). A few ``T`` are
+priced exactly and the cheapest kept. The solver tries the ladder after a head of the longest
+documents in ordinary world-wide stages (:meth:`LadderPlanner.head_size`,
+:meth:`LadderPlanner.round_size`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -294,6 +299,20 @@ class LadderPlanner:
                         break
         return best
 
+    def _split(self, blocks: tuple[tuple[int, int], ...]) -> tuple[tuple[int, int], ...]:
+        """``blocks`` with each sharded block of several dp groups (lockstep rounds: each round waits
+        for its slowest group's micro-batch) split into blocks of one dp group, where its class runs
+        that size (a copy sharded over fewer ranks holds fewer tokens: priced by the build)."""
+        out = []
+        for i, size in blocks:
+            unit = self._width(i)
+            if self._classes[i][1] and size > unit and (i, unit) in self._entry_at:
+                out += [(i, unit)] * (size // unit)
+            else:
+                out.append((i, size))
+        out.sort(key=lambda b: (-b[1], -self._comp(b[0]).cp, b[0]))
+        return tuple(out)
+
     def _bisect(self, rates: np.ndarray, alone: np.ndarray, round_up: float, carry: bool) -> float | None:
         """The smallest step time (to the bisection's precision) whose allocation tiles the world;
         None: none up to 10^4 times the lower bound (or a document no class holds)."""
@@ -325,12 +344,14 @@ class LadderPlanner:
             if alloc is None or alloc[0] in seen:
                 continue
             seen.add(alloc[0])
-            ladder = self._build(lengths, costs, fits, alloc[0], alloc[1])
-            if ladder is None:
-                continue
-            secs = ladder_seconds(ladder, lengths)
-            if best is None or secs < best[0] - 1e-12:
-                best = (secs, ladder)
+            split = self._split(alloc[0])
+            for blocks in (alloc[0], split) if split != alloc[0] else (alloc[0],):
+                ladder = self._build(lengths, costs, fits, blocks, alloc[1])
+                if ladder is None:
+                    continue
+                secs = ladder_seconds(ladder, lengths)
+                if best is None or secs < best[0] - 1e-12:
+                    best = (secs, ladder)
         return best
 
     def _widen(self, blocks: tuple[tuple[int, int], ...], rows: np.ndarray, big: np.ndarray,
@@ -396,21 +417,16 @@ class LadderPlanner:
 
     def tables(self, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """[option, doc] balance cost and whether the option holds the document (``tables`` of
-        :meth:`alone_seconds` and :meth:`head_size`, computed once for both)."""
+        :meth:`head_size` and :meth:`round_size`, computed once for both)."""
         return self._tables(np.asarray(lengths, dtype=np.int64))
-
-    def alone_seconds(self, lengths: np.ndarray, tables: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
-        """Per document, its least seconds alone on one dp group of any block (inf: none holds it)."""
-        costs, fits = self.tables(lengths) if tables is None else tables
-        return np.where(fits, costs, np.inf).min(axis=0) if len(self.entries) else np.full(len(lengths), np.inf)
 
     def head_size(self, lengths: np.ndarray, most: int = _HEAD_MOST,
                   tables: tuple[np.ndarray, np.ndarray] | None = None) -> int:
         """How many of the longest documents (longest first, index ties) to run before the ladder in
         ordinary stages over the world: the ``k <= most`` that minimizes the estimate "the head's
-        least seconds alone on a world-sized block, summed, + max(the rest's largest least time
-        alone on a smaller block, the rest's least rank-seconds / world)" (a ladder of two or more
-        blocks has no block of the world's size); 0: no head."""
+        seconds (:meth:`_head_seconds`) + max(the rest's largest least time alone on a smaller
+        block, the rest's least rank-seconds / world)" (a ladder of two or more blocks has no block
+        of the world's size); 0: no head."""
         lengths = np.asarray(lengths, dtype=np.int64)
         if not self.entries or lengths.size < 2:
             return 0
@@ -422,17 +438,72 @@ class LadderPlanner:
                          dtype=np.float64)
         order = np.lexsort((np.arange(lengths.size), -lengths))
         none = np.full(lengths.size, np.inf)
-        whole = big[sizes == world].min(axis=0)[order] if (sizes == world).any() else none
         part = big[sizes < world].min(axis=0)[order] if (sizes < world).any() else none
         work = (big * units[:, None]).min(axis=0)[order] / world
         k = np.arange(min(most, lengths.size - 1) + 1)
-        head = np.concatenate([[0.0], np.cumsum(whole)])[k]
+        head = self._head_seconds(big[:, order], sizes == world, units, k.size - 1)
         rest_floor = np.maximum.accumulate(part[::-1])[::-1][k]
         rest_work = np.cumsum(work[::-1])[::-1][k]
         est = head + np.maximum(rest_floor, rest_work)
         if not np.isfinite(est).any():
             return 0
-        return int(k[int(np.argmin(est))])
+        return int(k[np.flatnonzero(est <= float(est.min()) * (1 + 1e-9))[0]])  # ties (rounding): the smaller head
+
+    def round_size(self, lengths: np.ndarray, tables: tuple[np.ndarray, np.ndarray] | None = None) -> int:
+        """A head of one round of the world's widest groups: on the world-sized entry where the
+        longest document runs fastest alone, how many of the longest documents (at most its dp
+        groups and ``_HEAD_MOST``) each take at least half the longest's time there, so that they
+        run side by side in about that time (4 documents of 512K on ``dp4xtp2xcp128``: the ladder
+        has no block of the world's size, and 3 groups of 256 ranks would take two rounds); 0:
+        none, one document (``head_size`` weighs a head of one), or a longest document under a
+        quarter of the step's least work (short documents gain nothing from a head)."""
+        lengths = np.asarray(lengths, dtype=np.int64)
+        whole = [k for k, e in enumerate(self.entries) if e.size == self.cm.world_size]
+        if not whole or lengths.size < 2:
+            return 0
+        costs, fits = self.tables(lengths) if tables is None else tables
+        order = np.lexsort((np.arange(lengths.size), -lengths))[:_HEAD_MOST]
+        big = np.where(fits[whole][:, order], costs[whole][:, order], np.inf)
+        r = int(np.argmin(big[:, 0]))
+        first = float(big[r, 0])
+        units = np.array([self._width(self._class_of[k]) for k in range(len(self.entries))], dtype=np.float64)
+        work = float(np.where(fits, costs * units[:, None], np.inf).min(axis=0).sum()) / self.cm.world_size
+        if not math.isfinite(first) or first < 0.25 * work:
+            return 0
+        comp = self.computes[self.entries[whole[r]].compute]
+        groups = self.cm.world_size // (comp.tp * comp.cp)
+        k = int(np.argmin(np.append(big[r] >= 0.5 * first, False)))  # the first that takes less than half
+        k = min(k, groups)
+        return k if k >= 2 else 0
+
+    def _head_seconds(self, big: np.ndarray, whole: np.ndarray, units: np.ndarray, most: int) -> np.ndarray:
+        """Per ``k = 0 .. most``, an estimate of the seconds of a head of the ``k`` first documents
+        (``big``'s columns, longest first) in world-wide stages: the least over the world-sized
+        entries of the head run LPT over that entry's dp groups side by side (4 documents of 512K
+        on ``dp4xcp256`` take one document's time, not four), and the documents one after another
+        on their best world-sized entry each (a head of several stages)."""
+        world = self.cm.world_size
+        rows = np.flatnonzero(whole)
+        out = np.full(most + 1, np.inf)
+        out[0] = 0.0
+        if rows.size == 0 or most == 0:
+            return out
+        cols = big[rows, :most]
+        out[1:] = np.cumsum(cols.min(axis=0))  # one after another, each on its best entry
+        for r, row in zip(rows.tolist(), cols):
+            groups = int(world // units[r])
+            if groups < 2 or not math.isfinite(float(row[0])):
+                continue
+            loads: list[float] = []  # a heap of the busy groups' loads (the others are idle)
+            span = 0.0
+            for j, secs in enumerate(row.tolist()):  # longest first: LPT onto the least loaded group
+                if not math.isfinite(secs):
+                    break
+                load = secs + (heapq.heappop(loads) if len(loads) == groups else 0.0)
+                heapq.heappush(loads, load)
+                span = max(span, load)
+                out[j + 1] = min(out[j + 1], span)
+        return out
 
     def _tables(self, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """[entry, doc] balance cost (seconds + micro-batch share) and whether the entry holds it."""

@@ -21,7 +21,7 @@ from ...layout import Layout
 from ..cost.cost_model import AnalyticCostModel
 from ..cost.terms import gradient_kind
 
-__all__ = ["charged_oracle", "charged_oracles", "oracle_assignment", "oracle_from_rates"]
+__all__ = ["charged_oracle", "charged_oracles", "exclusive_seconds", "oracle_assignment", "oracle_from_rates"]
 
 
 def oracle_assignment(rates: np.ndarray, dp: np.ndarray, fixed: float = 0.0) -> tuple[float, np.ndarray]:
@@ -49,6 +49,55 @@ def oracle_assignment(rates: np.ndarray, dp: np.ndarray, fixed: float = 0.0) -> 
         mid = 0.5 * (lo + hi)
         lo, hi = (lo, mid) if pick(mid)[1] <= mid else (mid, hi)
     return hi, pick(hi)[0]
+
+
+def exclusive_seconds(rates: np.ndarray, dp: np.ndarray, fixed: float = 0.0) -> float:
+    """:func:`oracle_assignment`'s ``T`` tightened by what a world-wide group excludes: a document
+    on a layout of one dp group (``dp == 1``: its group is the whole world) runs while nothing else
+    does, so those documents' seconds add up, and every other document must finish within what is
+    left (``T`` minus them) on a narrower group or join them. For a step ``T``: the documents that
+    no narrower group finishes within ``T`` must run world-wide; their seconds shrink what is left,
+    which may force more (repeated until none joins); then ``T`` must hold those seconds plus each
+    other document's least share (its world-wide seconds, or its world-seconds on a narrower group
+    that finishes it within what is left) plus ``fixed``. Every plan of stages and blocks has its
+    world-wide documents in stages of their own, so no plan beats it (a 491K document that only
+    the world finishes in time and a 320K one that takes 5.4 s there or 10.5 s on half the world:
+    the oracle lets the 320K one overlap the first, a plan cannot). Without a one-group layout it
+    is :func:`oracle_assignment`'s ``T``; inf when a document fits no layout."""
+    base = oracle_assignment(rates, dp, fixed)[0]
+    wide = dp == 1
+    if not math.isfinite(base) or not wide.any() or wide.all():
+        return base
+    alone = rates * dp[:, None]
+    exclusive = rates[wide].min(axis=0)  # a document's seconds on a world-wide group (inf: none holds it)
+    narrow_alone, narrow = alone[~wide], rates[~wide]
+
+    def fits(limit: float) -> bool:
+        forced = ~(narrow_alone <= limit).any(axis=0)
+        while True:
+            if not np.isfinite(exclusive[forced]).all():
+                return False
+            left = limit - float(exclusive[forced].sum())
+            if left < 0:
+                return False
+            more = ~(narrow_alone <= left).any(axis=0)
+            if not (more & ~forced).any():
+                break
+            forced |= more
+        share = np.minimum(exclusive, np.where(narrow_alone <= left, narrow, np.inf).min(axis=0))
+        return float(exclusive[forced].sum()) + float(share[~forced].sum()) + fixed <= limit
+
+    lo, hi = base, base
+    while not fits(hi):
+        lo, hi = hi, hi * 1.5
+        if hi > base * 1e6:
+            return math.inf
+    if hi == base:
+        return base
+    for _ in range(60):  # the forced set only shrinks and every share only falls as T grows: bisect
+        mid = 0.5 * (lo + hi)
+        lo, hi = (lo, mid) if fits(mid) else (mid, hi)
+    return hi
 
 
 def oracle_from_rates(rates: np.ndarray, dp: np.ndarray, fixed: float) -> float:
@@ -91,12 +140,14 @@ def _switch_orders(cm: AnalyticCostModel, reps: Sequence[Layout]) -> list[float]
     return [min(row) if mask else 0.0 for mask, row in enumerate(path)]
 
 
-def charged_oracles(cm: AnalyticCostModel, rates: np.ndarray,
-                    layouts: Sequence[Layout]) -> dict[bool, tuple[float, np.ndarray]]:
+def charged_oracles(cm: AnalyticCostModel, rates: np.ndarray, layouts: Sequence[Layout],
+                    exclusive: bool = False) -> dict[bool, tuple[float, np.ndarray]]:
     """:func:`charged_oracle` without and with switches (keys False, True): each subset's compute
     (the bisection, the costly part) is the same for both, so it runs once. A subset whose
     reductions (and switches) plus the compute with EVERY kind available (no subset computes
-    less) cannot beat the best found so far is skipped unpriced: the result is exact."""
+    less) cannot beat the best found so far is skipped unpriced: the result is exact.
+    ``exclusive``: each subset's compute is :func:`exclusive_seconds` (world-wide groups run
+    alone); the rows are then the looser :func:`oracle_assignment`'s."""
     layouts = list(layouts)
     dp = np.array([lay.dp for lay in layouts], dtype=np.float64)
     by_kind: dict[tuple[int, int, int], list[int]] = {}
@@ -116,6 +167,8 @@ def charged_oracles(cm: AnalyticCostModel, rates: np.ndarray,
             continue
         idx = [i for j in members for i in by_kind[kinds[j]]]
         compute, rows = oracle_assignment(rates[idx], dp[idx])
+        if exclusive:
+            compute = exclusive_seconds(rates[idx], dp[idx])
         for flag in (False, True):
             if compute + fixed[flag] < best[flag][0]:  # reductions and switches run outside compute (the
                 best[flag] = (compute + fixed[flag], np.asarray(idx)[rows])  # cost model overlaps neither)

@@ -70,8 +70,6 @@ __all__ = ["CostModelPlanner"]
 # (max group / mean - 1) and it has at most this many documents (pack_layout costs ~10 ms at 500).
 _POLISH_IMBALANCE = 0.002
 _POLISH_MAX_DOCS = 256
-#: a ladder's head: the documents whose least time alone on a block exceeds this share of today's plan
-_HEAD_SHARES = (0.75, 0.5)
 #: checkpointing options in the order they are listed (plain first)
 _MODES = (Checkpointing.NONE, Checkpointing.SELECTIVE, Checkpointing.FULL)
 
@@ -338,25 +336,25 @@ class CostModelPlanner(PlannerBase):
         option_list = list(self._option_list if options is None else options)
         multi = self._solve_over(lengths, option_list)
         if self.ladder is not None:  # a block stage of blocks side by side, where it prices lower
-            found = self._ladder_plan(lengths, option_list, multi[0])
+            found = self._ladder_plan(lengths, option_list)
             if found is not None and found[0] < multi[0] * (1 - 1e-9):
                 multi = found
         self.last_multi = multi  # before the guard (the grid re-guards it at other margins)
         chosen, self.last_decision = guard(lengths, option_list, multi, self.static_margin, self._solve_over)
         return chosen
 
-    def _ladder_plan(self, lengths: np.ndarray, option_list: list[OptionCost], plain_s: float
-                     ) -> tuple[float, list] | None:
+    def _ladder_plan(self, lengths: np.ndarray, option_list: list[OptionCost]) -> tuple[float, list] | None:
         """The cheapest plan of a ladder stage (:mod:`.ladder`), either over every document or after
-        a head of ordinary stages (the plain solver's) for the longest documents that no block
-        finishes alone within ``plain_s`` (today's plan): they need the whole world."""
+        a head of ordinary stages (the plain solver's) for the longest documents: as many as
+        :meth:`~.ladder.LadderPlanner.head_size` estimates best, and one round of the world's widest
+        groups (:meth:`~.ladder.LadderPlanner.round_size`). (The heads of the documents that take
+        over 3/4 or 1/2 of today's plan alone never gave the cheapest plan on the long grid's 120
+        batches once these two were tried: benchmarks/2026-12-06-ladder-4.md.)"""
         assert self.ladder is not None
         order = np.lexsort((np.arange(lengths.size), -lengths))
         tables = self.ladder.tables(lengths)
-        alone = self.ladder.alone_seconds(lengths, tables)
         best = None
-        heads = {0, self.ladder.head_size(lengths, tables=tables),
-                 *(int((alone > share * plain_s).sum()) for share in _HEAD_SHARES)}
+        heads = {0, self.ladder.head_size(lengths, tables=tables), self.ladder.round_size(lengths, tables)}
         for k in sorted(heads):
             if k >= lengths.size:
                 continue
