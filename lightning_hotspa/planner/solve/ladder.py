@@ -224,6 +224,8 @@ class LadderPlanner:
                         if opt.capacity >= 2 * comp.cp:
                             entries.append(_Entry(i, size, sharded, opt))
         self.entries = tuple(entries)
+        self._units = np.array([self.computes[e.compute].tp * self.computes[e.compute].cp for e in entries],
+                               dtype=np.float64)  # per entry, the ranks of one dp group
         self.options = {(e.option.layout, e.option.activation_checkpointing): e.option for e in entries}
         # a class: (compute layout, copy, checkpointing); its blocks differ in size only
         self._classes = sorted({(e.compute, e.sharded, _MODE_ORDER.index(e.option.activation_checkpointing))
@@ -310,8 +312,7 @@ class LadderPlanner:
                 out += [(i, unit)] * (size // unit)
             else:
                 out.append((i, size))
-        out.sort(key=lambda b: (-b[1], -self._comp(b[0]).cp, b[0]))
-        return tuple(out)
+        return self._placed(out)
 
     def _bisect(self, rates: np.ndarray, alone: np.ndarray, round_up: float, carry: bool) -> float | None:
         """The smallest step time (to the bisection's precision) whose allocation tiles the world;
@@ -392,9 +393,7 @@ class LadderPlanner:
             _, a, b, c = found
             merged = (c, 2 * items[a][1], items[a][2] + items[b][2])
             items = [x for j, x in enumerate(items) if j not in (a, b)] + [merged]
-        out = [(i, size) for i, size, _ in items]
-        out.sort(key=lambda x: (-x[1], -self._comp(x[0]).cp, x[0]))
-        return tuple(out)
+        return self._placed([(i, size) for i, size, _ in items])
 
     def _repriced(self, big: np.ndarray, units: np.ndarray, rates: np.ndarray, alone: np.ndarray,
                   blocks: tuple[tuple[int, int], ...]) -> tuple[np.ndarray, np.ndarray]:
@@ -434,14 +433,12 @@ class LadderPlanner:
         big = np.where(fits, costs, np.inf)
         world = self.cm.world_size
         sizes = np.array([e.size for e in self.entries])
-        units = np.array([self.computes[e.compute].tp * self.computes[e.compute].cp for e in self.entries],
-                         dtype=np.float64)
         order = np.lexsort((np.arange(lengths.size), -lengths))
         none = np.full(lengths.size, np.inf)
         part = big[sizes < world].min(axis=0)[order] if (sizes < world).any() else none
-        work = (big * units[:, None]).min(axis=0)[order] / world
+        work = self._least_work(big)[order]
         k = np.arange(min(most, lengths.size - 1) + 1)
-        head = self._head_seconds(big[:, order], sizes == world, units, k.size - 1)
+        head = self._head_seconds(big[:, order], sizes == world, k.size - 1)
         rest_floor = np.maximum.accumulate(part[::-1])[::-1][k]
         rest_work = np.cumsum(work[::-1])[::-1][k]
         est = head + np.maximum(rest_floor, rest_work)
@@ -466,8 +463,7 @@ class LadderPlanner:
         big = np.where(fits[whole][:, order], costs[whole][:, order], np.inf)
         r = int(np.argmin(big[:, 0]))
         first = float(big[r, 0])
-        units = np.array([self._width(self._class_of[k]) for k in range(len(self.entries))], dtype=np.float64)
-        work = float(np.where(fits, costs * units[:, None], np.inf).min(axis=0).sum()) / self.cm.world_size
+        work = float(self._least_work(np.where(fits, costs, np.inf)).sum())
         if not math.isfinite(first) or first < 0.25 * work:
             return 0
         comp = self.computes[self.entries[whole[r]].compute]
@@ -476,7 +472,12 @@ class LadderPlanner:
         k = min(k, groups)
         return k if k >= 2 else 0
 
-    def _head_seconds(self, big: np.ndarray, whole: np.ndarray, units: np.ndarray, most: int) -> np.ndarray:
+    def _least_work(self, big: np.ndarray) -> np.ndarray:
+        """Per document, its least rank-seconds over the entries (``big``: [entry, doc] seconds alone
+        on one dp group, inf where it does not fit) over the world's ranks."""
+        return (big * self._units[:, None]).min(axis=0) / self.cm.world_size
+
+    def _head_seconds(self, big: np.ndarray, whole: np.ndarray, most: int) -> np.ndarray:
         """Per ``k = 0 .. most``, an estimate of the seconds of a head of the ``k`` first documents
         (``big``'s columns, longest first) in world-wide stages: the least over the world-sized
         entries of the head run LPT over that entry's dp groups side by side (4 documents of 512K
@@ -491,7 +492,7 @@ class LadderPlanner:
         cols = big[rows, :most]
         out[1:] = np.cumsum(cols.min(axis=0))  # one after another, each on its best entry
         for r, row in zip(rows.tolist(), cols):
-            groups = int(world // units[r])
+            groups = int(world // self._units[r])
             if groups < 2 or not math.isfinite(float(row[0])):
                 continue
             loads: list[float] = []  # a heap of the busy groups' loads (the others are idle)
@@ -593,9 +594,13 @@ class LadderPlanner:
             ranks[i] += piece
         if len(blocks) < 2:
             return None
-        # largest first, then the widest compute (the longest documents' blocks at the low ranks)
-        blocks.sort(key=lambda b: (-b[1], -self._comp(b[0]).cp, b[0]))
-        return tuple(blocks), rows
+        return self._placed(blocks), rows
+
+    def _placed(self, blocks: Sequence[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
+        """``blocks`` (class, size) in placement order: largest first (chain sizes placed so tile
+        the world aligned), then the widest compute (the longest documents' blocks at the low
+        ranks), then the class."""
+        return tuple(sorted(blocks, key=lambda b: (-b[1], -self._comp(b[0]).cp, b[0])))
 
     def _width(self, cls: int) -> int:
         """Ranks of one dp group of class ``cls`` (tp x cp)."""

@@ -64,7 +64,12 @@ def exclusive_seconds(rates: np.ndarray, dp: np.ndarray, fixed: float = 0.0) -> 
     the world finishes in time and a 320K one that takes 5.4 s there or 10.5 s on half the world:
     the oracle lets the 320K one overlap the first, a plan cannot). Without a one-group layout it
     is :func:`oracle_assignment`'s ``T``; inf when a document fits no layout."""
-    base = oracle_assignment(rates, dp, fixed)[0]
+    return _tightened(rates, dp, oracle_assignment(rates, dp, fixed)[0], fixed)
+
+
+def _tightened(rates: np.ndarray, dp: np.ndarray, base: float, fixed: float = 0.0) -> float:
+    """:func:`exclusive_seconds` from ``base``, :func:`oracle_assignment`'s ``T`` of the same
+    arguments (a caller that has it already does not bisect it again)."""
     wide = dp == 1
     if not math.isfinite(base) or not wide.any() or wide.all():
         return base
@@ -168,7 +173,7 @@ def charged_oracles(cm: AnalyticCostModel, rates: np.ndarray, layouts: Sequence[
         idx = [i for j in members for i in by_kind[kinds[j]]]
         compute, rows = oracle_assignment(rates[idx], dp[idx])
         if exclusive:
-            compute = exclusive_seconds(rates[idx], dp[idx])
+            compute = _tightened(rates[idx], dp[idx], compute)
         for flag in (False, True):
             if compute + fixed[flag] < best[flag][0]:  # reductions and switches run outside compute (the
                 best[flag] = (compute + fixed[flag], np.asarray(idx)[rows])  # cost model overlaps neither)
