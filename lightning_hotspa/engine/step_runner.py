@@ -5,7 +5,9 @@ the previous stage had the same tp degree), run every micro-batch's forward and 
 the caller's loss callable with the loss scaled to the global token mean
 (``num_target_tokens / global_target_tokens``), and at the stage end reduce the working gradients
 into the switch engine's store, except when the next stage shares gradients with this one: such a
-run accumulates into the same ``.grad`` and reduces once, at its last stage. The reduction of the
+run accumulates into the same ``.grad`` and reduces once, at its last stage; ``carry_out`` extends
+such a run into the next :meth:`StepRunner.run` (gradient accumulation over Lightning batches: the
+working copy and its unreduced gradients outlive the call, as DDP's ``no_sync``). The reduction of the
 last backward of a reducing stage starts while that backward runs
 (:meth:`SwitchEngine.overlap_next_backward`). Then the step's one small collective gathers every
 rank's loss and stage numbers (:func:`.records.gather_step`), and a non-finite global loss goes to
@@ -114,6 +116,8 @@ class StepRunner:
         #: the model's fsdp units, when some layout shards its working copy (:mod:`.fsdp`)
         self.units = ShardedUnits(engine, parallel.module, reduce_dtype=fsdp_reduce_dtype) \
             if any(x.fsdp for x in engine.world.layouts) else None
+        #: the working layouts of a stage whose gradients the last run left unreduced (``carry_out``)
+        self.carried: tuple[Layout, ...] | None = None
 
     def _prefetch(self) -> contextlib.AbstractContextManager:
         """A forward's context: fsdp units prefetch the next unit's gather (:mod:`.fsdp`)."""
@@ -133,25 +137,57 @@ class StepRunner:
         a switch when it is one layout everywhere, each block's own copy from home otherwise)."""
         return self.engine.enter_stage(stage.working_layouts, keep_grads=keep_grads)
 
+    def flush(self) -> None:
+        """Reduces gradients a run left unreduced (``carry_out``) into the engine's store and drops
+        that working copy; nothing if none is carried."""
+        if self.carried is not None:
+            self.carried = None
+            try:
+                self.engine.reduce_stage()
+            finally:
+                self.engine.release()
+
     def run(self, plan: RankPlan, loss_fn: LossFn, hooks: StepHooks | None = None, *,
-            on_nonfinite: NonFinitePolicy | None = None) -> StepResult:
+            on_nonfinite: NonFinitePolicy | None = None, scale: float = 1.0, carry_out: bool = False) -> StepResult:
         """Forward/backward of every micro-batch of ``plan``, gradients reduced into the engine's
-        store; the working parameters are dropped and the home ones restored at the end (also on error)."""
+        store (added to what it holds); the working parameters are dropped and the home ones restored
+        at the end (also on error).
+
+        Args:
+            plan: this rank's step plan.
+            loss_fn: one micro-batch -> its scalar token-mean loss.
+            hooks: the caller's additions around the loop.
+            on_nonfinite: the policy for a non-finite global loss.
+            scale: a factor on every micro-batch's loss weight (gradient accumulation: this plan's
+                share of the optimizer step's window); the reported loss stays the plan's own.
+            carry_out: leave the last stage's working gradients unreduced (and its working copy
+                alive) for the next run, which accumulates into them if its first stage shares
+                gradients with it (else reduces them first); a block stage reduces anyway.
+        """
         hooks = hooks or StepHooks()
         engine, parallel, clock = self.engine, self.parallel, self.clock
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         marks: list[tuple[Any, Any, Any, Any]] = []
         parts: list[tuple[SwitchReport, GradReport, float, bool, int]] = []
-        carry = False  # the previous stage left its working gradients unreduced for this one
+        # the previous stage (or run) left its working gradients unreduced for this one; the same
+        # decision on every rank: every rank's working layouts are the global plan's
+        carry = self.carried is not None and bool(plan.stages) and self.share_gradients and \
+            engine.stages_share_gradients(self.carried, plan.stages[0].working_layouts)
+        kept = False  # this run leaves its last stage's working copy and gradients to the next
         try:
+            if not carry:
+                self.flush()
+            self.carried = None
             for k, stage in enumerate(plan.stages):
                 hooks.enter_stage(stage)
                 t0 = clock.mark()
                 report = self.enter(stage, keep_grads=carry)
-                # the same decision on every rank: every rank's working layouts are the global plan's
                 nxt = plan.stages[k + 1] if k + 1 < len(plan.stages) else None
-                carry = self.share_gradients and nxt is not None and \
-                    engine.stages_share_gradients(stage.working_layouts, nxt.working_layouts)
+                if nxt is not None:
+                    carry = self.share_gradients and \
+                        engine.stages_share_gradients(stage.working_layouts, nxt.working_layouts)
+                else:
+                    carry = carry_out and self.share_gradients and len(set(stage.working_layouts)) == 1
                 # ac follows this rank's working copy's layout (one copy for every block of a mixed-cp
                 # stage, so every rank's backward gathers alike; a block's own) and the plan's mode
                 ac = stage.activation_checkpointing.stronger(
@@ -172,12 +208,14 @@ class StepRunner:
                         loss = loss_fn(mb)
                     if i < real:
                         hooks.record_loss(loss, mb)
-                    scaled = loss * (loss_weight(mb, plan, stage.compute_layout) if i < real else 0.0)
+                    weight = loss_weight(mb, plan, stage.compute_layout) if i < real else 0.0
+                    scaled = loss * (weight * scale)
                     if self.overlap and i == rounds - 1 and not carry:
                         engine.overlap_next_backward()  # reduce buckets while the last backward runs
                     if i < real:
                         hooks.backward(scaled)
-                        loss_sum += scaled.detach().double() / stage.compute_layout.tp  # tp ranks hold copies
+                        own = scaled if scale == 1.0 else loss * weight  # the plan's own loss share
+                        loss_sum += own.detach().double() / stage.compute_layout.tp  # tp ranks hold copies
                     else:  # an idle round: its collectives only (zero gradients)
                         scaled.backward()
                     if self.units is not None:  # fsdp: a backward re-gather no unit consumed
@@ -191,9 +229,13 @@ class StepRunner:
                     grad_report = engine.reduce_stage()
                 marks.append((t0, t1, t2, t2 if carry else clock.mark()))
                 parts.append((report, grad_report, cpu_s, ac, fsdp_end - fsdp_start))
+            kept = carry
         finally:
             parallel.restore(engine.home)
-            engine.release()
+            if kept:
+                self.carried = plan.stages[-1].working_layouts
+            else:
+                engine.release()
         stats = []
         for k, (stage, (t0, t1, t2, t3), (report, grad_report, cpu_s, ac, fsdp)) in enumerate(
                 zip(plan.stages, marks, parts)):
@@ -215,6 +257,7 @@ class StepRunner:
         """Evaluation: ``fn`` on every micro-batch of every stage in its layout, no gradients
         reduced; returns the last output."""
         output = None
+        self.flush()  # an evaluation inside an accumulation window: what was carried goes to the store
         try:
             for stage in plan.stages:
                 self.enter(stage)

@@ -23,7 +23,7 @@ from ...engine.step_runner import StepHooks
 from ...layout import Layout, LayoutError
 from ...plan import RankPlan, RankStage
 from ..observability.stats import block_metrics, stage_doc_tokens, step_metrics
-from .lightning_compat import call_callback_hooks, call_module_hook, forget_logged, trainer_results
+from .lightning_compat import accumulates, call_callback_hooks, call_module_hook, forget_logged, trainer_results
 from .reliability import StepTracker
 
 __all__ = ["LightningStepHooks", "as_scalar_loss", "check_trainer", "open_breadcrumbs", "plain_plan", "run_eval_step",
@@ -104,10 +104,10 @@ def open_breadcrumbs(tracker: StepTracker, directory: Any, backend: str | None, 
         rank_zero_info(f"hotspa: each rank's position in the step is kept in {path.parent}")
 
 
-def run_training_step(strategy: Any, batch: Any, batch_idx: int) -> tuple[StepResult, dict[str, float], int]:
+def run_training_step(strategy: Any, batch: Any, batch_idx: int) -> tuple[StepResult, dict[str, float]]:
     """One Lightning batch through the strategy's step runner: the user's ``training_step`` is the
     loss callable; then the profiled planner's feedback and the step's metrics, logged on rank 0.
-    Returns the step's records, its metrics and its global target tokens (-1: not counted)."""
+    Returns the step's records and its metrics."""
     module, layout = strategy.lightning_module, strategy.default_layout
     plan = batch if isinstance(batch, RankPlan) else plain_plan(
         batch, layout, strategy.root_device, strategy.activation_checkpointing_for(layout))
@@ -120,8 +120,13 @@ def run_training_step(strategy: Any, batch: Any, batch_idx: int) -> tuple[StepRe
         strategy.metric_sync.after_micro_batch(results)
         return loss
 
+    scale, carry_out = 1.0, False
+    if module.trainer.accumulate_grad_batches > 1:  # this batch's share of the window; sum before reducing
+        scale = strategy.accumulation.scale(plan.global_target_tokens, module.trainer.accumulate_grad_batches)
+        carry_out = accumulates(module.trainer)
     with strategy.metric_sync.step(results):
-        result = strategy.runner.run(plan, loss_of, hooks, on_nonfinite=strategy.nonfinite)
+        result = strategy.runner.run(plan, loss_of, hooks, on_nonfinite=strategy.nonfinite, scale=scale,
+                                     carry_out=carry_out)
     strategy.metric_sync.finish(results, strategy.reduce, strategy.root_device)
     global_plan = plan.extras.get("global_plan")
     metrics = step_metrics(result.records, stage_doc_tokens(global_plan, len(plan.stages)))
@@ -132,7 +137,7 @@ def run_training_step(strategy: Any, batch: Any, batch_idx: int) -> tuple[StepRe
         strategy.profiling.after_step(strategy.built_planner, plan, result)
     if metrics and not plan.extras.get("plain"):
         module.log_dict(metrics, on_step=True, on_epoch=False, sync_dist=False, rank_zero_only=True, batch_size=1)
-    return result, metrics, plan.global_target_tokens
+    return result, metrics
 
 
 # Lightning's Precision names its per-hook contexts differently from the hooks themselves

@@ -180,7 +180,6 @@ class HotSPaStrategy(GuardedCollectives, StrategyCheckpoints, ParallelStrategy):
         self.profiling = ProfilingFeedback()
         self.metric_sync = StepMetricSync()  # sync_dist logging: one reduction per step (metric_sync.py)
         self._skip_update = False
-        self._plan_tokens = -1  # the last training batch's global target tokens (-1: not counted)
         self.accumulation = GradAccumulation()
         self.num_nodes = 1
         self.world: WorldMesh | None = None
@@ -373,7 +372,7 @@ class HotSPaStrategy(GuardedCollectives, StrategyCheckpoints, ParallelStrategy):
         self.tracker.begin_step(module.trainer.global_step, batch_idx,
                                 len(batch.stages) if isinstance(batch, RankPlan) else 1)
         with self.tracker.guard():
-            result, self.last_metrics, self._plan_tokens = run_training_step(self, batch, batch_idx)
+            result, self.last_metrics = run_training_step(self, batch, batch_idx)
             self.last_step, self._skip_update = result, result.skip_update
             return result.loss.to(torch.float64 if self.hotspa_precision.home_dtype == torch.float64
                                    else torch.float32)
@@ -384,15 +383,15 @@ class HotSPaStrategy(GuardedCollectives, StrategyCheckpoints, ParallelStrategy):
         now, after Lightning's ``zero_grad`` (docs/DESIGN.md §7, trap "Lightning's closure order")."""
         assert self.engine is not None
         trainer = self.lightning_module.trainer
-        if trainer.accumulate_grad_batches > 1:  # N step plans per optimizer step: a token-weighted sum
-            self.accumulation.add(self.home, self.engine, self._plan_tokens, skip=self._skip_update,
-                                  last=not accumulates(trainer))
-        elif self._skip_update:  # a non-finite step under nonfinite="skip": no gradients, no update
-            for p in self.home.values():
-                p.grad = None
+        if trainer.accumulate_grad_batches > 1:  # N batches per optimizer step, summed by the engine
+            self.accumulation.finish(self.home, self.engine, skip=self._skip_update, last=not accumulates(trainer))
         else:
-            self.engine.assign_home_grads()
-        self.engine.clear_grad_store()
+            if self._skip_update:  # a non-finite step under nonfinite="skip": no gradients, no update
+                for p in self.home.values():
+                    p.grad = None
+            else:
+                self.engine.assign_home_grads()
+            self.engine.clear_grad_store()
         self.tracker.enter_phase("optimizer")
         return closure_loss
 
