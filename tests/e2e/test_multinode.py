@@ -1,5 +1,5 @@
-"""Several nodes on one machine: two torchrun "nodes" started as the README says, node-local
-checkpoints, a killed node, resume at the same shape and at other node counts.
+"""Several nodes on one machine: two torchrun "nodes" started as docs/checkpoints-and-multinode.md
+says, node-local checkpoints, a killed node, resume at the same shape and at other node counts.
 
 One chain, as few process launches as possible (this is the costly test of the suite):
 
@@ -102,8 +102,8 @@ def _wait_for(predicate, timeout_s: float, what: str, procs=()) -> None:
 
 
 def two_torchrun_nodes(base: Path, ckpt: str) -> dict:
-    """The README's two-node command, twice, on localhost; node 1 pauses at the start of step 3 and
-    is killed there."""
+    """The two-node command of docs/checkpoints-and-multinode.md, twice, on localhost; node 1 pauses
+    at the start of step 3 and is killed there."""
     port, env = _free_port(), {**os.environ, "OMP_NUM_THREADS": "1",
                                "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
     overrides = COMMON + ["trainer.num_nodes=2", "trainer.devices=2", "checkpoint.every_n_steps=1",

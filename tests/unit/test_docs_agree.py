@@ -1,5 +1,6 @@
-"""The docs say what the code has: one table of figures (BENCHMARKS.md, the README links it), and
-only registered attention kernels named as backends, the registered cp kinds listed exactly."""
+"""The docs say what the code has: one table of figures (BENCHMARKS.md, the README links it and
+states no figure that is not in it), only registered attention kernels named as backends, the
+registered cp kinds listed exactly."""
 
 from __future__ import annotations
 
@@ -33,6 +34,66 @@ def test_the_figure_check_sees_a_copied_row() -> None:
     assert _FIGURE_ROW.search("| planner time | 36.7 ms | <= 50 ms | yes | f1ca3c0, 2026-12-01 |\n")
 
 
+#: what is not prose: fenced code blocks, inline code spans, link targets, dates, a DOI, and versions
+#: (a number after Python, torch, PyTorch, CUDA, Lightning or transformers, or dotted three times)
+_NOT_PROSE = re.compile(r"```.*?```|`[^`\n]*`|\]\([^)]*\)|\b\d{4}-\d{2}-\d{2}\b|\bDOI \S+"
+                        r"|\b(?:Python|torch|PyTorch|CUDA|Lightning|transformers)(?:\s+|==)\d[\d.]*"
+                        r"|\b\d+\.\d+\.\d+\b", re.S)
+#: a number standing alone (not part of a name such as dp8, H100, 7B or llama3), with its unit if any
+_NUMBER = re.compile(r"(?<![\w.'/])(\d+(?:,\d{3})*(?:\.\d+)?(?:e-?\d+)?)(x|\s?%|\s?(?:ms|s|min|GiB|MiB|GB|MB))?"
+                     r"(?![\w.]*\d|\w)")
+
+
+def readme_figures(text: str) -> list[tuple[str, str]]:
+    """The figures in a README's prose, in order: (number as written, unit or ``""``), e.g.
+    ``("1.0187", "x")``, ``("357", "s")``, ``("5.7254", "")``.
+
+    A figure is a number in the prose (tables and lists included) that has a decimal part (``0.534``,
+    ``43.5``), is written in scientific notation (``8.2e-08``), or carries a unit of measure right
+    after it (``0.75x``, ``357 s``, ``15 %``, ``12 ms``, ``2 min``, ``5 GiB``). Not figures: bare
+    integers, which count or configure things (``4`` CPU processes, ``40`` steps, ``§5``, ``0-255``);
+    numbers inside names (``dp8``, ``H100``, ``7B``, ``SOSP'24``); and everything :data:`_NOT_PROSE`
+    removes first: fenced code blocks and inline code (commands and their arguments, code), link
+    targets (paths), dates (``YYYY-MM-DD``), the paper's DOI, and versions. BENCHMARKS.md must hold
+    the number as a whole number (``1.018`` is not in ``1.0187``) and, for a unit other than ``x``,
+    with that unit after it (``43.5 s``; ratios are written there with and without the ``x``).
+
+    Args:
+        text: the Markdown text.
+    """
+    prose = _NOT_PROSE.sub(" ", text)
+    return [(m.group(1), (m.group(2) or "").strip()) for m in _NUMBER.finditer(prose)
+            if "." in m.group(1) or "e" in m.group(1) or m.group(2)]
+
+
+def _in(figure: tuple[str, str], table: str) -> bool:
+    """``figure`` (number, unit) occurs in ``table``: the number whole, with the unit unless it is x."""
+    number, unit = figure
+    after = rf"\s?{re.escape(unit)}(?!\w)" if unit not in ("", "x") else r"(?![\d]|[.,]\d)"
+    return re.search(rf"(?<![\d.,]){re.escape(number)}{after}", table) is not None
+
+
+def test_every_readme_figure_is_in_benchmarks() -> None:
+    """One figure per fact, kept in one place: every figure the README states (:func:`readme_figures`)
+    appears in BENCHMARKS.md."""
+    figures = readme_figures((ROOT / "README.md").read_text(encoding="utf-8"))
+    assert len(figures) >= 5, figures  # the make train and suite figures at least
+    table = (ROOT / "BENCHMARKS.md").read_text(encoding="utf-8")
+    assert [f for f in figures if not _in(f, table)] == []
+
+
+def test_the_readme_figure_rule() -> None:
+    text = ("Loss 5.7254 -> 3.0572 (0.534x) in 43.5 s; suite 357 s, 15 % off, 2 min, 8.2e-08; 4 CPU processes, "
+            "40 steps, dp4xtp2, H100, 7B-70B on 8-64 ranks, SOSP'24, §5, ids 0-255, 8,192 tokens, 2026-12-06, "
+            "Python 3.10, torch==2.13.0, DOI 10.1145/3694715.3695969, `lr=3e-4`, [x](benchmarks/2026-12-06-a.md)"
+            "\n```bash\nmake train  # 60.5 s\n```\n")
+    assert readme_figures(text) == [("5.7254", ""), ("3.0572", ""), ("0.534", "x"), ("43.5", "s"), ("357", "s"),
+                                    ("15", "%"), ("2", "min"), ("8.2e-08", "")]
+    assert _in(("1.0187", "x"), "ours 1.0150 -> **1.0187** (ceiling") and not _in(("1.018", ""), "ours 1.0187")
+    assert not _in(("43.5", "s"), "143.5 s") and not _in(("3.5", ""), "43.5")
+    assert _in(("43.5", "s"), "41.6 -> 43.5 s)") and not _in(("60", "s"), "all 60 cells")
+
+
 _BACKEND_NAMED = re.compile(r"attention_backend\s*[=:]\s*[\"']?([\w-]+)")
 
 
@@ -55,3 +116,15 @@ def test_the_cp_kind_table_lists_the_registry_exactly() -> None:
                          "A context-parallel kind: one record in the registry")
     listed = re.findall(r"^\| `(\w+)` \| `cp<n>([^`]*)` \| (.+) \|$", extending, re.M)
     assert listed == [(k.name, k.suffix, k.summary) for k in CP_KINDS.values()]
+
+
+def test_the_readme_reads_in_five_minutes() -> None:
+    """At most 180 lines, status rows of at most 160 characters, and the documentation table links
+    every page under docs/."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert len(readme.splitlines()) <= 180
+    status = _section(readme, "Status")
+    rows = [line for line in status.splitlines() if line.startswith("| ") and not line.startswith("| feature")]
+    assert len(rows) >= 10 and [r for r in rows if len(r) > 160] == []
+    table = _section(readme, "Documentation")
+    assert [p.name for p in sorted((ROOT / "docs").glob("*.md")) if f"](docs/{p.name})" not in table] == []
