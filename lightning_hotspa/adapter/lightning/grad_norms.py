@@ -32,9 +32,10 @@ def naming_our_grad_norm() -> Iterator[None]:
     except RuntimeError as exc:
         if _UNALLOCATED not in str(exc):
             raise
-        raise RuntimeError(f"{exc}\nUnder HotSPaStrategy gradients are DTensors sharded over the world, which "
-                           f"lightning.pytorch.utilities.grad_norm cannot read: use lightning_hotspa.grad_norm"
-                           f"(module, norm_type) (the same keys, the whole gradients' norms)") from exc
+        raise RuntimeError(f"use lightning_hotspa.grad_norm(module, norm_type) under HotSPaStrategy (the same keys, "
+                           f"the whole gradients' norms; call it on every rank): gradients are DTensors sharded over "
+                           f"the world, which lightning.pytorch.utilities.grad_norm cannot read. torch said: "
+                           f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from exc
 
 
 def _counted_here(g: Tensor, rank: int) -> Tensor | None:
