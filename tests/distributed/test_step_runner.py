@@ -188,6 +188,29 @@ def run_option_grads() -> list:
 
 
 @pytest.mark.slow
+def test_carry_out_sums_two_runs_before_reducing_them(world_of_one) -> None:
+    """Gradient accumulation's seam: ``carry_out`` leaves the last stage unreduced and its working copy
+    alive; the next run accumulates into it and reduces once, or an evaluation reduces it first."""
+    module, world, home, parallel, engine = setup_runner(["dp1"])
+    runner = StepRunner(engine, parallel)
+    a, b = _rank_plan(world, ["dp1", "dp1"], step=1), _rank_plan(world, ["dp1"], step=2)
+    runner.run(a, module)
+    runner.run(b, module)
+    separate = {n: g.clone() for n, g in engine.grad_store.items()}
+    engine.clear_grad_store()
+    runner.run(a, module, carry_out=True)
+    assert runner.carried == (Layout.parse("dp1"),) and engine.active is not None and not engine.grad_store
+    assert all(p is home[n] for n, p in module.named_parameters())  # Lightning sees home between batches
+    runner.run(b, module)
+    assert runner.carried is None and engine.active is None and separate.keys() == engine.grad_store.keys()
+    assert all(torch.allclose(engine.grad_store[n], g, rtol=1e-6, atol=1e-8) for n, g in separate.items())
+    engine.clear_grad_store()
+    runner.run(a, module, carry_out=True)
+    runner.run_forward(b, module)  # an evaluation inside the window: what was carried is reduced first
+    assert runner.carried is None and engine.grad_store and all(
+        g.abs().sum() > 0 for g in engine.grad_store.values())
+
+
 def test_reduction_options_give_the_same_gradients(ranks) -> None:
     """Overlapped and shared reductions (the strategy's) equal a plain reduce per stage (calibration's)."""
     for per_rank in ranks(4).run(run_option_grads):
