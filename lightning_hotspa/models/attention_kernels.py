@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +30,7 @@ import torch
 from torch import Tensor
 
 from . import chunk_attention as chunks
+from . import varlen_kernels as varlen
 from .attention import (
     CoreAttention,
     flash_varlen_attention,
@@ -37,7 +39,7 @@ from .attention import (
 )
 
 __all__ = ["AttentionKernel", "BACKENDS", "KERNELS", "PRICED_KERNELS", "ROLES", "auto_attention",
-           "auto_backend_name", "chunk_kernel_for", "default_chunk_kernel", "kernel", "kernel_of",
+           "auto_backend_name", "auto_order", "chunk_kernel_for", "default_chunk_kernel", "kernel", "kernel_of",
            "select_attention_backend"]
 
 #: what a record is for: attention over packed documents (the model's core attention), the all-gather-KV
@@ -68,7 +70,7 @@ class AttentionKernel:
         summary: one line: what it is.
         call: ``documents``: the core attention (``window=`` keyword if it runs a sliding window);
             ``chunks``: the forward over a rank's chunks (:mod:`.chunk_attention`); ``priced``: None.
-        backward: ``chunks``: one chunk's backward; else None.
+        backward: ``chunks``: one chunk's backward (``packed``: every chunk's at once); else None.
         unavailable: ``(device, dtype, window) -> reason or None`` (any of them None: not known yet).
         saves_lse: it keeps an fp32 log-sum-exp per head and token for backward (memory model).
         saves_output: ``chunks``: it keeps its own output for backward (the Ulysses hybrid's extra copy).
@@ -76,6 +78,9 @@ class AttentionKernel:
         priced_as: the ``priced`` record whose efficiency entries price it (``priced``: itself).
         priced_by_flops: ``priced``: no efficiency entry; priced by its FLOPs and score bytes.
         chunk_kernel: ``documents``: the chunk kernel the KV gather runs beside it (None: by device).
+        repeats_kv: it takes no GQA: K / V are repeated to the query heads and kept so (memory model).
+        packed: ``chunks``: every chunk in ONE varlen call, K / V ranges packed (``models/varlen_kernels.py``);
+            its backward takes all blocks and returns full-size gradients (memory model: the packed copies).
     """
 
     name: str
@@ -90,6 +95,8 @@ class AttentionKernel:
     priced_as: str | None = None
     priced_by_flops: bool = False
     chunk_kernel: str | None = None
+    repeats_kv: bool = False
+    packed: bool = False
 
     def reason(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None,
                window: int | None = None) -> str | None:
@@ -106,6 +113,65 @@ class AttentionKernel:
 @functools.cache
 def _flash_attn_installed() -> bool:
     return importlib.util.find_spec("flash_attn") is not None
+
+
+@functools.cache
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a parent package missing, or a stand-in without a spec
+        return False
+
+
+@functools.cache
+def _capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
+
+
+def _hopper_reason(device: torch.device | None, dtype: torch.dtype | None, majors: tuple[int, ...], module: str,
+                   package: str) -> str | None:
+    if (reason := _cuda_low_precision(device, dtype)) is not None:
+        return reason
+    if device is not None and torch.cuda.is_available() and _capability(device)[0] not in majors:
+        major, minor = _capability(device)
+        return f"it runs on compute capability {[f'sm{m}x' for m in majors]}, not sm{major}{minor}"
+    return None if _installed(module) else f"{package} is not installed ({module} not found)"
+
+
+def _fa3_reason(device: torch.device | None, dtype: torch.dtype | None, window: int | None) -> str | None:
+    return _hopper_reason(device, dtype, (9,), "flash_attn_interface", "FlashAttention-3 (flash-attn's hopper/)")
+
+
+def _fa4_reason(device: torch.device | None, dtype: torch.dtype | None, window: int | None) -> str | None:
+    return _hopper_reason(device, dtype, (9, 10, 11), "flash_attn.cute", "flash-attn-4")
+
+
+#: torch's packed cuDNN attention: its varlen backward sized the dQ accumulator from the head dim before
+#: pytorch/pytorch#186142 (2026-06); 2.13 is the first release taken as having the fix
+_CUDNN_VARLEN_TORCH = (2, 13)
+
+
+def _cudnn_varlen_reason(device: torch.device | None, dtype: torch.dtype | None, window: int | None) -> str | None:
+    if window is not None:
+        return f"cuDNN's packed attention runs no sliding window (got {window})"
+    if (reason := _cuda_low_precision(device, dtype)) is not None:
+        return reason
+    if tuple(int(x) for x in torch.__version__.split(".")[:2]) < _CUDNN_VARLEN_TORCH:
+        return f"torch {torch.__version__}: packed cuDNN attention needs torch >= 2.13 (pytorch#186142)"
+    if device is not None and torch.cuda.is_available() and _capability(device)[0] < 8:
+        return "cuDNN fused attention needs compute capability sm80 or newer"
+    return None
+
+
+def _torch_flash_chunks_reason(device: torch.device | None, dtype: torch.dtype | None,
+                               window: int | None) -> str | None:
+    if (reason := _torch_varlen_reason(device, dtype, window)) is not None:
+        return reason
+    from torch.nn.attention.varlen import varlen_attn  # lazy: absent from older torch
+
+    if "window_size" not in inspect.signature(varlen_attn).parameters:
+        return f"torch {torch.__version__}'s varlen_attn has no window_size (its causal mask is not bottom-right)"
+    return None
 
 
 @functools.cache
@@ -155,6 +221,17 @@ _RECORDS = (
     AttentionKernel(name="torch_varlen", role="documents", call=torch_varlen_attention,
                     unavailable=_torch_varlen_reason, priced_as="fa2", chunk_kernel="sdpa_chunk",
                     summary="torch.nn.attention.varlen.varlen_attn (the flash kernel shipped with torch; CUDA)"),
+    AttentionKernel(name="fa4_varlen", role="documents", call=varlen.fa4_varlen_attention,
+                    unavailable=_fa4_reason, priced_as="fa4", chunk_kernel="fa4_chunks",
+                    summary="FlashAttention-4's varlen kernel (flash-attn-4, CUTE; sm90 / sm100, fp16 / bf16; GQA)"),
+    AttentionKernel(name="fa3_varlen", role="documents", call=varlen.fa3_varlen_attention,
+                    unavailable=_fa3_reason, priced_as="fa3", chunk_kernel="fa3_chunks",
+                    summary="FlashAttention-3's varlen kernel (flash_attn_interface; sm90, fp16 / bf16; GQA)"),
+    AttentionKernel(name="cudnn_varlen", role="documents", call=varlen.cudnn_varlen_attention,
+                    unavailable=_cudnn_varlen_reason, priced_as="cudnn", chunk_kernel="torch_flash_chunks",
+                    repeats_kv=True,
+                    summary="cuDNN fused attention, packed (aten._cudnn_attention_forward with cu_seqlens; "
+                            "K / V repeated for GQA; no window)"),
     AttentionKernel(name="sdpa", role="documents", call=sdpa_attention, priced_as="fa2",
                     summary="torch SDPA, one causal 4-D call per document (CPU flash kernel; any device)"),
     AttentionKernel(name="cpu_flash_chunks", role="chunks", call=chunks.flash_chunks_forward,
@@ -165,8 +242,23 @@ _RECORDS = (
     AttentionKernel(name="sdpa_chunk", role="chunks", call=chunks.sdpa_chunks_forward,
                     backward=chunks.sdpa_chunk_backward, saves_lse=False, priced_as="fa2",
                     summary="one SDPA call per chunk (bottom-right causal bias); backward recomputes it"),
+    AttentionKernel(name="fa3_chunks", role="chunks", call=functools.partial(varlen.packed_chunks_forward, "fa3"),
+                    backward=functools.partial(varlen.packed_chunks_backward, "fa3"), unavailable=_fa3_reason,
+                    saves_lse=False, packed=True, priced_as="fa3",
+                    summary="every chunk in ONE FlashAttention-3 varlen call (keys packed); backward re-runs it"),
+    AttentionKernel(name="fa4_chunks", role="chunks", call=functools.partial(varlen.packed_chunks_forward, "fa4"),
+                    backward=functools.partial(varlen.packed_chunks_backward, "fa4"), unavailable=_fa4_reason,
+                    saves_lse=False, packed=True, priced_as="fa4",
+                    summary="every chunk in ONE FlashAttention-4 varlen call (keys packed); backward re-runs it"),
+    AttentionKernel(name="torch_flash_chunks", role="chunks",
+                    call=functools.partial(varlen.packed_chunks_forward, "torch_flash"),
+                    backward=functools.partial(varlen.packed_chunks_backward, "torch_flash"),
+                    unavailable=_torch_flash_chunks_reason, saves_lse=False, packed=True, priced_as="fa2",
+                    summary="every chunk in ONE torch varlen_attn call (torch's flash kernel; keys packed)"),
     AttentionKernel(name="fa2", role="priced", unavailable=_priced_only, summary="FlashAttention-2"),
     AttentionKernel(name="fa3", role="priced", unavailable=_priced_only, summary="FlashAttention-3 (Hopper)"),
+    AttentionKernel(name="fa4", role="priced", unavailable=_priced_only,
+                    summary="FlashAttention-4 (CUTE DSL; Hopper / Blackwell)"),
     AttentionKernel(name="cudnn", role="priced", unavailable=_priced_only, summary="cuDNN's fused attention"),
     AttentionKernel(name="flex", role="priced", unavailable=_priced_only, summary="torch FlexAttention"),
     AttentionKernel(name="sdpa-math", role="priced", unavailable=_priced_only, saves_lse=False, quadratic=True,
@@ -185,8 +277,13 @@ PRICED_KERNELS: tuple[str, ...] = tuple(k.name for k in _RECORDS if k.role == "p
 #: the model's core attentions by name (``attention_backend=``)
 BACKENDS: dict[str, CoreAttention] = {k.name: k.call for k in _RECORDS if k.role == "documents"}
 
-#: what "auto" tries, in order (the first that can run the inputs)
+#: what "auto" tries, in order (the first that can run the inputs), by CUDA compute capability major: the
+#: Hopper-class FlashAttention kernels first where installed (priced above FA2, planner/cost/hardware.py).
+#: cuDNN's packed path is opt-in (``attention_backend="cudnn_varlen"``): torch 2.13's own varlen_attn keeps
+#: it off (``_should_use_cudnn`` returns False) and no GPU has run it here.
 _AUTO_ORDER = ("flash_varlen", "torch_varlen", "sdpa")
+_AUTO_BY_MAJOR = {9: ("fa3_varlen", "fa4_varlen", *_AUTO_ORDER), 10: ("fa4_varlen", *_AUTO_ORDER),
+                  11: ("fa4_varlen", *_AUTO_ORDER)}
 #: the chunk kernels a documents kernel without its own ``chunk_kernel`` tries, in order
 _CHUNK_ORDER = ("cpu_flash_chunks", "sdpa_chunk")
 
@@ -200,6 +297,8 @@ def _check_records() -> None:
             raise ValueError(f"attention kernel {k.name!r}: priced_as must name a priced kernel, got {priced!r}")
         if k.chunk_kernel is not None and KERNELS.get(k.chunk_kernel, k).role != "chunks":
             raise ValueError(f"attention kernel {k.name!r}: chunk_kernel {k.chunk_kernel!r} is no chunk kernel")
+        if k.packed and k.role != "chunks":
+            raise ValueError(f"attention kernel {k.name!r}: only a chunk kernel is packed")
         if (k.call is None) != (k.role == "priced") or (k.backward is None) != (k.role != "chunks"):
             raise ValueError(f"attention kernel {k.name!r}: a {k.role} kernel has the wrong calls")
 
@@ -222,20 +321,33 @@ def kernel(name: str, role: str | None = None) -> AttentionKernel:
     return record
 
 
-def auto_backend_name(device: torch.device | str, dtype: torch.dtype) -> str:
-    """The backend "auto" uses for inputs on ``device`` with ``dtype``.
+def auto_order(device: torch.device | str) -> tuple[str, ...]:
+    """The ``documents`` kernels "auto" tries on ``device``, in order (by its compute capability).
+
+    Args:
+        device: the inputs' device.
+    """
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return _AUTO_ORDER
+    return _AUTO_BY_MAJOR.get(_capability(device)[0], _AUTO_ORDER)
+
+
+def auto_backend_name(device: torch.device | str, dtype: torch.dtype, window: int | None = None) -> str:
+    """The backend "auto" uses for inputs on ``device`` with ``dtype`` (and a sliding ``window``).
 
     Args:
         device: the inputs' device.
         dtype: the inputs' dtype.
+        window: the model's sliding window (None: full causal).
     """
-    return next(n for n in _AUTO_ORDER if KERNELS[n].reason(device, dtype) is None)
+    return next(n for n in auto_order(device) if KERNELS[n].reason(device, dtype, window) is None)
 
 
 def auto_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int,
                    window: int | None = None) -> Tensor:
     """Pick the backend per call from the inputs' device and dtype (the model's default)."""
-    fn = BACKENDS[auto_backend_name(q.device, q.dtype)]
+    fn = BACKENDS[auto_backend_name(q.device, q.dtype, window)]
     return fn(q, k, v, cu_seqlens, max_seqlen) if window is None else fn(q, k, v, cu_seqlens, max_seqlen,
                                                                          window=window)
 
@@ -299,6 +411,6 @@ def chunk_kernel_for(core: object, q: Tensor, window: int | None) -> AttentionKe
     """
     record = kernel_of(core)
     if record is None:  # "auto" or an unknown callable: what auto runs on these inputs
-        record = KERNELS[auto_backend_name(q.device, q.dtype)]
+        record = KERNELS[auto_backend_name(q.device, q.dtype, window)]
     name = record.chunk_kernel or default_chunk_kernel(q.device, q.dtype, window)
     return KERNELS[name]

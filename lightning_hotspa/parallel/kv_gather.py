@@ -16,9 +16,10 @@ Attention. A query chunk at offset ``s`` of its document attends keys ``[0, s + 
 document, query ``i`` seeing keys ``<= s + i`` (bottom-right causal); a sliding window narrows the keys
 to ``[s - window + 1, s + C)``. The chunks run in the chunk kernel the attention-kernel registry sets
 beside the model's core attention (``models.attention_kernels.chunk_kernel_for``; the kernels:
-``models/chunk_attention.py``): ``sdpa_chunk`` (one SDPA call per chunk, recomputed in backward) or,
-on CPU without a window, ``cpu_flash_chunks`` (two CPU flash calls merged by log-sum-exp, backward from
-the kept output and log-sum-exp).
+``models/chunk_attention.py``): ``sdpa_chunk`` (one SDPA call per chunk, recomputed in backward),
+on CPU without a window ``cpu_flash_chunks`` (two CPU flash calls merged by log-sum-exp, backward from
+the kept output and log-sum-exp), or beside a Hopper-class kernel a PACKED one (``fa3_chunks``,
+``fa4_chunks``, ``torch_flash_chunks``: every chunk in ONE varlen call, ``models/varlen_kernels.py``).
 
 Backward (:class:`_KVGatherAttention`): only q, the LOCAL k, v and what the chunk kernel keeps are
 saved; K and V are re-gathered and each chunk is back-propagated by the kernel, one chunk at a time
@@ -152,7 +153,11 @@ class _KVGatherAttention(torch.autograd.Function):
         width = kf.shape[1]
         acc = torch.promote_types(kf.dtype, torch.float32)  # fp32 at least: fp64 stays fp64
         dkv = torch.zeros((kf.shape[0], width + vf.shape[1], kf.shape[2]), dtype=acc, device=kf.device)
-        for block in geometry.blocks:  # one chunk's graph alive at a time
+        if ctx.chunks.packed:  # one packed call over every chunk (models/varlen_kernels.py)
+            dq, gk, gv = ctx.chunks.backward(grad, q, kf, vf, tuple(kept), geometry.blocks, ctx.window)
+            dkv[:, :width] += gk
+            dkv[:, width:] += gv
+        for block in () if ctx.chunks.packed else geometry.blocks:  # one chunk's graph alive at a time
             q0, q1, k0, k1, _, _ = block
             gq, gk, gv = ctx.chunks.backward(grad, q, kf, vf, tuple(kept), block, ctx.window)
             dq[q0:q1] = gq

@@ -46,6 +46,10 @@ def kv_gather_extra_bytes(mm: Any, par: Layout, tokens: int, recomputed: float =
     m, wb, t = mm.model, mm.param_bytes, float(tokens)
     h, a = m.hidden, mm.attn_width
     gathered = (3.0 * wb + 8.0) * 2 * _local_kv_heads(m, par) * m.head_dim * t
+    if mm.chunks.packed:  # one packed call: every chunk's key range copied (u x (2cp+1)/2cp of the rows) and
+        # its gradient, plus the packing's full-size gradient (a count of the tensors, not measured: no GPU)
+        copies = par.cp_ulysses * (2 * par.cp + 1) / (2 * par.cp)
+        gathered += wb * (2.0 * copies + 1.0) * 2 * _local_kv_heads(m, par) * m.head_dim * t
     # sequence parallel: the residual-stream gradient and the norms hold this rank's 1/tp of the tokens
     in_flight = (2.0 * wb * a + 4.0 * h) / (par.tp * par.cp) * t
     transient = gathered + in_flight + recomputed * t

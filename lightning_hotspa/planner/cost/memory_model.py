@@ -113,6 +113,8 @@ class MemoryModel:
             return MEMORY_TERMS[par.cp_kind].saved(self, par)
         state = self.attention_state_bytes() / (tp * cp)
         kv = self.kv_width if m.n_kv_heads % tp else self.kv_width / tp
+        if self.attention.repeats_kv:  # a kernel without GQA (cuDNN packed) keeps K / V repeated to the q heads
+            kv = max(kv, a / tp)
         return wb * (2 * a / tp + 2 * kv) + state
 
     def activation_bytes_per_token(self, activation_checkpointing: Checkpointing | bool, tp: int = 1, cp: int = 1,
