@@ -29,7 +29,8 @@ from .hardware import HardwareProfile, get_profile
 from .published_runs import PublishedRun
 from .runtime_profile import RuntimeProfile, get_runtime
 
-__all__ = ["PricedRun", "at_precision", "attention_bands", "between_layout_error", "derive_fp8_speedup",
+__all__ = ["PricedRun", "at_precision", "attention_bands", "between_layout_error", "compiled", "derive_fp8_speedup",
+           "derive_rate",
            "guard_margin_from", "layout_key", "optimizer_seconds", "price_run", "selective_extra", "summarize"]
 
 #: attention share bands for ``by_attention_share`` (the issue's "attention-heavy": share > 0.5)
@@ -65,43 +66,57 @@ def parallelism_of(run: PublishedRun) -> Layout:
 
 
 def at_precision(profile: HardwareProfile, runtime: RuntimeProfile, precision: str,
-                 speedup: float | None = None) -> HardwareProfile:
-    """``profile`` with its GEMM ceiling raised by the runtime's ``fp8_gemm_speedup`` (or ``speedup``) for
-    an ``"fp8"`` row, unchanged for ``"bf16"``. Only the GEMMs: attention, communication and the
-    optimizer step are priced as before."""
+                 speedup: float | None = None, recipe: str = "") -> HardwareProfile:
+    """``profile`` with its GEMM ceiling raised by the runtime's FP8 rate (``fp8_gemm_speedup``, or its rate
+    for the torchao ``recipe``; or ``speedup``) for an ``"fp8"`` row, unchanged for ``"bf16"``. Only the
+    GEMMs: attention, communication and the optimizer step are priced as before."""
     if precision == "bf16":
         return profile
     if precision != "fp8":
         raise ValueError(f"published run precision must be 'bf16' or 'fp8', got {precision!r}")
-    s = runtime.fp8_gemm_speedup if speedup is None else speedup
-    if not s:
-        raise ValueError(f"runtime {runtime.name!r} has no fp8_gemm_speedup: its FP8 rows cannot be priced")
+    s = runtime.fp8_rate(recipe) if speedup is None else speedup
     return dataclasses.replace(profile, dense_efficiency=profile.dense_efficiency * s,
                                source=profile.source + f" [fp8 linears: GEMM rate x {s:.3f}]")
+
+
+def compiled(profile: HardwareProfile, runtime: RuntimeProfile, speedup: float | None = None) -> HardwareProfile:
+    """``profile`` as a torch.compile'd run of ``runtime`` sees it: its GEMM-side rate x the runtime's
+    ``compile_speedup`` (or ``speedup``). Attention kernels, communication and the optimizer are unchanged
+    (inductor fuses the elementwise work around the GEMMs, not the attention kernel)."""
+    s = runtime.compile_speedup if speedup is None else speedup
+    if not s:
+        raise ValueError(f"runtime {runtime.name!r} states no compile_speedup: its compiled runs cannot be priced")
+    return dataclasses.replace(profile, dense_efficiency=profile.dense_efficiency * s,
+                               source=profile.source + f" [compiled: GEMM-side rate x {s:.3f}]")
+
+
+def derive_rate(base_run: PublishedRun, run: PublishedRun, model_for: Callable[..., AnalyticCostModel],
+                apply: Callable[[HardwareProfile, float], HardwareProfile]) -> float:
+    """The rate ``s`` under which the predicted ``run / base_run`` throughput ratio equals the published
+    one (one configuration with and without one feature): ``apply(profile, s)`` prices ``run`` with the
+    feature at rate ``s``; bisection on ``s`` in [1, 4]. ``model_for(run, profile)`` builds a run's model."""
+    want = run.tokens_per_s_per_gpu / base_run.tokens_per_s_per_gpu
+    base = price_run(base_run, lambda r: model_for(r, get_profile(r.gpu))).predicted
+
+    def ratio(s: float) -> float:
+        return price_run(run, lambda r: model_for(r, apply(get_profile(r.gpu), s))).predicted / base
+
+    lo, hi = 1.0, 4.0
+    if not ratio(lo) <= want <= ratio(hi):
+        raise ValueError(f"derive_rate: the published ratio {want:.3f} of {run.id!r} / {base_run.id!r} "
+                         f"is outside what a rate in [1, 4] gives ({ratio(lo):.3f}..{ratio(hi):.3f})")
+    for _ in range(50):
+        mid = 0.5 * (lo + hi)
+        lo, hi = (mid, hi) if ratio(mid) < want else (lo, mid)
+    return 0.5 * (lo + hi)
 
 
 def derive_fp8_speedup(bf16_run: PublishedRun, fp8_run: PublishedRun,
                        model_for: Callable[..., AnalyticCostModel]) -> float:
     """The GEMM speed-up ``s`` under which the predicted ``fp8_run / bf16_run`` throughput ratio equals the
-    published one (one configuration in both precisions); bisection on ``s`` in [1, 4].
-    ``model_for(run, profile)`` builds a run's model on a given profile."""
-    want = fp8_run.tokens_per_s_per_gpu / bf16_run.tokens_per_s_per_gpu
-    base = price_run(bf16_run, lambda r: model_for(r, get_profile(r.gpu))).predicted
+    published one (one configuration in both precisions; :func:`derive_rate`)."""
     rt = get_runtime(fp8_run.system)
-
-    def ratio(s: float) -> float:
-        def build(r: PublishedRun) -> AnalyticCostModel:
-            return model_for(r, at_precision(get_profile(r.gpu), rt, "fp8", s))
-        return price_run(fp8_run, build).predicted / base
-
-    lo, hi = 1.0, 4.0
-    if not ratio(lo) <= want <= ratio(hi):
-        raise ValueError(f"derive_fp8_speedup: the published ratio {want:.3f} of {fp8_run.id!r} / {bf16_run.id!r} "
-                         f"is outside what a GEMM speed-up in [1, 4] gives ({ratio(lo):.3f}..{ratio(hi):.3f})")
-    for _ in range(50):
-        mid = 0.5 * (lo + hi)
-        lo, hi = (mid, hi) if ratio(mid) < want else (lo, mid)
-    return 0.5 * (lo + hi)
+    return derive_rate(bf16_run, fp8_run, model_for, lambda prof, s: at_precision(prof, rt, "fp8", s))
 
 
 def price_run(run: PublishedRun, model_for: Callable[[PublishedRun], AnalyticCostModel]) -> PricedRun:

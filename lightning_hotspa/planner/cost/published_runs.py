@@ -102,7 +102,9 @@ class PublishedRun:
     rank); ``grad_accum``; ``checkpointing`` (``"full"``, ``"selective"``, ``"none"``); ``precision``;
     ``tokens_per_s_per_gpu`` (the published figure, or derived from its MFU / TFLOPS as ``source`` says);
     ``excluded`` (why it is outside the statistics, or ``""``); ``note``; ``cp_kv`` (how cp is done, as
-    :class:`~lightning_hotspa.layout.Layout`'s: 1 Ulysses all-to-all, ``cp`` ring / all-gather of K and V)."""
+    :class:`~lightning_hotspa.layout.Layout`'s: 1 Ulysses all-to-all, ``cp`` ring / all-gather of K and V);
+    ``compiled`` (torch.compile'd: priced at its runtime's ``compile_speedup``); ``fp8_recipe`` (a torchao
+    recipe an FP8 row names: priced at its runtime's rate for it; "": the runtime's own ``fp8_gemm_speedup``)."""
 
     id: str
     source: str
@@ -124,6 +126,8 @@ class PublishedRun:
     excluded: str = ""
     note: str = ""
     cp_kv: int = 1
+    compiled: bool = False
+    fp8_recipe: str = ""
 
 
 def _foundry(gpu: str, table: str, size: str, seq: int, world: int, mbs: int, ga: int, ac: bool,
@@ -156,9 +160,30 @@ def _titan_cp(fsdp: int, cp: int, seq: int, tps: float) -> PublishedRun:
     return PublishedRun(id=f"titan-8b-fsdp{fsdp}-cp{cp}-{seq // 1024}k", source=TORCHTITAN_CP.format(
                         row=f"FSDP {fsdp}, CP {cp}"), system="torchtitan", gpu="H100-GT500W", model="llama3-8b",
                         world=8, dp=fsdp, tp=1, cp=cp, pp=1, sharding="full", seq_len=seq, micro_batch=1, grad_accum=1,
-                        checkpointing="full", precision="fp8", tokens_per_s_per_gpu=tps, cp_kv=cp,
+                        checkpointing="full", precision="fp8", tokens_per_s_per_gpu=tps, cp_kv=cp, compiled=True,
                         note="cp: torch's ring attention with the default 'allgather' rotation (K/V all-gathered, "
-                        "load-balanced causal chunks); torch.compile not priced")
+                        "load-balanced causal chunks); compiled")
+
+
+TORCHAO_FLOAT8 = ("pytorch/ao torchao/float8/README.md @ 9519bebbc397d60274982a74c084f9dff18e61a6, 'Training "
+                  "benchmarks', NVIDIA H100 table, row Llama3-8b '{row}' (torchtitan 0.0.2, 8 H100, batch size 1, "
+                  "sequence length 8192, torch.compile, FSDP2, per-op SAC; median tokens/second)")
+
+
+def _torchao(recipe: str, tps: float) -> PublishedRun:
+    """A row of torchao's float8 training table on H100 (Llama 3 8B; "" the bf16 row). The GPU is stated as
+    '8xH100' only: ASSUMED the Grand Teton H100 at 500 W that the same team's torchtitan tables state (the SXM
+    profile prices the bf16 row 1.25x the published figure, this one about 1.15x)."""
+    row = {"": "none (bfloat16)", "tensorwise": "tensorwise with float8 all-gather",
+           "rowwise": "rowwise with bfloat16 all-gather"}[recipe]
+    return PublishedRun(id="torchao-8b-fsdp8" + (f"-{recipe}" if recipe else "-bf16"),
+                        source=TORCHAO_FLOAT8.format(row=row), system="torchtitan", gpu="H100-GT500W",
+                        model="llama3-8b",
+                        world=8, dp=8, tp=1, cp=1, pp=1, sharding="full", seq_len=8192, micro_batch=1, grad_accum=1,
+                        checkpointing="selective", precision="fp8" if recipe else "bf16", tokens_per_s_per_gpu=tps,
+                        compiled=True, fp8_recipe=recipe,
+                        note="the pair (bf16 row, recipe row) the recipe's GEMM rate is derived from" if recipe else
+                        "the bf16 baseline of torchao's float8 recipes")
 
 
 def _hf_ulysses(row: str, seq: int, gpus: int, tokens_per_s: float) -> PublishedRun:
@@ -221,18 +246,18 @@ PUBLISHED_RUNS: tuple[PublishedRun, ...] = (
     PublishedRun("titan-8b-fsdp8-compile",
                  TORCHTITAN_2412.format(table="Table 1 row 'FSDP + torch.compile'", size="8b"),
                  "torchtitan", "H100-GT500W", "llama3-8b", 8, 8, 1, 1, 1, "full", 8192, 2, 1, "selective", "bf16", 6667,
-                 note="torch.compile: the model does not price compilation (same prediction as the eager row)"),
+                 compiled=True, note="the compiled twin of titan-8b-fsdp8: the pair the compile rate is derived from"),
     PublishedRun("titan-8b-fsdp128", TORCHTITAN_2412.format(table="Table 3 row 'FSDP'", size="8b"), "torchtitan",
                  "H100-GT500W", "llama3-8b", 128, 128, 1, 1, 1, "full", 8192, 2, 1, "selective", "bf16", 5605,
                  note="eager; selective (op) AC priced as no recompute"),
     PublishedRun("titan-70b-fsdp32-tp8", TORCHTITAN_ASYNC_TP.format(table="Llama3 70b on 256 H100s table", size="70b"),
                  "torchtitan", "H100-GT500W", "llama3-70b", 256, 32, 8, 1, 1, "full", 8192, 16, 1, "full", "bf16",
-                 597.3,
+                 597.3, compiled=True,
                  note="torch.compile; local batch 16 per dp rank"),
     PublishedRun("titan-8b-fsdp8-tp8", TORCHTITAN_ASYNC_TP.format(table="Llama3 8b on 64 H100s table", size="8b"),
                  "torchtitan", "H100-GT500W", "llama3-8b", 64, 8, 8, 1, 1, "full", 8192, 12, 1, "selective", "bf16",
-                 4378,
-                 note="torch.compile; per-op SAC priced as no recompute"),
+                 4378, compiled=True,
+                 note="torch.compile; per-op SAC"),
     # ---- Megatron-LM (tp 8 with sequence parallel, selective recompute), A100 80GB
     PublishedRun("megatron-22b-tp8", MEGATRON_22B, "megatron-2022", "A100-80G", megatron_gpt_config(6144, 48, 64),
                  8, 1, 8, 1, 1, "none", 2048, 1, 4, "selective", "bf16", 927.6,
@@ -242,11 +267,14 @@ PUBLISHED_RUNS: tuple[PublishedRun, ...] = (
     PublishedRun("titan-8b-fsdp8-compile-fp8",
                  TORCHTITAN_2412.format(table="Table 1 row 'FSDP + torch.compile + Float8'", size="8b"),
                  "torchtitan", "H100-GT500W", "llama3-8b", 8, 8, 1, 1, 1, "full", 8192, 2, 1, "selective", "fp8", 8532,
+                 compiled=True,
                  note="the FP8 twin of titan-8b-fsdp8-compile: the pair the FP8 GEMM rate is derived from"),
     PublishedRun("titan-8b-fsdp128-compile-fp8",
                  TORCHTITAN_2412.format(table="Table 3 row 'FSDP + torch.compile + Float8'", size="8b"),
                  "torchtitan", "H100-GT500W", "llama3-8b", 128, 128, 1, 1, 1, "full", 8192, 2, 1, "selective", "fp8",
-                 8380, note="held out from the FP8 rate's derivation"),
+                 8380, compiled=True, note="held out from the FP8 rate's derivation"),
+    # ---- torchao's own float8 training table (torchtitan runs, 8 H100, compiled): its recipes' GEMM rates
+    *(_torchao(recipe, tps) for recipe, tps in (("", 6150), ("tensorwise", 7689.5), ("rowwise", 6768))),
     _titan_cp(8, 1, 32768, 3890),
     _titan_cp(4, 2, 65536, 2540),
     _titan_cp(2, 4, 131072, 1071),

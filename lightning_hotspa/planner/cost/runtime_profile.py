@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 from ...models.attention_kernels import PRICED_KERNELS
 
-__all__ = ["ATTENTION_KERNELS", "HOTSPA", "RUNTIME_PROFILES", "RuntimeProfile", "SELECTIVE_POLICIES",
+__all__ = ["ATTENTION_KERNELS", "FP8_RECIPES", "HOTSPA", "HOTSPA_OPTIONS_NOTE", "RUNTIME_PROFILES", "RuntimeProfile",
+           "SELECTIVE_POLICIES", "TORCHAO_FP8_RATES", "TORCHTITAN_COMPILE_SPEEDUP",
            "UnknownRuntimeError", "get_runtime"]
 
 #: attention kernel families a hardware profile may rate (``HardwareProfile.attention_kernels``): the
@@ -31,6 +32,23 @@ SELECTIVE_POLICIES = ("none", "core-attention", "every-other-mm")
 
 #: NeMo / Transformer Engine FP8 linears over bf16 on H100: the fit of recipes/benchmark_published.py
 NEMO_TE_FP8_GEMM_SPEEDUP = 1.745
+
+#: torchao.float8's training recipes (``Float8LinearConfig.from_recipe_name``; dynamic scaling)
+FP8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
+
+#: torch.compile (inductor, per transformer block) over eager, as a GEMM-side rate: DERIVED by
+#: recipes/benchmark_published.py from torchtitan's Table 1 pair (FSDP 5,762 -> FSDP + torch.compile 6,667
+#: tokens/s/GPU, +15.7 %; published_pricing.derive_rate): the step's non-attention part runs that much faster
+TORCHTITAN_COMPILE_SPEEDUP = 1.223
+
+#: torchao.float8 per recipe over bf16 (both compiled), as GEMM rates on H100: DERIVED by
+#: recipes/benchmark_published.py from torchao's own training table (pytorch/ao torchao/float8/README.md @
+#: 9519bebbc397d60274982a74c084f9dff18e61a6, 'Training benchmarks', NVIDIA H100: Llama3-8b, 8 GPUs, batch 1,
+#: seq 8192, torch.compile, FSDP2, per-op SAC: bf16 6,150; tensorwise with float8 all-gather 7,689.5 (+25.03 %);
+#: rowwise with bf16 all-gather 6,768 (+10.05 %)). rowwise_with_gw_hp has no H100 row there: ASSUMED rowwise's
+#: rate (its MI300X rows put it above rowwise, +13.46 % vs +9.57 %: the assumption under-credits it)
+TORCHAO_FP8_RATES: tuple[tuple[str, float], ...] = (("tensorwise", 1.401), ("rowwise", 1.150),
+                                                    ("rowwise_with_gw_hp", 1.150))
 
 
 class UnknownRuntimeError(ValueError):
@@ -60,6 +78,10 @@ class RuntimeProfile:
     ``kv_gather_recomputes_attention`` (all-gather-KV cp does not save the gathered K / V, so its backward
     re-runs the attention forward of each chunk: attention FLOPs x 4/3; False: the kernel's backward
     needs only the saved output and log-sum-exp, as ring attention's);
+    ``compile_speedup`` (the GEMM-side rate of its torch.compile'd runs over eager, applied where a run is
+    compiled: published rows marked so, ours where the user turns on ``strategy.compile_blocks``; 0: none);
+    ``fp8_recipe_speedups`` (``((recipe, GEMM rate), ...)`` per torchao.float8 recipe of :data:`FP8_RECIPES`,
+    applied where a run names its recipe; ours where the user turns FP8 on);
     ``fp8_gemm_speedup`` (how much faster its Float8 linear layers run than bf16 ones on the GPU its FP8
     rows ran on, as its own published figures imply: docs/cost-model.md; 0: it has no FP8 rows);
     ``source`` (where each field comes from)."""
@@ -78,6 +100,22 @@ class RuntimeProfile:
     tp_regather: bool = False
     kv_gather_recomputes_attention: bool = False
     fp8_gemm_speedup: float = 0.0
+    compile_speedup: float = 0.0
+    fp8_recipe_speedups: tuple[tuple[str, float], ...] = ()
+
+    def fp8_rate(self, recipe: str = "") -> float:
+        """The FP8 GEMM rate of ``recipe`` (a torchao recipe of :data:`FP8_RECIPES`; "": its own FP8 rows'
+        ``fp8_gemm_speedup``); a clear error when it states none."""
+        if not recipe:
+            rate = self.fp8_gemm_speedup
+        elif recipe not in FP8_RECIPES:
+            raise ValueError(f"RuntimeProfile {self.name!r}: unknown FP8 recipe {recipe!r}; torchao's: {FP8_RECIPES}")
+        else:
+            rate = dict(self.fp8_recipe_speedups).get(recipe, 0.0)
+        if not rate:
+            raise ValueError(f"runtime {self.name!r} states no FP8 GEMM rate for recipe {recipe or 'its own'!r}: "
+                             f"its FP8 runs cannot be priced")
+        return rate
 
     def __post_init__(self) -> None:
         for f in ("fsdp_gather_prefetch", "fsdp_recompute_gather_prefetch", "fsdp_reduce_scatter_overlap",
@@ -95,6 +133,14 @@ class RuntimeProfile:
         if isinstance(fp8, bool) or not isinstance(fp8, (int, float)) or not (fp8 == 0 or 1 <= fp8 <= 4):
             raise ValueError(f"RuntimeProfile {self.name!r}: fp8_gemm_speedup must be 0 (no FP8 rows) or in [1, 4], "
                              f"got {fp8!r}")
+        for what, rate in (("compile_speedup", self.compile_speedup),
+                           *((f"fp8_recipe_speedups[{r!r}]", v) for r, v in self.fp8_recipe_speedups)):
+            if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not (rate == 0 or 1 <= rate <= 4):
+                raise ValueError(f"RuntimeProfile {self.name!r}: {what} must be 0 (none) or in [1, 4], got {rate!r}")
+        unknown = [r for r, _ in self.fp8_recipe_speedups if r not in FP8_RECIPES]
+        if unknown:
+            raise ValueError(f"RuntimeProfile {self.name!r}: fp8_recipe_speedups names unknown recipes {unknown}; "
+                             f"torchao's: {FP8_RECIPES}")
         opt = self.optimizer_bytes_per_param
         if isinstance(opt, bool) or not isinstance(opt, (int, float)) or not opt >= 0:
             raise ValueError(f"RuntimeProfile {self.name!r}: optimizer_bytes_per_param must be a number >= 0, "
@@ -121,7 +167,14 @@ HOTSPA = RuntimeProfile(
     "parallel/kv_gather.py: the gathered K / V are not saved; backward re-gathers and re-runs each chunk's "
     "attention forward.",
     tp_regather=True, kv_gather_recomputes_attention=True,
+    compile_speedup=TORCHTITAN_COMPILE_SPEEDUP, fp8_recipe_speedups=TORCHAO_FP8_RATES,
 )
+HOTSPA_OPTIONS_NOTE = (
+    "Priced only where the user turns them on (not in the planner's default prices): strategy.compile_blocks "
+    "(inductor per transformer block) at torchtitan's compile rate (the same per-block inductor compile, "
+    "TORCHTITAN_COMPILE_SPEEDUP: ASSUMED equal, never run on a GPU here); FP8 linears per torchao recipe at "
+    "torchao's own rates (TORCHAO_FP8_RATES); attention_backend fa3_varlen / fa4_varlen / cudnn_varlen at the "
+    "hardware profile's efficiency of that kernel (planner/cost/hardware.py).")
 
 RUNTIME_PROFILES: dict[str, RuntimeProfile] = {
     "hotspa": HOTSPA,
@@ -140,7 +193,8 @@ RUNTIME_PROFILES: dict[str, RuntimeProfile] = {
         name="torchtitan", fsdp_gather_prefetch=True, fsdp_recompute_gather_prefetch=True,
         fsdp_reduce_scatter_overlap=True, dp_reduce_overlap=True,
         tp_comm_overlap=False, cp_comm_overlap=True, attention_kernel="fa2",
-        selective_recompute="every-other-mm", optimizer_bytes_per_param=32.0, fp8_gemm_speedup=1.415,
+        selective_recompute="every-other-mm", optimizer_bytes_per_param=32.0, fp8_gemm_speedup=1.450,
+        compile_speedup=TORCHTITAN_COMPILE_SPEEDUP, fp8_recipe_speedups=TORCHAO_FP8_RATES,
         source="FSDP2 (implicit one-unit prefetch, in a checkpointed unit's recomputation too; reduce-scatter on "
         "a separate stream); the bf16 rows use "
         "vanilla TP (AsyncTP off: the asyncTP benchmark's 'Vanilla TP' column); CP is torch's ring attention "
@@ -152,9 +206,10 @@ RUNTIME_PROFILES: dict[str, RuntimeProfile] = {
         "'op' checkpointing (torchtitan/models/llama/parallelize_llama.py @ 82010c7934150aaa55e5b8ee0aa03f372ec90cc2, "
         "_custom_policy): saves every compute op's output (matmuls, SDPA) 'except every second mm' of a block, "
         "whose forward the backward re-runs. Optimizer: AdamW on the fp32 FSDP2 shards with gradient-norm "
-        "clipping: 32 B per parameter (as llm-foundry's). Float8 (torchao, dynamic scaling) linears: 1.415 x the "
+        "clipping: 32 B per parameter (as llm-foundry's). Float8 (torchao, dynamic scaling) linears: 1.450 x the "
         "bf16 GEMM rate, derived from its Table 1 pair (FSDP + torch.compile 6,667 vs + Float8 8,532 tokens/s/GPU, "
-        "published_pricing.derive_fp8_speedup).",
+        "published_pricing.derive_fp8_speedup). torch.compile: its Table 1 pair (FSDP 5,762 vs + torch.compile "
+        "6,667) as a GEMM-side rate (TORCHTITAN_COMPILE_SPEEDUP); torchao recipes: TORCHAO_FP8_RATES.",
     ),
     "megatron-2022": RuntimeProfile(
         name="megatron-2022", fsdp_gather_prefetch=False, fsdp_recompute_gather_prefetch=False,
