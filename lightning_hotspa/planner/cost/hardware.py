@@ -22,7 +22,8 @@ from typing import Any
 from ...checks import check_number
 from .efficiency import attention_efficiency, check_attention_table, gemm_efficiency
 
-__all__ = ["CPU_GLOO_CALIBRATION", "DEVICE_TYPES", "HardwareProfile", "PROFILES", "UnknownProfileError", "get_profile",
+__all__ = ["CPU_GLOO_CALIBRATION", "DEVICE_TYPES", "FA3_OVER_FA2", "HardwareProfile", "PROFILES", "UnknownProfileError",
+           "get_profile",
            "profile_for_device", "UPDATABLE_FIELDS", "ProfileUpdateError",
            "apply_profile_update", "load_updated_profile"]
 
@@ -186,6 +187,12 @@ _HOPPER_NOTE = ("bf16 dense peak 989 TFLOP/s (NVIDIA H100 SXM data sheet). " + _
                 "documents of 4K and more (per-length efficiency is not priced: the paper's curves flatten past 4K). "
                 "FlashAttention-4 on H100: no published training figures found: no entry (priced at the fa2 default, "
                 "ASSUMED). ")
+#: FlashAttention-3 over FlashAttention-2, forward + backward at head dim 128 and 8K-16K tokens on H100 SXM5, the
+#: FA3 paper's Figures 5 (causal forward 602 / 616 vs 333 / 335 TFLOP/s) and 6 (backward 559 / 561 vs 318 / 322),
+#: backward counted 2.5x the forward FLOPs: 571 / 576 vs 322 / 326. The conservative price of ours' FA3 beside
+#: the fitted FA2 value (recipes/benchmark_peers.py ``ours_over_peer_conservative``): the fitted fa2 and cudnn
+#: entries are 3.3x apart where the kernels' own benchmarks put them 1.6x apart
+FA3_OVER_FA2 = 1.77
 #: fraction of the data-sheet HBM bandwidth memory-bound kernels reach: ASSUMED (STREAM-style copies
 #: reach roughly 80-90 % on A100 / H100)
 HBM_FRACTION = 0.8
