@@ -14,7 +14,10 @@ global batches and one cost model (:mod:`..planner.cost.cost_model`):
 * **megatron rows**: the documents concatenated into context-length rows with row-wide causal
   attention (Megatron-LM's default without a document mask: every row costs a full-context
   attention), in the best layout for such rows, no switching;
-* **artifact rule**: the paper's hand-set rule where it defines one (only <= 32K settings).
+* **artifact rule**: the paper's hand-set rule where it defines one (only <= 32K settings);
+* **competent user** (:func:`competent_user_layouts`): the static layout a competent user of a peer writes for
+  the cell's batch, bf16, priced on that PEER's runtime description and on ours
+  (``competent_user_static``).
 
 Nothing here is tuned to a target: the hardware profiles are frozen (``planner/cost/hardware.py``, see
 BENCHMARKS.md). Every layout comes with a replicated and a sharded (``:fsdp``) working copy
@@ -44,8 +47,8 @@ from .oracles import LADDER, oracle_from_rates, oracle_ladder, print_breakdown
 from .progress import progress
 from .simulate import geometric_mean, rule_seconds, static_seconds
 
-__all__ = ["LONG_GRID", "SMOKE_GRID", "candidate_summary", "cell_name", "guarded_bound", "long_cell", "long_grid",
-           "print_long_grid", "token_batch"]
+__all__ = ["LONG_GRID", "PEER_RUNTIMES", "SMOKE_GRID", "candidate_summary", "cell_name", "competent_user_layouts",
+           "guarded_bound", "long_cell", "long_grid", "nemo_tp", "print_long_grid", "token_batch"]
 
 #: (model, GPUs, context) settings; GPUs in nodes of 8.
 LONG_GRID: dict[str, Any] = {
@@ -175,10 +178,10 @@ def long_cell(model: str, gpus: int, context: int, data: str, hardware: str, bat
     best = min(statics, key=lambda p: (static_totals[p], p.name))
     layouts = with_layout(layouts, best, gpus)  # the grid's best static layout is a candidate (issue 38)
     planner = CostModelPlanner(layouts, model=cm.model, hardware=cm.hardware, static_margin=margin, ladder="auto")
-    users = user_static_layouts(cm, context)
+    users = competent_user_layouts(cm, context, tokens)
     sums = {"ours": 0.0, "oracle": 0.0, "rows": 0.0, "rule": 0.0}
     alt = {m: 0.0 for m in ALT_MARGINS if m != margin}
-    user_sums = {k: 0.0 for k in users}
+    user_sums = {(k, rt): 0.0 for k in users for rt in (PEER_RUNTIMES[k], "hotspa")}
     fallbacks, rows_layout, has_rule = 0, "", True
     ladder = {k: 0.0 for k in (*LADDER, "guarded_bound", "ours_margin0")}
     free = None
@@ -192,8 +195,8 @@ def long_cell(model: str, gpus: int, context: int, data: str, hardware: str, bat
         fallbacks += bool(planner.last_decision and planner.last_decision.fell_back)
         for m in alt:  # the same pre-guard plan, guarded at another margin
             alt[m] += guard(lengths, planner._option_list, planner.last_multi, m, planner._solve_over)[0][0]
-        for k, (lay, ac) in users.items():
-            user_sums[k] += _user_seconds(cm, lay, ac, lengths, planners)
+        for k, rt in user_sums:
+            user_sums[k, rt] += _user_seconds(cm, users[k], rt, lengths, planners)
         if breakdown:
             steps = oracle_ladder(cm, lengths, layouts)
             for k, v in steps.items():
@@ -236,8 +239,12 @@ def long_cell(model: str, gpus: int, context: int, data: str, hardware: str, bat
             "captured": (ours_x - 1) / (oracle_x - 1) if oracle_x > 1.01 else None,
             "static_fallback_batches": fallbacks, "batches": batches, "ladder_batches": ladders,
             "ours_at_margin": {f"{m:.3f}": v / batches for m, v in alt.items()},
-            "user_static": {k: {"layout": users[k][0].name, "checkpointing": users[k][1] or "auto",
-                                "seconds": v / batches, "ours_over": v / sums["ours"]} for k, v in user_sums.items()}}
+            "competent_user_static": {
+                k: {"layout": lay.name, "checkpointing": "auto", "peer_runtime": PEER_RUNTIMES[k],
+                    "seconds_on_peer_runtime": user_sums[k, PEER_RUNTIMES[k]] / batches,
+                    "seconds_on_ours": user_sums[k, "hotspa"] / batches,
+                    "ours_over": user_sums[k, PEER_RUNTIMES[k]] / sums["ours"],
+                    "ours_over_on_ours_runtime": user_sums[k, "hotspa"] / sums["ours"]} for k, lay in users.items()}}
 
 
 def long_grid(grid: dict[str, Any] | None = None, batches: int = 2, seed: int = 0,
@@ -267,10 +274,14 @@ def long_grid(grid: dict[str, Any] | None = None, batches: int = 2, seed: int = 
     extra["geomean_long_cells"] = geometric_mean([c["ours_over_static"] for c in long_cells]) if long_cells else None
     extra["geomean_oracle_long_cells"] = (geometric_mean([c["oracle_over_static"] for c in long_cells])
                                           if long_cells else None)
-    extra["user_static"] = {cell_name(c): c["user_static"] for c in ok}
-    kinds = sorted({k for c in ok for k in c["user_static"]})
-    extra["geomean_over_user_static"] = {k: geometric_mean([c["user_static"][k]["ours_over"] for c in ok
-                                                             if k in c["user_static"]]) for k in kinds}
+    kinds = sorted({k for c in ok for k in c["competent_user_static"]})
+    for key, field in (("competent_user_static", "ours_over"), ("competent_user_static_on_ours_runtime",
+                                                                   "ours_over_on_ours_runtime")):
+        extra[key] = {k: geometric_mean([c["competent_user_static"][k][field] for c in ok
+                                         if k in c["competent_user_static"]]) for k in kinds}
+    extra["competent_user_static_cells_ours_slower"] = {
+        k: sum(c["competent_user_static"][k]["ours_over"] < 1 for c in ok if k in c["competent_user_static"])
+        for k in kinds}
     extra["cells_with_ladder"] = sum(c["ladder_batches"] > 0 for c in ok)
     extra["at_margin"] = {m: at_margin(ok, m) for m in sorted({m for c in ok for m in c["ours_at_margin"]})}
     return {"grid": "long", **extra, "margin": margin, "batches_per_cell": batches, "cells": cells,
@@ -314,33 +325,51 @@ def _nests(layouts: Sequence[Layout], world: int) -> bool:
     return True
 
 
-def user_static_layouts(cm: AnalyticCostModel, context: int) -> dict[str, tuple[Layout, Checkpointing | None]]:
-    """The static layouts a user would write for a ``context``-token longest document (issue 38):
-    ``torchtitan``: FSDP over the world, all-gather-KV cp (the smallest that holds the context) and
-    full activation checkpointing; ``megatron``: tp (within a node) x all-gather-KV (ring-like) cp
-    with a replicated copy, the fewest model-parallel ranks that hold the context, the largest tp
-    among those, checkpointing as needed. A kind without such a layout is left out."""
+#: the runtime description each competent user's layout is priced on (planner/cost/runtime_profile.py)
+PEER_RUNTIMES = {"megatron-te": "nemo-te", "torchtitan": "torchtitan"}
+
+
+def nemo_tp(context: int) -> int:
+    """The tp NeMo's LLAMA2-7B long-sequence table runs at a sequence length (tp 1 at 4K, 2 at 16K-32K, 4 at
+    64K-256K, 8 at 512K-1M: planner/cost/published_runs.py's NEMO_LONG rows)."""
+    return 1 if context <= 8192 else 2 if context <= 32768 else 4 if context <= 262144 else 8
+
+
+def competent_user_layouts(cm: AnalyticCostModel, context: int, tokens: int) -> dict[str, Layout]:
+    """The static layout a competent user of each peer writes for a ``tokens``-token batch whose longest
+    document is ``context`` (issue 51), checkpointing only where a stage needs it ("auto"):
+
+    * every dp group holds at least one context row of the batch: ``tp * cp >= world * context / tokens``
+      (else dp groups idle), and the layout holds the context (with or without full checkpointing);
+    * ``torchtitan``: FSDP over the world, all-gather-KV (ring-like) cp, the smallest such cp;
+    * ``megatron-te``: tp x ring-like cp with a replicated copy, tp from NeMo's long-sequence table
+      (:func:`nemo_tp`, raised where the model does not fit, within a node), the smallest such cp.
+
+    A kind without such a layout is left out."""
     world, node = cm.world_size, cm.hardware.devices_per_node
-    out: dict[str, tuple[Layout, Checkpointing | None]] = {}
-    cp = 1
-    while world % cp == 0 and "torchtitan" not in out:
-        lay = Layout(dp=world // cp, cp=cp, cp_kv=cp, fsdp=world > 1)
-        if _holds(cm, lay, Checkpointing.FULL, context):
-            out["torchtitan"] = (lay, Checkpointing.FULL)
-        cp *= 2
-    options = []
-    for tp in range(1, node + 1):
-        if world % tp or node % tp:
-            continue
-        cp = 1
-        while world % (tp * cp) == 0:
-            lay = Layout(dp=world // (tp * cp), tp=tp, cp=cp, cp_kv=cp)
-            if any(_holds(cm, lay, ac, context) for ac in (Checkpointing.NONE, Checkpointing.FULL)):
-                options.append((tp * cp, -tp, lay))
-                break
-            cp *= 2
-    if options:
-        out["megatron"] = (min(options, key=lambda o: (o[0], o[1]))[2], None)
+    need = max(1, math.ceil(world * context / max(tokens, 1)))
+    out: dict[str, Layout] = {}
+
+    def first(tps: Sequence[int], fsdp: bool) -> Layout | None:
+        for tp in tps:
+            if world % tp or node % tp:
+                continue
+            cp = 1
+            while world % (tp * cp) == 0:
+                lay = Layout(dp=world // (tp * cp), tp=tp, cp=cp, cp_kv=cp, fsdp=fsdp and world > 1)
+                if tp * cp >= need and any(_holds(cm, lay, ac, context) for ac in (Checkpointing.NONE,
+                                                                                   Checkpointing.FULL)):
+                    return lay
+                cp *= 2
+        return None
+
+    titan = first((1,), fsdp=True)
+    if titan is not None:
+        out["torchtitan"] = titan
+    tps = [t for t in (1, 2, 4, 8, 16) if nemo_tp(context) <= t <= node]
+    megatron = first(tps, fsdp=False)
+    if megatron is not None:
+        out["megatron-te"] = megatron
     return out
 
 
@@ -352,15 +381,13 @@ def _holds(cm: AnalyticCostModel, lay: Layout, ac: Checkpointing, context: int) 
         return False
 
 
-def _user_seconds(cm: AnalyticCostModel, lay: Layout, ac: Checkpointing | None, lengths: np.ndarray,
-                  planners: dict) -> float:
-    """A user-written static layout's step: full checkpointing forced where the kind says so,
-    else the planner's own choice per stage (checkpointing only where it must)."""
-    key = (lay, ac)
+def _user_seconds(cm: AnalyticCostModel, lay: Layout, runtime: str, lengths: np.ndarray, planners: dict) -> float:
+    """A user-written static layout's step on ``runtime``'s description, the planner's own checkpointing
+    choice per stage (only where it must), the same packing and balancing as ours."""
+    key = (lay, "user", runtime)
     if key not in planners:
-        spec = "auto" if ac is None else ac.value
-        planners[key] = CostModelPlanner([lay], model=cm.model, hardware=cm.hardware, activation_checkpointing=spec,
-                                         ladder=False)
+        planners[key] = CostModelPlanner([lay], model=cm.model, hardware=cm.hardware, activation_checkpointing="auto",
+                                         ladder=False, runtime=runtime)
     return planners[key].solve(lengths)[0]
 
 
@@ -425,5 +452,9 @@ def print_long_grid(result: dict[str, Any]) -> None:
           f"({result['cells_where_oracle_ge_1_4']} cells): {'-' if g14 is None else f'{g14:.3f}x'}; captured "
           f"headroom min {result['min_captured']}, mean {result['mean_captured']} over "
           f"{result['cells_with_headroom']} cells with oracle > 1.01x ({result['seconds']:.0f} s)")
+    users = result.get("competent_user_static", {})
+    print("ours over a competent user's static layout (bf16), on the peer's runtime / on ours: " + "; ".join(
+        f"{k} {v:.3f}x / {result['competent_user_static_on_ours_runtime'][k]:.3f}x "
+        f"(ours slower in {result['competent_user_static_cells_ours_slower'][k]} cells)" for k, v in users.items()))
     if "breakdown_summary" in result:
         print_breakdown(result)

@@ -13,10 +13,13 @@ from lightning_hotspa.planner.cost.hardware import PROFILES
 from lightning_hotspa.planner.solve.oracle_bound import exclusive_seconds, oracle_assignment
 from lightning_hotspa.planner.solve.solver import CostModelPlanner
 from lightning_hotspa.tools.long_grid import (
+    PEER_RUNTIMES,
     SMOKE_GRID,
     candidate_summary,
+    competent_user_layouts,
     guarded_bound,
     long_grid,
+    nemo_tp,
     oracle_seconds,
     token_batch,
 )
@@ -28,9 +31,10 @@ from lightning_hotspa.tools.oracles import LADDER, charged_oracle
 # the NIC count read into the inter-node bandwidth (HardwareProfile.bandwidth). 2026-12-02: gemm_half_width 478
 # -> 476, the refit once the published rows' optimizer step was priced (before/after long grid:
 # benchmarks/2026-12-02-published.md). 2026-12-03: a cuDNN (Transformer Engine) entry added for the NeMo cp rows;
-# the long grid prices fa2, so it is unmoved (before/after: benchmarks/2026-12-03-published-cp.md).
+# the long grid prices fa2, so it is unmoved (before/after: benchmarks/2026-12-03-published-cp.md). 2026-12-06: an
+# FA3 entry (issue 51, the FA3 paper's FA3 / cuDNN ratio); ours prices fa2 by default, so the grid is unmoved by it.
 _HOPPER = dict(peak_flops=989e12, dense_efficiency=0.507, gemm_half_width=476.0, attention_efficiency=0.175,
-               attention_kernels=(("fa2", 128, 0.175), ("cudnn", 128, 0.578)),
+               attention_kernels=(("fa2", 128, 0.175), ("cudnn", 128, 0.578), ("fa3", 128, 0.636)),
                intra_node_bw=360e9, inter_node_bw=45e9, devices_per_node=8)
 FROZEN = {
     "H100": dict(**_HOPPER, memory_bytes=80 * 2**30),
@@ -162,3 +166,40 @@ def test_cost_model_prices_all_gather_kv_against_ulysses():
     cm70.check(Layout(tp=8, cp=16, cp_kv=16))  # 64 heads: tp8 x cp16 only works without Ulysses
     with pytest.raises(CostModelError, match="Ulysses part of cp"):
         cm70.check(Layout(tp=8, cp=16))
+
+
+@pytest.mark.parametrize("model,gpus,context", [("llama3-8b", 16, 65536), ("llama3-8b", 32, 131072),
+                                                ("llama7b", 8, 32768), ("llama3-70b", 64, 131072)])
+def test_a_competent_user_gives_every_dp_group_a_context_row(model, gpus, context):
+    """Issue 51: the user's static layout has at most as many dp groups as the batch has context rows (none
+    idles), holds the context, and Megatron-like runs NeMo's tp for that length (or more where the model
+    needs it) with a replicated copy; torchtitan-like is FSDP x ring-like cp without tp."""
+    cm = AnalyticCostModel(model, "H100", gpus)
+    tokens = max(16384 * gpus, 2 * context)
+    users = competent_user_layouts(cm, context, tokens)
+    # 70B replicated within a node's tp does not fit: Megatron would add pp and its distributed optimizer,
+    # which this grid does not express, so the kind is left out there
+    assert set(users) == (set(PEER_RUNTIMES) if model != "llama3-70b" else {"torchtitan"})
+    assert set(PEER_RUNTIMES) == {"megatron-te", "torchtitan"}
+    for kind, lay in users.items():
+        assert lay.dp <= tokens // context and lay.world_size == gpus, (kind, lay)
+        assert lay.cp_kv == lay.cp and max(cm.option(lay, ac).max_doc_length for ac in (False, True)) >= context
+    titan, mega = users["torchtitan"], users.get("megatron-te")
+    assert titan.tp == 1 and titan.fsdp
+    assert mega is None or (mega.tp >= nemo_tp(context) and not mega.fsdp and mega.tp <= 8)
+    assert [nemo_tp(k * 1024) for k in (4, 16, 32, 64, 256, 512)] == [1, 2, 2, 4, 4, 8]
+
+
+def test_the_competent_user_is_priced_on_the_peers_runtime_and_on_ours():
+    """The smoke cell reports each user layout on its peer's runtime (torchtitan's, NeMo / TE's) and on ours,
+    and the grid's geomeans are over those cells."""
+    result = long_grid(SMOKE_GRID, batches=1)
+    (cell,) = result["cells"]
+    users = cell["competent_user_static"]
+    for kind, row in users.items():
+        assert row["peer_runtime"] == PEER_RUNTIMES[kind]
+        assert row["ours_over"] == pytest.approx(row["seconds_on_peer_runtime"] / cell["ours_s"])
+        assert row["ours_over_on_ours_runtime"] == pytest.approx(row["seconds_on_ours"] / cell["ours_s"])
+    # NeMo / TE's runtime runs cuDNN attention (0.578 of peak) where ours runs FA2 (0.175): cheaper on its own
+    assert users["megatron-te"]["seconds_on_peer_runtime"] < users["megatron-te"]["seconds_on_ours"]
+    assert result["competent_user_static"] == {k: pytest.approx(v["ours_over"]) for k, v in users.items()}

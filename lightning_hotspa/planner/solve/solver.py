@@ -54,6 +54,7 @@ from ..base import PlannerBase
 from ..cost.cost_model import AnalyticCostModel, OptionCost
 from ..cost.hardware import HardwareProfile
 from ..cost.predict import StepPrediction, predict_stages
+from ..cost.runtime_profile import RuntimeProfile
 from ..cost.timeline import GroupBlocks
 from ..profiled.calibration import Observation, ProfiledCoefficients, apply_coefficients
 from ..profiled.schedule import CoefficientSchedule, ScheduleEntry
@@ -114,6 +115,9 @@ class CostModelPlanner(PlannerBase):
             ``"auto"``: blocks of every cp degree (powers of two up to the candidates' widest) of
             the candidates' tp degrees and cp kinds, working copies derived (simulation and dry
             runs: the mesh must then be declared with them); False: none.
+        runtime: the runtime description the cost model prices (``planner/cost/runtime_profile.py``):
+            ours, ``"hotspa"``, unless simulating another system's static layout (the long grid's
+            competent user priced on the peer's runtime).
     """
 
     def __init__(
@@ -133,6 +137,7 @@ class CostModelPlanner(PlannerBase):
         split_checkpointing: bool = True,
         mixed_rounds: bool = True,
         ladder: bool | Literal["auto"] = True,
+        runtime: RuntimeProfile | str = "hotspa",
     ) -> None:
         self.decides_checkpointing = True  # each stage's flag is the plan's choice (priced so)
         name = type(self).__name__
@@ -149,7 +154,7 @@ class CostModelPlanner(PlannerBase):
         self.layouts: tuple[Layout, ...] = parse_layouts(specs, world)
         MeshShape.for_layouts(self.layouts, world)
         self.blocks = GroupBlocks(self.layouts, world)  # which dp groups free runs pack around
-        self.cost_model = AnalyticCostModel(model, hardware, world)
+        self.cost_model = AnalyticCostModel(model, hardware, world, runtime=runtime)
         if tokens_per_rank is not None:
             tokens_per_rank = check_int(tokens_per_rank, f"{name}: tokens_per_rank", error=PlanError)
         self.tokens_per_rank = tokens_per_rank
