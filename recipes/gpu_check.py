@@ -24,6 +24,9 @@ after every part (``$OUT`` defaults to ./gpu_check_out), so a run cut short stil
 * (g) ``cpchunks``: attention forward + backward of the local chunks a cp ladder uses (1K-64K query
   rows over 8K-512K keys, GQA 32 / 8, head dim 128) against the cost model's price of each
   (gpu_check_cp.py). Never run on a GPU yet (2026-12-03): only the dry run has run it.
+* (h) ``hopper``: the Hopper-class packed kernels (FA3 / FA4 / cuDNN documents kernels, the packed cp chunk
+  kernels): one call against SDPA (output and gradients) and the documents kernels' TFLOP/s at 8K-32K beside
+  the profile's efficiency (gpu_check_hopper.py). Never run on a GPU yet (2026-12-06): only the dry run.
 
 Parts run in the order of ``PARTS``, the backends part (with its flex-attention compile) last.
 
@@ -59,9 +62,9 @@ from lightning_hotspa.models.config import LlamaConfig  # noqa: E402
 from lightning_hotspa.planner.cost.hardware import get_profile  # noqa: E402
 
 # the backends part runs last: its flex-attention compile is the one step that can take minutes
-PARTS = ("matmul", "train", "hotpath", "cpchunks", "shards", "timers", "backends")
-PART_SHARES = {"matmul": 0.03, "train": 0.28, "hotpath": 0.07, "cpchunks": 0.12, "backends": 0.26, "shards": 0.16,
-               "timers": 0.08}
+PARTS = ("matmul", "train", "hotpath", "cpchunks", "hopper", "shards", "timers", "backends")
+PART_SHARES = {"matmul": 0.03, "train": 0.28, "hotpath": 0.07, "cpchunks": 0.12, "hopper": 0.05, "backends": 0.23,
+               "shards": 0.16, "timers": 0.06}
 
 REAL = {"preset": "1b", "steps": 20, "tokens_per_batch": 16384, "context_length": 8192, "tokens_per_rank": 8192,
         "lr": 3e-4, "lengths": [2048, 4096, 8192, 16384, 32768], "tokens": 32768, "matmul_n": 8192,
@@ -201,6 +204,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             (CHUNK_CELLS, {})
         _run_part(report, "cpchunks", lambda b: cp_chunk_check(cells, device, dtype, cfg["hardware"], b, **shape),
                   budget("cpchunks"))
+    if "hopper" in args.parts:
+        from gpu_check_hopper import hopper_check
+
+        lengths = (8192, 16384, 32768) if device.type == "cuda" else (64,)
+        _run_part(report, "hopper", lambda b: hopper_check(device, dtype, cfg["hardware"], b, lengths),
+                  budget("hopper"))
     if "shards" in args.parts:
         _run_part(report, "shards", lambda b: _shards(cfg, device, dtype, b, args.dry_run), budget("shards"))
     if "timers" in args.parts:

@@ -42,7 +42,7 @@ def dry_run(tmp_path_factory):
 def test_every_part_ran_within_its_budget(dry_run):
     summary, report, _ = dry_run
     assert summary["gpu_check"] == "summary" and summary["dry_run"] is True and summary["watchdog"] is None
-    assert list(report["part_seconds"]) == ["matmul", "train", "hotpath", "cpchunks", "shards", "timers",
+    assert list(report["part_seconds"]) == ["matmul", "train", "hotpath", "cpchunks", "hopper", "shards", "timers",
                                              "backends"]  # flex last
     for part, value in report["parts"].items():
         assert "traceback" not in value, (part, value.get("status"), value.get("traceback"))
@@ -143,3 +143,15 @@ def test_cp_chunk_part_times_each_chunk_against_the_model(dry_run):
         assert c["predicted_s"] == pytest.approx(per_pair * c["pairs"])
         assert c["measured_over_predicted"] == pytest.approx(c["measured_s"] / c["predicted_s"])
     assert [cell[:2] for cell in summary["cpchunks"]["cells"]] == [[16, 128], [32, 256]]
+
+
+def test_the_hopper_part_says_why_each_kernel_cannot_run_on_cpu(dry_run):
+    """Part (h) names every Hopper-class kernel of the registry and, on CPU, why it cannot run (never run on
+    a GPU yet: a lent GPU runs its correctness and speed cells)."""
+    from lightning_hotspa.models.attention_kernels import KERNELS
+
+    hopper = dry_run[1]["parts"]["hopper"]
+    assert set(hopper["documents"]) == {"fa3_varlen", "fa4_varlen", "cudnn_varlen"}
+    assert set(hopper["chunks"]) == {k for k, r in KERNELS.items() if r.packed}
+    for name, result in {**hopper["documents"], **hopper["chunks"]}.items():
+        assert result["status"] == "unavailable" and "CUDA" in result["reason"], (name, result)
