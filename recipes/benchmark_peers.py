@@ -6,7 +6,8 @@ in the peer's own layout, model, GPU count, sequence, batch, precision and hardw
 the peer's PUBLISHED tokens/s/GPU. Two columns, side by side from the same cost model:
 
 - ``ours_over_peer``: ours with the options its users turn on for that configuration (``ours_options``: the
-  fastest attention kernel ours runs on that GPU, torch.compile per block where the peer compiled, torchao
+  fastest attention kernel ours runs on that GPU, torch.compile per block where the peer compiled (or fused, as
+  Transformer Engine does), torchao
   FP8 tensorwise where the peer ran FP8; selective checkpointing priced as ours, the attention core);
 - ``ours_over_peer_before``: ours as main described it before issue 51 (FlashAttention-2, eager, bf16);
 - ``ours_over_peer_conservative``: the same options, FA3 priced at the fitted FA2 value x FA3 / FA2 of the

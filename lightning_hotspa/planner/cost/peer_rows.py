@@ -9,7 +9,7 @@ checkpointing ours is priced with its own selective mode (the attention core rec
 - ``attention``: the priced kernel family of ours' attention backend (``fa3`` where ``fa3_varlen`` runs:
   sm90; else ``fa2``, flash_varlen);
 - ``compiled``: ``strategy.compile_blocks`` (inductor per block) at the runtime's ``compile_speedup``,
-  turned on where the peer's run was compiled;
+  turned on where the peer's run was compiled or fused its elementwise work (Transformer Engine);
 - ``fp8``: a torchao recipe (``tensorwise``, the fastest) where the peer's run was FP8.
 
 ``before`` prices ours as the main branch described it before issue 51: FlashAttention-2, no compile, bf16.
@@ -71,10 +71,17 @@ class PeerRow:
     target: float | None = None
 
 
+#: runtimes whose published runs fuse the elementwise work around the GEMMs without torch.compile (Transformer
+#: Engine's fused kernels): ours compiles there (the same work fused)
+_FUSED_RUNTIMES = ("nemo-te",)
+
+
 def matching_options(run: PublishedRun) -> OursOptions:
     """The options a user of ours turns on for the peer's configuration: the fastest attention kernel ours runs
-    on that GPU, compile where the peer compiled, FP8 (torchao tensorwise) where the peer ran FP8."""
-    return OursOptions(attention="fa3" if run.gpu in _HOPPER else "fa2", compiled=run.compiled,
+    on that GPU, compile where the peer compiled or fused (Transformer Engine), FP8 (torchao tensorwise) where
+    the peer ran FP8."""
+    return OursOptions(attention="fa3" if run.gpu in _HOPPER else "fa2",
+                       compiled=run.compiled or run.system in _FUSED_RUNTIMES,
                        fp8="tensorwise" if run.precision == "fp8" else "")
 
 
