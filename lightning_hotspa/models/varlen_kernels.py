@@ -119,37 +119,35 @@ def fa4_varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, ma
 Block = tuple[int, int, int, int, int, int]
 
 
-@functools.lru_cache(maxsize=256)
-def _host_layout(blocks: tuple[Block, ...]) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], int, int]:
-    keys: list[int] = []
-    cu_q, cu_k = [blocks[0][0] if blocks else 0], [0]
+@functools.lru_cache(maxsize=64)
+def _layout(blocks: tuple[Block, ...], device: str) -> tuple[Tensor, Tensor, Tensor, int, int]:
+    cu_q, cu_k = [0], [0]
     for q0, q1, k0, k1, _, _ in blocks:
         if q0 != cu_q[-1]:
-            raise ValueError(f"packed chunks need the query chunks in row order, back to back; got {blocks[:4]}")
-        keys.extend(range(k0, k1))
+            raise ValueError(f"packed chunks need the query chunks in row order from row 0, back to back; "
+                             f"got {blocks[:4]}")
         cu_q.append(q1)
         cu_k.append(cu_k[-1] + k1 - k0)
-    if cu_q[0] != 0:
-        raise ValueError(f"packed chunks need the query chunks to start at row 0; got {blocks[:4]}")
+    # the packed key rows, built on the host in one C++ pass and copied once per micro-batch geometry
+    rows = torch.cat([torch.arange(k0, k1) for _, _, k0, k1, _, _ in blocks]) if blocks else torch.zeros(0)
     max_q = max((b[1] - b[0] for b in blocks), default=0)
     max_k = max((b[3] - b[2] for b in blocks), default=0)
-    return tuple(keys), tuple(cu_q), tuple(cu_k), max_q, max_k
+    return (rows.to(torch.int64).to(device, non_blocking=True),
+            torch.tensor(cu_q, dtype=torch.int32).to(device, non_blocking=True),
+            torch.tensor(cu_k, dtype=torch.int32).to(device, non_blocking=True), max_q, max_k)
 
 
 def packed_layout(blocks: Sequence[Block], device: torch.device) -> tuple[Tensor, Tensor, Tensor, int, int]:
     """``(key_rows, cu_q, cu_k, max_q, max_k)`` of ONE packed call over ``blocks``: the gathered K / V rows
-    packed chunk after chunk (``index_select``), and int32 cumulative lengths (built on the host from the
-    blocks' host-side bounds, copied once: no device read).
+    packed chunk after chunk (``index_select``), and int32 cumulative lengths, built on the host from the
+    blocks' host-side bounds (no device read) and kept per geometry (every layer, forward and backward, of a
+    micro-batch reuses them).
 
     Args:
         blocks: the KV gather's chunks, ``(q_start, q_stop, k_start, k_stop, first, key_start)``.
         device: the inputs' device.
     """
-    keys, cu_q, cu_k, max_q, max_k = _host_layout(tuple(tuple(b) for b in blocks))
-    rows = torch.tensor(keys, dtype=torch.int64).to(device, non_blocking=True)
-    cq = torch.tensor(cu_q, dtype=torch.int32).to(device, non_blocking=True)
-    ck = torch.tensor(cu_k, dtype=torch.int32).to(device, non_blocking=True)
-    return rows, cq, ck, max_q, max_k
+    return _layout(tuple(tuple(b) for b in blocks), str(device))
 
 
 def _packed(call: VarlenCall, q: Tensor, k: Tensor, v: Tensor, blocks: Sequence[Block], window: int | None) -> Tensor:
