@@ -259,7 +259,8 @@ def test_memory_cli_names_a_bad_attention_path() -> None:
 
 def test_a_bad_chunk_kernel_is_named() -> None:
     with pytest.raises(CostModelError, match="chunk_kernel must be a registered attention kernel, one of "
-                                             "\\['cpu_flash_chunks', 'sdpa_chunk'\\]; got 'sdpa'"):
+                                             "\\['cpu_flash_chunks', 'sdpa_chunk', 'fa3_chunks', 'fa4_chunks', "
+                                             "'torch_flash_chunks'\\]; got 'sdpa'"):
         AnalyticCostModel(SMALLISH, "H100", 4, chunk_kernel="sdpa")
     with pytest.raises(ValueError, match="device_type must be one of \\('cuda', 'cpu'\\), got 'xpu'"):
         dataclasses.replace(get_profile("H100"), device_type="xpu")
