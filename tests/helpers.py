@@ -725,7 +725,14 @@ def rehash(folder: Path, *names: str) -> None:
 
     commit = json.loads((folder / "commit.json").read_text())
     commit["files"].update(ck.file_entries(folder, names))
-    (folder / "commit.json").write_text(json.dumps(commit))
+    reseal(folder, commit)
+
+
+def reseal(folder: Path, commit: dict) -> None:
+    """Writes ``commit`` as the folder's commit.json with its own checksum recomputed (a hostile author)."""
+    from lightning_hotspa.adapter.checkpoints.trust import marker_digest
+
+    (folder / "commit.json").write_text(json.dumps({**commit, "marker_sha256": marker_digest(commit)}))
 
 def legacy_folder(folder: Path) -> Path:
     """A folder as main wrote it before commit markers (no commit.json, a pickled meta.pt)."""

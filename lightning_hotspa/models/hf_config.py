@@ -29,9 +29,12 @@ class HFConfigError(ValueError):
 
 def read_hf_config(path: str | os.PathLike[str]) -> dict[str, Any]:
     """``config.json`` of a local Hugging Face model folder."""
+    from .hf_weights import in_model_folder
+
     file = Path(path).expanduser() / "config.json"
     if not file.is_file():
         raise HFConfigError(f"{str(Path(path))!r} is not a Hugging Face model folder: it has no config.json")
+    in_model_folder(file, file.parent, HFConfigError)
     return read_json_object(file, error=HFConfigError, hint="; cut off or not a config.json?",
                             what="config object")
 

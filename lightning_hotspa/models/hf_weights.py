@@ -18,7 +18,10 @@ from pathlib import Path
 
 from torch import Tensor
 
-__all__ = ["HFCheckpoint", "HFWeightsError", "WEIGHT_PATTERNS", "hf_name", "our_name", "save_hf_folder"]
+from ..paths import escapes, points_to, umask_mode
+
+__all__ = ["HFCheckpoint", "HFWeightsError", "WEIGHT_PATTERNS", "hf_name", "in_model_folder", "our_name",
+           "save_hf_folder"]
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +80,35 @@ WEIGHT_PATTERNS = ("*.safetensors", "*.safetensors.index.json", "pytorch_model*.
 _FLOAT_DTYPES = ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2")
 
 
+def _roots(folder: Path) -> list[Path]:
+    """Where a Hugging Face folder's files may resolve: the folder; in ``huggingface_hub``'s cache
+    (``models--org--name/snapshots/<rev>/``, each file a relative symlink into ``../../blobs/``) also
+    that repo's ``blobs/``."""
+    root = folder.resolve()
+    repo = root.parent.parent
+    if root.parent.name == "snapshots" and repo.name.startswith("models--") and (repo / "blobs").is_dir():
+        return [root, repo / "blobs"]
+    return [root]
+
+
+def in_model_folder(file: Path, folder: Path, error: type[Exception]) -> Path:
+    """``file``, if it resolves inside the Hugging Face folder ``folder`` (symlinks followed as
+    ``transformers`` does, but only into the folder or its hub-cache repo's ``blobs/``); else
+    ``error`` naming the path and where it points.
+
+    Args:
+        file: a file of the folder (config.json, a weights file, the index).
+        folder: the model folder the user gave.
+        error: the exception type to raise.
+    """
+    target = escapes(file, _roots(folder))
+    if target is not None:
+        raise error(f"{points_to(file, target)}, outside the model folder {str(folder)!r}: a Hugging Face folder's "
+                    f"files must lie in it (symlinks may point inside it, or, in huggingface_hub's cache, into "
+                    f"the repo's blobs/); copy the file into the folder")
+    return file
+
+
 class HFCheckpoint:
     """The safetensors files of a local Hugging Face folder, read tensor by tensor or slice by slice.
 
@@ -106,12 +138,14 @@ class HFCheckpoint:
                                      f"model.safetensors.index.json: which is the model? Keep one, or write the "
                                      f"index of the shards")
             self.files = {}
-            file = self.path / present[0]
+            file = in_model_folder(self.path / present[0], self.path, HFWeightsError)
             with _safe_open(file) as f:
                 self.files.update(dict.fromkeys(f.keys(), file))
         for name, file in self.files.items():
             if not file.is_file():
                 raise FileNotFoundError(f"the index maps {name!r} to {str(file)!r}, which does not exist")
+        for file in set(self.files.values()):
+            in_model_folder(file, self.path, HFWeightsError)
 
     def names(self) -> list[str]:
         return list(self.files)
@@ -164,17 +198,16 @@ def _index_files(index: Path, folder: Path) -> dict[str, Path]:
         index: ``model.safetensors.index.json``.
         folder: the model folder every shard must lie in.
     """
+    in_model_folder(index, folder, HFWeightsError)
     try:
         weight_map = json.loads(index.read_bytes().decode("utf-8")).get("weight_map")
     except (UnicodeDecodeError, json.JSONDecodeError, AttributeError) as exc:
         raise HFWeightsError(f"{str(index)!r} is not a JSON object: {type(exc).__name__}: {exc}") from None
     if not isinstance(weight_map, dict) or not weight_map:
         raise HFWeightsError(f"{str(index)!r}: field 'weight_map' must be a non-empty object, got {weight_map!r:.200}")
-    root = folder.resolve()
     files = {}
-    for name, file in weight_map.items():
-        target = (folder / str(file)).resolve() if isinstance(file, str) else None
-        if target is None or Path(file).is_absolute() or root not in target.parents:
+    for name, file in weight_map.items():  # the name lies in the folder; where a symlink points: in_model_folder
+        if not isinstance(file, str) or not file or Path(file).is_absolute() or ".." in Path(file).parts:
             raise HFWeightsError(f"{str(index)!r}: weight_map[{name!r}] = {file!r} leaves the model folder "
                                  f"{str(folder)!r}; shards must be files inside it")
         files[name] = folder / file
@@ -234,6 +267,8 @@ def save_hf_folder(path: str | os.PathLike[str], config_json: Mapping, tensors: 
             json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
         written.append("model.safetensors.index.json")
     (out / "config.json").write_text(json.dumps(dict(config_json), indent=2))
+    for file in written:
+        os.chmod(out / file, umask_mode())  # as open() creates them (safetensors writes 0600)
     if replace_folder:
         old = final.with_name(f".{final.name}.hotspa-export.old")
         shutil.rmtree(old, ignore_errors=True)

@@ -185,6 +185,8 @@ def _steps(out: Path) -> dict[int, dict]:
 
 @pytest.fixture(scope="module")
 def chain(tmp_path_factory):
+    from helpers import reseal
+
     from lightning_hotspa.adapter.checkpoints.nodes import merge_node_copies
 
     base = tmp_path_factory.mktemp("multinode")
@@ -195,7 +197,7 @@ def chain(tmp_path_factory):
     fake = node[0] / "epoch=0-step=9.ckpt"
     shutil.copytree(node[0] / "epoch=0-step=1.ckpt", fake)
     marker = json.loads((fake / "commit.json").read_text())
-    (fake / "commit.json").write_text(json.dumps({**marker, "global_step": 9}))
+    reseal(fake, {**marker, "global_step": 9})  # a consistent marker (its own checksum recomputed)
     shared = merge_node_copies([n / "epoch=0-step=2.ckpt" for n in node], base / "shared" / "epoch=0-step=2.ckpt")
     jobs = forked_jobs(base, {
         # latest_or_scratch in an empty folder: no step anywhere, so it starts from scratch (a first launch)

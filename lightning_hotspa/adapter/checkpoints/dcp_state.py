@@ -43,6 +43,7 @@ from .trust import (
     encode_meta,
     file_entries,
     has_legacy_layout,
+    outside_folder,
     read_marker,
     read_meta,
     verify_checkpoint,
@@ -235,7 +236,9 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
             raise CheckpointError(f"{str(path)!r}: give the folder after {LATEST_PREFIX!r}")
         found = latest_checkpoint(directory)
         if found is None:
-            raise CheckpointError(f"{str(path)!r}: no complete checkpoint in {directory!r}")
+            skipped = scan_checkpoints(Path(directory))[1]
+            raise CheckpointError(f"{str(path)!r}: no complete checkpoint in {directory!r}"
+                                  + (f" (skipped: {'; '.join(skipped)})" if skipped else ""))
         return resolve_checkpoint(found)
     path = Path(path)
     if is_complete_checkpoint(path) and not has_legacy_layout(path):
@@ -267,6 +270,9 @@ def scan_checkpoints(directory: Path) -> tuple[dict[str, tuple[int, float]], lis
     skipped: list[str] = []
     for entry in sorted(directory.iterdir()) if directory.is_dir() else []:
         if not entry.is_dir() or entry.name.startswith(".hotspa-probe"):
+            continue
+        if outside_folder(directory, entry.name):  # latest: never leaves its folder
+            skipped.append(f"{entry.name} ({outside_folder(directory, entry.name)})")
             continue
         if entry.name.endswith(".tmp"):
             skipped.append(f"{entry.name} (an interrupted save)")  # only ever written into
@@ -363,8 +369,8 @@ def load_distributed_checkpoint(path: str | os.PathLike, module: nn.Module, opti
         gather: every such rank's value (one all-gather per check; single process: ``[x]``).
     """
     path = resolve_checkpoint(path)
-    verify_checkpoint(path, share=share, gather=gather)
-    meta = read_meta(path / META_FILE)
+    marker = verify_checkpoint(path, share=share, gather=gather)
+    meta = read_meta(path / META_FILE, marker)
     optimizers = [getattr(o, "_optimizer", o) for o in optimizers]
     state: dict[str, Any] = {"model": module.state_dict()}
     for i, optimizer in enumerate(optimizers):
@@ -420,7 +426,7 @@ def export_consolidated(checkpoint_dir: str | os.PathLike, output_file: str | os
         output_file: the file to write (atomically: never half-written under this name).
     """
     checkpoint_dir, output_file = resolve_checkpoint(checkpoint_dir), Path(output_file)
-    verify_checkpoint(checkpoint_dir)
+    read_meta(checkpoint_dir / META_FILE, verify_checkpoint(checkpoint_dir))  # the marker's step is the metadata's
     state = read_model_tensors(checkpoint_dir)
     part = output_file.with_name(output_file.name + ".tmp")
     torch.save(state, part)

@@ -72,8 +72,8 @@ def export_hf(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathLike,
     out = Path(out_dir).expanduser()
     _check_out_dir(out, overwrite)
     path = resolve_checkpoint(checkpoint_dir)
-    verify_checkpoint(path, progress=lambda files: shown(files, "hotspa export: checksums", "file"))
-    config = _config(read_meta(path / META_FILE), path)
+    marker = verify_checkpoint(path, progress=lambda files: shown(files, "hotspa export: checksums", "file"))
+    config = _config(read_meta(path / META_FILE, marker), path)
     metadata = SafeFileSystemReader(str(path)).read_metadata()  # through the allow-list (dcp_metadata)
     keys = [k for k in metadata.state_dict_metadata if k.startswith(_PREFIX)]
     if not keys:

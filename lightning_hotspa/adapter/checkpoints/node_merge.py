@@ -24,6 +24,7 @@ from .trust import (
     CheckpointError,
     file_entries,
     read_marker,
+    read_meta,
     verify_checkpoint,
     write_fsync,
     write_marker,
@@ -59,8 +60,9 @@ def merge_node_copies(folders: Sequence[str | os.PathLike], output: str | os.Pat
     output = Path(output)
     if output.exists():
         raise CheckpointError(f"merge output {str(output)!r} already exists; choose a new folder")
-    for folder in folders:
+    for folder, marker in zip(folders, markers):
         verify_checkpoint(folder)  # before its DCP metadata (a pickle) is read
+        read_meta(folder / META_FILE, marker)  # its step is the marker's
     tmp = output.with_name(output.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)

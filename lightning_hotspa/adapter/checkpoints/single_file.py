@@ -48,8 +48,8 @@ def consolidate_checkpoint(checkpoint_dir: str | os.PathLike, output_file: str |
     """
     folder, output_file = resolve_checkpoint(checkpoint_dir), Path(output_file)
     # checksums before anything in the folder is unpickled (docs/checkpoint-trust.md)
-    verify_checkpoint(folder, progress=progress)
-    meta = read_meta(folder / META_FILE)  # weights-only, with the allow-list
+    marker = verify_checkpoint(folder, progress=progress)
+    meta = read_meta(folder / META_FILE, marker)  # weights-only, with the allow-list
     model = read_model_tensors(folder)
     out: dict[str, Any] = {k: meta[k] for k in _KEPT if k in meta}
     out["state_dict"] = {k: v.contiguous() for k, v in model.items()}

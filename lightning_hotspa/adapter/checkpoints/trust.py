@@ -26,11 +26,12 @@ from typing import Any
 import torch
 
 from ...checks import is_int, read_json_object
+from ...paths import escapes, points_to
 
 __all__ = ["COMMIT_FILE", "META_FILE", "DCP_METADATA", "KIND_SHARED", "KIND_NODE_LOCAL", "FORMAT", "VERSION",
            "CheckpointError", "LegacyCheckpointError", "sha256_file", "file_entries", "encode_meta", "write_fsync",
            "read_meta", "write_marker", "read_marker", "verify_files", "has_legacy_layout", "verify_checkpoint",
-           "LEGACY_HINT"]
+           "LEGACY_HINT", "outside_folder", "marker_digest", "name_step"]
 
 COMMIT_FILE = "commit.json"  # the commit marker: the last file a save writes
 META_FILE = "meta.pt"  # our metadata (rank 0 / each node's first rank)
@@ -39,6 +40,8 @@ KIND_SHARED, KIND_NODE_LOCAL = "shared", "node-local"  # the marker's "kind"
 FORMAT = "lightning_hotspa checkpoint"
 VERSION = 2  # 1: main before commit markers (pickled meta.pt, no checksums): refused
 _CHUNK = 1 << 22
+MARKER_SHA = "marker_sha256"  # the marker's own checksum: sha256 of its canonical JSON without this field
+_NAME_STEP = re.compile(r"(?:^|[^0-9A-Za-z_])step=(\d+)(?![0-9])")
 LEGACY_HINT = ("it was written by an older lightning_hotspa: no commit.json with checksums, and its meta.pt is a "
                "pickle that runs code when loaded. If you wrote it yourself (or trust who did), convert it once with "
                "`hotspa upgrade-checkpoint FOLDER` (that one command unpickles it), then resume from it")
@@ -145,11 +148,12 @@ def write_fsync(path: Path, data: bytes) -> None:
         os.fsync(f.fileno())
 
 
-def read_meta(path: Path) -> dict[str, Any]:
+def read_meta(path: Path, marker: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Our metadata, read with ``weights_only=True`` (no code runs); errors name the file.
 
     Args:
         path: a ``meta.pt`` of a checkpoint folder.
+        marker: its folder's commit marker: the metadata's ``global_step`` must be the marker's.
     """
     try:
         meta = _weights_only_load(path)
@@ -159,6 +163,11 @@ def read_meta(path: Path) -> dict[str, Any]:
                               f"{first[:400]}") from None
     if not isinstance(meta, dict):
         raise CheckpointError(f"{str(path)!r} holds a {type(meta).__name__}, not a checkpoint's metadata dict")
+    step = None if marker is None else marker.get("global_step")
+    if step is not None and meta.get("global_step") != step:
+        raise CheckpointError(f"{str(path.parent / COMMIT_FILE)!r} says global_step {step}, but {META_FILE} holds "
+                              f"global_step {meta.get('global_step')!r}: the marker or the metadata was edited or "
+                              f"swapped; nothing was loaded")
     return meta
 
 
@@ -171,7 +180,41 @@ def write_marker(folder: Path, fields: Mapping[str, Any], files: Mapping[str, Ma
         files: :func:`file_entries` of every file in the folder.
     """
     marker = {"format": FORMAT, "version": VERSION, **fields, "files": dict(sorted(files.items()))}
+    marker[MARKER_SHA] = marker_digest(marker)
     write_fsync(folder / COMMIT_FILE, json.dumps(marker, indent=1).encode())
+
+
+def marker_digest(marker: Mapping[str, Any]) -> str:
+    """sha256 of the marker's canonical JSON (sorted keys, no spaces) without its own checksum field.
+
+    Args:
+        marker: a commit marker's fields.
+    """
+    body = {k: v for k, v in marker.items() if k != MARKER_SHA}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def name_step(folder: Path) -> int | None:
+    """The step a checkpoint folder's name states (``epoch=0-step=100``, ``step=2``; ``.old`` kept), or None.
+
+    Args:
+        folder: a checkpoint folder.
+    """
+    found = _NAME_STEP.findall(folder.name)
+    return int(found[0]) if len(found) == 1 else None
+
+
+def outside_folder(folder: Path, name: str) -> str | None:
+    """Why ``folder/name`` must not be read as part of the checkpoint (it resolves outside the folder), or None.
+
+    Args:
+        folder: a checkpoint folder.
+        name: a file name in it.
+    """
+    target = escapes(folder / name, [folder])
+    if target is None:
+        return None
+    return f"{points_to(folder / name, target)}, outside the folder {str(folder)!r} (every file must lie in it)"
 
 
 def has_legacy_layout(folder: Path) -> bool:
@@ -202,6 +245,8 @@ def read_marker(folder: Path) -> dict[str, Any]:
         if has_legacy_layout(folder):
             raise LegacyCheckpointError(f"cannot load {str(folder)!r}: {LEGACY_HINT}")
         raise CheckpointError(f"{str(folder)!r} has no {COMMIT_FILE}: not a committed hotspa checkpoint")
+    if outside_folder(folder, COMMIT_FILE):
+        raise CheckpointError(f"cannot load {str(folder)!r}: {outside_folder(folder, COMMIT_FILE)}")
     marker = read_json_object(file, error=CheckpointError, hint=": a corrupt commit marker",
                               what="commit marker object")
     if "version" not in marker and has_legacy_layout(folder):
@@ -224,6 +269,14 @@ def read_marker(folder: Path) -> dict[str, Any]:
     step = marker.get("global_step")
     if step is not None and not is_int(step):
         raise CheckpointError(f"{str(file)!r}: field 'global_step' must be an integer, got {step!r}")
+    if MARKER_SHA in marker and marker[MARKER_SHA] != marker_digest(marker):
+        raise CheckpointError(f"{str(file)!r} was edited after its save ({MARKER_SHA} differs from its content, "
+                              f"global_step {step!r}): a marker's fields are not trusted once changed; resume from "
+                              f"another checkpoint")
+    named = name_step(folder)
+    if named is not None and step is not None and named != step and not folder.name.endswith(".tmp"):
+        raise CheckpointError(f"{str(file)!r} says global_step {step}, but the folder's name says step={named}: an "
+                              f"edited marker or a renamed folder; nothing was loaded")
     return marker
 
 
@@ -248,6 +301,9 @@ def verify_files(folder: Path, marker: Mapping[str, Any], required: Iterable[str
     mine = [name for i, name in enumerate(sorted(files)) if i % count == index]
     for name in (progress(mine) if progress else mine):
         path, entry = folder / name, files[name]
+        if outside_folder(folder, name):
+            problems.append(f"{name}: {outside_folder(folder, name)}")
+            continue
         if not path.is_file():
             problems.append(f"{name}: missing")
             continue

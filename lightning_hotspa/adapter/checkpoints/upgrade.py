@@ -31,6 +31,10 @@ from .trust import (
     encode_meta,
     file_entries,
     has_legacy_layout,
+    name_step,
+    outside_folder,
+    read_meta,
+    verify_checkpoint,
     write_fsync,
     write_marker,
 )
@@ -70,7 +74,12 @@ def _read_old_meta(file: Path, trust_pickle: bool) -> Any:
                 f"holds: `hotspa upgrade-checkpoint {file.parent} {TRUST_FLAG}`") from None
     print(f"hotspa upgrade-checkpoint: unpickling {str(file)!r} in full ({TRUST_FLAG}): any code it holds runs now",
           file=sys.stderr, flush=True)
-    return torch.load(file, map_location="cpu", weights_only=False)  # the explicit trust, asked for by flag
+    try:
+        return torch.load(file, map_location="cpu", weights_only=False)  # the explicit trust, asked for by flag
+    except Exception as exc:  # noqa: BLE001 - whatever the pickle raised: one line naming the file
+        first = (str(exc).strip().splitlines() or [""])[0][:300]
+        raise CheckpointError(f"{str(file)!r} could not be unpickled even in full ({TRUST_FLAG}): "
+                              f"{type(exc).__name__}: {first}; nothing was changed") from None
 
 
 def upgrade_legacy_checkpoint(folder: str | os.PathLike, *, trust_pickle: bool = False) -> Path:
@@ -86,6 +95,11 @@ def upgrade_legacy_checkpoint(folder: str | os.PathLike, *, trust_pickle: bool =
     if not has_legacy_layout(path):
         raise CheckpointError(f"{str(path)!r} is not an old-format hotspa checkpoint (meta.pt and .metadata "
                               f"without a versioned {COMMIT_FILE}); nothing to convert")
+    names = [p.name for p in path.glob("*.distcp")] + [DCP_METADATA, META_FILE]
+    outside = [problem for name in [*names, COMMIT_FILE] if (problem := outside_folder(path, name))]
+    if outside:  # nothing outside the folder is read, let alone checksummed into its marker
+        raise CheckpointError(f"cannot convert {str(path)!r}: {'; '.join(outside)}; copy the files into the "
+                              f"folder first. Nothing was changed")
     load_dcp_metadata((path / DCP_METADATA).read_bytes(), path / DCP_METADATA)  # DCP's classes only
     meta = _read_old_meta(path / META_FILE, trust_pickle)
     if not isinstance(meta, dict):
@@ -93,7 +107,6 @@ def upgrade_legacy_checkpoint(folder: str | os.PathLike, *, trust_pickle: bool =
     old_marker = {}
     if (path / COMMIT_FILE).is_file():
         old_marker = json.loads((path / COMMIT_FILE).read_text())  # a node-local copy's v1 marker
-    write_fsync(path / META_FILE, encode_meta(meta, path / META_FILE))
     saved = meta.get("hotspa") or {}
     if old_marker:
         fields = {"kind": KIND_NODE_LOCAL, **{k: old_marker.get(k) for k in
@@ -101,6 +114,17 @@ def upgrade_legacy_checkpoint(folder: str | os.PathLike, *, trust_pickle: bool =
     else:
         fields = {"kind": KIND_SHARED, "world_size": saved.get("world_size"), "layouts": saved.get("layouts")}
     fields["global_step"] = meta.get("global_step")
-    names = [p.name for p in path.glob("*.distcp")] + [DCP_METADATA, META_FILE]
+    named = name_step(path)
+    if named is not None and fields["global_step"] is not None and named != fields["global_step"]:
+        raise CheckpointError(f"cannot convert {str(path)!r}: its name says step={named}, its {META_FILE} holds "
+                              f"global_step {fields['global_step']!r} (a renamed folder?); the loader would refuse "
+                              f"it. Nothing was changed")
+    write_fsync(path / META_FILE, encode_meta(meta, path / META_FILE))
     write_marker(path, fields, file_entries(path, names))
+    try:  # what the loader will check, checked now: a folder we call converted also loads
+        read_meta(path / META_FILE, verify_checkpoint(path))
+    except CheckpointError as exc:
+        (path / COMMIT_FILE).unlink(missing_ok=True)  # left in the old format, not half converted
+        raise CheckpointError(f"cannot convert {str(path)!r}: the result fails the loader's check ({exc}); it "
+                              f"was left in the old format") from None
     return path

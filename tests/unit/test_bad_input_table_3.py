@@ -1,0 +1,379 @@
+"""Issue 55: files and values a user hands us, round three, as one table (a sibling of
+tests/unit/test_bad_input_table.py, same row type and checks) plus the layouts that must keep working:
+one symlink rule (a Hugging Face folder follows symlinks into itself and, in huggingface_hub's
+cache, into its repo's blobs/; a checkpoint folder's files all lie in it), the commit marker under
+the integrity check, typed Hugging Face configs, outputs that never replace a device, wrapped DCP
+errors and values at the edge. In one process, tiny tensors, tmp files.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("safetensors")
+
+from helpers import Bad, check_refused, legacy_folder, rehash, reseal, save_tiny  # noqa: E402
+
+from lightning_hotspa.adapter.checkpoints.dcp_state import CheckpointError  # noqa: E402
+from lightning_hotspa.models.hf_config import HFConfigError  # noqa: E402
+from lightning_hotspa.models.hf_weights import HFWeightsError  # noqa: E402
+
+
+class CliRefused(Exception):
+    """``hotspa ...`` exited non-zero; the message is ``exit <code>: <stderr>``."""
+
+
+def _cli(*argv: str) -> Callable[[Path], Callable[[], Any]]:
+    """``hotspa ARGV`` in this process (``{tmp}`` replaced); a non-zero exit raises CliRefused, and
+    anything else escaping ``main`` (a traceback a user would see) fails the row."""
+    def make(tmp: Path) -> Callable[[], Any]:
+        from lightning_hotspa.tools.cli import main
+
+        def call() -> None:
+            err = io.StringIO()
+            with contextlib.redirect_stderr(err):
+                try:
+                    code = main([a.replace("{tmp}", str(tmp)) for a in argv])
+                except SystemExit as exc:  # argparse
+                    code = exc.code
+            if code != 0:
+                assert len(err.getvalue().strip().splitlines()) <= 2, err.getvalue()  # a line, not a traceback
+                raise CliRefused(f"exit {code}: {err.getvalue()}")
+        return call
+    return make
+
+
+# ------------------------------------------------------------------ Hugging Face folders
+def tiny_hf(folder: Path, **config: Any) -> Path:
+    """A 1-layer Llama folder (config.json + model.safetensors) at ``folder``, config fields replaced."""
+    from lightning_hotspa.models import LlamaConfig
+    from lightning_hotspa.models.hf_config import config_to_hf
+    from lightning_hotspa.models.hf_weights import hf_name, save_hf_folder
+    from lightning_hotspa.models.init import build_llama
+
+    cfg = LlamaConfig(vocab_size=32, hidden=16, n_layers=1, n_heads=2, n_kv_heads=2, ffn_hidden=32,
+                      vocab_multiple=1, max_seq_len=64)
+    tensors = {hf_name(n): p.detach() for n, p in build_llama(cfg, 0).named_parameters()}
+    tensors["lm_head.weight"] = tensors["lm_head.weight"] + 1.0  # a head unlike the embeddings
+    save_hf_folder(folder, {**config_to_hf(cfg), **config}, tensors.items())
+    return folder
+
+
+def _git_blob_sha1(data: bytes) -> str:
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+
+def hub_cache(cache: Path, source: Path, repo: str = "org/tiny", revision: str = "a" * 40) -> Path:
+    """``source``'s files laid out as huggingface_hub caches a download: ``models--org--tiny/`` with
+    ``refs/main`` (the commit), ``blobs/<hash>`` (sha256 for LFS files, the git blob sha1 for the
+    rest), ``snapshots/<commit>/<file>`` relative symlinks ``../../blobs/<hash>`` and ``.no_exist/``
+    for a file the hub does not have. Returns the snapshot folder."""
+    root = cache / ("models--" + repo.replace("/", "--"))
+    (root / "blobs").mkdir(parents=True)
+    (root / "refs").mkdir()
+    (root / "refs" / "main").write_text(revision)
+    snapshot = root / "snapshots" / revision
+    snapshot.mkdir(parents=True)
+    for file in sorted(source.iterdir()):
+        data = file.read_bytes()
+        blob = hashlib.sha256(data).hexdigest() if file.suffix == ".safetensors" else _git_blob_sha1(data)
+        (root / "blobs" / blob).write_bytes(data)
+        (snapshot / file.name).symlink_to(Path("..") / ".." / "blobs" / blob)
+    (root / ".no_exist" / revision).mkdir(parents=True)
+    (root / ".no_exist" / revision / "generation_config.json").touch()
+    return snapshot
+
+
+def local_dir_download(folder: Path, source: Path) -> Path:
+    """``source``'s files as ``hf_hub_download(local_dir=folder)`` leaves them: real files, and its
+    bookkeeping under ``.cache/huggingface/`` (a metadata file per download)."""
+    shutil.copytree(source, folder)
+    meta = folder / ".cache" / "huggingface" / "download"
+    meta.mkdir(parents=True)
+    (folder / ".cache" / "huggingface" / ".gitignore").write_text("*")
+    for file in source.iterdir():
+        (meta / f"{file.name}.metadata").write_text(f"{'a' * 40}\n{'b' * 64}\n1765000000.0\n")
+    return folder
+
+
+def _load_hf(path: Path) -> Any:
+    from lightning_hotspa.models import LlamaLM
+
+    return LlamaLM.from_pretrained(str(path))
+
+
+def test_a_model_in_huggingface_hubs_own_cache_loads_as_transformers_loads_it(tmp_path: Path) -> None:
+    source = tiny_hf(tmp_path / "src")
+    snapshot = hub_cache(tmp_path / "cache", source)
+    hub = pytest.importorskip("huggingface_hub")
+    # the layout is huggingface_hub's own: its cache lookups find the snapshot and the missing file
+    assert Path(hub.snapshot_download("org/tiny", cache_dir=tmp_path / "cache", local_files_only=True)) == snapshot
+    assert Path(hub.try_to_load_from_cache("org/tiny", "config.json", cache_dir=tmp_path / "cache")) == \
+        snapshot / "config.json"
+    assert hub.try_to_load_from_cache("org/tiny", "generation_config.json", cache_dir=tmp_path / "cache") \
+        is hub.file_download._CACHED_NO_EXIST
+    assert all((snapshot / f).is_symlink() for f in ("config.json", "model.safetensors"))
+    model, reference = _load_hf(snapshot), _load_hf(source)
+    for (name, ours), (_, theirs) in zip(model.state_dict().items(), reference.state_dict().items()):
+        assert torch.equal(ours, theirs), name
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(snapshot))  # the same folder, transformers' way
+    assert torch.equal(hf.lm_head.weight, model.model.output.weight)
+
+
+def test_a_local_dir_download_and_links_inside_the_folder_load(tmp_path: Path) -> None:
+    source = tiny_hf(tmp_path / "src")
+    reference = _load_hf(source).state_dict()
+    local = local_dir_download(tmp_path / "local", source)
+    assert all(torch.equal(v, reference[k]) for k, v in _load_hf(local).state_dict().items())
+    inner = tmp_path / "inner"  # a symlink to a file inside the folder itself
+    inner.mkdir()
+    (inner / "weights").mkdir()
+    shutil.copy(source / "model.safetensors", inner / "weights" / "real.safetensors")
+    shutil.copy(source / "config.json", inner / "config.json")
+    (inner / "model.safetensors").symlink_to(Path("weights") / "real.safetensors")
+    assert all(torch.equal(v, reference[k]) for k, v in _load_hf(inner).state_dict().items())
+    (tmp_path / "alias").symlink_to(source, target_is_directory=True)  # a symlinked model folder itself
+    assert all(torch.equal(v, reference[k]) for k, v in _load_hf(tmp_path / "alias").state_dict().items())
+
+
+def _hf_case(setup: Callable[[Path], Path]) -> Callable[[Path], Callable[[], Any]]:
+    def make(tmp: Path) -> Callable[[], Any]:
+        folder = setup(tmp)
+        return lambda: _load_hf(folder)
+    return make
+
+
+def _outside_single_file(tmp: Path) -> Path:
+    """``model.safetensors`` a symlink to a file elsewhere (read by main without a word)."""
+    tiny_hf(tmp / "elsewhere")
+    folder = tmp / "hf"
+    folder.mkdir()
+    shutil.copy(tmp / "elsewhere" / "config.json", folder / "config.json")
+    (folder / "model.safetensors").symlink_to(tmp / "elsewhere" / "model.safetensors")
+    return folder
+
+
+def _outside_config(tmp: Path) -> Path:
+    tiny_hf(tmp / "hf")
+    tiny_hf(tmp / "other")
+    (tmp / "hf" / "config.json").unlink()
+    (tmp / "hf" / "config.json").symlink_to(tmp / "other" / "config.json")
+    return tmp / "hf"
+
+
+def _snapshot_into_another_repo(tmp: Path) -> Path:
+    """A hub-cache snapshot whose weights link into another repo's blobs/."""
+    snapshot = hub_cache(tmp / "cache", tiny_hf(tmp / "src"))
+    other = hub_cache(tmp / "cache", tmp / "src", repo="evil/other")
+    (snapshot / "model.safetensors").unlink()
+    (snapshot / "model.safetensors").symlink_to(other / "model.safetensors")
+    return snapshot
+
+
+def _sharded_shard_outside(tmp: Path) -> Path:
+    """An index whose shard name lies in the folder but is a symlink to a file outside it."""
+    folder = tiny_hf(tmp / "hf")
+    shutil.move(folder / "model.safetensors", tmp / "far.safetensors")
+    (folder / "model-00001-of-00001.safetensors").symlink_to(tmp / "far.safetensors")
+    from safetensors import safe_open
+
+    with safe_open(str(tmp / "far.safetensors"), framework="pt") as f:
+        names = list(f.keys())
+    (folder / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": dict.fromkeys(names, "model-00001-of-00001.safetensors")}))
+    return folder
+
+
+def _symlink_rows() -> list[Bad]:
+    return [
+        Bad("hf model.safetensors symlinked outside the folder", "hf", _hf_case(_outside_single_file), HFWeightsError,
+            ("hf/model.safetensors' is a symlink to", "elsewhere/model.safetensors", "outside the model folder")),
+        Bad("hf config.json symlinked outside the folder", "hf", _hf_case(_outside_config), HFConfigError,
+            ("hf/config.json' is a symlink to", "other/config.json", "outside the model folder")),
+        Bad("hf hub snapshot linking into another repo's blobs", "hf", _hf_case(_snapshot_into_another_repo),
+            HFWeightsError, ("model.safetensors' is a symlink to", "models--evil--other", "outside the model folder")),
+        Bad("hf index shard symlinked outside", "hf", _hf_case(_sharded_shard_outside), HFWeightsError,
+            ("model-00001-of-00001.safetensors' is a symlink to", "far.safetensors")),
+    ]
+
+
+# ------------------------------------------------------------------ checkpoint folders: symlinks and the marker
+def _load_ckpt(folder: Path) -> tuple[float, int]:
+    from lightning_hotspa.adapter.checkpoints.dcp_state import load_distributed_checkpoint
+
+    module = torch.nn.Module()
+    module.w = torch.nn.Parameter(torch.zeros(4))
+    meta = load_distributed_checkpoint(folder, module, [])
+    return float(module.w.detach()[0]), meta["global_step"]
+
+
+def _ckpt(damage: Callable[[Path, Path], Any], load: str = "resume",
+          name: str = "step=2") -> Callable[[Path], Callable[[], Any]]:
+    """A clean checkpoint at tmp/c/<name> (step 2), ``damage(folder, tmp)``, then loaded one way."""
+    def make(tmp: Path) -> Callable[[], Any]:
+        from lightning_hotspa.adapter.checkpoints.dcp_state import export_consolidated, resolve_checkpoint
+        from lightning_hotspa.adapter.checkpoints.single_file import consolidate_checkpoint
+        from lightning_hotspa.adapter.checkpoints.upgrade import upgrade_legacy_checkpoint
+
+        folder = save_tiny(tmp / "c" / name, 2.0, 2)
+        damage(folder, tmp)
+        return {"resume": lambda: _load_ckpt(folder),
+                "latest": lambda: resolve_checkpoint(f"latest:{tmp / 'c'}"),
+                "export": lambda: export_consolidated(folder, tmp / "m.pt"),
+                "consolidate": lambda: consolidate_checkpoint(folder, tmp / "m.ckpt"),
+                "upgrade": lambda: upgrade_legacy_checkpoint(folder)}[load]
+    return make
+
+
+def _shard_elsewhere(folder: Path, tmp: Path) -> None:
+    """The shard moved out and symlinked back: its checksum (of the target) still matches."""
+    shutil.move(folder / "__0_0.distcp", tmp / "far.distcp")
+    (folder / "__0_0.distcp").symlink_to(tmp / "far.distcp")
+
+
+def _only_outside_folder(folder: Path, tmp: Path) -> None:
+    """The checkpoint directory's only entry is a symlink to a checkpoint folder outside it."""
+    shutil.move(folder, tmp / "far")
+    (tmp / "c" / "step=9").symlink_to(tmp / "far", target_is_directory=True)
+
+
+def _edited_step(step: int, resealed: bool) -> Callable[[Path, Path], None]:
+    def damage(folder: Path, tmp: Path) -> None:
+        marker = json.loads((folder / "commit.json").read_text())
+        marker["global_step"] = step
+        if resealed:
+            reseal(folder, marker)
+        else:
+            (folder / "commit.json").write_text(json.dumps(marker, indent=1))
+    return damage
+
+
+def _upgrade_shard_elsewhere(folder: Path, tmp: Path) -> None:
+    legacy_folder(folder)
+    _shard_elsewhere(folder, tmp)
+
+
+def _checkpoint_rows() -> list[Bad]:
+    return [
+        Bad("shard symlinked outside the folder", "checkpoint", _ckpt(_shard_elsewhere), CheckpointError,
+            ("__0_0.distcp", "is a symlink to", "far.distcp", "outside the folder")),
+        Bad("shard symlinked outside, consolidate", "checkpoint", _ckpt(_shard_elsewhere, "consolidate"),
+            CheckpointError, ("__0_0.distcp", "far.distcp")),
+        Bad("meta.pt symlinked outside, export", "checkpoint",
+            _ckpt(lambda f, t: shutil.move(f / "meta.pt", t / "m") and (f / "meta.pt").symlink_to(t / "m"),
+                  "export"), CheckpointError, ("meta.pt' is a symlink to", "outside the folder")),
+        Bad("commit.json symlinked outside", "checkpoint",
+            _ckpt(lambda f, t: shutil.move(f / "commit.json", t / "cj") and (f / "commit.json").symlink_to(t / "cj")),
+            CheckpointError, ("commit.json' is a symlink to", "cj")),
+        Bad("latest: of a folder whose only checkpoint is a symlink out", "checkpoint",
+            _ckpt(_only_outside_folder, "latest"), CheckpointError,
+            ("no complete checkpoint", "step=9' is a symlink to", "far")),
+        Bad("upgrade-checkpoint with a shard symlinked outside", "checkpoint",
+            _ckpt(_upgrade_shard_elsewhere, "upgrade"), CheckpointError,
+            ("cannot convert", "__0_0.distcp' is a symlink to", "far.distcp", "Nothing was changed")),
+        Bad("commit.json step edited", "checkpoint", _ckpt(_edited_step(9, resealed=False)), CheckpointError,
+            ("commit.json", "was edited after its save", "global_step 9")),
+        Bad("commit.json step edited and resealed, folder named step=2", "checkpoint",
+            _ckpt(_edited_step(9, resealed=True)), CheckpointError,
+            ("commit.json", "global_step 9", "the folder's name says step=2")),
+        Bad("commit.json step edited and resealed, folder without a step", "checkpoint",
+            _ckpt(_edited_step(9, resealed=True), name="ck"), CheckpointError,
+            ("commit.json", "says global_step 9", "meta.pt holds global_step 2")),
+        Bad("commit.json step edited, on consolidate", "checkpoint",
+            _ckpt(_edited_step(9, resealed=True), "consolidate", name="ck"), CheckpointError,
+            ("global_step 9", "global_step 2")),
+        Bad("commit.json step edited, on export_consolidated", "checkpoint",
+            _ckpt(_edited_step(9, resealed=True), "export", name="ck"), CheckpointError,
+            ("global_step 9", "global_step 2")),
+        Bad("upgrade-checkpoint of a folder its loader then refuses", "checkpoint",
+            _ckpt(lambda f, t: legacy_folder(f), "upgrade", name="step=7"), CheckpointError,
+            ("cannot convert", "step=7", "global_step 2", "Nothing was changed")),
+        Bad("upgrade-checkpoint --trust-pickle of a garbage meta.pt", "cli",
+            lambda tmp: _cli("upgrade-checkpoint", str(_garbage_legacy(tmp)), "--trust-pickle")(tmp), CliRefused,
+            ("exit 2", "meta.pt", "could not be unpickled even in full")),
+    ]
+
+
+def _garbage_legacy(tmp: Path) -> Path:
+    folder = legacy_folder(save_tiny(tmp / "c" / "step=2", 2.0, 2))
+    (folder / "meta.pt").write_bytes(b"\x80\x04this is no pickle")
+    return folder
+
+
+def test_latest_skips_an_edited_marker_and_names_it(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """main resumed the older state when an older folder's marker was edited to a higher step."""
+    from lightning_hotspa.adapter.checkpoints.dcp_state import latest_checkpoint
+
+    old, new = save_tiny(tmp_path / "step=2", 2.0, 2), save_tiny(tmp_path / "step=4", 4.0, 4)
+    _edited_step(90, resealed=False)(old, tmp_path)
+    with caplog.at_level("WARNING"):
+        assert latest_checkpoint(tmp_path) == new
+    assert "step=2" in caplog.text and "was edited after its save" in caplog.text
+    assert _load_ckpt(new) == (4.0, 4)
+
+
+def test_latest_follows_a_link_inside_its_folder_and_the_folder_itself_may_be_a_link(tmp_path: Path) -> None:
+    from lightning_hotspa.adapter.checkpoints.dcp_state import resolve_checkpoint
+
+    save_tiny(tmp_path / "c" / "step=2", 2.0, 2)
+    (tmp_path / "c" / "last").symlink_to("step=2", target_is_directory=True)  # Lightning's "last" link
+    (tmp_path / "alias").symlink_to(tmp_path / "c", target_is_directory=True)
+    assert resolve_checkpoint(f"latest:{tmp_path / 'alias'}").name in ("step=2", "last")
+    assert _load_ckpt(tmp_path / "alias" / "step=2") == (2.0, 2)
+
+
+def test_an_upgraded_folder_passes_the_loaders_check(tmp_path: Path) -> None:
+    from lightning_hotspa.adapter.checkpoints.upgrade import upgrade_legacy_checkpoint
+
+    folder = legacy_folder(save_tiny(tmp_path / "step=2", 2.0, 2))
+    upgrade_legacy_checkpoint(folder)
+    assert _load_ckpt(folder) == (2.0, 2)
+
+
+def test_a_marker_rewritten_in_another_json_layout_still_passes(tmp_path: Path) -> None:
+    """The marker's own checksum is over its canonical JSON: re-indenting it is not an edit."""
+    folder = save_tiny(tmp_path / "step=2", 2.0, 2)
+    marker = json.loads((folder / "commit.json").read_text())
+    (folder / "commit.json").write_text(json.dumps(dict(reversed(list(marker.items())))))
+    assert _load_ckpt(folder) == (2.0, 2)
+    rehash(folder)  # no-op rehash keeps it valid too
+    assert _load_ckpt(folder) == (2.0, 2)
+
+
+CASES = _symlink_rows() + _checkpoint_rows()
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"{c.area}-{c.name}" for c in CASES])
+def test_bad_input_is_refused_naming_the_value(case: Bad, tmp_path: Path) -> None:
+    check_refused(case, tmp_path)
+
+
+def test_row_names_are_unique() -> None:
+    assert len({c.name for c in CASES}) == len(CASES)
+
+
+
+def test_upgrade_checks_what_it_wrote_with_the_loaders_check(tmp_path: Path, monkeypatch) -> None:
+    """A conversion whose marker the loader would refuse (here: a checksum written wrong) is not
+    reported as converted; the folder stays in the old format."""
+    from lightning_hotspa.adapter.checkpoints import upgrade
+    from lightning_hotspa.adapter.checkpoints.trust import has_legacy_layout
+
+    folder = legacy_folder(save_tiny(tmp_path / "step=2", 2.0, 2))
+    real = upgrade.file_entries
+    monkeypatch.setattr(upgrade, "file_entries", lambda f, names: {
+        n: {**e, "sha256": "0" * 64} if n == "meta.pt" else e for n, e in real(f, names).items()})
+    with pytest.raises(CheckpointError, match=r"fails the loader's check .*meta.pt: sha256 differs.*old format"):
+        upgrade.upgrade_legacy_checkpoint(folder)
+    assert has_legacy_layout(folder) and not (folder / "commit.json").exists()
