@@ -11,6 +11,7 @@ from __future__ import annotations
 import inspect
 import os
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -83,7 +84,8 @@ def load_pretrained(cls: type, path: str | os.PathLike[str], *, strict_weights: 
     if not isinstance(strict_weights, bool):
         raise HFConfigError(f"strict_weights must be a bool, got {strict_weights!r}")
     config_fields, module_args = _split_overrides(cls, overrides)
-    config = config_from_hf(read_hf_config(path), **config_fields)
+    config = config_from_hf(read_hf_config(path), where=repr(str(Path(path).expanduser() / "config.json")),
+                            **config_fields)
     if config.padded_vocab_size != config.vocab_size:
         raise HFConfigError(f"vocab_multiple={config.vocab_multiple} would pad the checkpoint's {config.vocab_size} "
                             f"ids to {config.padded_vocab_size} rows: logits the released model does not have; "

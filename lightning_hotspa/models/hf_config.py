@@ -39,82 +39,147 @@ def read_hf_config(path: str | os.PathLike[str]) -> dict[str, Any]:
                             what="config object")
 
 
-def _architecture(hf: Mapping[str, Any]) -> str:
-    names = hf.get("architectures") or []
+_ABSENT = object()
+
+
+class _Fields:
+    """The fields of one parsed config.json, each read with its JSON type checked; errors name the
+    file and the key (a string where a number belongs is refused, never coerced: ``"false"`` is not
+    false, ``"16"`` is not 16).
+
+    Args:
+        hf: the parsed config.json.
+        where: the file (or "the Hugging Face config"), for messages.
+    """
+
+    def __init__(self, hf: Mapping[str, Any], where: str) -> None:
+        self.hf, self.where = hf, where
+
+    def _bad(self, key: str, what: str, value: Any) -> HFConfigError:
+        return HFConfigError(f"{self.where}: {key!r} must be {what}, got {value!r} ({type(value).__name__})")
+
+    def get(self, key: str, kind: str, default: Any = None, *, source: Mapping[str, Any] | None = None,
+            prefix: str = "") -> Any:
+        """``key`` of ``source`` (default: the config) as ``kind``: "int" (> 0), "int0" (>= 0), "number"
+        (finite, > 0), "number0" (finite, >= 0), "bool", "str", "object" or "list"; absent or null:
+        ``default``."""
+        import math
+        import numbers
+
+        value = (self.hf if source is None else source).get(key, _ABSENT)
+        if value is _ABSENT or value is None:
+            return default
+        name = prefix + key
+        if kind in ("int", "int0"):
+            if isinstance(value, bool) or not isinstance(value, int) or value < (1 if kind == "int" else 0):
+                raise self._bad(name, "a positive integer" if kind == "int" else "an integer >= 0", value)
+        elif kind in ("number", "number0"):
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or \
+                    (value <= 0 if kind == "number" else value < 0):
+                raise self._bad(name, "a finite number > 0" if kind == "number" else "a finite number >= 0", value)
+            value = float(value)
+        elif kind == "bool" and not isinstance(value, bool):
+            raise self._bad(name, "a JSON boolean (true or false)", value)
+        elif kind == "str" and not isinstance(value, str):
+            raise self._bad(name, "a string", value)
+        elif kind == "object" and not isinstance(value, Mapping):
+            raise self._bad(name, "an object (or null)", value)
+        elif kind == "list" and not (isinstance(value, list) and all(isinstance(v, str) for v in value)):
+            raise self._bad(name, "a list of strings", value)
+        return value
+
+
+def _architecture(f: _Fields) -> str:
+    names = f.get("architectures", "list") or []
+    model_type = f.get("model_type", "str")
     if not names:
         by_type = {v: k for k, v in ARCHITECTURES.items()}
-        if hf.get("model_type") in by_type:
-            return by_type[hf["model_type"]]
+        if model_type in by_type:
+            return by_type[model_type]
     if len(names) != 1 or names[0] not in ARCHITECTURES:
-        raise HFConfigError(f"unsupported architecture {names or hf.get('model_type')!r}; "
+        raise HFConfigError(f"{f.where}: unsupported architecture {names or model_type!r}; "
                             f"supported: {sorted(ARCHITECTURES)}")
     return names[0]
 
 
-def _rope(hf: Mapping[str, Any]) -> tuple[float, Llama3RopeScaling | None]:
-    params = dict(hf.get("rope_parameters") or {})  # transformers 5
-    scaling = dict(hf.get("rope_scaling") or {})  # transformers 4.x
-    theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
-    source = params if params.get("rope_type", "default") != "default" else scaling
-    kind = source.get("rope_type", source.get("type", "default"))
+def _rope(f: _Fields) -> tuple[float, Llama3RopeScaling | None]:
+    params = dict(f.get("rope_parameters", "object") or {})  # transformers 5
+    scaling = dict(f.get("rope_scaling", "object") or {})  # transformers 4.x
+    theta = f.get("rope_theta", "number", source=params, prefix="rope_parameters.") \
+        or f.get("rope_theta", "number", 10000.0)
+    p_kind = f.get("rope_type", "str", "default", source=params, prefix="rope_parameters.")
+    key, source = ("rope_parameters", params) if p_kind != "default" else ("rope_scaling", scaling)
+    kind = f.get("rope_type", "str", None, source=source, prefix=f"{key}.") or \
+        f.get("type", "str", "default", source=source, prefix=f"{key}.")
     if kind == "default":
-        return float(theta), None
+        return theta, None
     if kind != "llama3":
-        raise HFConfigError(f"unsupported RoPE scaling rope_type={kind!r}; supported: 'default', 'llama3'")
-    fields = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-    missing = [f for f in fields if f not in source]
+        raise HFConfigError(f"{f.where}: unsupported RoPE scaling rope_type={kind!r}; supported: 'default', 'llama3'")
+    fields = {"factor": "number", "low_freq_factor": "number", "high_freq_factor": "number",
+              "original_max_position_embeddings": "int"}
+    missing = [k for k in fields if source.get(k) is None]
     if missing:
-        raise HFConfigError(f"llama3 RoPE scaling misses {missing}")
-    return float(theta), Llama3RopeScaling(**{f: source[f] for f in fields})
+        raise HFConfigError(f"{f.where}: llama3 RoPE scaling ({key}) misses {missing}")
+    return theta, Llama3RopeScaling(**{k: f.get(k, kind, source=source, prefix=f"{key}.")
+                                       for k, kind in fields.items()})
 
 
-def _refuse(hf: Mapping[str, Any], arch: str) -> None:
+def _refuse(f: _Fields, arch: str) -> None:
+    head_dim, hidden, heads = f.get("head_dim", "int"), f.hf["hidden_size"], f.hf["num_attention_heads"]
     checks = {
-        "hidden_act": (hf.get("hidden_act", "silu") != "silu", "only 'silu' (SwiGLU) is implemented"),
-        "attention_bias": (bool(hf.get("attention_bias")), "biases on q/k/v/o projections (Llama) are not implemented"),
-        "mlp_bias": (bool(hf.get("mlp_bias")), "biases on the MLP projections are not implemented"),
-        "attention_dropout": (float(hf.get("attention_dropout") or 0.0) != 0.0, "dropout is not implemented"),
-        "pretraining_tp": (int(hf.get("pretraining_tp") or 1) != 1, "only pretraining_tp=1 is implemented"),
-        "use_sliding_window": (arch == "Qwen2ForCausalLM" and bool(hf.get("use_sliding_window")),
+        "hidden_act": (f.get("hidden_act", "str", "silu") != "silu", "only 'silu' (SwiGLU) is implemented"),
+        "attention_bias": (f.get("attention_bias", "bool", False), "biases on q/k/v/o projections (Llama) are not "
+                           "implemented"),
+        "mlp_bias": (f.get("mlp_bias", "bool", False), "biases on the MLP projections are not implemented"),
+        "attention_dropout": (f.get("attention_dropout", "number0", 0.0) != 0.0, "dropout is not implemented"),
+        "pretraining_tp": (f.get("pretraining_tp", "int", 1) != 1, "only pretraining_tp=1 is implemented"),
+        "use_sliding_window": (arch == "Qwen2ForCausalLM" and f.get("use_sliding_window", "bool", False),
                                "Qwen2's per-layer sliding window (max_window_layers) is not implemented"),
+        "head_dim": (head_dim is not None and head_dim != hidden // heads,
+                     f"head_dim={head_dim} differs from hidden_size / num_attention_heads = {hidden // heads}"),
     }
-    head_dim, hidden, heads = hf.get("head_dim"), hf["hidden_size"], hf["num_attention_heads"]
-    checks["head_dim"] = (head_dim is not None and head_dim != hidden // heads,
-                          f"head_dim={head_dim} differs from hidden_size / num_attention_heads = {hidden // heads}")
     for field, (bad, why) in checks.items():
         if bad:
-            raise HFConfigError(f"{arch} config field {field}={hf.get(field)!r}: {why}")
+            raise HFConfigError(f"{f.where}: {arch} config field {field}={f.hf.get(field)!r}: {why}")
 
 
 _REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
 
 
-def config_from_hf(hf: Mapping[str, Any], **overrides: Any) -> LlamaConfig:
+def config_from_hf(hf: Mapping[str, Any], *, where: str = "the Hugging Face config", **overrides: Any) -> LlamaConfig:
     """A :class:`LlamaConfig` equal in math to the Hugging Face config ``hf`` (a parsed config.json).
 
     ``vocab_multiple`` defaults to 1: the checkpoint's vocabulary is kept exactly (padded rows would
-    add logits the released model does not have). ``overrides`` replace any field.
+    add logits the released model does not have). ``overrides`` replace any field. Every field read
+    is type-checked (:class:`_Fields`); errors name ``where`` and the key.
+
+    Args:
+        hf: the parsed config.json.
+        where: its file, for messages.
+        overrides: LlamaConfig fields.
     """
+    f = _Fields(hf, where)
     missing = [k for k in _REQUIRED if hf.get(k) is None]
     if missing:
-        raise HFConfigError(f"the Hugging Face config has no {', '.join(repr(k) for k in missing)} "
+        raise HFConfigError(f"{where} has no {', '.join(repr(k) for k in missing)} "
                             f"(a {hf.get('model_type', 'model')!r} config.json needs {list(_REQUIRED)})")
     for key in _REQUIRED:
-        if isinstance(hf[key], bool) or not isinstance(hf[key], int) or hf[key] <= 0:
-            raise HFConfigError(f"the Hugging Face config's {key!r} must be a positive integer, got {hf[key]!r}")
-    arch = _architecture(hf)
-    _refuse(hf, arch)
-    theta, scaling = _rope(hf)
-    window = hf.get("sliding_window") if arch == "MistralForCausalLM" else None
+        f.get(key, "int")
+    arch = _architecture(f)
+    _refuse(f, arch)
+    theta, scaling = _rope(f)
+    heads = hf["num_attention_heads"]
+    kv_heads = f.get("num_key_value_heads", "int", heads)
+    if heads % kv_heads:
+        raise HFConfigError(f"{where}: 'num_key_value_heads' {kv_heads} does not divide 'num_attention_heads' "
+                            f"{heads}")
+    window = f.get("sliding_window", "int") if arch == "MistralForCausalLM" else None
     fields: dict[str, Any] = dict(
-        vocab_size=int(hf["vocab_size"]), hidden=int(hf["hidden_size"]), n_layers=int(hf["num_hidden_layers"]),
-        n_heads=int(hf["num_attention_heads"]),
-        n_kv_heads=int(hf.get("num_key_value_heads") or hf["num_attention_heads"]),
-        ffn_hidden=int(hf["intermediate_size"]), rope_theta=theta, rope_scaling=scaling,
-        norm_eps=float(hf.get("rms_norm_eps", 1e-6)), max_seq_len=int(hf.get("max_position_embeddings", 4096)),
+        vocab_size=hf["vocab_size"], hidden=hf["hidden_size"], n_layers=hf["num_hidden_layers"], n_heads=heads,
+        n_kv_heads=kv_heads, ffn_hidden=hf["intermediate_size"], rope_theta=theta, rope_scaling=scaling,
+        norm_eps=f.get("rms_norm_eps", "number", 1e-6), max_seq_len=f.get("max_position_embeddings", "int", 4096),
         vocab_multiple=1, qkv_bias=arch == "Qwen2ForCausalLM",
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        sliding_window=None if window is None else int(window),
+        tie_embeddings=f.get("tie_word_embeddings", "bool", False), sliding_window=window,
     )
     unknown = sorted(set(overrides) - set(fields))
     if unknown:

@@ -208,6 +208,59 @@ def _symlink_rows() -> list[Bad]:
     ]
 
 
+def _config_case(**fields: Any) -> Callable[[Path], Callable[[], Any]]:
+    def make(tmp: Path) -> Callable[[], Any]:
+        folder = tiny_hf(tmp / "hf", **fields)
+        return lambda: _load_hf(folder)
+    return make
+
+
+_LLAMA3 = {"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+           "original_max_position_embeddings": 64}
+
+
+def _config_rows() -> list[Bad]:
+    file = "hf/config.json'"
+    rows = {  # field values of the wrong JSON type (main coerced them, or failed naming no key or file)
+        "tie_word_embeddings a string": ({"tie_word_embeddings": "false"},
+                                         ("'tie_word_embeddings'", "JSON boolean", "'false'")),
+        "tie_word_embeddings a number": ({"tie_word_embeddings": 0}, ("'tie_word_embeddings'", "got 0")),
+        "rope_scaling a string": ({"rope_scaling": "llama3"}, ("'rope_scaling'", "an object", "'llama3'")),
+        "rope_parameters a list": ({"rope_parameters": [1]}, ("'rope_parameters'", "[1]")),
+        "rope_theta a word": ({"rope_theta": "abc", "rope_parameters": None}, ("'rope_theta'", "'abc'")),
+        "rope_parameters.rope_theta a string": ({"rope_parameters": {"rope_type": "default", "rope_theta": "1e4"}},
+                                                ("'rope_parameters.rope_theta'", "'1e4'")),
+        "rope factor a string": ({"rope_parameters": {**_LLAMA3, "factor": "8"}},
+                                 ("'rope_parameters.factor'", "'8'")),
+        "rope_scaling factor a string": ({"rope_parameters": None, "rope_scaling": {**_LLAMA3, "factor": "8"}},
+                                         ("'rope_scaling.factor'", "'8'")),
+        "rope original_max_position_embeddings a float": (
+            {"rope_parameters": {**_LLAMA3, "original_max_position_embeddings": 64.5}},
+            ("'rope_parameters.original_max_position_embeddings'", "64.5")),
+        "rope_type a number": ({"rope_parameters": {"rope_type": 3}}, ("'rope_parameters.rope_type'", "a string")),
+        "head_dim a string": ({"head_dim": "16"}, ("'head_dim'", "a positive integer", "'16'")),
+        "num_key_value_heads zero": ({"num_key_value_heads": 0}, ("'num_key_value_heads'", "got 0")),
+        "num_key_value_heads not dividing": ({"num_key_value_heads": 3}, ("'num_key_value_heads' 3", "does not "
+                                                                           "divide")),
+        "num_attention_heads a string": ({"num_attention_heads": "2"}, ("'num_attention_heads'", "'2'")),
+        "rms_norm_eps a string": ({"rms_norm_eps": "1e-6"}, ("'rms_norm_eps'", "'1e-6'")),
+        "rms_norm_eps infinite": ({"rms_norm_eps": float("inf")}, ("'rms_norm_eps'", "finite")),
+        "max_position_embeddings a float": ({"max_position_embeddings": 64.0}, ("'max_position_embeddings'",
+                                                                                "64.0")),
+        "attention_bias a string": ({"attention_bias": "false"}, ("'attention_bias'", "'false'")),
+        "hidden_act a list": ({"hidden_act": ["silu"]}, ("'hidden_act'", "a string")),
+        "architectures a string": ({"architectures": "LlamaForCausalLM"}, ("'architectures'", "list of strings")),
+    }
+    return [Bad(f"hf config {name}", "hf", _config_case(**fields), HFConfigError, (file, *says))
+            for name, (fields, says) in rows.items()]
+
+
+def test_a_config_of_the_right_types_still_loads_with_its_own_head(tmp_path: Path) -> None:
+    """``tie_word_embeddings: false`` (a JSON boolean) keeps the file's lm_head.weight."""
+    model = _load_hf(tiny_hf(tmp_path / "hf", tie_word_embeddings=False))
+    assert not torch.equal(model.model.output.weight, model.model.tok_embeddings.weight)
+
+
 # ------------------------------------------------------------------ checkpoint folders: symlinks and the marker
 def _load_ckpt(folder: Path) -> tuple[float, int]:
     from lightning_hotspa.adapter.checkpoints.dcp_state import load_distributed_checkpoint
@@ -351,7 +404,7 @@ def test_a_marker_rewritten_in_another_json_layout_still_passes(tmp_path: Path) 
     assert _load_ckpt(folder) == (2.0, 2)
 
 
-CASES = _symlink_rows() + _checkpoint_rows()
+CASES = _symlink_rows() + _config_rows() + _checkpoint_rows()
 
 
 @pytest.mark.parametrize("case", CASES, ids=[f"{c.area}-{c.name}" for c in CASES])
