@@ -16,7 +16,7 @@ import stat
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-__all__ = ["escapes", "points_to", "output_problem", "umask_mode", "write_output", "OutputError"]
+__all__ = ["cause_of", "escapes", "points_to", "output_problem", "umask_mode", "write_output", "OutputError"]
 
 
 class OutputError(OSError):
@@ -95,7 +95,12 @@ def umask_mode() -> int:
     return 0o666 & ~mask
 
 
-def _cause(exc: BaseException) -> str:
+def cause_of(exc: BaseException) -> str:
+    """One line: the OS's words for an OSError's errno (``No space left on device``), else the first line.
+
+    Args:
+        exc: the error a write raised.
+    """
     if isinstance(exc, OSError) and exc.errno is not None:
         return os.strerror(exc.errno)
     return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
@@ -124,5 +129,5 @@ def write_output(path: str | os.PathLike, write: Callable[[Path], None], what: s
             part.unlink(missing_ok=True)
         except OSError:
             pass
-        raise OutputError(f"{what}: cannot write {str(path)!r}: {_cause(exc)}") from None
+        raise OutputError(f"{what}: cannot write {str(path)!r}: {cause_of(exc)}") from None
     return path

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from torch import Tensor
 
-from ..paths import escapes, points_to, umask_mode
+from ..paths import OutputError, cause_of, escapes, points_to, umask_mode
 
 __all__ = ["HFCheckpoint", "HFWeightsError", "WEIGHT_PATTERNS", "hf_name", "in_model_folder", "our_name",
            "save_hf_folder"]
@@ -225,25 +225,34 @@ def _safe_open(file: Path):
                              f"{type(exc).__name__}: {exc}") from None
 
 
-def save_hf_folder(path: str | os.PathLike[str], config_json: Mapping, tensors: Iterable[tuple[str, Tensor]],
-                   max_shard_bytes: int = 4 << 30, *, replace_folder: bool = False) -> list[str]:
-    """Writes ``config.json`` and the tensors (Hugging Face names) as safetensors shards; returns the file names.
+class _Source(Exception):
+    """An error raised while the tensors were produced (not while writing), carried through unchanged."""
 
-    Args:
-        path: the model folder.
-        config_json: the config.
-        tensors: (Hugging Face name, tensor) pairs.
-        max_shard_bytes: at most this many bytes per shard, with an index when there is more than one.
-        replace_folder: the folder ends up holding only these files (written beside it, then swapped
-            in); else they are written into it and every weight file it did not write
-            (:data:`WEIGHT_PATTERNS`: any other ``*.safetensors``, an index, ``pytorch_model*.bin``) is
-            removed, named in a warning, so no loader can pick old weights.
-    """
+    def __init__(self, error: BaseException) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+    @staticmethod
+    def guard(tensors: Iterable[tuple[str, Tensor]]) -> Iterable[tuple[str, Tensor]]:
+        """``tensors``, with an error of the producer wrapped as a :class:`_Source`."""
+        it = iter(tensors)
+        while True:
+            try:
+                item = next(it)
+            except StopIteration:
+                return
+            except Exception as exc:  # noqa: BLE001 - re-raised as it was by save_hf_folder
+                raise _Source(exc) from exc
+            yield item
+
+
+def _write_folder(out: Path, config_json: Mapping, tensors: Iterable[tuple[str, Tensor]], max_shard_bytes: int,
+                  fresh: bool) -> tuple[list[str], list[str]]:
+    """Writes the shards, their index and config.json into ``out`` (emptied first when ``fresh``);
+    returns the shard names and every file written."""
     from safetensors.torch import save_file
 
-    final = Path(path).expanduser()
-    out = final.with_name(f".{final.name}.hotspa-export.tmp") if replace_folder else final
-    if replace_folder:
+    if fresh:
         shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True, exist_ok=True)
     shards: list[dict[str, Tensor]] = [{}]
@@ -269,6 +278,33 @@ def save_hf_folder(path: str | os.PathLike[str], config_json: Mapping, tensors: 
     (out / "config.json").write_text(json.dumps(dict(config_json), indent=2))
     for file in written:
         os.chmod(out / file, umask_mode())  # as open() creates them (safetensors writes 0600)
+    return names, written
+
+
+def save_hf_folder(path: str | os.PathLike[str], config_json: Mapping, tensors: Iterable[tuple[str, Tensor]],
+                   max_shard_bytes: int = 4 << 30, *, replace_folder: bool = False) -> list[str]:
+    """Writes ``config.json`` and the tensors (Hugging Face names) as safetensors shards; returns the file names.
+
+    Args:
+        path: the model folder.
+        config_json: the config.
+        tensors: (Hugging Face name, tensor) pairs.
+        max_shard_bytes: at most this many bytes per shard, with an index when there is more than one.
+        replace_folder: the folder ends up holding only these files (written beside it, then swapped
+            in); else they are written into it and every weight file it did not write
+            (:data:`WEIGHT_PATTERNS`: any other ``*.safetensors``, an index, ``pytorch_model*.bin``) is
+            removed, named in a warning, so no loader can pick old weights.
+    """
+    final = Path(path).expanduser()
+    out = final.with_name(f".{final.name}.hotspa-export.tmp") if replace_folder else final
+    try:
+        names, written = _write_folder(out, config_json, _Source.guard(tensors), max_shard_bytes, replace_folder)
+    except Exception as exc:  # noqa: BLE001 - a failed write is one line naming the folder and the cause
+        if replace_folder:
+            shutil.rmtree(out, ignore_errors=True)  # nothing half-written is left beside the folder
+        if isinstance(exc, _Source):
+            raise exc.error from None  # the tensors' own error (a checkpoint that cannot be read), as it was
+        raise OutputError(f"cannot write {str(final)!r}: {cause_of(exc)}") from None
     if replace_folder:
         old = final.with_name(f".{final.name}.hotspa-export.old")
         shutil.rmtree(old, ignore_errors=True)

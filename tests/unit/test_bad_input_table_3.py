@@ -404,7 +404,167 @@ def test_a_marker_rewritten_in_another_json_layout_still_passes(tmp_path: Path) 
     assert _load_ckpt(folder) == (2.0, 2)
 
 
-CASES = _symlink_rows() + _config_rows() + _checkpoint_rows()
+# ------------------------------------------------------------------ outputs
+def _llama_ckpt(tmp: Path) -> Path:
+    """A committed LlamaLM checkpoint (exportable) at tmp/ck/step=3."""
+    from lightning_hotspa.adapter.checkpoints.dcp_state import save_distributed_checkpoint
+    from lightning_hotspa.models import LlamaLM
+
+    model = LlamaLM({"preset": "tiny", "n_layers": 1})
+    save_distributed_checkpoint({"state_dict": dict(model.state_dict()), "global_step": 3,
+                                 "hyper_parameters": {"config": {"preset": "tiny", "n_layers": 1}}},
+                                tmp / "ck" / "step=3", is_rank_zero=True, barrier=lambda: None)
+    return tmp / "ck" / "step=3"
+
+
+def _fifo(tmp: Path, name: str = "out") -> Path:
+    import os
+
+    os.mkfifo(tmp / name)
+    return tmp / name
+
+
+def _socket(tmp: Path) -> Path:
+    import socket
+
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.bind(str(tmp / "out.sock"))
+    sock.close()
+    return tmp / "out.sock"
+
+
+def _link(tmp: Path) -> Path:
+    (tmp / "real.ckpt").write_bytes(b"keep me")
+    (tmp / "out").symlink_to(tmp / "real.ckpt")
+    return tmp / "out"
+
+
+def _dir_link(tmp: Path) -> Path:
+    (tmp / "realdir").mkdir()
+    (tmp / "out").symlink_to(tmp / "realdir", target_is_directory=True)
+    return tmp / "out"
+
+
+def _under_file(tmp: Path) -> Path:
+    (tmp / "afile").write_text("a file")
+    return tmp / "afile" / "out"
+
+
+def _writer(kind: str, output: Callable[[Path], Path]) -> Callable[[Path], Callable[[], Any]]:
+    def make(tmp: Path) -> Callable[[], Any]:
+        from lightning_hotspa.adapter.checkpoints.dcp_state import export_consolidated
+        from lightning_hotspa.adapter.checkpoints.hf_export import export_hf
+        from lightning_hotspa.adapter.checkpoints.single_file import consolidate_checkpoint
+
+        if kind == "save":
+            out = output(tmp)
+            return lambda: save_tiny(out, 1.0, 1)
+        folder = _llama_ckpt(tmp) if kind == "export_hf" else save_tiny(tmp / "c" / "step=2", 2.0, 2)
+        out = output(tmp)
+        return {"consolidate": lambda: consolidate_checkpoint(folder, out),
+                "export_consolidated": lambda: export_consolidated(folder, out),
+                "export_hf": lambda: export_hf(folder, out, overwrite=True),
+                "cli consolidate": _cli("consolidate", str(folder), str(out))(tmp)}[kind]
+    return make
+
+
+def _output_rows() -> list[Bad]:
+    rows = []
+    for kind, error in (("consolidate", OSError), ("export_consolidated", OSError), ("export_hf", OSError),
+                        ("save", CheckpointError), ("cli consolidate", CliRefused)):
+        folder = kind in ("export_hf", "save")
+        rows += [Bad(f"{kind} to a FIFO", "output", _writer(kind, _fifo), error, ("out'", "is a FIFO")),
+                 Bad(f"{kind} under a file", "output", _writer(kind, _under_file), error,
+                     ("afile/out", "its parent", "afile' is a file"))]
+        if not folder:
+            rows.append(Bad(f"{kind} to a symlink", "output", _writer(kind, _link), error,
+                            ("out' is a symlink to", "real.ckpt", "not replaced")))
+    rows += [Bad("consolidate to a socket", "output", _writer("consolidate", _socket), OSError,
+                 ("out.sock' exists and is a socket",)),
+             Bad("export_hf to a symlinked folder", "output", _writer("export_hf", _dir_link), OSError,
+                 ("out' is a symlink to", "realdir"))]
+    return rows
+
+
+def test_a_device_node_is_never_an_output(tmp_path: Path) -> None:
+    """The check on a path whose stat says character device (/dev/null's stat, read only; nothing is
+    written to a device in this test)."""
+    import os
+
+    from lightning_hotspa.paths import output_problem
+
+    problem = output_problem(tmp_path / "dev", st=os.stat("/dev/null"))
+    assert problem and "is a character device, not a regular file" in problem and "dev'" in problem
+    assert "a character device, not a folder" in output_problem(tmp_path / "dev", True, os.stat("/dev/null"))
+
+
+def test_outputs_under_a_symlinked_folder_are_written(tmp_path: Path) -> None:
+    from lightning_hotspa.adapter.checkpoints.single_file import consolidate_checkpoint
+
+    folder = save_tiny(tmp_path / "c" / "step=2", 2.0, 2)
+    (tmp_path / "real").mkdir()
+    (tmp_path / "alias").symlink_to(tmp_path / "real", target_is_directory=True)
+    consolidate_checkpoint(folder, tmp_path / "alias" / "m.ckpt")
+    assert (tmp_path / "real" / "m.ckpt").is_file()
+    assert _fifo(tmp_path, "still").is_fifo()  # and a FIFO refused above stays one (not replaced by a file)
+
+
+def test_a_full_disk_is_one_line_naming_the_path_and_leaves_no_tmp(tmp_path: Path, monkeypatch) -> None:
+    import errno
+
+    folder = save_tiny(tmp_path / "c" / "step=2", 2.0, 2)
+    real_save = torch.save
+
+    def full(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
+        f.write(b"partial")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", full)
+    with pytest.raises(CliRefused, match=r"(?s)exit 2: hotspa consolidate: error: consolidate output: cannot write "
+                                         r"'.*m.ckpt': No space left on device\n$"):
+        _cli("consolidate", str(folder), str(tmp_path / "m.ckpt"))(tmp_path)()
+    monkeypatch.setattr(torch, "save", real_save)
+    assert not list(tmp_path.glob("m.ckpt*"))
+
+
+def test_a_full_disk_during_an_hf_export_leaves_nothing(tmp_path: Path, monkeypatch) -> None:
+    import errno
+
+    import safetensors.torch
+
+    from lightning_hotspa.adapter.checkpoints.hf_export import export_hf
+
+    folder = _llama_ckpt(tmp_path)
+
+    def full(tensors: Any, filename: str, metadata: Any = None) -> None:
+        Path(filename).write_bytes(b"partial")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full)
+    with pytest.raises(OSError, match=r"cannot write '.*/hf': No space left on device$"):
+        export_hf(folder, tmp_path / "hf")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
+
+
+def test_exported_files_get_the_mode_open_gives_them(tmp_path: Path) -> None:
+    import os
+    import stat
+
+    from lightning_hotspa.adapter.checkpoints.hf_export import export_hf
+    from lightning_hotspa.adapter.checkpoints.single_file import consolidate_checkpoint
+
+    folder = _llama_ckpt(tmp_path)
+    old = os.umask(0o027)
+    try:
+        export_hf(folder, tmp_path / "hf")
+        consolidate_checkpoint(folder, tmp_path / "m.ckpt")
+    finally:
+        os.umask(old)
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in [*(tmp_path / "hf").iterdir(), tmp_path / "m.ckpt"]}
+    assert modes == {"model.safetensors": 0o640, "config.json": 0o640, "m.ckpt": 0o640}, modes
+
+
+CASES = _symlink_rows() + _config_rows() + _checkpoint_rows() + _output_rows()
 
 
 @pytest.mark.parametrize("case", CASES, ids=[f"{c.area}-{c.name}" for c in CASES])

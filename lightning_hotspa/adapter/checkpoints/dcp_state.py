@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from ...paths import output_problem, write_output
 from ..lightning.reliability import is_collective_failure
 from .dcp_metadata import SafeFileSystemReader, safe_dcp_load
 from .trust import (
@@ -192,6 +193,7 @@ def save_distributed_checkpoint(checkpoint: dict[str, Any], path: str | os.PathL
                               f"checkpoints being written or replaced; choose another name")
     tmp = path.with_name(path.name + ".tmp")
     meta_bytes, problem = encoded_meta_or_problem(checkpoint, path) if is_rank_zero else (None, None)
+    problem = problem or (output_problem(path, folder=True) if is_rank_zero else None)  # never replace a device
     problem = broadcast(problem or (_prepare(tmp) if is_rank_zero else None))
     if problem is not None:
         raise CheckpointError(problem if problem.startswith("cannot write") else
@@ -428,7 +430,7 @@ def export_consolidated(checkpoint_dir: str | os.PathLike, output_file: str | os
     checkpoint_dir, output_file = resolve_checkpoint(checkpoint_dir), Path(output_file)
     read_meta(checkpoint_dir / META_FILE, verify_checkpoint(checkpoint_dir))  # the marker's step is the metadata's
     state = read_model_tensors(checkpoint_dir)
-    part = output_file.with_name(output_file.name + ".tmp")
-    torch.save(state, part)
-    os.replace(part, output_file)  # never a half-written export under the final name
+    from .single_file import _save
+
+    write_output(output_file, lambda part: _save(state, part), "export output")  # via .tmp, renamed
     return state

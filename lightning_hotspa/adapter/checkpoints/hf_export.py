@@ -21,6 +21,7 @@ import torch
 
 from ...models.hf_config import config_to_hf
 from ...models.hf_weights import hf_name, save_hf_folder
+from ...paths import OutputError, output_problem
 from .dcp_metadata import SafeFileSystemReader, safe_dcp_load
 from .dcp_state import META_FILE, CheckpointError, resolve_checkpoint
 from .trust import read_meta, verify_checkpoint
@@ -42,9 +43,11 @@ def _config(meta: dict[str, Any], path: Path) -> Any:
 
 
 def _check_out_dir(out: Path, overwrite: bool) -> None:
-    """Refuses a non-empty output folder unless ``overwrite`` (then it is replaced wholesale)."""
-    if out.exists() and not out.is_dir():
-        raise FileExistsError(f"export output {str(out)!r} is a file, not a folder")
+    """Refuses a non-empty output folder unless ``overwrite`` (then it is replaced wholesale), and
+    an output that is a symlink, a file, a device, FIFO or socket, or lies under a file."""
+    problem = output_problem(out, folder=True)
+    if problem:
+        raise OutputError(f"export output: {problem}")
     entries = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
     if entries and not overwrite:
         shown = ", ".join(entries[:5]) + (f", ... ({len(entries)} entries)" if len(entries) > 5 else "")
@@ -96,5 +99,5 @@ def export_hf(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathLike,
             yield name, value
 
     save_hf_folder(out, config_to_hf(config, str(stored).removeprefix("torch.")), recorded(),
-                   replace_folder=out.exists())
+                   replace_folder=True)  # written beside, swapped in whole: a failed export leaves nothing
     return names

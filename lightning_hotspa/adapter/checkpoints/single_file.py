@@ -18,7 +18,8 @@ from typing import Any
 
 import torch
 
-from .dcp_state import read_model_tensors, resolve_checkpoint
+from ...paths import output_problem, write_output
+from .dcp_state import CheckpointError, read_model_tensors, resolve_checkpoint
 from .trust import META_FILE, read_meta, verify_checkpoint
 
 __all__ = ["consolidate_checkpoint"]
@@ -47,6 +48,8 @@ def consolidate_checkpoint(checkpoint_dir: str | os.PathLike, output_file: str |
             bar, the slow part of a large folder); None: nothing shown.
     """
     folder, output_file = resolve_checkpoint(checkpoint_dir), Path(output_file)
+    if output_problem(output_file):  # before the checksums of a large folder are read
+        raise CheckpointError(f"consolidate output: {output_problem(output_file)}")
     # checksums before anything in the folder is unpickled (docs/checkpoint-trust.md)
     marker = verify_checkpoint(folder, progress=progress)
     meta = read_meta(folder / META_FILE, marker)  # weights-only, with the allow-list
@@ -55,7 +58,11 @@ def consolidate_checkpoint(checkpoint_dir: str | os.PathLike, output_file: str |
     out["state_dict"] = {k: v.contiguous() for k, v in model.items()}
     if "hyper_parameters" in meta:
         out["hyper_parameters"] = _plain(dict(meta["hyper_parameters"]))
-    part = output_file.with_name(output_file.name + ".tmp")
-    torch.save(out, part)
-    os.replace(part, output_file)  # never a half-written file under the final name
+    write_output(output_file, lambda part: _save(out, part), "consolidate output")  # via .tmp, renamed
     return out
+
+
+def _save(obj: Any, file: Path) -> None:
+    """``torch.save`` through a Python file, so a full disk is an OSError naming its cause."""
+    with open(file, "wb") as f:
+        torch.save(obj, f)
