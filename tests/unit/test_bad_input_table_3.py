@@ -564,7 +564,116 @@ def test_exported_files_get_the_mode_open_gives_them(tmp_path: Path) -> None:
     assert modes == {"model.safetensors": 0o640, "config.json": 0o640, "m.ckpt": 0o640}, modes
 
 
-CASES = _symlink_rows() + _config_rows() + _checkpoint_rows() + _output_rows()
+# ------------------------------------------------------------------ DCP errors, named
+def _truncate(name: str = "__0_0.distcp") -> Callable[[Path, Path], None]:
+    """The rank file cut in half, and commit.json rehashed to match (so only DCP's own read can tell)."""
+    def damage(folder: Path, tmp: Path) -> None:
+        data = (folder / name).read_bytes()
+        (folder / name).write_bytes(data[:len(data) // 2])
+        rehash(folder, name)
+    return damage
+
+
+def _zeroed(folder: Path, tmp: Path) -> None:
+    """The rank file's bytes zeroed at its full size, rehashed: DCP's torch.load of an item fails."""
+    (folder / "__0_0.distcp").write_bytes(bytes((folder / "__0_0.distcp").stat().st_size))
+    rehash(folder, "__0_0.distcp")
+
+
+def _renamed_rank(folder: Path, tmp: Path) -> None:
+    """Rank 0's file under rank 1's name (files of a save at another world size), rehashed."""
+    (folder / "__0_0.distcp").rename(folder / "__1_0.distcp")
+    marker = json.loads((folder / "commit.json").read_text())
+    del marker["files"]["__0_0.distcp"]
+    reseal(folder, marker)
+    rehash(folder, "__1_0.distcp")
+
+
+def _two_file_ckpt(tmp: Path) -> Path:
+    """One process, two rank files (DCP's writer with two threads), of different sizes."""
+    from lightning_hotspa.adapter.checkpoints import dcp_state
+
+    class TwoFiles(dcp_state.RecordingWriter):
+        def __init__(self, path: str) -> None:
+            super().__init__(path)
+            self.thread_count = 2
+
+    real = dcp_state.RecordingWriter
+    dcp_state.RecordingWriter = TwoFiles
+    try:
+        dcp_state.save_distributed_checkpoint({"state_dict": {"a": torch.ones(4), "b": torch.arange(256.0)},
+                                               "global_step": 2}, tmp / "two", is_rank_zero=True,
+                                              barrier=lambda: None)
+    finally:
+        dcp_state.RecordingWriter = real
+    return tmp / "two"
+
+
+def _swapped(tmp: Path) -> Callable[[], Any]:
+    from lightning_hotspa.adapter.checkpoints.single_file import consolidate_checkpoint
+
+    folder = _two_file_ckpt(tmp)
+    files = sorted(folder.glob("*.distcp"))
+    assert len(files) == 2, files
+    one, two = (f.read_bytes() for f in files)
+    files[0].write_bytes(two)
+    files[1].write_bytes(one)
+    rehash(folder, *(f.name for f in files))
+    return lambda: consolidate_checkpoint(folder, tmp / "m.ckpt")
+
+
+def _dcp_rows() -> list[Bad]:
+    likely = "truncated, a rank file swapped"
+    return [
+        Bad("truncated .distcp, rehashed, on resume", "checkpoint", _ckpt(_truncate()), CheckpointError,
+            ("__0_0.distcp is", "bytes, its .metadata places data up to byte", likely)),
+        Bad("truncated .distcp, rehashed, on consolidate", "checkpoint", _ckpt(_truncate(), "consolidate"),
+            CheckpointError, ("__0_0.distcp is", likely)),
+        Bad("truncated .distcp, rehashed, on export_consolidated", "checkpoint", _ckpt(_truncate(), "export"),
+            CheckpointError, ("__0_0.distcp is", likely)),
+        Bad("zeroed .distcp, rehashed, on resume", "checkpoint", _ckpt(_zeroed), CheckpointError,
+            ("a rank file could not be read", "rehashed", likely)),
+        Bad("zeroed .distcp, rehashed, on consolidate", "checkpoint", _ckpt(_zeroed, "consolidate"), CheckpointError,
+            ("a rank file could not be read", likely)),
+        Bad("rank file of another world size", "checkpoint", _ckpt(_renamed_rank), CheckpointError,
+            ("places data in __0_0.distcp, which the folder lacks", "world size")),
+        Bad("swapped rank files, rehashed", "checkpoint", _swapped, CheckpointError,
+            (".distcp is", "bytes", "swapped")),
+    ]
+
+
+def test_a_truncated_rank_file_is_never_called_a_different_model(tmp_path: Path) -> None:
+    call = _ckpt(_truncate())(tmp_path)
+    with pytest.raises(CheckpointError) as info:
+        call()
+    assert "different model" not in str(info.value) and "does not fit" not in str(info.value), info.value
+
+
+def test_another_model_is_still_named_so(tmp_path: Path) -> None:
+    """A tensor of another size (the real misfit) keeps its message."""
+    from lightning_hotspa.adapter.checkpoints.dcp_state import load_distributed_checkpoint
+
+    folder = save_tiny(tmp_path / "step=2", 2.0, 2)
+    module = torch.nn.Module()
+    module.w = torch.nn.Parameter(torch.zeros(8))
+    with pytest.raises(CheckpointError, match="does not fit Module"):
+        load_distributed_checkpoint(folder, module, [])
+
+
+def test_a_failed_checkpoint_write_is_one_line_naming_the_folder(tmp_path: Path, monkeypatch) -> None:
+    import errno
+
+    from lightning_hotspa.adapter.checkpoints import dcp_state
+
+    def full(self: Any, plan: Any, planner: Any) -> Any:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(dcp_state.RecordingWriter, "write_data", full)
+    with pytest.raises(CheckpointError, match=r"^cannot write a checkpoint to '.*step=2': No space left on device$"):
+        save_tiny(tmp_path / "step=2", 2.0, 2)
+
+
+CASES = _symlink_rows() + _config_rows() + _checkpoint_rows() + _output_rows() + _dcp_rows()
 
 
 @pytest.mark.parametrize("case", CASES, ids=[f"{c.area}-{c.name}" for c in CASES])

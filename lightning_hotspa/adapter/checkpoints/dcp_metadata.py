@@ -23,10 +23,12 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
 
 from .trust import DCP_METADATA, CheckpointError
 
-__all__ = ["ALLOWED_GLOBALS", "SafeFileSystemReader", "SafeLoadPlanner", "load_dcp_metadata", "safe_dcp_load"]
+__all__ = ["ALLOWED_GLOBALS", "SafeFileSystemReader", "SafeLoadPlanner", "check_storage", "first_failure",
+           "load_dcp_metadata", "safe_dcp_load", "safe_dcp_save"]
 
 _METADATA = "torch.distributed.checkpoint.metadata"
 #: (module, name) of every class a DCP ``.metadata`` may name; dtypes and layouts are checked by value
@@ -125,12 +127,101 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             self.state_dict[read_item.dest_index.fqn] = obj
 
 
+def first_failure(exc: BaseException) -> BaseException:
+    """The first rank's own error inside DCP's ``CheckpointException`` (which wraps every rank's), else ``exc``.
+
+    Args:
+        exc: what ``dcp.load`` / ``dcp.save`` raised.
+    """
+    failures = getattr(exc, "failures", None)
+    if type(exc).__name__ == "CheckpointException" and failures:
+        found = next(iter(failures.values()))
+        return found[0] if isinstance(found, tuple) else found
+    return exc
+
+
+_LIKELY = ("truncated, a rank file swapped with another rank's, or files of a save at another world size "
+           "(rank count)")
+
+
+def check_storage(path: Path, metadata: Any) -> None:
+    """Every rank file DCP's metadata places data in is a plain file of the folder, long enough for
+    it; else a CheckpointError naming the file and the likely cause (before DCP reads a byte).
+
+    Args:
+        path: the checkpoint folder.
+        metadata: its DCP metadata (read through the allow-list).
+    """
+    needed: dict[str, int] = {}
+    for info in (getattr(metadata, "storage_data", None) or {}).values():
+        name = str(getattr(info, "relative_path", ""))
+        if not name or Path(name).name != name or name in (".", ".."):
+            raise CheckpointError(f"refusing to load {str(path)!r}: its {DCP_METADATA} places data in {name!r}, "
+                                  f"not a file of the folder")
+        needed[name] = max(needed.get(name, 0), int(info.offset) + int(info.length))
+    for name, end in sorted(needed.items()):
+        file = path / name
+        if not file.is_file():
+            raise CheckpointError(f"cannot load {str(path)!r}: its {DCP_METADATA} places data in {name}, which the "
+                                  f"folder lacks ({_LIKELY}?)")
+        size = file.stat().st_size
+        if size < end:
+            raise CheckpointError(f"cannot load {str(path)!r}: {name} is {size} bytes, its {DCP_METADATA} places "
+                                  f"data up to byte {end} ({_LIKELY}?)")
+
+
 def safe_dcp_load(state: dict[str, Any], path: str | os.PathLike, *, no_dist: bool = False) -> None:
-    """``dcp.load`` of ``state`` from ``path`` through :class:`SafeFileSystemReader` and :class:`SafeLoadPlanner`.
+    """``dcp.load`` of ``state`` from ``path`` through :class:`SafeFileSystemReader` and
+    :class:`SafeLoadPlanner`, after :func:`check_storage`. A failure while reading a rank file is a
+    CheckpointError naming the folder, the file's error and the likely cause; a failed collective
+    and a tensor that does not fit ``state`` (another model: the caller names it) are raised as they are.
 
     Args:
         state: the state dict to fill in place.
         path: the checkpoint folder.
         no_dist: load in this process alone (no process group).
     """
-    dcp.load(state, storage_reader=SafeFileSystemReader(str(Path(path))), planner=SafeLoadPlanner(), no_dist=no_dist)
+    reader = SafeFileSystemReader(str(Path(path)))
+    check_storage(Path(path), reader.read_metadata())
+    try:
+        dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=no_dist)
+    except (Exception, CheckpointException) as exc:  # noqa: BLE001 - sorted below (DCP's is a BaseException): ours, a collective, a misfit, or a bad file
+        cause = first_failure(exc)
+        if isinstance(cause, CheckpointError) or _is_misfit(cause) or _is_collective(cause):
+            raise
+        first = (str(cause).strip().splitlines() or [type(cause).__name__])[0][:300]
+        raise CheckpointError(f"cannot load {str(path)!r}: a rank file could not be read ({type(cause).__name__}: "
+                              f"{first}); its checksums match commit.json, so it was written so or rehashed: "
+                              f"{_LIKELY}?") from exc
+
+
+def _is_misfit(exc: BaseException) -> bool:
+    """A saved tensor whose size differs from the module's (a different model, named by the caller)."""
+    text = str(exc)
+    return "Size mismatch" in text or "size mismatch" in text or "shape" in text and "mismatch" in text
+
+
+def _is_collective(exc: BaseException) -> bool:
+    from ..lightning.reliability import is_collective_failure
+
+    return is_collective_failure(exc)
+
+
+def safe_dcp_save(state: dict[str, Any], path: Path, **kwargs: Any) -> None:
+    """``dcp.save``; a failure to write (a full disk, a folder that went away) is a CheckpointError
+    naming ``path`` and the cause, a failed collective is raised as it is.
+
+    Args:
+        state: the state dict to save.
+        path: the checkpoint folder, for the message.
+        kwargs: ``storage_writer`` and ``planner``, as ``dcp.save`` takes them.
+    """
+    from ...paths import cause_of
+
+    try:
+        dcp.save(state, **kwargs)
+    except (Exception, CheckpointException) as exc:  # noqa: BLE001 - one line naming the folder and the cause
+        cause = first_failure(exc)
+        if _is_collective(cause):
+            raise
+        raise CheckpointError(f"cannot write a checkpoint to {str(path)!r}: {cause_of(cause)}") from exc

@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
@@ -32,7 +31,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from ...paths import output_problem, write_output
 from ..lightning.reliability import is_collective_failure
-from .dcp_metadata import SafeFileSystemReader, safe_dcp_load
+from .dcp_metadata import SafeFileSystemReader, safe_dcp_load, safe_dcp_save
 from .trust import (
     COMMIT_FILE,
     DCP_METADATA,
@@ -202,7 +201,7 @@ def save_distributed_checkpoint(checkpoint: dict[str, Any], path: str | os.PathL
     for i, optimizer_state in enumerate(checkpoint.pop("optimizer_states", [])):
         state[f"optimizer_{i}"] = optimizer_state
     writer = RecordingWriter(str(tmp))
-    dcp.save(state, storage_writer=writer)
+    safe_dcp_save(state, path, storage_writer=writer)  # a failed write: one line naming the folder
     everyone = gather(file_entries(tmp, writer.written))  # each rank hashes the shards it wrote
     if is_rank_zero:
         assert meta_bytes is not None
@@ -385,8 +384,8 @@ def load_distributed_checkpoint(path: str | os.PathLike, module: nn.Module, opti
             exc = next(iter(exc.failures.values()))[0]
         if is_collective_failure(exc):
             raise
-        if isinstance(exc, CheckpointError):  # a refused item (dcp_metadata), named
-            raise CheckpointError(f"checkpoint {str(path)!r}: {exc}") from None
+        if isinstance(exc, CheckpointError):  # a refused item or an unreadable rank file (dcp_metadata), named
+            raise (exc if str(path) in str(exc) else CheckpointError(f"checkpoint {str(path)!r}: {exc}")) from None
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise CheckpointError(f"checkpoint {str(path)!r} (its files intact) does not fit {type(module).__name__} "
                               f"(a different model or optimizer?): {type(exc).__name__}: {first[:600]}") from exc

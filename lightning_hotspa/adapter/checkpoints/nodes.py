@@ -31,9 +31,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultSavePlanner
 
+from .dcp_metadata import safe_dcp_save
 from .dcp_state import (
     COMMIT_FILE,
     DCP_METADATA,
@@ -243,7 +243,7 @@ class CheckpointPlacement:
         for i, optimizer_state in enumerate(checkpoint.pop("optimizer_states", [])):
             state[f"optimizer_{i}"] = optimizer_state
         writer = _PerNodeWriter(str(tmp), self.node_map)
-        dcp.save(state, storage_writer=writer, planner=_PerNodePlanner(self.node_map))
+        safe_dcp_save(state, path, storage_writer=writer, planner=_PerNodePlanner(self.node_map))
         per_node = self.broadcast(writer.per_node if self.rank == 0 else None)  # rank 0's metadata to every node
         meta_bytes = self.broadcast(meta_bytes)
         hashed = _all_gather(file_entries(tmp, writer.written))  # each rank hashes the shards it wrote
