@@ -9,6 +9,7 @@ stay the ones its callers catch.
 from __future__ import annotations
 
 import json
+import math
 import numbers
 from pathlib import Path
 from typing import Any
@@ -36,10 +37,12 @@ def check_int(value: Any, what: str, *, minimum: int = 1, error: type[Exception]
 
 
 def check_number(value: Any, what: str, *, strict: bool = True, error: type[Exception] = ValueError) -> float:
-    """``value`` as a ``float`` if it is a real number ``> 0`` (``>= 0`` with ``strict=False``)."""
+    """``value`` as a ``float`` if it is a finite real number ``> 0`` (``>= 0`` with ``strict=False``)."""
     ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and (value > 0 if strict else value >= 0)
     if not ok:
         raise error(f"{what} must be {'a positive number' if strict else 'a number >= 0'}, got {value!r}")
+    if not math.isfinite(value):  # an infinite learning rate or weight decay: a run of NaNs naming no setting
+        raise error(f"{what} must be a finite {'positive number' if strict else 'number >= 0'}, got {value!r}")
     return float(value)
 
 

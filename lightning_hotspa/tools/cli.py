@@ -33,6 +33,9 @@ class CliError(Exception):
     """A bad input; printed as one line, exit code 2."""
 
 
+_MAX_TOKENS, _MAX_INT = 2**30, 2**31 - 1  # beyond them an argument is a typo, not a plan (numpy's int64 overflows)
+
+
 def _tokens(text: str) -> int:
     """``32768``, ``32K`` / ``32k`` (x1024), ``1M`` (x1024^2)."""
     t = text.strip().lower()
@@ -43,6 +46,8 @@ def _tokens(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a token count like 32768, 32K or 1M, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"token counts must be positive, got {text!r}")
+    if value > _MAX_TOKENS:
+        raise argparse.ArgumentTypeError(f"token counts above {_MAX_TOKENS // 1024**2}M are out of range, got {text!r}")
     return value
 
 
@@ -51,8 +56,8 @@ def _positive(text: str) -> int:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    if not 1 <= value <= _MAX_INT:
+        raise argparse.ArgumentTypeError(f"expected a positive integer up to {_MAX_INT}, got {text!r}")
     return value
 
 
@@ -537,8 +542,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "check-calibration": _cmd_check_calibration, "export": export.run, "consolidate": consolidate.run,
                 "upgrade-checkpoint": export.run_upgrade}
     try:
+        from .progress import progress_enabled
+
+        progress_enabled()  # a bad HOTSPA_PROGRESS is refused by every command, not only those with a bar
         result = commands[args.command](args)
-    except (CliError, ValueError, KeyError, OSError) as err:
+    except (CliError, ValueError, KeyError, OSError, OverflowError) as err:
         message = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         print(f"hotspa {args.command}: error: {message}", file=sys.stderr)
         return 2

@@ -1,8 +1,9 @@
 """Progress of a long command on stderr (tqdm), so stdout keeps only the command's own output and
 its JSON line last.
 
-A bar shows only where stderr is a terminal, or where ``HOTSPA_PROGRESS=1`` asks for it (a log);
-``HOTSPA_PROGRESS=0`` turns it off. Each bar gives the item count, rate and time left.
+A bar shows only where stderr is a terminal, or where ``HOTSPA_PROGRESS=1`` (``true``, ``yes``,
+``on``) asks for it (a log); ``HOTSPA_PROGRESS=0`` (``false``, ``no``, ``off``) turns it off; other
+values are refused. Each bar gives the item count, rate and time left.
 """
 
 from __future__ import annotations
@@ -17,11 +18,18 @@ __all__ = ["progress", "progress_enabled"]
 T = TypeVar("T")
 
 
+_ON, _OFF = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
 def progress_enabled() -> bool:
-    """``HOTSPA_PROGRESS`` when set (``1`` / ``0``), else whether stderr is a terminal."""
+    """``HOTSPA_PROGRESS`` when set (``1`` / ``true`` / ``yes`` / ``on`` or ``0`` / ``false`` / ``no`` /
+    ``off``, any case), else whether stderr is a terminal; any other value is a ValueError naming it."""
     setting = os.environ.get("HOTSPA_PROGRESS", "").strip()
-    if setting in ("0", "1"):
-        return setting == "1"
+    if setting.lower() in _ON + _OFF:
+        return setting.lower() in _ON
+    if setting:
+        raise ValueError(f"HOTSPA_PROGRESS={setting!r}: use one of {', '.join(_ON)} (a bar) or {', '.join(_OFF)} "
+                         f"(none), or unset it (a bar where stderr is a terminal)")
     return bool(getattr(sys.stderr, "isatty", lambda: False)())
 
 

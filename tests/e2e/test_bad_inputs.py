@@ -339,6 +339,7 @@ def bad_fits_at_world_2(base: str, world4_checkpoint: str) -> dict[str, str | No
                                                                   ckpt_path=world4_checkpoint, steps=2),
         "resume_into_another_model": lambda: _fit(LlamaLM({"preset": "tiny", "hidden": 96}), "auto",
                                                   ckpt_path=world4_checkpoint, steps=2),
+        "negative_gradient_clip_val": lambda: _fit(LlamaLM("tiny"), ["dp2", "tp2"], gradient_clip_val=-1.0),
     }
     out: dict[str, str | None] = {}
     for name, case in cases.items():
@@ -377,6 +378,8 @@ MULTI = {
                                                   "world size is 2", "['dp2', 'tp2']"),
     "resume_into_another_model": ("CheckpointError", "world4.ckpt", "does not fit LlamaLM", "Size mismatch",
                                   "tok_embeddings.weight"),
+    # issue 55: Lightning skips clipping for a negative value without a word
+    "negative_gradient_clip_val": ("ValueError", "Trainer(gradient_clip_val=-1.0)", "finite number >= 0"),
 }
 
 

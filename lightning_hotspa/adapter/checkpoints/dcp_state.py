@@ -46,6 +46,7 @@ from .trust import (
     outside_folder,
     read_marker,
     read_meta,
+    save_via_file,
     verify_checkpoint,
     write_fsync,
     write_marker,
@@ -192,7 +193,8 @@ def save_distributed_checkpoint(checkpoint: dict[str, Any], path: str | os.PathL
                               f"checkpoints being written or replaced; choose another name")
     tmp = path.with_name(path.name + ".tmp")
     meta_bytes, problem = encoded_meta_or_problem(checkpoint, path) if is_rank_zero else (None, None)
-    problem = problem or (output_problem(path, folder=True) if is_rank_zero else None)  # never replace a device
+    if is_rank_zero and not problem and (path.exists() or path.is_symlink()):  # never replace a device or a link
+        problem = output_problem(path, folder=True)
     problem = broadcast(problem or (_prepare(tmp) if is_rank_zero else None))
     if problem is not None:
         raise CheckpointError(problem if problem.startswith("cannot write") else
@@ -429,7 +431,5 @@ def export_consolidated(checkpoint_dir: str | os.PathLike, output_file: str | os
     checkpoint_dir, output_file = resolve_checkpoint(checkpoint_dir), Path(output_file)
     read_meta(checkpoint_dir / META_FILE, verify_checkpoint(checkpoint_dir))  # the marker's step is the metadata's
     state = read_model_tensors(checkpoint_dir)
-    from .single_file import _save
-
-    write_output(output_file, lambda part: _save(state, part), "export output")  # via .tmp, renamed
+    write_output(output_file, lambda part: save_via_file(state, part), "export output")  # via .tmp, renamed
     return state

@@ -16,11 +16,9 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from ...paths import output_problem, write_output
 from .dcp_state import CheckpointError, read_model_tensors, resolve_checkpoint
-from .trust import META_FILE, read_meta, verify_checkpoint
+from .trust import META_FILE, read_meta, save_via_file, verify_checkpoint
 
 __all__ = ["consolidate_checkpoint"]
 
@@ -58,11 +56,5 @@ def consolidate_checkpoint(checkpoint_dir: str | os.PathLike, output_file: str |
     out["state_dict"] = {k: v.contiguous() for k, v in model.items()}
     if "hyper_parameters" in meta:
         out["hyper_parameters"] = _plain(dict(meta["hyper_parameters"]))
-    write_output(output_file, lambda part: _save(out, part), "consolidate output")  # via .tmp, renamed
+    write_output(output_file, lambda part: save_via_file(out, part), "consolidate output")  # via .tmp, renamed
     return out
-
-
-def _save(obj: Any, file: Path) -> None:
-    """``torch.save`` through a Python file, so a full disk is an OSError naming its cause."""
-    with open(file, "wb") as f:
-        torch.save(obj, f)

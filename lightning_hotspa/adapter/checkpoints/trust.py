@@ -31,7 +31,7 @@ from ...paths import escapes, points_to
 __all__ = ["COMMIT_FILE", "META_FILE", "DCP_METADATA", "KIND_SHARED", "KIND_NODE_LOCAL", "FORMAT", "VERSION",
            "CheckpointError", "LegacyCheckpointError", "sha256_file", "file_entries", "encode_meta", "write_fsync",
            "read_meta", "write_marker", "read_marker", "verify_files", "has_legacy_layout", "verify_checkpoint",
-           "LEGACY_HINT", "outside_folder", "marker_digest", "name_step"]
+           "LEGACY_HINT", "outside_folder", "marker_digest", "name_step", "save_via_file"]
 
 COMMIT_FILE = "commit.json"  # the commit marker: the last file a save writes
 META_FILE = "meta.pt"  # our metadata (rank 0 / each node's first rank)
@@ -146,6 +146,17 @@ def write_fsync(path: Path, data: bytes) -> None:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
+
+
+def save_via_file(obj: Any, file: Path) -> None:
+    """``torch.save`` through a Python file object, so a full disk is an OSError naming its cause.
+
+    Args:
+        obj: what to save.
+        file: the file to write.
+    """
+    with open(file, "wb") as f:
+        torch.save(obj, f)
 
 
 def read_meta(path: Path, marker: Mapping[str, Any] | None = None) -> dict[str, Any]:

@@ -9,6 +9,7 @@ the module) are called here around each micro-batch's backward, with the scaled 
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -92,6 +93,10 @@ def check_trainer(trainer: Any, module: Any, owner: str) -> None:
     if not module.automatic_optimization:
         raise ValueError(f"{owner} needs automatic optimization; "
                          f"{type(module).__name__}.automatic_optimization is False")
+    clip = getattr(trainer, "gradient_clip_val", None)
+    if clip is not None and (isinstance(clip, bool) or not isinstance(clip, (int, float)) or not 0 <= clip < math.inf):
+        raise ValueError(f"Trainer(gradient_clip_val={clip!r}): must be a finite number >= 0, or 0 / None for no "
+                         f"clipping (Lightning skips clipping for a negative value without a word)")
 
 
 def open_breadcrumbs(tracker: StepTracker, directory: Any, backend: str | None, trainer: Any, rank: int) -> None:

@@ -56,9 +56,12 @@ def decide_wandb_mode(offline: bool | str = "auto", env: dict[str, str] | None =
     """``offline``: True / False, or ``"auto"`` (offline exactly when no credential is found)."""
     env = dict(os.environ) if env is None else env
     explicit = (env.get("WANDB_MODE") or "").strip().lower()
-    if explicit in ("online", "offline", "disabled", "dryrun", "run"):
-        mode = {"dryrun": "offline", "run": "online"}.get(explicit, explicit)
+    if explicit in ("online", "offline", "disabled", "dryrun", "run", "shared"):  # wandb's own values
+        mode = {"dryrun": "offline", "run": "online", "shared": "online"}.get(explicit, explicit)
         return WandbDecision(mode, f"WANDB_MODE={explicit} is set")
+    if explicit:  # a typo (ofline, disabeld) must not pick another mode
+        raise ValueError(f"WANDB_MODE={env.get('WANDB_MODE')!r} is not a W&B mode; use online, offline, disabled, "
+                         f"shared (or dryrun / run), or unset it")
     if offline is True or (isinstance(offline, str) and offline.lower() == "true"):
         return WandbDecision("offline", "logger.wandb.offline=true")
     if offline is False or (isinstance(offline, str) and offline.lower() == "false"):

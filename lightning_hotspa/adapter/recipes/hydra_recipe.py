@@ -20,6 +20,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from ...checks import check_int, is_int
+from .moved_targets import check_moved_targets
 
 __all__ = ["ConfigError", "CONFIG_DIR", "check_config", "group_options", "hardware_profile", "register_resolvers",
            "run_dir_name", "train"]
@@ -28,10 +29,6 @@ __all__ = ["ConfigError", "CONFIG_DIR", "check_config", "group_options", "hardwa
 CONFIG_DIR = Path(str(importlib.resources.files("lightning_hotspa") / "configs"))
 REQUIRED_GROUPS = ("model", "strategy", "data", "trainer")
 _STRATEGY_TARGETS = ("lightning_hotspa.HotSPaStrategy", "lightning_hotspa.adapter.lightning.strategy.HotSPaStrategy")
-#: module paths of the flat adapter/ that a user's config may still name (moved into sub-packages)
-_MOVED_MODULES = {"lightning_hotspa.adapter.strategy": "lightning_hotspa.adapter.lightning.strategy",
-                  "lightning_hotspa.adapter.callbacks": "lightning_hotspa.adapter.observability.callbacks",
-                  "lightning_hotspa.adapter.checkpoint": "lightning_hotspa.adapter.checkpoints.dcp_state"}
 
 
 class ConfigError(ValueError):
@@ -182,6 +179,7 @@ VALUE_CHECKS = (
     ("trainer.max_epochs", "int", -1, " (-1: no limit) or null"),
     ("trainer.min_epochs", "int", 0, " or null"),
     ("trainer.log_every_n_steps", "int", 1, ""),
+    ("trainer.gradient_clip_val", "number0", None, " or null (no clipping)"),
     ("expect_loss_ratio", "number", None, " or null"),
     ("model.lr", "number", None, ""),
     ("model.weight_decay", "number0", None, ""),
@@ -216,34 +214,9 @@ def check_values(cfg: DictConfig) -> None:
             raise ConfigError(f"{exc}; valid: a number{hint}") from None
 
 
-def check_moved_targets(node: Any, key: str = "") -> None:
-    """A ``_target_`` naming a module of the old flat adapter/ is a ConfigError naming the key, the
-    value and where it lives now (Hydra alone would say only "Error locating target").
-
-    Args:
-        node: a config (``DictConfig``) or a plain container of one, walked recursively.
-        key: its dotted key, for the message.
-    """
-    if isinstance(node, (DictConfig, ListConfig)):
-        node = OmegaConf.to_container(node, resolve=False)
-    if isinstance(node, Mapping):
-        target = node.get("_target_")
-        if isinstance(target, str):
-            module, _, name = target.rpartition(".")
-            if module in _MOVED_MODULES:
-                raise ConfigError(f"{key or 'config'}._target_={target} names a module that moved: write "
-                                  f"{_MOVED_MODULES[module]}.{name}"
-                                  + (" (or lightning_hotspa.HotSPaStrategy)" if name == "HotSPaStrategy" else ""))
-        for child, value in node.items():
-            check_moved_targets(value, f"{key}.{child}" if key else str(child))
-    elif isinstance(node, list):
-        for i, value in enumerate(node):
-            check_moved_targets(value, f"{key}[{i}]")
-
-
 def check_config(cfg: DictConfig) -> None:
     """Raises :class:`ConfigError` (one line) for what would otherwise fail late or obscurely."""
-    check_moved_targets(cfg)
+    check_moved_targets(cfg, error=ConfigError)
     for group in REQUIRED_GROUPS:
         node = cfg.get(group)
         if not isinstance(node, DictConfig) or "_target_" not in node:
