@@ -54,8 +54,9 @@ def _cli(*argv: str) -> Callable[[Path], Callable[[], Any]]:
 
 
 # ------------------------------------------------------------------ Hugging Face folders
-def tiny_hf(folder: Path, **config: Any) -> Path:
-    """A 1-layer Llama folder (config.json + model.safetensors) at ``folder``, config fields replaced."""
+def tiny_hf(folder: Path, shard_bytes: int = 4 << 30, **config: Any) -> Path:
+    """A 1-layer Llama folder (config.json + model.safetensors, or shards of at most ``shard_bytes``
+    and their index) at ``folder``, config fields replaced."""
     from lightning_hotspa.models import LlamaConfig
     from lightning_hotspa.models.hf_config import config_to_hf
     from lightning_hotspa.models.hf_weights import hf_name, save_hf_folder
@@ -65,7 +66,7 @@ def tiny_hf(folder: Path, **config: Any) -> Path:
                       vocab_multiple=1, max_seq_len=64)
     tensors = {hf_name(n): p.detach() for n, p in build_llama(cfg, 0).named_parameters()}
     tensors["lm_head.weight"] = tensors["lm_head.weight"] + 1.0  # a head unlike the embeddings
-    save_hf_folder(folder, {**config_to_hf(cfg), **config}, tensors.items())
+    save_hf_folder(folder, {**config_to_hf(cfg), **config}, tensors.items(), max_shard_bytes=shard_bytes)
     return folder
 
 
@@ -112,8 +113,11 @@ def _load_hf(path: Path) -> Any:
     return LlamaLM.from_pretrained(str(path))
 
 
-def test_a_model_in_huggingface_hubs_own_cache_loads_as_transformers_loads_it(tmp_path: Path) -> None:
-    source = tiny_hf(tmp_path / "src")
+@pytest.mark.parametrize("sharded", [False, True], ids=["one-file", "sharded"])
+def test_a_model_in_huggingface_hubs_own_cache_loads_as_transformers_loads_it(tmp_path: Path, sharded: bool) -> None:
+    """main refused a sharded snapshot ("weight_map[...] leaves the model folder")."""
+    source = tiny_hf(tmp_path / "src", shard_bytes=4096 if sharded else 4 << 30)
+    assert (source / "model.safetensors.index.json").is_file() == sharded
     snapshot = hub_cache(tmp_path / "cache", source)
     hub = pytest.importorskip("huggingface_hub")
     # the layout is huggingface_hub's own: its cache lookups find the snapshot and the missing file
@@ -122,7 +126,7 @@ def test_a_model_in_huggingface_hubs_own_cache_loads_as_transformers_loads_it(tm
         snapshot / "config.json"
     assert hub.try_to_load_from_cache("org/tiny", "generation_config.json", cache_dir=tmp_path / "cache") \
         is hub.file_download._CACHED_NO_EXIST
-    assert all((snapshot / f).is_symlink() for f in ("config.json", "model.safetensors"))
+    assert all((snapshot / f.name).is_symlink() for f in source.iterdir())
     model, reference = _load_hf(snapshot), _load_hf(source)
     for (name, ours), (_, theirs) in zip(model.state_dict().items(), reference.state_dict().items()):
         assert torch.equal(ours, theirs), name
