@@ -185,7 +185,7 @@ def safe_dcp_load(state: dict[str, Any], path: str | os.PathLike, *, no_dist: bo
     check_storage(Path(path), reader.read_metadata())
     try:
         dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=no_dist)
-    except (Exception, CheckpointException) as exc:  # noqa: BLE001 - sorted below (DCP's is a BaseException): ours, a collective, a misfit, or a bad file
+    except (Exception, CheckpointException) as exc:  # noqa: BLE001 - DCP's is a BaseException; sorted below
         cause = first_failure(exc)
         if isinstance(cause, CheckpointError) or _is_misfit(cause) or _is_collective(cause):
             raise
