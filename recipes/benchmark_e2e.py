@@ -341,9 +341,10 @@ def run_order(configs: list[str], repeat: int) -> list[str]:
 
 # ------------------------------------------------------------------------------------------ rank main
 def bench_rank(args: argparse.Namespace) -> dict[str, Any]:
+    from lightning_baselines import as_launched_ranks
+
     rank = dist.get_rank()
-    os.environ.update({"LOCAL_RANK": str(rank), "NODE_RANK": "0", "WORLD_SIZE": str(WORLD), "RANK": str(rank),
-                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29998"})
+    as_launched_ranks()
     sets = layout_sets(args)
     data = {name: open_dataset(name, args, rank) for name in args.datasets}
     n = args.warmup + args.steps

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -32,7 +31,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lightning_baselines import model_parallel_llama  # noqa: E402
+from lightning_baselines import as_launched_ranks, model_parallel_llama  # noqa: E402
 
 from lightning_hotspa.testing.spawn import run_on_ranks  # noqa: E402
 
@@ -110,8 +109,7 @@ def bench_rank(config: str, steps: int, repeats: int, tokens: int) -> dict:
     from lightning_hotspa.plan import RankPlan, RankStage
 
     rank = dist.get_rank()
-    os.environ.update({"LOCAL_RANK": str(rank), "NODE_RANK": "0", "WORLD_SIZE": str(WORLD), "RANK": str(rank),
-                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999"})
+    as_launched_ranks()
     layouts = [Layout(dp=4), Layout(dp=2, tp=2)]
     mesh = MeshShape.for_layouts(layouts, WORLD)
     # dp4 comparisons: one micro-batch per rank per step; dp2xtp2: one per dp group (tp pairs share it)

@@ -4,7 +4,7 @@ and the process-group clean-up between the many ``Trainer.fit`` runs a benchmark
 torch tensor parallelism (``parallelize_module`` with Colwise/Rowwise on the ``tensor_parallel``
 sub-mesh, no sequence parallelism) and FSDP2 ``fully_shard`` per block on ``data_parallel``, applied in
 ``configure_model`` as Lightning's docs show. Shared by ``benchmark_overhead.py`` and
-``benchmark_e2e.py``.
+``benchmark_e2e.py`` (``e2e_mixed.py``: :func:`as_launched_ranks`).
 
 Our FFN's down projection is fused with the SwiGLU gate (``models.kernels.SwiGLUDown``:
 ``w2(a, b) = silu(a) * b @ W.T``, two inputs): torch's ``RowwiseParallel`` reads one input and fails on
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import os
 from typing import Any
 
 import torch.distributed as dist
@@ -45,6 +46,15 @@ class SwiGLUDownRowwise(ParallelStyle):
             return out.redistribute(placements=[Replicate()]).to_local()
 
         return distribute_module(module, device_mesh, partition, inputs, output)
+
+
+def as_launched_ranks() -> None:
+    """Tells Lightning that this pool rank's processes already exist (the variables torchrun sets), so a
+    ``Trainer(devices=N)`` joins the running process group instead of re-running ``sys.argv`` N-1 times
+    per rank (a cascade of processes)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    os.environ.update({"LOCAL_RANK": str(rank), "NODE_RANK": "0", "WORLD_SIZE": str(world), "RANK": str(rank),
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999"})
 
 
 def model_parallel_llama(config: Any, seed: int, lr: float = 1e-3):

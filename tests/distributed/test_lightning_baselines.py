@@ -43,13 +43,13 @@ def baseline_vs_plain() -> dict[str, float]:
 
     batch = _batch()
     plain = LlamaLM(MODEL, seed=0)
-    ref_loss = plain.training_step(batch)
+    ref_loss = plain._loss(batch)  # training_step without its self.log (no Trainer here)
     ref_loss.backward()
     module = _baselines().model_parallel_llama(MODEL, seed=0)
     module._device_mesh = init_device_mesh("cpu", (1, dist.get_world_size()),
                                            mesh_dim_names=("data_parallel", "tensor_parallel"))
     module.configure_model()
-    loss = module.training_step(batch)
+    loss = module._loss(batch)
     loss.backward()
     ref = dict(plain.named_parameters())
     errors = {"loss": abs(float(loss) - float(ref_loss)) / abs(float(ref_loss))}

@@ -2,18 +2,19 @@
 stdout line parsed as JSON and its keys (and cheap sane values) checked.
 
 ``SMOKE`` is the table: recipe file -> :class:`Smoke` (the arguments, the keys its final JSON line must
-hold, an optional check of the values, whether it spawns ranks) or :class:`Reuse` (an existing test that
+hold, an optional check of the values, whether it is in the fast tier) or :class:`Reuse` (an existing test that
 already runs the recipe end to end, so it does not run twice). Files under recipes/ that are not entry
 points are listed in ``HELPERS`` with what imports them. ``test_every_recipe_has_a_smoke_entry`` fails
 on a recipe file in neither, so a new recipe without a smoke run fails the suite.
 
 **Adding a recipe is one line**: ``"benchmark_x.py": Smoke(["--tiny", "args"], {"key", ...}),`` in
-``SMOKE`` (``ranks=True`` if it spawns ranks; ``check=`` a function of the JSON object for its values).
+``SMOKE`` (``check=``: a function of the JSON object for its values; ``fast=True``: in ``make test-fast``,
+for a run in one process, no ranks, a few seconds). A second mode of one file: a key ``"file.py --mode"``.
 
 The recipes run in this process (loaded under their own module name, ``recipes/`` on ``sys.path``, so
 a function a recipe hands to ``run_on_ranks`` pickles by name): their ranks then fork from the suite's
-fork server (tests/conftest.py) instead of importing Lightning afresh. Those that spawn ranks are marked
-``slow`` and stay out of ``make test-fast``.
+fork server (tests/conftest.py) instead of importing Lightning afresh. Runs not marked ``fast`` (those that
+spawn ranks or take longer) are marked ``slow`` and stay out of ``make test-fast``.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ class Smoke(NamedTuple):
     args: list[str]
     keys: set[str]
     check: Callable[[dict[str, Any]], None] | None = None
-    ranks: bool = False  # spawns gloo ranks: out of the fast tier
+    fast: bool = False  # in ``make test-fast``: one process, no ranks spawned, a few seconds
 
 
 class Reuse(NamedTuple):
@@ -85,6 +86,19 @@ def _check_published(out: dict) -> None:
     _finite_positive(out["geomean_ratio"])
 
 
+def _check_e2e(out: dict) -> None:
+    s = out["stdlib"]
+    _finite_positive(s["speedup"], s["best_static_tokens_per_s"], s["ideal_speedup"], s["predicted_speedup"],
+                     s["model_parallel_speedup"])
+    for cfg in ("hotspa", "rule", "model_parallel"):
+        _finite_positive(*s["configs"][cfg]["loss"])
+    assert out["model_parallel_layout"] is not None
+
+
+def _check_overhead(out: dict) -> None:
+    _finite_positive(*out["tokens_per_s"].values(), out["dp4_vs_ddp"], out["dp2xtp2_vs_model_parallel"])
+
+
 def _check_hf_load(out: dict) -> None:
     assert len(out["per_rank"]) == 4 and all(r["home_shard_mib"] > 0 for r in out["per_rank"])
     _finite_positive(out["params"], out["max_peak_rss_mib"])
@@ -122,45 +136,46 @@ SMOKE: dict[str, Smoke | Reuse] = {
     "benchmark_backends.py": Reuse("e2e/test_benchmark_backends.py::"
                                    "test_runs_every_cpu_backend_and_reports_unavailable_ones"),
     "benchmark_data.py": Smoke(["--batches", "1", "--tokens-per-batch", "8192", "--tokens-per-rank", "1024",
-                                "--context-length", "2048"], {"max_plan_ms", "stdlib_fill", "stdlib_padding",
-                                                              "plan_time_target_met"}, _check_data),
+                                "--context-length", "2048"],
+                               {"max_plan_ms", "stdlib_fill", "stdlib_padding", "plan_time_target_met"}, _check_data,
+                               fast=True),
     "benchmark_e2e.py": Smoke(["--datasets", "stdlib", "--context", "512", "--tokens-per-batch", "2048", "--steps", "1",
                                "--warmup", "1", "--repeats", "1", "--calibration-steps", "1", "--memory-mib", "3",
                                "--layouts", "dp4"],
-                              {"stdlib", "tokens_per_rank", "layouts", "model_parallel_layout"}, ranks=True),
-    "benchmark_overhead.py": Smoke(["--model", "tiny", "--steps", "2", "--repeats", "1", "--tokens", "256"],
-                                   {"tokens_per_s", "dp4_vs_ddp", "dp2xtp2_vs_model_parallel", "dp4_vs_ddp_cpu"},
-                                   ranks=True),
+                              {"stdlib", "tokens_per_rank", "layouts", "model_parallel_layout"}, _check_e2e),
     "benchmark_hf_load.py": Smoke(["--dir", "hf", "--preset", "tiny", "--ranks", "4", "--layouts", "dp4,dp2xtp2"],
-                                  {"params", "per_rank", "max_peak_rss_mib", "checkpoint_mib"}, _check_hf_load,
-                                  ranks=True),
+                                  {"params", "per_rank", "max_peak_rss_mib", "checkpoint_mib"}, _check_hf_load),
     "benchmark_hot_path.py": Smoke(["--skip-switch", "--kv-tokens", "256", "--collectives-preset", "tiny"],
                                    {"host_syncs_per_micro_batch", "reduce_waits", "kv_attention_calls_per_layer",
                                     "kv_work_vs_single", "collectives_per_step", "process_groups_per_rank"},
-                                   _check_hot_path, ranks=True),
+                                   _check_hot_path),
+    "benchmark_memory.py": Smoke(["--rows", "tiny:4", "--layouts", "dp4", "--hardware", "cpu-gloo", "--json"],
+                                 {"rows", "max_rel_error", "feasible_rows", "feasible_rows_that_fit"}, _check_memory,
+                                 fast=True),
     "benchmark_memory_peers.py": Smoke(["--smoke"], {"bytes_per_token", "loss_head_bytes_per_token", "capacity_tokens",
                                                      "sp_activation_ratio", "estimator_vs_model_max_rel_error"},
                                        _check_memory_peers),
     "benchmark_model.py": Smoke(["--preset", "tiny", "--tokens", "128", "--micro-batches", "4", "--steps", "1"],
-                                {"tokens_per_s", "grad_rel_err", "max_grad_rel_err", "lm_loss"}, _check_model,
-                                ranks=True),
-    "benchmark_switch.py": Smoke(["--world", "4", "--hidden", "64", "--ffn", "128", "--layers", "1", "--repeats", "1"],
-                                 {"correct", "max_bytes_over_lower_bound", "bytes_vs_naive", "time_vs_naive"},
-                                 _check_switch, ranks=True),
-    "e2e_mixed.py": Smoke(["--steps", "1"], {"losses", "reference_losses", "max_loss_rel_diff", "losses_match",
-                                             "steps_with_a_mixed_stage"}, _check_mixed, ranks=True),
-    "e2e_mixed.py --blocks": Smoke(["--steps", "2", "--blocks"], {"losses", "losses_match", "block_tokens_logged",
-                                                                 "batch_tokens"}, _check_mixed, ranks=True),
-    "benchmark_memory.py": Smoke(["--rows", "tiny:4", "--layouts", "dp4", "--hardware", "cpu-gloo", "--json"],
-                                 {"rows", "max_rel_error", "feasible_rows", "feasible_rows_that_fit"}, _check_memory),
+                                {"tokens_per_s", "grad_rel_err", "max_grad_rel_err", "lm_loss"}, _check_model),
+    "benchmark_overhead.py": Smoke(["--model", "tiny", "--steps", "2", "--repeats", "1", "--tokens", "256"],
+                                   {"tokens_per_s", "dp4_vs_ddp", "dp2xtp2_vs_model_parallel", "dp4_vs_ddp_cpu"},
+                                   _check_overhead),
     "benchmark_planner.py": Smoke(["--repeats", "1", "--documents", "64"],
                                   {"max_guarded_plan_ms", "target_50ms_met", "paper_set_median_cpu_ms",
-                                   "ladder_targets_met"}, _check_planner),
+                                   "ladder_targets_met"}, _check_planner, fast=True),
     "benchmark_published.py": Smoke([], {"rows", "geomean_ratio", "max_abs_log_ratio", "held_out", "fit", "targets",
-                                         "cp_rows", "guard_margin_in_use"}, _check_published),
+                                         "cp_rows", "guard_margin_in_use"}, _check_published, fast=True),
     "benchmark_startup.py": Smoke(["--model", "tiny", "--world", "4"],
-                                  {"shard_elements", "shard_s", "own_elements_s", "full_s", "speedup"}, _check_startup),
-    "blocks_vs_lockstep.py": Smoke([], {"setups"}, _check_blocks),
+                                  {"shard_elements", "shard_s", "own_elements_s", "full_s", "speedup"}, _check_startup,
+                                  fast=True),
+    "benchmark_switch.py": Smoke(["--world", "4", "--hidden", "64", "--ffn", "128", "--layers", "1", "--repeats", "1"],
+                                 {"correct", "max_bytes_over_lower_bound", "bytes_vs_naive", "time_vs_naive"},
+                                 _check_switch),
+    "blocks_vs_lockstep.py": Smoke([], {"setups"}, _check_blocks, fast=True),
+    "e2e_mixed.py": Smoke(["--steps", "1"], {"losses", "reference_losses", "max_loss_rel_diff", "losses_match",
+                                             "steps_with_a_mixed_stage"}, _check_mixed),
+    "e2e_mixed.py --blocks": Smoke(["--steps", "2", "--blocks"], {"losses", "losses_match", "block_tokens_logged",
+                                                                 "batch_tokens"}, _check_mixed),
     "gpu_check.py": Reuse("e2e/test_gpu_check.py::test_every_part_ran_within_its_budget"),
     "train.py": Reuse("e2e/test_recipes.py::test_recipe_runs_under_lightnings_launcher_with_csv_and_offline_wandb"),
 }
@@ -174,7 +189,7 @@ HELPERS = {
     "gpu_check_speed.py": "gpu_check.py",
     "gpu_check_summary.py": "gpu_check.py",
     "gpu_check_train.py": "gpu_check.py",
-    "lightning_baselines.py": "benchmark_e2e.py, benchmark_overhead.py",
+    "lightning_baselines.py": "benchmark_e2e.py, benchmark_overhead.py, e2e_mixed.py",
 }
 
 RUNS = sorted(name for name, entry in SMOKE.items() if isinstance(entry, Smoke))
@@ -199,7 +214,7 @@ def _load(name: str, monkeypatch: pytest.MonkeyPatch):
 
 def _params():
     for key in RUNS:
-        marks = [pytest.mark.slow] if SMOKE[key].ranks else []
+        marks = [] if SMOKE[key].fast else [pytest.mark.slow]
         yield pytest.param(key, id=key.replace(".py", "").replace(" --", "-"), marks=marks)
 
 
