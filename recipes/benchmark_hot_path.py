@@ -25,7 +25,8 @@ Keys (docs/gpu-runtime.md explains each):
 * ``switch_bytes_over_lower_bound``: ``benchmark_switch.py --world 4`` and ``--world 8`` (small model).
 
     python recipes/benchmark_hot_path.py [--kv-tokens 32768] [--skip-switch]
-    python recipes/benchmark_hot_path.py --skip-switch --kv-tokens 256 --collectives-preset tiny   # smoke
+    python recipes/benchmark_hot_path.py --skip-switch --kv-tokens 256 --collectives-preset tiny \
+        --group-worlds 8,64                                                                           # smoke
 """
 
 from __future__ import annotations
@@ -418,14 +419,20 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--only", nargs="*", default=None, help="compute only these keys' parts")
     parser.add_argument("--collectives-preset", default="llama7b", help="the model of collectives_per_step "
                         "(the smoke run: tiny)")
+    parser.add_argument("--group-worlds", default="8,64,1024", help="fake world sizes of process_groups_per_rank")
     args = parser.parse_args(argv)
+    try:
+        worlds = [int(x) for x in args.group_worlds.split(",")]
+    except ValueError:
+        raise SystemExit(f"--group-worlds takes comma-separated world sizes, got {args.group_worlds!r}") from None
     parts = {"syncs": host_syncs, "waits": reduce_waits,
              "kv_calls": lambda: {"kv_attention_calls_per_layer": kv_calls()},
              "kv_work": lambda: kv_work(args.kv_tokens, *args.kv_heads, args.head_dim),
              "collectives": lambda: {"collectives_per_step": {x: collectives_for(x, args.collectives_preset)
                                                               for x in ("dp8", "dp4xtp2", "dp8:fsdp")}},
-             "groups": lambda: {"process_groups_per_rank": {str(n): process_groups(n) for n in (8, 64, 1024)},
-                                "process_groups_wide_set": {str(n): process_groups(n, WIDE[n]) for n in WIDE}},
+             "groups": lambda: {"process_groups_per_rank": {str(n): process_groups(n) for n in worlds},
+                                "process_groups_wide_set": {str(n): process_groups(n, WIDE[n]) for n in WIDE
+                                                            if n in worlds}},
              "switch": lambda: {"switch_bytes_over_lower_bound": {f"world {w}": switch_bytes(w) for w in (4, 8)}}}
     if args.skip_switch:
         parts.pop("switch")

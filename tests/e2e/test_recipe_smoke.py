@@ -106,6 +106,7 @@ def _check_hf_load(out: dict) -> None:
 
 def _check_hot_path(out: dict) -> None:
     assert all(v == 0 for v in out["host_syncs_per_micro_batch"].values()), out["host_syncs_per_micro_batch"]
+    assert set(out["process_groups_per_rank"]) == {"8", "64"} and set(out["process_groups_wide_set"]) == {"64"}
     _finite_positive(out["kv_work_vs_single"])
 
 
@@ -137,15 +138,15 @@ SMOKE: dict[str, Smoke | Reuse] = {
                                    "test_runs_every_cpu_backend_and_reports_unavailable_ones"),
     "benchmark_data.py": Smoke(["--batches", "1", "--tokens-per-batch", "8192", "--tokens-per-rank", "1024",
                                 "--context-length", "2048"],
-                               {"max_plan_ms", "stdlib_fill", "stdlib_padding", "plan_time_target_met"}, _check_data,
-                               fast=True),
+                               {"max_plan_ms", "stdlib_fill", "stdlib_padding", "plan_time_target_met"}, _check_data),
     "benchmark_e2e.py": Smoke(["--datasets", "stdlib", "--context", "512", "--tokens-per-batch", "2048", "--steps", "1",
                                "--warmup", "1", "--repeats", "1", "--calibration-steps", "1", "--memory-mib", "3",
                                "--layouts", "dp4"],
                               {"stdlib", "tokens_per_rank", "layouts", "model_parallel_layout"}, _check_e2e),
     "benchmark_hf_load.py": Smoke(["--dir", "hf", "--preset", "tiny", "--ranks", "4", "--layouts", "dp4,dp2xtp2"],
                                   {"params", "per_rank", "max_peak_rss_mib", "checkpoint_mib"}, _check_hf_load),
-    "benchmark_hot_path.py": Smoke(["--skip-switch", "--kv-tokens", "256", "--collectives-preset", "tiny"],
+    "benchmark_hot_path.py": Smoke(["--skip-switch", "--kv-tokens", "256", "--collectives-preset", "tiny",
+                                    "--group-worlds", "8,64"],
                                    {"host_syncs_per_micro_batch", "reduce_waits", "kv_attention_calls_per_layer",
                                     "kv_work_vs_single", "collectives_per_step", "process_groups_per_rank"},
                                    _check_hot_path),
