@@ -41,7 +41,7 @@ communication. The last line is one JSON object.
     python recipes/benchmark_e2e.py --blocks          # block stages vs one process (recipes/e2e_mixed.py)
     python recipes/benchmark_e2e.py --ladder          # the planner's ladder of blocks vs one process
     python recipes/benchmark_e2e.py --datasets stdlib --context 512 --tokens-per-batch 2048 --steps 1 \
-        --repeats 1 --calibration-steps 1 --memory-mib 3 --layouts dp4      # smoke: 4 layouts, 14 fits
+        --repeats 1 --calibration-steps 1 --memory-mib 3 --layouts dp4      # smoke: 4 layouts, <= 14 fits
 """
 
 from __future__ import annotations

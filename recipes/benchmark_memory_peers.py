@@ -25,6 +25,7 @@ The last line printed is one JSON object:
     python recipes/benchmark_memory_peers.py                 # everything (~15 minutes on 2 cores)
     python recipes/benchmark_memory_peers.py --no-estimator  # skip the estimator table
     python recipes/benchmark_memory_peers.py --sp-only       # the sequence-parallel rows alone
+    python recipes/benchmark_memory_peers.py --smoke         # every row's code on the tiny preset (seconds)
 """
 
 from __future__ import annotations
