@@ -161,6 +161,8 @@ SMOKE: dict[str, Smoke | Reuse] = {
     "benchmark_overhead.py": Smoke(["--model", "tiny", "--steps", "2", "--repeats", "1", "--tokens", "256"],
                                    {"tokens_per_s", "dp4_vs_ddp", "dp2xtp2_vs_model_parallel", "dp4_vs_ddp_cpu"},
                                    _check_overhead),
+    "benchmark_peers.py": Reuse("e2e/test_recipe_smoke_benchmark_peers.py::"
+                                "test_smoke_prints_one_json_line_with_the_issue_keys"),
     "benchmark_planner.py": Smoke(["--repeats", "1", "--documents", "64"],
                                   {"max_guarded_plan_ms", "target_50ms_met", "paper_set_median_cpu_ms",
                                    "ladder_targets_met"}, _check_planner, fast=True),
@@ -185,6 +187,7 @@ SMOKE: dict[str, Smoke | Reuse] = {
 HELPERS = {
     "gpu_check_common.py": "gpu_check.py",
     "gpu_check_cp.py": "gpu_check.py",
+    "gpu_check_hopper.py": "gpu_check.py",
     "gpu_check_hotpath.py": "gpu_check.py",
     "gpu_check_layers.py": "gpu_check.py",
     "gpu_check_speed.py": "gpu_check.py",
