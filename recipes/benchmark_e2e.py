@@ -40,6 +40,8 @@ communication. The last line is one JSON object.
     python recipes/benchmark_e2e.py --mixed           # mixed-cp rounds vs one process (recipes/e2e_mixed.py)
     python recipes/benchmark_e2e.py --blocks          # block stages vs one process (recipes/e2e_mixed.py)
     python recipes/benchmark_e2e.py --ladder          # the planner's ladder of blocks vs one process
+    python recipes/benchmark_e2e.py --datasets stdlib --context 512 --tokens-per-batch 2048 --steps 1 \
+        --repeats 1 --calibration-steps 1 --memory-mib 3 --layouts dp4      # smoke: 4 layouts, <= 14 fits
 """
 
 from __future__ import annotations
@@ -68,8 +70,11 @@ WORLD = 4
 #: the benchmark model: the tiny preset with one kv head per query head, so that Lightning's
 #: ModelParallelStrategy (which shards k/v projections like q) can run tp4 too.
 MODEL = {"preset": "tiny", "n_kv_heads": 4}
+#: ``layouts``: a comma list that limits ``every`` (the calibrated and band-timed layouts, and the statics
+#: among them) to these plus the hotspa candidates and the rule's layouts; "" = every layout (the smoke
+#: run in tests/e2e/test_recipe_smoke.py uses it to stay short)
 DEFAULTS = {"context": 2048, "tokens_per_batch": 8192, "memory_mib": 8.0, "steps": 2, "warmup": 1,
-            "repeats": 2, "calibration_steps": 3, "lr": 1e-3}
+            "repeats": 2, "calibration_steps": 3, "lr": 1e-3, "layouts": ""}
 DATASETS = ("stdlib", "commoncrawl")
 CALIBRATION_OFFSET = 40  # calibration mini-batches start here in the stream: never the measured ones
 
@@ -112,13 +117,20 @@ def layout_sets(args: argparse.Namespace) -> dict[str, Any]:
     hw = budget_profile(args.memory_mib)
     every = enumerate_layouts(WORLD, AnalyticCostModel(model_config(), hw, WORLD))
     MeshShape.for_layouts(every, WORLD)  # one world mesh holds them all
+    candidates = list(auto_layouts(WORLD, model_config(), hw, args.context))
+    rule = [(args.context // 4, Layout(dp=4)), (args.context // 2, Layout(dp=2, tp=2)),
+            (args.context, Layout(tp=2, cp=2))]
+    if args.layouts:
+        keep = {Layout.parse(x) for x in args.layouts.split(",") if x}
+        unknown = sorted(str(x) for x in keep - set(every))
+        if unknown:
+            raise SystemExit(f"--layouts: {unknown} not among this model's layouts {[str(x) for x in every]}")
+        keep |= set(candidates) | {lay for _, lay in rule}
+        every = [x for x in every if x in keep]
     cap = args.tokens_per_rank
     statics = [x for x in every if max_doc_length(cap * x.tp * x.cp, x.cp) >= args.context]
     if not statics:
         raise SystemExit(f"no layout holds a {args.context}-token document with {cap} tokens per rank")
-    candidates = list(auto_layouts(WORLD, model_config(), hw, args.context))
-    rule = [(args.context // 4, Layout(dp=4)), (args.context // 2, Layout(dp=2, tp=2)),
-            (args.context, Layout(tp=2, cp=2))]
     bands = sorted({max_doc_length(cap * x.tp * x.cp, x.cp) for x in every if
                     max_doc_length(cap * x.tp * x.cp, x.cp) < args.context} | {args.context})
     return {"every": every, "statics": statics, "candidates": candidates, "rule": rule, "bands": bands}
@@ -220,6 +232,7 @@ def rank_plans(planner, batches: list[list[np.ndarray]], rank: int, first_step: 
     """This rank's RankPlans, and per step the plan's (documents kept, band per stage) for bands."""
     from lightning_hotspa.layout import MeshShape
     from lightning_hotspa.plan import slice_plan
+    from lightning_hotspa.planner.base import is_profiled
 
     mesh = MeshShape.for_layouts(planner.layouts, WORLD)
     plans, global_plans, meta = [], [], []
@@ -231,7 +244,7 @@ def rank_plans(planner, batches: list[list[np.ndarray]], rank: int, first_step: 
             meta.append(band_ids)
         else:
             # a profiled planner plans with the newest (here: the calibration run's) coefficients
-            plan = planner.plan(first_step + i, lengths, latest=planner.profiled)
+            plan = planner.plan(first_step + i, lengths, latest=is_profiled(planner))
             meta.append(None)
         plans.append(None if plan is None else slice_plan(plan, docs, mesh, rank))
         global_plans.append(plan)
@@ -330,9 +343,10 @@ def run_order(configs: list[str], repeat: int) -> list[str]:
 
 # ------------------------------------------------------------------------------------------ rank main
 def bench_rank(args: argparse.Namespace) -> dict[str, Any]:
+    from lightning_baselines import as_launched_ranks
+
     rank = dist.get_rank()
-    os.environ.update({"LOCAL_RANK": str(rank), "NODE_RANK": "0", "WORLD_SIZE": str(WORLD), "RANK": str(rank),
-                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29998"})
+    as_launched_ranks()
     sets = layout_sets(args)
     data = {name: open_dataset(name, args, rank) for name in args.datasets}
     n = args.warmup + args.steps

@@ -7,7 +7,7 @@ built as the strategy builds it, each rank reading only its own slices. Prints, 
 resident memory while loading (``VmHWM`` after a reset; it includes checkpoint file pages mapped while
 reading) and the anonymous memory before and after, next to the full model's size; the last line is one JSON object.
 
-    python recipes/benchmark_hf_load.py [--dir /tmp/hf-1b] [--ranks 4] [--layouts dp4,dp2xtp2]
+    python recipes/benchmark_hf_load.py [--dir /tmp/hf-1b] [--ranks 4] [--layouts dp4,dp2xtp2] [--preset 1b]
 """
 
 from __future__ import annotations
@@ -23,17 +23,23 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-def write_checkpoint(path: Path) -> int:
-    """A random bf16 checkpoint of the 1b preset's shape; returns its parameter count."""
+def write_checkpoint(path: Path, preset: str = "1b") -> int:
+    """A random bf16 checkpoint of ``preset``'s shape; returns its parameter count."""
     from lightning_hotspa.models import Llama, LlamaConfig
     from lightning_hotspa.models.hf_config import config_to_hf
     from lightning_hotspa.models.hf_weights import hf_name, save_hf_folder
 
-    config = LlamaConfig.preset("1b", vocab_multiple=1)
+    config = LlamaConfig.preset(preset, vocab_multiple=1)
     with torch.device("meta"):
         model = Llama(config)
     shapes = [(n, p.shape) for n, p in model.named_parameters()]
-    if (path / "config.json").is_file():
+    hf_config = config_to_hf(config, "bfloat16")
+    if (path / "config.json").is_file():  # written by an earlier run: reused if it has this shape
+        found = json.loads((path / "config.json").read_text())
+        differ = sorted(k for k in ("hidden_size", "num_hidden_layers", "vocab_size") if found.get(k) != hf_config[k])
+        if differ:
+            raise SystemExit(f"--dir {path} holds a checkpoint of another shape ({differ} differ from the "
+                             f"{preset} preset's); give another --dir")
         return sum(s.numel() for _, s in shapes)
     g = torch.Generator().manual_seed(0)
 
@@ -41,7 +47,7 @@ def write_checkpoint(path: Path) -> int:
         for name, shape in shapes:
             yield hf_name(name), (0.02 * torch.randn(shape, generator=g)).to(torch.bfloat16)
 
-    save_hf_folder(path, config_to_hf(config, "bfloat16"), tensors(), max_shard_bytes=1 << 30)
+    save_hf_folder(path, hf_config, tensors(), max_shard_bytes=1 << 30)
     return sum(s.numel() for _, s in shapes)
 
 
@@ -78,12 +84,13 @@ def main() -> None:
     parser.add_argument("--dir", default="/tmp/hotspa-hf-1b")
     parser.add_argument("--ranks", type=int, default=4)
     parser.add_argument("--layouts", default="dp4,dp2xtp2")
+    parser.add_argument("--preset", default="1b", help="the checkpoint's shape (the smoke run: tiny)")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     from lightning_hotspa.testing.spawn import run_on_ranks
 
     path = Path(args.dir)
-    params = write_checkpoint(path)
+    params = write_checkpoint(path, args.preset)
     out = run_on_ranks(load_on_rank, args.ranks, str(path), args.layouts.split(","), timeout_s=1800)
     full_fp32_mib, full_file_mib = params * 4 / 2**20, params * 2 / 2**20
     for r in sorted(out, key=lambda r: r["rank"]):
@@ -92,8 +99,9 @@ def main() -> None:
               f"home shard {r['home_shard_mib']:.0f} MiB")
     print(f"full model: {params / 1e9:.2f}B parameters = {full_fp32_mib:.0f} MiB fp32 ({full_file_mib:.0f} MiB bf16 "
           f"on disk)")
-    print(json.dumps({"params": params, "full_fp32_mib": full_fp32_mib, "checkpoint_mib": full_file_mib,
-                      "layouts": args.layouts, "per_rank": sorted(out, key=lambda r: r["rank"]),
+    print(json.dumps({"preset": args.preset, "params": params, "full_fp32_mib": full_fp32_mib,
+                      "checkpoint_mib": full_file_mib, "layouts": args.layouts,
+                      "per_rank": sorted(out, key=lambda r: r["rank"]),
                       "max_peak_rss_mib": max(r["peak_rss_mib"] for r in out)}))
 
 

@@ -25,6 +25,8 @@ Keys (docs/gpu-runtime.md explains each):
 * ``switch_bytes_over_lower_bound``: ``benchmark_switch.py --world 4`` and ``--world 8`` (small model).
 
     python recipes/benchmark_hot_path.py [--kv-tokens 32768] [--skip-switch]
+    python recipes/benchmark_hot_path.py --skip-switch --kv-tokens 256 --collectives-preset tiny \
+        --group-worlds 8,64                                                                           # smoke
 """
 
 from __future__ import annotations
@@ -262,8 +264,8 @@ def _nccl_bucket_kwargs() -> dict:
     return bucket_defaults("nccl").engine_kwargs()
 
 
-def collectives_for(layout_name: str) -> dict:
-    """Count and mean payload of the collectives of a switch from home + one reducing stage."""
+def collectives_for(layout_name: str, preset: str = "llama7b") -> dict:
+    """Count and mean payload of the collectives of a switch from home + one reducing stage of ``preset``."""
     from lightning_hotspa.engine.fsdp import ShardedUnits
     from lightning_hotspa.engine.home import build_home_parameters
     from lightning_hotspa.engine.switch import SwitchEngine
@@ -281,7 +283,7 @@ def collectives_for(layout_name: str) -> dict:
         llama_roles_and_shardings,
     )
 
-    config = LlamaConfig.preset("llama7b")
+    config = LlamaConfig.preset(preset)
     layout = Layout.parse(layout_name)
     sizes: list[int] = []
     with FakeWorld(8):
@@ -415,14 +417,22 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--head-dim", type=int, default=32)
     parser.add_argument("--skip-switch", action="store_true", help="leave out the benchmark_switch runs")
     parser.add_argument("--only", nargs="*", default=None, help="compute only these keys' parts")
+    parser.add_argument("--collectives-preset", default="llama7b", help="the model of collectives_per_step "
+                        "(the smoke run: tiny)")
+    parser.add_argument("--group-worlds", default="8,64,1024", help="fake world sizes of process_groups_per_rank")
     args = parser.parse_args(argv)
+    try:
+        worlds = [int(x) for x in args.group_worlds.split(",")]
+    except ValueError:
+        raise SystemExit(f"--group-worlds takes comma-separated world sizes, got {args.group_worlds!r}") from None
     parts = {"syncs": host_syncs, "waits": reduce_waits,
              "kv_calls": lambda: {"kv_attention_calls_per_layer": kv_calls()},
              "kv_work": lambda: kv_work(args.kv_tokens, *args.kv_heads, args.head_dim),
-             "collectives": lambda: {"collectives_per_step": {x: collectives_for(x)
+             "collectives": lambda: {"collectives_per_step": {x: collectives_for(x, args.collectives_preset)
                                                               for x in ("dp8", "dp4xtp2", "dp8:fsdp")}},
-             "groups": lambda: {"process_groups_per_rank": {str(n): process_groups(n) for n in (8, 64, 1024)},
-                                "process_groups_wide_set": {str(n): process_groups(n, WIDE[n]) for n in WIDE}},
+             "groups": lambda: {"process_groups_per_rank": {str(n): process_groups(n) for n in worlds},
+                                "process_groups_wide_set": {str(n): process_groups(n, WIDE[n]) for n in WIDE
+                                                            if n in worlds}},
              "switch": lambda: {"switch_bytes_over_lower_bound": {f"world {w}": switch_bytes(w) for w in (4, 8)}}}
     if args.skip_switch:
         parts.pop("switch")

@@ -25,6 +25,7 @@ The last line printed is one JSON object:
     python recipes/benchmark_memory_peers.py                 # everything (~15 minutes on 2 cores)
     python recipes/benchmark_memory_peers.py --no-estimator  # skip the estimator table
     python recipes/benchmark_memory_peers.py --sp-only       # the sequence-parallel rows alone
+    python recipes/benchmark_memory_peers.py --smoke         # every row's code on the tiny preset (seconds)
 """
 
 from __future__ import annotations
@@ -53,6 +54,9 @@ TORCHTITAN_ISSUE_FIGURES = {"llama3-8b": 5_635_532, "llama2-7b": 5_008_332}
 #: sequence-parallel rows: (tp name, layout on SP_WORLD ranks) of Llama-3 8B
 SP_LAYOUTS = (("tp1", "dp4"), ("tp2", "dp2xtp2"), ("tp4", "tp4"))
 SP_WORLD = 4
+#: ``hotspa memory`` rows of the estimator table (None: its QUICK_ROWS) and their hardware profile
+ESTIMATOR_ROWS: tuple | None = None
+ESTIMATOR_HARDWARE = "H100"
 CAPACITY_ROWS = (("llama3-8b dp8:fsdp H100", "llama3-8b", 8, "dp8:fsdp"),
                  ("llama3-8b dp4xtp2 H100", "llama3-8b", 8, "dp4xtp2"),
                  ("llama3-70b dp8xtp8:fsdp H100", "llama3-70b", 64, "dp8xtp8:fsdp"))
@@ -188,7 +192,8 @@ def _estimator() -> dict[str, float]:
     out = {}
     for path in getattr(memory, "ATTENTION_PATHS", ("cpu",)):
         kwargs = {"attention": path} if hasattr(memory, "ATTENTION_PATHS") else {}
-        out[path] = memory.estimate_rows(memory.QUICK_ROWS, "H100", log=lambda *a: None, **kwargs)["max_rel_error"]
+        rows = memory.QUICK_ROWS if ESTIMATOR_ROWS is None else ESTIMATOR_ROWS
+        out[path] = memory.estimate_rows(rows, ESTIMATOR_HARDWARE, log=lambda *a: None, **kwargs)["max_rel_error"]
     return out
 
 
@@ -215,10 +220,19 @@ def _sequence_parallel(preset: str = "llama3-8b") -> dict[str, object]:
               f"peak error {peak_errors[name]}", flush=True)
     return {"sp_activation_bytes_per_token": {"model": preset, "world": SP_WORLD, "attention": "gpu",
                                               "measured": measured, "predicted": predicted},
-            "sp_activation_ratio": {k: round(measured[k] / measured["tp1"], 4) for k in ("tp2", "tp4")},
+            "sp_activation_ratio": {k: round(measured[k] / measured["tp1"], 4) for k in measured if k != "tp1"},
             "sp_model_vs_estimator_max_rel_error": {
                 "per_token": round(max(abs(predicted[k] / measured[k] - 1) for k in measured), 4),
                 "peak": max(peak_errors.values())}}
+
+
+def _smoke() -> None:
+    """``--smoke``: every row's code on the tiny preset, small token counts and one estimator row on the
+    cpu-gloo profile (seconds, for the test suite); no torchtitan figure exists for it, so no ratio."""
+    global SHAPES, TOKENS, SP_LAYOUTS, ESTIMATOR_ROWS, ESTIMATOR_HARDWARE
+    SHAPES, TOKENS = {"tiny": "tiny"}, (256, 512)
+    SP_LAYOUTS = SP_LAYOUTS[:2]  # tiny's 2 kv heads split over tp2 at most
+    ESTIMATOR_ROWS, ESTIMATOR_HARDWARE = (("tiny", 4, ("dp4", "dp2xtp2")),), "cpu-gloo"
 
 
 def main() -> None:
@@ -227,10 +241,13 @@ def main() -> None:
     parser.add_argument("--no-hf", action="store_true", help="skip Hugging Face transformers")
     parser.add_argument("--no-sp", action="store_true", help="skip the sequence-parallel rows")
     parser.add_argument("--sp-only", action="store_true", help="only the sequence-parallel rows")
+    parser.add_argument("--smoke", action="store_true", help="tiny preset, small token counts: the code path only")
     args = parser.parse_args()
+    if args.smoke:
+        _smoke()
     start = time.perf_counter()
     if args.sp_only:
-        result = _sequence_parallel()
+        result = _sequence_parallel(next(iter(SHAPES.values())))
         result["seconds"] = round(time.perf_counter() - start, 1)
         print(json.dumps(result))
         return
@@ -247,23 +264,25 @@ def main() -> None:
             values = [per_token[impl][f"{shape}@{t}"] for t in TOKENS if f"{shape}@{t}" in per_token[impl]]
             if values:
                 per_token[impl][shape] = max(values)
-        per_token["torchtitan"][shape] = TORCHTITAN_ISSUE_FIGURES[shape]
+        if shape in TORCHTITAN_ISSUE_FIGURES:
+            per_token["torchtitan"][shape] = TORCHTITAN_ISSUE_FIGURES[shape]
     result = {
         "bytes_per_token": per_token,
-        "ours_over_torchtitan": {s: round(per_token["ours_gpu"][s] / TORCHTITAN_ISSUE_FIGURES[s], 4) for s in SHAPES},
+        "ours_over_torchtitan": {s: round(per_token["ours_gpu"][s] / TORCHTITAN_ISSUE_FIGURES[s], 4)
+                                 for s in SHAPES if s in TORCHTITAN_ISSUE_FIGURES},
         "ours_cpu_over_torchtitan": {s: round(per_token["ours_cpu"][s] / TORCHTITAN_ISSUE_FIGURES[s], 4)
-                                     for s in SHAPES},
+                                     for s in SHAPES if s in TORCHTITAN_ISSUE_FIGURES},
         "loss_head_bytes_per_token": {s: _loss_head_per_token(p) for s, p in SHAPES.items()},
         "capacity_tokens": _capacity(),
         "torchtitan_source": "issue 28's GPU figures (torchtitan is not installed here)",
     }
     if not args.no_sp:
-        result.update(_sequence_parallel())
+        result.update(_sequence_parallel(next(iter(SHAPES.values()))))
     if not args.no_estimator:
         errors = _estimator()
         result["estimator_vs_model_max_rel_error"] = max(errors.values())
         result["estimator_vs_model_by_path"] = errors
-        result["estimator_rows"] = "QUICK_ROWS"
+        result["estimator_rows"] = "QUICK_ROWS" if ESTIMATOR_ROWS is None else ESTIMATOR_ROWS
     result["seconds"] = round(time.perf_counter() - start, 1)
     print(json.dumps(result))
 

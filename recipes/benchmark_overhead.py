@@ -3,7 +3,8 @@
 Same model, data and tokens per rank, all in one invocation on 4 CPU ranks over gloo:
 (a) ours pinned to dp4 vs Lightning ``DDPStrategy``; (b) ours pinned to dp2xtp2 vs Lightning
 ``ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=2)`` (FSDP2 + DTensor TP, applied
-in ``configure_model`` with torch's ``parallelize_module``). Repeats are interleaved (A B C D, then
+in ``configure_model`` with torch's ``parallelize_module``; lightning_baselines.py says how its plan fits
+our fused SwiGLU and where it keeps full logits that ours does not). Repeats are interleaved (A B C D, then
 D C B A, ...) so machine noise hits all alike; tokens/s is the median over measured steps of the
 slowest rank. The ``*_paired`` ratios compare the two runs of each pair within each repeat (adjacent
 in time, so under about the same load) and take the median over repeats. Also reported: wall
@@ -13,13 +14,13 @@ a shared machine schedules the ranks, though contention still inflates it). The 
 JSON object.
 
     python recipes/benchmark_overhead.py --steps 6 --repeats 3
+    python recipes/benchmark_overhead.py --model tiny --steps 2 --repeats 1 --tokens 256   # smoke
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -30,7 +31,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lightning_baselines import model_parallel_llama  # noqa: E402
+from lightning_baselines import as_launched_ranks, model_parallel_llama  # noqa: E402
 
 from lightning_hotspa.testing.spawn import run_on_ranks  # noqa: E402
 
@@ -108,8 +109,7 @@ def bench_rank(config: str, steps: int, repeats: int, tokens: int) -> dict:
     from lightning_hotspa.plan import RankPlan, RankStage
 
     rank = dist.get_rank()
-    os.environ.update({"LOCAL_RANK": str(rank), "NODE_RANK": "0", "WORLD_SIZE": str(WORLD), "RANK": str(rank),
-                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999"})
+    as_launched_ranks()
     layouts = [Layout(dp=4), Layout(dp=2, tp=2)]
     mesh = MeshShape.for_layouts(layouts, WORLD)
     # dp4 comparisons: one micro-batch per rank per step; dp2xtp2: one per dp group (tp pairs share it)
@@ -169,6 +169,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--tokens", type=int, default=2048, help="tokens per micro-batch")
     args = parser.parse_args(argv)
+    if args.steps < 2 or args.repeats < 1 or args.tokens < 1:
+        raise SystemExit(f"--steps >= 2 (the first is warm-up), --repeats >= 1 and --tokens >= 1, got {args.steps}, "
+                         f"{args.repeats}, {args.tokens}")
     ranks = run_on_ranks(bench_rank, WORLD, args.model, args.steps, args.repeats, args.tokens, timeout_s=3000)
     result = ranks[0]["tokens_per_s"]
     # per phase [wall s, cpu s] per step, mean over ranks; cpu_s: the whole step's CPU seconds per rank

@@ -158,12 +158,14 @@ def train_rank(args: argparse.Namespace) -> dict[str, Any]:
     import lightning as L
     import torch.distributed as dist
     from lightning.pytorch.callbacks import Callback
+    from lightning_baselines import as_launched_ranks
 
     from lightning_hotspa import HotSPaStrategy
     from lightning_hotspa.layout import Layout, MeshShape
     from lightning_hotspa.models import LlamaLM
     from lightning_hotspa.plan import pack_micro_batch, slice_plan
 
+    as_launched_ranks()
     plans, planner, draws = make_plans(args)
     rank = dist.get_rank()
     layouts = BLOCK_LAYOUTS if args.blocks or args.ladder else LAYOUTS

@@ -51,7 +51,7 @@ FAST_MODULES = frozenset({
     "test_fsdp_planner", "test_hf",
     "test_kv_gather",
     "test_layout", "test_long_grid", "test_minibatches", "test_packing", "test_plan", "test_planner",
-    "test_profile_update", "test_timeline", "test_varlen_kernels", "test_vocab",
+    "test_profile_update", "test_recipe_smoke", "test_timeline", "test_varlen_kernels", "test_vocab",
 })
 
 

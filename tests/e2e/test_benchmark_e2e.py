@@ -110,3 +110,14 @@ def test_run_order_rotates_so_no_configuration_always_runs_first(e2e) -> None:
     assert all(sorted(o) == sorted(configs) for o in orders)
     assert {o[0] for o in orders} == set(configs)
     assert len({tuple(o) for o in orders}) == 4
+
+
+def test_layouts_limits_the_set_to_it_plus_the_candidates_and_the_rule(e2e) -> None:
+    args = _args(e2e, context=512, memory_mib=3.0, layouts="tp4")
+    sets = e2e.layout_sets(args)
+    rule = {lay for _, lay in sets["rule"]}
+    assert set(sets["every"]) == {Layout(tp=4)} | set(sets["candidates"]) | rule
+    assert set(sets["statics"]) <= set(sets["every"]) and Layout(tp=4) in sets["statics"]
+    assert len(sets["every"]) < len(e2e.layout_sets(_args(e2e, context=512, memory_mib=3.0))["every"])
+    with pytest.raises(SystemExit, match=r"--layouts: \['dp2xtp3'\]"):
+        e2e.layout_sets(_args(e2e, context=512, memory_mib=3.0, layouts="tp4,dp2xtp3"))
