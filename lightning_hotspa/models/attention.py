@@ -91,6 +91,11 @@ def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seql
     whose backward is one concatenation: slicing each one costs a full-size zero gradient per document.
     """
     del max_seqlen  # per-document calls need no padding bound
+    if torch.compiler.is_compiling():  # one opaque op: no host read traced, no lengths baked into the graph
+        from .documents_op import sdpa_documents
+
+        _check_groups(q.shape[1], k.shape[1])
+        return sdpa_documents(q, k, v, cu_seqlens, window)
     bounds = _document_bounds(cu_seqlens, q.shape[0])
     lengths = [end - start for start, end in zip(bounds[:-1], bounds[1:], strict=True)]
     if not lengths:  # no documents, no tokens

@@ -112,7 +112,9 @@ class HotSPaStrategy(GuardedCollectives, StrategyCheckpoints, ParallelStrategy):
             collectives run; None: 10 minutes on NCCL (at most ``timeout``), ``timeout`` elsewhere.
             A failure there raises ``CollectiveError`` naming the group (docs/gpu-runtime.md).
         compile_blocks: ``torch.compile`` each block (child of an ``nn.ModuleList``) after the layouts
-            are installed: True, or a dict of torch.compile arguments (e.g. ``{"backend": "aot_eager"}``).
+            are installed: True, or a dict of torch.compile arguments (e.g. ``{"backend": "aot_eager"}``);
+            ``dynamic`` defaults to True (the token dim), dynamo's recompile limit is raised to the run's
+            layouts x blocks (``adapter/lightning/compile_blocks.py``).
         bucket_mb, switch_buckets_in_flight, reduce_buckets_in_flight: how the switch engine fuses and
             overlaps its collectives (MiB per fused all-gather / reduction bucket; buckets in flight);
             None: the backend's defaults, 100 MiB / 2 / 4 on NCCL, 4 MiB / 1 / 2 on gloo
@@ -342,7 +344,7 @@ class HotSPaStrategy(GuardedCollectives, StrategyCheckpoints, ParallelStrategy):
                                      activation_checkpointing=self.activation_checkpointing_for,
                                      fsdp_reduce_dtype=self._fsdp_reduce_dtype)
             if self._compile is not None:
-                compile_blocks(module, self._compile)  # after the parallel forwards: they are traced
+                compile_blocks(module, self._compile, len(self.world.layouts))  # after the parallel forwards: they are traced
         open_breadcrumbs(self.tracker, self._breadcrumb_dir, self._process_group_backend, trainer, self.global_rank)
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:

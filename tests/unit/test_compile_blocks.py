@@ -1,0 +1,94 @@
+"""Per-block torch.compile (``compile_blocks``): one graph per block across document lengths, no graph
+break, compiled equals eager (aot_eager, and inductor on CPU in one tiny case), recompile-limit hits
+counted. The switching checks across layouts: tests/e2e/test_recipe_smoke_benchmark_compile.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_hotspa.adapter.lightning.compile_blocks import check_compile_spec, compile_counts, graphs_needed
+from lightning_hotspa.models import LlamaConfig
+from lightning_hotspa.models.llama import Block
+from lightning_hotspa.models.rope import position_ids_from_cu_seqlens, rotary_cos_sin
+
+ROOT = Path(__file__).resolve().parents[2]
+#: document-length mixes: one long document, many short ones, empty-free mixes of new lengths
+MIXES = ([5, 7], [3, 9, 4], [16], [2, 2, 2, 2, 2], [11, 1, 6])
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+def _inputs(config: LlamaConfig, lengths: list[int]):
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    g = torch.Generator().manual_seed(sum(lengths))
+    x = torch.randn(int(cu[-1]), config.hidden, generator=g)
+    cos, sin = rotary_cos_sin(position_ids_from_cu_seqlens(cu), config.head_dim, config.rope_theta, x.dtype)
+    return x, cos, sin, cu, max(lengths)
+
+
+def _compiled_vs_eager(backend: str, mixes, **config) -> tuple[float, dict[str, int]]:
+    """The worst relative error of a compiled block's output, input and weight gradients against the
+    same block eager, over the length mixes; and the dynamo counts."""
+    cfg = LlamaConfig.preset("tiny", **config)
+    torch.manual_seed(0)
+    compiled, eager = Block(cfg), Block(cfg)
+    eager.load_state_dict(compiled.state_dict())
+    compiled.compile(**check_compile_spec({"backend": backend}))
+    worst = 0.0
+    for lengths in mixes:
+        x, *rest = _inputs(cfg, lengths)
+        pairs = []
+        for block in (compiled, eager):
+            xi = x.clone().requires_grad_()
+            out = block(xi, *rest)
+            out.square().sum().backward()
+            pairs.append([out.detach(), xi.grad, *(p.grad for p in block.parameters())])
+            block.zero_grad()
+        worst = max(worst, *(float((a - b).norm() / b.norm()) for a, b in zip(*pairs, strict=True)))
+    return worst, compile_counts()
+
+
+def test_one_graph_across_document_lengths_no_break_equal_to_eager():
+    # GQA (4 q / 2 kv heads) and a sliding window shorter than some documents: both paths of the op
+    worst, counts = _compiled_vs_eager("aot_eager", MIXES, sliding_window=4)
+    assert counts["compiled_graphs"] == 1, counts  # 5 mixes of lengths, one graph: the token dim is dynamic
+    assert counts["graph_breaks"] == 0 and counts["skipped_frames"] == 0, counts
+    assert worst <= 1e-6, worst
+
+
+def test_inductor_block_equals_eager_on_cpu(monkeypatch):
+    # the cache in a repo-ignored folder: the C++ build runs once per machine, later runs take seconds
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(ROOT / ".hotspa_cache" / "inductor"))
+    worst, counts = _compiled_vs_eager("inductor", MIXES[:2])
+    assert counts["compiled_graphs"] == 1 and counts["graph_breaks"] == 0, counts
+    assert worst <= 1e-5, worst
+
+
+def test_recompile_limit_hits_are_counted():
+    torch._dynamo.config.recompile_limit, saved = 1, torch._dynamo.config.recompile_limit
+    try:
+        fn = torch.compile(lambda x: x * 2, backend="eager", dynamic=False)
+        for n in (2, 3, 4):  # static shapes: each new size is a recompile, the second one past the limit
+            fn(torch.ones(n))
+    finally:
+        torch._dynamo.config.recompile_limit = saved
+    assert compile_counts()["cache_limit_hits"] >= 1
+
+
+def test_compile_spec_defaults_to_a_dynamic_token_dim():
+    assert check_compile_spec(True) == {"dynamic": True}
+    assert check_compile_spec({"backend": "aot_eager"}) == {"dynamic": True, "backend": "aot_eager"}
+    assert check_compile_spec({"dynamic": False}) == {"dynamic": False}
+    assert check_compile_spec(False) is None
+    assert graphs_needed(2, 3) == 14
