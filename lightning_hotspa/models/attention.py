@@ -20,8 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..host import host_reads
-from ..host_facts import recall
+from .documents_op import document_bounds, sdpa_documents, window_mask
 
 __all__ = [
     "CoreAttention",
@@ -52,29 +51,6 @@ def _check_groups(n_q_heads: int, n_kv_heads: int) -> None:
         )
 
 
-def _document_bounds(cu_seqlens: Tensor, total: int) -> list[int]:
-    known = recall(cu_seqlens, "bounds")  # filed where the batch was built: no read of the device
-    if known is not None:
-        bounds = list(known)
-    else:
-        with host_reads():  # metadata: real values even under the memory estimator's FakeTensorMode
-            bounds = [int(b) for b in cu_seqlens.tolist()]
-    if not bounds or bounds[0] != 0 or bounds[-1] != total:
-        raise ValueError(
-            f"cu_seqlens must start at 0 and end at the token count {total}, got {bounds}"
-        )
-    if any(b > e for b, e in zip(bounds[:-1], bounds[1:], strict=True)):
-        raise ValueError(f"cu_seqlens must be non-decreasing, got {bounds}")
-    return bounds
-
-
-def _window_mask(length: int, window: int, device: torch.device) -> Tensor:
-    """[L, L] bool: query i sees keys j with i - window < j <= i (Mistral's sliding window)."""
-    i = torch.arange(length, device=device)
-    distance = i[:, None] - i[None, :]
-    return (distance >= 0) & (distance < window)
-
-
 def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int,
                    window: int | None = None) -> Tensor:
     """Torch SDPA, one causal call per document (the CPU backend and universal fallback).
@@ -92,11 +68,9 @@ def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seql
     """
     del max_seqlen  # per-document calls need no padding bound
     if torch.compiler.is_compiling():  # one opaque op: no host read traced, no lengths baked into the graph
-        from .documents_op import sdpa_documents
-
         _check_groups(q.shape[1], k.shape[1])
         return sdpa_documents(q, k, v, cu_seqlens, window)
-    bounds = _document_bounds(cu_seqlens, q.shape[0])
+    bounds = document_bounds(cu_seqlens, q.shape[0])
     lengths = [end - start for start, end in zip(bounds[:-1], bounds[1:], strict=True)]
     if not lengths:  # no documents, no tokens
         return q.new_zeros(q.shape)
@@ -108,7 +82,7 @@ def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seql
     outs = [
         qd if not qd.shape[2] else
         F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, **gqa) if window is None or qd.shape[2] <= window
-        else F.scaled_dot_product_attention(qd, kd, vd, attn_mask=_window_mask(qd.shape[2], window, qd.device),
+        else F.scaled_dot_product_attention(qd, kd, vd, attn_mask=window_mask(qd.shape[2], window, qd.device),
                                             **gqa)
         for qd, kd, vd in pieces
     ]

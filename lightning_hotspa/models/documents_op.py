@@ -18,13 +18,38 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["sdpa_documents"]
+from ..host import host_reads
+from ..host_facts import recall
+
+__all__ = ["document_bounds", "sdpa_documents", "window_mask"]
+
+
+def document_bounds(cu_seqlens: Tensor, total: int) -> list[int]:
+    """The bounds of ``cu_seqlens`` as host ints (filed facts first, else one read), checked against ``total``."""
+    known = recall(cu_seqlens, "bounds")  # filed where the batch was built: no read of the device
+    if known is not None:
+        bounds = list(known)
+    else:
+        with host_reads():  # metadata: real values even under the memory estimator's FakeTensorMode
+            bounds = [int(b) for b in cu_seqlens.tolist()]
+    if not bounds or bounds[0] != 0 or bounds[-1] != total:
+        raise ValueError(
+            f"cu_seqlens must start at 0 and end at the token count {total}, got {bounds}"
+        )
+    if any(b > e for b, e in zip(bounds[:-1], bounds[1:], strict=True)):
+        raise ValueError(f"cu_seqlens must be non-decreasing, got {bounds}")
+    return bounds
+
+
+def window_mask(length: int, window: int, device: torch.device) -> Tensor:
+    """[L, L] bool: query i sees keys j with i - window < j <= i (Mistral's sliding window)."""
+    i = torch.arange(length, device=device)
+    distance = i[:, None] - i[None, :]
+    return (distance >= 0) & (distance < window)
 
 
 def _lengths(cu_seqlens: Tensor, total: int) -> list[int]:
-    from .attention import _document_bounds  # lazy: attention imports this module
-
-    bounds = _document_bounds(cu_seqlens, total)
+    bounds = document_bounds(cu_seqlens, total)
     return [end - start for start, end in zip(bounds[:-1], bounds[1:], strict=True)]
 
 
@@ -37,9 +62,7 @@ def _mask(length: int, window: int, like: Tensor) -> Tensor | None:
     """The sliding window's additive mask for a document longer than the window (None: plain causal)."""
     if window <= 0 or length <= window:
         return None
-    from .attention import _window_mask
-
-    allowed = _window_mask(length, window, like.device)
+    allowed = window_mask(length, window, like.device)
     return torch.zeros(allowed.shape, dtype=like.dtype, device=like.device).masked_fill_(~allowed, float("-inf"))
 
 

@@ -344,7 +344,8 @@ class HotSPaStrategy(GuardedCollectives, StrategyCheckpoints, ParallelStrategy):
                                      activation_checkpointing=self.activation_checkpointing_for,
                                      fsdp_reduce_dtype=self._fsdp_reduce_dtype)
             if self._compile is not None:
-                compile_blocks(module, self._compile, len(self.world.layouts))  # after the parallel forwards: they are traced
+                # after the parallel forwards: they are traced
+                compile_blocks(module, self._compile, len(self.world.layouts))
         open_breadcrumbs(self.tracker, self._breadcrumb_dir, self._process_group_backend, trainer, self.global_rank)
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
