@@ -11,11 +11,12 @@ update, so both passes see the same weights). Keys:
   ``skipped_frames`` (dynamo's own counters, the max over ranks; a limit hit or a skipped frame means
   a block ran eager); ``recompiles``: graphs beyond the first per block; ``recompile_limit``: what
   ``compile_blocks`` set it to (layouts x blocks, x2 for the checkpointing variant, + warm-up);
-  ``graphs_per_layout_block``: ``compiled_graphs / (layouts x blocks)``;
+  ``graphs_per_layout_block``: ``compiled_graphs / (layouts x blocks)``; ``recompile_reasons``: the first
+  line of each guard that failed (why a graph was added), over all ranks;
 * ``max_abs_diff_vs_eager``: the largest |compiled - eager| over every step's loss and gradients.
 
     python recipes/benchmark_compile.py             # inductor, 40 steps
-    python recipes/benchmark_compile.py --smoke     # aot_eager, 2 steps (the smoke test's run)
+    python recipes/benchmark_compile.py --smoke     # aot_eager, 1 step (the smoke test's run)
 """
 
 from __future__ import annotations
@@ -101,18 +102,21 @@ def rank_main(args: dict[str, Any]) -> dict[str, Any]:
     blocks = compile_blocks(module, {"backend": args["backend"]}, len(LAYOUTS))
     compiled = _run(state, runner, module, batches)
     counts = compile_counts()
+    from torch._dynamo.utils import guard_failures
+
+    reasons = sorted({str(r).split("\n")[0][:160] for failures in guard_failures.values() for r in failures})
     diff = max(float((c - e).abs().max()) for c, e in zip(compiled, eager, strict=True))
-    return {**counts, "blocks": blocks, "max_abs_diff_vs_eager": diff}
+    return {**counts, "blocks": blocks, "max_abs_diff_vs_eager": diff, "recompile_reasons": reasons}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Runs the benchmark; prints and returns its JSON line."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--smoke", action="store_true", help="aot_eager, 2 steps, short documents")
+    parser.add_argument("--smoke", action="store_true", help="aot_eager, 1 step, short documents")
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--backend", default=None, help="torch.compile backend (default inductor; smoke: aot_eager)")
     args = parser.parse_args(argv)
-    run = {"steps": args.steps or (2 if args.smoke else 40), "docs": 6 if args.smoke else 12,
+    run = {"steps": args.steps or (1 if args.smoke else 40), "docs": 6 if args.smoke else 12,
            "max_len": 24 if args.smoke else 96, "backend": args.backend or ("aot_eager" if args.smoke else "inductor")}
     results = run_on_ranks(rank_main, WORLD, run, timeout_s=3000)
     graphs = max(r["compiled_graphs"] for r in results)
@@ -124,7 +128,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
            "recompile_limit": results[0]["recompile_limit"],
            "cache_limit_hits": max(r["cache_limit_hits"] for r in results),
            "skipped_frames": max(r["skipped_frames"] for r in results),
-           "max_abs_diff_vs_eager": max(r["max_abs_diff_vs_eager"] for r in results)}
+           "max_abs_diff_vs_eager": max(r["max_abs_diff_vs_eager"] for r in results),
+           "recompile_reasons": sorted({x for r in results for x in r["recompile_reasons"]})}
     print(json.dumps(out))
     return out
 

@@ -27,6 +27,9 @@ after every part (``$OUT`` defaults to ./gpu_check_out), so a run cut short stil
 * (h) ``hopper``: the Hopper-class packed kernels (FA3 / FA4 / cuDNN documents kernels, the packed cp chunk
   kernels): one call against SDPA (output and gradients) and the documents kernels' TFLOP/s at 8K-32K beside
   the profile's efficiency (gpu_check_hopper.py). Never run on a GPU yet (2026-12-06): only the dry run.
+* (i) ``compile`` (opt-in: ``--parts compile``, not in the default run): one decoder block compiled with
+  inductor, the token dim dynamic, against eager over several length mixes: speedup, error, graphs and
+  breaks (gpu_check_compile.py). Never run on a GPU yet (2026-12-06).
 
 Parts run in the order of ``PARTS``, the backends part (with its flex-attention compile) last.
 
@@ -63,17 +66,21 @@ from lightning_hotspa.planner.cost.hardware import get_profile  # noqa: E402
 
 # the backends part runs last: its flex-attention compile is the one step that can take minutes
 PARTS = ("matmul", "train", "hotpath", "cpchunks", "hopper", "shards", "timers", "backends")
+#: parts only ``--parts`` names run (their share comes out of the whole budget)
+OPT_IN = ("compile",)
 PART_SHARES = {"matmul": 0.03, "train": 0.28, "hotpath": 0.07, "cpchunks": 0.12, "hopper": 0.05, "backends": 0.23,
-               "shards": 0.16, "timers": 0.06}
+               "shards": 0.16, "timers": 0.06, "compile": 0.3}
 
 REAL = {"preset": "1b", "steps": 20, "tokens_per_batch": 16384, "context_length": 8192, "tokens_per_rank": 8192,
         "lr": 3e-4, "lengths": [2048, 4096, 8192, 16384, 32768], "tokens": 32768, "matmul_n": 8192,
         "layer_tokens": 16384, "layer_length": 4096, "timer_tokens": 8192, "timer_length": 2048,
-        "kv_tokens": 32768, "hardware": "H200", "budget_s": 265.0, "cp_chunks": "real"}
+        "kv_tokens": 32768, "hardware": "H200", "budget_s": 265.0, "cp_chunks": "real",
+        "compile_mixes": [[4096, 4096], [1024] * 8, [8192], [2048, 512, 3072, 2560]]}
 DRY = {"preset": "tiny", "steps": 8, "tokens_per_batch": 1024, "context_length": 256, "tokens_per_rank": 512,
        "lr": 3e-3, "lengths": [64, 128], "tokens": 256, "matmul_n": 256,
        "layer_tokens": 256, "layer_length": 64, "timer_tokens": 256, "timer_length": 64,
-       "kv_tokens": 256, "hardware": "cpu-gloo", "budget_s": 120.0, "cp_chunks": "dry"}
+       "kv_tokens": 256, "hardware": "cpu-gloo", "budget_s": 120.0, "cp_chunks": "dry",
+       "compile_mixes": [[32, 32], [16] * 4]}
 
 
 class Report:
@@ -222,6 +229,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             return stage_timings(m, config, cfg["timer_tokens"], cfg["timer_length"], device, b)
 
         _run_part(report, "timers", timers, budget("timers"))
+    if "compile" in args.parts:
+        from gpu_check_compile import compile_check
+
+        _run_part(report, "compile", lambda b: compile_check(config, cfg["compile_mixes"], device, dtype, b),
+                  budget("compile"))
     if "backends" in args.parts:  # last: flex attention's compile, behind the part's own budget
         _run_part(report, "backends", lambda b: _backends(config, model(), cfg, device, dtype, peaks, b),
                   budget("backends"))
@@ -270,12 +282,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="total seconds for all parts (default 265 on the GPU, 120 in the dry run)")
     parser.add_argument("--grace-s", type=float, default=45.0,
                         help="seconds past the budget before the watchdog prints what there is and exits")
-    parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {list(PARTS)}")
+    parser.add_argument("--parts", default=",".join(PARTS),
+                        help=f"comma-separated subset of {list(PARTS)}, or the opt-in {list(OPT_IN)}")
     args = parser.parse_args(argv)
     args.parts = [p for p in args.parts.split(",") if p]
-    unknown = sorted(set(args.parts) - set(PARTS))
+    unknown = sorted(set(args.parts) - set(PARTS) - set(OPT_IN))
     if unknown or not args.parts:
-        raise SystemExit(f"--parts: unknown {unknown or 'empty'}; choose from {list(PARTS)}")
+        raise SystemExit(f"--parts: unknown {unknown or 'empty'}; choose from {list(PARTS + OPT_IN)}")
     if args.budget_s is not None and not args.budget_s > 0:
         raise SystemExit(f"--budget-s must be > 0, got {args.budget_s}")
     return args

@@ -1,5 +1,5 @@
 """recipes/benchmark_compile.py --smoke: per-block compile (aot_eager) through hot switches between three
-layouts on 4 gloo ranks and new document lengths every step: no graph break, no recompile-limit hit,
+layouts on 4 gloo ranks and several document lengths per stage: no graph break, no recompile-limit hit,
 at most one graph per (layout, block) plus one warm-up graph per block, equal to eager."""
 
 from __future__ import annotations
@@ -7,16 +7,21 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
+# dynamo traces 8 graphs on each of 4 ranks: minutes, not seconds, on a loaded 2-core box
+@pytest.mark.slow
+@pytest.mark.timeout(900)
 def test_benchmark_compile_smoke(capsys):
     spec = importlib.util.spec_from_file_location("benchmark_compile", ROOT / "recipes" / "benchmark_compile.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     out = module.main(["--smoke"])
     assert capsys.readouterr().out.strip().splitlines()[-1].startswith("{")
-    assert out["layouts_run"] >= 3 and out["steps"] == 2, out
+    assert out["layouts_run"] >= 3 and out["steps"] == 1, out
     assert out["graph_breaks"] == 0 and out["cache_limit_hits"] == 0 and out["skipped_frames"] == 0, out
     blocks, layouts = out["blocks"], out["layouts_run"]
     assert 0 < out["compiled_graphs"] <= blocks * (layouts + 1), out  # + the warm-up graph per block
