@@ -161,6 +161,7 @@ SMOKE: dict[str, Smoke | Reuse] = {
     "benchmark_overhead.py": Smoke(["--model", "tiny", "--steps", "2", "--repeats", "1", "--tokens", "256"],
                                    {"tokens_per_s", "dp4_vs_ddp", "dp2xtp2_vs_model_parallel", "dp4_vs_ddp_cpu"},
                                    _check_overhead),
+    "benchmark_compile.py": Reuse("e2e/test_recipe_smoke_benchmark_compile.py::test_benchmark_compile_smoke"),
     "benchmark_peers.py": Reuse("e2e/test_recipe_smoke_benchmark_peers.py::"
                                 "test_smoke_prints_one_json_line_with_the_issue_keys"),
     "benchmark_planner.py": Smoke(["--repeats", "1", "--documents", "64"],
@@ -186,6 +187,7 @@ SMOKE: dict[str, Smoke | Reuse] = {
 #: files under recipes/ that are not entry points: what runs them
 HELPERS = {
     "gpu_check_common.py": "gpu_check.py",
+    "gpu_check_compile.py": "gpu_check.py",
     "gpu_check_cp.py": "gpu_check.py",
     "gpu_check_hopper.py": "gpu_check.py",
     "gpu_check_hotpath.py": "gpu_check.py",
