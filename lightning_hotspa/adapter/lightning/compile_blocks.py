@@ -10,8 +10,8 @@ outside every graph.
 Graphs: the token dim is dynamic (``dynamic=True`` unless the caller says otherwise), and the CPU
 attention is one opaque op (:mod:`lightning_hotspa.models.documents_op`), so new document lengths
 never recompile. A layout switch swaps the block's parameters (other shapes under tp) and the
-active groups, which dynamo guards on: one graph per (layout, block), plus at most one more per
-block while first calls fill lazy caches. All blocks share one code object, and dynamo's
+active groups, which dynamo guards on: one graph per (layout, block), plus a bounded few per block
+(first calls fill lazy caches; a block's first graph can come out static in the token count). All blocks share one code object, and dynamo's
 recompile limit counts per code object (8 by default): past it a block runs EAGER without an
 error, so :func:`compile_blocks` raises the limit to what the run needs and :func:`compile_counts`
 reports any hit (docs/DESIGN.md §7, "torch.compile").
@@ -52,7 +52,7 @@ def check_compile_spec(spec: Any) -> dict[str, Any] | None:
 
 def graphs_needed(blocks: int, layouts: int) -> int:
     """The recompile limit a run needs: one graph per (layout, block) and checkpointing variant (plain
-    and selective recompute), and one warm-up graph per block.
+    and selective recompute), and one more per block for warm-up.
 
     Args:
         blocks: compiled blocks.
