@@ -11,10 +11,10 @@ Graphs: the token dim is dynamic (``dynamic=True`` unless the caller says otherw
 attention is one opaque op (:mod:`lightning_hotspa.models.documents_op`), so new document lengths
 never recompile. A layout switch swaps the block's parameters (other shapes under tp) and the
 active groups, which dynamo guards on: one graph per (layout, block), plus a bounded few per block
-(first calls fill lazy caches; a block's first graph can come out static in the token count). All blocks share one code object, and dynamo's
-recompile limit counts per code object (8 by default): past it a block runs EAGER without an
-error, so :func:`compile_blocks` raises the limit to what the run needs and :func:`compile_counts`
-reports any hit (docs/DESIGN.md §7, "torch.compile").
+(first calls fill lazy caches; a block's first graph can come out static in the token count).
+All blocks share one code object, and dynamo's recompile limit counts per code object (8 by
+default): past it a block runs EAGER without an error, so :func:`compile_blocks` raises the limit
+to what the run needs and :func:`compile_counts` reports any hit (docs/DESIGN.md §7, "torch.compile").
 """
 
 from __future__ import annotations
