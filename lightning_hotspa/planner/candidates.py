@@ -157,6 +157,7 @@ def auto_layouts(
     refine: int = 6,
     static_batches: Sequence[Sequence[int]] | None = None,
     refine_batches: Sequence[Sequence[int]] | None = None,
+    static: Layout | str | None = None,
 ) -> tuple[Layout, ...]:
     """2-4 candidate layouts (fewer only if fewer exist); see the module docstring.
 
@@ -165,7 +166,12 @@ def auto_layouts(
     that pick robust where one batch holds few long documents. ``refine_batches``: the global
     batches the refinement plans one by one (default ``[lengths]``): a set is scored by the sum of
     its plans, so a set that adapts to each batch's long documents wins over one that fits their
-    union (one concatenated batch balances better over dp groups than any real step does)."""
+    union (one concatenated batch balances better over dp groups than any real step does).
+    ``static``: the caller's static reference (``hotspa plan`` and the simulators compare plans with
+    the best static layout on the very batches they price, :func:`best_static_layout`): every set
+    considered contains it instead of the pick on ``static_batches``, so the guard's fallback is the
+    layout the plan is compared with and no plan is predicted slower than it (issue 54); it need not
+    hold the context (another layout of the set must)."""
     cm = AnalyticCostModel(model, hardware, world_size)
     check_int(context, "context", error=LayoutError)
     layouts = enumerate_layouts(world_size, cm)
@@ -182,7 +188,14 @@ def auto_layouts(
     fixed = [cm.grad_reduce_seconds(lay) + cm.switch_seconds(None, lay) for lay in layouts]
     keep = prune_dominated(layouts, rates, fixed)
     star = None
-    if lengths is not None and refine > 0:  # the best static layout on the sample batches (the
+    if static is not None:
+        given = Layout.parse(static) if isinstance(static, str) else static
+        if given not in layouts:
+            raise LayoutError(f"static={given}: not a layout of {world_size} x {cm.hardware.name} the model fits")
+        star = layouts.index(given)
+        if star not in keep:
+            keep.append(star)
+    elif lengths is not None and refine > 0:  # the best static layout on the sample batches (the
         batches = [np.asarray(b, dtype=np.int64) for b in (static_batches or [lengths])]  # relaxed
         star = _best_static(cm, layouts, batches, context)  # rates above may call it dominated:
         if star is not None and star not in keep:  # they pick checkpointing per document, a real
@@ -201,6 +214,11 @@ def auto_layouts(
         scored = _refine(cm, layouts, scored + seeded, refine_on, refine, star, [s[2] for s in seeded])
         if star is not None:  # never worse than static by design: the set holds the best static
             scored = [s for s in scored if star in s[2]] or scored  # layout, the guard's fallback
+    if static is not None:  # the caller compares with it: never a set without it
+        scored = [s for s in scored if star in s[2]]
+        if not scored:
+            raise LayoutError(f"static={layouts[star]}: no set of at most {max_layouts} layouts holds it, shares "
+                              f"one mesh with it and holds {context} tokens")
     top = min(s for s, _, _ in scored)
     floor = min(min_layouts, len(keep))
     eligible = [s for s in scored if s[1] >= floor and s[0] <= top * (1 + tolerance)]

@@ -126,8 +126,12 @@ def _cmd_plan(args: argparse.Namespace) -> dict[str, Any]:
         raise CliError(f"--global-batch-tokens {args.global_batch_tokens} is below --context {args.context}: "
                        f"a full-context document could never fit in a batch")
     lengths = batch_lengths(args.data, args.global_batch_tokens, args.context, args.seed, args.step)
-    if args.layouts == "auto":
-        layouts: Any = auto_layouts(args.world_size, cm.model, cm.hardware, args.context, lengths=lengths)
+    statics = static_layouts(cm, int(lengths.max()), include_pp=False, tokens_per_rank=args.tokens_per_rank)
+    static = {p.name: static_seconds(cm, p, lengths, tokens_per_rank=args.tokens_per_rank) for p in statics}
+    best = min(static, key=lambda k: (static[k], k)) if static else None
+    if args.layouts == "auto":  # the candidates hold the static layout the plan is compared with
+        layouts: Any = auto_layouts(args.world_size, cm.model, cm.hardware, args.context, lengths=lengths,
+                                    static=best)
     else:
         layouts = [x for x in args.layouts.split(",") if x.strip()]
     ladder = {"auto": "auto", "declared": True, "off": False}[args.ladder]
@@ -135,9 +139,8 @@ def _cmd_plan(args: argparse.Namespace) -> dict[str, Any]:
                                tokens_per_rank=args.tokens_per_rank, ladder=ladder)
     plan = planner.plan(args.step, lengths)
     pred = planner.predict(plan)
-    statics = static_layouts(cm, int(lengths.max()), include_pp=False, tokens_per_rank=args.tokens_per_rank)
-    static = {p.name: static_seconds(cm, p, lengths, tokens_per_rank=args.tokens_per_rank) for p in statics}
-    best = min(static, key=lambda k: (static[k], k)) if static else None
+    own = {x.name for x in planner.layouts}
+    reference = min((k for k in static if k in own), key=lambda k: (static[k], k), default=None)
     rows = [("band", "docs", "tokens", "layout", "ckpt", "micro-batches", "predicted s")]
     for s in pred.stages:
         rows.append((s.band, str(s.documents), str(s.tokens), s.layout, "yes" if s.activation_checkpointing else "no",
@@ -155,20 +158,21 @@ def _cmd_plan(args: argparse.Namespace) -> dict[str, Any]:
                   f"ckpt {b['checkpointing']}), micro-batches {b['micro_batches']}, {b['documents']} docs, "
                   f"predicted {b['predicted_s']:.3f} s")
     print(f"switches {pred.switch_seconds:.3f} s; step {pred.seconds:.3f} s; {pred.tokens_per_s:,.0f} tokens/s")
-    speedup = static[best] / pred.seconds if best else None
-    if best:
-        print(f"best static layout {best}: {static[best]:.3f} s -> predicted speed-up {speedup:.3f}x")
-    why_static = _why_one_layout(planner.last_decision, {s.layout for s in plan.stages}
-                                 | {b.layout for s in plan.stages for b in s.blocks})
-    if why_static:
-        print(why_static)
+    speedup = static[reference] / pred.seconds if reference else None
+    guard_lines = plan_guard_lines(plan, pred.seconds, reference, static.get(reference), planner)
+    for line in guard_lines:
+        print(line)
+    if best and best != reference:  # explicit --layouts without it: said, never passed off as the reference
+        print(f"outside the candidates: static {best}: {static[best]:.3f} s (--layouts auto always includes the "
+              f"best static layout)")
     return {
         "command": "plan", "model": args.model, "world_size": args.world_size, "hardware": cm.hardware.name,
         "context": args.context, "data": args.data, "documents": int(lengths.size), "tokens": int(lengths.sum()),
         "layouts": [x.name for x in planner.layouts], "step_s": pred.seconds, "tokens_per_s": pred.tokens_per_s,
         "stages": [{**s.as_dict(), **({"blocks": b} if b else {})} for s, b in zip(pred.stages, blocks)],
-        "best_static": {"layout": best, "seconds": static[best]} if best else None,
-        "static_s": static, "speedup_vs_best_static": speedup, "why_one_layout": why_static,
+        "best_static": {"layout": reference, "seconds": static[reference]} if reference else None,
+        "best_static_any": {"layout": best, "seconds": static[best]} if best else None,
+        "static_s": static, "speedup_vs_best_static": speedup, "guard": guard_lines,
     }
 
 
@@ -197,21 +201,54 @@ def block_rows(planner: Any, stage: Any, predicted: Any) -> list[dict[str, Any]]
     return out
 
 
-def _why_one_layout(decision: Any, layouts: set) -> str | None:
-    """Where the plan runs one layout: the best multi-layout plan priced, its predicted gain and the
-    never-worse-than-static guard's margin that rejected it (``planner.last_decision``)."""
-    if decision is None or len(layouts) != 1:
-        return None
-    if decision.fell_back and decision.static_s < decision.multi_s:  # the solver's pick was one layout too
-        return (f"one layout ({decision.static_layout}): the solver's cheapest plan over all candidates used a "
-                f"single layout ({decision.multi_s:.3f} s); {decision.static_layout} solved alone is faster")
-    if decision.fell_back:
-        gain = decision.static_s / decision.multi_s - 1.0 if decision.multi_s > 0 else 0.0
-        return (f"one layout ({decision.static_layout}): the best multi-layout plan priced took "
-                f"{decision.multi_s:.3f} s, a predicted gain of {gain:+.1%} over it, within the guard's margin "
-                f"static_margin={decision.margin:.1%} (a multi-layout plan must be predicted that much faster)")
-    return ("one layout: the solver's cheapest plan over all candidate layouts already uses a single layout "
-            "(no multi-layout plan was predicted faster)")
+def plan_name(plan: Any) -> str:
+    """A step plan as ``hotspa plan`` names it: its stages' layouts in order (``dp8+ac -> dp4xcp2``), a
+    block stage as its blocks' working layouts in brackets (``blocks[dp4xcp2, cp8:fsdp8]``).
+
+    Args:
+        plan: a :class:`~lightning_hotspa.plan.StepPlan`.
+    """
+    names = []
+    for s in plan.stages:
+        if s.blocks:
+            names.append(f"blocks[{', '.join(dict.fromkeys(b.working_layout.name for b in s.blocks))}]")
+        else:
+            names.append(s.layout.name + s.activation_checkpointing.suffix)
+    return " -> ".join(dict.fromkeys(names))
+
+
+def plan_guard_lines(plan: Any, seconds: float, reference: str | None, reference_s: float | None,
+                     planner: Any) -> list[str]:
+    """What ``hotspa plan`` says about the never-worse-than-static guard: the chosen plan against the
+    best static layout among the candidates, then, where the plan stays on one layout, the best
+    multi-layout plan the solver priced, its gain and the guard's margin.
+
+    Args:
+        plan: the chosen :class:`~lightning_hotspa.plan.StepPlan`.
+        seconds: its predicted step seconds.
+        reference: the best static layout among the candidates (None: none holds every document alone).
+        reference_s: that layout's predicted seconds alone.
+        planner: the :class:`CostModelPlanner` that made the plan (``last_multi_layout``, ``static_margin``).
+    """
+    from ..planner.solve.static_guard import solution_name
+
+    chosen = plan_name(plan)
+    if reference is None:
+        lines = [f"chosen {chosen}: {seconds:.3f} s; best static: none (no candidate holds every document alone)"]
+    else:
+        lines = [f"chosen {chosen}: {seconds:.3f} s; best static {reference}: {reference_s:.3f} s -> predicted "
+                 f"speed-up {reference_s / seconds:.3f}x"]
+    one_layout = len({s.layout for s in plan.stages if not s.blocks}) == 1 and not any(s.blocks for s in plan.stages)
+    if one_layout and len(planner.layouts) > 1:
+        margin = planner.static_margin
+        spread = planner.last_multi_layout
+        if spread is None:
+            lines.append(f"best multi-layout plan priced: none (every plan the solver packed ran one layout), the "
+                         f"margin {1 + margin:.3f}x")
+        else:
+            lines.append(f"best multi-layout plan priced: {solution_name(spread[1])}: {spread[0]:.3f} s, gain "
+                         f"{seconds / spread[0]:.3f}x, below the margin {1 + margin:.3f}x")
+    return lines
 
 
 # ------------------------------------------------------------------------------------------ simulate

@@ -129,6 +129,8 @@ class CellResult:
     rule_artifact_packing_s: dict[str, float] = field(default_factory=dict)
     best_static_no_cp: str = ""  # the Megatron-like (dp, tp, pp) family only
     best_static_no_cp_s: float = float("nan")
+    ours_batches_s: list[float] = field(default_factory=list)  # per batch, ours and the best static's
+    static_batches_s: list[float] = field(default_factory=list)
 
     @property
     def speedup_static(self) -> float:
@@ -173,27 +175,26 @@ def simulate_cell(model: str, world_size: int, context: int, data: str, hardware
                   batches: int = 2, sequences: int = 512, seed: int = 0) -> CellResult:
     """Our plan vs the best static layout vs the hand-set rule on the same batches."""
     cm = AnalyticCostModel(_artifact_model(model), hardware, world_size)
-    # candidates from other data; the best static layout (every set holds it: the guard's fallback)
-    # picked on 6 more batches: one batch of 512 sequences misled it by 15 % (30B on 32 GPUs,
-    # commoncrawl: whether the batch holds a few long documents)
-    sample = sample_batches(data, context, 1, sequences, seed + 7919)[0]
-    static_sample = sample_batches(data, context, 6, sequences, seed + 104729)
-    layouts: tuple[Layout, ...] = auto_layouts(world_size, cm.model, cm.hardware, context, lengths=sample,
-                                               static_batches=static_sample)
-    planner = CostModelPlanner(layouts, model=cm.model, hardware=cm.hardware)
     data_batches = sample_batches(data, context, batches, sequences, seed)
     longest = max(int(b.max()) for b in data_batches)
     statics = static_layouts(cm, longest)
-    ours, static_totals, tokens = [], {p: 0.0 for p in statics}, []
     planners: dict[Layout, CostModelPlanner] = {}
+    static_totals = {p: sum(static_seconds(cm, p, b, planners) for b in data_batches) for p in statics}
+    best = min(statics, key=lambda p: (static_totals[p], p.name))
+    # candidates from other data, holding the static layout the cell compares with (every set then
+    # holds it: the guard's fallback, issue 54; pipeline-parallel statics are priced, never run)
+    sample = sample_batches(data, context, 1, sequences, seed + 7919)[0]
+    runnable = min((p for p in statics if p.pp == 1), key=lambda p: (static_totals[p], p.name))
+    layouts: tuple[Layout, ...] = auto_layouts(world_size, cm.model, cm.hardware, context, lengths=sample,
+                                               static=runnable)
+    planner = CostModelPlanner(layouts, model=cm.model, hardware=cm.hardware)
+    ours, tokens = [], []
     rules: dict[str, list[float]] = {}
     rules_art: dict[str, list[float]] = {}
     fits: dict[str, bool] = {}
     for lengths in data_batches:
         tokens.append(float(lengths.sum()))
         ours.append(planner.solve(lengths)[0])
-        for p in statics:
-            static_totals[p] += static_seconds(cm, p, lengths, planners)
         for comb in ("c1", "c2"):
             try:
                 rule = artifact_rule(model, world_size, context, comb)
@@ -203,7 +204,6 @@ def simulate_cell(model: str, world_size: int, context: int, data: str, hardware
             rules.setdefault(comb, []).append(secs)
             rules_art.setdefault(comb, []).append(rule_seconds(cm, rule, lengths, "artifact")[0])
             fits[comb] = fits.get(comb, True) and ok
-    best = min(statics, key=lambda p: (static_totals[p], p.name))
     no_cp = [p for p in statics if p.cp == 1]
     best_no_cp = min(no_cp, key=lambda p: (static_totals[p], p.name)) if no_cp else None
     n = len(data_batches)
@@ -212,7 +212,8 @@ def simulate_cell(model: str, world_size: int, context: int, data: str, hardware
                       {k: float(np.mean(v)) for k, v in rules.items()}, fits,
                       {k: float(np.mean(v)) for k, v in rules_art.items()},
                       best_no_cp.name if best_no_cp else "",
-                      static_totals[best_no_cp] / n if best_no_cp else float("nan"))
+                      static_totals[best_no_cp] / n if best_no_cp else float("nan"),
+                      [float(x) for x in ours], [static_seconds(cm, best, b, planners) for b in data_batches])
 
 
 def simulate_grid(hardware: str = "A800-80G", batches: int = 2, sequences: int = 512, seed: int = 0,

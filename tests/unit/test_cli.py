@@ -154,16 +154,43 @@ def test_calibration_errors_hold_out_later_steps_per_clock() -> None:
     assert 0 < wall["noise_floor"] < wall["stage_mean_error"]  # a fit that saw the steps does better
 
 
-def test_plan_says_why_it_runs_one_layout() -> None:
-    from lightning_hotspa.planner.solve.static_guard import GuardDecision
-    from lightning_hotspa.tools.cli import _why_one_layout
+@pytest.mark.slow
+@pytest.mark.parametrize("data", ["commoncrawl", "github"])
+def test_plan_never_reads_slower_than_its_static_reference(capsys: pytest.CaptureFixture[str], data: str) -> None:
+    """Issue 54's case: dp64, the best static layout of the batch, was no candidate and the chosen plan
+    read 0.988x of it; with github data no gain or margin was said."""
+    import re
 
-    rejected = GuardDecision(multi_s=9.0, static_s=10.0, static_layout="dp8", margin=0.147, fell_back=True)
-    text = _why_one_layout(rejected, {"dp8"})
-    assert "9.000 s" in text and "+11.1%" in text and "static_margin=14.7%" in text and "dp8" in text
-    assert "already uses a single layout" in _why_one_layout(
-        GuardDecision(10.0, 10.0, "dp8", 0.147, False), {"dp8"})
-    assert _why_one_layout(rejected, {"dp8", "tp2xcp4"}) is None  # a multi-layout plan runs: nothing to say
+    code, out, err = run(capsys, "plan", "--model", "llama3-8b", "--world-size", "64", "--hardware", "H100",
+                         "--context", "131072", "--data", data, "--global-batch-tokens", "4194304", "--ladder",
+                         "auto", "--json")
+    assert code == 0, err
+    result = json.loads(out.strip().splitlines()[-1])
+    first = re.search(r"^chosen (.+): ([0-9.]+) s; best static (\S+): ([0-9.]+) s -> predicted speed-up ([0-9.]+)x$",
+                      out, re.M)
+    assert first, out
+    assert float(first[5]) >= 1.0 and first[3] in result["layouts"]  # the reference is a candidate
+    assert result["best_static"]["layout"] == result["best_static_any"]["layout"] == first[3]
+    if len({s["layout"] for s in result["stages"]}) == 1 and not any("blocks" in s for s in result["stages"]):
+        margin = re.search(r"^best multi-layout plan priced: (.+): ([0-9.]+) s, gain ([0-9.]+)x, below the margin "
+                           r"([0-9.]+)x$", out, re.M)
+        assert margin, out
+        assert float(margin[3]) < float(margin[4]) == pytest.approx(1 + DEFAULT_STATIC_MARGIN, abs=1e-3)
+
+
+def test_plan_names_and_guard_lines() -> None:
+    """The lines ``hotspa plan`` prints about the guard, from a real planner's solve."""
+    from lightning_hotspa.planner.solve.solver import CostModelPlanner
+    from lightning_hotspa.tools.cli import plan_guard_lines
+
+    planner = CostModelPlanner(["dp8", "tp2xcp4"], model="llama7b", hardware="A800-80G", static_margin=9.0)
+    plan = planner.plan(0, [30000, 200, 300, 400, 500, 600, 700, 800, 900, 1000, 1100, 1200])
+    lines = plan_guard_lines(plan, 2.0, "tp2xcp4", 2.0, planner)
+    assert lines[0] == f"chosen {plan.stages[0].layout.name}: 2.000 s; best static tp2xcp4: 2.000 s -> predicted " \
+        f"speed-up 1.000x"
+    assert lines[1].startswith("best multi-layout plan priced: ") and lines[1].endswith("below the margin 10.000x")
+    assert "->" in lines[1].split(": ")[1] or "blocks[" in lines[1]  # a multi-layout plan, named by its stages
+    assert plan_guard_lines(plan, 2.0, None, None, planner)[0].endswith("no candidate holds every document alone)")
 
 
 def test_long_commands_show_progress_on_stderr_and_keep_json_last_on_stdout(monkeypatch, capsys) -> None:

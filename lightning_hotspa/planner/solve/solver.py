@@ -63,7 +63,7 @@ from .exact import solve_exact
 from .ladder import LadderBlock, LadderGroups, LadderPlanner, joint_exchange_seconds, remap
 from .mixed_rounds import MixedBlock, MixedGroups, MixedRounds
 from .packing import DocumentTooLongError, pack_layout
-from .static_guard import DEFAULT_STATIC_MARGIN, GuardDecision, check_margin, guard
+from .static_guard import DEFAULT_STATIC_MARGIN, GuardDecision, check_margin, guard, used_layouts
 
 __all__ = ["CostModelPlanner"]
 
@@ -144,6 +144,8 @@ class CostModelPlanner(PlannerBase):
         self.static_margin = check_margin(static_margin, name)
         self.last_decision: GuardDecision | None = None  # the guard's view of the last solve
         self.last_multi: tuple[float, list] | None = None
+        #: the cheapest multi-layout solution the last solve priced (None: none), whichever ran
+        self.last_multi_layout: tuple[float, list] | None = None
         if isinstance(layouts, str) and layouts == "auto":
             raise PlanError(f"{name}(layouts='auto'): choose the candidates with "
                             f"planner.candidates.auto_planner(world_size, context, model=..., hardware=...)")
@@ -340,10 +342,14 @@ class CostModelPlanner(PlannerBase):
         lengths = self._check_lengths(doc_lengths)
         option_list = list(self._option_list if options is None else options)
         multi = self._solve_over(lengths, option_list)
+        spread = multi if len(used_layouts(multi[1])) > 1 else None
         if self.ladder is not None:  # a block stage of blocks side by side, where it prices lower
             found = self._ladder_plan(lengths, option_list)
+            if found is not None and (spread is None or found[0] < spread[0]):
+                spread = found
             if found is not None and found[0] < multi[0] * (1 - 1e-9):
                 multi = found
+        self.last_multi_layout = spread
         self.last_multi = multi  # before the guard (the grid re-guards it at other margins)
         chosen, self.last_decision = guard(lengths, option_list, multi, self.static_margin, self._solve_over)
         return chosen

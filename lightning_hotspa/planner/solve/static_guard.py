@@ -29,7 +29,7 @@ from ..cost.cost_model import OptionCost
 from .ladder import LadderGroups
 from .mixed_rounds import MixedGroups
 
-__all__ = ["DEFAULT_STATIC_MARGIN", "GuardDecision", "check_margin", "guard"]
+__all__ = ["DEFAULT_STATIC_MARGIN", "GuardDecision", "check_margin", "guard", "solution_name", "used_layouts"]
 
 #: exp(mean held-out between-layout log error) - 1 over 31 pairs of published runs (llm-foundry's tables,
 #: torchtitan's incl. its cp table, NeMo's long-sequence cp table), recipes/benchmark_published.py
@@ -71,12 +71,7 @@ def guard(lengths: np.ndarray, options: Sequence[OptionCost], multi: Solution, m
     """The plan to run and the decision. ``solve(lengths, options)`` plans over a subset of options
     (the same solver the multi-layout plan came from)."""
     total, stages = multi
-    used = {opt.layout for opt, _ in stages}  # a mixed stage's blocks compute in layouts of their own
-    for _, groups in stages:
-        if isinstance(groups, (MixedGroups, LadderGroups)):
-            used.update(groups.layouts)
-        if isinstance(groups, LadderGroups):  # never a static plan, even of one compute layout:
-            used.update(("block", k) for k in range(len(groups.blocks)))  # its blocks run copies of their own
+    used = used_layouts(stages)
     longest = int(lengths.max())
     by_layout: dict[object, list[OptionCost]] = {}
     for opt in options:
@@ -111,6 +106,40 @@ def guard(lengths: np.ndarray, options: Sequence[OptionCost], multi: Solution, m
     fall_back = best is not multi and not best[0] > total * (1.0 + margin)
     decision = GuardDecision(total, best[0], best_name, margin, fall_back)
     return (best if fall_back else multi), decision
+
+
+def used_layouts(stages: Sequence[tuple[OptionCost, object]]) -> set[object]:
+    """What a solution computes in: its stages' layouts, a mixed or block stage's blocks' layouts, and a
+    block stage's blocks themselves (never a static plan, even of one compute layout: its blocks run
+    copies of their own). More than one entry: a multi-layout plan.
+
+    Args:
+        stages: a solver solution's ``[(option, groups)]``.
+    """
+    used: set[object] = {opt.layout for opt, _ in stages}
+    for _, groups in stages:
+        if isinstance(groups, (MixedGroups, LadderGroups)):
+            used.update(groups.layouts)
+        if isinstance(groups, LadderGroups):
+            used.update(("block", k) for k in range(len(groups.blocks)))
+    return used
+
+
+def solution_name(stages: Sequence[tuple[OptionCost, object]]) -> str:
+    """A solution as ``hotspa plan`` names it: its stages in order (``dp8+ac -> dp4xcp2``), a mixed or
+    block stage as its blocks' working options in brackets (``blocks[dp4xcp2, cp8:fsdp8]``).
+
+    Args:
+        stages: a solver solution's ``[(option, groups)]``.
+    """
+    names = []
+    for opt, groups in stages:
+        if isinstance(groups, (MixedGroups, LadderGroups)):
+            inner = list(dict.fromkeys(b.option.label for b in groups.blocks))
+            names.append(f"blocks[{', '.join(inner)}]")
+        else:
+            names.append(opt.label)
+    return " -> ".join(dict.fromkeys(names))
 
 
 def _lower_bound(lengths: np.ndarray, options: Sequence[OptionCost], longest: int) -> float:
