@@ -27,7 +27,7 @@ __all__ = ["FIELDS", "StageRecord", "StageStats", "StepResult", "gather_step", "
 
 #: the per-stage columns of the gathered table, in order
 FIELDS = ("tokens", "documents", "micro_batches", "target_tokens", "switch_bytes", "switch_s", "compute_s",
-          "reduce_s", "sum_sq", "sum_len", "fsdp_bytes", "tp")
+          "reduce_s", "sum_sq", "sum_len", "fsdp_bytes", "tp", "before_s")
 
 
 @dataclass(frozen=True)
@@ -63,11 +63,15 @@ class StageStats:
     #: the tp degree this rank computed in (its block's in a mixed stage): its tp group's ranks each
     #: count the same tokens, so the records divide by it
     tp: int = 1
+    #: seconds from the previous stage's end (the step's start for the first stage) to this one's
+    #: start: what lies between stages (entering the stage's hooks), in no stage's seconds
+    before_s: float = 0.0
 
     @classmethod
     def measure(cls, stage: RankStage, switch_report: Any, grad_report: Any, *, order: int, switch_s: float,
                 compute_s: float, reduce_s: float, compute_cpu_s: float = 0.0,
-                activation_checkpointing: Checkpointing = Checkpointing.NONE, fsdp_bytes: int = 0) -> StageStats:
+                activation_checkpointing: Checkpointing = Checkpointing.NONE, fsdp_bytes: int = 0,
+                before_s: float = 0.0) -> StageStats:
         """This rank's stats of ``stage``, the ``order``-th of the step, from its switch and gradient
         reports and its measured seconds (see the class docstring for each field)."""
         mbs = [m for m in stage.micro_batches if hasattr(m, "num_tokens")]
@@ -82,7 +86,7 @@ class StageStats:
                    reduce_s=reduce_s, sum_sq=sum_sq, sum_len=sum_len,
                    reduce_bytes=grad_report.bytes_received, reduce_collectives=grad_report.collectives,
                    compute_cpu_s=compute_cpu_s, activation_checkpointing=activation_checkpointing,
-                   fsdp_bytes=fsdp_bytes, tp=stage.compute_layout.tp)
+                   fsdp_bytes=fsdp_bytes, tp=stage.compute_layout.tp, before_s=before_s)
 
 
 @dataclass(frozen=True)
@@ -90,7 +94,10 @@ class StageRecord:
     """One stage of one step over all ranks: what ran (bucket, layout) and how long it took.
 
     ``switch_s`` / ``compute_s`` / ``reduce_s`` are each the slowest rank's; ``stage_s`` is the
-    slowest rank's sum of the three (what the step waited for). ``flops`` (model FLOPs),
+    slowest rank's sum of the three (what the step waited for; given none, the sum of the three):
+    the ONE seconds figure of the stage every rate, share and MFU divides by (:attr:`seconds`).
+    ``before_s``: the slowest rank's seconds between the previous stage's end and this one's start.
+    ``flops`` (model FLOPs),
     ``predicted_s`` (cost model) and ``plan`` (packing stats) are added by the monitor. A stage is
     identified by ``order`` (its index in the step); :attr:`name` is what metrics and tables show."""
 
@@ -105,12 +112,17 @@ class StageRecord:
     switch_mb: float
     compute_s: float
     reduce_s: float
-    stage_s: float = 0.0
+    stage_s: float | None = None
     fsdp_mb: float = 0.0  # all ranks' received MB of the sharded working copy's per-unit traffic
     flops: float | None = None
     predicted_s: float | None = None
     plan: Mapping[str, Any] = field(default_factory=dict)  # packing stats: fill, padding, imbalance
     activation_checkpointing: Checkpointing = Checkpointing.NONE  # what the stage ran with
+    before_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.stage_s is None:
+            object.__setattr__(self, "stage_s", self.switch_s + self.compute_s + self.reduce_s)
 
     @property
     def name(self) -> str:
@@ -120,8 +132,8 @@ class StageRecord:
 
     @property
     def seconds(self) -> float:
-        """Switch + compute + gradient reduce (each the slowest rank's)."""
-        return self.switch_s + self.compute_s + self.reduce_s
+        """The stage's one seconds figure: :attr:`stage_s`."""
+        return float(self.stage_s or 0.0)
 
     @property
     def tokens_per_s(self) -> float:
@@ -148,9 +160,14 @@ class StepResult:
     skip_update: bool = False  # the non-finite policy dropped this step's update
 
     @property
+    def between_s(self) -> float:
+        """What lies between the stages: the sum over stages of the slowest rank's ``before_s``."""
+        return sum(r.before_s for r in self.records)
+
+    @property
     def step_s(self) -> float:
-        """The step's stage time: the sum over stages of the slowest rank's stage time."""
-        return sum(r.stage_s for r in self.records)
+        """The step's time: its stages' ``stage_s`` plus :attr:`between_s` (exactly their sum)."""
+        return sum(r.seconds for r in self.records) + self.between_s
 
 
 def gather_step(loss_sum: torch.Tensor, stats: list[StageStats], device: torch.device | str, step: int = -1,
@@ -177,7 +194,8 @@ def gather_step(loss_sum: torch.Tensor, stats: list[StageStats], device: torch.d
             switch_s=float(cols["switch_s"].max()), switch_mb=float(cols["switch_bytes"].sum()) / 1e6,
             compute_s=float(cols["compute_s"].max()), reduce_s=float(cols["reduce_s"].max()),
             stage_s=float((cols["switch_s"] + cols["compute_s"] + cols["reduce_s"]).max()),
-            fsdp_mb=float(cols["fsdp_bytes"].sum()) / 1e6, activation_checkpointing=s.activation_checkpointing))
+            fsdp_mb=float(cols["fsdp_bytes"].sum()) / 1e6, activation_checkpointing=s.activation_checkpointing,
+            before_s=float(cols["before_s"].max())))
     return loss, tuple(records), gathered
 
 

@@ -174,6 +174,7 @@ class StepRunner:
         carry = self.carried is not None and bool(plan.stages) and self.share_gradients and \
             engine.stages_share_gradients(self.carried, plan.stages[0].working_layouts)
         kept = False  # this run leaves its last stage's working copy and gradients to the next
+        start = clock.mark()  # the step's start: the first stage's before_s runs from here
         try:
             if not carry:
                 self.flush()
@@ -237,12 +238,13 @@ class StepRunner:
             else:
                 engine.release()
         stats = []
+        ends = [start, *(m[3] for m in marks)]  # each stage's before_s: from the previous stage's end
         for k, (stage, (t0, t1, t2, t3), (report, grad_report, cpu_s, ac, fsdp)) in enumerate(
                 zip(plan.stages, marks, parts)):
             stats.append(StageStats.measure(
                 stage, report, grad_report, order=k, switch_s=clock.seconds(t0, t1), compute_s=clock.seconds(t1, t2),
                 reduce_s=clock.seconds(t2, t3), compute_cpu_s=cpu_s, activation_checkpointing=ac,
-                fsdp_bytes=fsdp))
+                fsdp_bytes=fsdp, before_s=clock.seconds(ends[k], t0)))
         hooks.enter_phase("metrics")  # the one small collective of the step
         loss, records, table = gather_step(loss_sum, stats, self.device, plan.step)
         finite = bool(torch.isfinite(loss))

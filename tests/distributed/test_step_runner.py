@@ -149,7 +149,7 @@ def test_one_layout_runs_a_checkpointed_and_a_plain_stage_back_to_back(world_of_
 
 def test_metrics_of_a_layout_split_into_two_stages_keep_both(world_of_one) -> None:
     """A plan with ``dp1+ac, dp1`` (the cost planner's split checkpointing): each stage gets its own
-    metric keys, the per-stage tokens add up to the step's, and the plan text counts each stage."""
+    metric keys (by bucket), the per-stage tokens add up to the step's, and the plan text counts each stage."""
     import dataclasses
 
     from lightning_hotspa.adapter.observability.callbacks import plan_text
@@ -167,10 +167,10 @@ def test_metrics_of_a_layout_split_into_two_stages_keep_both(world_of_one) -> No
     records = [dataclasses.replace(r, predicted_s=float(r.order + 1)) for r in result.records]
     metrics, monitor = step_metrics(records), monitor_metrics(records, result.step_s, None, None)
     first, second = records
-    assert (metrics["hotspa/dp1+ac@short/tokens"], metrics["hotspa/dp1@long/tokens"]) == (first.tokens, second.tokens)
-    assert metrics["hotspa/dp1+ac@short/tokens"] + metrics["hotspa/dp1@long/tokens"] == sum(2 * n for n in lengths)
-    assert (metrics["hotspa/dp1+ac@short/documents"], metrics["hotspa/dp1@long/documents"]) == (3, 5)
-    assert (monitor["hotspa/dp1+ac@short/predicted_s"], monitor["hotspa/dp1@long/predicted_s"]) == (1.0, 2.0)
+    assert (metrics["hotspa/short/tokens"], metrics["hotspa/long/tokens"]) == (first.tokens, second.tokens)
+    assert metrics["hotspa/short/tokens"] + metrics["hotspa/long/tokens"] == sum(2 * n for n in lengths)
+    assert (metrics["hotspa/short/documents"], metrics["hotspa/long/documents"]) == (3, 5)
+    assert (monitor["hotspa/short/predicted_s"], monitor["hotspa/long/predicted_s"]) == (1.0, 2.0)
     assert metrics["hotspa/tokens"] == sum(2 * n for n in lengths)
     assert plan_text(batch, records) == "short->dp1 x2, long->dp1 x3"
 
@@ -566,16 +566,19 @@ def test_metrics_come_from_records_with_the_documented_keys() -> None:
                          flops=1e9, predicted_s=5.0)
     metrics = step_metrics([record])
     extra = monitor_metrics([record], 4.0, 2.0, 1e9)
-    assert set(extra) == {"train/step_loss", "hotspa/dp2xtp2@0-256/stage_s", "hotspa/dp2xtp2@0-256/mfu",
-                          "hotspa/dp2xtp2@0-256/predicted_s", "hotspa/mfu", "hotspa/predicted_step_s",
+    assert set(extra) == {"train/step_loss", "hotspa/0-256/mfu",
+                          "hotspa/0-256/predicted_s", "hotspa/mfu", "hotspa/predicted_step_s",
                           "hotspa/predicted_over_measured"}
     readme = (Path(__file__).resolve().parents[2] / "docs" / "metrics.md").read_text()
     for key in [*metrics, *(k for k in extra if k.startswith("hotspa/"))]:  # all in docs/metrics.md
-        short = key.replace("hotspa/dp2xtp2@0-256/", "")
-        assert f"`{key.replace('dp2xtp2@0-256', '<stage>')}`" in readme or f"`{short}`" in readme, key
-    assert metrics["hotspa/dp2xtp2@0-256/tokens_per_s"] == 25.0  # over the slowest rank's stage time
+        short = key.replace("hotspa/0-256/", "")
+        assert f"`{key.replace('0-256', '<stage>')}`" in readme or f"`{short}`" in readme, key
+    assert metrics["hotspa/0-256/tokens_per_s"] == 25.0  # over the slowest rank's stage time
     assert metrics["hotspa/step_s"] == 4.0 and metrics["hotspa/switch_fraction"] == 0.25
+    assert metrics["hotspa/0-256/stage_s"] == 4.0 and metrics["hotspa/between_s"] == 0.0
+    between = step_metrics([record], between_s=0.5)  # what lies between stages is part of the step
+    assert between["hotspa/step_s"] == 4.5 == between["hotspa/0-256/stage_s"] + between["hotspa/between_s"]
     assert metrics["hotspa/tokens"] == 100.0 and metrics["hotspa/documents"] == 3.0
     unpadded = step_metrics([record], doc_tokens=[90])  # the plan's document tokens; padding apart
-    assert (unpadded["hotspa/dp2xtp2@0-256/tokens"], unpadded["hotspa/dp2xtp2@0-256/padded_tokens"]) == (90.0, 100.0)
-    assert unpadded["hotspa/dp2xtp2@0-256/tokens_per_s"] == 22.5 and unpadded["hotspa/tokens"] == 90.0
+    assert (unpadded["hotspa/0-256/tokens"], unpadded["hotspa/0-256/padded_tokens"]) == (90.0, 100.0)
+    assert unpadded["hotspa/0-256/tokens_per_s"] == 22.5 and unpadded["hotspa/tokens"] == 90.0

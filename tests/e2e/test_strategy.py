@@ -338,11 +338,9 @@ def test_validation_in_every_layout_and_stage_metrics_are_logged(ranks, tmp_path
     with open(tmp_path / "run" / "version_0" / "metrics.csv") as f:
         rows = list(csv.DictReader(f))
     columns = set(rows[0])
-    for layout in layouts:  # a metric key names the stage ("+ac" where "auto" checkpoints: tp*cp > 1) @ its bucket
-        stage = layout.name + ("+ac" if layout.tp * layout.cp > 1 else "")
-        keys = {c.split("/")[1] for c in columns if c.startswith(f"hotspa/{stage}@")}
-        assert keys, (stage, sorted(columns))
-        assert all(f"hotspa/{k}/tokens_per_s" in columns and f"hotspa/{k}/switch_MB" in columns for k in keys)
+    keys = {c.split("/")[1] for c in columns if c.startswith("hotspa/") and c.endswith("/tokens_per_s")} - {"tokens_per_s"}
+    assert len(keys) >= len(layouts), sorted(columns)  # a metric key names the stage's bucket
+    assert all(f"hotspa/{k}/switch_MB" in columns and f"hotspa/{k}/stage_s" in columns for k in keys)
     assert {"hotspa/step_s", "hotspa/switch_fraction", "train/loss", "val/loss"} <= columns
     step_rows = [r for r in rows if r["hotspa/step_s"]]
     assert len(step_rows) == 2 and all(float(r["hotspa/tokens_per_s"]) > 0 for r in step_rows)

@@ -63,23 +63,37 @@ def test_wandb_history_has_per_step_stage_metrics_of_the_stages_that_ran(run: di
     assert sorted(by_step) == list(range(STEPS)), sorted(by_step)  # Lightning logs step s+1 as s
 
     ran: dict[int, set[str]] = defaultdict(set)  # plan_table.csv: written by the monitor, not via W&B
+    layouts_of: dict[int, set[str]] = defaultdict(set)
     for row in csv.DictReader((run["dir"] / "plan_table.csv").open()):
-        ran[int(row["step"]) - 1].add(f"{row['layout']}@{bucket_key(row['label'])}")
-    layouts = {k.split("@")[0] for keys in ran.values() for k in keys}
-    assert len(layouts) >= 3 and all(len(keys) < len(layouts) for keys in ran.values()), ran
+        ran[int(row["step"]) - 1].add(bucket_key(row["label"]))  # a stage's key is its bucket alone
+        layouts_of[int(row["step"]) - 1].add(row["layout"])
+    layouts = set().union(*layouts_of.values())
+    assert len(layouts) >= 3 and all(len(lays) < len(layouts) for lays in layouts_of.values()), layouts_of
 
     for step, (row, batch) in enumerate(zip((by_step[s] for s in range(STEPS)), _batch_tokens(STEPS))):
         stage_keys = {k[len("hotspa/"):-len("/tokens")] for k in row
                       if k.startswith("hotspa/") and k.endswith("/tokens") and k != "hotspa/tokens"}
-        assert stage_keys == ran[step], (step, stage_keys, ran[step])  # nothing carried over
+        assert stage_keys == ran[step], (step, stage_keys, ran[step])  # nothing carried over, no layout in a key
         stage_tokens = [row[f"hotspa/{k}/tokens"] for k in stage_keys]
         assert sum(stage_tokens) == row["hotspa/tokens"] == batch, (step, stage_tokens, batch)
+        # one seconds figure per stage, every rate derived from it (Lightning logs float32: 1e-6)
+        stage_s = {k: row[f"hotspa/{k}/stage_s"] for k in stage_keys}
         for k in stage_keys:
-            per_s = row[f"hotspa/{k}/tokens"] / row[f"hotspa/{k}/tokens_per_s"]
+            assert row[f"hotspa/{k}/tokens_per_s"] == pytest.approx(row[f"hotspa/{k}/tokens"] / stage_s[k], rel=1e-6)
             parts = row[f"hotspa/{k}/switch_s"] + row[f"hotspa/{k}/compute_s"] + row[f"hotspa/{k}/reduce_s"]
-            assert per_s >= max(row[f"hotspa/{k}/compute_s"], 1e-9) * 0.999 and per_s <= parts * 1.001, (k, row)
-    tables = [r for r in history_rows(runs[0]) if r.get("hotspa/plan/_type") == "table-file"]
+            assert stage_s[k] <= parts * (1 + 1e-6) and stage_s[k] >= row[f"hotspa/{k}/compute_s"] * (1 - 1e-6)
+        assert row["hotspa/between_s"] >= 0
+        assert row["hotspa/step_s"] == pytest.approx(sum(stage_s.values()) + row["hotspa/between_s"], rel=1e-6)
+        assert row["hotspa/tokens_per_s"] == pytest.approx(row["hotspa/tokens"] / row["hotspa/step_s"], rel=1e-6)
+        assert row["hotspa/predicted_over_measured"] == pytest.approx(
+            row["hotspa/predicted_step_s"] / row["hotspa/step_s"], rel=1e-6)
+    history = history_rows(runs[0])
+    tables = [r for r in history if r.get("hotspa/plan/_type") == "table-file"]
     assert len(tables) == STEPS  # the plan table, every table_every_n_steps (here 1)
+    # every metric of a step on one step value: each plan table at its step's scalars' step
+    assert sorted(int(t["trainer/global_step"]) for t in tables) == sorted(by_step)
+    steps_of_any_row = {int(r["trainer/global_step"]) for r in history if "trainer/global_step" in r}
+    assert steps_of_any_row == set(by_step), steps_of_any_row  # no row on a step of its own
 
 
 NOISE = ("LeafSpec", "The anonymous setting has no effect", "Epoch 0/-2", "`weights_only` was not set")

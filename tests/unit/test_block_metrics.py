@@ -35,14 +35,14 @@ def _plan_and_table() -> tuple[StepPlan, MeshShape, torch.Tensor, list[StageReco
 def test_each_block_that_ran_logs_its_tokens_seconds_and_rate() -> None:
     plan, mesh, table, records = _plan_and_table()
     metrics = block_metrics(records, plan, table, mesh)
-    stage = "hotspa/dp2xcp2:kv@256-1024"
-    assert set(metrics) == {f"{stage}/{b}/{k}" for b in ("0.dp2xcp2:kv+ac", "1.dp4")
+    stage = "hotspa/256-1024"  # the bucket: no layout in the key
+    assert set(metrics) == {f"{stage}/{b}/{k}" for b in ("block0", "block1")
                             for k in ("tokens", "documents", "micro_batches", "ranks", "compute_s", "tokens_per_s")}
-    assert metrics[f"{stage}/0.dp2xcp2:kv+ac/tokens"] == 900.0 and metrics[f"{stage}/0.dp2xcp2:kv+ac/ranks"] == 2.0
-    assert metrics[f"{stage}/0.dp2xcp2:kv+ac/compute_s"] == 3.0  # the block's slowest rank
-    assert abs(metrics[f"{stage}/0.dp2xcp2:kv+ac/tokens_per_s"] - 900.0 / 3.1) < 1e-9
-    assert metrics[f"{stage}/1.dp4/tokens"] == 650.0 and metrics[f"{stage}/1.dp4/micro_batches"] == 2.0
-    assert abs(metrics[f"{stage}/1.dp4/tokens_per_s"] - 650.0 / 1.6) < 1e-9
+    assert metrics[f"{stage}/block0/tokens"] == 900.0 and metrics[f"{stage}/block0/ranks"] == 2.0
+    assert metrics[f"{stage}/block0/compute_s"] == 3.0  # the block's slowest rank
+    assert abs(metrics[f"{stage}/block0/tokens_per_s"] - 900.0 / 3.1) < 1e-9
+    assert metrics[f"{stage}/block1/tokens"] == 650.0 and metrics[f"{stage}/block1/micro_batches"] == 2.0
+    assert abs(metrics[f"{stage}/block1/tokens_per_s"] - 650.0 / 1.6) < 1e-9
     # the blocks' tokens add up to the stage's document tokens (the idle block logs nothing)
     stage_tokens = step_metrics(records, stage_doc_tokens(plan, 1))[f"{stage}/tokens"]
     assert sum(v for k, v in metrics.items() if k.endswith("/tokens")) == stage_tokens == 1550.0

@@ -134,7 +134,7 @@ def run_training_step(strategy: Any, batch: Any, batch_idx: int) -> tuple[StepRe
                                      carry_out=carry_out)
     strategy.metric_sync.finish(results, strategy.reduce, strategy.root_device)
     global_plan = plan.extras.get("global_plan")
-    metrics = step_metrics(result.records, stage_doc_tokens(global_plan, len(plan.stages)))
+    metrics = step_metrics(result.records, stage_doc_tokens(global_plan, len(plan.stages)), result.between_s)
     metrics.update(block_metrics(result.records, global_plan, result.table, strategy.mesh_shape))
     if result.skip_update:
         metrics["hotspa/skipped_steps"] = float(len(strategy.nonfinite.skipped_steps))

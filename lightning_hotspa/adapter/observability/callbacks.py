@@ -157,6 +157,17 @@ class HotSPaMonitor(L.Callback):
         step = trainer.global_step
         return every > 0 and (step == 1 or step % every == 0 or step == trainer.max_steps)
 
+    @staticmethod
+    def _logged_step(trainer: L.Trainer) -> int | None:
+        """The step value Lightning gives this batch's scalars (``trainer/global_step`` in W&B: the
+        optimizer steps done before it), where Lightning writes them to the loggers at all (not while
+        accumulating; every ``log_every_n_steps``); None elsewhere. Tables and images go there too,
+        so one step's metrics, plan table and timeline share one step value."""
+        loop = trainer.fit_loop
+        if loop._should_accumulate() or not trainer._logger_connector.should_update_logs:
+            return None
+        return int(loop.epoch_loop._batches_that_stepped)
+
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         if not isinstance(batch, RankPlan) or batch.extras.get("plain") or trainer.global_rank != 0:
@@ -182,12 +193,13 @@ class HotSPaMonitor(L.Callback):
         step_s = result.step_s if result is not None and records else None
         self._log_step(pl_module, records, step_s, loss, batch.extras.get("planner"))
         self.summary.add(step, records, step_s)
+        logged = self._logged_step(trainer)
         if self._due(self.table_every, trainer):
-            self._log_table(trainer, step, records)
+            self._log_table(trainer, logged, records)
         if result is not None and result.stages and self._due(self.timeline_every, trainer):
             lanes = block_lanes(plan, trainer.strategy.mesh_shape) if isinstance(plan, StepPlan) and getattr(
                 trainer.strategy, "mesh_shape", None) is not None else []
-            self._log_timeline(trainer, step, _rank_timings(result), stages, predicted, lanes)
+            self._log_timeline(trainer, step, logged, _rank_timings(result), stages, predicted, lanes)
 
     def _flops(self, plan: StepPlan) -> list[float | None] | None:
         if self._flops_per_token is None:
@@ -210,7 +222,9 @@ class HotSPaMonitor(L.Callback):
         if out:
             pl_module.log_dict(out, on_step=True, on_epoch=False, rank_zero_only=True, batch_size=1)
 
-    def _log_table(self, trainer: L.Trainer, step: int, records: Sequence[StageRecord]) -> None:
+    def _log_table(self, trainer: L.Trainer, logged: int | None, records: Sequence[StageRecord]) -> None:
+        """The plan table: a CSV row per stage always; a W&B table at ``logged`` (None: Lightning writes
+        no scalars for this batch, so neither does the table go to W&B)."""
         rows = records_as_rows(records, self.summary.peak_flops_total)
         if not rows:
             return
@@ -223,12 +237,13 @@ class HotSPaMonitor(L.Callback):
             if new:
                 writer.writeheader()
             writer.writerows(rows)
-        for logger in trainer.loggers:
+        for logger in trainer.loggers if logged is not None else ():
             if isinstance(logger, WandbLogger):
                 logger.log_table("hotspa/plan", columns=columns, data=[[r[c] for c in columns] for r in rows],
-                                 step=step)
+                                 step=logged)
 
-    def _log_timeline(self, trainer: L.Trainer, step: int, timings: np.ndarray, stages: Sequence[tuple[str, str]],
+    def _log_timeline(self, trainer: L.Trainer, step: int, logged: int | None, timings: np.ndarray,
+                      stages: Sequence[tuple[str, str]],
                       predicted: Sequence[float | None] | None, lanes: Sequence[tuple[str, Sequence[int]]] = ()
                       ) -> None:
         path = self.output_dir / "timeline" / f"step_{step:06d}.png"
@@ -239,9 +254,9 @@ class HotSPaMonitor(L.Callback):
             self._warn_once("timeline", f"could not draw the timeline ({type(exc).__name__}: {exc})")
             return
         self.timeline_paths.append(path)
-        for logger in trainer.loggers:
+        for logger in trainer.loggers if logged is not None else ():
             if isinstance(logger, WandbLogger):
-                logger.log_image("hotspa/timeline", [str(path)], step=step)
+                logger.log_image("hotspa/timeline", [str(path)], step=logged)
 
     # ------------------------------------------------------------------ end of run
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

@@ -1,25 +1,27 @@
 """The step's logger metrics, built in this one place from the step runner's typed records.
 
-Metrics are keyed by stage (:func:`stage_keys`, the one place a stage's key is made):
-``<layout>@<bucket>``. ``<layout>`` is the record's name (:attr:`StageRecord.name`: the layout,
-``+ac`` when the stage checkpointed activations fully, ``+sac`` selectively; the cost planner may
-split a layout's documents over two such stages in one step); ``@<bucket>`` the stage's length
-bucket (:func:`bucket_key`: ``(256,1024]`` -> ``256-1024``; left out for a stage without a label);
-``#2``, ``#3``... on a key's later stages in the same step.
+Metrics are keyed by stage (:func:`stage_keys`, the one place a stage's key is made): the stage's
+length bucket (:func:`bucket_key`: ``(256,1024]`` -> ``256-1024``), so a bucket's charts stay one
+series when the layout running it changes (the layout is a column of the plan table, never part of
+the key); a stage without a label is keyed by its layout's name (:attr:`StageRecord.name`); ``#2``,
+``#3``... on a key's later stages in the same step (the cost planner may run one bucket in two stages).
 The strategy logs :func:`step_metrics`:
 ``hotspa/<stage>/{tokens,padded_tokens,documents,micro_batches,switch_s,switch_MB,compute_s,reduce_s,
-tokens_per_s}`` (``tokens``: the stage's documents' tokens in the global plan; ``padded_tokens``:
-what its ranks computed, cp / tp padding included) and step totals ``hotspa/tokens``,
-``hotspa/documents`` (the sums of the stages': the step's global batch), ``hotspa/step_s``,
-``hotspa/tokens_per_s``, ``hotspa/switch_fraction``. A block stage adds one key set per block that
-ran (:func:`block_metrics`): ``hotspa/<stage>/<k>.<block layout>/{tokens,documents,micro_batches,ranks,
+stage_s,tokens_per_s}`` (``tokens``: the stage's documents' tokens in the global plan; ``padded_tokens``:
+what its ranks computed, cp / tp padding included; ``stage_s``: the stage's ONE seconds figure,
+:attr:`StageRecord.seconds`, and ``tokens_per_s`` is exactly ``tokens / stage_s``) and step totals
+``hotspa/tokens``, ``hotspa/documents`` (the sums of the stages': the step's global batch),
+``hotspa/between_s`` (what lies between the stages), ``hotspa/step_s`` (exactly the sum of the stages'
+``stage_s`` plus ``between_s``), ``hotspa/tokens_per_s`` (``tokens / step_s``),
+``hotspa/switch_fraction``. A block stage adds one key set per block that
+ran (:func:`block_metrics`): ``hotspa/<stage>/block<k>/{tokens,documents,micro_batches,ranks,
 compute_s,tokens_per_s}``, ``<k>`` the block's index in the stage, its tokens summing to the stage's.
 Only the stages that ran in a step have keys in that step: the strategy forgets the previous step's
 ``hotspa/*`` values first (``lightning_compat.forget_logged``; Lightning would otherwise hand the
 loggers every key's last value at every step). Token counts are summed over ranks (tp copies once),
 times are the slowest rank's (:class:`StageRecord`). The monitor adds :func:`monitor_metrics`
 (what needs the model or the cost model): ``train/step_loss``,
-``hotspa/<stage>/{stage_s,mfu,predicted_s}``, ``hotspa/mfu``, ``hotspa/predicted_step_s`` and
+``hotspa/<stage>/{mfu,predicted_s}``, ``hotspa/mfu``, ``hotspa/predicted_step_s`` and
 ``hotspa/predicted_over_measured``.
 """
 
@@ -29,7 +31,6 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ...activation_checkpointing import Checkpointing
 from ...engine.records import StageRecord, rank_stage_fields
 from ...layout import MeshShape
 from ...plan import StepPlan, block_ranks
@@ -50,9 +51,8 @@ def bucket_key(label: str) -> str:
 
 
 def stage_keys(records: Sequence[StageRecord]) -> list[str]:
-    """One metric key per record, unique within the step: :attr:`StageRecord.name`, then
-    ``@<bucket>`` (:func:`bucket_key` of its label, where it has one), with ``#<n>`` on the n-th
-    stage of a key that repeats.
+    """One metric key per record, unique within the step: :func:`bucket_key` of its label (its
+    :attr:`StageRecord.name` where it has none), with ``#<n>`` on the n-th stage of a key that repeats.
 
     Args:
         records: one step's records, in stage order.
@@ -60,8 +60,7 @@ def stage_keys(records: Sequence[StageRecord]) -> list[str]:
     seen: dict[str, int] = {}
     keys = []
     for r in records:
-        bucket = bucket_key(r.label)
-        key = f"{r.name}@{bucket}" if bucket else r.name
+        key = bucket_key(r.label) or r.name
         seen[key] = seen.get(key, 0) + 1
         keys.append(key if seen[key] == 1 else f"{key}#{seen[key]}")
     return keys
@@ -81,7 +80,8 @@ def stage_doc_tokens(plan: Any, stages: int) -> list[int] | None:
     return [int(sum(int(plan.doc_lengths[d]) for d in stage.doc_ids)) for stage in plan.stages]
 
 
-def step_metrics(records: Sequence[StageRecord], doc_tokens: Sequence[int] | None = None) -> dict[str, float]:
+def step_metrics(records: Sequence[StageRecord], doc_tokens: Sequence[int] | None = None,
+                 between_s: float = 0.0) -> dict[str, float]:
     """The logger metrics of one step's records (empty for a step without stages).
 
     Args:
@@ -89,6 +89,7 @@ def step_metrics(records: Sequence[StageRecord], doc_tokens: Sequence[int] | Non
         doc_tokens: each stage's document tokens (:func:`stage_doc_tokens`), by ``order``. Given,
             ``tokens`` and ``tokens_per_s`` count them and ``padded_tokens`` what the ranks computed
             (documents plus cp / tp padding); else ``tokens`` is what the ranks computed.
+        between_s: what lay between the stages (:attr:`StepResult.between_s`), part of ``step_s``.
     """
     metrics: dict[str, float] = {}
     step_s = switch_total = tokens_total = documents_total = 0.0
@@ -106,12 +107,15 @@ def step_metrics(records: Sequence[StageRecord], doc_tokens: Sequence[int] | Non
             metrics[f"{prefix}/fsdp_MB"] = r.fsdp_mb
         metrics[f"{prefix}/compute_s"] = r.compute_s
         metrics[f"{prefix}/reduce_s"] = r.reduce_s
-        metrics[f"{prefix}/tokens_per_s"] = tokens / r.stage_s if r.stage_s > 0 else 0.0
-        step_s += r.stage_s
+        metrics[f"{prefix}/stage_s"] = r.seconds
+        metrics[f"{prefix}/tokens_per_s"] = tokens / r.seconds if r.seconds > 0 else 0.0
+        step_s += r.seconds
         switch_total += r.switch_s
         tokens_total += tokens
         documents_total += r.documents
     if records:
+        step_s += between_s
+        metrics["hotspa/between_s"] = between_s
         metrics["hotspa/tokens"] = tokens_total
         metrics["hotspa/documents"] = documents_total
         metrics["hotspa/step_s"] = step_s
@@ -148,8 +152,7 @@ def block_metrics(records: Sequence[StageRecord], plan: Any, table: Any, mesh: M
             ranks = block_ranks(block, mesh)
             seconds = max(fields[rank][i]["switch_s"] + fields[rank][i]["compute_s"] for rank in ranks)
             tokens = float(sum(int(plan.doc_lengths[d]) for d in docs))
-            name = block.layout.name + Checkpointing.parse(block.checkpointing(stage.activation_checkpointing)).suffix
-            prefix = f"hotspa/{key}/{k}.{name}"
+            prefix = f"hotspa/{key}/block{k}"
             out[f"{prefix}/tokens"] = tokens
             out[f"{prefix}/documents"] = float(len(docs))
             out[f"{prefix}/micro_batches"] = float(sum(len(group) for group in block.micro_batches))
@@ -169,7 +172,6 @@ def monitor_metrics(records: Sequence[StageRecord], step_s: float | None, loss: 
         out["train/step_loss"] = loss
     for r, key in zip(records, stage_keys(records)):
         prefix = f"hotspa/{key}"
-        out[f"{prefix}/stage_s"] = r.seconds
         if (mfu := r.mfu(peak_flops_total)) is not None:
             out[f"{prefix}/mfu"] = mfu
         if r.predicted_s is not None:
