@@ -490,56 +490,91 @@ def _cmd_check_calibration(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+class HelpFormatter(argparse.HelpFormatter):
+    """Every option's help ends with its default, where it has one (not a flag's False, not None:
+    the help says what None means), unless the help already names it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if default is None or default is False or default is argparse.SUPPRESS or "default" in text.lower():
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+class _Parser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` with :class:`HelpFormatter` (every sub-command's parser is one)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+
+def _names() -> dict[str, str]:
+    """The registries' names as help text: model presets, hardware profiles, length generators."""
+    from ..data.lengths import LENGTH_PROFILES
+    from ..model_shape import PRESET_SHAPES
+    from ..planner.cost.hardware import PROFILES
+
+    return {"models": ", ".join(n for n in PRESET_SHAPES if not n.startswith("artifact-")),
+            "hardware": ", ".join(PROFILES), "data": ", ".join(LENGTH_PROFILES)}
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hotspa", description=__doc__.split("\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = _Parser(prog="hotspa", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    names = _names()
     plan = sub.add_parser("plan", help="plan one global batch: layout per length band, predicted speed-up")
-    plan.add_argument("--model", default="llama7b", help="LlamaConfig preset (llama7b, llama13b, llama30b, ...)")
-    plan.add_argument("--world-size", type=_positive, default=8)
-    plan.add_argument("--hardware", default="A800-80G", help="A100-80G, A800-80G, H100, H200, cpu-gloo")
+    plan.add_argument("--model", default="llama7b", help=f"model preset: {names['models']}")
+    plan.add_argument("--world-size", type=_positive, default=8, help="number of devices (ranks)")
+    plan.add_argument("--hardware", default="A800-80G", help=f"hardware profile: {names['hardware']}")
     plan.add_argument("--data", default="commoncrawl",
-                      help="length generator (commoncrawl, github, uniform, bimodal), a corpus path, or 'stdlib'")
-    plan.add_argument("--global-batch-tokens", type=_tokens, default=_tokens("512K"))
-    plan.add_argument("--context", type=_tokens, default=_tokens("32K"))
+                      help=f"length generator ({names['data']}), a corpus path, or 'stdlib'")
+    plan.add_argument("--global-batch-tokens", type=_tokens, default=_tokens("512K"),
+                      help="tokens per global batch (e.g. 512K, 4M)")
+    plan.add_argument("--context", type=_tokens, default=_tokens("32K"),
+                      help="longest document in tokens (longer ones are cut into context-sized chunks)")
     plan.add_argument("--layouts", default="auto", help="'auto' or a comma list like dp8,dp4xtp2,tp4xcp2")
     plan.add_argument("--tokens-per-rank", type=_positive, default=None,
                       help="micro-batch capacity per rank (default: from the memory model)")
     plan.add_argument("--ladder", choices=("declared", "auto", "off"), default="declared",
                       help="block stages (a cp ladder, blocks side by side): of the given layouts only (a real "
                            "run's mesh), of derived ones too (auto: declare them to run it), or none")
-    plan.add_argument("--seed", type=int, default=0)
-    plan.add_argument("--step", type=int, default=0)
+    plan.add_argument("--seed", type=int, default=0, help="seed of the length generator and the batch sampler")
+    plan.add_argument("--step", type=int, default=0, help="which global batch of the data to plan")
     plan.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     sim = sub.add_parser("simulate", help="the paper-scale grid: speed-ups over static layouts and the hand-set rule")
     sim.add_argument("--hardware", default=None, help="--grid paper: the profile (default A800-80G)")
     sim.add_argument("--batches", type=_positive, default=2, help="global batches per cell")
     sim.add_argument("--sequences", type=_positive, default=512, help="documents per global batch")
-    sim.add_argument("--contexts", type=_tokens, nargs="+", default=None)
-    sim.add_argument("--seed", type=int, default=0)
+    sim.add_argument("--contexts", type=_tokens, nargs="+", default=None,
+                     help="--grid paper: the contexts (default: the grid's, 8K 16K 32K)")
+    sim.add_argument("--seed", type=int, default=0, help="seed of the sampled batches")
     sim.add_argument("--grid", choices=("paper", "long", "smoke"), default="paper", help="paper: 7B-30B, 8K-32K; "
                      "long: Llama 3 8B/70B, 7B/13B, 32K-512K, 8-1024 H100/H200 (tools/long_grid.py); smoke: 1 cell")
     sim.add_argument("--margin", type=float, default=None,
                      help="--grid long/smoke: the planner's static_margin (default: its own, DEFAULT_STATIC_MARGIN "
                      "of planner/solve/static_guard.py)")
     sim.add_argument("--breakdown", action="store_true", help="--grid long/smoke: the oracle ladder (oracles.py)")
-    sim.add_argument("--json", action="store_true")
+    sim.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     cal = sub.add_parser("calibrate", help="measure the cpu-gloo profile on local gloo ranks")
-    cal.add_argument("--ranks", type=_positive, default=4)
-    cal.add_argument("--repeats", type=_positive, default=9)
-    cal.add_argument("--json", action="store_true")
+    cal.add_argument("--ranks", type=_positive, default=4, help="local gloo ranks to measure on")
+    cal.add_argument("--repeats", type=_positive, default=9, help="timed repeats per measurement (the median counts)")
+    cal.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     chk = sub.add_parser("check-calibration", help="profiled mode end to end: time real stages on local gloo "
                          "ranks, fit on early steps, report the error on later ones")
-    chk.add_argument("--ranks", type=_positive, default=4)
-    chk.add_argument("--layouts", default="dp4,dp2xtp2,tp2xcp2")
-    chk.add_argument("--model", default="tiny")
-    chk.add_argument("--steps", type=_positive, default=16)
-    chk.add_argument("--warmup", type=int, default=2)
-    chk.add_argument("--train-fraction", type=float, default=0.5)
-    chk.add_argument("--tokens-per-rank", type=_positive, default=1024)
-    chk.add_argument("--seed", type=int, default=0)
+    chk.add_argument("--ranks", type=_positive, default=4, help="local gloo ranks")
+    chk.add_argument("--layouts", default="dp4,dp2xtp2,tp2xcp2", help="comma list of the layouts to time")
+    chk.add_argument("--model", default="tiny", help=f"model preset: {names['models']}")
+    chk.add_argument("--steps", type=_positive, default=16, help="steps to time")
+    chk.add_argument("--warmup", type=int, default=2, help="first steps left out (start-up)")
+    chk.add_argument("--train-fraction", type=float, default=0.5,
+                     help="share of the timed steps the fit sees; the error is reported on the rest")
+    chk.add_argument("--tokens-per-rank", type=_positive, default=1024, help="micro-batch capacity per rank")
+    chk.add_argument("--seed", type=int, default=0, help="seed of the sampled documents")
     chk.add_argument("--clock", default="cpu", help="cpu (each rank's CPU seconds: see CLOCKS) or wall")
     chk.add_argument("--rows-out", default=None, help="save the raw observation rows (np.savetxt) here")
-    chk.add_argument("--json", action="store_true")
+    chk.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     from . import consolidate, export, memory
     for command in (export, consolidate, memory):
         command.add_parser(sub)

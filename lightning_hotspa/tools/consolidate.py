@@ -18,7 +18,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     cmd = sub.add_parser("consolidate", help="a DCP checkpoint folder as one Lightning .ckpt file "
                                              "(load_from_checkpoint reads it; no optimizer state)")
     cmd.add_argument("checkpoint_dir", help="a checkpoint folder, or latest:<dir> (the newest committed one in <dir>)")
-    cmd.add_argument("out_file")
+    cmd.add_argument("out_file", help="the .ckpt file to write")
     return cmd
 
 

@@ -13,13 +13,13 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     exp = sub.add_parser("export",
                          help="one of our DCP checkpoints as a Hugging Face folder (config.json + safetensors)")
     exp.add_argument("checkpoint_dir", help="a checkpoint folder, or latest:<dir> (the newest committed one in <dir>)")
-    exp.add_argument("out_dir")
+    exp.add_argument("out_dir", help="the Hugging Face folder to write (created; see --overwrite)")
     exp.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"], help="default: as stored")
     exp.add_argument("--overwrite", action="store_true",
                      help="replace a non-empty OUT_DIR: only the exported files remain in it")
     up = sub.add_parser("upgrade-checkpoint", help="convert a checkpoint written before commit markers (its "
                         "meta.pt is read weights-only; --trust-pickle to unpickle it in full)")
-    up.add_argument("folder")
+    up.add_argument("folder", help="the checkpoint folder to convert in place")
     up.add_argument("--trust-pickle", action="store_true",
                     help="unpickle an old meta.pt in full when a weights-only load cannot read it (runs any code "
                     "it holds: only for folders you wrote)")

@@ -311,7 +311,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     mem = sub.add_parser("memory", help="peak memory per rank of the real step under FakeTensorMode, "
                          "measured next to the cost model's prediction")
     mem.add_argument("--quick", action="store_true", help="one 7B and one 70B row, a few layouts each")
-    mem.add_argument("--hardware", default="H100", help="hardware profile: memory, reserve, capacity")
+    mem.add_argument("--hardware", default="H100", help="hardware profile (its memory, reserve and capacity)")
     mem.add_argument("--rows", default=None, help="e.g. llama7b:8,llama3-70b:64 (default: the full table)")
     mem.add_argument("--layouts", default=None, help="comma list applied to every row (default: all)")
     mem.add_argument("--attention", default="cpu", choices=ATTENTION_PATHS,

@@ -239,3 +239,45 @@ def test_plan_prints_the_blocks_of_a_block_stage(capsys: pytest.CaptureFixture[s
     assert sum(b["documents"] for b in blocks) == stage["documents"]
     for b in blocks:
         assert f"block {b['block']}: ranks {b['ranks']}, {b['layout']} ({b['copy']} copy {b['working']}" in out
+
+
+def _subparsers(parser):
+    import argparse
+
+    for action in parser._actions:  # noqa: SLF001 - argparse keeps its actions there
+        if isinstance(action, argparse._SubParsersAction):  # noqa: SLF001
+            yield from action.choices.items()
+
+
+def test_every_argument_of_every_subcommand_has_help_and_shows_its_default() -> None:
+    """Issue 54: ``hotspa plan --help`` left --world-size, --global-batch-tokens and --context bare."""
+    import argparse
+
+    from lightning_hotspa.tools.cli import build_parser
+
+    commands = dict(_subparsers(build_parser()))
+    assert {"plan", "simulate", "calibrate", "check-calibration", "memory", "export", "consolidate",
+            "upgrade-checkpoint"} <= set(commands)
+    for name, sub in commands.items():
+        text = " ".join(sub.format_help().split())  # argparse wraps lines
+        for action in sub._actions:  # noqa: SLF001
+            if isinstance(action, argparse._HelpAction):  # noqa: SLF001
+                continue
+            where = f"hotspa {name} {'/'.join(action.option_strings) or action.dest}"
+            assert action.help and action.help.strip(), f"{where}: no help"
+            default = action.default
+            if default is None or default is False or default is argparse.SUPPRESS:
+                continue
+            assert f"(default: {default})" in text, f"{where}: its default {default!r} is not shown"
+
+
+def test_model_and_hardware_lists_come_from_the_registries() -> None:
+    from lightning_hotspa.model_shape import PRESET_SHAPES
+    from lightning_hotspa.planner.cost.hardware import PROFILES
+    from lightning_hotspa.tools.cli import build_parser
+
+    plan = dict(_subparsers(build_parser()))["plan"]
+    text = " ".join(plan.format_help().split())
+    assert "llama3-8b" in text and "llama3-70b" in text
+    for name in [*PRESET_SHAPES, *PROFILES]:
+        assert name in text or name.startswith("artifact-"), name
