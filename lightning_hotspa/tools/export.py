@@ -26,14 +26,26 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     return exp
 
 
+#: torch.distributed.checkpoint's note when it loads without a process group, which export always does
+#: on purpose (one process reads every rank's shards): nothing a user can act on
+SINGLE_PROCESS_NOTE = ("torch.distributed is disabled, unavailable or uninitialized, assuming the intent is to "
+                       "load in a single process.")
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    import re
+    import warnings
+
     import torch
 
     from ..adapter.checkpoints.hf_export import export_hf
     from .progress import progress
 
-    names = export_hf(args.checkpoint_dir, args.out_dir, getattr(torch, args.dtype) if args.dtype else None,
-                      overwrite=args.overwrite, progress=lambda items, what, unit: progress(items, what, unit=unit))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=re.escape(SINGLE_PROCESS_NOTE), category=UserWarning)
+        names = export_hf(args.checkpoint_dir, args.out_dir, getattr(torch, args.dtype) if args.dtype else None,
+                          overwrite=args.overwrite,
+                          progress=lambda items, what, unit: progress(items, what, unit=unit))
     print(f"wrote {len(names)} tensors and config.json to {args.out_dir}")
     return {"out_dir": args.out_dir, "tensors": len(names)}
 

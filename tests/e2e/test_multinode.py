@@ -109,7 +109,8 @@ def two_torchrun_nodes(base: Path, ckpt: str) -> dict:
     overrides = COMMON + ["trainer.num_nodes=2", "trainer.devices=2", "checkpoint.every_n_steps=1",
                           "checkpoint.keep=-1", f'checkpoint.dirpath="{ckpt}"',
                           "+callbacks.recorder._target_=multinode_job.Recorder", f"+callbacks.recorder.out={base}/A",
-                          "+callbacks.recorder.pause_node=1", "+callbacks.recorder.pause_at_step=2"]
+                          "+callbacks.recorder.pause_node=1", "+callbacks.recorder.pause_at_step=2",
+                          "hydra.verbose=lightning.pytorch.utilities.rank_zero"]  # the rank -> node map: DEBUG
     cmd = ["timeout", str(3 * START_LIMIT_S), str(TORCHRUN), "--nnodes", "2", "--nproc-per-node", "2",
            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"localhost:{port}", "--rdzv-id", "hotspa-test",
            str(ROOT / "recipes" / "train.py"), *overrides]

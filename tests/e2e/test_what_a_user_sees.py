@@ -9,6 +9,7 @@ import csv
 import os
 import subprocess
 import sys
+import warnings
 from collections import defaultdict
 from pathlib import Path
 
@@ -96,13 +97,19 @@ def test_wandb_history_has_per_step_stage_metrics_of_the_stages_that_ran(run: di
     assert steps_of_any_row == set(by_step), steps_of_any_row  # no row on a step of its own
 
 
-NOISE = ("LeafSpec", "The anonymous setting has no effect", "Epoch 0/-2", "`weights_only` was not set")
+NOISE = ("LeafSpec", "The anonymous setting has no effect", "Epoch 0/-2", "`weights_only` was not set",
+         "litlogger", "Tip: For seamless cloud logging", "Training: ", "0/?", "rank -> node map",
+         "vocab_parallel_loss", "wandb: ", "Run data is saved locally", "You can sync this run")
 
 
 def test_console_has_no_listed_noise_and_each_lightning_line_once(run: dict) -> None:
     text = run["stdout"] + run["stderr"]
     for line in NOISE:
         assert line not in text, line
+    assert text.count("offline-run-") == 1 and "wandb sync " in text  # where the run is: once, with the command
+    summary = text[text.index("HotSPa summary"):]
+    assert "Epoch " not in summary  # the finished bar is not drawn again after the summary
+    assert "pred/meas: the cost model's predicted seconds / the measured ones" in summary  # columns explained
     for line in ("GPU available: False", "`Trainer.fit` stopped: `max_steps=5` reached."):
         assert text.count(line) == 1, (line, text.count(line))
     assert "Epoch 0" not in text and "Epoch 1/1" in text  # counted from 1, of the epochs max_steps spans
@@ -119,7 +126,10 @@ def test_checkpoint_at_the_end_exports_and_loads_in_transformers(run: dict) -> N
     ckpt = run["dir"] / "checkpoints" / f"step={STEPS}.ckpt"
     assert f"checkpoint: {ckpt}" in run["stdout"]
     out = run["tmp"] / "hf"
-    assert main(["export", str(ckpt), str(out)]) == 0
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert main(["export", str(ckpt), str(out)]) == 0
+    assert not [w for w in caught if "torch.distributed is disabled" in str(w.message)]  # no foreign warning
     model = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
     ids = torch.tensor([list(b"def main():")])
     logits = model(ids).logits

@@ -394,16 +394,16 @@ def no_checkpoint() -> dict[str, Any]:
 
 
 def placement_for(strategy: Any) -> CheckpointPlacement:
-    """The rank -> node map (one all-gather of each rank's node rank), said once; a warning when a
+    """The rank -> node map (one all-gather of each rank's node rank), said once at DEBUG; a warning when a
     layout's tp groups span nodes (the world mesh puts tp on consecutive ranks, which torchrun and
     SLURM place on one node)."""
-    from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+    from lightning.pytorch.utilities.rank_zero import rank_zero_debug, rank_zero_warn
 
     node_map = gather_node_map(strategy.node_rank)
     shape = strategy.mesh_shape
     groups = {str(x): sorted({shape.group_ranks(r, shape.tp_dims(x)) for r in range(shape.world_size)})
               for x in shape.layouts if x.tp > 1}
-    rank_zero_info(f"hotspa: {len(set(node_map))} node(s), rank -> node map {list(node_map)}; tp groups "
+    rank_zero_debug(f"hotspa: {len(set(node_map))} node(s), rank -> node map {list(node_map)}; tp groups "
                    f"{ {k: [list(g) for g in v] for k, v in groups.items()} }")
     crossing = tp_groups_across_nodes(shape, node_map)
     if crossing:

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_debug
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
@@ -77,7 +77,7 @@ def build_home_state(module: nn.Module, world: WorldMesh, *, home_dtype: torch.d
     uninstall_parallel(module)  # a module an earlier Trainer ran: its old forwards give way to ours
     parallel = ParallelModel(module, {n: s.role.name for n, s in shardings.items()}, world)
     if parallel.loss_parallel:
-        rank_zero_info(f"hotspa: {type(module).__name__}.vocab_parallel_loss is True: under tp its "
+        rank_zero_debug(f"hotspa: {type(module).__name__}.vocab_parallel_loss is True: under tp its "
                        f"loss_fn gets vocab-sharded logits (a vocab-parallel cross entropy)")
     parallel.restore(home)
     module.to(device)  # buffers; parameters already live there

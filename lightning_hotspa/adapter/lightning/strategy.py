@@ -44,6 +44,7 @@ from ...planner.base import Planner, PricedPlanner
 from ..checkpoints.dcp_state import check_checkpoint_dirs
 from ..checkpoints.hooks import StrategyCheckpoints
 from ..checkpoints.nodes import placement_for
+from ..observability.epochs import number_lightning_bars
 from ..observability.quiet_logs import filter_unactionable_warnings
 from .accumulation import GradAccumulation
 from .compile_blocks import check_compile_spec, compile_blocks
@@ -328,6 +329,7 @@ class HotSPaStrategy(GuardedCollectives, StrategyCheckpoints, ParallelStrategy):
         self.accelerator.setup(trainer)
         module = self.lightning_module
         check_trainer(trainer, module, type(self).__name__)
+        number_lightning_bars(trainer)  # Lightning's Rich bar under max_steps alone: not "Epoch 0/-2"
         if self._precision_plugin is None:
             self._precision_plugin = HotSPaPrecision()
         self.hotspa_precision.enable_autocast(self.root_device.type if getattr(module, "tp_plan", None) is None

@@ -17,6 +17,7 @@ from __future__ import annotations
 import csv
 import dataclasses
 import json
+import sys
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -26,6 +27,7 @@ import lightning as L
 import numpy as np
 import torch
 from lightning.pytorch.callbacks import TQDMProgressBar
+from lightning.pytorch.callbacks.progress.tqdm_progress import Tqdm
 from lightning.pytorch.loggers import WandbLogger
 
 from ...checks import check_int
@@ -33,6 +35,7 @@ from ...engine.records import StageRecord, StepResult, rank_stage_fields
 from ...plan import RankPlan, StepPlan
 from ...planner.base import PricedPlanner
 from ..lightning.strategy import HotSPaStrategy
+from .epochs import epoch_text
 from .stats import monitor_metrics
 from .telemetry import RunSummary, detect_hardware, records_as_rows, stage_flops
 from .timeline_png import PARTS, block_lanes, draw_timeline
@@ -314,6 +317,15 @@ class HotSPaProgressBar(TQDMProgressBar):
         self.show_plan = show_plan
         self._plan = ""
 
+    def init_train_tqdm(self) -> Tqdm:
+        """Lightning's train bar, first drawn when the epoch starts and names it (Lightning's draws
+        ``Training: 0/?`` at once, a line of its own in a log)."""
+        bar = Tqdm(desc=self.train_description, position=2 * self.process_position, disable=self.is_disabled,
+                   leave=True, dynamic_ncols=True, file=sys.stdout, smoothing=0, bar_format=self.BAR_FORMAT,
+                   delay=float("inf"))  # no draw on creation
+        bar.delay = 0  # later redraws (and close) as usual
+        return bar
+
     def on_train_epoch_start(self, trainer: L.Trainer, *args: Any) -> None:
         if self.leave_bars:
             self.train_progress_bar = self.init_train_tqdm()
@@ -333,10 +345,26 @@ class HotSPaProgressBar(TQDMProgressBar):
             bar.set_postfix(self.get_metrics(trainer, pl_module), refresh=False)
             bar.n = n
             bar.refresh()
+        if bar is not None and not bar.disable and (n == bar.total or 0 < trainer.max_steps <= trainer.global_step):
+            self._finish(bar)
+
+    @staticmethod
+    def _finish(bar: Tqdm) -> None:
+        """Ends the bar's line once its last redraw is out (Lightning's close would draw it again, after
+        the run's summary, and the log lines before it would land on the bar's line)."""
+        bar.fp.write("\n")
+        bar.fp.flush()
+        bar.disable = True
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        bar = self.train_progress_bar
+        if bar is not None and not bar.disable:
+            self._finish(bar)
+        super().on_train_end(trainer, pl_module)
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if self.leave_bars:  # the last step's redraw already shows the epoch's final numbers
-            self.train_progress_bar.close()
+        if self.leave_bars and not self.train_progress_bar.disable:  # the last step's redraw already shows
+            self._finish(self.train_progress_bar)  # the epoch's final numbers
 
     def get_metrics(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, Any]:
         items = super().get_metrics(trainer, pl_module)
@@ -347,21 +375,3 @@ class HotSPaProgressBar(TQDMProgressBar):
         if self._plan:
             items["plan"] = self._plan
         return items
-
-
-def epoch_text(trainer: L.Trainer) -> str:
-    """``Epoch <n>/<total>`` counted from 1: the total is ``max_epochs``, or for a run bounded by
-    ``max_steps`` the epochs those steps span (``Epoch <n>`` where neither bounds the run).
-
-    Args:
-        trainer: the fitting Trainer (``num_training_batches`` known).
-    """
-    epoch = trainer.current_epoch + 1
-    total = trainer.max_epochs if trainer.max_epochs is not None and trainer.max_epochs > 0 else None
-    per_epoch = trainer.num_training_batches
-    steps = trainer.max_steps
-    if steps is not None and steps > 0 and isinstance(per_epoch, int) and per_epoch > 0:
-        accumulate = max(1, int(getattr(trainer, "accumulate_grad_batches", 1) or 1))
-        by_steps = -(-steps * accumulate // per_epoch)
-        total = by_steps if total is None else min(total, by_steps)
-    return f"Epoch {epoch}/{total}" if total else f"Epoch {epoch}"

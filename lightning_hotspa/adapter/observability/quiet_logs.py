@@ -18,7 +18,7 @@ import logging
 import re
 import warnings
 
-__all__ = ["UNACTIONABLE_WARNINGS", "filter_unactionable_warnings", "one_console_handler"]
+__all__ = ["ADVERTS", "UNACTIONABLE_WARNINGS", "filter_unactionable_warnings", "one_console_handler"]
 
 #: (exact message prefix, category, why a user cannot act on it)
 UNACTIONABLE_WARNINGS: tuple[tuple[str, type[Warning], str], ...] = (
@@ -27,14 +27,45 @@ UNACTIONABLE_WARNINGS: tuple[tuple[str, type[Warning], str], ...] = (
      "torch 2.13 deprecates LeafSpec; Lightning 2.6's own utilities/_pytree.py still uses it, once per rank"),
 )
 
+#: (logger, exact message prefix, why): log lines that sell something, dropped by their exact text
+ADVERTS: tuple[tuple[str, str, str], ...] = (
+    ("lightning.pytorch.utilities.rank_zero", "💡 Tip: For seamless cloud logging and experiment tracking, try "
+     "installing [litlogger](https://pypi.org/project/litlogger/)",
+     "Lightning 2.6 advertises its hosted logger on every Trainer built without one"),
+)
+
 _LIGHTNING_LOGGERS = ("lightning", "lightning.pytorch", "lightning.fabric")
+
+
+class _DropAdverts(logging.Filter):
+    """Drops a record whose message starts with one of ``prefixes`` (everything else passes)."""
+
+    def __init__(self, prefixes: tuple[str, ...]) -> None:
+        super().__init__()
+        self.prefixes = prefixes
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.prefixes)
+
+
+def _drop_adverts() -> None:
+    """Each logger of :data:`ADVERTS` gets one :class:`_DropAdverts` filter (idempotent)."""
+    by_logger: dict[str, tuple[str, ...]] = {}
+    for name, prefix, _why in ADVERTS:
+        by_logger[name] = (*by_logger.get(name, ()), prefix)
+    for name, prefixes in by_logger.items():
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropAdverts) for f in logger.filters):
+            logger.addFilter(_DropAdverts(prefixes))
 
 
 def filter_unactionable_warnings() -> None:
     """Ignore each warning of :data:`UNACTIONABLE_WARNINGS`, by its exact message and category (every
-    other warning keeps showing). Idempotent: ``warnings`` drops a filter it already has."""
+    other warning keeps showing), and drop the log lines of :data:`ADVERTS`. Idempotent: ``warnings``
+    drops a filter it already has."""
     for message, category, _why in UNACTIONABLE_WARNINGS:
         warnings.filterwarnings("ignore", message=re.escape(message), category=category)
+    _drop_adverts()
 
 
 def one_console_handler() -> None:

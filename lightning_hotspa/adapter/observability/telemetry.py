@@ -183,6 +183,9 @@ class RunSummary:
         out = [f"HotSPa summary (steps after the first {self.skip_first}; times are the slowest rank's; "
                f"switch s / MB per step)", fmt(head), fmt(["-" * w for w in widths])]
         out += [fmt(row) for row in lines]
+        out.append("  tok/s: tokens / stage seconds; time%: share of all stage seconds; switch%: switch / stage s")
+        out.append("  MFU: model FLOPs / (stage seconds x peak FLOP/s); pred/meas: the cost model's predicted "
+                   "seconds / the measured ones (1 = exact)")
         tot = self.totals()
         step_s = f"{tot['mean_step_s']:.2f} s/step" if tot["mean_step_s"] is not None else "no steps measured"
         out.append(f"all buckets: {tot['tokens_per_s']:.0f} tokens/s, {step_s}, switching "

@@ -86,7 +86,11 @@ def wandb_logger(*, offline: bool | str = "auto", save_dir: str | None = None, *
             kwargs["log_model"] = False  # model upload is impossible offline (WandbLogger refuses both)
     if save_dir is not None:
         Path(save_dir).mkdir(parents=True, exist_ok=True)
-    _announce(decision, save_dir)
+    _announce(decision)
+    if decision.mode == "offline" and "settings" not in kwargs:  # wandb's own lines say where the run is, twice:
+        import wandb  # the monitor says it once, with the sync command (offline_run_message)
+
+        kwargs["settings"] = wandb.Settings(silent=True)
     logger = WandbLogger(offline=decision.mode == "offline", save_dir=save_dir, **kwargs)
     drop_unset_wandb_init_keys(logger)  # wandb 0.31 warns about an `anonymous=None` it is handed
     logger.hotspa_wandb_decision = decision  # type: ignore[attr-defined]
@@ -94,11 +98,10 @@ def wandb_logger(*, offline: bool | str = "auto", save_dir: str | None = None, *
 
 
 @rank_zero_only
-def _announce(decision: WandbDecision, save_dir: str | None) -> None:
-    where = Path(save_dir or ".") / "wandb"
-    if decision.mode == "offline":
-        print(f"W&B: offline ({decision.reason}); the run is kept under {where}/ "
-              f"and can be uploaded later with `wandb sync`.", flush=True)
+def _announce(decision: WandbDecision) -> None:
+    if decision.mode == "offline":  # where the run is and the sync command: once, at the end
+        print(f"W&B: offline ({decision.reason}); the run's folder and its `wandb sync` command are printed at "
+              f"the end.", flush=True)
     elif decision.mode == "disabled":
         print(f"W&B: disabled ({decision.reason}).", flush=True)
 
@@ -110,7 +113,6 @@ def offline_run_message(logger: WandbLogger) -> str:
     if getattr(run, "offline", False) or getattr(getattr(run, "settings", None), "mode", "") == "offline":
         if run_dir is None:
             return "W&B run: offline (no run folder)"
-        return (f"W&B run (offline): {run_dir}\n"
-                f"  upload it with:  wandb sync {run_dir}")
+        return f"W&B run (offline), upload it with:  wandb sync {run_dir}"
     url = getattr(run, "url", None)
     return f"W&B run: {url}" if url else f"W&B run: {run_dir or 'disabled'}"
