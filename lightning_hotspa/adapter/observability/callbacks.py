@@ -330,6 +330,8 @@ class HotSPaProgressBar(TQDMProgressBar):
         if self.leave_bars:
             self.train_progress_bar = self.init_train_tqdm()
         bar, total = self.train_progress_bar, self.total_train_batches
+        if bar.disable and not self.is_disabled:  # the last epoch's line was finished (_finish): a new one
+            bar.disable = False
         bar.set_description(epoch_text(trainer), refresh=False)
         bar.reset(total=None if total == float("inf") else total)  # one redraw, with the true epoch
         bar.initial = 0
