@@ -168,7 +168,7 @@ def auto_layouts(
     its plans, so a set that adapts to each batch's long documents wins over one that fits their
     union (one concatenated batch balances better over dp groups than any real step does).
     ``static``: the caller's static reference (``hotspa plan`` and the simulators compare plans with
-    the best static layout on the very batches they price, :func:`best_static_layout`): every set
+    the best static layout on the very batches they price): every set
     considered contains it instead of the pick on ``static_batches``, so the guard's fallback is the
     layout the plan is compared with and no plan is predicted slower than it (issue 54); it need not
     hold the context (another layout of the set must)."""
