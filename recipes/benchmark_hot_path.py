@@ -22,6 +22,10 @@ Keys (docs/gpu-runtime.md explains each):
   groups rank 0 belongs to, the mesh-dim ranges created, group creations every rank calls (one
   ``new_group`` per block on the fake backend; on NCCL one ``split_group`` per range) and the
   ``DeviceMesh``'s own. ``process_groups_wide_set``: the same for a wider set (``WIDE``).
+* ``reduce_exposure``: per replicated layout (llama7b widths, 3 layers, 8 fake ranks, NCCL buckets) the
+  share of one stage's gradient-reduction bytes launched with no backward GEMM left, and the exposed
+  share when the last backward takes as long as the reduction, measured next to the cost model's
+  (``planner/cost/grad_exposure.py``).
 * ``switch_bytes_over_lower_bound``: ``benchmark_switch.py --world 4`` and ``--world 8`` (small model).
 
     python recipes/benchmark_hot_path.py [--kv-tokens 32768] [--skip-switch]
@@ -344,6 +348,34 @@ def _payloads(sizes: list[int]):
             setattr(dist, n, fn)
 
 
+# -- gradient reduction exposure -------------------------------------------------------------------------
+
+def reduce_exposure(world: int = 8, layers: int = 3) -> dict:
+    """Per replicated layout (llama7b widths, ``layers`` layers, ``world`` fake ranks, NCCL's buckets): the
+    share of the stage's reduction bytes launched with no backward GEMM left (exposed however fast the
+    network), and the exposed share when the last backward takes 1 x the reduction's time, measured
+    on the real code path against the cost model's (planner/cost/grad_exposure.py)."""
+    import dataclasses
+
+    from lightning_hotspa.model_shape import describe_model
+    from lightning_hotspa.models import LlamaConfig
+    from lightning_hotspa.planner.cost.grad_exposure import REDUCE_BUCKET_BYTES, exposed_share, reduce_buckets
+    from lightning_hotspa.tools.reduce_exposure import measure_reduce_buckets
+
+    config = dataclasses.replace(LlamaConfig.preset("llama7b"), n_layers=layers)
+    out = {}
+    for name in ("dp8", "dp4xtp2", "dp2xtp4"):
+        par = Layout.parse(name)
+        measured = measure_reduce_buckets(config, par, world)["buckets"]
+        model = reduce_buckets(describe_model(config), par.tp, REDUCE_BUCKET_BYTES["cuda"])
+        total = sum(b for b, _ in measured)
+        out[name] = {"bytes_MB": total / MB, "no_gemm_left_share": sum(b for b, r in measured if r == 0) / total,
+                     "exposed_share_at_1x": exposed_share(measured, 1.0),
+                     "model_no_gemm_left_share": exposed_share(model, 1e9), "model_exposed_share_at_1x":
+                     exposed_share(model, 1.0)}
+    return {"reduce_exposure": out}
+
+
 # -- process groups ------------------------------------------------------------------------------------
 
 def process_groups(world_size: int, layouts=None) -> dict:
@@ -425,7 +457,7 @@ def main(argv: list[str] | None = None) -> dict:
         worlds = [int(x) for x in args.group_worlds.split(",")]
     except ValueError:
         raise SystemExit(f"--group-worlds takes comma-separated world sizes, got {args.group_worlds!r}") from None
-    parts = {"syncs": host_syncs, "waits": reduce_waits,
+    parts = {"syncs": host_syncs, "waits": reduce_waits, "exposure": reduce_exposure,
              "kv_calls": lambda: {"kv_attention_calls_per_layer": kv_calls()},
              "kv_work": lambda: kv_work(args.kv_tokens, *args.kv_heads, args.head_dim),
              "collectives": lambda: {"collectives_per_step": {x: collectives_for(x, args.collectives_preset)

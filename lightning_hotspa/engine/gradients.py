@@ -255,11 +255,16 @@ class GradientReduction:
     # ---------------------------------------------------------------- reduction
     def _reduce_plan(self, layout: Layout) -> _ReducePlan:
         """Buckets of at most ``bucket_bytes`` (fp32) per (scatter, reduce) kind, filled in reverse
-        parameter order, which is roughly the order backward produces gradients in (as DDP)."""
+        parameter order, which is roughly the order backward produces gradients in (as DDP), and
+        launched in the order they fill up (their last gradient's place): a small kind's bucket (the
+        norms under tp, partial over tp) gathers gradients from every layer and fills only at the
+        end, so launching by opening order would hold every later bucket back until the backward
+        ends (the fake world showed it: planner/cost/grad_exposure.py)."""
         if layout not in self._reduce_plans:
             plan = _ReducePlan()
             open_: dict[tuple[tuple[int, ...], tuple[int, ...]], tuple[_GradBucket, int]] = {}
-            for name in reversed(list(self.shardings)):
+            filled: dict[int, int] = {}  # id(bucket) -> place of its last gradient in reverse order
+            for place, name in enumerate(reversed(list(self.shardings))):
                 sharding = self.shardings[name]
                 states = self._grad_states(name, layout)
                 rep = [d for d in range(sharding.home_prefix) if states[d] == "replicate"]
@@ -274,7 +279,9 @@ class GradientReduction:
                     bucket, size = _GradBucket(*key), 0
                     plan.buckets.append(bucket)
                 bucket.names.append(name)
+                filled[id(bucket)] = place
                 open_[key] = (bucket, size + nbytes)
+            plan.buckets.sort(key=lambda b: filled[id(b)])  # stable; the same order on every rank
             plan.bucket_of = {n: i for i, b in enumerate(plan.buckets) for n in b.names}
             self._reduce_plans[layout] = plan
         return self._reduce_plans[layout]

@@ -126,6 +126,17 @@ class StepRunner:
     def _fsdp_bytes(self) -> int:
         return sum(self.units.bytes.values()) if self.units is not None else 0
 
+    @staticmethod
+    def _order(stage: Any, rounds: int) -> list[int]:
+        """The order a stage's micro-batches run in: a replicated copy runs the plan's first (the
+        solver's costliest) micro-batch LAST, so the backward that hides the gradient reduction
+        (:meth:`SwitchEngine.overlap_next_backward`) is the longest the stage has, as the cost model
+        prices it (``planner/cost/grad_exposure.py``); a sharded copy keeps the plan's order (its idle
+        and lockstep rounds follow it)."""
+        if stage.compute_layout.fsdp or rounds != len(stage.micro_batches) or rounds < 2:
+            return list(range(rounds))
+        return [*range(1, rounds), 0]
+
     def _idle(self, layout: Layout) -> MicroBatch:
         """The micro-batch of an idle round (fsdp stages: fewer micro-batches than the busiest group),
         cp-sliced for ``layout``, the stage's compute layout on this rank."""
@@ -200,7 +211,7 @@ class StepRunner:
                 real = len(stage.micro_batches)
                 rounds = stage.num_rounds
                 idle = self._idle(stage.compute_layout) if rounds > real else None  # built once per stage
-                for i in range(rounds):
+                for n, i in enumerate(self._order(stage, rounds)):
                     mb = stage.micro_batches[i] if i < real else idle
                     if i < real:
                         hooks.enter_micro_batch(mb)
@@ -211,7 +222,7 @@ class StepRunner:
                         hooks.record_loss(loss, mb)
                     weight = loss_weight(mb, plan, stage.compute_layout) if i < real else 0.0
                     scaled = loss * (weight * scale)
-                    if self.overlap and i == rounds - 1 and not carry:
+                    if self.overlap and n == rounds - 1 and not carry:
                         engine.overlap_next_backward()  # reduce buckets while the last backward runs
                     if i < real:
                         hooks.backward(scaled)

@@ -118,8 +118,8 @@ def test_gemm_efficiency_grows_with_width_and_cpu_gloo_keeps_its_constant():
     assert h100.attention_efficiency_for("fa2", 128) == 0.175 and h100.attention_efficiency_for("flex", 64) == \
         h100.attention_efficiency
     # per kernel: FA3 above cuDNN above FA2 (the FA3 paper's ordering at head dim 128), FA3 at its nearest head dim
-    assert h100.attention_efficiency_for("fa3", 64) == h100.attention_efficiency_for("fa3", 128) == 0.636
-    assert 0.175 < h100.attention_efficiency_for("cudnn", 128) < 0.636
+    assert h100.attention_efficiency_for("fa3", 64) == h100.attention_efficiency_for("fa3", 128) == 0.628
+    assert 0.175 < h100.attention_efficiency_for("cudnn", 128) < 0.628
 
 
 def test_h200_is_the_h100_with_its_memory():

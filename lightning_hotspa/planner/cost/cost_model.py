@@ -48,7 +48,9 @@ rows); the cost is padding (``s`` rounded up to ``2*cp``) and communication:
   of the attention FLOPs and 2 x the q/k/v parameters per token. Not offered for sharded (``fsdp``)
   copies: the runtime does not build it.
 * dp: one reduce-scatter of the stage's fp32 gradients per run of same-tp stages (docs/DESIGN.md §4,
-  "Gradients live in the engine's store").
+  "Gradients live in the engine's store"); with ``RuntimeProfile.dp_reduce_overlap`` (ours: buckets
+  launched inside the last micro-batch's backward) only the part that backward cannot hide
+  (:mod:`.grad_exposure`: the last buckets, the embedding's at least).
 * Switches (switch.py): a move from tp ``s`` to tp ``t < s`` all-gathers ``1/t - 1/s`` of the bf16
   weights over a group spanning ``s`` consecutive ranks; ``t >= s`` is a local slice (free). Home is
   sharded over the whole world. Group spans decide intra- (NVLink) vs inter-node bandwidth, nodes of
@@ -93,6 +95,7 @@ from ...model_shape import ModelShape
 from ...models.attention_kernels import KERNELS, AttentionKernel, default_chunk_kernel
 from ..solve.packing import cp_padded_lengths, max_doc_length
 from .efficiency import UNFUSED_KERNELS, unfused_attention_seconds
+from .grad_exposure import REDUCE_BUCKET_BYTES, exposed_share, reduce_buckets
 from .hardware import HardwareProfile, get_profile
 from .memory_model import MemoryModel, MemoryUse
 from .runtime_profile import RuntimeProfile, get_runtime
@@ -246,6 +249,7 @@ class AnalyticCostModel(MemoryModel):
         self.layer_params = (self.dense_params - m.padded_vocab_size * m.hidden - m.hidden) / m.n_layers
         self.attn_width = m.n_heads * m.head_dim
         self.kv_width = m.n_kv_heads * m.head_dim
+        self._exposed_reduce: dict[Layout, float] = {}  # grad_reduce_seconds per layout
 
     # ------------------------------------------------------------------ validity
     def check(self, par: Layout) -> Layout:
@@ -398,8 +402,32 @@ class AnalyticCostModel(MemoryModel):
         return b - credit, d + exchange
 
     def grad_reduce_seconds(self, par: Layout) -> float:
-        """The stage's reduce-scatter of fp32 gradients over the ranks sharing a weight shard. A
-        sharded working copy (``:fsdp``) reduce-scatters every block's gradient each micro-batch
+        """The part of the stage's gradient reduction left on the critical path (``stage_fixed``): all
+        of :meth:`grad_reduce_full_seconds` unless the runtime overlaps a replicated copy's reduction
+        with the last micro-batch's backward (``RuntimeProfile.dp_reduce_overlap``), then only what
+        that backward cannot hide (:mod:`.grad_exposure`). An HSDP copy's reduction over its replicas
+        runs at the stage end (ours: not overlapped)."""
+        full = self.grad_reduce_full_seconds(par)
+        if full <= 0 or par.fsdp or not self.runtime.dp_reduce_overlap:
+            return full
+        if par not in self._exposed_reduce:
+            m, hw = self.model, self.hardware
+            buckets = reduce_buckets(m, par.tp, REDUCE_BUCKET_BYTES[hw.device_type], self.grad_bytes,
+                                     m.n_layers // par.pp)
+            # ASSUMPTION: the last micro-batch is a full one (the runtime runs the plan's costliest
+            # last, engine/step_runner.py); its backward's GEMMs (2/3 of their FLOPs) hide the buckets
+            try:
+                capacity = self.capacity(par, Checkpointing.NONE)
+            except CostModelError:
+                capacity = 0
+            backward = 2.0 / 3.0 * self._dense_seconds_per_token(par, Checkpointing.NONE) * max(capacity, 0)
+            hide = hw.layer_comm_overlap * backward
+            self._exposed_reduce[par] = full * exposed_share(buckets, hide / full)
+        return self._exposed_reduce[par]
+
+    def grad_reduce_full_seconds(self, par: Layout) -> float:
+        """The stage's reduce-scatter of fp32 gradients over the ranks sharing a weight shard, all of
+        it. A sharded working copy (``:fsdp``) reduce-scatters every block's gradient each micro-batch
         (:meth:`fsdp_exchange_seconds`): its stage end only folds the local shard into the store; an
         HSDP one (``:fsdp8``) reduce-scatters its shard over its replicas (the outer, inter-node dims)."""
         g = par.fsdp_replicas
