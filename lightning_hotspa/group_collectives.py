@@ -13,7 +13,17 @@ reduce-scatter of rows      ``reduce_scatter_tensor``                 ``all_to_a
                                                                       (gloo has no reduce-scatter)
 reduce-scatter + all-gather two calls, back to back                   ONE ``all_to_all_single`` carrying
 (a region's backward)                                                 both (latency bound: one launch)
+all-gather + matmul         NCCL on CUDA: ``symm_mem`` fused op       a ring of n steps: the GEMM on the
+(a tp region's input)       (the group enabled for symmetric          chunk in hand while the next chunk's
+                            memory); else gather, then GEMM           ``isend`` / ``irecv`` is in flight
+matmul + reduce-scatter     NCCL on CUDA: ``symm_mem`` fused op;      a ring of n steps: each step's partial
+(a row-parallel output)     else GEMM, then reduce-scatter            product while the sum so far arrives
 ==========================  =======================================  ===================================
+
+The two fused operations are tensor parallelism's communication overlap (Megatron-LM's
+``--tp-comm-overlap``, torchtitan's async TP); the ring carries the same math on gloo, so the CPU
+tests check it, and nothing overlaps in time there. The symmetric-memory path has never run on a GPU
+(``recipes/gpu_check.py``'s ``tp_overlap`` part checks it where one is lent).
 
 Every method works in SLOT order (the process group's rank order); the shard-order mapping is
 :mod:`lightning_hotspa.parallel.collectives`' job. The ``torch.distributed`` functions are looked up
@@ -22,6 +32,7 @@ at call time, so :func:`lightning_hotspa.testing.comm_bytes.count_collective_byt
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -57,9 +68,62 @@ class GroupCollectives:
         its input gradient and its re-gathered input)."""
         return self.reduce_scatter(send), self.all_gather(flat)
 
+    def all_gather_matmul(self, flat: Tensor, rights: Sequence[Tensor]) -> tuple[Tensor, list[Tensor]]:
+        """``flat [T, K]`` -> (:meth:`all_gather` of it ``[n*T, K]``, ``[gathered @ b for b in rights]``),
+        slot order; ``rights``: ``[K, N_i]`` matrices (a column region's transposed weights)."""
+        gathered = self.all_gather(flat)
+        return gathered, [gathered @ b for b in rights]
+
+    def matmul_reduce_scatter(self, lefts: Sequence[Tensor], rights: Sequence[Tensor]) -> Tensor:
+        """``sum_i lefts[i] @ rights[i]`` reduce-scattered: ``lefts[i] [n, T, K_i]`` (block k for slot k),
+        ``rights[i] [K_i, N]`` -> ``[T, N]``, the sum over members of their products for this slot."""
+        return self.reduce_scatter(_products(lefts, rights))
+
+
+def _products(lefts: Sequence[Tensor], rights: Sequence[Tensor]) -> Tensor:
+    """``sum_i lefts[i] @ rights[i]``."""
+    out = None
+    for a, b in zip(lefts, rights, strict=True):
+        out = a @ b if out is None else out.add_(a @ b)
+    return out
+
 
 class DeviceCollectives(GroupCollectives):
-    """NCCL (and the fake test backend): the native all-gather and reduce-scatter."""
+    """NCCL (and the fake test backend): the native all-gather and reduce-scatter; on NCCL with CUDA
+    tensors the symmetric-memory fused GEMM + collective ops (tp overlap)."""
+
+    def _symm_mem_name(self, t: Tensor) -> str | None:
+        """The group's name for ``torch.ops.symm_mem`` (enabled for symmetric memory once), or None
+        where the fused ops do not apply (another backend, CPU tensors, a torch without them)."""
+        if self.owner.backend != "nccl" or not t.is_cuda:
+            return None
+        name = self.__dict__.get("_symm_name")
+        if name is None:
+            from torch.distributed import _symmetric_memory as symm
+
+            name = self.group.group_name
+            if not symm.is_symm_mem_enabled_for_group(name):
+                symm.enable_symm_mem_for_group(name)
+            self._symm_name = name
+        return name
+
+    def all_gather_matmul(self, flat: Tensor, rights: Sequence[Tensor]) -> tuple[Tensor, list[Tensor]]:
+        name = self._symm_mem_name(flat)
+        if name is None:
+            return super().all_gather_matmul(flat, rights)
+        with collective("a fused all-gather + matmul", self.owner):
+            gathered, outs = torch.ops.symm_mem.fused_all_gather_matmul(flat, list(rights), 0, name)
+        return gathered, list(outs)
+
+    def matmul_reduce_scatter(self, lefts: Sequence[Tensor], rights: Sequence[Tensor]) -> Tensor:
+        name = self._symm_mem_name(lefts[0])
+        if name is None:
+            return super().matmul_reduce_scatter(lefts, rights)
+        a = torch.cat([x.reshape(-1, x.shape[-1]) for x in lefts], dim=-1) if len(lefts) > 1 \
+            else lefts[0].reshape(-1, lefts[0].shape[-1])
+        b = torch.cat(list(rights), dim=0) if len(rights) > 1 else rights[0]
+        with collective("a fused matmul + reduce-scatter", self.owner):
+            return torch.ops.symm_mem.fused_matmul_reduce_scatter(a, b, "sum", 0, name)
 
     def all_gather(self, flat: Tensor) -> Tensor:
         buffer = flat.new_empty((self.size * flat.shape[0], *flat.shape[1:]))
@@ -101,6 +165,59 @@ class GlooCollectives(GroupCollectives):
         both = torch.cat([send, flat.unsqueeze(0).expand(self.size, *flat.shape)], dim=-1)
         recv = self._all_to_all(both, "a reduce-scatter and an all-gather of rows")
         return recv[..., :width].sum(0), recv[..., width:].reshape(-1, *flat.shape[1:])
+
+
+    # -- tp overlap: rings of point-to-point steps, each step's GEMM while the next transfer is in flight
+    def _ring(self, send: Tensor, recv: Tensor) -> list:
+        """Starts ``send`` to the next slot and ``recv`` from the previous one (the ring's one step)."""
+        me, n = self.owner.slot_of_shard[self.owner.index], self.size
+        return [dist.isend(send, group=self.group, group_dst=(me + 1) % n),
+                dist.irecv(recv, group=self.group, group_src=(me - 1) % n)]
+
+    def _wait(self, works: list, what: str) -> None:
+        with collective(what, self.owner):
+            for work in works:
+                work.wait()
+
+    def all_gather_matmul(self, flat: Tensor, rights: Sequence[Tensor]) -> tuple[Tensor, list[Tensor]]:
+        n, rows = self.size, flat.shape[0]
+        me = self.owner.slot_of_shard[self.owner.index]
+        gathered = flat.new_empty((n * rows, flat.shape[-1]))
+        outs = [flat.new_empty((n * rows, b.shape[-1])) for b in rights]
+        chunk = flat.contiguous()
+        for step in range(n):
+            src = (me - step) % n  # the slot whose rows are in hand
+            works, nxt = [], None
+            if step < n - 1:
+                nxt = torch.empty_like(chunk)
+                works = self._ring(chunk, nxt)
+            gathered[src * rows:(src + 1) * rows] = chunk
+            for out, b in zip(outs, rights):
+                torch.mm(chunk, b, out=out[src * rows:(src + 1) * rows])
+            if works:
+                self._wait(works, "an all-gather + matmul ring")
+                chunk = nxt
+        return gathered, outs
+
+    def matmul_reduce_scatter(self, lefts: Sequence[Tensor], rights: Sequence[Tensor]) -> Tensor:
+        n = self.size
+        me = self.owner.slot_of_shard[self.owner.index]
+        acc, sends = None, []
+        for step in range(n):
+            dst = (me - step - 1) % n  # whose rows this step's partial sum is for: the last step's are ours
+            recv, works = None, []
+            if step > 0:
+                recv = torch.empty_like(acc)
+                works = [dist.irecv(recv, group=self.group, group_src=(me - 1) % n)]
+            part = _products([a[dst] for a in lefts], rights)
+            if works:
+                self._wait(works, "a matmul + reduce-scatter ring")
+                part = part.add_(recv)
+            if step < n - 1:
+                sends.append(dist.isend(part, group=self.group, group_dst=(me + 1) % n))
+            acc = part
+        self._wait(sends, "a matmul + reduce-scatter ring")
+        return acc
 
 
 def collectives_for(owner: Any) -> GroupCollectives:

@@ -15,7 +15,8 @@ from torch import Tensor
 
 from .mesh import RankGroup
 
-__all__ = ["all_gather_rows", "order", "reduce_scatter_and_gather_rows", "reduce_scatter_rows", "shard_of_slot"]
+__all__ = ["all_gather_matmul_rows", "all_gather_rows", "matmul_reduce_scatter_rows", "order",
+           "reduce_scatter_and_gather_rows", "reduce_scatter_rows", "shard_of_slot"]
 
 
 def shard_of_slot(group: RankGroup) -> list[int]:
@@ -101,3 +102,34 @@ def reduce_scatter_and_gather_rows(x: Tensor, shard: Tensor, group: RankGroup) -
     flat = shard.contiguous()
     summed, gathered = group.comm.reduce_scatter_and_all_gather(_blocks_by_slot(x, group), flat)
     return summed, _to_shard_order(gathered, group, flat.shape[0])
+
+
+def all_gather_matmul_rows(x: Tensor, rights: list[Tensor], group: RankGroup) -> tuple[Tensor, list[Tensor]]:
+    """(``all_gather_rows(x)``, ``[that @ b for b in rights]``), the GEMMs overlapped with the gather
+    where the group's backend allows it (``group.comm.all_gather_matmul``); rows in shard order.
+
+    Args:
+        x: this rank's rows ``[T, ..., K]``.
+        rights: ``[K, N_i]`` matrices.
+        group: the group.
+    """
+    flat = x.reshape(-1, x.shape[-1])
+    gathered, outs = group.comm.all_gather_matmul(flat, rights)
+    rows = (group.size * x.shape[0], *x.shape[1:-1])
+    return (_to_shard_order(gathered, group, flat.shape[0]).view(*rows, x.shape[-1]),
+            [_to_shard_order(o, group, flat.shape[0]).view(*rows, o.shape[-1]) for o in outs])
+
+
+def matmul_reduce_scatter_rows(lefts: list[Tensor], rights: list[Tensor], group: RankGroup) -> Tensor:
+    """:func:`reduce_scatter_rows` of ``sum_i lefts[i] @ rights[i]``, the GEMMs overlapped with the
+    reduction where the group's backend allows it (``group.comm.matmul_reduce_scatter``).
+
+    Args:
+        lefts: ``[n*T, ..., K_i]``, block s for shard s.
+        rights: ``[K_i, N]`` matrices.
+        group: the group.
+    """
+    shape = lefts[0].shape
+    blocks = [_blocks_by_slot(a, group).reshape(group.size, -1, a.shape[-1]) for a in lefts]
+    out = group.comm.matmul_reduce_scatter(blocks, rights)
+    return out.view(shape[0] // group.size, *shape[1:-1], out.shape[-1])

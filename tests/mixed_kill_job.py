@@ -15,6 +15,10 @@ transformer block of its second round of the mixed stage (its cp2 block's partne
 its second micro-batch of its sharded Ulysses cp2 block {0, 1}; rank 0 fails inside that block,
 ranks 2 and 3 (replicated dp blocks of their own) in the stage's joint exchange.
 
+``--tp``: a switching plan (dp4, then tp4: issue 52) where rank 1 dies in the middle of a tp-overlap
+ring (after the first step of a row-parallel layer's matmul + reduce-scatter in its tp4 stage); the
+others fail inside that ring, naming the tp group.
+
 writes OUT_DIR/job.json (exit codes, who hung, the kill's breadcrumb) and OUT_DIR/rank<r>.log.
 """
 
@@ -41,6 +45,7 @@ import lightning_hotspa  # noqa: E402, F401
 from lightning_hotspa import HotSPaStrategy  # noqa: E402
 from lightning_hotspa.layout import Layout  # noqa: E402
 from lightning_hotspa.models import LlamaLM  # noqa: E402
+from lightning_hotspa.plan import StepPlan  # noqa: E402
 from lightning_hotspa.testing.forked_ranks import free_port, run_forked_ranks  # noqa: E402
 
 WORLD = 4
@@ -58,19 +63,54 @@ def install_kill(model: LlamaLM, strategy: HotSPaStrategy, stage: int, out: Path
     model.model.layers[1].register_forward_pre_hook(die)
 
 
-def rank_main(rank: int, port: int, out: Path, blocks: bool = False) -> None:
+def install_ring_kill(strategy: HotSPaStrategy, out: Path) -> None:
+    """Rank 1 dies between two steps of a tp-overlap ring (its first step's partial sum sent)."""
+    from lightning_hotspa import group_collectives
+
+    tracker, ring = strategy.tracker, group_collectives.GlooCollectives.matmul_reduce_scatter
+
+    def dying(self, lefts, rights):
+        if self.size == WORLD and tracker.micro_batch == 1:
+            send = group_collectives.dist.isend
+
+            def isend_then_die(*args, **kwargs):
+                work = send(*args, **kwargs)
+                work.wait()
+                (out / "kill.json").write_text(json.dumps({"where": tracker.describe()}))
+                os.kill(os.getpid(), signal.SIGKILL)
+
+            group_collectives.dist.isend = isend_then_die
+        return ring(self, lefts, rights)
+
+    group_collectives.GlooCollectives.matmul_reduce_scatter = dying
+
+
+def tp_plan() -> tuple[StepPlan, list[str]]:
+    """dp4 then tp4 over 8 documents, each dp group's share in two micro-batches."""
+    from helpers import dealt_stage
+
+    lengths = (40, 33, 57, 21, 64, 18, 45, 30)
+    return StepPlan(0, lengths, (dealt_stage("dp4", [0, 1, 2, 3]), dealt_stage("tp4", [4, 5, 6, 7]))), ["dp4", "tp4"]
+
+
+def rank_main(rank: int, port: int, out: Path, blocks: bool = False, tp: bool = False) -> None:
     log = (out / f"rank{rank}.log").open("w")
     os.dup2(log.fileno(), 1)
     os.dup2(log.fileno(), 2)
     os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(WORLD), "NODE_RANK": "0",
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
     torch.set_num_threads(1)
-    plan, layouts = (block_plans(WORLD)[2], BLOCK_LAYOUTS[WORLD]) if blocks else (planner_mixed_plans()[0], PAIR_4)
-    stage = next(k for k, s in enumerate(plan.stages) if s.blocks)
+    if tp:
+        plan, layouts = tp_plan()
+    else:
+        plan, layouts = (block_plans(WORLD)[2], BLOCK_LAYOUTS[WORLD]) if blocks else (planner_mixed_plans()[0], PAIR_4)
+        stage = next(k for k, s in enumerate(plan.stages) if s.blocks)
     batches = rank_plans([plan], [Layout.parse(x) for x in layouts], rank)
     strategy = HotSPaStrategy(layouts)  # the default process-group timeout
     model = LlamaLM("tiny", seed=3, lr=2e-3)
-    if rank == 1:
+    if rank == 1 and tp:
+        install_ring_kill(strategy, out)
+    elif rank == 1:
         install_kill(model, strategy, stage, out)
     trainer = L.Trainer(accelerator="cpu", devices=WORLD, strategy=strategy, max_steps=1, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
@@ -85,11 +125,12 @@ def main() -> None:
     parser.add_argument("out")
     parser.add_argument("--deadline", type=float, default=300.0, help="kill the ranks still running after this")
     parser.add_argument("--blocks", action="store_true", help="the block stage of test_blocks (issue 38)")
+    parser.add_argument("--tp", action="store_true", help="a tp4 stage, killed inside a tp-overlap ring (issue 52)")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     port = free_port()
-    ended = run_forked_ranks(WORLD, lambda rank: rank_main(rank, port, out, args.blocks), args.deadline)
+    ended = run_forked_ranks(WORLD, lambda rank: rank_main(rank, port, out, args.blocks, args.tp), args.deadline)
     kill = out / "kill.json"
     (out / "job.json").write_text(json.dumps({"exit_codes": ended.codes, "hung": ended.hung,
                                               "kill": json.loads(kill.read_text()) if kill.exists() else None}))

@@ -82,6 +82,11 @@ class SwiGLUDown(nn.Linear):
 
     tp_linear_forward = True
 
+    @staticmethod
+    def tp_row_input(a: Tensor, b: Tensor) -> Tensor:
+        """The GEMM's left operand, ``silu(a) * b`` (a tp-overlapped row-parallel forward recomputes it)."""
+        return F.silu(a) * b
+
     def __init__(self, in_features: int, out_features: int, **kwargs: Any) -> None:
         super().__init__(in_features, out_features, bias=False, **kwargs)
 

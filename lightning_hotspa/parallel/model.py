@@ -30,10 +30,11 @@ __all__ = ["ParallelModel"]
 
 class ParallelModel:
     """``loss_parallel``: None reads the module's ``vocab_parallel_loss`` opt-in; True / False force it
-    (True needs ``loss_fn``). ``self.loss_parallel`` says what was installed."""
+    (True needs ``loss_fn``). ``self.loss_parallel`` says what was installed. ``tp_overlap``: tp
+    communication with its GEMMs under sequence parallelism (``install_tensor_parallel``'s ``overlap``)."""
 
     def __init__(self, module: nn.Module, roles: Mapping[str, str], world: WorldMesh,
-                 *, loss_parallel: bool | None = None) -> None:
+                 *, loss_parallel: bool | None = None, tp_overlap: bool = True) -> None:
         self.module = module
         self.world = world
         self.state = ParallelState()
@@ -45,7 +46,8 @@ class ParallelModel:
             if loss_parallel is None:
                 loss_parallel = getattr(module, "vocab_parallel_loss", False) is True
             self.loss_parallel = bool(loss_parallel)
-            self.hooks += install_tensor_parallel(module, roles, self.state, loss_parallel=loss_parallel)
+            self.hooks += install_tensor_parallel(module, roles, self.state, loss_parallel=loss_parallel,
+                                                  overlap=tp_overlap)
         if any(layout.cp > 1 for layout in world.layouts):
             from .context_parallel import install_context_parallel
 

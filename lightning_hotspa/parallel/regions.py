@@ -12,7 +12,11 @@ every reader's output from it; the others take theirs. Its backward owns the reg
   input gradient (``reduce_scatter_and_gather_rows``: one all-to-all on gloo, the two native
   collectives elsewhere), after the attention kernel's backward, so the gathered rows never live
   through it (docs/DESIGN.md §11: the peak of all-gather-KV and fsdp layouts);
-- under plain tp it all-reduces the summed input gradient once (Megatron's fused QKV).
+- under plain tp it all-reduces the summed input gradient once (Megatron's fused QKV);
+- with tp overlap (``overlap``, the default) the forward gathers the input WITH the readers' GEMMs and
+  the backward reduce-scatters the input gradient with its GEMMs (``group.comm``'s
+  ``all_gather_matmul`` / ``matmul_reduce_scatter``: fused on NCCL, a ring on gloo); the re-gather
+  for the weight gradients is then an all-gather of its own.
 
 No state is shared with other autograd nodes: the row-parallel layer that closes the region
 reduce-scatters (or all-reduces) its own output and all-gathers its own gradient.
@@ -28,7 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..mesh import RankGroup
-from ..shard_rows import reduce_scatter_and_gather_rows
+from ..shard_rows import all_gather_matmul_rows, matmul_reduce_scatter_rows, reduce_scatter_and_gather_rows
 from .collectives import all_reduce_sum
 from .sequence_parallel import all_gather_tokens, check_token_split, reduce_scatter_tokens
 
@@ -44,14 +48,18 @@ class _ColumnRegion(torch.autograd.Function):
     """``F.linear(f(x), w_i, b_i)`` for every reader i; ``f``: the tp copy or the token all-gather."""
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, group: RankGroup, sequence_parallel: bool, *params: Tensor | None
+    def forward(ctx: Any, x: Tensor, group: RankGroup, sequence_parallel: bool, overlap: bool, *params: Tensor | None
                 ) -> tuple[Tensor, ...]:
         ctx.set_materialize_grads(False)
-        full = all_gather_tokens(x, group) if sequence_parallel else x
         weights, biases = params[0::2], params[1::2]
-        outs = tuple(F.linear(full, w, b) for w, b in zip(weights, biases, strict=True))
+        if sequence_parallel and overlap:  # the GEMMs on each gathered chunk as it arrives (group.comm)
+            outs = tuple(o.movedim(0, -2) if b is None else o.movedim(0, -2) + b for o, b in zip(
+                all_gather_matmul_rows(_rows(x), [w.t() for w in weights], group)[1], biases, strict=True))
+        else:
+            full = all_gather_tokens(x, group) if sequence_parallel else x
+            outs = tuple(F.linear(full, w, b) for w, b in zip(weights, biases, strict=True))
         ctx.save_for_backward(x, *weights)  # under sequence parallelism x is the shard, not the gathered rows
-        ctx.group, ctx.sequence_parallel = group, sequence_parallel
+        ctx.group, ctx.sequence_parallel, ctx.overlap = group, sequence_parallel, overlap
         ctx.has_bias = tuple(b is not None for b in biases)
         return outs
 
@@ -60,14 +68,21 @@ class _ColumnRegion(torch.autograd.Function):
         x, *weights = ctx.saved_tensors
         group, sp = ctx.group, ctx.sequence_parallel
         need_input = ctx.needs_input_grad[0]
-        need_weight = any(ctx.needs_input_grad[3 + 2 * i] or ctx.needs_input_grad[4 + 2 * i]
+        need_weight = any(ctx.needs_input_grad[4 + 2 * i] or ctx.needs_input_grad[5 + 2 * i]
                           for i in range(len(weights)))
-        grad_full = None
-        if need_input:
+        grad_full, grad_x, full = None, None, x
+        if sp and ctx.overlap:  # the input gradient: each chunk's GEMM while the partial sums travel
+            pairs = [(_rows(g), w) for g, w in zip(grads, weights, strict=True) if g is not None]
+            if need_input and pairs:
+                check_token_split(pairs[0][0].shape[0], group)
+                grad_x = matmul_reduce_scatter_rows(*map(list, zip(*pairs)), group).movedim(0, -2)
+            if need_weight:
+                full = all_gather_tokens(x, group)
+            sp = False  # done
+        elif need_input:
             for g, w in zip(grads, weights, strict=True):
                 if g is not None:
                     grad_full = g.matmul(w) if grad_full is None else grad_full.add_(g.matmul(w))
-        grad_x, full = None, x
         if sp:
             if grad_full is not None and need_weight:
                 check_token_split(grad_full.shape[-2], group)
@@ -80,12 +95,12 @@ class _ColumnRegion(torch.autograd.Function):
         elif grad_full is not None:
             grad_x = all_reduce_sum(grad_full, group) if group.size > 1 else grad_full
         del grad_full
-        out: list[Tensor | None] = [grad_x, None, None]
+        out: list[Tensor | None] = [grad_x, None, None, None]
         full_rows = full.reshape(-1, full.shape[-1]) if need_weight else None
         for i, g in enumerate(grads):
             rows = g.reshape(-1, g.shape[-1]) if g is not None else None
-            grad_w = rows.t().mm(full_rows) if rows is not None and ctx.needs_input_grad[3 + 2 * i] else None
-            grad_b = rows.sum(0) if rows is not None and ctx.has_bias[i] and ctx.needs_input_grad[4 + 2 * i] \
+            grad_w = rows.t().mm(full_rows) if rows is not None and ctx.needs_input_grad[4 + 2 * i] else None
+            grad_b = rows.sum(0) if rows is not None and ctx.has_bias[i] and ctx.needs_input_grad[5 + 2 * i] \
                 else None
             out += [grad_w, grad_b]
         return tuple(out)
@@ -102,12 +117,17 @@ class ColumnRegion:
         name: the owner module's name (errors).
         readers: the reader modules by name, in declared order (plain ``nn.Linear``).
         sequence_parallel: gather tokens (True) or copy (False) on the way in.
+        overlap: under sequence parallelism, run the gather with the readers' GEMMs (forward) and the
+            input gradient's reduce-scatter with its GEMMs (backward) through ``group.comm``'s fused
+            operations (tp overlap); False: the collective, then the GEMMs.
     """
 
-    def __init__(self, name: str, readers: dict[str, nn.Linear], sequence_parallel: bool) -> None:
+    def __init__(self, name: str, readers: dict[str, nn.Linear], sequence_parallel: bool,
+                 overlap: bool = True) -> None:
         self.name = name
         self.readers = readers
         self.sequence_parallel = sequence_parallel
+        self.overlap = overlap
         self._input: Tensor | None = None
         self._pending: dict[str, Tensor] = {}
 
@@ -120,7 +140,7 @@ class ColumnRegion:
             for m in self.readers.values():
                 params += [m.weight, m.bias]
             sp = self.sequence_parallel and group.size > 1
-            outs: Sequence[Tensor] = _ColumnRegion.apply(x, group, sp, *params)
+            outs: Sequence[Tensor] = _ColumnRegion.apply(x, group, sp, self.overlap, *params)
             self._input, self._pending = x, dict(zip(self.readers, outs, strict=True))
             out = self._pending.pop(reader)
         if not self._pending:

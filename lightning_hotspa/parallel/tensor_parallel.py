@@ -55,6 +55,7 @@ from .collectives import copy_to_group, gather_last_dim, reduce_from_group
 from .core_attention import attention_modules, ensure_parallel_attention
 from .loss import VocabParallelLoss
 from .regions import ColumnRegion
+from .row_scatter import row_scatter
 from .sequence_parallel import gather_tokens, scatter_tokens
 from .state import ParallelState
 
@@ -162,13 +163,17 @@ class TPForward:
     """
 
     def __init__(self, module: nn.Module, kind: str, state: ParallelState, sequence_parallel: bool,
-                 region: tuple[ColumnRegion, str] | None = None, local_output: bool = False) -> None:
+                 region: tuple[ColumnRegion, str] | None = None, local_output: bool = False,
+                 overlap: bool = True) -> None:
         self.module = module
         self.kind = kind
         self.state = state
         self.sequence_parallel = sequence_parallel
         self.region = region
         self.local_output = local_output
+        # a row-parallel output's reduce-scatter runs with its GEMM (.row_scatter) where the module allows it
+        self.row_overlap = overlap and sequence_parallel and kind == "rowwise" and \
+            (not _linear_like(module) or callable(getattr(type(module), "tp_row_input", None)))
 
     def _reduce(self, out: Tensor, tp: RankGroup) -> Tensor:
         """``g`` (all-reduce), or the reduce-scatter along the tokens under sequence parallelism."""
@@ -187,6 +192,9 @@ class TPForward:
             return self._linear_like(x, rest, tp)
         if tp is None:
             return F.linear(x, m.weight, m.bias)
+        if self.row_overlap:
+            out = row_scatter(m.weight, tp, x)
+            return out if m.bias is None else out + m.bias
         if self.kind == "rowwise":
             out = self._reduce(F.linear(x, m.weight), tp)
             return out if m.bias is None else out + m.bias
@@ -202,6 +210,9 @@ class TPForward:
         m, own = self.module, type(self.module).forward
         if tp is None:
             return own(m, x, *rest)
+        if self.row_overlap:
+            out = row_scatter(m.weight, tp, x, *rest, left=type(m).tp_row_input)
+            return out if m.bias is None else out + m.bias
         if self.kind == "rowwise":
             out = self._reduce(own(m, x, *rest), tp)
             return out if m.bias is None else out + m.bias
@@ -243,7 +254,7 @@ def declared_regions(module: nn.Module) -> dict[str, tuple[str, ...]]:
 
 
 def _build_regions(module: nn.Module, kinds: Mapping[str, str], declared: Mapping[str, Sequence[str]],
-                   sequence_parallel: bool) -> dict[str, tuple[ColumnRegion, str]]:
+                   sequence_parallel: bool, overlap: bool = True) -> dict[str, tuple[ColumnRegion, str]]:
     """``{reader module name: (its region, its name there)}``: the declared regions, and one region of
     its own for every other plain column-parallel Linear."""
     out: dict[str, tuple[ColumnRegion, str]] = {}
@@ -261,17 +272,17 @@ def _build_regions(module: nn.Module, kinds: Mapping[str, str], declared: Mappin
                                   f"parallel nn.Linear (roles 'colwise' or 'replicated_partial'); kinds "
                                   f"{ {n: kinds.get(n) for n in names} }")
             region = ColumnRegion(owner, {r: modules[n] for r, n in zip(readers, names, strict=True)},
-                                  sequence_parallel)
+                                  sequence_parallel, overlap)
             out.update({n: (region, r) for r, n in zip(readers, names, strict=True)})
     for name, kind in kinds.items():
         if kind in _READERS and name not in out and not _linear_like(modules[name]):
-            out[name] = (ColumnRegion(name, {name: modules[name]}, sequence_parallel), name)
+            out[name] = (ColumnRegion(name, {name: modules[name]}, sequence_parallel, overlap), name)
     return out
 
 
 def install_tensor_parallel(
     module: nn.Module, roles: Mapping[str, str], state: ParallelState, *, loss_parallel: bool = False,
-    regions: Mapping[str, Sequence[str]] | None = None,
+    regions: Mapping[str, Sequence[str]] | None = None, overlap: bool = True,
 ) -> int:
     """Installs the parallel forwards (and kv-head selection) once; returns how many were installed.
 
@@ -283,6 +294,10 @@ def install_tensor_parallel(
             replaced by a vocab-parallel cross entropy (the model must compute its loss through it).
         regions: ``{owner module pattern: reader names}``, the column-parallel layers sharing one
             input (:mod:`.regions`); None reads what the module declares (:func:`declared_regions`).
+        overlap: under sequence parallelism, the tp communication runs with its GEMMs (tp overlap, on by
+            default): a column region's token all-gather with its readers' GEMMs, a row-parallel
+            layer's reduce-scatter with its GEMM (:mod:`.row_scatter`), through the group's collectives
+            object (``group_collectives.py``: fused on NCCL, a ring on gloo); False: collective, then GEMM.
     """
     kinds = module_kinds(module, roles)
     heads = [n for n, k in kinds.items() if k == "gather"]
@@ -292,14 +307,14 @@ def install_tensor_parallel(
                               f"callable {type(module).__name__}.loss_fn(logits, labels) to replace")
     sequence_parallel = _sequence_parallel(roles, kinds, type(module).__name__)
     regions = _build_regions(module, kinds, declared_regions(module) if regions is None else regions,
-                             sequence_parallel)
+                             sequence_parallel, overlap)
     installed = 0
     for name, kind in kinds.items():
         sub = module.get_submodule(name)
         if isinstance(sub.__dict__.get("forward"), TPForward):
             raise LayoutError(f"{name} already has a tensor-parallel forward; install once per module")
         sub.forward = TPForward(sub, kind, state, sequence_parallel, regions.get(name),
-                                local_output=loss_parallel and kind == "gather")
+                                local_output=loss_parallel and kind == "gather", overlap=overlap)
         installed += 1
     for name, owner in attention_modules(module):
         partial = [child for child, k in kinds.items() if k == "partial_input"

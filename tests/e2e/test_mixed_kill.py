@@ -85,6 +85,23 @@ def test_a_rank_killed_in_a_block_fails_every_other_block_with_group_and_block_n
                               3: "3/3 (dp4, replicated, ranks 3-3)"})
 
 
+def test_a_rank_killed_inside_a_tp_overlap_ring_fails_the_others_with_the_group_named(tmp_path):
+    """Issue 52: rank 1 dies between two steps of a row-parallel layer's matmul + reduce-scatter ring
+    (tp overlap on gloo) in the tp4 stage of a switching plan; every other rank fails with a
+    CollectiveError naming the collective and the tp group (ranks 0-3), not a timeout."""
+    killed = _kill_job(tmp_path, "--tp")
+    assert killed["kill"] is not None, "rank 1 never reached its kill point"
+    assert "tp4" in killed["kill"]["where"], killed["kill"]
+    assert killed["hung"] == [] and killed["exit_codes"]["1"] == -signal.SIGKILL
+    for rank in (0, 2, 3):
+        log = killed["logs"][rank]
+        errors = [x for x in log.splitlines() if "CollectiveError:" in x]
+        assert killed["exit_codes"][str(rank)] != 0 and errors, log[-3000:]
+        line = errors[-1]
+        assert re.search(r"(matmul|ring).* on process group '[^']+' \(ranks \[0, 1, 2, 3\]\)", line), line
+        assert "timed out" not in line.lower(), line
+
+
 def _one_rank_raises_while_the_other_gathers():
     """Rank 1 raises (a broken runner); rank 0 goes on to the world all-gather, as a step's records
     gather would."""

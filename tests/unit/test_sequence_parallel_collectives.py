@@ -2,8 +2,9 @@
 region forward (q / k / v and w1 / w3 each gathered again before 49c56bc: 19 per layer), and in
 backward each region re-gathers its input in the same step as it reduce-scatters its input gradient
 (parallel/regions.py): the same schedule on every backend, carried by 4 tp collectives forward and
-6 backward on NCCL / fake groups, 4 and 4 on gloo (the pair is one all-to-all there). The results
-against the single process are tests/distributed/test_sequence_parallel.py's (gloo)."""
+6 backward on NCCL / fake groups, 4 and 4 on gloo without tp overlap (the pair is one all-to-all
+there); with tp overlap (the default) gloo runs rings of point-to-point steps. The results against
+the single process are tests/distributed/test_sequence_parallel.py's (gloo)."""
 
 import collections
 
@@ -24,7 +25,7 @@ from lightning_hotspa.tools.memory import _empty_shard, _micro_batch, _Wrapped, 
 TOKENS = 256
 
 
-def _calls(n_layers: int, tp: int) -> dict[str, collections.Counter]:
+def _calls(n_layers: int, tp: int, overlap: bool = True) -> dict[str, collections.Counter]:
     """Collective calls in one micro-batch's forward and backward, and the bytes each rank receives
     in each backward call, on tp fake ranks."""
     config = LlamaConfig.preset("tiny", n_layers=n_layers, hidden=128, n_heads=8, n_kv_heads=4, ffn_hidden=256)
@@ -41,7 +42,7 @@ def _calls(n_layers: int, tp: int) -> dict[str, collections.Counter]:
             with fake_mode():
                 module.to_empty(device="cpu")
                 home = build_home_parameters(world, shardings, None, init_shard=_empty_shard)
-                parallel = ParallelModel(module, roles, world)
+                parallel = ParallelModel(module, roles, world, tp_overlap=overlap)
                 parallel.restore(home)
                 engine = SwitchEngine(world, shardings, home, working_dtype=torch.float32,
                                       grad_accum_dtype=torch.float32)
@@ -72,9 +73,23 @@ def test_a_layer_makes_four_tp_collectives_forward_and_six_backward(tp):
 
 
 @pytest.mark.parametrize("tp", [2, 4])
-def test_on_gloo_the_regather_rides_with_the_input_gradients_reduce_scatter(tp, monkeypatch):
+def test_on_gloo_the_overlapped_collectives_are_rings_of_tp_steps(tp, monkeypatch):
+    """tp overlap (issue 52, on by default): each of a layer's 4 tp collectives forward (2 regions'
+    all-gather + matmul, 2 row outputs' matmul + reduce-scatter) and the 4 backward ones (the
+    conjugates) is a ring of tp - 1 send / receive steps on gloo; the 2 re-gathers stay all-to-alls."""
     monkeypatch.setattr(RankGroup, "backend", property(lambda self: "gloo" if self.group is not None else None))
     one, two = _calls(1, tp), _calls(2, tp)
+    per_layer = {phase: two[phase] - one[phase] for phase in ("forward", "backward")}
+    steps = 4 * (tp - 1)
+    assert per_layer["forward"] == {"isend": steps, "irecv": steps}, per_layer
+    assert per_layer["backward"] == {"isend": steps, "irecv": steps, "all_to_all_single": 2}, per_layer
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_on_gloo_the_regather_rides_with_the_input_gradients_reduce_scatter(tp, monkeypatch):
+    """Without tp overlap (``tp_overlap=False``)."""
+    monkeypatch.setattr(RankGroup, "backend", property(lambda self: "gloo" if self.group is not None else None))
+    one, two = _calls(1, tp, overlap=False), _calls(2, tp, overlap=False)
     per_layer = {phase: two[phase] - one[phase] for phase in ("forward", "backward")}
     # gloo: row gathers are all-to-alls of n copies, reduce-scatters all-to-alls plus a sum
     assert per_layer["forward"] == {"all_to_all_single": 4}, per_layer

@@ -26,8 +26,11 @@ rows); the cost is padding (``s`` rounded up to ``2*cp``) and communication:
   parallelism replaces each by an all-gather + a reduce-scatter of the same bytes (priced as the
   all-reduce); a runtime that re-gathers the column-parallel inputs in backward
   (``RuntimeProfile.tp_regather``, ours) adds one all-reduce's bytes per layer, and 2 launches
-  except on CPU (ours sends each input with the region's output-gradient all-gather on gloo).
-  Exposed unless the runtime overlaps it (``RuntimeProfile.tp_comm_overlap``; ours does not).
+  except on CPU without tp overlap (the region's input-gradient all-to-all carries it on gloo).
+  The collectives beside a GEMM (the 4 per layer, and what recomputation reruns) cost
+  ``1 - layer_comm_overlap`` of their time when the runtime overlaps them
+  (``RuntimeProfile.tp_comm_overlap``; ours: fused symmetric-memory ops on NCCL, a ring of tp - 1
+  steps on gloo, each step a launch); the re-gathers and the embedding's reduce-scatter stay exposed.
 * CP (Ulysses): per layer one all-to-all of fused q/k/v and one of the output forward, the same
   backward (+ forward again with checkpointing); each moves ``(cp-1)/cp`` of its ``1/tp`` head slice.
 * Local shapes are smaller than the unsharded ones, so a rank's kernels may run below the
@@ -293,12 +296,16 @@ class AnalyticCostModel(MemoryModel):
             # input's all-gather of sequence parallelism (half of one); sequence parallelism's backward
             # re-gathers of the attention and MLP inputs (tp_regather: two halves)
             regather = 1.0 if self.runtime.tp_regather else 0.0
-            calls = (4 + (2 if full else 0.5 * regather if mode else 0) + regather) * layers + 1  # + embedding
+            paired = (4 + (2 if full else 0.5 * regather if mode else 0)) * layers  # each beside its GEMM
+            alone = regather * layers + 1  # the re-gathers and the embedding's reduce-scatter: no GEMM to pair
             bw, lat = hw.bandwidth(par.tp), hw.latency(par.tp)
-            exposed = self._exposed(self.runtime.tp_comm_overlap)
-            b += exposed * calls * 2.0 * (par.tp - 1) / par.tp * m.hidden * self.param_bytes / par.cp / bw
-            # on a CPU (gloo) group the re-gathers ride in the input gradients' reduce-scatters: no launch of their own
-            d += (calls - (regather * layers if hw.device_type == "cpu" else 0.0)) * lat
+            overlap = self.runtime.tp_comm_overlap
+            volume = 2.0 * (par.tp - 1) / par.tp * m.hidden * self.param_bytes / par.cp / bw
+            b += (self._exposed(overlap) * paired + alone) * volume
+            if overlap:  # fused ops on a GPU; on a CPU (gloo) each paired collective is a ring of tp - 1 steps
+                d += (paired * (par.tp - 1 if hw.device_type == "cpu" else 1) + alone) * lat
+            else:  # on a CPU (gloo) group the re-gathers ride in the input gradients' reduce-scatters
+                d += (paired + alone - (regather * layers if hw.device_type == "cpu" else 0.0)) * lat
         # ---- context parallelism: the collectives its kind issues per layer (cp_kinds.py) ----
         for ex in CP_KINDS[par.cp_kind].exchanges(m, par.tp, par.cp, par.cp_kv):
             bw, lat = hw.bandwidth(ex.span, ex.stride), hw.latency(ex.span)

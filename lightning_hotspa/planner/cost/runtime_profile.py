@@ -150,19 +150,25 @@ class RuntimeProfile:
 #: OUR runtime on this commit (engine/fsdp.py, engine/switch.py, parallel/*); update it with the runtime.
 HOTSPA = RuntimeProfile(
     name="hotspa", fsdp_gather_prefetch=True, fsdp_recompute_gather_prefetch=False,
-    fsdp_reduce_scatter_overlap=True, dp_reduce_overlap=True, tp_comm_overlap=False, cp_comm_overlap=False,
+    fsdp_reduce_scatter_overlap=True, dp_reduce_overlap=True, tp_comm_overlap=True, cp_comm_overlap=False,
     attention_kernel="fa2", selective_recompute="none", optimizer_bytes_per_param=28.0,
     source="engine/fsdp.py: a unit's forward starts the next unit's all-gather asynchronously and each "
     "backward re-gather starts the previous one's (one in flight); a checkpointed unit's recompute gathers "
     "synchronously; a unit's reduce-scatter starts asynchronously and lands when the next unit's starts (one "
     "unit in flight, FsdpUnit.reduce_scatter / land_reduce_scatter), so backward goes on while it runs. "
-    "engine/switch.py overlap_next_backward: the stage's last micro-batch starts the replicated gradient "
-    "reductions bucket by bucket inside its backward (2 in flight). parallel/collectives.py: tp all-reduces "
-    "and Ulysses / KV-gather exchanges run synchronously between the GEMMs. models/attention.py: 'auto' on "
+    "engine/switch.py overlap_next_backward: the stage's last micro-batch (the plan's costliest, run last) "
+    "starts the replicated gradient reductions bucket by bucket, as they fill, inside its backward (4 in "
+    "flight on NCCL; planner/cost/grad_exposure.py prices what it leaves exposed). tp overlap "
+    "(parallel/regions.py, parallel/row_scatter.py, group_collectives.py; on by default): a column region's "
+    "token all-gather runs with its readers' GEMMs and a row-parallel output's reduce-scatter with its GEMM "
+    "(torch.ops.symm_mem fused_all_gather_matmul / fused_matmul_reduce_scatter on NCCL, never run on a GPU "
+    "yet; a ring of tp - 1 send / receive steps on gloo), backward the conjugates; Ulysses / KV-gather "
+    "exchanges run synchronously between the kernels. models/attention.py: 'auto' on "
     "CUDA bf16 takes flash-attn's varlen kernel (FlashAttention-2; FA3 / FA4 first where installed, "
     "models/attention_kernels.py, priced only as an option a user turns on). parallel/sequence_parallel.py: tp is "
-    "sequence parallel; q/k/v and w1/w3 keep their input's token shard and all-gather it again in backward, "
-    "on gloo in the same collective as the region's input-gradient reduce-scatter (parallel/regions.py). "
+    "sequence parallel; q/k/v and w1/w3 keep their input's token shard and all-gather it again in backward "
+    "(exposed: no GEMM beside it; with tp overlap off, on gloo in the same collective as the region's "
+    "input-gradient reduce-scatter). "
     "No selective checkpointing. Optimizer: torch Adam on the fp32 home shard (reads gradient, weight, m, v; "
     "writes weight, m, v: 28 B per parameter; not in the planner's prices: the same for every plan). "
     "parallel/kv_gather.py: the gathered K / V are not saved; backward re-gathers and re-runs each chunk's "
