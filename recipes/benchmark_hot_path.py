@@ -26,6 +26,10 @@ Keys (docs/gpu-runtime.md explains each):
   share of one stage's gradient-reduction bytes launched with no backward GEMM left, and the exposed
   share when the last backward takes as long as the reduction, measured next to the cost model's
   (``planner/cost/grad_exposure.py``).
+* ``tp_cp_bytes_per_layer``: per layout (llama7b widths, 8 fake ranks, 1024 tokens per dp group) the tp / cp
+  collective MB rank 0 receives per layer in forward + backward, in flight while a GEMM runs (tp overlap's
+  all-gather + matmul and matmul + reduce-scatter) and exposed (the backward re-gathers, cp exchanges). A count
+  of what the code issues; on CPU / gloo nothing overlaps in time.
 * ``switch_bytes_over_lower_bound``: ``benchmark_switch.py --world 4`` and ``--world 8`` (small model).
 
     python recipes/benchmark_hot_path.py [--kv-tokens 32768] [--skip-switch]
@@ -376,6 +380,88 @@ def reduce_exposure(world: int = 8, layers: int = 3) -> dict:
     return {"reduce_exposure": out}
 
 
+# -- tp / cp communication beside the GEMMs --------------------------------------------------------------
+
+def _layer_bytes(layout_name: str, layers: int, world: int, tokens: int) -> tuple[float, float]:
+    """(bytes received beside a GEMM, bytes received exposed) by rank 0 in one micro-batch's forward +
+    backward of llama7b's widths with ``layers`` layers on ``world`` fake ranks: a call made inside a tp
+    overlap operation (``all_gather_matmul`` / ``matmul_reduce_scatter`` of the group's collectives
+    object) moves its bytes while a GEMM runs on the backends that fuse them (NCCL: symmetric memory;
+    gloo: its ring); every other call's are exposed."""
+    import dataclasses
+
+    from lightning_hotspa import group_collectives
+    from lightning_hotspa.engine.home import build_home_parameters
+    from lightning_hotspa.engine.switch import SwitchEngine
+    from lightning_hotspa.host import set_host_reads
+    from lightning_hotspa.mesh import WorldMesh
+    from lightning_hotspa.models import LlamaConfig
+    from lightning_hotspa.parallel.model import ParallelModel
+    from lightning_hotspa.testing.comm_bytes import count_collective_bytes
+    from lightning_hotspa.testing.fake_world import FakeWorld, fake_mode, host_reads_real
+    from lightning_hotspa.tools.memory import _empty_shard, _micro_batch, _Wrapped, llama_roles_and_shardings
+
+    config = dataclasses.replace(LlamaConfig.preset("llama7b"), n_layers=layers)
+    layout = Layout.parse(layout_name)
+    beside: list[tuple[int, int]] = []  # [start, stop) of the log's calls made inside an overlap operation
+    originals = {n: getattr(group_collectives.GroupCollectives, n) for n in ("all_gather_matmul",
+                                                                            "matmul_reduce_scatter")}
+    with FakeWorld(world):
+        w = WorldMesh([layout])
+        mb = _micro_batch(layout, w, tokens)
+        with torch.device("meta"):
+            module = _Wrapped(config)
+        roles, shardings = llama_roles_and_shardings(module, config, layout, w)
+        previous = set_host_reads(host_reads_real)
+        try:
+            with fake_mode(), count_collective_bytes() as log:
+                def wrap(fn):
+                    def inner(self, *args, **kwargs):
+                        start = log.count
+                        try:
+                            return fn(self, *args, **kwargs)
+                        finally:
+                            beside.append((start, log.count))
+                    return inner
+
+                for n, fn in originals.items():
+                    setattr(group_collectives.GroupCollectives, n, wrap(fn))
+                module.to_empty(device="cpu")
+                home = build_home_parameters(w, shardings, None, init_shard=_empty_shard)
+                parallel = ParallelModel(module, roles, w)
+                parallel.restore(home)
+                engine = SwitchEngine(w, shardings, home, working_dtype=torch.bfloat16, grad_accum_dtype=torch.float32)
+                engine.materialize(layout)
+                parallel.activate(layout, engine.working, False)
+                first = log.count
+                with parallel.micro_batch(mb):
+                    loss = module(mb)
+                loss.backward()
+                last = log.count
+                parallel.restore(home)
+                engine.release()
+        finally:
+            for n, fn in originals.items():
+                setattr(group_collectives.GroupCollectives, n, fn)
+            set_host_reads(previous)
+    inside = {i for a, b in beside for i in range(a, b)}
+    calls = log.calls[first:last]
+    hidden = sum(b for i, (_, b) in enumerate(calls, start=first) if i in inside)
+    return float(hidden), float(sum(b for _, b in calls) - hidden)
+
+
+def comm_beside_gemms(world: int = 8, tokens: int = 1024) -> dict:
+    """Per layout (llama7b widths, ``world`` fake ranks, one micro-batch of ``tokens`` per dp group): the
+    tp / cp collective bytes rank 0 receives per layer in forward + backward, split into those in flight
+    while a GEMM runs (tp overlap) and those exposed (the re-gathers, cp exchanges), MB; the layer's
+    share is the difference between a 2-layer and a 1-layer model (the embedding and head cancel)."""
+    out = {}
+    for name in ("dp8", "dp4xtp2", "dp2xtp4", "tp8", "dp4xcp2", "dp2xtp2xcp2"):
+        one, two = _layer_bytes(name, 1, world, tokens), _layer_bytes(name, 2, world, tokens)
+        out[name] = {"in_flight_beside_gemm_MB": (two[0] - one[0]) / MB, "exposed_MB": (two[1] - one[1]) / MB}
+    return {"tp_cp_bytes_per_layer": out}
+
+
 # -- process groups ------------------------------------------------------------------------------------
 
 def process_groups(world_size: int, layouts=None) -> dict:
@@ -458,6 +544,7 @@ def main(argv: list[str] | None = None) -> dict:
     except ValueError:
         raise SystemExit(f"--group-worlds takes comma-separated world sizes, got {args.group_worlds!r}") from None
     parts = {"syncs": host_syncs, "waits": reduce_waits, "exposure": reduce_exposure,
+             "beside": comm_beside_gemms,
              "kv_calls": lambda: {"kv_attention_calls_per_layer": kv_calls()},
              "kv_work": lambda: kv_work(args.kv_tokens, *args.kv_heads, args.head_dim),
              "collectives": lambda: {"collectives_per_step": {x: collectives_for(x, args.collectives_preset)

@@ -31,10 +31,11 @@ __all__ = ["ParallelModel"]
 class ParallelModel:
     """``loss_parallel``: None reads the module's ``vocab_parallel_loss`` opt-in; True / False force it
     (True needs ``loss_fn``). ``self.loss_parallel`` says what was installed. ``tp_overlap``: tp
-    communication with its GEMMs under sequence parallelism (``install_tensor_parallel``'s ``overlap``)."""
+    communication with its GEMMs under sequence parallelism (``install_tensor_parallel``'s ``overlap``);
+    ``tp_regather``: False keeps a region's gathered input for backward instead of gathering it again."""
 
     def __init__(self, module: nn.Module, roles: Mapping[str, str], world: WorldMesh,
-                 *, loss_parallel: bool | None = None, tp_overlap: bool = True) -> None:
+                 *, loss_parallel: bool | None = None, tp_overlap: bool = True, tp_regather: bool = True) -> None:
         self.module = module
         self.world = world
         self.state = ParallelState()
@@ -47,7 +48,7 @@ class ParallelModel:
                 loss_parallel = getattr(module, "vocab_parallel_loss", False) is True
             self.loss_parallel = bool(loss_parallel)
             self.hooks += install_tensor_parallel(module, roles, self.state, loss_parallel=loss_parallel,
-                                                  overlap=tp_overlap)
+                                                  overlap=tp_overlap, regather=tp_regather)
         if any(layout.cp > 1 for layout in world.layouts):
             from .context_parallel import install_context_parallel
 

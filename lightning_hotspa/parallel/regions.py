@@ -48,18 +48,22 @@ class _ColumnRegion(torch.autograd.Function):
     """``F.linear(f(x), w_i, b_i)`` for every reader i; ``f``: the tp copy or the token all-gather."""
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, group: RankGroup, sequence_parallel: bool, overlap: bool, *params: Tensor | None
-                ) -> tuple[Tensor, ...]:
+    def forward(ctx: Any, x: Tensor, group: RankGroup, sequence_parallel: bool, overlap: bool, regather: bool,
+                *params: Tensor | None) -> tuple[Tensor, ...]:
         ctx.set_materialize_grads(False)
         weights, biases = params[0::2], params[1::2]
         if sequence_parallel and overlap:  # the GEMMs on each gathered chunk as it arrives (group.comm)
-            outs = tuple(o.movedim(0, -2) if b is None else o.movedim(0, -2) + b for o, b in zip(
-                all_gather_matmul_rows(_rows(x), [w.t() for w in weights], group)[1], biases, strict=True))
+            gathered, outs = all_gather_matmul_rows(_rows(x), [w.t() for w in weights], group)
+            full = gathered.movedim(0, -2)
+            outs = tuple(o.movedim(0, -2) if b is None else o.movedim(0, -2) + b for o, b in zip(outs, biases,
+                                                                                                  strict=True))
         else:
             full = all_gather_tokens(x, group) if sequence_parallel else x
             outs = tuple(F.linear(full, w, b) for w, b in zip(weights, biases, strict=True))
-        ctx.save_for_backward(x, *weights)  # under sequence parallelism x is the shard, not the gathered rows
-        ctx.group, ctx.sequence_parallel, ctx.overlap = group, sequence_parallel, overlap
+        # under sequence parallelism x is the shard; without the re-gather the gathered rows are kept instead
+        keep = sequence_parallel and not regather
+        ctx.save_for_backward(full if keep else x, *weights)
+        ctx.group, ctx.sequence_parallel, ctx.overlap, ctx.kept = group, sequence_parallel, overlap, keep
         ctx.has_bias = tuple(b is not None for b in biases)
         return outs
 
@@ -68,39 +72,39 @@ class _ColumnRegion(torch.autograd.Function):
         x, *weights = ctx.saved_tensors
         group, sp = ctx.group, ctx.sequence_parallel
         need_input = ctx.needs_input_grad[0]
-        need_weight = any(ctx.needs_input_grad[4 + 2 * i] or ctx.needs_input_grad[5 + 2 * i]
+        need_weight = any(ctx.needs_input_grad[5 + 2 * i] or ctx.needs_input_grad[6 + 2 * i]
                           for i in range(len(weights)))
-        grad_full, grad_x, full = None, None, x
+        grad_x, full, regather = None, x, need_weight and not ctx.kept
+        pairs = [(g, w) for g, w in zip(grads, weights, strict=True) if g is not None] if need_input else []
         if sp and ctx.overlap:  # the input gradient: each chunk's GEMM while the partial sums travel
-            pairs = [(_rows(g), w) for g, w in zip(grads, weights, strict=True) if g is not None]
-            if need_input and pairs:
-                check_token_split(pairs[0][0].shape[0], group)
-                grad_x = matmul_reduce_scatter_rows(*map(list, zip(*pairs)), group).movedim(0, -2)
-            if need_weight:
+            if pairs:
+                check_token_split(pairs[0][0].shape[-2], group)
+                grad_x = matmul_reduce_scatter_rows([_rows(g) for g, _ in pairs], [w for _, w in pairs],
+                                                    group).movedim(0, -2)
+            if regather:
                 full = all_gather_tokens(x, group)
-            sp = False  # done
-        elif need_input:
-            for g, w in zip(grads, weights, strict=True):
-                if g is not None:
-                    grad_full = g.matmul(w) if grad_full is None else grad_full.add_(g.matmul(w))
-        if sp:
-            if grad_full is not None and need_weight:
+        else:
+            grad_full = None
+            for g, w in pairs:
+                grad_full = g.matmul(w) if grad_full is None else grad_full.add_(g.matmul(w))
+            if not sp:
+                if grad_full is not None:
+                    grad_x = all_reduce_sum(grad_full, group) if group.size > 1 else grad_full
+            elif grad_full is not None and regather:
                 check_token_split(grad_full.shape[-2], group)
                 summed, gathered = reduce_scatter_and_gather_rows(_rows(grad_full), _rows(x), group)
                 grad_x, full = summed.movedim(0, -2), gathered.movedim(0, -2)
             elif grad_full is not None:
                 grad_x = reduce_scatter_tokens(grad_full, group)
-            elif need_weight:
+            elif regather:
                 full = all_gather_tokens(x, group)
-        elif grad_full is not None:
-            grad_x = all_reduce_sum(grad_full, group) if group.size > 1 else grad_full
-        del grad_full
-        out: list[Tensor | None] = [grad_x, None, None, None]
+            del grad_full
+        out: list[Tensor | None] = [grad_x, None, None, None, None]
         full_rows = full.reshape(-1, full.shape[-1]) if need_weight else None
         for i, g in enumerate(grads):
             rows = g.reshape(-1, g.shape[-1]) if g is not None else None
-            grad_w = rows.t().mm(full_rows) if rows is not None and ctx.needs_input_grad[4 + 2 * i] else None
-            grad_b = rows.sum(0) if rows is not None and ctx.has_bias[i] and ctx.needs_input_grad[5 + 2 * i] \
+            grad_w = rows.t().mm(full_rows) if rows is not None and ctx.needs_input_grad[5 + 2 * i] else None
+            grad_b = rows.sum(0) if rows is not None and ctx.has_bias[i] and ctx.needs_input_grad[6 + 2 * i] \
                 else None
             out += [grad_w, grad_b]
         return tuple(out)
@@ -120,14 +124,18 @@ class ColumnRegion:
         overlap: under sequence parallelism, run the gather with the readers' GEMMs (forward) and the
             input gradient's reduce-scatter with its GEMMs (backward) through ``group.comm``'s fused
             operations (tp overlap); False: the collective, then the GEMMs.
+        regather: under sequence parallelism, save only this rank's token shard and gather it again in
+            backward (less memory); False: save the gathered input (2 x hidden bytes per token and
+            layer more, one all-gather less: ``RuntimeProfile.tp_regather``, priced by the planner).
     """
 
     def __init__(self, name: str, readers: dict[str, nn.Linear], sequence_parallel: bool,
-                 overlap: bool = True) -> None:
+                 overlap: bool = True, regather: bool = True) -> None:
         self.name = name
         self.readers = readers
         self.sequence_parallel = sequence_parallel
         self.overlap = overlap
+        self.regather = regather
         self._input: Tensor | None = None
         self._pending: dict[str, Tensor] = {}
 
@@ -140,7 +148,7 @@ class ColumnRegion:
             for m in self.readers.values():
                 params += [m.weight, m.bias]
             sp = self.sequence_parallel and group.size > 1
-            outs: Sequence[Tensor] = _ColumnRegion.apply(x, group, sp, self.overlap, *params)
+            outs: Sequence[Tensor] = _ColumnRegion.apply(x, group, sp, self.overlap, self.regather, *params)
             self._input, self._pending = x, dict(zip(self.readers, outs, strict=True))
             out = self._pending.pop(reader)
         if not self._pending:

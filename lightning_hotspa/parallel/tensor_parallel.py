@@ -254,7 +254,8 @@ def declared_regions(module: nn.Module) -> dict[str, tuple[str, ...]]:
 
 
 def _build_regions(module: nn.Module, kinds: Mapping[str, str], declared: Mapping[str, Sequence[str]],
-                   sequence_parallel: bool, overlap: bool = True) -> dict[str, tuple[ColumnRegion, str]]:
+                   sequence_parallel: bool, overlap: bool = True, regather: bool = True
+                   ) -> dict[str, tuple[ColumnRegion, str]]:
     """``{reader module name: (its region, its name there)}``: the declared regions, and one region of
     its own for every other plain column-parallel Linear."""
     out: dict[str, tuple[ColumnRegion, str]] = {}
@@ -272,17 +273,17 @@ def _build_regions(module: nn.Module, kinds: Mapping[str, str], declared: Mappin
                                   f"parallel nn.Linear (roles 'colwise' or 'replicated_partial'); kinds "
                                   f"{ {n: kinds.get(n) for n in names} }")
             region = ColumnRegion(owner, {r: modules[n] for r, n in zip(readers, names, strict=True)},
-                                  sequence_parallel, overlap)
+                                  sequence_parallel, overlap, regather)
             out.update({n: (region, r) for r, n in zip(readers, names, strict=True)})
     for name, kind in kinds.items():
         if kind in _READERS and name not in out and not _linear_like(modules[name]):
-            out[name] = (ColumnRegion(name, {name: modules[name]}, sequence_parallel, overlap), name)
+            out[name] = (ColumnRegion(name, {name: modules[name]}, sequence_parallel, overlap, regather), name)
     return out
 
 
 def install_tensor_parallel(
     module: nn.Module, roles: Mapping[str, str], state: ParallelState, *, loss_parallel: bool = False,
-    regions: Mapping[str, Sequence[str]] | None = None, overlap: bool = True,
+    regions: Mapping[str, Sequence[str]] | None = None, overlap: bool = True, regather: bool = True,
 ) -> int:
     """Installs the parallel forwards (and kv-head selection) once; returns how many were installed.
 
@@ -298,6 +299,9 @@ def install_tensor_parallel(
             default): a column region's token all-gather with its readers' GEMMs, a row-parallel
             layer's reduce-scatter with its GEMM (:mod:`.row_scatter`), through the group's collectives
             object (``group_collectives.py``: fused on NCCL, a ring on gloo); False: collective, then GEMM.
+        regather: under sequence parallelism a region keeps only its input's token shard and gathers it
+            again in backward (the default, less memory); False keeps the gathered input
+            (``RuntimeProfile.tp_regather``).
     """
     kinds = module_kinds(module, roles)
     heads = [n for n, k in kinds.items() if k == "gather"]
@@ -307,7 +311,7 @@ def install_tensor_parallel(
                               f"callable {type(module).__name__}.loss_fn(logits, labels) to replace")
     sequence_parallel = _sequence_parallel(roles, kinds, type(module).__name__)
     regions = _build_regions(module, kinds, declared_regions(module) if regions is None else regions,
-                             sequence_parallel, overlap)
+                             sequence_parallel, overlap, regather)
     installed = 0
     for name, kind in kinds.items():
         sub = module.get_submodule(name)

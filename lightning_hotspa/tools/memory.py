@@ -118,7 +118,7 @@ def estimate_layout(config: LlamaConfig, world_size: int, layout: Layout | str, 
                     grad_accum_dtype: torch.dtype | None = torch.float32,
                     bucket_bytes: int = 4 * 2**20, max_buckets_in_flight: int = 2,
                     overlap: bool = True, attention: str = "cpu",
-                    peers: Sequence[Layout | str] | None = None) -> dict[str, Any]:
+                    peers: Sequence[Layout | str] | None = None, tp_regather: bool = True) -> dict[str, Any]:
     """Peak bytes of rank 0 by category for one training step in ``layout``; also the peak of the
     gradient-reduction phase alone (``reduce_peak``, ``reduce_start``: bytes when it began).
     ``activation_checkpointing``: a mode (``"none"``, ``"selective"``, ``"full"``) or a bool.
@@ -128,7 +128,8 @@ def estimate_layout(config: LlamaConfig, world_size: int, layout: Layout | str, 
     ``peers``: every rank's working layout of a block stage (``peers[0]`` is ``layout``; a sharded
     block's is its ``:fsdp<n>`` layout, gathered per unit inside the block): rank 0 runs as
     a block of it, its copy from and its gradients into home through the joint exchange, not overlapped
-    (``engine/nested_exchange.py``)."""
+    (``engine/nested_exchange.py``). ``tp_regather``: False keeps each column region's gathered input
+    for backward (``ParallelModel(tp_regather=)``)."""
     if attention not in ATTENTION_PATHS:
         raise ValueError(f"attention must be one of {ATTENTION_PATHS}, got {attention!r}")
     mixed = tuple(Layout.parse(x) for x in peers) if peers is not None else None
@@ -162,7 +163,7 @@ def estimate_layout(config: LlamaConfig, world_size: int, layout: Layout | str, 
             with fake_mode():
                 module.to_empty(device="cpu")
                 home = build_home_parameters(world, shardings, None, init_shard=_empty_shard)
-                parallel = ParallelModel(module, roles, world)
+                parallel = ParallelModel(module, roles, world, tp_regather=tp_regather)
                 parallel.restore(home)
                 optimizer = torch.optim.AdamW(list(home.values()), lr=1e-4, foreach=False)
                 for p in home.values():  # AdamW state exists from step 1 on: create it untracked

@@ -58,7 +58,8 @@ def _watch_token_shares(module: nn.Module) -> list[int]:
     return shares
 
 
-def run_sequence_parallel(layouts: list[str], kv_heads: int) -> dict:
+def run_sequence_parallel(layouts: list[str], kv_heads: int, tp_overlap: bool = True, tp_regather: bool = True
+                          ) -> dict:
     """Each layout as one step (two micro-batches per dp group) against the single process: loss
     and per-tensor gradient errors, and the token shares the norms saw."""
     from lightning_hotspa.engine.switch import SwitchEngine, build_home_parameters
@@ -76,7 +77,7 @@ def run_sequence_parallel(layouts: list[str], kv_heads: int) -> dict:
     roles = param_roles(module, llama_tp_plan(config, max(Layout.parse(x).tp for x in layouts), prefix="model."))
     shardings = build_shardings({n: tuple(p.shape) for n, p in module.named_parameters()}, roles, world.shape)
     home = build_home_parameters(world, shardings, lambda name, shape: init[name])
-    parallel = ParallelModel(module, roles, world)
+    parallel = ParallelModel(module, roles, world, tp_overlap=tp_overlap, tp_regather=tp_regather)
     parallel.restore(home)
     engine = SwitchEngine(world, shardings, home)
     shares = _watch_token_shares(module)
@@ -131,6 +132,15 @@ def test_tp2xcp2_and_tp4_with_fewer_kv_heads_than_tp_match_single_process(ranks)
     per_rank = ranks(4).run(run_sequence_parallel, layouts, 2, timeout_s=600)
     _check(per_rank, layouts)
     assert all(r["tp4"]["padded"] > 0 for r in per_rank)
+
+
+@pytest.mark.parametrize("overlap,regather", [(False, True), (True, False), (False, False)])
+def test_without_tp_overlap_or_the_regather_tp4_and_dp2xtp2_match_single_process(ranks, overlap, regather):
+    """The other three settings of tp overlap (issue 52, on by default) and of the backward re-gather (on
+    by default; off keeps each region's gathered input): every one equals the single process."""
+    layouts = ["tp4", "dp2xtp2"]
+    per_rank = ranks(4).run(run_sequence_parallel, layouts, 2, overlap, regather, timeout_s=600)
+    _check(per_rank, layouts)
 
 
 def run_trajectory() -> dict | None:

@@ -266,3 +266,24 @@ def test_a_bad_chunk_kernel_is_named() -> None:
         dataclasses.replace(get_profile("H100"), device_type="xpu")
     assert AnalyticCostModel(SMALLISH, "cpu-gloo", 4).chunk_kernel == "cpu_flash_chunks"
     assert AnalyticCostModel(SMALLISH, "H100", 4).chunk_kernel == "sdpa_chunk"
+
+
+@pytest.mark.parametrize("layout", ["dp2xtp2", "tp4", "tp2xcp2"])
+def test_keeping_the_gathered_region_inputs_is_priced_as_the_estimator_measures(layout: str) -> None:
+    """Sequence parallelism without the backward re-gather (``tp_regather=False``, issue 52): each
+    column region keeps its gathered input, 2 x hidden x (1 - 1/tp) working-dtype bytes per token and
+    layer more than the shard it keeps by default. The memory model with a runtime that keeps them
+    (``RuntimeProfile.tp_regather=False``) agrees with the estimator within 2 % per token and at the
+    peak, and the extra bytes are what the estimator measures between the two runs."""
+    from lightning_hotspa.planner.cost.runtime_profile import HOTSPA
+
+    lay = Layout.parse(layout)
+    cm = AnalyticCostModel(SMALLISH, "H100", 4, runtime=dataclasses.replace(HOTSPA, tp_regather=False))
+    base = AnalyticCostModel(SMALLISH, "H100", 4)
+    small, large = (estimate_layout(SMALLISH, 4, layout, t, tp_regather=False)["peak_bytes"] for t in (2048, 4096))
+    per_token = (cm.peak_bytes(lay, False, 4096) - cm.peak_bytes(lay, False, 2048)) / 2048
+    assert abs((large - small) / 2048 / per_token - 1) < 0.02, ((large - small) / 2048, per_token)
+    assert abs(large / cm.peak_bytes(lay, False, 4096) - 1) < 0.02, (large, cm.peak_bytes(lay, False, 4096))
+    regathered = estimate_layout(SMALLISH, 4, layout, 4096)["peak_bytes"]
+    extra = cm.peak_bytes(lay, False, 4096) - base.peak_bytes(lay, False, 4096)
+    assert extra > 0 and abs((large - regathered) / extra - 1) < 0.05, (large - regathered, extra)

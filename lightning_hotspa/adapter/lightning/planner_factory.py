@@ -58,8 +58,10 @@ def hardware_for(hardware: str | None, device: torch.device) -> str:
 
 
 def build_planner(spec: Any, layouts: tuple[Layout, ...], *, tokens_per_rank: int, hardware: str | None,
-                  device: torch.device, module: Any, activation_checkpointing: Any) -> Planner:
-    """The planner ``spec`` names (checked by :func:`check_planner_spec`), over ``layouts``."""
+                  device: torch.device, module: Any, activation_checkpointing: Any,
+                  tp_regather: bool = True) -> Planner:
+    """The planner ``spec`` names (checked by :func:`check_planner_spec`), over ``layouts``; a cost
+    planner prices our runtime with the strategy's ``tp_regather``."""
     if spec == "rule":
         from ...planner.rule import ThresholdPlanner
 
@@ -71,7 +73,12 @@ def build_planner(spec: Any, layouts: tuple[Layout, ...], *, tokens_per_rank: in
         if config is None:
             raise ValueError("planner='cost' needs the LightningModule's model config (a `config` attribute, "
                              f"e.g. LlamaLM); {type(module).__name__} has none")
+        import dataclasses
+
+        from ...planner.cost.runtime_profile import HOTSPA
+
         return CostModelPlanner(layouts, model=config, hardware=hardware_for(hardware, device),
                                 tokens_per_rank=tokens_per_rank, activation_checkpointing=activation_checkpointing,
-                                profiled=spec == "cost-profiled")
+                                profiled=spec == "cost-profiled",
+                                runtime=HOTSPA if tp_regather else dataclasses.replace(HOTSPA, tp_regather=False))
     return spec  # a Planner instance (checked in the constructor)

@@ -122,6 +122,10 @@ class HotSPaStrategy(GuardedCollectives, StrategyCheckpoints, ParallelStrategy):
             (``engine/buckets.py``, docs/gpu-runtime.md).
         fsdp_reduce_dtype: ``"fp32"`` (default) or ``"bf16"``: the dtype ``:fsdp`` units reduce-scatter
             their gradients in (bf16: half the bytes, summed in bf16 as FSDP2's ``reduce_dtype``).
+        tp_regather: under sequence parallelism each column region keeps only its input's token shard
+            and gathers it again in backward (True, the default: less memory); False keeps the
+            gathered input (2 x hidden bytes per token and layer x (1 - 1/tp) more, one all-gather per
+            region less): the cost planner prices the choice (memory and time, issue 52).
     """
 
     strategy_name = "hotspa"
@@ -150,6 +154,7 @@ class HotSPaStrategy(GuardedCollectives, StrategyCheckpoints, ParallelStrategy):
         switch_buckets_in_flight: int | None = None,
         reduce_buckets_in_flight: int | None = None,
         fsdp_reduce_dtype: str = "fp32",
+        tp_regather: bool = True,
     ) -> None:
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
@@ -177,6 +182,9 @@ class HotSPaStrategy(GuardedCollectives, StrategyCheckpoints, ParallelStrategy):
         if fsdp_reduce_dtype not in _REDUCE_DTYPES:
             raise ValueError(f"fsdp_reduce_dtype must be one of {sorted(_REDUCE_DTYPES)}, got {fsdp_reduce_dtype!r}")
         self._fsdp_reduce_dtype = _REDUCE_DTYPES[fsdp_reduce_dtype]
+        if not isinstance(tp_regather, bool):
+            raise TypeError(f"tp_regather must be True or False, got {tp_regather!r}")
+        self._tp_regather = tp_regather
         self._breadcrumb_dir = breadcrumb_dir if breadcrumb_dir is not None else os.environ.get("HOTSPA_BREADCRUMB_DIR")
         self.tracker = StepTracker()  # this rank's breadcrumb and the step's micro-batch losses
         self.nonfinite = NonFiniteHandler(nonfinite, self.tracker)
@@ -298,7 +306,8 @@ class HotSPaStrategy(GuardedCollectives, StrategyCheckpoints, ParallelStrategy):
                 raise RuntimeError("the planner is available once the processes are set up")
             self._planner = build_planner(self._planner_spec, self.layouts, tokens_per_rank=self.tokens_per_rank,
                                           hardware=self.hardware, device=self._device_or_cpu(),
-                                          module=self.lightning_module, activation_checkpointing=self._ac_spec)
+                                          module=self.lightning_module, activation_checkpointing=self._ac_spec,
+                                          tp_regather=self._tp_regather)
         return self._planner
 
     def _device_or_cpu(self) -> torch.device:  # no Trainer has given devices yet (a bare strategy)
@@ -340,7 +349,8 @@ class HotSPaStrategy(GuardedCollectives, StrategyCheckpoints, ParallelStrategy):
                                      working_dtype=self.hotspa_precision.working_dtype, device=self.root_device,
                                      grad_accum_dtype=self.hotspa_precision.grad_accum_dtype,
                                      buckets=bucket_defaults(self._process_group_backend,
-                                                             *self._bucket_args).engine_kwargs())
+                                                             *self._bucket_args).engine_kwargs(),
+                                     tp_regather=self._tp_regather)
             self.home, self.parallel, self.engine = state.home, state.parallel, state.engine
             self.runner = StepRunner(self.engine, self.parallel, device=self.root_device,
                                      activation_checkpointing=self.activation_checkpointing_for,

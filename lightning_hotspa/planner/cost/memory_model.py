@@ -133,6 +133,9 @@ class MemoryModel:
         ffn = 2.0 * wb * f / (tp * cp)  # SwiGLU: the w1 and w3 outputs (models.kernels.SwiGLUDown)
         attention = self.attention_saved_bytes(tp, cp, cp_kv)
         layer = replicated / (tp * cp) + ffn + attention
+        if tp > 1 and not getattr(getattr(self, "runtime", None), "tp_regather", True):
+            # the two column regions keep their gathered input for backward, not this rank's shard of it
+            layer += 2.0 * wb * m.hidden * (1.0 - 1.0 / tp) / cp
         rope = 2.0 * wb * hd / cp  # cos, sin tables shared by the layers
         # loss head: final norm (on this rank's tokens; the head keeps its input gathered over tp), the
         # blocked head's per-token state and its transients

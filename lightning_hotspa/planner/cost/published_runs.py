@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 from ...model_shape import ModelShape
 
-__all__ = ["PublishedRun", "PUBLISHED_RUNS", "QWEN3_4B", "mpt_config", "megatron_gpt_config",
-           "nemo_llama2_tokens_per_s"]
+__all__ = ["PublishedRun", "PUBLISHED_RUNS", "QWEN3_4B", "mpt_config", "megatron_flops_per_token",
+           "megatron_gpt_config", "nemo_llama2_tokens_per_s"]
 
 LLM_FOUNDRY = ("mosaicml/llm-foundry scripts/train/benchmarking/README.md @ 495218376830947dce625efabc4d86be7c47cc45, "
                "table '{table}'; model shape scripts/train/yamls/pretrain/mpt-{size}.yaml @ 8c8dd48f7216")
@@ -34,6 +34,12 @@ MEGATRON_22B = ("NVIDIA/Megatron-LM README.md @ 2e90a342f5006a3e4f8cacf44002dbae
                 "dp 1); configuration: Korthikanti et al. 2022, arXiv 2205.05198, Table 3 (22B: 64 heads, hidden 6144, "
                 "48 layers, tp 8, pp 1, 8 GPUs, global batch 4, seq 2048, vocab 51200); tokens/s/GPU = MFU x 312e12 / "
                 "(72 l h^2 (1 + s/6h + V/12lh)), the paper's model-FLOPs formula")
+
+MEGATRON_H100 = ("NVIDIA/Megatron-LM README.md @ f2e5db402c44ae309aa6448bcb4ae87e8ae0f5f4, 'Training Speed and "
+                 "Scalability', images/model_table.png row '{size}' ({heads} heads, hidden {h}, {layers} layers, tp "
+                 "{tp}, pp 1, dp 48, {gpus} GPUs, batch size 192, {tflops} teraFLOP/s per GPU; vocab 131072, sequence "
+                 "4096 in the text); tokens/s/GPU = teraFLOP/s / the model-FLOPs formula of megatron_flops_per_token "
+                 "(Megatron's own: 72 l h^2 (1 + s/6h + V/12lh), causal attention counted whole)")
 
 NEMO_LONG = ("NVIDIA/NeMo docs/source/performance/performance_long_sequence.md @ "
              "8cfedd7203462cb251a914e700e5605444277561, table 'LLAMA2-7B (FP8) - H100' (NeMo 24.03.01, DGX-H100), "
@@ -89,6 +95,25 @@ def megatron_gpt_config(hidden: int, layers: int, heads: int, vocab: int = 51200
     """The FLOP-equivalent Llama shape of a Megatron GPT (4h GELU MLP -> SwiGLU 8h/3, rounded to 64)."""
     return ModelShape(vocab_size=vocab, hidden=hidden, n_layers=layers, n_heads=heads, n_kv_heads=heads,
                       ffn_hidden=64 * round(8 * hidden / 3 / 64))
+
+
+def megatron_flops_per_token(hidden: int, layers: int, seq_len: int, vocab: int) -> float:
+    """Megatron-LM's model FLOPs per token of a GPT (4h MLP, no GQA): ``72 l h^2 (1 + s/6h + V/12lh)``
+    (Narayanan et al. 2021, arXiv 2104.04473, eq. 3 without recomputation; ``num_floating_point_operations``
+    of megatron/training/training.py gives the same for such a model). Args: the model's width, depth,
+    the sequence length and the vocabulary."""
+    return 72.0 * layers * hidden ** 2 * (1 + seq_len / (6 * hidden) + vocab / (12 * layers * hidden))
+
+
+def _megatron_h100(size: str, heads: int, h: int, layers: int, tp: int, tflops: float) -> PublishedRun:
+    """A pp-1 row of Megatron-LM's H100 scaling table (the pp rows belong to the pipeline issue)."""
+    gpus = 48 * tp
+    return PublishedRun(f"megatron-h100-tp{tp}", MEGATRON_H100.format(size=size, heads=heads, h=h, layers=layers,
+                                                                      tp=tp, gpus=gpus, tflops=tflops),
+                        "megatron-core", "H100", megatron_gpt_config(h, layers, heads, vocab=131072), gpus, 48, tp,
+                        1, 1, "none", 4096, 1, 4, "none", "bf16",
+                        tflops * 1e12 / megatron_flops_per_token(h, layers, 4096, 131072),
+                        note="micro-batch 1 x 4 accumulation ASSUMED (batch 192 over dp 48), no recompute ASSUMED")
 
 
 @dataclass(frozen=True)
@@ -262,6 +287,12 @@ PUBLISHED_RUNS: tuple[PublishedRun, ...] = (
     PublishedRun("megatron-22b-tp8", MEGATRON_22B, "megatron-2022", "A100-80G", megatron_gpt_config(6144, 48, 64),
                  8, 1, 8, 1, 1, "none", 2048, 1, 4, "selective", "bf16", 927.6,
                  note="micro-batch 1 x 4 ASSUMED (global batch 4); selective recompute priced as none"),
+    # ---- Megatron-LM on H100 (Megatron-core, tp comm overlap, dp reduction overlapped): its scaling table's pp-1
+    # rows (issue 52)
+    _megatron_h100("1.7B", 16, 2048, 24, 1, 408.8),
+    _megatron_h100("7.1B", 32, 4096, 30, 2, 465.9),
+    _megatron_h100("16B", 48, 6144, 32, 4, 489.1),
+    _megatron_h100("32B", 56, 7168, 48, 8, 459.6),
     # ---- context parallel (issue 39): FP8 linears priced at their runtime's fp8_gemm_speedup (torchtitan's
     # from its Table 1 pair, NeMo / TE's fitted on its own table); cp_kv = cp: ring / all-gather of K and V
     PublishedRun("titan-8b-fsdp8-compile-fp8",

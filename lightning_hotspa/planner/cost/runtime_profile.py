@@ -249,6 +249,20 @@ RUNTIME_PROFILES: dict[str, RuntimeProfile] = {
         "fitted with the H100's cuDNN attention efficiency on every other row of its long-sequence table "
         "(published_fit.fit_fp8_and_attention; the table has no bf16 twin).",
     ),
+    "megatron-core": RuntimeProfile(
+        name="megatron-core", fsdp_gather_prefetch=False, fsdp_recompute_gather_prefetch=False,
+        fsdp_reduce_scatter_overlap=False, dp_reduce_overlap=True,
+        tp_comm_overlap=True, cp_comm_overlap=True, attention_kernel="cudnn", optimizer_bytes_per_param=42.0,
+        tp_regather=True,
+        source="Megatron-LM README's H100 scaling runs (NVIDIA/Megatron-LM README.md, 'Training Speed and "
+        "Scalability', images/model_table.png @ f2e5db402c44ae309aa6448bcb4ae87e8ae0f5f4): Megatron-core with "
+        "'--overlap-grad-reduce --overlap-param-gather' (dp reduction in backward) and '--tp-comm-overlap' (the "
+        "sequence-parallel all-gather / reduce-scatter overlapped with their GEMMs, Transformer Engine userbuffers); "
+        "the column-parallel inputs re-gathered in backward (ASSUMED, Megatron-core's default); attention: "
+        "Transformer Engine's fused attention, priced as cuDNN (ASSUMED: the README does not say); optimizer as "
+        "megatron-2022 (42 B per parameter, priced over tp x pp: its distributed optimizer shards it further, "
+        "an overestimate of ~1-4 % of these rows' steps).",
+    ),
     "trl-deepspeed-ulysses": RuntimeProfile(
         name="trl-deepspeed-ulysses", fsdp_gather_prefetch=True, fsdp_recompute_gather_prefetch=True,
         fsdp_reduce_scatter_overlap=True, dp_reduce_overlap=True,

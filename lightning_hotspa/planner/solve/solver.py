@@ -117,7 +117,8 @@ class CostModelPlanner(PlannerBase):
             runs: the mesh must then be declared with them); False: none.
         runtime: the runtime description the cost model prices (``planner/cost/runtime_profile.py``):
             ours, ``"hotspa"``, unless simulating another system's static layout (the long grid's
-            competent user priced on the peer's runtime).
+            competent user priced on the peer's runtime), or ours with ``tp_regather=False`` when the
+            strategy keeps the gathered region inputs.
     """
 
     def __init__(
