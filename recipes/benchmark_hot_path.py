@@ -275,56 +275,27 @@ def _nccl_bucket_kwargs() -> dict:
 def collectives_for(layout_name: str, preset: str = "llama7b") -> dict:
     """Count and mean payload of the collectives of a switch from home + one reducing stage of ``preset``."""
     from lightning_hotspa.engine.fsdp import ShardedUnits
-    from lightning_hotspa.engine.home import build_home_parameters
-    from lightning_hotspa.engine.switch import SwitchEngine
-    from lightning_hotspa.host import set_host_reads
-    from lightning_hotspa.mesh import WorldMesh
     from lightning_hotspa.models import LlamaConfig
-    from lightning_hotspa.parallel.model import ParallelModel
     from lightning_hotspa.testing.comm_bytes import count_collective_bytes
-    from lightning_hotspa.testing.fake_world import FakeWorld, fake_mode, host_reads_real
-    from lightning_hotspa.tools.memory import (
-        _as_if_mid_step,
-        _empty_shard,
-        _micro_batch,
-        _Wrapped,
-        llama_roles_and_shardings,
-    )
+    from lightning_hotspa.tools.fake_llama import fake_llama
+    from lightning_hotspa.tools.memory import _as_if_mid_step
 
-    config = LlamaConfig.preset(preset)
     layout = Layout.parse(layout_name)
     sizes: list[int] = []
-    with FakeWorld(8):
-        world = WorldMesh([layout])
-        mb = _micro_batch(layout, world, 64)
-        with torch.device("meta"):
-            module = _Wrapped(config)
-        roles, shardings = llama_roles_and_shardings(module, config, layout, world)
-        previous = set_host_reads(host_reads_real)
-        try:
-            with fake_mode():
-                module.to_empty(device="cpu")
-                home = build_home_parameters(world, shardings, None, init_shard=_empty_shard)
-                parallel = ParallelModel(module, roles, world)
-                parallel.restore(home)
-                engine = SwitchEngine(world, shardings, home, working_dtype=torch.bfloat16,
-                                      grad_accum_dtype=torch.float32, **_nccl_bucket_kwargs())
-                units = ShardedUnits(engine, module) if layout.fsdp else None
-                with _payloads(sizes), count_collective_bytes() as log:
-                    engine.materialize(layout)
-                    if units is None:
-                        _as_if_mid_step(engine, home)
-                    else:
-                        parallel.activate(layout, engine.working, False)
-                        with parallel.micro_batch(mb), units.forward_prefetch():
-                            loss = module(mb)
-                        loss.backward()
-                        units.end_backward()
-                    engine.reduce_gradients()
-                parallel.restore(home)
-                engine.release()
-        finally:
-            set_host_reads(previous)
+    with fake_llama(LlamaConfig.preset(preset), layout, 8, 64, **_nccl_bucket_kwargs()) as step:
+        engine, parallel = step.engine, step.parallel
+        units = ShardedUnits(engine, step.module) if layout.fsdp else None
+        with _payloads(sizes), count_collective_bytes() as log:
+            engine.materialize(layout)
+            if units is None:
+                _as_if_mid_step(engine, step.home)
+            else:
+                parallel.activate(layout, engine.working, False)
+                with parallel.micro_batch(step.micro_batch), units.forward_prefetch():
+                    loss = step.module(step.micro_batch)
+                loss.backward()
+                units.end_backward()
+            engine.reduce_gradients()
     return {"count": log.count, "mean_payload_MB": (sum(sizes) / len(sizes) / MB) if sizes else 0.0}
 
 
@@ -391,59 +362,40 @@ def _layer_bytes(layout_name: str, layers: int, world: int, tokens: int) -> tupl
     import dataclasses
 
     from lightning_hotspa import group_collectives
-    from lightning_hotspa.engine.home import build_home_parameters
-    from lightning_hotspa.engine.switch import SwitchEngine
-    from lightning_hotspa.host import set_host_reads
-    from lightning_hotspa.mesh import WorldMesh
     from lightning_hotspa.models import LlamaConfig
-    from lightning_hotspa.parallel.model import ParallelModel
     from lightning_hotspa.testing.comm_bytes import count_collective_bytes
-    from lightning_hotspa.testing.fake_world import FakeWorld, fake_mode, host_reads_real
-    from lightning_hotspa.tools.memory import _empty_shard, _micro_batch, _Wrapped, llama_roles_and_shardings
+    from lightning_hotspa.tools.fake_llama import fake_llama
 
     config = dataclasses.replace(LlamaConfig.preset("llama7b"), n_layers=layers)
     layout = Layout.parse(layout_name)
     beside: list[tuple[int, int]] = []  # [start, stop) of the log's calls made inside an overlap operation
     originals = {n: getattr(group_collectives.GroupCollectives, n) for n in ("all_gather_matmul",
                                                                             "matmul_reduce_scatter")}
-    with FakeWorld(world):
-        w = WorldMesh([layout])
-        mb = _micro_batch(layout, w, tokens)
-        with torch.device("meta"):
-            module = _Wrapped(config)
-        roles, shardings = llama_roles_and_shardings(module, config, layout, w)
-        previous = set_host_reads(host_reads_real)
-        try:
-            with fake_mode(), count_collective_bytes() as log:
-                def wrap(fn):
-                    def inner(self, *args, **kwargs):
-                        start = log.count
-                        try:
-                            return fn(self, *args, **kwargs)
-                        finally:
-                            beside.append((start, log.count))
-                    return inner
 
-                for n, fn in originals.items():
-                    setattr(group_collectives.GroupCollectives, n, wrap(fn))
-                module.to_empty(device="cpu")
-                home = build_home_parameters(w, shardings, None, init_shard=_empty_shard)
-                parallel = ParallelModel(module, roles, w)
-                parallel.restore(home)
-                engine = SwitchEngine(w, shardings, home, working_dtype=torch.bfloat16, grad_accum_dtype=torch.float32)
-                engine.materialize(layout)
-                parallel.activate(layout, engine.working, False)
+    def wrap(fn):
+        def inner(self, *args, **kwargs):
+            start = log.count
+            try:
+                return fn(self, *args, **kwargs)
+            finally:
+                beside.append((start, log.count))
+        return inner
+
+    with count_collective_bytes() as log:
+        for n, fn in originals.items():
+            setattr(group_collectives.GroupCollectives, n, wrap(fn))
+        try:
+            with fake_llama(config, layout, world, tokens) as step:
+                step.engine.materialize(layout)
+                step.parallel.activate(layout, step.engine.working, False)
                 first = log.count
-                with parallel.micro_batch(mb):
-                    loss = module(mb)
+                with step.parallel.micro_batch(step.micro_batch):
+                    loss = step.module(step.micro_batch)
                 loss.backward()
                 last = log.count
-                parallel.restore(home)
-                engine.release()
         finally:
             for n, fn in originals.items():
                 setattr(group_collectives.GroupCollectives, n, fn)
-            set_host_reads(previous)
     inside = {i for a, b in beside for i in range(a, b)}
     calls = log.calls[first:last]
     hidden = sum(b for i, (_, b) in enumerate(calls, start=first) if i in inside)

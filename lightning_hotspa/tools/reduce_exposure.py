@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..layout import Layout
@@ -55,56 +54,32 @@ def measure_reduce_buckets(config: Any, layout: Layout | str, world_size: int, t
     Returns ``{"buckets": [(bytes, rest), ...] in launch order, "in_backward": bytes launched from the
     backward's hooks, "at_end": bytes launched after it}``.
     """
-    from ..engine.home import build_home_parameters
-    from ..engine.switch import SwitchEngine
-    from ..host import set_host_reads
-    from ..mesh import WorldMesh
-    from ..parallel.model import ParallelModel
-    from ..testing.fake_world import FakeWorld, fake_mode, host_reads_real
-    from .memory import _empty_shard, _micro_batch, _Wrapped, llama_roles_and_shardings
+    from .fake_llama import fake_llama
 
     layout = Layout.parse(layout) if isinstance(layout, str) else layout
     if layout.fsdp:
         raise ValueError(f"{layout}: a sharded copy reduce-scatters per unit; measure a replicated layout")
     launches: list[tuple[float, float, bool]] = []  # (bytes, GEMM FLOPs so far, inside the backward)
     counter, state = _GemmFlops(), {"inside": False}
-    with FakeWorld(world_size):
-        world = WorldMesh([layout])
-        mb = _micro_batch(layout, world, tokens)
-        with torch.device("meta"):
-            module = _Wrapped(config)
-        roles, shardings = llama_roles_and_shardings(module, config, layout, world)
-        previous = set_host_reads(host_reads_real)
-        try:
-            with fake_mode():
-                module.to_empty(device="cpu")
-                home = build_home_parameters(world, shardings, None, init_shard=_empty_shard)
-                parallel = ParallelModel(module, roles, world)
-                parallel.restore(home)
-                engine = SwitchEngine(world, shardings, home, working_dtype=torch.bfloat16,
-                                      grad_accum_dtype=torch.float32, bucket_bytes=bucket_bytes)
-                launch = engine._launch
+    with fake_llama(config, layout, world_size, tokens, bucket_bytes=bucket_bytes) as step:
+        engine, launch = step.engine, step.engine._launch
 
-                def logged(plan, bucket, grads, into, where):
-                    nbytes = sum(engine.working[n].numel() for n in bucket.names) * 4.0
-                    launches.append((nbytes, counter.flops, state["inside"]))
-                    return launch(plan, bucket, grads, into, where)
+        def logged(plan, bucket, grads, into, where):
+            nbytes = sum(engine.working[n].numel() for n in bucket.names) * 4.0
+            launches.append((nbytes, counter.flops, state["inside"]))
+            return launch(plan, bucket, grads, into, where)
 
-                engine._launch = logged
-                engine.materialize(layout)
-                parallel.activate(layout, engine.working, False)
-                with parallel.micro_batch(mb):
-                    loss = module(mb)
-                engine.overlap_next_backward()
-                with counter:
-                    counter.on, state["inside"] = True, True
-                    loss.backward()
-                    counter.on, state["inside"] = False, False
-                engine.reduce_gradients()
-                parallel.restore(home)
-                engine.release()
-        finally:
-            set_host_reads(previous)
+        engine._launch = logged
+        engine.materialize(layout)
+        step.parallel.activate(layout, engine.working, False)
+        with step.parallel.micro_batch(step.micro_batch):
+            loss = step.module(step.micro_batch)
+        engine.overlap_next_backward()
+        with counter:
+            counter.on, state["inside"] = True, True
+            loss.backward()
+            counter.on, state["inside"] = False, False
+        engine.reduce_gradients()
     total = counter.flops or 1.0
     return {"buckets": [(b, max(0.0, 1.0 - f / total) if inside else 0.0) for b, f, inside in launches],
             "in_backward": sum(b for b, _, inside in launches if inside),

@@ -11,16 +11,11 @@ import collections
 import pytest
 import torch
 
-from lightning_hotspa.engine.home import build_home_parameters
-from lightning_hotspa.engine.switch import SwitchEngine
-from lightning_hotspa.host import set_host_reads
 from lightning_hotspa.layout import Layout
-from lightning_hotspa.mesh import RankGroup, WorldMesh
+from lightning_hotspa.mesh import RankGroup
 from lightning_hotspa.models import LlamaConfig
-from lightning_hotspa.parallel.model import ParallelModel
 from lightning_hotspa.testing.comm_bytes import count_collective_bytes
-from lightning_hotspa.testing.fake_world import FakeWorld, fake_mode, host_reads_real
-from lightning_hotspa.tools.memory import _empty_shard, _micro_batch, _Wrapped, llama_roles_and_shardings
+from lightning_hotspa.tools.fake_llama import fake_llama
 
 TOKENS = 256
 
@@ -31,32 +26,14 @@ def _calls(n_layers: int, tp: int, overlap: bool = True) -> dict[str, collection
     config = LlamaConfig.preset("tiny", n_layers=n_layers, hidden=128, n_heads=8, n_kv_heads=4, ffn_hidden=256)
     layout = Layout(dp=1, tp=tp)
     out: dict[str, collections.Counter] = {}
-    with FakeWorld(tp):
-        world = WorldMesh([layout])
-        mb = _micro_batch(layout, world, TOKENS)
-        with torch.device("meta"):
-            module = _Wrapped(config)
-        roles, shardings = llama_roles_and_shardings(module, config, layout, world)
-        previous = set_host_reads(host_reads_real)
-        try:
-            with fake_mode():
-                module.to_empty(device="cpu")
-                home = build_home_parameters(world, shardings, None, init_shard=_empty_shard)
-                parallel = ParallelModel(module, roles, world, tp_overlap=overlap)
-                parallel.restore(home)
-                engine = SwitchEngine(world, shardings, home, working_dtype=torch.float32,
-                                      grad_accum_dtype=torch.float32)
-                engine.materialize(layout)
-                parallel.activate(layout, engine.working, False)
-                with parallel.micro_batch(mb):
-                    with count_collective_bytes() as forward:
-                        loss = module(mb)
-                with count_collective_bytes() as backward:
-                    loss.backward()
-                parallel.restore(home)
-                engine.release()
-        finally:
-            set_host_reads(previous)
+    with fake_llama(config, layout, tp, TOKENS, working_dtype=torch.float32, tp_overlap=overlap) as step:
+        step.engine.materialize(layout)
+        step.parallel.activate(layout, step.engine.working, False)
+        with step.parallel.micro_batch(step.micro_batch):
+            with count_collective_bytes() as forward:
+                loss = step.module(step.micro_batch)
+        with count_collective_bytes() as backward:
+            loss.backward()
     for phase, log in (("forward", forward), ("backward", backward)):
         out[phase] = collections.Counter(name for name, _ in log.calls)
     out["backward_bytes"] = collections.Counter(b for _, b in backward.calls)
