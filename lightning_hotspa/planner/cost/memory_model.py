@@ -133,8 +133,11 @@ class MemoryModel:
         ffn = 2.0 * wb * f / (tp * cp)  # SwiGLU: the w1 and w3 outputs (models.kernels.SwiGLUDown)
         attention = self.attention_saved_bytes(tp, cp, cp_kv)
         layer = replicated / (tp * cp) + ffn + attention
-        if tp > 1 and not getattr(getattr(self, "runtime", None), "tp_regather", True):
+        runtime = getattr(self, "runtime", None)
+        if tp > 1 and runtime is not None and runtime.name == "hotspa" and not runtime.tp_regather:
             # the two column regions keep their gathered input for backward, not this rank's shard of it
+            # (OUR runtime's option; another runtime's description prices time only: this model's memory
+            # is ours, e.g. ``fits_ours`` of a published row)
             layer += 2.0 * wb * m.hidden * (1.0 - 1.0 / tp) / cp
         rope = 2.0 * wb * hd / cp  # cos, sin tables shared by the layers
         # loss head: final norm (on this rank's tokens; the head keeps its input gathered over tp), the
