@@ -325,7 +325,7 @@ def _payloads(sizes: list[int]):
 
 # -- gradient reduction exposure -------------------------------------------------------------------------
 
-def reduce_exposure(world: int = 8, layers: int = 3) -> dict:
+def reduce_exposure(world: int = 8, layers: int = 3, preset: str = "llama7b") -> dict:
     """Per replicated layout (llama7b widths, ``layers`` layers, ``world`` fake ranks, NCCL's buckets): the
     share of the stage's reduction bytes launched with no backward GEMM left (exposed however fast the
     network), and the exposed share when the last backward takes 1 x the reduction's time, measured
@@ -337,7 +337,7 @@ def reduce_exposure(world: int = 8, layers: int = 3) -> dict:
     from lightning_hotspa.planner.cost.grad_exposure import REDUCE_BUCKET_BYTES, exposed_share, reduce_buckets
     from lightning_hotspa.tools.reduce_exposure import measure_reduce_buckets
 
-    config = dataclasses.replace(LlamaConfig.preset("llama7b"), n_layers=layers)
+    config = dataclasses.replace(LlamaConfig.preset(preset), n_layers=layers)
     out = {}
     for name in ("dp8", "dp4xtp2", "dp2xtp4"):
         par = Layout.parse(name)
@@ -353,7 +353,7 @@ def reduce_exposure(world: int = 8, layers: int = 3) -> dict:
 
 # -- tp / cp communication beside the GEMMs --------------------------------------------------------------
 
-def _layer_bytes(layout_name: str, layers: int, world: int, tokens: int) -> tuple[float, float]:
+def _layer_bytes(layout_name: str, layers: int, world: int, tokens: int, preset: str) -> tuple[float, float]:
     """(bytes received beside a GEMM, bytes received exposed) by rank 0 in one micro-batch's forward +
     backward of llama7b's widths with ``layers`` layers on ``world`` fake ranks: a call made inside a tp
     overlap operation (``all_gather_matmul`` / ``matmul_reduce_scatter`` of the group's collectives
@@ -366,7 +366,7 @@ def _layer_bytes(layout_name: str, layers: int, world: int, tokens: int) -> tupl
     from lightning_hotspa.testing.comm_bytes import count_collective_bytes
     from lightning_hotspa.tools.fake_llama import fake_llama
 
-    config = dataclasses.replace(LlamaConfig.preset("llama7b"), n_layers=layers)
+    config = dataclasses.replace(LlamaConfig.preset(preset), n_layers=layers)
     layout = Layout.parse(layout_name)
     beside: list[tuple[int, int]] = []  # [start, stop) of the log's calls made inside an overlap operation
     originals = {n: getattr(group_collectives.GroupCollectives, n) for n in ("all_gather_matmul",
@@ -402,14 +402,18 @@ def _layer_bytes(layout_name: str, layers: int, world: int, tokens: int) -> tupl
     return float(hidden), float(sum(b for _, b in calls) - hidden)
 
 
-def comm_beside_gemms(world: int = 8, tokens: int = 1024) -> dict:
+def comm_beside_gemms(world: int = 8, tokens: int = 1024, preset: str = "llama7b") -> dict:
     """Per layout (llama7b widths, ``world`` fake ranks, one micro-batch of ``tokens`` per dp group): the
     tp / cp collective bytes rank 0 receives per layer in forward + backward, split into those in flight
     while a GEMM runs (tp overlap) and those exposed (the re-gathers, cp exchanges), MB; the layer's
     share is the difference between a 2-layer and a 1-layer model (the embedding and head cancel)."""
-    out = {}
+    from lightning_hotspa.models import LlamaConfig
+
+    heads, out = LlamaConfig.preset(preset).n_heads, {}
     for name in ("dp8", "dp4xtp2", "dp2xtp4", "tp8", "dp4xcp2", "dp2xtp2xcp2"):
-        one, two = _layer_bytes(name, 1, world, tokens), _layer_bytes(name, 2, world, tokens)
+        if heads % (Layout.parse(name).tp * Layout.parse(name).cp):
+            continue  # (the smoke run's tiny model: 4 heads)
+        one, two = _layer_bytes(name, 1, world, tokens, preset), _layer_bytes(name, 2, world, tokens, preset)
         out[name] = {"in_flight_beside_gemm_MB": (two[0] - one[0]) / MB, "exposed_MB": (two[1] - one[1]) / MB}
     return {"tp_cp_bytes_per_layer": out}
 
@@ -487,16 +491,17 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--head-dim", type=int, default=32)
     parser.add_argument("--skip-switch", action="store_true", help="leave out the benchmark_switch runs")
     parser.add_argument("--only", nargs="*", default=None, help="compute only these keys' parts")
-    parser.add_argument("--collectives-preset", default="llama7b", help="the model of collectives_per_step "
-                        "(the smoke run: tiny)")
+    parser.add_argument("--collectives-preset", default="llama7b", help="the model of collectives_per_step, "
+                        "reduce_exposure and tp_cp_bytes_per_layer (the smoke run: tiny)")
     parser.add_argument("--group-worlds", default="8,64,1024", help="fake world sizes of process_groups_per_rank")
     args = parser.parse_args(argv)
     try:
         worlds = [int(x) for x in args.group_worlds.split(",")]
     except ValueError:
         raise SystemExit(f"--group-worlds takes comma-separated world sizes, got {args.group_worlds!r}") from None
-    parts = {"syncs": host_syncs, "waits": reduce_waits, "exposure": reduce_exposure,
-             "beside": comm_beside_gemms,
+    parts = {"syncs": host_syncs, "waits": reduce_waits,
+             "exposure": lambda: reduce_exposure(preset=args.collectives_preset),
+             "beside": lambda: comm_beside_gemms(preset=args.collectives_preset),
              "kv_calls": lambda: {"kv_attention_calls_per_layer": kv_calls()},
              "kv_work": lambda: kv_work(args.kv_tokens, *args.kv_heads, args.head_dim),
              "collectives": lambda: {"collectives_per_step": {x: collectives_for(x, args.collectives_preset)

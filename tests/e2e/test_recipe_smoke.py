@@ -106,6 +106,10 @@ def _check_hf_load(out: dict) -> None:
 
 def _check_hot_path(out: dict) -> None:
     assert all(v == 0 for v in out["host_syncs_per_micro_batch"].values()), out["host_syncs_per_micro_batch"]
+    for layout, r in out["reduce_exposure"].items():  # the fake world's count against the model's (issue 52)
+        assert abs(r["exposed_share_at_1x"] - r["model_exposed_share_at_1x"]) < 2e-3, (layout, r)
+    beside = out["tp_cp_bytes_per_layer"]
+    assert beside["dp8"]["in_flight_beside_gemm_MB"] == 0 < beside["dp4xtp2"]["in_flight_beside_gemm_MB"]
     assert set(out["process_groups_per_rank"]) == {"8", "64"} and set(out["process_groups_wide_set"]) == {"64"}
     _finite_positive(out["kv_work_vs_single"])
 
@@ -148,7 +152,8 @@ SMOKE: dict[str, Smoke | Reuse] = {
     "benchmark_hot_path.py": Smoke(["--skip-switch", "--kv-tokens", "256", "--collectives-preset", "tiny",
                                     "--group-worlds", "8,64"],
                                    {"host_syncs_per_micro_batch", "reduce_waits", "kv_attention_calls_per_layer",
-                                    "kv_work_vs_single", "collectives_per_step", "process_groups_per_rank"},
+                                    "kv_work_vs_single", "collectives_per_step", "process_groups_per_rank",
+                                    "reduce_exposure", "tp_cp_bytes_per_layer"},
                                    _check_hot_path),
     "benchmark_memory.py": Smoke(["--rows", "tiny:4", "--layouts", "dp4", "--hardware", "cpu-gloo", "--json"],
                                  {"rows", "max_rel_error", "feasible_rows", "feasible_rows_that_fit"}, _check_memory,
@@ -181,6 +186,8 @@ SMOKE: dict[str, Smoke | Reuse] = {
     "e2e_mixed.py --blocks": Smoke(["--steps", "2", "--blocks"], {"losses", "losses_match", "block_tokens_logged",
                                                                  "batch_tokens"}, _check_mixed),
     "gpu_check.py": Reuse("e2e/test_gpu_check.py::test_every_part_ran_within_its_budget"),
+    "gpu_check_tp_overlap.py": Reuse("e2e/test_recipe_smoke_gpu_check_tp_overlap.py::"
+                                     "test_the_dry_run_equals_the_plain_path_and_prints_json_last"),
     "train.py": Reuse("e2e/test_recipes.py::test_recipe_runs_under_lightnings_launcher_with_csv_and_offline_wandb"),
 }
 
