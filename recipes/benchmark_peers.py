@@ -1,7 +1,6 @@
 """Ours against the peers' published runs, same configuration, predicted (issue 51): before and after in one run.
 
-Every row of :func:`lightning_hotspa.planner.cost.peer_rows.rows` (torchtitan, Megatron-LM, NeMo; the
-communication issue adds its own through ``peer_rows.ROW_PROVIDERS``) is priced on OUR runtime description
+Every row of :func:`lightning_hotspa.planner.cost.peer_rows.rows` (torchtitan, Megatron-LM, NeMo) is priced on OUR runtime description
 in the peer's own layout, model, GPU count, sequence, batch, precision and hardware profile, and divided by
 the peer's PUBLISHED tokens/s/GPU. Two columns, side by side from the same cost model:
 
@@ -13,6 +12,11 @@ the peer's PUBLISHED tokens/s/GPU. Two columns, side by side from the same cost 
 - ``ours_over_peer_conservative``: the same options, FA3 priced at the fitted FA2 value x FA3 / FA2 of the
   kernels' own benchmarks (``hardware.FA3_OVER_FA2``) instead of the profile's entry (anchored on the cuDNN
   value fitted on NeMo's rows): the two fitted anchors disagree, so both are shown.
+
+The communication issue's rows (Megatron-LM's H100 tp1-tp8 rows, torchtitan's 70B 2D row with async TP:
+:func:`lightning_hotspa.tools.peers_communication.communication_peer_rows`) are priced by that module's own path
+(ours' default overlaps, checkpointing only where needed, FA2, eager) and join the same keys; their ``before`` is
+the same runtime with tp and dp communication fully exposed, and they have no conservative column.
 
 Predicted only: no GPU ran any of it. The last line printed is ONE JSON object: ``ours_over_peer``,
 ``ours_over_peer_before``, ``ours_options`` ({name: flags}), ``runs`` ({name: per-run detail}), ``targets``
@@ -28,6 +32,7 @@ import argparse
 import json
 
 from lightning_hotspa.planner.cost.peer_rows import BEFORE, price_row, rows
+from lightning_hotspa.tools.peers_communication import communication_peer_rows
 
 SMOKE_ROWS = ("torchtitan-8b-fsdp-compile-float8", "nemo-7b-fp8-long-min")
 
@@ -54,6 +59,17 @@ def main(argv: list[str] | None = None) -> dict:
                                         "conservative": round(low["ratio"], 4)}
         print(f"{row.name:40s} {before['ratio']:7.3f} {after['ratio']:7.3f} {low['ratio']:7.3f}  {after['options']}"
               + ("" if all(r["fits_ours"] for r in after["runs"]) else "  (ours' memory model: does not fit)"))
+    if not args.smoke:
+        before, after = communication_peer_rows(before=True), communication_peer_rows()
+        for name, row in after.items():
+            out["ours_over_peer"][name] = round(row["ours_over_peer"], 4)
+            out["ours_over_peer_before"][name] = round(before[name]["ours_over_peer"], 4)
+            out["ours_options"][name] = row["ours_options"]
+            target = 1.0 if name.startswith("torchtitan") else 0.9
+            out["targets"][name] = {"value": round(row["ours_over_peer"], 4), "target": f">= {target}",
+                                    "met": row["ours_over_peer"] >= target}
+            print(f"{name:40s} {before[name]['ours_over_peer']:7.3f} {row['ours_over_peer']:7.3f} {'-':>7s}  "
+                  f"{row['ours_options']}")
     for name, t in out["targets"].items():
         print(f"target {name}: {t['value']} (want {t['target']}): {'met' if t['met'] else 'NOT met'}")
     print(json.dumps(out))

@@ -29,7 +29,8 @@ def test_smoke_prints_one_json_line_with_the_issue_keys(bench, capsys):
         assert set(out[key]) == names, key
     assert set(out["targets"]) == names and all({"value", "target", "met"} <= set(t) for t in out["targets"].values())
     flags = out["ours_options"]["torchtitan-8b-fsdp-compile-float8"]
-    assert flags == {"attention_backend": "fa3_varlen", "compile_blocks": True, "fp8": "tensorwise"}
+    # no FP8 code path in ours yet: ours runs bf16 against the peer's Float8 run
+    assert flags == {"attention_backend": "fa3_varlen", "compile_blocks": True, "fp8": None}
     # before: FA2, eager, bf16: the options are what moves the ratio, and the conservative FA3 lies between
     row = "torchtitan-8b-fsdp-compile-float8"
     assert out["ours_over_peer_before"][row] < out["ours_over_peer_conservative"][row] < out["ours_over_peer"][row]

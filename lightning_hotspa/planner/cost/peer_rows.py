@@ -10,7 +10,8 @@ checkpointing ours is priced with its own selective mode (the attention core rec
   sm90; else ``fa2``, flash_varlen);
 - ``compiled``: ``strategy.compile_blocks`` (inductor per block) at the runtime's ``compile_speedup``,
   turned on where the peer's run was compiled or fused its elementwise work (Transformer Engine);
-- ``fp8``: a torchao recipe (``tensorwise``, the fastest) where the peer's run was FP8.
+- ``fp8``: a torchao recipe (``tensorwise``, the fastest) where the peer's run was FP8 AND our runtime has an
+  FP8 code path (``HOTSPA.fp8_recipe_speedups``; empty until FP8 linears are built: ours stays bf16).
 
 ``before`` prices ours as the main branch described it before issue 51: FlashAttention-2, no compile, bf16.
 Row providers (:data:`ROW_PROVIDERS`) are functions returning rows; the communication issue adds its own.
@@ -79,10 +80,10 @@ _FUSED_RUNTIMES = ("nemo-te",)
 def matching_options(run: PublishedRun) -> OursOptions:
     """The options a user of ours turns on for the peer's configuration: the fastest attention kernel ours runs
     on that GPU, compile where the peer compiled or fused (Transformer Engine), FP8 (torchao tensorwise) where
-    the peer ran FP8."""
+    the peer ran FP8 and ours has an FP8 code path."""
     return OursOptions(attention="fa3" if run.gpu in _HOPPER else "fa2",
                        compiled=run.compiled or run.system in _FUSED_RUNTIMES,
-                       fp8="tensorwise" if run.precision == "fp8" else "")
+                       fp8="tensorwise" if run.precision == "fp8" and HOTSPA.fp8_recipe_speedups else "")
 
 
 def ours_runtime(options: OursOptions) -> RuntimeProfile:
@@ -139,12 +140,13 @@ def _ids(prefix: str, min_seq: int = 0) -> tuple[str, ...]:
 
 
 def compute_peer_rows() -> list[PeerRow]:
-    """The compute issue's rows (issue 51): torchtitan's 8B (eager, compile, compile + Float8), 70B 2D and
+    """The compute issue's rows (issue 51): torchtitan's 8B (eager, compile, compile + Float8), 70B 2D (its vanilla
+    TP column; the async TP column is ``tools/peers_communication.py``'s ``torchtitan-70b-fsdp32-tp8``) and
     its context-parallel rows, Megatron-LM's tp8 row, NeMo's FP8 Llama 2 7B long-sequence rows."""
     out = [PeerRow("torchtitan-8b-fsdp-eager", ("titan-8b-fsdp8",)),
            PeerRow("torchtitan-8b-fsdp-compile", ("titan-8b-fsdp8-compile",)),
            PeerRow("torchtitan-8b-fsdp-compile-float8", ("titan-8b-fsdp8-compile-fp8",), target=1.0),
-           PeerRow("torchtitan-70b-fsdp32-tp8", ("titan-70b-fsdp32-tp8",)),
+           PeerRow("torchtitan-70b-fsdp32-tp8-vanilla", ("titan-70b-fsdp32-tp8",)),
            PeerRow("megatron-22b-tp8", ("megatron-22b-tp8",))]
     out += [PeerRow(f"torchtitan-8b-{rid.split('-', 3)[3]}", (rid,)) for rid in _ids("titan-8b-fsdp", 32768)]
     out += [PeerRow(f"nemo-7b-fp8-{rid.split('-')[3]}", (rid,)) for rid in _ids("nemo-llama2-7b-")]

@@ -174,13 +174,14 @@ HOTSPA = RuntimeProfile(
     "parallel/kv_gather.py: the gathered K / V are not saved; backward re-gathers and re-runs each chunk's "
     "attention forward.",
     tp_regather=True, kv_gather_recomputes_attention=True,
-    compile_speedup=TORCHTITAN_COMPILE_SPEEDUP, fp8_recipe_speedups=TORCHAO_FP8_RATES,
+    # no FP8 linears in our runtime yet (issue 51 item 3): no FP8 rate until the code path exists
+    compile_speedup=TORCHTITAN_COMPILE_SPEEDUP, fp8_recipe_speedups=(),
 )
 HOTSPA_OPTIONS_NOTE = (
     "Priced only where the user turns them on (not in the planner's default prices): strategy.compile_blocks "
     "(inductor per transformer block) at torchtitan's compile rate (the same per-block inductor compile, "
-    "TORCHTITAN_COMPILE_SPEEDUP: ASSUMED equal, never run on a GPU here); FP8 linears per torchao recipe at "
-    "torchao's own rates (TORCHAO_FP8_RATES); attention_backend fa3_varlen / fa4_varlen / cudnn_varlen at the "
+    "TORCHTITAN_COMPILE_SPEEDUP: ASSUMED equal, never run on a GPU here); FP8 linears: none (no FP8 code path "
+    "yet; torchao's rates, TORCHAO_FP8_RATES, are priced for the peers only); attention_backend fa3_varlen / fa4_varlen / cudnn_varlen at the "
     "hardware profile's efficiency of that kernel (planner/cost/hardware.py).")
 
 RUNTIME_PROFILES: dict[str, RuntimeProfile] = {
