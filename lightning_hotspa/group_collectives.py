@@ -13,6 +13,7 @@ reduce-scatter of rows      ``reduce_scatter_tensor``                 ``all_to_a
                                                                       (gloo has no reduce-scatter)
 reduce-scatter + all-gather two calls, back to back                   ONE ``all_to_all_single`` carrying
 (a region's backward)                                                 both (latency bound: one launch)
+ring shift (the KV ring)    ``batch_isend_irecv`` (one NCCL group)    the same (gloo's isend / irecv)
 ==========================  =======================================  ===================================
 
 Every method works in SLOT order (the process group's rank order); the shard-order mapping is
@@ -30,7 +31,23 @@ from torch import Tensor
 
 from .collective_names import collective
 
-__all__ = ["DeviceCollectives", "GlooCollectives", "GroupCollectives", "collectives_for"]
+__all__ = ["DeviceCollectives", "GlooCollectives", "GroupCollectives", "RingShift", "collectives_for"]
+
+
+class RingShift:
+    """A ring shift in flight (:meth:`GroupCollectives.ring_shift`): :meth:`wait` returns what the previous
+    member sent. The send buffer is held until then."""
+
+    def __init__(self, works: list[Any], send: Tensor, recv: Tensor, owner: Any) -> None:
+        self._works, self._send, self._recv, self._owner = works, send, recv, owner
+
+    def wait(self) -> Tensor:
+        """Blocks until this shift's send and receive are done; the received tensor."""
+        with collective("a ring shift (send / receive)", self._owner):
+            for work in self._works:
+                work.wait()
+        self._send = None
+        return self._recv
 
 
 class GroupCollectives:
@@ -56,6 +73,23 @@ class GroupCollectives:
         """:meth:`reduce_scatter` of ``send`` and :meth:`all_gather` of ``flat`` (one region's backward:
         its input gradient and its re-gathered input)."""
         return self.reduce_scatter(send), self.all_gather(flat)
+
+    def ring_shift(self, send: Tensor) -> RingShift:
+        """Posts ``send`` to the next member in SHARD order (``owner.ranks``) and a receive of the same
+        shape from the previous one; returns at once (the caller computes, then waits).
+
+        Args:
+            send: what this rank passes on (every member sends the same shape).
+        """
+        owner, n = self.owner, self.size
+        send = send.contiguous()
+        recv = torch.empty_like(send)
+        ahead, behind = owner.ranks[(owner.index + 1) % n], owner.ranks[(owner.index - 1) % n]
+        c10d = dist.distributed_c10d  # P2POp accepts only these two functions themselves
+        with collective("a ring shift (send / receive)", owner):
+            works = dist.batch_isend_irecv([dist.P2POp(c10d.isend, send, ahead, self.group),
+                                            dist.P2POp(c10d.irecv, recv, behind, self.group)])
+        return RingShift(list(works or ()), send, recv, owner)
 
 
 class DeviceCollectives(GroupCollectives):

@@ -1,4 +1,6 @@
-"""All-gather-KV context parallelism, alone (``cp4:kv``) or under Ulysses (the hybrid ``cp8:kv2``).
+"""All-gather-KV context parallelism for the PACKED chunk kernels (beside the Hopper-class documents kernels,
+``models/varlen_kernels.py``; every other chunk kernel runs the KV ring, ``parallel/kv_ring.py``), alone
+(``cp4:kv``) or under Ulysses (the hybrid ``cp8:kv2``).
 
 Why: Ulysses needs cp to divide the heads, repeats kv heads under GQA and runs an all-to-all of
 q, k, v and the output across every cp rank, across nodes when cp spans them. All-gather-KV (the
@@ -200,5 +202,9 @@ def kv_gather_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, gro
         q, k, v = exchange_qkv(q, k, v, ulysses)
     if q.shape[1] % k.shape[1]:
         raise LayoutError(f"{where}: {k.shape[1]} kv heads do not divide the {q.shape[1]} query heads")
-    out = _KVGatherAttention.apply(q, k, v, geometry, kv, window, chunk_kernel_for(core, q, window))
+    kernel = chunk_kernel_for(core, q, window)
+    if not kernel.packed:
+        raise LayoutError(f"{where}: the KV gather runs the packed chunk kernels only (got {kernel.name!r}); "
+                          f"the KV ring (parallel/kv_ring.py) runs the others")
+    out = _KVGatherAttention.apply(q, k, v, geometry, kv, window, kernel)
     return all_to_all_tokens_to_heads(out, ulysses) if ulysses.size > 1 else out
