@@ -44,7 +44,7 @@ from ..plan import MicroBatch
 from .collectives import all_to_all_tokens_to_heads
 from .ulysses import check_micro_batch, chunked_bounds, exchange_qkv
 
-__all__ = ["RingBlock", "RingGeometry", "kv_ring_attention", "ring_geometry"]
+__all__ = ["RingBlock", "RingGeometry", "kv_parts", "kv_ring_attention", "ring_geometry"]
 
 
 @dataclass(frozen=True)
@@ -207,6 +207,28 @@ class _KVRingAttention(torch.autograd.Function):
         return dq.to(q.dtype), dk.contiguous(), dv.contiguous(), None, None, None
 
 
+def kv_parts(q: Tensor, cu_seqlens: Tensor, groups: LayoutGroups, micro_batch: MicroBatch | None, where: str,
+             window: int | None) -> tuple[RankGroup, RankGroup]:
+    """The layout's Ulysses and KV sub-groups of cp, after checking what the KV kinds need (the KV ring's
+    and the KV gather's: the micro-batch packed for this cp, heads the Ulysses part divides, a window >= 1).
+
+    Args:
+        q: the local query rows [T, h, d].
+        cu_seqlens, groups, micro_batch, where, window: as :func:`kv_ring_attention`'s.
+    """
+    ulysses, kv = groups.cp_ulysses, groups.cp_kv
+    if ulysses is None or kv is None or ulysses.size * kv.size != groups.cp.size:
+        raise LayoutError(f"{where}: layout {groups.layout} needs its Ulysses and KV sub-groups of cp "
+                          f"(build LayoutGroups with WorldMesh.layout_groups)")
+    check_micro_batch(micro_batch, cu_seqlens, q.shape[0], groups.cp, where)
+    if q.shape[1] % ulysses.size:
+        raise LayoutError(f"{where}: the Ulysses part of cp ({ulysses.size}) does not divide the "
+                          f"{q.shape[1]} local query heads")
+    if window is not None and window < 1:
+        raise LayoutError(f"{where}: sliding window must be >= 1, got {window}")
+    return ulysses, kv
+
+
 def kv_ring_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, groups: LayoutGroups,
                       micro_batch: MicroBatch | None = None, where: str = "context parallel",
                       window: int | None = None, core: object = None) -> Tensor:
@@ -222,16 +244,7 @@ def kv_ring_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, group
         core: the model's core attention: the registry's chunk kernel beside it runs the blocks
             (``models.attention_kernels.chunk_kernel_for``; None: as "auto").
     """
-    ulysses, kv = groups.cp_ulysses, groups.cp_kv
-    if ulysses is None or kv is None or ulysses.size * kv.size != groups.cp.size:
-        raise LayoutError(f"{where}: layout {groups.layout} needs its Ulysses and KV sub-groups of cp "
-                          f"(build LayoutGroups with WorldMesh.layout_groups)")
-    check_micro_batch(micro_batch, cu_seqlens, q.shape[0], groups.cp, where)
-    if q.shape[1] % ulysses.size:
-        raise LayoutError(f"{where}: the Ulysses part of cp ({ulysses.size}) does not divide the "
-                          f"{q.shape[1]} local query heads")
-    if window is not None and window < 1:
-        raise LayoutError(f"{where}: sliding window must be >= 1, got {window}")
+    ulysses, kv = kv_parts(q, cu_seqlens, groups, micro_batch, where, window)
     # validated before any collective: a bad micro-batch fails on every rank alike
     geometry = ring_geometry(cu_seqlens, groups.cp.size, ulysses.size, kv.size, kv.index, window, where)
     if ulysses.size > 1:

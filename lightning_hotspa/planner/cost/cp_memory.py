@@ -15,8 +15,8 @@ from typing import Any
 
 from ...cp_kinds import check_bound
 from ...layout import Layout
-from .kv_gather_memory import kv_gather_extra_bytes
-from .kv_ring_memory import _local_kv_heads, kv_ring_extra_bytes
+from .kv_gather_memory import _local_kv_heads, kv_gather_extra_bytes
+from .kv_ring_memory import kv_ring_extra_bytes
 
 __all__ = ["CpMemoryTerms", "MEMORY_TERMS"]
 

@@ -8,19 +8,12 @@ fp32 dq and the K/V and dK/dV slices in flight around the ring. Checked against 
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 from ...layout import Layout
+from .kv_gather_memory import _local_kv_heads, in_flight_and_freed
 
 __all__ = ["kv_ring_extra_bytes"]
-
-
-def _local_kv_heads(m: Any, par: Layout) -> int:
-    """kv heads one rank holds after the Ulysses exchange (which repeats them so ``u`` divides them)."""
-    u = par.cp_ulysses
-    heads = m.n_kv_heads // par.tp if m.n_kv_heads % par.tp == 0 else 1
-    return heads * (u // math.gcd(heads, u)) // u
 
 
 def kv_ring_extra_bytes(mm: Any, par: Layout, tokens: int, recomputed: float = 0.0) -> float:
@@ -41,15 +34,6 @@ def kv_ring_extra_bytes(mm: Any, par: Layout, tokens: int, recomputed: float = 0
     if tokens <= 0:
         return 0.0
     m, wb, t = mm.model, mm.param_bytes, float(tokens)
-    h, a = m.hidden, mm.attn_width
     local_kv = 2 * _local_kv_heads(m, par) * m.head_dim * par.cp_ulysses / par.cp  # per token of the row
-    ring = (8.0 + 4.0 * wb) * local_kv * t + 4.0 * a / (par.tp * par.cp) * t
-    # sequence parallel: the residual-stream gradient and the norms hold this rank's 1/tp of the tokens
-    in_flight = (2.0 * wb * a + 4.0 * h) / (par.tp * par.cp) * t
-    transient = ring + in_flight + recomputed * t
-    norm = mm.norm_bytes_per_token() / par.tp
-    head_input = wb * h * (1.0 - 1.0 / par.tp)  # the head keeps its input gathered over tp
-    freed = (norm + head_input + mm.head_state_bytes) / par.cp + mm.logits_bytes_per_token(par.tp, par.cp)
-    freed += norm / par.cp + 2.0 * wb * m.ffn_hidden / (par.tp * par.cp)  # this layer's ffn side
-    freed += wb * a / (par.tp * par.cp)  # wo's saved input
-    return max(0.0, transient - freed * t)
+    ring = (8.0 + 4.0 * wb) * local_kv * t + 4.0 * mm.attn_width / (par.tp * par.cp) * t
+    return max(0.0, ring + (in_flight_and_freed(mm, par) + recomputed) * t)
