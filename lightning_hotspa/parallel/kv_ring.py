@@ -127,12 +127,8 @@ def ring_geometry(cu_seqlens: Tensor, cp: int, ulysses: int, kv: int, kv_index: 
     layer and checkpoint recomputation pass the same tensor).
 
     Args:
-        cu_seqlens: this rank's local document boundaries (as packed for cp rank ``ulysses index * kv
-            + kv_index``).
-        cp, ulysses, kv: the cp degree and its Ulysses and KV parts.
-        kv_index: this rank's index in the KV group.
-        window: the model's sliding window (None: full causal).
-        where: the module, for error messages.
+        cu_seqlens, cp, ulysses, kv, kv_index, window, where: as ``parallel/kv_gather.py``'s ``kv_geometry``
+            (the local boundaries as packed for cp rank ``ulysses index * kv + kv_index``).
     """
     name = f"ring_geometry:{cp}:{ulysses}:{kv}:{kv_index}:{window}"
     geometry = recall(cu_seqlens, name)
