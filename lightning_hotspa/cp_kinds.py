@@ -2,8 +2,8 @@
 
 A layout's ``cp`` ranks split in two (``Layout.cp_kv``): a Ulysses part, the ``cp // cp_kv`` most local
 ranks, which scatters heads by all-to-all (``parallel/ulysses.py``), and a gather part, ``cp_kv`` groups
-of them, which all-gathers K and V (``parallel/kv_gather.py``). A kind (:class:`CpKind`) is one way of
-choosing that split: Ulysses (``cp_kv == 1``), all-gather-KV (``cp_kv == cp``), the hybrid (in between).
+of them, which passes K and V around a ring (``parallel/kv_ring.py``). A kind (:class:`CpKind`) is one way of
+choosing that split: Ulysses (``cp_kv == 1``), the KV ring (``cp_kv == cp``), the hybrid (in between).
 Readers:
 
 - ``layout.py``: the name suffix (``Layout.parse`` / ``Layout.name``: ``pattern``, ``cp_kv_of``,
@@ -20,6 +20,7 @@ groups. To add a kind, add its record to ``_RECORDS`` (docs/extending.md).
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
@@ -43,8 +44,12 @@ class Exchange:
         rounds: rounds per layer without checkpointing (forward and backward).
         recompute_rounds: more rounds when checkpointing recomputes the forward.
         calls: launches per round (each pays the group's latency).
-        recomputes_attention: its backward re-runs the attention forward (priced when the runtime
-            profile says so, ``RuntimeProfile.kv_gather_recomputes_attention``).
+        recomputes_attention: a runtime that gathers it without saving it re-runs the attention forward in
+            backward (priced when the runtime profile says so, ``RuntimeProfile.kv_gather_recomputes_attention``).
+        ring: it can travel as a ring, each of its ``steps`` posted before a ring step's attention and
+            waited after it (priced hidden behind attention when the runtime says so,
+            ``RuntimeProfile.cp_comm_overlap``; otherwise ``calls`` is per step).
+        tail: ring steps per layer after the last kernel (never hidden; the backward's last dK / dV shift).
     """
 
     what: str
@@ -58,6 +63,8 @@ class Exchange:
     recompute_rounds: int
     calls: int
     recomputes_attention: bool = False
+    ring: bool = False
+    tail: int = 0
 
 
 def _all_to_all(shape: Any, tp: int, cp: int, cp_kv: int) -> Exchange:
@@ -69,10 +76,17 @@ def _all_to_all(shape: Any, tp: int, cp: int, cp_kv: int) -> Exchange:
 
 
 def _kv_gather(shape: Any, tp: int, cp: int, cp_kv: int) -> Exchange:
-    """The gather part's K / V all-gather forward, re-gather and dK / dV reduce-scatter backward."""
-    return Exchange(what="all-gather of K / V (re-gathered and reduce-scattered in backward)", ranks=cp_kv,
-                    span=tp * cp, stride=tp * (cp // cp_kv), width=2 * shape.n_kv_heads * shape.head_dim,
-                    steps=cp_kv - 1, per=1, rounds=3, recompute_rounds=1, calls=1, recomputes_attention=True)
+    """The gather part's K / V around the ring forward, K / V and dK / dV around it again backward (the bytes
+    of an all-gather forward, a re-gather and a dK / dV reduce-scatter backward, plus the last dK / dV
+    shift, ``tail``; ``parallel/kv_ring.py``). Its rows are the kv heads a rank holds after the Ulysses
+    part, which repeats them until it divides them (``u`` of them for one kv head per tp rank)."""
+    u = cp // cp_kv
+    heads = shape.n_kv_heads // tp if shape.n_kv_heads % tp == 0 else 1
+    after = heads * (u // math.gcd(heads, u)) // u  # per rank, after the Ulysses exchange
+    return Exchange(what="ring of K / V (of K / V and dK / dV in backward)", ranks=cp_kv,
+                    span=tp * cp, stride=tp * u, width=2 * tp * u * after * shape.head_dim,
+                    steps=cp_kv - 1, per=1, rounds=3, recompute_rounds=1, calls=1, recomputes_attention=True,
+                    ring=True, tail=1)
 
 
 def _ulysses_exchanges(shape: Any, tp: int, cp: int, cp_kv: int) -> tuple[Exchange, ...]:
@@ -113,7 +127,7 @@ class CpKind:
         suffix_of: ``(cp, cp_kv) -> str``: its suffix in a layout's name.
         scatters_heads: its Ulysses part scatters heads (``cp // cp_kv`` must divide the query heads a
             tp rank holds).
-        gathers_kv: it all-gathers K / V over its gather part.
+        gathers_kv: it moves K / V over its gather part (around a ring).
         offer: ``(tp, cp, devices_per_node) -> cp_kv or None``: the ``cp_kv`` ``layouts="auto"``
             offers for a tp x cp group (None: not offered).
         exchanges: ``(shape, tp, cp, cp_kv) -> tuple[Exchange, ...]``: the collectives it issues per
@@ -139,13 +153,13 @@ _RECORDS = (
            holds=lambda cp, kv: kv == 1, pattern=None, cp_kv_of=lambda cp, digits: 1,
            suffix_of=lambda cp, kv: "", scatters_heads=True, gathers_kv=False,
            offer=lambda tp, cp, n: 1, exchanges=_ulysses_exchanges),
-    CpKind(name="kv", suffix=":kv", summary="all-gather-KV: queries stay, K / V gathered over all cp ranks "
+    CpKind(name="kv", suffix=":kv", summary="KV ring: queries stay, K / V travel around all cp ranks "
            "(splits no heads)",
            holds=lambda cp, kv: kv == cp != 1, pattern=r":kv", cp_kv_of=lambda cp, digits: cp,
            suffix_of=lambda cp, kv: ":kv", scatters_heads=False, gathers_kv=True,
            offer=lambda tp, cp, n: cp if cp > 1 else None, exchanges=_kv_exchanges),
     CpKind(name="hybrid", suffix=":kv<m>", summary="Ulysses over the cp / m most local cp ranks (inside a "
-           "node), all-gather-KV over m groups of them",
+           "node), the KV ring over m groups of them",
            holds=lambda cp, kv: kv not in (1, cp), pattern=r":kv(\d+)", cp_kv_of=lambda cp, digits: int(digits),
            suffix_of=lambda cp, kv: f":kv{kv}", scatters_heads=True, gathers_kv=True,
            offer=_offer_hybrid, exchanges=_hybrid_exchanges),

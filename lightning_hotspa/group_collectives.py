@@ -18,6 +18,7 @@ all-gather + matmul         NCCL on CUDA: ``symm_mem`` fused op       a ring of 
                             memory); else gather, then GEMM           ``isend`` / ``irecv`` is in flight
 matmul + reduce-scatter     NCCL on CUDA: ``symm_mem`` fused op;      a ring of n steps: each step's partial
 (a row-parallel output)     else GEMM, then reduce-scatter            product while the sum so far arrives
+ring shift (the KV ring)    ``batch_isend_irecv`` (one NCCL group)    the same (gloo's isend / irecv)
 ==========================  =======================================  ===================================
 
 The two fused operations are tensor parallelism's communication overlap (Megatron-LM's
@@ -41,7 +42,23 @@ from torch import Tensor
 
 from .collective_names import collective
 
-__all__ = ["DeviceCollectives", "GlooCollectives", "GroupCollectives", "collectives_for"]
+__all__ = ["DeviceCollectives", "GlooCollectives", "GroupCollectives", "RingShift", "collectives_for"]
+
+
+class RingShift:
+    """A ring shift in flight (:meth:`GroupCollectives.ring_shift`): :meth:`wait` returns what the previous
+    member sent. The send buffer is held until then."""
+
+    def __init__(self, works: list[Any], send: Tensor, recv: Tensor, owner: Any) -> None:
+        self._works, self._send, self._recv, self._owner = works, send, recv, owner
+
+    def wait(self) -> Tensor:
+        """Blocks until this shift's send and receive are done; the received tensor."""
+        with collective("a ring shift (send / receive)", self._owner):
+            for work in self._works:
+                work.wait()
+        self._send = None
+        return self._recv
 
 
 class GroupCollectives:
@@ -78,6 +95,23 @@ class GroupCollectives:
         """``sum_i lefts[i] @ rights[i]`` reduce-scattered: ``lefts[i] [n, T, K_i]`` (block k for slot k),
         ``rights[i] [K_i, N]`` -> ``[T, N]``, the sum over members of their products for this slot."""
         return self.reduce_scatter(_products(lefts, rights))
+
+    def ring_shift(self, send: Tensor) -> RingShift:
+        """Posts ``send`` to the next member in SHARD order (``owner.ranks``) and a receive of the same
+        shape from the previous one; returns at once (the caller computes, then waits).
+
+        Args:
+            send: what this rank passes on (every member sends the same shape).
+        """
+        owner, n = self.owner, self.size
+        send = send.contiguous()
+        recv = torch.empty_like(send)
+        ahead, behind = owner.ranks[(owner.index + 1) % n], owner.ranks[(owner.index - 1) % n]
+        c10d = dist.distributed_c10d  # P2POp accepts only these two functions themselves
+        with collective("a ring shift (send / receive)", owner):
+            works = dist.batch_isend_irecv([dist.P2POp(c10d.isend, send, ahead, self.group),
+                                            dist.P2POp(c10d.irecv, recv, behind, self.group)])
+        return RingShift(list(works or ()), send, recv, owner)
 
 
 def _products(lefts: Sequence[Tensor], rights: Sequence[Tensor]) -> Tensor:

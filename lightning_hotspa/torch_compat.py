@@ -15,7 +15,9 @@ the benchmark counters are such modes), through a private helper kept here.
 
 :func:`cpu_flash_attention` / :func:`cpu_flash_attention_backward` call the CPU flash-attention
 kernel SDPA dispatches to (private aten ops, same signature on 2.11-2.13) for its log-sum-exp, which
-the public SDPA does not return (``models/chunk_attention.py`` merges two calls with it).
+the public SDPA does not return (``models/chunk_attention.py``: the cp ring merges its blocks with it);
+:func:`cuda_efficient_attention` / :func:`cuda_efficient_attention_backward` do the same with SDPA's
+memory-efficient CUDA kernel (never run on a GPU yet).
 
 :func:`process_groups` lists the process groups this process holds (torch keeps no public list):
 the test pool restarts ranks that hold too many (each gloo group keeps threads that poll).
@@ -28,6 +30,7 @@ import warnings
 import torch
 
 __all__ = ["C10D_DEPRECATION_MESSAGE", "causal_lower_right", "cpu_flash_attention", "cpu_flash_attention_backward",
+           "cuda_efficient_attention", "cuda_efficient_attention_backward",
            "cuda_events_time", "outer_saved_tensor_hooks", "process_groups"]
 
 #: The warning-message pattern of the two deprecated collectives (regex, as ``warnings`` wants).
@@ -68,31 +71,63 @@ def causal_lower_right(seq_len_q: int, seq_len_kv: int) -> object:
     return _BIASES[key]
 
 
-def cpu_flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                        is_causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def cpu_flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
+                        mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The CPU flash kernel's ``(out, logsumexp)`` of 4-D ``[1, h, L, d]`` inputs (GQA native).
 
     Args:
         q, k, v: query, key and value, ``[1, heads, rows, head_dim]`` (k, v may have fewer heads).
         is_causal: top-left causal (square blocks: also bottom-right).
+        mask: an additive ``[L, S]`` mask in q's dtype (0 or -inf), or None.
     """
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal)
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal, attn_mask=mask)
     return out, lse
 
 
 def cpu_flash_attention_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                  out: torch.Tensor, lse: torch.Tensor,
-                                 is_causal: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                                 is_causal: bool, mask: torch.Tensor | None = None
+                                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The CPU flash kernel's gradients of q, k, v, given the (merged) output and log-sum-exp.
 
     Args:
         grad: the output's gradient, ``[1, h, L, d]``.
         q, k, v: as given to :func:`cpu_flash_attention`.
         out, lse: the attention output and log-sum-exp of every key the rows see (not only ``k``'s).
-        is_causal: as given to the forward.
+        is_causal, mask: as given to the forward.
     """
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        grad, q, k, v, out, lse, 0.0, is_causal)
+        grad, q, k, v, out, lse, 0.0, is_causal, attn_mask=mask)
+
+
+def cuda_efficient_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
+                             mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """SDPA's memory-efficient CUDA kernel's ``(out, logsumexp [1, h, L])`` (never run on a GPU yet:
+    recipes/gpu_check_cp.py part (r) checks it). k / v must have q's head count (no GQA in this kernel).
+
+    Args:
+        q, k, v, is_causal, mask: as :func:`cpu_flash_attention`'s.
+    """
+    out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, mask, True, 0.0, is_causal)
+    return out, lse[..., :q.shape[2]]
+
+
+def cuda_efficient_attention_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                      out: torch.Tensor, lse: torch.Tensor, is_causal: bool,
+                                      mask: torch.Tensor | None = None
+                                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of :func:`cuda_efficient_attention` from the (merged) output and log-sum-exp (the kernel
+    wants its log-sum-exp padded to a multiple of 32 rows; no dropout, so its random state is unused).
+
+    Args:
+        grad, q, k, v, out, lse, is_causal, mask: as :func:`cpu_flash_attention_backward`'s.
+    """
+    rows = lse.shape[-1]
+    padded = torch.nn.functional.pad(lse, (0, -rows % 32))
+    none = torch.zeros((), dtype=torch.int64, device=q.device)
+    dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+        grad, q, k, v, mask, out, padded, none, none, 0.0, [True, True, True, False], is_causal)
+    return dq, dk, dv
 
 
 def cuda_events_time(device: torch.device) -> bool:

@@ -9,9 +9,14 @@ Keys (docs/gpu-runtime.md explains each):
 * ``reduce_waits``: per layout kind (dp, tp, fsdp), the gradient collectives a rank waits on inside
   the step's backward passes and after them (4 gloo ranks, tiny Llama, 64 KiB buckets, second step).
 * ``kv_attention_calls_per_layer``: attention-kernel calls one layer's forward makes for ONE document
-  on the busiest cp rank of ``:kv`` (llama3-8b heads, tp=1): the geometry the forward iterates
-  (``tests/unit/test_kv_gather.py`` checks the forward makes exactly that many kernel calls), and per
-  local query chunk (2 per document per rank).
+  on the busiest cp rank of ``:kv`` (llama3-8b heads, tp=1): the ring blocks the forward iterates
+  (``parallel/kv_ring.py``), and per local query chunk (2 per document per rank).
+* ``cp_exchange_bytes_per_layer``: per layout (llama3-8b heads, tp8, fake worlds of 64 and 1024 ranks,
+  one document of ``--cp-tokens``), the bytes rank 0 receives in one attention layer's forward +
+  backward cp exchange: the KV ring's, split into ``ring_overlapped`` (received while a block kernel
+  ran between the shift's post and its wait) and ``ring_exposed``, the Ulysses all-to-alls
+  (``ulysses_bytes``, never overlapped), ``exposed_bytes`` (the two exposed parts) and the cost
+  model's bytes for the same exchanges (``cost_model_bytes``).
 * ``kv_work_vs_single``: CPU seconds of forward+backward of one document at cp4 ``:kv`` summed over
   4 gloo ranks, over the same document in one process (4-D SDPA), same run.
 * ``collectives_per_step``: llama7b on 8 fake ranks (``FakeTensorMode``), NCCL default bucket sizes:
@@ -34,7 +39,7 @@ Keys (docs/gpu-runtime.md explains each):
 
     python recipes/benchmark_hot_path.py [--kv-tokens 32768] [--skip-switch]
     python recipes/benchmark_hot_path.py --skip-switch --kv-tokens 256 --collectives-preset tiny \
-        --group-worlds 8,64                                                                           # smoke
+        --group-worlds 8,64 --cp-tokens 2048 --cp-worlds 64                                          # smoke
 """
 
 from __future__ import annotations
@@ -201,24 +206,96 @@ def reduce_waits() -> dict:
                                     "at_end": max(r[kind]["at_end"] for r in per_rank)} for kind in per_rank[0]}}
 
 
-# -- all-gather-KV attention ---------------------------------------------------------------------------
+# -- the KV ring --------------------------------------------------------------------------------------
 
 def kv_calls() -> dict:
     """Kernel calls per layer forward for one document, busiest cp rank (the geometry does not depend
-    on the heads): one per local chunk on CUDA; on CPU (``models/chunk_attention.py``) two for a chunk
-    with keys before its diagonal block."""
-    from lightning_hotspa.parallel.kv_gather import kv_geometry
+    on the heads): one per ring block (``parallel/kv_ring.py``), the same on CPU and CUDA."""
+    from lightning_hotspa.parallel.kv_ring import ring_geometry
 
     out = {}
     for tokens, cp in ((32768, 4), (131072, 8)):
         local = tokens // cp
         cu = torch.tensor([0, local], dtype=torch.int32)
-        blocks = [kv_geometry(cu, cp, 1, cp, r).blocks for r in range(cp)]
-        calls = max(len(b) for b in blocks)
-        cpu = max(sum(1 + (first > lo) for *_, first, lo in b) for b in blocks)
-        out[f"{tokens // 1024}K cp{cp}"] = {"calls": calls, "per_local_chunk": calls / 2,
-                                            "cpu_calls": cpu, "cpu_per_local_chunk": cpu / 2}
+        calls = max(sum(len(step) for step in ring_geometry(cu, cp, 1, cp, r).steps) for r in range(cp))
+        out[f"{tokens // 1024}K cp{cp}"] = {"calls": calls, "per_local_chunk": calls / 2}
     return out
+
+
+#: (fake world, layout) of ``cp_exchange_bytes_per_layer``: llama3-8b heads (Ulysses: its part must divide them)
+CP_EXCHANGE = ((64, "tp8xcp8:kv"), (64, "tp8xcp8:kv2"), (64, "dp2xtp2xcp16"), (1024, "tp8xcp128:kv"),
+               (1024, "tp8xcp128:kv32"))
+
+
+def cp_exchange(world: int, layout: str, tokens: int, model: str = "llama3-8b") -> dict:
+    """One attention layer's cp exchange, forward + backward, on rank 0 of a fake world (bf16, one
+    document of ``tokens``): bytes received per layer, split into what a ring step receives while a
+    block kernel runs between its post and its wait (``overlapped``: hidden where the backend
+    overlaps) and what it receives with no kernel in between (``exposed``), plus the Ulysses
+    all-to-alls (always exposed); beside the cost model's bytes for the same layer."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from lightning_hotspa import group_collectives
+    from lightning_hotspa.cp_kinds import CP_KINDS
+    from lightning_hotspa.mesh import WorldMesh
+    from lightning_hotspa.model_shape import describe_model
+    from lightning_hotspa.parallel.core_attention import CP_ATTENTION, ParallelCoreAttention
+    from lightning_hotspa.parallel.state import ParallelState
+    from lightning_hotspa.plan import pack_micro_batch
+    from lightning_hotspa.planner.cost.cost_model import AnalyticCostModel
+    from lightning_hotspa.testing.comm_bytes import count_collective_bytes
+    from lightning_hotspa.testing.fake_world import FakeWorld, fake_mode
+    from lightning_hotspa.testing.gpu_attention import flash_varlen_standin
+
+    shape, lay = describe_model(model), Layout.parse(layout)
+    kernels = [0]
+
+    class Kernels(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kernels[0] += func._overloadpacket.__name__.startswith("_scaled_dot_product")
+            return func(*args, **(kwargs or {}))
+
+    split = {"overlapped": 0, "exposed": 0}
+    post, wait = group_collectives.GroupCollectives.ring_shift, group_collectives.RingShift.wait
+
+    def posted(self, send):
+        shift = post(self, send)
+        shift.kernels_at_post = kernels[0]
+        return shift
+
+    def waited(self):
+        key = "overlapped" if kernels[0] > self.kernels_at_post else "exposed"
+        split[key] += self._recv.numel() * self._recv.element_size()
+        return wait(self)
+
+    with FakeWorld(world):
+        mesh = WorldMesh([lay])
+        groups = mesh.layout_groups(lay)
+        mb = pack_micro_batch([torch.zeros(tokens, dtype=torch.int64)], lay.cp, groups.cp.index)
+        rows, heads, kv_heads = int(mb.cu_seqlens[-1]), shape.n_heads // lay.tp, max(1, shape.n_kv_heads // lay.tp)
+        wrapper = ParallelCoreAttention(flash_varlen_standin, ParallelState(groups, mb), "layer")
+        group_collectives.GroupCollectives.ring_shift, group_collectives.RingShift.wait = posted, waited
+        try:
+            with fake_mode(), Kernels(), count_collective_bytes() as log:
+                q, k, v = (torch.empty(rows, h, shape.head_dim, dtype=torch.bfloat16, requires_grad=True)
+                           for h in (heads, kv_heads, kv_heads))
+                out = CP_ATTENTION[lay.cp_kind](wrapper, q, k, v, mb.cu_seqlens, rows, groups)
+                out.backward(torch.empty_like(out))
+        finally:
+            group_collectives.GroupCollectives.ring_shift, group_collectives.RingShift.wait = post, wait
+    ring = sum(b for name, b in log.calls if name == "batch_isend_irecv")
+    ulysses = log.bytes_received - ring
+    cm = AnalyticCostModel(model, "H100", world)
+    priced = {ex.what: (ex.rounds * ex.steps / ex.per + ex.tail) * ex.width / lay.tp * cm.param_bytes * tokens / lay.cp
+              for ex in CP_KINDS[lay.cp_kind].exchanges(shape, lay.tp, lay.cp, lay.cp_kv)}
+    return {"ring_bytes": ring, "ring_overlapped": split["overlapped"], "ring_exposed": split["exposed"],
+            "ulysses_bytes": ulysses, "exposed_bytes": split["exposed"] + ulysses, "cost_model_bytes": priced}
+
+
+def cp_exchanges(tokens: int, worlds: tuple[int, ...] = (64, 1024)) -> dict:
+    """:func:`cp_exchange` of every :data:`CP_EXCHANGE` case on one of ``worlds``."""
+    return {f"{layout} on {world}": cp_exchange(world, layout, tokens) for world, layout in CP_EXCHANGE
+            if world in worlds}
 
 
 def _qkv(tokens: int, heads: int, kv_heads: int, dim: int):
@@ -229,7 +306,7 @@ def _qkv(tokens: int, heads: int, kv_heads: int, dim: int):
 def kv_work_rank(tokens: int, heads: int, kv_heads: int, dim: int) -> float:
     """This rank's CPU seconds of forward+backward of its share of one document at cp4 ``:kv``."""
     from lightning_hotspa.mesh import WorldMesh
-    from lightning_hotspa.parallel.kv_gather import kv_gather_attention
+    from lightning_hotspa.parallel.kv_ring import kv_ring_attention
     from lightning_hotspa.plan import pack_micro_batch
 
     world = WorldMesh(["cp4:kv"])
@@ -241,7 +318,7 @@ def kv_work_rank(tokens: int, heads: int, kv_heads: int, dim: int) -> float:
     q, k, v = (t[rows].clone().requires_grad_() for t in (q, k, v))
     dist.barrier()
     start = time.thread_time()
-    out = kv_gather_attention(q, k, v, mb.cu_seqlens, groups, mb)
+    out = kv_ring_attention(q, k, v, mb.cu_seqlens, groups, mb)
     out.sum().backward()
     return time.thread_time() - start
 
@@ -489,6 +566,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--kv-tokens", type=int, default=32768, help="document length of kv_work_vs_single")
     parser.add_argument("--kv-heads", type=int, nargs=2, default=(4, 2), metavar=("Q", "KV"))
     parser.add_argument("--head-dim", type=int, default=32)
+    parser.add_argument("--cp-tokens", type=int, default=131072, help="document length of cp_exchange_bytes")
+    parser.add_argument("--cp-worlds", default="64,1024", help="fake world sizes of cp_exchange_bytes_per_layer")
     parser.add_argument("--skip-switch", action="store_true", help="leave out the benchmark_switch runs")
     parser.add_argument("--only", nargs="*", default=None, help="compute only these keys' parts")
     parser.add_argument("--collectives-preset", default="llama7b", help="the model of collectives_per_step, "
@@ -499,11 +578,16 @@ def main(argv: list[str] | None = None) -> dict:
         worlds = [int(x) for x in args.group_worlds.split(",")]
     except ValueError:
         raise SystemExit(f"--group-worlds takes comma-separated world sizes, got {args.group_worlds!r}") from None
+    try:
+        cp_worlds = tuple(int(x) for x in args.cp_worlds.split(","))
+    except ValueError:
+        raise SystemExit(f"--cp-worlds takes comma-separated world sizes, got {args.cp_worlds!r}") from None
     parts = {"syncs": host_syncs, "waits": reduce_waits,
              "exposure": lambda: reduce_exposure(preset=args.collectives_preset),
              "beside": lambda: comm_beside_gemms(preset=args.collectives_preset),
              "kv_calls": lambda: {"kv_attention_calls_per_layer": kv_calls()},
              "kv_work": lambda: kv_work(args.kv_tokens, *args.kv_heads, args.head_dim),
+             "cp_exchange": lambda: {"cp_exchange_bytes_per_layer": cp_exchanges(args.cp_tokens, cp_worlds)},
              "collectives": lambda: {"collectives_per_step": {x: collectives_for(x, args.collectives_preset)
                                                               for x in ("dp8", "dp4xtp2", "dp8:fsdp")}},
              "groups": lambda: {"process_groups_per_rank": {str(n): process_groups(n) for n in worlds},

@@ -1,8 +1,8 @@
 """Ours against the peers' published runs, same configuration, predicted (issue 51): before and after in one run.
 
-Every row of :func:`lightning_hotspa.planner.cost.peer_rows.rows` (torchtitan, Megatron-LM, NeMo) is priced on OUR runtime description
-in the peer's own layout, model, GPU count, sequence, batch, precision and hardware profile, and divided by
-the peer's PUBLISHED tokens/s/GPU. Two columns, side by side from the same cost model:
+Every row of :func:`lightning_hotspa.planner.cost.peer_rows.rows` (torchtitan, Megatron-LM, NeMo) is priced on
+OUR runtime description in the peer's own layout, model, GPU count, sequence, batch, precision and hardware
+profile, and divided by the peer's PUBLISHED tokens/s/GPU. Two columns, side by side from the same cost model:
 
 - ``ours_over_peer``: ours with the options its users turn on for that configuration (``ours_options``: the
   fastest attention kernel ours runs on that GPU, torch.compile per block where the peer compiled (or fused, as

@@ -20,10 +20,12 @@ after every part (``$OUT`` defaults to ./gpu_check_out), so a run cut short stil
 * (e) ``timers``: device events against host clocks of a training step's stages (and, in part (a),
   of the strategy's own stage timers);
 * (f) ``hotpath``: host syncs per steady-state step (``torch.cuda.set_sync_debug_mode("warn")``) and
-  the all-gather-KV chunk kernel against ``torch_varlen`` on one 32K document (gpu_check_hotpath.py);
+  the KV ring's block kernel against ``torch_varlen`` on one 32K document (gpu_check_hotpath.py);
 * (g) ``cpchunks``: attention forward + backward of the local chunks a cp ladder uses (1K-64K query
-  rows over 8K-512K keys, GQA 32 / 8, head dim 128) against the cost model's price of each
-  (gpu_check_cp.py). Never run on a GPU yet (2026-12-03): only the dry run has run it.
+  rows over 8K-512K keys, GQA 32 / 8, head dim 128) as the KV ring's blocks, against the cost model's
+  price of each, and the ring's CUDA block kernel (``sdpa_chunk``) against SDPA's forward and backward
+  (``ring_blocks``: fp32 / bf16, GQA, a window's band masks) (gpu_check_cp.py). Never run on a GPU yet
+  (2026-12-06): only the dry run has run it.
 * (h) ``hopper``: the Hopper-class packed kernels (FA3 / FA4 / cuDNN documents kernels, the packed cp chunk
   kernels): one call against SDPA (output and gradients) and the documents kernels' TFLOP/s at 8K-32K beside
   the profile's efficiency (gpu_check_hopper.py). Never run on a GPU yet (2026-12-06): only the dry run.

@@ -1,14 +1,15 @@
-"""gpu_check part (f) ``hotpath``: host syncs per steady-state step, and the all-gather-KV chunk kernel
+"""gpu_check part (f) ``hotpath``: host syncs per steady-state step, and the KV ring's block kernel
 against ``torch_varlen`` on one long document (one device, no collectives).
 
 * ``host_syncs``: on CUDA, ``torch.cuda.set_sync_debug_mode("warn")`` over steady-state forward +
   backward steps of the tiny GQA model (a pinned micro-batch moved with ``.to``), its warnings
   counted; on CPU (the dry run) :func:`lightning_hotspa.testing.host_syncs.count_host_syncs` stands in.
-* ``kv_chunks``: one document split for cp4 ``:kv``; every rank's two query chunks run through
-  :func:`lightning_hotspa.models.chunk_attention.chunk_attention` over the (already gathered) K/V, forward
-  + backward, summed over the 4 ranks, against one call of the whole document through
-  ``torch_varlen`` (CUDA) or ``sdpa`` (CPU). The all-gather / reduce-scatter are not run: one device
-  cannot hold two NCCL ranks, so the collective code stays unmeasured on a GPU.
+* ``kv_chunks``: one document split for cp4 ``:kv``; every rank's two query chunks run as the KV ring
+  runs them (``gpu_check_cp.ring_chunk``: the registry's block kernel per key chunk, merged by
+  log-sum-exp, backward from the merged output and log-sum-exp), forward + backward, summed over the 4
+  ranks, against one call of the whole document through ``torch_varlen`` (CUDA) or ``sdpa`` (CPU). The
+  ring's shifts are not run: one device cannot hold two NCCL ranks, so the collective code stays
+  unmeasured on a GPU.
 """
 
 from __future__ import annotations
@@ -65,9 +66,10 @@ def _host_syncs(device: torch.device, dtype: torch.dtype, steps: int = 3) -> dic
 def _kv_chunks(tokens: int, device: torch.device, dtype: torch.dtype, budget: Budget,
                cp: int = 4, heads: int = 32, kv_heads: int = 8, dim: int = 128) -> dict[str, Any]:
     """Sum over cp ranks of the chunk kernel's forward+backward vs the whole document in one call."""
+    from gpu_check_cp import ring_chunk
     from gpu_check_speed import backends_for
 
-    from lightning_hotspa.models.chunk_attention import chunk_attention
+    from lightning_hotspa.models.attention_kernels import KERNELS, default_chunk_kernel
 
     gen = torch.Generator(device=device).manual_seed(0)
     q, k, v = (torch.randn(tokens, h, dim, device=device, dtype=dtype, generator=gen, requires_grad=True)
@@ -78,11 +80,13 @@ def _kv_chunks(tokens: int, device: torch.device, dtype: torch.dtype, budget: Bu
     whole = backends_for(device)[name]
     timer = DeviceTimer(device)
 
+    kernel = KERNELS[default_chunk_kernel(device, dtype)]
+
     def chunks() -> None:
-        for r in range(cp):
-            for first in (r * c, (2 * cp - 1 - r) * c):
-                out = chunk_attention(q[first:first + c], k[:first + c], v[:first + c], first)
-                out.backward(torch.ones_like(out))
+        with torch.no_grad():
+            for r in range(cp):
+                for first in (r * c, (2 * cp - 1 - r) * c):
+                    ring_chunk(q[first:first + c], k[:first + c], v[:first + c], torch.ones_like(q[:c]), kernel)
 
     def single() -> None:
         out = whole(q, k, v, cu, tokens)
@@ -93,7 +97,7 @@ def _kv_chunks(tokens: int, device: torch.device, dtype: torch.dtype, budget: Bu
     ref = time_repeated(single, timer, Budget(budget.left(), budget.end))
     return {"tokens": tokens, "cp": cp, "heads": [heads, kv_heads, dim], "reference": name,
             "chunks_s": ours["seconds"], "single_s": ref["seconds"], "ratio": ours["seconds"] / ref["seconds"],
-            "kernel_calls": 2 * cp, "timer": timer.kind}
+            "kernel_calls": cp * (2 * cp + 1), "block_kernel": kernel.name, "timer": timer.kind}
 
 
 def hotpath_check(tokens: int, device: torch.device, dtype: torch.dtype, budget: Budget) -> dict[str, Any]:

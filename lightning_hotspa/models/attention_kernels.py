@@ -6,8 +6,8 @@ backward (the memory model's terms) and how the cost model prices it (``priced_a
 
 - the model (``Llama.set_attention_backend``, :func:`select_attention_backend`, "auto"): the
   ``documents`` kernels, causal attention over packed documents ``(q, k, v, cu_seqlens, max_seqlen)``;
-- the all-gather-KV attention (``parallel/kv_gather.py``, :func:`chunk_kernel_for`): the ``chunks``
-  kernels, one query chunk over its gathered keys (:mod:`.chunk_attention`);
+- the KV ring (``parallel/kv_ring.py``, :func:`chunk_kernel_for`): the ``chunks`` kernels, one query
+  chunk over one key chunk that travelled to it, with its log-sum-exp (:mod:`.chunk_attention`);
 - the memory model (``planner/cost/memory_model.py``): ``saves_lse``, ``saves_output``, ``quadratic``;
 - the cost model's efficiency tables and runtime profiles (``planner/cost``): the ``priced`` records,
   kernel families published systems run (:data:`PRICED_KERNELS`), which ours are priced as.
@@ -42,8 +42,8 @@ __all__ = ["AttentionKernel", "BACKENDS", "KERNELS", "PRICED_KERNELS", "ROLES", 
            "auto_backend_name", "auto_order", "chunk_kernel_for", "default_chunk_kernel", "kernel", "kernel_of",
            "select_attention_backend"]
 
-#: what a record is for: attention over packed documents (the model's core attention), the all-gather-KV
-#: chunk kernel, or a kernel family the cost model prices (published systems run them; this runtime does not)
+#: what a record is for: attention over packed documents (the model's core attention), the KV ring's
+#: block kernel, or a kernel family the cost model prices (published systems run them; this runtime does not)
 ROLES = ("documents", "chunks", "priced")
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -77,7 +77,8 @@ class AttentionKernel:
         quadratic: it keeps each layer's softmax, s x s per head (SDPA's math fallback).
         priced_as: the ``priced`` record whose efficiency entries price it (``priced``: itself).
         priced_by_flops: ``priced``: no efficiency entry; priced by its FLOPs and score bytes.
-        chunk_kernel: ``documents``: the chunk kernel the KV gather runs beside it (None: by device).
+        chunk_kernel: ``documents``: the chunk kernel the KV ring (a packed one: the KV gather) runs beside it
+            (None: by device).
         repeats_kv: it takes no GQA: K / V are repeated to the query heads and kept so (memory model).
         packed: ``chunks``: every chunk in ONE varlen call, K / V ranges packed (``models/varlen_kernels.py``);
             its backward takes all blocks and returns full-size gradients (memory model: the packed copies).
@@ -203,14 +204,16 @@ def _torch_varlen_reason(device: torch.device | None, dtype: torch.dtype | None,
     return None if _torch_varlen_available() else f"torch {torch.__version__} has no torch.nn.attention.varlen"
 
 
+def _cuda_reason(device: torch.device | None, dtype: torch.dtype | None, window: int | None) -> str | None:
+    return None if device is None or device.type == "cuda" else f"it runs only on CUDA, not on {device.type!r}"
+
+
 def _cpu_flash_chunks_reason(device: torch.device | None, dtype: torch.dtype | None,
                              window: int | None) -> str | None:
     if device is not None and device.type != "cpu":
         return f"it calls the CPU flash kernel, not one on {device.type!r}"
     if dtype is not None and dtype not in _CPU_FLASH_DTYPES:
         return f"the CPU flash kernel runs {[str(d) for d in _CPU_FLASH_DTYPES]}, not {dtype}"
-    if window is not None:
-        return "a sliding window keeps its band mask (sdpa_chunk)"
     return None
 
 
@@ -234,14 +237,16 @@ _RECORDS = (
                             "K / V repeated for GQA; no window)"),
     AttentionKernel(name="sdpa", role="documents", call=sdpa_attention, priced_as="fa2",
                     summary="torch SDPA, one causal 4-D call per document (CPU flash kernel; any device)"),
-    AttentionKernel(name="cpu_flash_chunks", role="chunks", call=chunks.flash_chunks_forward,
-                    backward=chunks.flash_chunk_backward, unavailable=_cpu_flash_chunks_reason,
+    AttentionKernel(name="cpu_flash_chunks", role="chunks", call=chunks.cpu_block_forward,
+                    backward=chunks.cpu_block_backward, unavailable=_cpu_flash_chunks_reason,
                     saves_output=True, priced_as="cpu",
-                    summary="two CPU flash calls per chunk merged by log-sum-exp; backward from the kept "
-                            "output and log-sum-exp"),
-    AttentionKernel(name="sdpa_chunk", role="chunks", call=chunks.sdpa_chunks_forward,
-                    backward=chunks.sdpa_chunk_backward, saves_lse=False, priced_as="fa2",
-                    summary="one SDPA call per chunk (bottom-right causal bias); backward recomputes it"),
+                    summary="the CPU flash kernel per ring block (its log-sum-exp kept); backward from the "
+                            "merged output and log-sum-exp"),
+    AttentionKernel(name="sdpa_chunk", role="chunks", call=chunks.cuda_block_forward,
+                    backward=chunks.cuda_block_backward, unavailable=_cuda_reason, saves_output=True,
+                    priced_as="fa2",
+                    summary="SDPA's memory-efficient CUDA kernel per ring block (its log-sum-exp kept; k / v "
+                            "repeated per block); backward from the merged output and log-sum-exp"),
     AttentionKernel(name="fa3_chunks", role="chunks", call=functools.partial(varlen.packed_chunks_forward, "fa3"),
                     backward=functools.partial(varlen.packed_chunks_backward, "fa3"), unavailable=_fa3_reason,
                     saves_lse=False, packed=True, priced_as="fa3",
@@ -398,11 +403,15 @@ def default_chunk_kernel(device: torch.device | str, dtype: torch.dtype | None =
         dtype: the inputs' dtype (None: not checked).
         window: the sliding window (None: full causal).
     """
-    return next(n for n in _CHUNK_ORDER if KERNELS[n].reason(device, dtype, window) is None)
+    for name in _CHUNK_ORDER:
+        if KERNELS[name].reason(device, dtype, window) is None:
+            return name
+    reasons = {n: KERNELS[n].reason(device, dtype, window) for n in _CHUNK_ORDER}
+    raise ValueError(f"no chunk kernel runs on {device!r} with {dtype}: {reasons}")
 
 
 def chunk_kernel_for(core: object, q: Tensor, window: int | None) -> AttentionKernel:
-    """The chunk kernel the KV gather runs for the model's core attention ``core`` on ``q``'s inputs.
+    """The chunk kernel the KV ring runs for the model's core attention ``core`` on ``q``'s inputs.
 
     Args:
         core: the model's core attention (a registered one, "auto", or a stand-in).

@@ -1,26 +1,28 @@
-"""The all-gather-KV attention's chunk kernels: one query chunk over its gathered keys, bottom-right causal.
+"""The cp ring's block kernels: one query chunk over one key chunk, returning its log-sum-exp.
 
-A chunk at document position ``first`` over keys ``[key_start, first + C)`` sees keys ``<= first + i``
-for its query ``i`` (top-left ``is_causal`` is wrong once ``first > key_start``). Two kernels, each a
-record of :mod:`.attention_kernels` (the KV gather asks the registry which one runs):
+The KV ring (``parallel/kv_ring.py``) splits every rank's attention into blocks: a query chunk of
+``C`` rows against a key chunk of ``C`` rows of the same document that travelled to it. A block is
+one of three kinds: ``full`` (every key precedes every query and lies inside the window), ``causal``
+(the diagonal block: square, so top-left causal is bottom-right causal) or ``band`` (a sliding
+window cuts it: an additive ``[C, C]`` mask of 0 / -inf, rows that see no key of the block get a
+log-sum-exp of -inf so the merge ignores them). The blocks' outputs are merged by their
+log-sum-exps (as ring attention does), and backward runs each block's kernel backward from the
+MERGED output and log-sum-exp: its exact share of dq and its dk / dv, no forward recomputed.
 
-- ``sdpa_chunk`` (:func:`sdpa_chunks_forward` / :func:`sdpa_chunk_backward`): ONE 4-D SDPA call per
-  chunk: ``is_causal`` for a square chunk, torch's ``causal_lower_right`` bias otherwise (flash on
-  CUDA), ``enable_gqa``; a sliding window masks its band explicitly (SDPA's memory-efficient kernel on
-  CUDA). It saves nothing: backward recomputes the chunk and back-propagates SDPA's own backward.
-- ``cpu_flash_chunks`` (:func:`flash_chunks_forward` / :func:`flash_chunk_backward`): on CPU torch's
-  ``causal_lower_right`` bias is materialized as a boolean ``[C, S]`` mask and the CPU flash kernel
-  then visits every key block, masked or not: twice the work of the causal part (profiled: a 4K-row
-  chunk over 32K keys took 1.93 s with the mask, 0.96 s split as below). So a chunk is TWO calls of
-  the CPU flash kernel: the prefix keys ``[key_start, first)`` unmasked and the diagonal block
-  ``[first, first + C)`` with ``is_causal`` (square: top-left is bottom-right), merged by their
-  log-sum-exps (as ring attention does). Backward reuses the merged output and log-sum-exp, saved by
-  the forward: each part's flash backward with the GLOBAL output and log-sum-exp yields its exact
-  share of dq and its dk / dv (no forward recomputed).
+Two kernels, each a record of :mod:`.attention_kernels` (the ring asks the registry which one runs):
 
-A forward takes ``(q, k, v, blocks, window)`` with ``blocks`` the KV gather's per-chunk
-``(q_start, q_stop, k_start, k_stop, first, key_start)`` and returns ``(out, kept)``; a backward takes
-one block and returns that chunk's ``(dq, dk, dv)``.
+- ``cpu_flash_chunks``: the CPU flash kernel SDPA dispatches to (GQA native);
+- ``sdpa_chunk``: SDPA's memory-efficient CUDA kernel (the one that takes a mask and returns its
+  log-sum-exp; no GQA, so k / v are repeated per block, a transient of one block). Never run on a GPU
+  yet (recipes/gpu_check_cp.py part (r)).
+
+The KV gather's packed chunk kernels (``models/varlen_kernels.py``, beside the Hopper-class documents
+kernels) are checked against :func:`chunk_attention` / :func:`sdpa_chunks_forward`: one query chunk
+over its gathered keys in one SDPA call, bottom-right causal (``causal_lower_right``), a window's band.
+
+A forward takes ``(q [C, h, d], k, v [C, hkv, d], causal, mask)`` and returns ``(out [C, h, d], lse
+[h, C])`` (lse fp32, fp64 for fp64); a backward takes ``(grad, q, k, v, out, lse, causal, mask)`` with
+the merged ``out`` / ``lse`` of the block's rows and returns ``(dq, dk, dv)``.
 """
 
 from __future__ import annotations
@@ -31,10 +33,116 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..torch_compat import causal_lower_right, cpu_flash_attention, cpu_flash_attention_backward
+from ..torch_compat import (
+    causal_lower_right,
+    cpu_flash_attention,
+    cpu_flash_attention_backward,
+    cuda_efficient_attention,
+    cuda_efficient_attention_backward,
+)
 
-__all__ = ["Block", "chunk_attention", "chunk_backward", "chunk_forward", "flash_chunk_backward",
-           "flash_chunks_forward", "sdpa_chunk_backward", "sdpa_chunks_forward"]
+__all__ = ["Block", "band_mask", "chunk_attention", "cpu_block_backward", "cpu_block_forward", "cuda_block_backward",
+           "cuda_block_forward", "sdpa_chunks_forward"]
+
+
+def band_mask(rows: int, offset: int, window: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """The additive ``[rows, rows]`` mask of a block whose queries sit ``offset`` positions after its keys
+    (query i at ``offset + i`` sees key j iff ``j <= offset + i`` and ``j > offset + i - window``).
+
+    Args:
+        rows: the chunk length.
+        offset: query position minus key position of the block's first rows (>= 0).
+        window: the sliding window.
+        dtype, device: the mask's (the queries').
+    """
+    q = offset + torch.arange(rows, device=device)[:, None]
+    k = torch.arange(rows, device=device)[None, :]
+    seen = (k <= q) & (k > q - window)
+    return torch.zeros((rows, rows), dtype=dtype, device=device).masked_fill(~seen, float("-inf"))
+
+
+def _heads_first(t: Tensor) -> Tensor:
+    return t.transpose(0, 1).unsqueeze(0)
+
+
+def _rows_first(t: Tensor) -> Tensor:
+    return t.squeeze(0).transpose(0, 1)
+
+
+def _unseen_rows(lse: Tensor, mask: Tensor | None) -> Tensor:
+    """``lse`` with -inf where a row sees no key of the block (the kernels return 0 or NaN there)."""
+    if mask is None:
+        return lse
+    return lse.masked_fill(torch.isinf(mask).all(-1), float("-inf"))
+
+
+def cpu_block_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, mask: Tensor | None) -> tuple[Tensor, Tensor]:
+    """One block by the CPU flash kernel; ``(out [C, h, d], lse [h, C])``.
+
+    Args:
+        q: the query chunk, [C, h, d].
+        k, v: the key chunk, [C, hkv, d] (hkv divides h).
+        causal: the diagonal block.
+        mask: a band mask (:func:`band_mask`) or None.
+    """
+    out, lse = cpu_flash_attention(_heads_first(q), _heads_first(k), _heads_first(v), causal, mask)
+    return _rows_first(out), _unseen_rows(lse.squeeze(0), mask)
+
+
+def cpu_block_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool,
+                       mask: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+    """One block's ``(dq, dk, dv)`` from the merged output and log-sum-exp of its query rows.
+
+    Args:
+        grad: the output's gradient, [C, h, d].
+        q, k, v, causal, mask: as given to :func:`cpu_block_forward`.
+        out, lse: the merged output [C, h, d] and log-sum-exp [h, C] of these query rows.
+    """
+    dq, dk, dv = cpu_flash_attention_backward(_heads_first(grad.contiguous()), _heads_first(q), _heads_first(k),
+                                              _heads_first(v), _heads_first(out), lse.unsqueeze(0).contiguous(),
+                                              causal, mask)
+    return _rows_first(dq), _rows_first(dk), _rows_first(dv)
+
+
+def _repeated(t: Tensor, heads: int) -> Tensor:
+    return t if t.shape[1] == heads else t.repeat_interleave(heads // t.shape[1], dim=1)
+
+
+def cuda_block_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool,
+                       mask: Tensor | None) -> tuple[Tensor, Tensor]:
+    """One block by SDPA's memory-efficient CUDA kernel (k / v repeated to q's heads for the call).
+
+    Args:
+        q, k, v, causal, mask: as :func:`cpu_block_forward`'s.
+    """
+    h = q.shape[1]
+    out, lse = cuda_efficient_attention(_heads_first(q), _heads_first(_repeated(k, h)), _heads_first(_repeated(v, h)),
+                                        causal, mask)
+    out = _rows_first(out)
+    lse = _unseen_rows(lse.squeeze(0), mask)
+    return (out if mask is None else out.masked_fill(torch.isinf(lse).T[:, :, None], 0.0)), lse
+
+
+def cuda_block_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool,
+                        mask: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`cpu_block_backward` on the memory-efficient CUDA kernel; dk / dv summed back over the
+    repeated heads.
+
+    Args:
+        grad, q, k, v, out, lse, causal, mask: as :func:`cpu_block_backward`'s.
+    """
+    h, hkv = q.shape[1], k.shape[1]
+    dq, dk, dv = cuda_efficient_attention_backward(
+        _heads_first(grad.contiguous()), _heads_first(q), _heads_first(_repeated(k, h)),
+        _heads_first(_repeated(v, h)), _heads_first(out), lse.unsqueeze(0).contiguous(), causal, mask)
+    dk, dv = _rows_first(dk), _rows_first(dv)
+    if hkv != h:
+        dk = dk.unflatten(1, (hkv, h // hkv)).sum(2)
+        dv = dv.unflatten(1, (hkv, h // hkv)).sum(2)
+    return _rows_first(dq), dk, dv
+
+
+# -- the reference over gathered keys (the KV gather's packed chunk kernels are checked against it) --
 
 #: one chunk: (q_start, q_stop, k_start, k_stop, first query position, first key position)
 Block = tuple[int, int, int, int, int, int]
@@ -80,105 +188,3 @@ def sdpa_chunks_forward(q: Tensor, k: Tensor, v: Tensor, blocks: Sequence[Block]
     out = torch.cat([chunk_attention(q[q0:q1], k[k0:k1], v[k0:k1], first, lo, window)
                      for q0, q1, k0, k1, first, lo in blocks])
     return out, ()
-
-
-def sdpa_chunk_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, kept: tuple[Tensor, ...], block: Block,
-                        window: int | None) -> tuple[Tensor, Tensor, Tensor]:
-    """One chunk's (dq, dk, dv): its SDPA call recomputed and back-propagated.
-
-    Args:
-        grad: the output's gradient, [T, h, d].
-        q, k, v, window: as given to :func:`sdpa_chunks_forward`.
-        kept: what it kept (nothing).
-        block: the chunk.
-    """
-    del kept
-    q0, q1, k0, k1, first, lo = block
-    qb, kb, vb = (t.detach().requires_grad_() for t in (q[q0:q1], k[k0:k1], v[k0:k1]))
-    with torch.enable_grad():
-        out = chunk_attention(qb, kb, vb, first, lo, window)
-    return torch.autograd.grad(out, (qb, kb, vb), grad[q0:q1])
-
-
-def _parts(first: int, key_start: int, rows: int) -> list[tuple[int, int, bool]]:
-    """``(start, stop, is_causal)`` key ranges, relative to ``key_start``, of one chunk's calls."""
-    prefix = first - key_start
-    return ([(0, prefix, False)] if prefix else []) + [(prefix, prefix + rows, True)]
-
-
-def _heads_first(t: Tensor) -> Tensor:
-    return t.transpose(0, 1).unsqueeze(0)
-
-
-def chunk_forward(q: Tensor, k: Tensor, v: Tensor, first: int, key_start: int = 0) -> tuple[Tensor, Tensor]:
-    """Bottom-right causal attention of one query chunk in at most 2 CPU flash calls; ``(out [C, h, d], lse)``.
-
-    Args:
-        q: the query chunk, [C, h, d], at document positions ``first..first+C-1``.
-        k, v: its keys and values, [S, hkv, d], at positions ``key_start..first+C-1``.
-        first: the document position of the chunk's first query.
-        key_start: the document position of the first key.
-    """
-    qh = _heads_first(q)
-    out = lse = None
-    for a, b, causal in _parts(first, key_start, q.shape[0]):
-        o, s = cpu_flash_attention(qh, _heads_first(k[a:b]), _heads_first(v[a:b]), causal)
-        if out is None:
-            out, lse = o, s
-            continue
-        total = torch.logaddexp(lse, s)  # the kernel's lse is fp32 (fp64 for fp64): merge in it
-        out = (out.to(total.dtype) * (lse - total).exp().unsqueeze(-1)
-               + o.to(total.dtype) * (s - total).exp().unsqueeze(-1)).to(o.dtype)
-        lse = total
-    return out.squeeze(0).transpose(0, 1), lse
-
-
-def chunk_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, first: int,
-                   key_start: int = 0) -> tuple[Tensor, Tensor, Tensor]:
-    """Gradients of q, k, v of :func:`chunk_forward` from its saved output and log-sum-exp.
-
-    Args:
-        grad: the output's gradient, [C, h, d].
-        q, k, v, first, key_start: as given to :func:`chunk_forward`.
-        out, lse: what :func:`chunk_forward` returned.
-    """
-    qh, gh, oh = _heads_first(q), _heads_first(grad.contiguous()), _heads_first(out)
-    dq = torch.zeros_like(qh)
-    dk, dv = torch.empty_like(k), torch.empty_like(v)
-    for a, b, causal in _parts(first, key_start, q.shape[0]):
-        gq, gk, gv = cpu_flash_attention_backward(gh, qh, _heads_first(k[a:b]), _heads_first(v[a:b]), oh, lse,
-                                                  causal)
-        dq += gq
-        dk[a:b] = gk.squeeze(0).transpose(0, 1)
-        dv[a:b] = gv.squeeze(0).transpose(0, 1)
-    return dq.squeeze(0).transpose(0, 1), dk, dv
-
-
-def flash_chunks_forward(q: Tensor, k: Tensor, v: Tensor, blocks: Sequence[Block],
-                         window: int | None) -> tuple[Tensor, tuple[Tensor, ...]]:
-    """Every chunk by :func:`chunk_forward`; keeps the merged output and log-sum-exp for backward.
-
-    Args:
-        q, k, v, blocks: as :func:`sdpa_chunks_forward`'s.
-        window: must be None (the registry serves no window with this kernel).
-    """
-    if window is not None:
-        raise ValueError(f"cpu_flash_chunks runs no sliding window (got {window}); the registry picks sdpa_chunk")
-    parts = [chunk_forward(q[q0:q1], k[k0:k1], v[k0:k1], first, lo) for q0, q1, k0, k1, first, lo in blocks]
-    out, lse = torch.cat([o for o, _ in parts]), torch.cat([s for _, s in parts], dim=-1)
-    return out, (out, lse)
-
-
-def flash_chunk_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, kept: tuple[Tensor, ...], block: Block,
-                         window: int | None) -> tuple[Tensor, Tensor, Tensor]:
-    """One chunk's (dq, dk, dv) from the kept output and log-sum-exp (:func:`chunk_backward`).
-
-    Args:
-        grad, q, k, v, block, window: as :func:`sdpa_chunk_backward`'s.
-        kept: ``(out, lse)`` of :func:`flash_chunks_forward`.
-    """
-    del window
-    out, lse = kept
-    q0, q1, k0, k1, first, lo = block
-    return chunk_backward(grad[q0:q1], q[q0:q1], k[k0:k1], v[k0:k1], out[q0:q1], lse[..., q0:q1].contiguous(),
-                          first, lo)

@@ -19,7 +19,9 @@ from torch import Tensor, nn
 from ..cp_kinds import CP_KINDS, check_bound
 from ..layout import LayoutError
 from ..mesh import LayoutGroups
+from ..models.attention_kernels import chunk_kernel_for
 from .kv_gather import kv_gather_attention
+from .kv_ring import kv_ring_attention
 from .state import ParallelState
 from .ulysses import ulysses_attention
 
@@ -100,10 +102,10 @@ class ParallelCoreAttention:
             raise LayoutError(f"layout {layout}: tp={tp} does not divide the {kv_heads} kv heads of "
                               f"{self.owner}; give its kv projections the role 'replicated_partial'")
         kind = CP_KINDS[layout.cp_kind]
-        scattered = layout.cp_ulysses  # Ulysses' share of cp scatters heads; all-gather-KV splits none
+        scattered = layout.cp_ulysses  # Ulysses' share of cp scatters heads; the KV ring splits none
         if self.context_parallel and kind.scatters_heads and (q_heads // tp) % scattered:
             part = f"the Ulysses part of cp ({scattered} = cp / cp_kv)" if kind.gathers_kv else f"cp={cp}"
-            hint = "" if kind.gathers_kv else "; all-gather-KV ('cp..:kv') does not split heads"
+            hint = "" if kind.gathers_kv else "; the KV kind ('cp..:kv') does not split heads"
             raise LayoutError(f"layout {layout}: {part} does not divide the {q_heads // tp} query heads each "
                               f"tp rank of {self.owner} holds ({q_heads} heads / tp={tp}); Ulysses scatters "
                               f"heads{hint}")
@@ -116,17 +118,22 @@ def _ulysses(wrapper: ParallelCoreAttention, q: Tensor, k: Tensor, v: Tensor, cu
                              wrapper.state.micro_batch, wrapper.owner)
 
 
-def _kv_gather(wrapper: ParallelCoreAttention, q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor,
-               max_seqlen: int, groups: LayoutGroups) -> Tensor:
-    """All-gather-KV (under Ulysses in the hybrid): bottom-right-causal chunks in the chunk kernel the
-    attention-kernel registry sets beside the inner backend."""
-    return kv_gather_attention(q, k, v, cu_seqlens, groups, wrapper.state.micro_batch, wrapper.owner,
-                               window=sliding_window(wrapper.inner), core=wrapper.inner)
+def _kv_ring(wrapper: ParallelCoreAttention, q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor,
+             max_seqlen: int, groups: LayoutGroups) -> Tensor:
+    """The KV ring (under Ulysses in the hybrid): causal blocks in the chunk kernel the attention-kernel
+    registry sets beside the inner backend; beside a Hopper-class backend whose chunk kernel is a packed
+    one (every chunk in one varlen call over gathered keys), the KV gather instead."""
+    window = sliding_window(wrapper.inner)
+    if chunk_kernel_for(wrapper.inner, q, window).packed:
+        return kv_gather_attention(q, k, v, cu_seqlens, groups, wrapper.state.micro_batch, wrapper.owner,
+                                   window=window, core=wrapper.inner)
+    return kv_ring_attention(q, k, v, cu_seqlens, groups, wrapper.state.micro_batch, wrapper.owner,
+                             window=sliding_window(wrapper.inner), core=wrapper.inner)
 
 
 #: each registered cp kind's attention (``lightning_hotspa.cp_kinds``), by its name: ``(wrapper, q, k,
 #: v, cu_seqlens, max_seqlen, groups) -> out``
-CP_ATTENTION = {"ulysses": _ulysses, "kv": _kv_gather, "hybrid": _kv_gather}
+CP_ATTENTION = {"ulysses": _ulysses, "kv": _kv_ring, "hybrid": _kv_ring}
 
 check_bound(CP_ATTENTION, "parallel/core_attention.py's CP_ATTENTION")
 

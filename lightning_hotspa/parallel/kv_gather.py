@@ -1,4 +1,6 @@
-"""All-gather-KV context parallelism, alone (``cp4:kv``) or under Ulysses (the hybrid ``cp8:kv2``).
+"""All-gather-KV context parallelism for the PACKED chunk kernels (beside the Hopper-class documents kernels,
+``models/varlen_kernels.py``; every other chunk kernel runs the KV ring, ``parallel/kv_ring.py``), alone
+(``cp4:kv``) or under Ulysses (the hybrid ``cp8:kv2``).
 
 Why: Ulysses needs cp to divide the heads, repeats kv heads under GQA and runs an all-to-all of
 q, k, v and the output across every cp rank, across nodes when cp spans them. All-gather-KV (the
@@ -45,7 +47,8 @@ from ..models.attention_kernels import AttentionKernel, chunk_kernel_for
 from ..plan import MicroBatch
 from ..shard_rows import all_gather_rows, reduce_scatter_rows
 from .collectives import all_to_all_tokens_to_heads
-from .ulysses import check_micro_batch, exchange_qkv, host_bounds
+from .kv_ring import kv_parts
+from .ulysses import exchange_qkv, host_bounds
 
 __all__ = ["KVGeometry", "kv_geometry", "kv_gather_attention"]
 
@@ -172,33 +175,22 @@ class _KVGatherAttention(torch.autograd.Function):
 def kv_gather_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, groups: LayoutGroups,
                         micro_batch: MicroBatch | None = None, where: str = "context parallel",
                         window: int | None = None, core: object = None) -> Tensor:
-    """Causal document attention for ``groups.layout``'s all-gather-KV / hybrid cp.
+    """Causal document attention for ``groups.layout``'s KV / hybrid cp by all-gather, with a packed chunk kernel.
 
     Args:
-        q, k, v: q [T, h, d] and k / v [T, hkv, d] local rows, as packed for this cp rank.
-        cu_seqlens: this rank's local document boundaries.
-        groups: the active layout's groups (its Ulysses and KV sub-groups of cp).
-        micro_batch: the micro-batch, checked against ``cu_seqlens``.
-        where: the module, for error messages.
-        window: the model's sliding window (None: full causal).
-        core: the model's core attention: the registry's chunk kernel beside it runs the chunks
-            (``models.attention_kernels.chunk_kernel_for``; None: as "auto").
+        q, k, v, cu_seqlens, groups, micro_batch, where, window: as :func:`.kv_ring.kv_ring_attention`'s.
+        core: the model's core attention, beside which the registry sets a PACKED chunk kernel.
     """
-    ulysses, kv = groups.cp_ulysses, groups.cp_kv
-    if ulysses is None or kv is None or ulysses.size * kv.size != groups.cp.size:
-        raise LayoutError(f"{where}: layout {groups.layout} needs its Ulysses and KV sub-groups of cp "
-                          f"(build LayoutGroups with WorldMesh.layout_groups)")
-    check_micro_batch(micro_batch, cu_seqlens, q.shape[0], groups.cp, where)
-    if q.shape[1] % ulysses.size:
-        raise LayoutError(f"{where}: the Ulysses part of cp ({ulysses.size}) does not divide the "
-                          f"{q.shape[1]} local query heads")
-    if window is not None and window < 1:
-        raise LayoutError(f"{where}: sliding window must be >= 1, got {window}")
+    ulysses, kv = kv_parts(q, cu_seqlens, groups, micro_batch, where, window)
     # validated before any collective: a bad micro-batch fails on every rank alike
     geometry = kv_geometry(cu_seqlens, groups.cp.size, ulysses.size, kv.size, kv.index, window, where)
     if ulysses.size > 1:
         q, k, v = exchange_qkv(q, k, v, ulysses)
     if q.shape[1] % k.shape[1]:
         raise LayoutError(f"{where}: {k.shape[1]} kv heads do not divide the {q.shape[1]} query heads")
-    out = _KVGatherAttention.apply(q, k, v, geometry, kv, window, chunk_kernel_for(core, q, window))
+    kernel = chunk_kernel_for(core, q, window)
+    if not kernel.packed:
+        raise LayoutError(f"{where}: the KV gather runs the packed chunk kernels only (got {kernel.name!r}); "
+                          f"the KV ring (parallel/kv_ring.py) runs the others")
+    out = _KVGatherAttention.apply(q, k, v, geometry, kv, window, kernel)
     return all_to_all_tokens_to_heads(out, ulysses) if ulysses.size > 1 else out

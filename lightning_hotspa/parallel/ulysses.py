@@ -29,7 +29,7 @@ from ..mesh import RankGroup
 from ..plan import MicroBatch
 from .collectives import all_to_all_heads_to_tokens, all_to_all_tokens_to_heads, permute_rows
 
-__all__ = ["RowOrder", "check_micro_batch", "exchange_qkv", "row_order", "ulysses_attention"]
+__all__ = ["RowOrder", "check_micro_batch", "chunked_bounds", "exchange_qkv", "row_order", "ulysses_attention"]
 
 
 @dataclass(frozen=True)
@@ -52,15 +52,28 @@ def host_bounds(cu_seqlens: Tensor) -> list[int]:
         return [int(b) for b in cu_seqlens.tolist()]
 
 
-def _build_row_order(cu_seqlens: Tensor, cp: int, where: str) -> RowOrder:
-    cu = cu_seqlens.to(torch.int64)
-    local = cu[1:] - cu[:-1]
+def chunked_bounds(cu_seqlens: Tensor, cp: int, where: str) -> tuple[list[int], list[int]]:
+    """This rank's document bounds and local lengths (host values), each length two equal chunks as the
+    plan packs a cp rank's documents; a clear error otherwise.
+
+    Args:
+        cu_seqlens: this rank's local document boundaries.
+        cp: the cp degree (for the message).
+        where: the module, for error messages.
+    """
     bounds = host_bounds(cu_seqlens)
     lengths = [b - a for a, b in zip(bounds, bounds[1:])]
     if not lengths or min(lengths) < 2 or any(n % 2 for n in lengths):
         raise LayoutError(f"{where}: with cp={cp} every local document must be two equal chunks (the plan "
                           f"splits each padded document in 2*cp), got local lengths {lengths[:8]}; was the "
                           f"micro-batch packed for this cp size?")
+    return bounds, lengths
+
+
+def _build_row_order(cu_seqlens: Tensor, cp: int, where: str) -> RowOrder:
+    cu = cu_seqlens.to(torch.int64)
+    local = cu[1:] - cu[:-1]
+    bounds, lengths = chunked_bounds(cu_seqlens, cp, where)
     tokens = bounds[-1]
     chunk = local // 2
     full_len = local * cp

@@ -7,9 +7,10 @@ CommDebugMode would count those calls but not their bytes).
 
 Received bytes per call (ring algorithms, which is what the volumes mean on real networks):
 all-gather ``(g-1) * input``; reduce-scatter ``(g-1)/g * input``; all-reduce ``2 (g-1)/g * input``;
-all-to-all ``(g-1)/g * input``; broadcast ``input`` on non-source ranks. Calls whose volume is
-not modelled here (barriers, object collectives, reduce / gather / scatter, point-to-point) are
-logged with 0 bytes: they still count, and their ranks say whom they wait for.
+all-to-all ``(g-1)/g * input``; broadcast ``input`` on non-source ranks; a ``batch_isend_irecv`` its
+receives. Calls whose volume is not modelled here (barriers, object collectives, reduce / gather /
+scatter, single point-to-point calls) are logged with 0 bytes: they still count, and their ranks say
+whom they wait for.
 
 Each call also logs the global ranks it synchronises (:attr:`CollectiveLog.ranks`): its process
 group's members (the default group: the whole world), for point-to-point calls this rank and its
@@ -76,11 +77,13 @@ def _received(name: str, args: tuple, kwargs: dict) -> int:
     if name == "broadcast":
         src = kwargs.get("src", args[1] if len(args) > 1 else 0)
         return 0 if dist.get_rank() == src else _nbytes(args[0])
+    if name == "batch_isend_irecv":
+        return sum(_nbytes(op.tensor) for op in args[0] if op.op is dist.distributed_c10d.irecv)
     return 0
 
 
 _WRAPPED = ("all_gather_into_tensor", "all_gather", "reduce_scatter_tensor", "all_reduce",
-            "all_to_all_single", "broadcast",
+            "all_to_all_single", "broadcast", "batch_isend_irecv",
             # counted with 0 bytes: their ranks are what matters (nothing else synchronises silently)
             "barrier", "monitored_barrier", "all_to_all", "reduce_scatter", "reduce", "gather", "scatter",
             "all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list")
@@ -96,6 +99,8 @@ def group_ranks(group) -> tuple[int, ...]:
 
 def _call_ranks(name: str, signature: inspect.Signature, args: tuple, kwargs: dict) -> tuple[int, ...]:
     bound = signature.bind_partial(*args, **kwargs).arguments
+    if name == "batch_isend_irecv":  # this rank and its peers
+        return tuple(sorted({dist.get_rank(), *(int(op.peer) for op in bound["p2p_op_list"])}))
     members = group_ranks(bound.get("group"))
     peer_arg = _POINT_TO_POINT.get(name)
     if peer_arg is None:

@@ -70,8 +70,8 @@ DATA: dict[str, dict[str, Any]] = {
                                                    "long_fraction": 0.05}},
 }
 TOKENS_PER_GPU = 16384
-#: margins ours is also guarded at (issue 38: the derived 0.138 and the earlier 0.147)
-ALT_MARGINS = (0.138, 0.147)
+#: margins ours is also guarded at (issue 38: the derived 0.137 and the earlier 0.147)
+ALT_MARGINS = (0.137, 0.147)
 
 
 def token_batch(data: str, context: int, tokens: int, seed: int) -> np.ndarray:

@@ -122,7 +122,9 @@ def test_hotpath_part_counts_no_host_sync_and_times_the_chunk_kernel(dry_run):
     hotpath = dry_run[1]["parts"]["hotpath"]
     assert hotpath["host_syncs"]["per_step"] == 0, hotpath["host_syncs"]
     chunks = hotpath["kv_chunks"]
-    assert chunks["kernel_calls"] == 2 * chunks["cp"] and chunks["chunks_s"] > 0 and chunks["single_s"] > 0
+    # the ring's blocks: rank r's chunks r and 2cp-1-r see r + 1 and 2cp - r key chunks
+    assert chunks["kernel_calls"] == chunks["cp"] * (2 * chunks["cp"] + 1) and chunks["chunks_s"] > 0
+    assert chunks["single_s"] > 0
 
 
 def test_cp_chunk_part_times_each_chunk_against_the_model(dry_run):
@@ -143,6 +145,12 @@ def test_cp_chunk_part_times_each_chunk_against_the_model(dry_run):
         assert c["predicted_s"] == pytest.approx(per_pair * c["pairs"])
         assert c["measured_over_predicted"] == pytest.approx(c["measured_s"] / c["predicted_s"])
     assert [cell[:2] for cell in summary["cpchunks"]["cells"]] == [[16, 128], [32, 256]]
+    # the ring's block kernel against SDPA's forward and autograd backward (GQA, a window's band masks)
+    ring = chunks["ring_blocks"]
+    assert set(ring) == {"float32 window None", "float32 window 100", "bfloat16 window None", "bfloat16 window 100"}
+    for case, errs in ring.items():
+        worst = max(errs[k] for k in ("out", "dq", "dk", "dv"))
+        assert worst < (1e-5 if case.startswith("float32") else 2e-2), (case, errs)
 
 
 def test_the_hopper_part_says_why_each_kernel_cannot_run_on_cpu(dry_run):

@@ -112,6 +112,8 @@ def _check_hot_path(out: dict) -> None:
     assert beside["dp8"]["in_flight_beside_gemm_MB"] == 0 < beside["dp4xtp2"]["in_flight_beside_gemm_MB"]
     assert set(out["process_groups_per_rank"]) == {"8", "64"} and set(out["process_groups_wide_set"]) == {"64"}
     _finite_positive(out["kv_work_vs_single"])
+    ring = out["cp_exchange_bytes_per_layer"]["tp8xcp8:kv on 64"]  # the KV ring's bytes are what is priced
+    assert ring["ring_bytes"] == sum(ring["cost_model_bytes"].values()) > ring["ring_overlapped"] > 0
 
 
 def _check_memory_peers(out: dict) -> None:
@@ -150,10 +152,11 @@ SMOKE: dict[str, Smoke | Reuse] = {
     "benchmark_hf_load.py": Smoke(["--dir", "hf", "--preset", "tiny", "--ranks", "4", "--layouts", "dp4,dp2xtp2"],
                                   {"params", "per_rank", "max_peak_rss_mib", "checkpoint_mib"}, _check_hf_load),
     "benchmark_hot_path.py": Smoke(["--skip-switch", "--kv-tokens", "256", "--collectives-preset", "tiny",
-                                    "--group-worlds", "8,64"],
+                                    "--group-worlds", "8,64", "--cp-tokens", "2048", "--cp-worlds", "64"],
                                    {"host_syncs_per_micro_batch", "reduce_waits", "kv_attention_calls_per_layer",
                                     "kv_work_vs_single", "collectives_per_step", "process_groups_per_rank",
-                                    "reduce_exposure", "tp_cp_bytes_per_layer"},
+                                    "reduce_exposure", "tp_cp_bytes_per_layer",
+                                    "cp_exchange_bytes_per_layer"},
                                    _check_hot_path),
     "benchmark_memory.py": Smoke(["--rows", "tiny:4", "--layouts", "dp4", "--hardware", "cpu-gloo", "--json"],
                                  {"rows", "max_rel_error", "feasible_rows", "feasible_rows_that_fit"}, _check_memory,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -222,8 +223,14 @@ def test_plan_on_a_corpus_shows_its_tokenizing_progress(monkeypatch, capsys, tmp
     assert json.loads(out.strip().splitlines()[-1])["command"] == "plan"
 
 
-def test_plan_prints_the_blocks_of_a_block_stage(capsys: pytest.CaptureFixture[str]) -> None:
-    """``hotspa plan`` lists each block of a block stage: ranks, layout, copy, micro-batches, seconds."""
+def test_plan_prints_the_blocks_of_a_block_stage(capsys: pytest.CaptureFixture[str], monkeypatch) -> None:
+    """``hotspa plan`` lists each block of a block stage: ranks, layout, copy, micro-batches, seconds. Priced on the
+    all-gather-KV description this batch was chosen under (issue 38): under the KV ring's pricing no ladder wins it
+    (tests/unit/test_ladder.py pins the same description, benchmarks/2026-12-06-kv-ring.md)."""
+    from lightning_hotspa.planner.cost.runtime_profile import HOTSPA, RUNTIME_PROFILES
+
+    earlier = dataclasses.replace(HOTSPA, cp_comm_overlap=False, kv_gather_recomputes_attention=True)
+    monkeypatch.setitem(RUNTIME_PROFILES, "hotspa", earlier)
     code, out, err = run(capsys, "plan", "--model", "llama3-8b", "--world-size", "64", "--hardware", "H100",
                          "--data", "github", "--global-batch-tokens", "4M", "--context", "256K", "--step", "1",
                          "--layouts", "dp16xtp4,dp4xtp4xcp4:kv,dp2xtp4xcp8:kv4,tp4xcp16:kv8", "--ladder", "auto",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 
 from lightning_hotspa.cp_kinds import CP_KINDS, check_bound, kind_of, parse_suffix
@@ -66,7 +67,7 @@ def test_each_kind_issues_collectives_over_its_parts() -> None:
 
 def test_the_cost_model_prices_the_kinds_collectives(monkeypatch: pytest.MonkeyPatch) -> None:
     """The cost model reads a kind's collectives from its record: without them the hybrid costs
-    what the same degrees cost without cp traffic."""
+    what the same degrees cost without cp traffic (its ring re-runs no attention: the same quadratic)."""
     cm = AnalyticCostModel("llama3-8b", "H100", 16)
     lay = Layout.parse("tp2xcp8:kv2")
     with_exchanges = cm.option(lay, False, capacity=65536)
@@ -74,4 +75,34 @@ def test_the_cost_model_prices_the_kinds_collectives(monkeypatch: pytest.MonkeyP
     monkeypatch.setitem(CP_KINDS, "hybrid", dataclasses.replace(record, exchanges=lambda *args: ()))
     without = cm.option(lay, False, capacity=65536)
     assert without.per_micro_batch < with_exchanges.per_micro_batch
-    assert without.linear < with_exchanges.linear and without.quadratic < with_exchanges.quadratic
+    assert without.linear < with_exchanges.linear and without.quadratic == with_exchanges.quadratic
+    assert without.ring_exchange == 0 < with_exchanges.ring_exchange
+
+
+def test_the_ring_is_priced_hidden_behind_attention_where_the_runtime_overlaps_it() -> None:
+    """Ours (HOTSPA: cp_comm_overlap) on H100: a document's ring exchange costs max(0, x s - h s^2) beyond
+    its plain seconds (h: the attention of cp_kv - 1 of its cp_kv ring steps), so a long document hides it
+    and a short one pays it; the last dK / dV shift of each layer stays exposed (in b). Without the overlap
+    (a runtime that waits, or cpu-gloo, where nothing hides) all of it is in b and each ring step is a launch."""
+    from lightning_hotspa.planner.cost.runtime_profile import HOTSPA
+
+    lay = Layout.parse("tp8xcp8:kv")
+    cm = AnalyticCostModel("llama3-8b", "H100", 64)
+    opt = cm.option(lay, False, capacity=1 << 20)
+    ex = CP_KINDS["kv"].exchanges(cm.model, 8, 8, 8)[0]
+    step = ex.width / 8 * cm.param_bytes / 8 / cm.hardware.bandwidth(ex.span, ex.stride)  # one step, per token
+    layers = cm.model.n_layers
+    assert opt.ring_exchange == pytest.approx(3 * 7 * layers * step)
+    attn = cm._attention_seconds(8 * 8 * cm.hardware.shard_efficiency(8, 8))
+    assert opt.ring_hiding == pytest.approx(7 / 8 * attn) and opt.quadratic == pytest.approx(attn)
+    s = np.array([1024.0, 1 << 20])
+    plain = (opt.quadratic * s + opt.linear) * s
+    assert opt.doc_seconds(s) - plain == pytest.approx(np.maximum(0, opt.ring_exchange * s - opt.ring_hiding * s * s))
+    assert opt.doc_seconds(s)[0] > plain[0] and opt.doc_seconds(s)[1] == plain[1]  # short pays, long hides
+    waits = AnalyticCostModel("llama3-8b", "H100", 64, runtime=dataclasses.replace(HOTSPA, cp_comm_overlap=False))
+    exposed = waits.option(lay, False, capacity=1 << 20)
+    assert exposed.ring_exchange == 0 and exposed.linear == pytest.approx(opt.linear + opt.ring_exchange)
+    lat = cm.hardware.latency(ex.span)
+    assert exposed.per_micro_batch - opt.per_micro_batch == pytest.approx(3 * (7 - 1) * layers * lat)
+    gloo = AnalyticCostModel("small", "cpu-gloo", 8).option(Layout.parse("cp8:kv"), False, capacity=4096)
+    assert gloo.ring_exchange == gloo.ring_hiding == 0

@@ -133,7 +133,7 @@ def test_packed_chunks_are_one_call_equal_to_the_per_chunk_kernel(library, famil
 
 def test_the_kv_gather_runs_the_packed_chunks_beside_a_hopper_kernel(library):
     """Beside fa3_varlen the KV gather runs fa3_chunks: one call forward, one in backward, and the same
-    output and gradients as beside sdpa (cp 1 in one process; the chunks' math: the test above)."""
+    output and gradients as the KV ring beside sdpa (cp 1 in one process; the chunks' math: the test above)."""
     import torch.distributed as dist
 
     from lightning_hotspa.layout import Layout
@@ -147,8 +147,10 @@ def test_the_kv_gather_runs_the_packed_chunks_beside_a_hopper_kernel(library):
     assert chunk_kernel_for(KERNELS["cudnn_varlen"].call, q, None).name == "torch_flash_chunks"
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        outs = [kv_gather.kv_gather_attention(q, k, v, mb.cu_seqlens, groups, mb, core=core)
-                for core in (KERNELS["fa3_varlen"].call, sdpa_attention)]
+        from lightning_hotspa.parallel import kv_ring  # beside sdpa the KV ring runs (its CPU block kernel)
+
+        outs = [kv_gather.kv_gather_attention(q, k, v, mb.cu_seqlens, groups, mb, core=KERNELS["fa3_varlen"].call),
+                kv_ring.kv_ring_attention(q, k, v, mb.cu_seqlens, groups, mb, core=sdpa_attention)]
         grad = torch.randn_like(outs[0])
         grads = [torch.autograd.grad(o, (q, k, v), grad) for o in outs]
     finally:

@@ -36,14 +36,23 @@ rows); the cost is padding (``s`` rounded up to ``2*cp``) and communication:
 * Local shapes are smaller than the unsharded ones, so a rank's kernels may run below the
   unsharded efficiency: compute divides by ``tp*cp * hardware.shard_efficiency(tp, cp)`` (a
   measured per-degree curve, recipes/gpu_check.py part (c); 1.0 when the profile has none).
-* CP all-gather-KV (``cp_kv``, :mod:`~lightning_hotspa.parallel.kv_gather`; the hybrid runs Ulysses
-  over ``u = cp / cp_kv`` ranks first, priced as above with ``u``): per layer an all-gather of K and V
-  over the ``cp_kv`` group forward, a re-gather and a reduce-scatter of dK / dV backward (+ a gather
-  with checkpointing); each moves ``(cp_kv-1)`` local K/V slices of ``s/cp`` tokens x ``2 kv_width/tp``.
-  Ours does not save the gathered K/V, so backward recomputes the attention forward: attention FLOPs
-  x 4/3 (``RuntimeProfile.kv_gather_recomputes_attention``; a ring attention that saves its output and
-  log-sum-exp does not). Each kind's collectives are data in its record (:mod:`lightning_hotspa.cp_kinds`,
-  ``CpKind.exchanges``), which this model prices without asking which kind it is.
+* CP KV ring (``cp_kv``, :mod:`~lightning_hotspa.parallel.kv_ring`; the hybrid runs Ulysses over
+  ``u = cp / cp_kv`` ranks first, priced as above with ``u``): per layer ``cp_kv - 1`` ring steps of the
+  local K / V forward, as many of K / V and of dK / dV backward (+ a forward's with checkpointing), each
+  ``s/cp`` tokens x ``2 kv_width/tp`` (the kv heads a rank holds after the Ulysses part repeats them),
+  plus the last dK / dV shift, after the last kernel (exposed). Where the runtime overlaps it
+  (``RuntimeProfile.cp_comm_overlap``, ours) each step's transfer runs under the step's attention, so a
+  document of ``s`` tokens pays ``max(0, x s - h s^2)`` beyond ``a s^2 + b s`` (``OptionCost.ring_exchange``
+  x, ``ring_hiding`` h: the attention of ``cp_kv - 1`` of its ``cp_kv`` steps, x ``hardware.layer_comm_overlap``;
+  one launch per round exposed), as the Ring Attention paper states it (Liu, Zaharia, Abbeel, arXiv
+  2310.01889, §3: the key-value transfer is fully overlapped while a block's compute takes at least as long
+  as its transfer) and Transformer Engine's ``AttnFuncWithCP`` runs it (NeMo's long-sequence rows,
+  priced within 0.97-1.05 of their published tokens/s, recipes/benchmark_published.py); otherwise all
+  of it is in ``b`` and each step a launch. A runtime that gathers K / V without saving them re-runs the
+  attention forward in backward: attention FLOPs x 4/3 (``RuntimeProfile.kv_gather_recomputes_attention``;
+  ours no longer does: backward from the saved output and log-sum-exp). Each kind's collectives are data
+  in its record (:mod:`lightning_hotspa.cp_kinds`, ``CpKind.exchanges``), which this model prices without
+  asking which kind it is.
 * Activation checkpointing (:class:`~lightning_hotspa.activation_checkpointing.Checkpointing`): full recomputes
   each layer's forward, +1/3 of the layers' training FLOPs (and its tp / cp collectives); selective
   recomputes the attention core (the q/k/v projections' GEMMs, rotary, the attention kernel's
@@ -131,6 +140,8 @@ class OptionCost:
     per_micro_batch: float  # d
     stage_fixed: float  # F
     per_document: float = 0.0  # e: fixed seconds per document (0 analytically; e.g. per-document kernels on CPU)
+    ring_exchange: float = 0.0  # x: seconds per padded token of the cp ring's exchange, hidden by attention
+    ring_hiding: float = 0.0  # h: seconds per (padded length)^2 of the attention that hides it
 
     @property
     def key(self) -> tuple[str, Checkpointing]:
@@ -149,9 +160,14 @@ class OptionCost:
         return cp_padded_lengths(lengths, self.layout.cp)
 
     def doc_seconds(self, padded: np.ndarray) -> np.ndarray:
-        """``a s^2 + b s (+ e)`` of each (already padded) document."""
+        """``a s^2 + b s (+ e)`` of each (already padded) document, plus what its cp ring's exchange leaves
+        exposed, ``max(0, x s - h s^2)`` (per document: a micro-batch's documents share the ring steps, so
+        this over-counts a packed micro-batch's exposure, never under-counts it)."""
         s = np.asarray(padded, dtype=np.float64)
-        return (self.quadratic * s + self.linear) * s + self.per_document
+        seconds = (self.quadratic * s + self.linear) * s + self.per_document
+        if self.ring_exchange:
+            seconds = seconds + np.maximum(0.0, (self.ring_exchange - self.ring_hiding * s) * s)
+        return seconds
 
     def balance_cost(self, padded: np.ndarray) -> np.ndarray:
         """Per-document cost for dp balancing: its seconds plus its share of a micro-batch's
@@ -191,10 +207,14 @@ class OptionCost:
         return float(table.max(axis=0).sum())
 
     def with_coefficients(self, quadratic: float, linear: float, per_micro_batch: float,
-                          per_document: float | None = None) -> OptionCost:
+                          per_document: float | None = None, ring_scale: float = 1.0) -> OptionCost:
+        """The option with new coefficients; ``ring_scale`` scales the ring's exposure term (0: fitted
+        coefficients that already hold it)."""
         return dataclasses.replace(self, quadratic=float(quadratic), linear=float(linear),
                                    per_micro_batch=float(per_micro_batch),
-                                   per_document=self.per_document if per_document is None else float(per_document))
+                                   per_document=self.per_document if per_document is None else float(per_document),
+                                   ring_exchange=self.ring_exchange * ring_scale,
+                                   ring_hiding=self.ring_hiding * ring_scale)
 
 
 #: names this argument took before the attention-kernel registry (a clear error names the new one)
@@ -276,7 +296,7 @@ class AnalyticCostModel(MemoryModel):
         return par
 
     # ------------------------------------------------------------------ time
-    def _coefficients(self, par: Layout, ac: Checkpointing | bool) -> tuple[float, float, float]:
+    def _coefficients(self, par: Layout, ac: Checkpointing | bool) -> tuple[float, float, float, float, float]:
         m, hw = self.model, self.hardware
         mode = Checkpointing.parse(ac)
         full = mode is Checkpointing.FULL
@@ -307,22 +327,33 @@ class AnalyticCostModel(MemoryModel):
             else:  # on a CPU (gloo) group the re-gathers ride in the input gradients' reduce-scatters
                 d += (paired + alone - (regather * layers if hw.device_type == "cpu" else 0.0)) * lat
         # ---- context parallelism: the collectives its kind issues per layer (cp_kinds.py) ----
+        ring_x = ring_h = 0.0
         for ex in CP_KINDS[par.cp_kind].exchanges(m, par.tp, par.cp, par.cp_kv):
             bw, lat = hw.bandwidth(ex.span, ex.stride), hw.latency(ex.span)
             per_token = ex.width / par.tp * self.param_bytes / par.cp  # this rank's tokens and head slice
             rounds = ex.rounds + (ex.recompute_rounds if mode else 0)  # (either checkpointing mode)
-            b += self._exposed(self.runtime.cp_comm_overlap) * rounds * layers * ex.steps / ex.per * per_token / bw
-            d += rounds * ex.calls * layers * lat
+            seconds = rounds * layers * ex.steps / ex.per * per_token / bw
+            b += ex.tail * layers * per_token / bw  # after the last kernel: exposed
+            d += ex.tail * layers * lat
+            hidden = ex.ring and self.runtime.cp_comm_overlap and hw.layer_comm_overlap > 0
+            if hidden:  # each ring step's transfer runs under the step's attention: max(0, x s - h s^2)
+                ring_x += seconds
+                ring_h += hw.layer_comm_overlap * ex.steps / ex.ranks * attn
+            else:
+                b += seconds
+            # launches: a hidden ring exposes one per round (the later ones are posted under attention)
+            d += rounds * (ex.steps if ex.ring and not hidden else ex.calls) * layers * lat
             if ex.recomputes_attention and self.runtime.kv_gather_recomputes_attention:  # backward re-runs
                 recompute_attn = 1.0 / 3.0  # the attention forward (K / V not saved)
                 a += attn * recompute_attn / recompute
                 b += attn * recompute_attn / recompute
+                ring_h += hw.layer_comm_overlap * attn * recompute_attn / recompute if hidden else 0.0
         # ---- end context parallelism ----
         if par.pp > 1:  # activations across each stage boundary, forward and backward
             bw = hw.bandwidth(self.world_size)
             b += 2.0 * m.hidden * self.param_bytes / (par.tp * par.cp) / bw
             d += 2.0 * hw.latency(self.world_size)
-        return a, b, d
+        return a, b, d, ring_x, ring_h
 
     def _attention_seconds(self, div: float) -> float:
         """Attention seconds per squared document length on one rank (fwd + bwd) with the runtime's
@@ -462,11 +493,12 @@ class AnalyticCostModel(MemoryModel):
         activation_checkpointing = Checkpointing.parse(activation_checkpointing)
         if activation_checkpointing is Checkpointing.SELECTIVE and par.fsdp:
             raise CostModelError(f"{par}: selective checkpointing is not built for sharded working copies")
-        a, b, d = self._coefficients(par, activation_checkpointing)
+        a, b, d, ring_x, ring_h = self._coefficients(par, activation_checkpointing)
         cap = self.capacity(par, activation_checkpointing) if capacity is None else int(capacity)
         if par.fsdp:
             b, d = self._fsdp_exposed(par, activation_checkpointing, cap, b, d)
-        return OptionCost(par, activation_checkpointing, cap, a, b, d, self.grad_reduce_seconds(par))
+        return OptionCost(par, activation_checkpointing, cap, a, b, d, self.grad_reduce_seconds(par),
+                          ring_exchange=ring_x, ring_hiding=ring_h)
 
     # ------------------------------------------------------------------ switches
     def _working_shards(self, par: Layout | None) -> int:

@@ -16,6 +16,7 @@ from typing import Any
 from ...cp_kinds import check_bound
 from ...layout import Layout
 from .kv_gather_memory import _local_kv_heads, kv_gather_extra_bytes
+from .kv_ring_memory import kv_ring_extra_bytes
 
 __all__ = ["CpMemoryTerms", "MEMORY_TERMS"]
 
@@ -28,7 +29,7 @@ class CpMemoryTerms:
         saved: ``(memory model, par) -> bytes`` per token per layer one rank's attention saves for
             backward under ``par`` (cp > 1; without cp the memory model's own term).
         extra: ``(memory model, par, tokens, recomputed) -> bytes`` of per-layer transients beyond
-            what is freed by then (:func:`~.kv_gather_memory.kv_gather_extra_bytes`); None: it has none,
+            what is freed by then (:func:`~.kv_ring_memory.kv_ring_extra_bytes`); None: it has none,
             so a token capacity is the closed-form bound (with one, it is bisected).
     """
 
@@ -45,11 +46,11 @@ def _ulysses_saved(mm: Any, par: Layout) -> float:
     return wb * (3 * a / (tp * cp) + 2 * _local_kv_heads(m, par) * m.head_dim) + state
 
 
-def _kv_gather_saved(mm: Any, par: Layout) -> float:
+def _kv_ring_saved(mm: Any, par: Layout) -> float:
     """q, its LOCAL k / v and wo's input (its own output, or in the hybrid the Ulysses output, which
-    replaces it), no log-sum-exp (its kernels run inside its own autograd function, recomputed in
-    backward) unless the chunk kernel keeps it (``chunks.saves_lse``), and in the hybrid the chunks'
-    output before the exchange back when the kernel keeps it (``chunks.saves_output``)."""
+    replaces it), the merged log-sum-exp when the block kernel keeps it (``chunks.saves_lse``; both
+    do: the ring's backward runs from it), and in the hybrid the merged output before the exchange back
+    (``chunks.saves_output``)."""
     m, wb, a, tp, cp = mm.model, mm.param_bytes, mm.attn_width, par.tp, par.cp
     kv_local = _local_kv_heads(m, par) * par.cp_ulysses * tp * m.head_dim  # full-width units
     kept = (4.0 * m.n_heads if mm.chunks.saves_lse else 0.0) \
@@ -57,11 +58,17 @@ def _kv_gather_saved(mm: Any, par: Layout) -> float:
     return (wb * (2 * a + 2 * kv_local) + kept) / (tp * cp)
 
 
+def _kv_extra(mm: Any, par: Layout, tokens: int, recomputed: float = 0.0) -> float:
+    """The KV ring's transient, or the KV gather's where the chunk kernel is a packed one (it gathers)."""
+    extra = kv_gather_extra_bytes if mm.chunks.packed else kv_ring_extra_bytes
+    return extra(mm, par, tokens, recomputed)
+
+
 #: every registered cp kind's memory terms by its name
 MEMORY_TERMS: dict[str, CpMemoryTerms] = {
     "ulysses": CpMemoryTerms(_ulysses_saved),
-    "kv": CpMemoryTerms(_kv_gather_saved, kv_gather_extra_bytes),
-    "hybrid": CpMemoryTerms(_kv_gather_saved, kv_gather_extra_bytes),
+    "kv": CpMemoryTerms(_kv_ring_saved, _kv_extra),
+    "hybrid": CpMemoryTerms(_kv_ring_saved, _kv_extra),
 }
 
 check_bound(MEMORY_TERMS, "planner/cost/cp_memory.py's MEMORY_TERMS")

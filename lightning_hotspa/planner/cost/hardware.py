@@ -175,12 +175,12 @@ _AMPERE = dict(peak_flops=312e12, dense_efficiency=0.824, gemm_half_width=746.0,
                attention_kernels=(("fa2", 128, 0.310),))
 _AMPERE_NOTE = "bf16 dense peak 312 TFLOP/s (NVIDIA A100 data sheet). " + _FIT.format(e=0.824, hh=746, a=0.310)
 _HOPPER = dict(peak_flops=989e12, dense_efficiency=0.507, gemm_half_width=476.0, attention_efficiency=0.175,
-               attention_kernels=(("fa2", 128, 0.175), ("cudnn", 128, 0.571), ("fa3", 128, 0.628)))
+               attention_kernels=(("fa2", 128, 0.175), ("cudnn", 128, 0.585), ("fa3", 128, 0.644)))
 _HOPPER_NOTE = ("bf16 dense peak 989 TFLOP/s (NVIDIA H100 SXM data sheet). " + _FIT.format(e=0.507, hh=476, a=0.175)
-                + "cuDNN fused attention (Transformer Engine) at head dim 128: 0.571 of peak, fitted with TE's FP8 "
+                + "cuDNN fused attention (Transformer Engine) at head dim 128: 0.585 of peak, fitted with TE's FP8 "
                 "GEMM rate on every other row of NeMo's LLAMA2-7B H100 long-sequence table (4K-512K tokens, "
                 "local chunks 4K-32K query rows; recipes/benchmark_published.py). FlashAttention-3 at head dim 128: "
-                "0.628 = the cuDNN value x 1.10, FA3 over cuDNN forward + backward at 8K-16K tokens in the FA3 paper "
+                "0.644 = the cuDNN value x 1.10, FA3 over cuDNN forward + backward at 8K-16K tokens in the FA3 paper "
                 "(Shah et al. 2024, arXiv 2407.08608, Figures 5 and 6, H100 SXM5, head dim 128: forward causal 602 / "
                 "616 vs 529 / 539 TFLOP/s, backward 559 / 561 vs 518 / 516; backward counted 2.5x the forward FLOPs: "
                 "571 / 576 vs 521 / 522); FA3 / cuDNN is 1.04 at 1K, 1.08 at 2K, 1.09 at 4K, so the entry holds for "

@@ -13,7 +13,7 @@ from typing import Any
 
 from ...layout import Layout
 
-__all__ = ["kv_gather_extra_bytes"]
+__all__ = ["in_flight_and_freed", "kv_gather_extra_bytes"]
 
 
 def _local_kv_heads(m: Any, par: Layout) -> int:
@@ -44,18 +44,25 @@ def kv_gather_extra_bytes(mm: Any, par: Layout, tokens: int, recomputed: float =
     if tokens <= 0:
         return 0.0
     m, wb, t = mm.model, mm.param_bytes, float(tokens)
-    h, a = m.hidden, mm.attn_width
     gathered = (3.0 * wb + 8.0) * 2 * _local_kv_heads(m, par) * m.head_dim * t
     if mm.chunks.packed:  # one packed call: every chunk's key range copied (u x (2cp+1)/2cp of the rows) and
         # its gradient, plus the packing's full-size gradient (a count of the tensors, not measured: no GPU)
         copies = par.cp_ulysses * (2 * par.cp + 1) / (2 * par.cp)
         gathered += wb * (2.0 * copies + 1.0) * 2 * _local_kv_heads(m, par) * m.head_dim * t
-    # sequence parallel: the residual-stream gradient and the norms hold this rank's 1/tp of the tokens
-    in_flight = (2.0 * wb * a + 4.0 * h) / (par.tp * par.cp) * t
-    transient = gathered + in_flight + recomputed * t
+    return max(0.0, gathered + (in_flight_and_freed(mm, par) + recomputed) * t)
+
+
+def in_flight_and_freed(mm: Any, par: Layout) -> float:
+    """Bytes per token of a layer's gradients in flight at its attention backward (dq, d out and the fp32
+    residual-stream gradient: 1/tp of the tokens under sequence parallelism, as the norms), less what is
+    freed by then (the loss head's transients and per-token state, the final norm, this layer's ffn side,
+    wo's saved input): the KV gather's and the KV ring's transients count only beyond it."""
+    m, wb = mm.model, mm.param_bytes
+    h, a = m.hidden, mm.attn_width
+    in_flight = (2.0 * wb * a + 4.0 * h) / (par.tp * par.cp)
     norm = mm.norm_bytes_per_token() / par.tp
     head_input = wb * h * (1.0 - 1.0 / par.tp)  # the head keeps its input gathered over tp
     freed = (norm + head_input + mm.head_state_bytes) / par.cp + mm.logits_bytes_per_token(par.tp, par.cp)
     freed += norm / par.cp + 2.0 * wb * m.ffn_hidden / (par.tp * par.cp)  # this layer's ffn side
     freed += wb * a / (par.tp * par.cp)  # wo's saved input
-    return max(0.0, transient - freed * t)
+    return in_flight - freed

@@ -79,7 +79,7 @@ class MemoryModel:
     #: (``models.attention_kernels``; the cost model sets them)
     attention: Any
     chunks: Any
-    #: the loss head's per-token state (:data:`HEAD_STATE_BYTES`; read by :mod:`.kv_gather_memory`)
+    #: the loss head's per-token state (:data:`HEAD_STATE_BYTES`; read by :mod:`.kv_ring_memory`)
     head_state_bytes: float = HEAD_STATE_BYTES
 
     # What our runtime holds per rank, term by term; checked against the real code path under
@@ -243,13 +243,13 @@ class MemoryModel:
         the memory estimator, ``hotspa memory``); ``mixed_tp``: as a block of a mixed-tp stage."""
         mem = self.memory(par, activation_checkpointing, mixed_tp)
         quadratic = self.attention_quadratic_bytes(par) * float(tokens) ** 2  # one document: the worst
-        kv = self.kv_gather_extra_bytes(par, activation_checkpointing, tokens)
+        kv = self.kv_ring_extra_bytes(par, activation_checkpointing, tokens)
         return mem.peak(tokens, quadratic) + kv
 
-    def kv_gather_extra_bytes(self, par: Layout, activation_checkpointing: Checkpointing | bool,
+    def kv_ring_extra_bytes(self, par: Layout, activation_checkpointing: Checkpointing | bool,
                               tokens: int) -> float:
         """The cp kind's per-layer transients beyond what is freed by then (``CpMemoryTerms.extra``:
-        the all-gather-KV / hybrid ones, :mod:`.kv_gather_memory`; 0 for Ulysses or no cp); under
+        the KV ring / hybrid ones, :mod:`.kv_ring_memory`; 0 for Ulysses or no cp); under
         selective checkpointing the layer's recomputed q / k / v are alive again during its backward."""
         mode = Checkpointing.parse(activation_checkpointing)
         extra = MEMORY_TERMS[par.cp_kind].extra

@@ -31,7 +31,7 @@ SELECTIVE_POLICIES = ("none", "core-attention", "every-other-mm")
 
 
 #: NeMo / Transformer Engine FP8 linears over bf16 on H100: the fit of recipes/benchmark_published.py
-NEMO_TE_FP8_GEMM_SPEEDUP = 1.745
+NEMO_TE_FP8_GEMM_SPEEDUP = 1.746
 
 #: torchao.float8's training recipes (``Float8LinearConfig.from_recipe_name``; dynamic scaling)
 FP8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
@@ -67,7 +67,8 @@ class RuntimeProfile:
     backward computes; False: the backward waits for it); ``dp_reduce_overlap`` (the replicated
     gradient reduction runs inside the last micro-batch's backward, bucket by bucket);
     ``tp_comm_overlap`` (tensor-parallel collectives overlapped with GEMMs, async TP);
-    ``cp_comm_overlap`` (context-parallel exchanges overlapped with attention, as ring attention);
+    ``cp_comm_overlap`` (a ring cp exchange's steps hidden behind each ring step's attention, as ring
+    attention runs them: ``Exchange.ring``; Ulysses all-to-alls are never overlapped);
     ``attention_kernel`` (one of :data:`ATTENTION_KERNELS`, the kernel its GPU rows run);
     ``selective_recompute`` (one of :data:`SELECTIVE_POLICIES`: what its selective checkpointing
     recomputes); ``optimizer_bytes_per_param`` (HBM bytes its optimizer step moves per parameter a
@@ -150,7 +151,7 @@ class RuntimeProfile:
 #: OUR runtime on this commit (engine/fsdp.py, engine/switch.py, parallel/*); update it with the runtime.
 HOTSPA = RuntimeProfile(
     name="hotspa", fsdp_gather_prefetch=True, fsdp_recompute_gather_prefetch=False,
-    fsdp_reduce_scatter_overlap=True, dp_reduce_overlap=True, tp_comm_overlap=True, cp_comm_overlap=False,
+    fsdp_reduce_scatter_overlap=True, dp_reduce_overlap=True, tp_comm_overlap=True, cp_comm_overlap=True,
     attention_kernel="fa2", selective_recompute="none", optimizer_bytes_per_param=28.0,
     source="engine/fsdp.py: a unit's forward starts the next unit's all-gather asynchronously and each "
     "backward re-gather starts the previous one's (one in flight); a checkpointed unit's recompute gathers "
@@ -162,8 +163,8 @@ HOTSPA = RuntimeProfile(
     "(parallel/regions.py, parallel/row_scatter.py, group_collectives.py; on by default): a column region's "
     "token all-gather runs with its readers' GEMMs and a row-parallel output's reduce-scatter with its GEMM "
     "(torch.ops.symm_mem fused_all_gather_matmul / fused_matmul_reduce_scatter on NCCL, never run on a GPU "
-    "yet; a ring of tp - 1 send / receive steps on gloo), backward the conjugates; Ulysses / KV-gather "
-    "exchanges run synchronously between the kernels. models/attention.py: 'auto' on "
+    "yet; a ring of tp - 1 send / receive steps on gloo), backward the conjugates; Ulysses all-to-alls "
+    "run synchronously between the kernels. models/attention.py: 'auto' on "
     "CUDA bf16 takes flash-attn's varlen kernel (FlashAttention-2; FA3 / FA4 first where installed, "
     "models/attention_kernels.py, priced only as an option a user turns on). parallel/sequence_parallel.py: tp is "
     "sequence parallel; q/k/v and w1/w3 keep their input's token shard and all-gather it again in backward "
@@ -171,9 +172,11 @@ HOTSPA = RuntimeProfile(
     "input-gradient reduce-scatter). "
     "No selective checkpointing. Optimizer: torch Adam on the fp32 home shard (reads gradient, weight, m, v; "
     "writes weight, m, v: 28 B per parameter; not in the planner's prices: the same for every plan). "
-    "parallel/kv_gather.py: the gathered K / V are not saved; backward re-gathers and re-runs each chunk's "
-    "attention forward.",
-    tp_regather=True, kv_gather_recomputes_attention=True,
+    "parallel/kv_ring.py: the KV kinds pass K / V around the KV group's ring, each step's transfer posted "
+    "(batch_isend_irecv) before the step's block attention and waited after it, dK / dV passed around the ring "
+    "the same way in backward (cp_comm_overlap); backward runs from the saved output and log-sum-exp, no "
+    "attention forward again (kv_gather_recomputes_attention False).",
+    tp_regather=True, kv_gather_recomputes_attention=False,
     # no FP8 linears in our runtime yet (issue 51 item 3): no FP8 rate until the code path exists
     compile_speedup=TORCHTITAN_COMPILE_SPEEDUP, fp8_recipe_speedups=(),
 )
@@ -181,8 +184,8 @@ HOTSPA_OPTIONS_NOTE = (
     "Priced only where the user turns them on (not in the planner's default prices): strategy.compile_blocks "
     "(inductor per transformer block) at torchtitan's compile rate (the same per-block inductor compile, "
     "TORCHTITAN_COMPILE_SPEEDUP: ASSUMED equal, never run on a GPU here); FP8 linears: none (no FP8 code path "
-    "yet; torchao's rates, TORCHAO_FP8_RATES, are priced for the peers only); attention_backend fa3_varlen / fa4_varlen / cudnn_varlen at the "
-    "hardware profile's efficiency of that kernel (planner/cost/hardware.py).")
+    "yet; torchao's rates, TORCHAO_FP8_RATES, are priced for the peers only); attention_backend fa3_varlen / "
+    "fa4_varlen / cudnn_varlen at the hardware profile's efficiency of that kernel (planner/cost/hardware.py).")
 
 RUNTIME_PROFILES: dict[str, RuntimeProfile] = {
     "hotspa": HOTSPA,

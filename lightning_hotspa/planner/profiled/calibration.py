@@ -166,12 +166,14 @@ def fit_option(observations: Sequence[Observation]) -> tuple[float, float, float
 
 
 def apply_coefficients(option: OptionCost, scale: float, fitted: Mapping[OptionKey, Coefficients]) -> OptionCost:
-    """``option`` with its fitted coefficients, or its analytic ones times ``scale`` when it has none."""
+    """``option`` with its fitted coefficients, or its analytic ones times ``scale`` when it has none (a fit
+    measured the cp ring's exposure into its coefficients: the analytic ring term is dropped; the scale's
+    observations leave it out, ``predict``: it is 0 wherever nothing overlaps, as on cpu-gloo)."""
     key = (option.layout, option.activation_checkpointing)
     if key in fitted:
-        return option.with_coefficients(*fitted[key])
+        return option.with_coefficients(*fitted[key], ring_scale=0.0)
     return option.with_coefficients(option.quadratic * scale, option.linear * scale, option.per_micro_batch * scale,
-                                    option.per_document * scale)
+                                    option.per_document * scale, ring_scale=scale)
 
 
 # ------------------------------------------------------------------------------------------ state
