@@ -158,6 +158,19 @@ def test_explores_within_the_budget_and_finds_the_true_best_static(horizon):
     assert all(step(off, clock, t, cands).run == "S0" for t in range(50)) and off.explored_steps == 0
 
 
+@pytest.mark.parametrize("horizon,budget", [(None, 0.01), (200, 0.002)])
+def test_exploration_spends_at_most_the_budget(horizon, budget):
+    """The model is right (no surprise): at every step, what exploration was charged is within the budget."""
+    cands = [Candidate(f"S{i}", {f"S{i}": 10.0 + 0.5 * i}, True) for i in range(30)]
+    clock = Clock({}, noise=0.0)
+    guard = MeasuredGuard(MeasuredCorrection(noise_sd=0.02), budget=budget, horizon=horizon, reference="S0")
+    for t in range(200):
+        assert step(guard, clock, t, cands).exploit == "S0"  # nothing measures faster: the reference stays
+        total = guard.elapsed if horizon is None else max(guard.elapsed, 10.0 * horizon)
+        assert guard.spent <= budget * total + 1e-9, t
+    assert guard.explored_steps >= 2
+
+
 def test_resumed_state_gives_the_same_decisions():
     cands, _ = many_statics(11)
     cands.append(Candidate("multi", {"S1": 4.6, "S5": 4.8}, False))
@@ -165,9 +178,9 @@ def test_resumed_state_gives_the_same_decisions():
     def clock() -> Clock:
         return Clock(many_statics(11)[1].factors, noise=0.05, seed=5)
 
-    first, c1 = MeasuredGuard(MeasuredCorrection(noise_sd=0.05), budget=0.03, horizon=200), clock()
+    first, c1 = MeasuredGuard(MeasuredCorrection(noise_sd=0.05), budget=0.01), clock()
     full = [step(first, c1, t, cands) for t in range(80)]
-    second, c2 = MeasuredGuard(MeasuredCorrection(noise_sd=0.05), budget=0.03, horizon=200), clock()
+    second, c2 = MeasuredGuard(MeasuredCorrection(noise_sd=0.05), budget=0.01), clock()
     for t in range(40):
         step(second, c2, t, cands)
     resumed = MeasuredGuard()
