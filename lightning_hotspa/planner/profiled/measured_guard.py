@@ -116,7 +116,8 @@ class MeasuredGuard:
         usable = [c for c in candidates if c.usable]
         statics = [c for c in usable if c.static]
         if len({c.name for c in candidates}) != len(candidates):
-            raise ValueError(f"MeasuredGuard.decide: candidate names must be unique, got {[c.name for c in candidates]}")
+            raise ValueError(f"MeasuredGuard.decide: candidate names must be unique, got "
+                             f"{[c.name for c in candidates]}")
         if not statics:
             raise ValueError(f"MeasuredGuard.decide: step {step} has no usable static candidate (the fallback); "
                              f"got {[c.name for c in candidates]}")
@@ -183,7 +184,8 @@ class MeasuredGuard:
                 self.banned_until = decision.step + 1 + self.cooldown
                 self.slow_steps = 0
                 lines.append(f"step {decision.step}: multi-layout plan {decision.run} measured slower than static "
-                             f"{decision.reference} for {self.drift_steps} steps: dropped until step {self.banned_until}")
+                             f"{decision.reference} for {self.drift_steps} steps: dropped until step "
+                             f"{self.banned_until}")
         self.log.extend(lines)
         return lines
 
