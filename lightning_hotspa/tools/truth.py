@@ -5,8 +5,9 @@ each (layout, checkpointing) option's true seconds are the model's times ``exp(e
 per option (``s`` = :data:`TRUTH_SD`, so ``E|e_i - e_j| = 0.13``, the guard margin's published
 between-layout error), and every measurement is the true time times per-stage noise ``exp(N(0, n))``
 (:data:`NOISE`: 0.02 a GPU, 0.10 a shared CPU box). Per cell a fixed pool of batches is priced ONCE
-(:func:`price_cell`: each batch's model-only guarded plan, its pre-guard multi-layout plan and every
-static layout's plan, as predicted seconds per option); then per draw of the truth, 200 steps drawn
+(:func:`price_cell`: each batch's model-only guarded plan, the cheapest multi-layout plan the solver
+priced (``last_multi_layout``; the pre-guard plan where none) and every static layout's plan, as
+predicted seconds per option); then per draw of the truth, 200 steps drawn
 from the pool run (:func:`run_draw`), priced in TRUE time (noise only in what is measured):
 
 * ``model_only``: today's planner (the cost model and the fixed margin guard);
@@ -66,8 +67,9 @@ def plan_seconds(planner: CostModelPlanner, lengths: np.ndarray, solution: tuple
 
 def price_cell(model: str, gpus: int, context: int, data: str, hardware: str, pool: int = 6, seed: int = 0,
                margin: float = DEFAULT_STATIC_MARGIN) -> dict[str, Any]:
-    """Prices a cell's pool of batches once: per batch the model-only guarded plan, its multi-layout plan
-    before the guard, and every static layout's plan (the long grid's candidates and statics)."""
+    """Prices a cell's pool of batches once: per batch the model-only guarded plan, the cheapest
+    multi-layout plan the solver priced, and every static layout's plan (the long grid's candidates and
+    statics)."""
     cm = AnalyticCostModel(model, hardware, gpus)
     tokens = max(TOKENS_PER_GPU * gpus, 2 * context)
     out: dict[str, Any] = {"cell": cell_name({"model": model, "gpus": gpus, "context": context, "data": data,
@@ -91,7 +93,7 @@ def price_cell(model: str, gpus: int, context: int, data: str, hardware: str, po
     for k, lengths in enumerate(batches):
         chosen = planner.solve(lengths)
         priced.append({"model_only": plan_seconds(planner, lengths, chosen),
-                       "multi": plan_seconds(planner, lengths, planner.last_multi),
+                       "multi": plan_seconds(planner, lengths, planner.last_multi_layout or planner.last_multi),
                        "statics": {p.name: static_plans[p][k] for p in statics}})
     return {**out, "feasible": True, "layouts": [x.name for x in layouts], "model_static": model_static.name,
             "batches": priced}
