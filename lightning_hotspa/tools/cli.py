@@ -270,6 +270,8 @@ def _cmd_simulate(args: argparse.Namespace) -> dict[str, Any]:
     args.hardware = args.hardware or "A800-80G"
     if args.grid != "paper":
         return _cmd_long_grid(args)
+    if args.truth is not None:
+        raise CliError(f"--truth {args.truth}: the ground truth runs on --grid long or --grid smoke, not paper")
     from .simulate import GRID, simulate_grid
 
     grid = dict(GRID)

@@ -51,3 +51,5 @@ def test_cli_truth_bad_inputs(capsys):
     assert cli.main(["simulate", "--grid", "smoke", "--truth", "perturbed", "--budget", "2"]) == 2
     assert "--budget must be in [0, 1), got 2.0" in capsys.readouterr().err
     assert cli.main(["simulate", "--grid", "smoke", "--truth", "perturbed", "--breakdown"]) == 2
+    assert cli.main(["simulate", "--truth", "perturbed"]) == 2
+    assert "runs on --grid long or --grid smoke, not paper" in capsys.readouterr().err
