@@ -42,7 +42,7 @@ from .long_grid import TOKENS_PER_GPU, cell_name, token_batch, with_layout
 from .progress import progress
 from .simulate import geometric_mean
 
-__all__ = ["NOISE", "TRUTH_SD", "plan_seconds", "price_cell", "run_draw", "summarize", "truth_grid"]
+__all__ = ["NOISE", "TRUTH_SD", "plan_seconds", "price_cell", "print_truth", "run_draw", "summarize", "truth_grid"]
 
 #: per-option sd of the true log error: E|e_i - e_j| = 2 s / sqrt(pi) = 0.13 (the published held-out 0.129)
 TRUTH_SD = 0.115
