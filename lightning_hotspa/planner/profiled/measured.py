@@ -12,7 +12,7 @@ prior mean is the mean correction of the options that ran (one factor everywhere
 The prior sd comes from the guard's margin (:data:`~..solve.static_guard.DEFAULT_STATIC_MARGIN`, the
 mean held-out between-layout error of published runs, ``exp(E|e_i - e_j|) - 1``): for iid
 ``e ~ N(0, s^2)``, ``E|e_i - e_j| = 2 s / sqrt(pi)``, so ``s = ln(1 + margin) * sqrt(pi) / 2``
-(:func:`prior_sd_from_margin`, 0.112 at 0.135). :data:`GAP_Z` makes the guard's threshold the expected
+(:func:`prior_sd_from_margin`, 0.112 at 0.135, 0.114 at 0.137). :data:`GAP_Z` makes the guard's threshold the expected
 absolute error of a plan gap, ``sqrt(2/pi)`` sds: at the prior, two one-option plans need exactly the
 fixed margin (the margin survives only as the prior).
 
