@@ -270,6 +270,8 @@ def _cmd_simulate(args: argparse.Namespace) -> dict[str, Any]:
     args.hardware = args.hardware or "A800-80G"
     if args.grid != "paper":
         return _cmd_long_grid(args)
+    if args.truth is not None:
+        raise CliError(f"--truth {args.truth}: the ground truth runs on --grid long or --grid smoke, not paper")
     from .simulate import GRID, simulate_grid
 
     grid = dict(GRID)
@@ -303,6 +305,17 @@ def _cmd_long_grid(args: argparse.Namespace) -> dict[str, Any]:
 
     if args.margin is not None and not 0 <= args.margin < 10:
         raise CliError(f"--margin must be in [0, 10), got {args.margin}")
+    if args.truth is not None:
+        from .truth import print_truth, truth_grid
+
+        if args.breakdown or args.margin is not None:
+            raise CliError("--truth prices its own plans at the default margin: drop --breakdown / --margin")
+        if not 0 <= args.budget < 1:
+            raise CliError(f"--budget must be in [0, 1), got {args.budget}")
+        result = truth_grid(LONG_GRID if args.grid == "long" else SMOKE_GRID, args.noise, args.draws, args.steps,
+                            args.pool, args.seed, args.budget, args.cells)
+        print_truth(result)
+        return {"command": "simulate", "grid": args.grid, **result}
     result = long_grid(LONG_GRID if args.grid == "long" else SMOKE_GRID, args.batches, args.seed, args.margin,
                        breakdown=args.breakdown)  # margin None: the planner's default
     print_long_grid(result)
@@ -556,6 +569,14 @@ def build_parser() -> argparse.ArgumentParser:
                      help="--grid long/smoke: the planner's static_margin (default: its own, DEFAULT_STATIC_MARGIN "
                      "of planner/solve/static_guard.py)")
     sim.add_argument("--breakdown", action="store_true", help="--grid long/smoke: the oracle ladder (oracles.py)")
+    sim.add_argument("--truth", choices=("perturbed",), default=None, help="--grid long/smoke: a ground truth per "
+                     "option (tools/truth.py): model-only vs measured planner vs the true oracle")
+    sim.add_argument("--noise", choices=("gpu", "cpu"), default="gpu", help="--truth: the headline noise setting")
+    sim.add_argument("--draws", type=_positive, default=5, help="--truth: truth draws per cell")
+    sim.add_argument("--steps", type=_positive, default=200, help="--truth: steps per cell and draw")
+    sim.add_argument("--pool", type=_positive, default=6, help="--truth: priced batches per cell")
+    sim.add_argument("--cells", type=_positive, default=None, help="--truth: only the grid's first N cells")
+    sim.add_argument("--budget", type=float, default=0.03, help="--truth: exploration budget (share of seconds)")
     sim.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     cal = sub.add_parser("calibrate", help="measure the cpu-gloo profile on local gloo ranks")
     cal.add_argument("--ranks", type=_positive, default=4, help="local gloo ranks to measure on")

@@ -1,0 +1,205 @@
+"""Issue 53: the measured correction and the guard by measurement, on a controlled clock.
+
+The clock is injected: each option's true seconds are its predicted seconds times a factor the test
+sets (and may change mid-run), times optional seeded noise. No timing is read from the machine."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from lightning_hotspa.planner.profiled.measured import GAP_Z, MeasuredCorrection, prior_sd_from_margin
+from lightning_hotspa.planner.profiled.measured_guard import Candidate, MeasuredGuard, expected_gain
+from lightning_hotspa.planner.solve.static_guard import DEFAULT_STATIC_MARGIN
+
+pytestmark = pytest.mark.fast
+
+
+class Clock:
+    """Measured stage seconds: predicted x the option's true factor x exp(N(0, noise))."""
+
+    def __init__(self, factors: dict[str, float], noise: float = 0.0, seed: int = 0) -> None:
+        self.factors, self.noise = dict(factors), noise
+        self.rng = np.random.default_rng(seed)
+
+    def table(self, cand: Candidate) -> list[tuple[str, float, float]]:
+        return [(k, s, s * self.factors.get(k, 1.0) * math.exp(self.rng.normal(0.0, self.noise) if self.noise else 0.0))
+                for k, s in cand.seconds.items()]
+
+    def true(self, cand: Candidate) -> float:
+        return sum(s * self.factors.get(k, 1.0) for k, s in cand.seconds.items())
+
+
+def step(guard: MeasuredGuard, clock: Clock, t: int, cands: list[Candidate]):
+    d = guard.decide(t, cands)
+    run = next(c for c in cands if c.name == d.run)
+    guard.observe(d, clock.table(run), static_run=run.static)
+    return d
+
+
+def two_layouts(gain: float) -> list[Candidate]:
+    """Static A (10 s) and B (11 s); a multi plan over options a2, b2 predicted ``gain`` faster than A."""
+    multi = 10.0 / (1.0 + gain)
+    return [Candidate("A", {"A": 10.0}, True), Candidate("B", {"B": 11.0}, True),
+            Candidate("multi", {"a2": multi / 2, "b2": multi / 2}, False)]
+
+
+def test_prior_threshold_is_the_fixed_margin():
+    """Before anything is measured the guard needs exactly the published margin: the margin is the prior."""
+    corr = MeasuredCorrection()
+    sd = corr.gap_sd({"x": 1.0}, {"y": 1.0})
+    assert GAP_Z * sd == pytest.approx(math.log1p(DEFAULT_STATIC_MARGIN), rel=1e-12)
+    assert prior_sd_from_margin(0.135) == pytest.approx(0.1122, abs=1e-4)
+    for gain in (DEFAULT_STATIC_MARGIN + 0.005, DEFAULT_STATIC_MARGIN - 0.005):
+        d = MeasuredGuard(budget=0.0).decide(0, [Candidate("A", {"A": 10.0}, True),
+                                                 Candidate("multi", {"m": 10.0 / (1 + gain)}, False)])
+        assert d.threshold == pytest.approx(math.log1p(DEFAULT_STATIC_MARGIN), rel=1e-12)
+        assert (d.gain > d.threshold) is (gain > DEFAULT_STATIC_MARGIN)
+        assert d.exploit == "A"  # whatever the gain: the static fallback is measured first
+
+
+def test_correction_converges_and_round_trips():
+    corr = MeasuredCorrection(noise_sd=0.05)
+    rng = np.random.default_rng(1)
+    for _ in range(200):
+        corr.observe([("x", 2.0, 2.0 * 1.3 * math.exp(rng.normal(0, 0.05))), ("y", 1.0, 0.8)])
+    mean, sd = corr.belief("x")
+    assert mean == pytest.approx(math.log(1.3), abs=0.02) and sd < 0.02
+    assert corr.runs["x"] == 200
+    # a never-run option: the prior sd, centred on the mean correction of the options that ran
+    mean_z, sd_z = corr.belief("z")
+    assert sd_z == corr.prior_sd and mean_z == pytest.approx((math.log(1.3) + math.log(0.8)) / 2, abs=0.02)
+    again = MeasuredCorrection.from_state(json.loads(json.dumps(corr.state_dict())))
+    assert again.state_dict() == corr.state_dict() and again.belief("x") == corr.belief("x")
+    with pytest.raises(ValueError, match="bad entry for 'q'"):
+        MeasuredCorrection().load_state_dict({**corr.state_dict(), "options": [["q", float("nan"), 0.1, 1]]})
+    with pytest.raises(ValueError, match="noise_sd must be in"):
+        MeasuredCorrection(noise_sd=0.0)
+    # rows with a zero or non-finite seconds say nothing
+    assert MeasuredCorrection().observe([("x", 1.0, 0.0), ("y", float("nan"), 1.0)]) == {}
+
+
+def test_never_runs_a_plan_that_measures_slower_than_static():
+    """The model promises 25 % (above the margin); the multi plan's options are truly 40 % slow."""
+    clock = Clock({"a2": 1.4, "b2": 1.4}, noise=0.02, seed=3)
+    guard = MeasuredGuard(MeasuredCorrection(noise_sd=0.02), budget=0.0)
+    cands = two_layouts(0.25)
+    runs = [step(guard, clock, t, cands).run for t in range(30)]
+    assert runs[:2] == ["A", "multi"]  # static measured first; the prior trusts the model by the margin once
+    assert runs[2:] == ["A"] * 28  # then never again: it measures slower than static
+    assert clock.true(cands[2]) > clock.true(cands[0])
+
+
+def test_measured_gain_below_the_margin_runs():
+    """A 6 % gain the fixed margin refuses: explored once, measured, then run every step."""
+    clock = Clock({}, noise=0.02, seed=4)
+    guard = MeasuredGuard(MeasuredCorrection(noise_sd=0.02), budget=0.03, horizon=100)
+    cands = two_layouts(0.06)
+    decisions = [step(guard, clock, t, cands) for t in range(100)]
+    assert decisions[0].exploit == "A" and not decisions[0].exploring  # the static plan is measured first
+    first = next(t for t, d in enumerate(decisions) if d.run == "multi")
+    assert decisions[first].exploring and first <= 3
+    assert all(d.exploit == "multi" for d in decisions[first + 1:])
+    assert decisions[-1].threshold < math.log(1.06) < math.log1p(DEFAULT_STATIC_MARGIN)
+
+
+def test_drops_a_plan_that_slows_down():
+    clock = Clock({}, noise=0.0)
+    guard = MeasuredGuard(MeasuredCorrection(noise_sd=0.02), budget=0.0, drift_steps=3, cooldown=20)
+    cands = two_layouts(0.25)
+    assert [step(guard, clock, t, cands).run for t in range(10)] == ["A"] + ["multi"] * 9
+    clock.factors.update(a2=1.5, b2=1.5)  # another job on the node: the multi plan's layouts slow down
+    runs = [step(guard, clock, t, cands).run for t in range(10, 40)]
+    slow = runs.index("A")
+    assert slow <= 3 and all(r == "A" for r in runs[slow:slow + 20])
+    assert any("dropped" in line for line in guard.log) or slow < 3  # by the drift rule or the correction
+    # the slow steps measured: the correction alone would also refuse it now
+    assert guard.correction.belief("a2")[0] > 0.1
+
+
+def test_drift_rule_drops_when_the_correction_lags():
+    """A correction that trusts its past (tiny noise, no drift term) keeps the multi plan; the drift
+    rule drops it after ``drift_steps`` slow steps, with a log line, for ``cooldown`` steps."""
+    clock = Clock({}, noise=0.0)
+    corr = MeasuredCorrection(noise_sd=0.3, drift_sd=0.0)  # heavy assumed noise: the mean moves slowly
+    guard = MeasuredGuard(corr, budget=0.0, drift_steps=3, cooldown=20)
+    cands = two_layouts(0.25)
+    for t in range(60):
+        step(guard, clock, t, cands)
+    clock.factors.update(a2=1.35, b2=1.35)
+    runs = [step(guard, clock, t, cands).run for t in range(60, 90)]
+    assert runs[:3] == ["multi"] * 3 and runs[3:23] == ["A"] * 20, runs
+    assert any("dropped until step 83" in line for line in guard.log), guard.log
+
+
+def many_statics(seed: int) -> tuple[list[Candidate], Clock]:
+    rng = np.random.default_rng(seed)
+    cands = [Candidate(f"S{i}", {f"S{i}": 10.0 + 0.2 * i}, True) for i in range(12)]
+    cands.append(Candidate("big", {"big": 5.0}, True, fits=False))  # fastest of all, but out of memory
+    factors = {f"S{i}": float(np.exp(rng.normal(0, 0.115))) for i in range(12)}
+    factors["big"] = 0.5
+    return cands, Clock(factors, noise=0.02, seed=seed)
+
+
+@pytest.mark.parametrize("horizon", [None, 300])
+def test_explores_within_the_budget_and_finds_the_true_best_static(horizon):
+    cands, clock = many_statics(7)
+    guard = MeasuredGuard(MeasuredCorrection(noise_sd=0.02), budget=0.03, horizon=horizon, reference="S0")
+    decisions = [step(guard, clock, t, cands) for t in range(300)]
+    assert all(d.run != "big" for d in decisions)  # never an option that does not fit memory
+    assert guard.explored_steps > 0
+    total = guard.elapsed if horizon is None else max(guard.elapsed, decisions[-1].exploit_s * horizon)
+    # the budget holds up to the last exploration's surprise (one step's charge over the prediction)
+    assert guard.spent <= 0.03 * total + max(clock.true(c) for c in cands if c.fits) * 0.5
+    true_best = min((c for c in cands if c.fits), key=clock.true).name
+    assert guard.reference == true_best != "S0"
+    off = MeasuredGuard(MeasuredCorrection(noise_sd=0.02), budget=0.0, reference="S0")
+    assert all(step(off, clock, t, cands).run == "S0" for t in range(50)) and off.explored_steps == 0
+
+
+@pytest.mark.parametrize("horizon,budget", [(None, 0.01), (200, 0.002)])
+def test_exploration_spends_at_most_the_budget(horizon, budget):
+    """The model is right (no surprise): at every step, what exploration was charged is within the budget."""
+    cands = [Candidate(f"S{i}", {f"S{i}": 10.0 + 0.5 * i}, True) for i in range(30)]
+    clock = Clock({}, noise=0.0)
+    guard = MeasuredGuard(MeasuredCorrection(noise_sd=0.02), budget=budget, horizon=horizon, reference="S0")
+    for t in range(200):
+        assert step(guard, clock, t, cands).exploit == "S0"  # nothing measures faster: the reference stays
+        total = guard.elapsed if horizon is None else max(guard.elapsed, 10.0 * horizon)
+        assert guard.spent <= budget * total + 1e-9, t
+    assert guard.explored_steps >= 2
+
+
+def test_resumed_state_gives_the_same_decisions():
+    cands, _ = many_statics(11)
+    cands.append(Candidate("multi", {"S1": 4.6, "S5": 4.8}, False))
+
+    def clock() -> Clock:
+        return Clock(many_statics(11)[1].factors, noise=0.05, seed=5)
+
+    first, c1 = MeasuredGuard(MeasuredCorrection(noise_sd=0.05), budget=0.01), clock()
+    full = [step(first, c1, t, cands) for t in range(80)]
+    second, c2 = MeasuredGuard(MeasuredCorrection(noise_sd=0.05), budget=0.01), clock()
+    for t in range(40):
+        step(second, c2, t, cands)
+    resumed = MeasuredGuard()
+    resumed.load_state_dict(json.loads(json.dumps(second.state_dict())))  # a checkpoint: plain data
+    assert [step(resumed, c2, t, cands) for t in range(40, 80)] == full[40:]
+    assert sum(d.exploring for d in full) > 0 and len({d.run for d in full}) > 2  # the replay decided things
+
+
+def test_bad_inputs_name_the_value():
+    with pytest.raises(ValueError, match="budget must be in"):
+        MeasuredGuard(budget=1.5)
+    with pytest.raises(ValueError, match="no usable static candidate"):
+        MeasuredGuard().decide(0, [Candidate("m", {"a": 1.0}, False), Candidate("S", {"S": 1.0}, True, fits=False)])
+    with pytest.raises(ValueError, match="names must be unique"):
+        MeasuredGuard().decide(0, [Candidate("S", {"S": 1.0}, True), Candidate("S", {"T": 1.0}, True)])
+
+
+def test_expected_gain_closed_form():
+    rng = np.random.default_rng(0)
+    x = rng.normal(-0.02, 0.05, 400_000)
+    assert expected_gain(-0.02, 0.05) == pytest.approx(np.maximum(x, 0).mean(), rel=0.01)
+    assert expected_gain(0.3, 0.0) == 0.3 and expected_gain(-0.3, 0.0) == 0.0
