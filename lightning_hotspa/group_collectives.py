@@ -200,7 +200,6 @@ class GlooCollectives(GroupCollectives):
         recv = self._all_to_all(both, "a reduce-scatter and an all-gather of rows")
         return recv[..., :width].sum(0), recv[..., width:].reshape(-1, *flat.shape[1:])
 
-
     # -- tp overlap: rings of point-to-point steps, each step's GEMM while the next transfer is in flight
     def _ring(self, send: Tensor, recv: Tensor) -> list:
         """Starts ``send`` to the next slot and ``recv`` from the previous one (the ring's one step)."""

@@ -92,8 +92,10 @@ def rank_main(args: dict[str, Any]) -> dict[str, Any]:
     torch.manual_seed(0)
     module = LlamaLM("tiny", seed=3)
     world = WorldMesh(list(LAYOUTS))
+    # tp_overlap off, as the strategy does under compile_blocks: the overlapped row layer's backward
+    # (torch.autograd.grad inside an autograd.Function) is a graph break
     state = build_home_state(module, world, home_dtype=torch.float32, working_dtype=None,
-                             device=torch.device("cpu"))
+                             device=torch.device("cpu"), tp_overlap=False)
     runner = StepRunner(state.engine, state.parallel)
     vocab = module.config.vocab_size
     batches = [slice_plan(p, _documents(p, vocab), world.shape, dist.get_rank())

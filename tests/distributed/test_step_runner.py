@@ -68,7 +68,9 @@ def test_stage_seconds_come_from_the_runners_clock(world_of_one) -> None:
     assert (first.switch_s, first.compute_s, first.reduce_s) == (10.0, 10.0, 0.0)
     assert (second.switch_s, second.compute_s, second.reduce_s) == (10.0, 10.0, 10.0)
     assert (first.compute_cpu_s, second.compute_cpu_s) == (0.5, 2.0)
-    assert [r.stage_s for r in result.records] == [20.0, 30.0] and result.step_s == 50.0
+    assert [r.stage_s for r in result.records] == [20.0, 30.0]
+    # step = its stages + what lies between them (one fake-clock tick before each stage)
+    assert result.between_s == 20.0 and result.step_s == 50.0 + result.between_s
     assert first.reduce_collectives == 0 and engine.grad_store  # the run reduced once, into the store
     assert isinstance(clock_for("cpu"), HostClock)
 

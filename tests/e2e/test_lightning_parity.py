@@ -24,13 +24,16 @@ class LoggingLM(LlamaLM):
     def __init__(self) -> None:
         super().__init__("tiny", seed=3, lr=2e-3)
         self.train_logged: list[list[float]] = []
+        self.train_tokens: list[list[int]] = []  # per step, in the order the micro-batches ran
         self.val_logged: list[tuple[float, int]] = []
 
     def training_step(self, batch, batch_idx=0):
         loss = self._loss(batch)
         if not self.train_logged or self.train_logged[-1][0] != self.trainer.global_step:
             self.train_logged.append([self.trainer.global_step])
+            self.train_tokens.append([])
         self.train_logged[-1].append(float(loss))
+        self.train_tokens[-1].append(int(batch.num_target_tokens))
         self.log("mb_loss", loss.detach(), on_step=True, on_epoch=True, sync_dist=True,
                  batch_size=int(batch.num_target_tokens))
         self.log("mb_max", loss.detach(), on_step=True, on_epoch=False, sync_dist=True, reduce_fx="max")
@@ -75,7 +78,7 @@ def log_with_uneven_micro_batches() -> dict:
         trainer.fit(model, train_dataloaders=_loader(batches))
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("mb_")}
     return {"counts": [len(b.micro_batches) for b in batches], "logged": _gather(model.train_logged),
-            "tokens": _gather([[int(m.num_target_tokens) for m in b.micro_batches] for b in batches]),
+            "tokens": _gather(model.train_tokens),  # run order: a replicated stage runs its costliest last
             "metrics": metrics}
 
 
