@@ -47,8 +47,8 @@ from ..models.attention_kernels import AttentionKernel, chunk_kernel_for
 from ..plan import MicroBatch
 from ..shard_rows import all_gather_rows, reduce_scatter_rows
 from .collectives import all_to_all_tokens_to_heads
-from .kv_ring import kv_parts
-from .ulysses import exchange_qkv, host_bounds
+from .kv_ring import kv_parts, ulysses_heads
+from .ulysses import host_bounds
 
 __all__ = ["KVGeometry", "kv_geometry", "kv_gather_attention"]
 
@@ -184,10 +184,7 @@ def kv_gather_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, gro
     ulysses, kv = kv_parts(q, cu_seqlens, groups, micro_batch, where, window)
     # validated before any collective: a bad micro-batch fails on every rank alike
     geometry = kv_geometry(cu_seqlens, groups.cp.size, ulysses.size, kv.size, kv.index, window, where)
-    if ulysses.size > 1:
-        q, k, v = exchange_qkv(q, k, v, ulysses)
-    if q.shape[1] % k.shape[1]:
-        raise LayoutError(f"{where}: {k.shape[1]} kv heads do not divide the {q.shape[1]} query heads")
+    q, k, v = ulysses_heads(q, k, v, ulysses, where)
     kernel = chunk_kernel_for(core, q, window)
     if not kernel.packed:
         raise LayoutError(f"{where}: the KV gather runs the packed chunk kernels only (got {kernel.name!r}); "

@@ -225,6 +225,20 @@ def kv_parts(q: Tensor, cu_seqlens: Tensor, groups: LayoutGroups, micro_batch: M
     return ulysses, kv
 
 
+def ulysses_heads(q: Tensor, k: Tensor, v: Tensor, ulysses: RankGroup, where: str) -> tuple[Tensor, Tensor, Tensor]:
+    """q, k, v with heads scattered over the Ulysses part (a hybrid's all-to-all; as they are for cp_kv == cp),
+    after which the kv heads must divide the query heads (both KV kinds' entry).
+
+    Args:
+        q, k, v: the local rows [T, h, d]; ulysses: the layout's Ulysses sub-group of cp; where: for errors.
+    """
+    if ulysses.size > 1:
+        q, k, v = exchange_qkv(q, k, v, ulysses)
+    if q.shape[1] % k.shape[1]:
+        raise LayoutError(f"{where}: {k.shape[1]} kv heads do not divide the {q.shape[1]} query heads")
+    return q, k, v
+
+
 def kv_ring_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, groups: LayoutGroups,
                       micro_batch: MicroBatch | None = None, where: str = "context parallel",
                       window: int | None = None, core: object = None) -> Tensor:
@@ -243,9 +257,6 @@ def kv_ring_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, group
     ulysses, kv = kv_parts(q, cu_seqlens, groups, micro_batch, where, window)
     # validated before any collective: a bad micro-batch fails on every rank alike
     geometry = ring_geometry(cu_seqlens, groups.cp.size, ulysses.size, kv.size, kv.index, window, where)
-    if ulysses.size > 1:
-        q, k, v = exchange_qkv(q, k, v, ulysses)
-    if q.shape[1] % k.shape[1]:
-        raise LayoutError(f"{where}: {k.shape[1]} kv heads do not divide the {q.shape[1]} query heads")
+    q, k, v = ulysses_heads(q, k, v, ulysses, where)
     out = _KVRingAttention.apply(q, k, v, geometry, kv, chunk_kernel_for(core, q, window))
     return all_to_all_tokens_to_heads(out, ulysses) if ulysses.size > 1 else out
