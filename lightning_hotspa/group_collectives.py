@@ -42,7 +42,8 @@ from torch import Tensor
 
 from .collective_names import collective
 
-__all__ = ["DeviceCollectives", "GlooCollectives", "GroupCollectives", "RingShift", "collectives_for"]
+__all__ = ["DeviceCollectives", "GlooCollectives", "GroupCollectives", "RingShift", "collectives_for",
+           "world_collectives"]
 
 
 class RingShift:
@@ -112,6 +113,46 @@ class GroupCollectives:
             works = dist.batch_isend_irecv([dist.P2POp(c10d.isend, send, ahead, self.group),
                                             dist.P2POp(c10d.irecv, recv, behind, self.group)])
         return RingShift(list(works or ()), send, recv, owner)
+
+    # -- the plain collectives: torch.distributed's own call on this group, the package's one door to them
+    # (callers keep their ``collective(...)`` note; the arguments reach torch as the callers gave them)
+    def all_reduce(self, t: Tensor, op: str = "sum", async_op: bool = False) -> Any:
+        """``dist.all_reduce`` of ``t`` in place (``op``: ``"sum"``, ``"max"``, ``"min"``); a work with ``async_op``."""
+        return dist.all_reduce(t, op=getattr(dist.ReduceOp, op.upper()), group=self.group, async_op=async_op)
+
+    def all_gather_into(self, out: Tensor, t: Tensor, async_op: bool = False) -> Any:
+        """``dist.all_gather_into_tensor(out, t)``: slot k's ``t`` at ``out``'s k-th block."""
+        return dist.all_gather_into_tensor(out, t, group=self.group, async_op=async_op)
+
+    def reduce_scatter_into(self, out: Tensor, t: Tensor, async_op: bool = False) -> Any:
+        """``dist.reduce_scatter_tensor(out, t)``: the sum of every member's k-th block of ``t`` at slot k."""
+        return dist.reduce_scatter_tensor(out, t, group=self.group, async_op=async_op)
+
+    def all_to_all_into(self, recv: Tensor, send: Tensor, recv_sizes: list[int] | None = None,
+                        send_sizes: list[int] | None = None) -> Any:
+        """``dist.all_to_all_single(recv, send, recv_sizes, send_sizes)`` (even blocks without sizes)."""
+        return dist.all_to_all_single(recv, send, recv_sizes, send_sizes, group=self.group)
+
+    def all_gather_list(self, outs: list[Tensor], t: Tensor) -> Any:
+        """``dist.all_gather(outs, t)``: slot k's ``t`` into ``outs[k]``."""
+        return dist.all_gather(outs, t, group=self.group)
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every member's picklable ``obj``, in slot order (``dist.all_gather_object``)."""
+        out: list[Any] = [None] * self.size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def broadcast_object_list(self, box: list[Any], src: int = 0) -> None:
+        """``dist.broadcast_object_list(box, src)``: global rank ``src``'s objects into ``box`` on every member."""
+        dist.broadcast_object_list(box, src, group=self.group)
+
+    def barrier(self, device_index: int | None = None) -> None:
+        """Waits for every member; on NCCL at ``device_index`` (the rank's CUDA device) where given."""
+        if device_index is not None and dist.get_backend(self.group) == "nccl":
+            dist.barrier(group=self.group, device_ids=[device_index])
+        else:
+            dist.barrier(group=self.group)
 
 
 def _products(lefts: Sequence[Tensor], rights: Sequence[Tensor]) -> Tensor:
@@ -261,3 +302,11 @@ def collectives_for(owner: Any) -> GroupCollectives:
     """
     kind = GlooCollectives if owner.backend == "gloo" else DeviceCollectives
     return kind(owner.group, owner, owner.size)
+
+
+def world_collectives() -> GroupCollectives:
+    """The default (world) group's collectives object: its plain collectives (:meth:`GroupCollectives.all_reduce`
+    ...), for the adapter, the records and the tools, which run over every rank. Needs an initialised
+    process group."""
+    size = dist.get_world_size()
+    return GroupCollectives(None, tuple(range(size)), size)
