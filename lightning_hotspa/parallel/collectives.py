@@ -10,7 +10,8 @@ Why a module of its own: the hot path computes on local tensors with explicit co
   slots to shards with :func:`lightning_hotspa.shard_rows.order`; the row gathers and reduce-scatters
   without autograd are :mod:`lightning_hotspa.shard_rows`' (the ground floor: the loss head uses one).
 
-The ``torch.distributed`` functions are looked up at call time (``dist.all_reduce``), so
+Every collective goes through the group's collectives object (``group.comm``,
+:mod:`lightning_hotspa.group_collectives`), which looks the ``torch.distributed`` functions up at call time, so
 :func:`lightning_hotspa.testing.comm_bytes.count_collective_bytes` sees every call.
 """
 
@@ -19,7 +20,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from ..collective_names import collective
@@ -48,7 +48,7 @@ def all_reduce_sum(x: Tensor, group: RankGroup) -> Tensor:
     """
     out = x.clone(memory_format=torch.contiguous_format)
     with collective("an all-reduce", group):
-        dist.all_reduce(out, group=group.group)
+        group.comm.all_reduce(out)
     return out
 
 
@@ -83,7 +83,7 @@ def _gather_last(x: Tensor, group: RankGroup) -> Tensor:
     flat = flat.reshape(-1) if flat.dim() == 0 else flat
     buffer = flat.new_empty((n * flat.shape[0], *flat.shape[1:]))  # gloo wants dim-0 concatenation
     with collective("an all-gather", group):
-        dist.all_gather_into_tensor(buffer, flat, group=group.group)
+        group.comm.all_gather_into(buffer, flat)
     buffer = buffer.view(n, *x.shape)
     if not group.in_shard_order:
         buffer = buffer.index_select(0, _order(group, "slot_of_shard", buffer.device))  # row s := shard s's slot
@@ -111,7 +111,7 @@ def _exchange(send: Tensor, group: RankGroup) -> Tensor:
     send = send.contiguous()
     recv = torch.empty_like(send)
     with collective("an all-to-all", group):
-        dist.all_to_all_single(recv, send, group=group.group)
+        group.comm.all_to_all_into(recv, send)
     if not group.in_shard_order:
         recv = recv.index_select(0, _order(group, "slot_of_shard", recv.device))
     return recv

@@ -12,7 +12,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 
 from ..collective_names import collective
@@ -32,7 +31,7 @@ class _VocabParallelCE(torch.autograd.Function):
         start = group.index * width
         row_max = z.detach().amax(dim=-1)
         with collective("the vocab-parallel loss's max all-reduce", group):
-            dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group.group)
+            group.comm.all_reduce(row_max, op="max")
         exp = (z - row_max.unsqueeze(-1)).exp_()  # fresh tensor: kept for backward as softmax
         valid = labels != IGNORE_INDEX
         local = labels - start
@@ -41,7 +40,7 @@ class _VocabParallelCE(torch.autograd.Function):
         target = z.gather(-1, index.unsqueeze(-1)).squeeze(-1).masked_fill(~mine, 0.0)
         sums = torch.stack([exp.sum(dim=-1), target])
         with collective("the vocab-parallel loss's sum all-reduce", group):
-            dist.all_reduce(sums, group=group.group)
+            group.comm.all_reduce(sums)
         sum_exp, target = sums[0], sums[1]
         per_token = (sum_exp.log() + row_max - target).masked_fill(~valid, 0.0)
         count = valid.sum().clamp(min=1)
