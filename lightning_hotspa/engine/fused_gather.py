@@ -11,7 +11,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from ..collective_names import collective
@@ -33,7 +32,7 @@ class FusedGather:
                 else torch.cat([m.reshape(-1) for m in self.moved]))
         self.buffer = flat.new_empty(group.size * flat.numel())
         with collective("a weight all-gather", group):
-            self.work = dist.all_gather_into_tensor(self.buffer, flat, group=group.group, async_op=async_op)
+            self.work = group.comm.all_gather_into(self.buffer, flat, async_op=async_op)
         self.width = flat.numel()
 
     def finish(self, fresh: bool = False) -> list[Tensor]:

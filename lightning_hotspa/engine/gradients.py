@@ -23,7 +23,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from ..collective_names import collective
@@ -137,7 +136,7 @@ def _reduce_scatter_start(tensors: list[torch.Tensor], dims: list[int], group: R
         offset += n
     out = rows.new_empty(rows.shape[1])
     with collective("a gradient reduce-scatter", group):
-        work = dist.reduce_scatter_tensor(out, rows.view(-1), group=group.group, async_op=True)
+        work = group.comm.reduce_scatter_into(out, rows.view(-1), async_op=True)
     shapes = [(m.shape[0] // group.size, *m.shape[1:]) for m in moved]
 
     def unpack() -> list[torch.Tensor]:
@@ -159,7 +158,7 @@ def _all_reduce_start(tensors: list[torch.Tensor], group: RankGroup, into: _Over
         flat[offset:offset + t.numel()].view(t.shape).copy_(t)
         offset += t.numel()
     with collective("a gradient all-reduce", group):
-        work = dist.all_reduce(flat, group=group.group, async_op=True)
+        work = group.comm.all_reduce(flat, async_op=True)
     into.received += 2 * (group.size - 1) * flat.numel() * flat.element_size() // group.size
     shapes = [t.shape for t in tensors]
 

@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..collective_names import collective
+from ..group_collectives import world_collectives
 from ..layout import Layout, LayoutError, MeshShape
 from ..placements import ParamSharding
 from .gradients import reduce_dtype
@@ -212,7 +213,7 @@ class NestedExchange:
         received = torch.empty(sum(in_sizes), dtype=dtype, device=device)
         if dist.is_initialized() and dist.get_world_size() > 1:
             with collective("the block stage's joint exchange", range(dist.get_world_size())):
-                dist.all_to_all_single(received, flat, in_sizes, out_sizes)
+                world_collectives().all_to_all_into(received, flat, in_sizes, out_sizes)
         else:
             received.copy_(flat)
         del flat  # the send buffer: only the receive buffer outlives the collective

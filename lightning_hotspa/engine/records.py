@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from ..activation_checkpointing import Checkpointing
 from ..collective_names import collective
+from ..group_collectives import world_collectives
 from ..layout import Layout
 from ..plan import RankStage
 
@@ -179,7 +180,7 @@ def gather_step(loss_sum: torch.Tensor, stats: list[StageStats], device: torch.d
     if dist.is_initialized() and dist.get_world_size() > 1:
         gathered = local.new_empty(dist.get_world_size() * local.numel())
         with collective("the step's record gather", range(dist.get_world_size())):
-            dist.all_gather_into_tensor(gathered, local)
+            world_collectives().all_gather_into(gathered, local)
         gathered = gathered.view(dist.get_world_size(), local.numel())
     else:
         gathered = local.unsqueeze(0)
