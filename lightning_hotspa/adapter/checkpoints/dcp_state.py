@@ -72,10 +72,10 @@ def all_gather_objects(obj: Any) -> list[Any]:
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return [obj]
+    from ...group_collectives import world_collectives
     from ..lightning.nccl_runtime import objects_to_cpu
 
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, objects_to_cpu(obj))  # no CUDA tensor in a pickle (it lands on cuda:0)
+    out = world_collectives().all_gather_object(objects_to_cpu(obj))  # no CUDA tensor in a pickle (it lands on cuda:0)
     return out
 
 

@@ -17,6 +17,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
+from ...group_collectives import world_collectives
+
 __all__ = ["grad_norm", "naming_our_grad_norm"]
 
 #: the end of torch's error when Lightning's ``grad_norm`` reads ``p.grad.data`` of a DTensor gradient
@@ -74,7 +76,7 @@ def grad_norm(module: nn.Module, norm_type: float | int | str, group_separator: 
             parts.append(x.max() if p == float("inf") else x.pow(p).sum())
     stacked = torch.stack(parts)
     if dist.is_initialized():
-        dist.all_reduce(stacked, op=dist.ReduceOp.MAX if p == float("inf") else dist.ReduceOp.SUM)
+        world_collectives().all_reduce(stacked, op="max" if p == float("inf") else "sum")
     if p == float("inf"):
         norms, total = stacked, stacked.max()
     else:

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch.distributed as dist
 from torch import Tensor
 
+from ...group_collectives import world_collectives
 from .lightning_compat import distributed_is_initialized, sync_ddp_if_available
 from .nccl_runtime import objects_to_cpu
 
@@ -26,17 +26,14 @@ class GuardedCollectives:
         if not distributed_is_initialized():
             return
         with self.tracker.guard(f"barrier {name!r}" if name else "a barrier"):
-            if dist.get_backend() == "nccl":
-                dist.barrier(device_ids=[self.root_device.index])
-            else:
-                dist.barrier()
+            world_collectives().barrier(self.root_device.index)  # NCCL: at the rank's device
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         if not distributed_is_initialized():
             return obj
         box = [objects_to_cpu(obj)]  # CUDA tensors in a pickle land on cuda:0 of every rank
         with self.tracker.guard("a broadcast"):
-            dist.broadcast_object_list(box, src)
+            world_collectives().broadcast_object_list(box, src)
         return box[0]
 
     def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:

@@ -15,12 +15,12 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 
 from ...engine.records import StepResult
 from ...engine.step_runner import StepHooks
+from ...group_collectives import world_collectives
 from ...layout import Layout, LayoutError
 from ...plan import RankPlan, RankStage
 from ..observability.stats import block_metrics, stage_doc_tokens, step_metrics
@@ -81,7 +81,7 @@ def plain_plan(batch: Any, layout: Layout, device: torch.device, activation_chec
     tokens = getattr(batch, "num_target_tokens", None)
     if tokens is not None:
         total = torch.tensor([float(tokens)], device=device)
-        dist.all_reduce(total)
+        world_collectives().all_reduce(total)
         global_tokens = int(total.item())
     else:
         global_tokens = -1

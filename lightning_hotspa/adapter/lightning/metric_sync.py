@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ...group_collectives import world_collectives
 from .lightning_compat import ResultMetric, Sync, result_metadata
 
 __all__ = ["StepMetricSync", "align_epoch_metrics"]
@@ -116,9 +117,8 @@ class StepMetricSync:
         """
         if results is None or not dist.is_initialized():
             return
-        gathered: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, (sorted((k, s[0]) for k, s in self._stats.items()),
-                                          _epoch_descriptions(results)))
+        gathered = world_collectives().all_gather_object((sorted((k, s[0]) for k, s in self._stats.items()),
+                                                          _epoch_descriptions(results)))
         self._reduce_step_values(results, sorted({e for keys, _ in gathered for e in keys}), device)
         align_epoch_metrics(results, [epoch for _, epoch in gathered], reduce, device)
 
@@ -132,8 +132,8 @@ class StepMetricSync:
             local[i] = torch.tensor([stats[1], stats[2], stats[3], -stats[4]] if stats else
                                     [0.0, 0.0, float("-inf"), float("-inf")], dtype=torch.float64)
         sums, extrema = local[:, :2].contiguous(), local[:, 2:].contiguous()
-        dist.all_reduce(sums)
-        dist.all_reduce(extrema, op=dist.ReduceOp.MAX)
+        world_collectives().all_reduce(sums)
+        world_collectives().all_reduce(extrema, op="max")
         for i, (key, op) in enumerate(union):
             cache = getattr(results.get(key), "_forward_cache", None)
             if key not in self._stats or not isinstance(cache, Tensor):

@@ -26,6 +26,7 @@ from lightning.pytorch.plugins.precision import Precision
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
+from ...group_collectives import world_collectives
 from .nccl_runtime import collective_device
 
 __all__ = ["HotSPaPrecision", "SUPPORTED_PRECISION", "as_hotspa_precision", "clip_grad_norm_global", "global_grad_norm"]
@@ -115,7 +116,7 @@ def global_grad_norm(params: Iterable[torch.Tensor]) -> torch.Tensor:
         total = total.to(device)
     if dist.is_initialized():
         total = total.to(collective_device())  # NCCL refuses a CPU tensor (a rank with no local grads)
-        dist.all_reduce(total)
+        world_collectives().all_reduce(total)
     return total.sqrt()
 
 

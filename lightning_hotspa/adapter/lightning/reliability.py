@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from ...collective_names import failed_collective
+from ...group_collectives import world_collectives
 
 __all__ = ["NONFINITE_POLICIES", "CollectiveError", "as_timeout", "NonFiniteLossError", "StepTracker",
            "check_breadcrumb_dir", "check_nonfinite_policy", "enable_nccl_flight_recorder", "is_collective_failure",
@@ -244,8 +245,7 @@ class StepTracker:
                    for x, ok in zip(self.losses, finite) if not ok]
         everyone = [bad]
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            everyone = [None] * dist.get_world_size()
-            dist.all_gather_object(everyone, bad)
+            everyone = world_collectives().all_gather_object(bad)
         lines = []
         for rank, stage, layout, label, mb, docs, value in sorted(x for found in everyone for x in (found or [])):
             bucket = f" bucket {label}" if label and label != layout else ""
