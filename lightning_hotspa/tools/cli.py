@@ -356,6 +356,7 @@ def _measure_stages(layouts: list[str], steps: int, seed: int, model: str, token
 
     from ..engine.step_runner import StepHooks, StepRunner
     from ..engine.switch import SwitchEngine, build_home_parameters
+    from ..group_collectives import world_collectives
     from ..layout import Layout
     from ..mesh import WorldMesh
     from ..models import Llama, LlamaConfig, llama_tp_plan, param_roles, token_mean_cross_entropy
@@ -390,7 +391,7 @@ def _measure_stages(layouts: list[str], steps: int, seed: int, model: str, token
 
     class StartTogether(StepHooks):
         def before_compute(self, stage):  # type: ignore[no-untyped-def]
-            dist.barrier()  # every rank's stage clock starts at once
+            world_collectives().barrier()  # every rank's stage clock starts at once
 
     # each stage reduces at its end, none overlapped: compute_s is the micro-batches alone
     runner, hooks = StepRunner(engine, parallel, overlap=False, share_gradients=False), StartTogether()
@@ -415,7 +416,7 @@ def _measure_stages(layouts: list[str], steps: int, seed: int, model: str, token
         cpu = [r.compute_cpu_s for r in result.stages]
         local = torch.tensor(np.column_stack([encode_observations(observed, lays), cpu]), dtype=torch.float64)
         gathered = [torch.empty_like(local) for _ in range(dist.get_world_size())]
-        dist.all_gather(gathered, local)
+        world_collectives().all_gather_list(gathered, local)
         rows.extend(r.tolist() for t in gathered for r in t.reshape(-1, ROW_WIDTH + 1))
     return rows
 

@@ -33,20 +33,23 @@ def _calibrate_rank(repeats: int) -> dict[str, float]:
     import torch
     import torch.distributed as dist
 
+    from ..group_collectives import world_collectives
+
+    world = world_collectives()
     out: dict[str, float] = {}
     for m, k, n in ((1024, 384, 1024), (2048, 64, 176)):  # 'small' and 'tiny' preset GEMM shapes
         a, b = torch.randn(m, k), torch.randn(k, n)
-        dist.barrier()
+        world.barrier()
         out[f"matmul_{m}x{k}x{n}_flops"] = 2 * m * k * n / _time(lambda a=a, b=b: a @ b, repeats)
     for nbytes in (4 * 2**20, 16 * 2**20):
         x = torch.zeros(nbytes // 4)
-        dist.barrier()
-        sec = _time(lambda x=x: dist.all_reduce(x), repeats)
+        world.barrier()
+        sec = _time(lambda x=x: world.all_reduce(x), repeats)
         g = dist.get_world_size()
         out[f"allreduce_{nbytes >> 20}MiB_busbw"] = 2 * (g - 1) / g * nbytes / sec
     small = torch.zeros(256)
-    dist.barrier()
-    out["allreduce_1KiB_s"] = _time(lambda: dist.all_reduce(small), repeats * 4)
+    world.barrier()
+    out["allreduce_1KiB_s"] = _time(lambda: world.all_reduce(small), repeats * 4)
     return out
 
 
