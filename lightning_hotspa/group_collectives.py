@@ -26,6 +26,11 @@ The two fused operations are tensor parallelism's communication overlap (Megatro
 tests check it, and nothing overlaps in time there. The symmetric-memory path has never run on a GPU
 (``recipes/gpu_check.py``'s ``tp_overlap`` part checks it where one is lent).
 
+The package's one door to ``torch.distributed`` collectives: besides the row collectives, thin methods
+issue the plain ones (:meth:`GroupCollectives.all_reduce` ... :meth:`GroupCollectives.barrier`) on the
+group, and :func:`world_collectives` on the default group (tests/unit/test_collectives_door.py
+forbids them elsewhere in the package, ``testing/`` aside).
+
 Every method works in SLOT order (the process group's rank order); the shard-order mapping is
 :mod:`lightning_hotspa.parallel.collectives`' job. The ``torch.distributed`` functions are looked up
 at call time, so :func:`lightning_hotspa.testing.comm_bytes.count_collective_bytes` sees every call.

@@ -50,6 +50,7 @@ FAST_MODULES = frozenset({
     "test_block_lanes", "test_cp_kinds", "test_docs_agree", "test_docs_paths", "test_ladder", "test_model_shape",
     "test_fsdp_planner", "test_hf",
     "test_kv_ring",
+    "test_collectives_door",
     "test_layout", "test_long_grid", "test_minibatches", "test_packing", "test_plan", "test_planner",
     "test_profile_update", "test_recipe_smoke", "test_timeline", "test_varlen_kernels", "test_vocab",
 })
