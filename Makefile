@@ -21,8 +21,8 @@ install: $(STAMP)
 # once): the spawned-rank tests leave a core idle part of the time. Files are handed out in collection
 # order (--no-loadscope-reorder), which tests/conftest.py starts with the longest files (LONGEST_FIRST),
 # so no long file is left for the end. 981 tests: 595 s in one process, 418 s in two on the 2-core box
-# (benchmarks/2026-12-04-suite-time.md); 1205 tests: 645.6 s on a fresh clone (2026-12-06, before
-# benchmarks/2026-12-06-suite-time-2.md). TEST_WORKERS=0: one process.
+# (benchmarks/2026-12-04-suite-time.md); 1205 tests: 645.6 s on a fresh clone, then an estimated (not
+# measured) 600-630 s after benchmarks/2026-12-06-suite-time-2.md's cuts. TEST_WORKERS=0: one process.
 TEST_WORKERS ?= 2
 
 test: $(STAMP)
