@@ -18,12 +18,15 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 # Two pytest workers (pytest-xdist), each test file whole on one of them (its module fixtures run
-# once): the spawned-rank tests leave a core idle part of the time. 981 tests: 595 s in one process,
-# 418 s in two on the 2-core box (benchmarks/2026-12-04-suite-time.md). TEST_WORKERS=0: one process.
+# once): the spawned-rank tests leave a core idle part of the time. Files are handed out in collection
+# order (--no-loadscope-reorder), which tests/conftest.py starts with the longest files (LONGEST_FIRST),
+# so no long file is left for the end. 981 tests: 595 s in one process, 418 s in two on the 2-core box
+# (benchmarks/2026-12-04-suite-time.md); 1205 tests: 645.6 s on a fresh clone, then an estimated (not
+# measured) 600-630 s after benchmarks/2026-12-06-suite-time-2.md's cuts. TEST_WORKERS=0: one process.
 TEST_WORKERS ?= 2
 
 test: $(STAMP)
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 # The fast tier: tests marked `fast` by tests/conftest.py (no process group, no spawned ranks).
 test-fast: $(STAMP)

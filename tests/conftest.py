@@ -56,8 +56,33 @@ FAST_MODULES = frozenset({
 })
 
 
+#: the test files that take longest, longest first (share of one quiet-box run's test time, measured in
+#: benchmarks/2026-12-06-suite-time-2.md); collected first, so that ``make test``'s two workers
+#: (``--dist loadfile --no-loadscope-reorder``: files handed out in collection order) start the long
+#: files first and finish together. A stale list costs balance, never a test; a file not listed keeps
+#: its place after them.
+LONGEST_FIRST = (
+    "e2e/test_mixed_kill.py", "e2e/test_reliability.py", "unit/test_memory.py", "e2e/test_recipe_smoke.py",
+    "e2e/test_multinode.py", "e2e/test_recipe_smoke_benchmark_compile.py", "unit/test_architecture.py",
+    "unit/test_planner.py", "distributed/test_parallel.py", "e2e/test_strategy.py", "e2e/test_recipes.py",
+    "distributed/test_blocks.py", "e2e/test_lightning_parity.py", "e2e/test_what_a_user_sees.py",
+    "unit/test_cli.py", "e2e/test_bad_inputs.py", "unit/test_compile_blocks.py", "e2e/test_gpu_check.py",
+)
+
+
+def _file_rank(item) -> int:
+    """Position of the item's file in LONGEST_FIRST (its length if not listed)."""
+    path = item.nodeid.split("::", 1)[0]
+    for i, name in enumerate(LONGEST_FIRST):
+        if path.endswith(name):
+            return i
+    return len(LONGEST_FIRST)
+
+
 def pytest_collection_modifyitems(config, items):
-    """Mark the fast tier (``make test-fast``: ``pytest -m fast``)."""
+    """Longest test files first (a stable sort: the order inside a file is kept); mark the fast tier
+    (``make test-fast``: ``pytest -m fast``)."""
+    items.sort(key=_file_rank)
     for item in items:
         module = item.module.__name__.rsplit(".", 1)[-1] if getattr(item, "module", None) else ""
         if (module in FAST_MODULES and "ranks" not in getattr(item, "fixturenames", ())

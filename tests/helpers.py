@@ -739,3 +739,25 @@ def legacy_folder(folder: Path) -> Path:
     (folder / "commit.json").unlink()
     torch.save({"global_step": 2}, folder / "meta.pt")
     return folder
+
+
+def load_recipe(name: str, monkeypatch: pytest.MonkeyPatch):
+    """``recipes/<name>`` imported as the module ``<stem>`` (recipes/ first on sys.path, as ``python
+    recipes/<name>`` has it), so its rank functions pickle by name and its ranks fork from the suite's
+    preloaded server (tests/conftest.py) instead of a fresh interpreter importing torch and Lightning.
+
+    Args:
+        name: the file under recipes/, e.g. ``"benchmark_compile.py"``.
+        monkeypatch: undoes the sys.path and sys.modules entries after the test.
+    """
+    import importlib.util
+    import sys
+
+    recipes = Path(__file__).resolve().parents[1] / "recipes"
+    monkeypatch.syspath_prepend(str(recipes))
+    stem = name.removesuffix(".py")
+    spec = importlib.util.spec_from_file_location(stem, recipes / name)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, stem, module)
+    spec.loader.exec_module(module)
+    return module

@@ -9,22 +9,27 @@ peer's closed connection, not on a timeout. Rank 1 kills itself in the forward o
 transformer block of its second round of the mixed stage (its cp2 block's partner is rank 0; ranks
 2 and 3 compute at cp1 beside it).
 
-    python tests/mixed_kill_job.py OUT_DIR [--deadline S] [--blocks]
+    python tests/mixed_kill_job.py OUT_DIR [--deadline S] [--modes mixed,blocks,tp]
 
-``--blocks``: the block stage of ``test_blocks.block_plans(4)[2]`` instead (issue 38): rank 1 dies in
+``--modes``: the jobs to run one after the other from this one parent (one import of torch, Lightning
+and the tests it reuses), each into OUT_DIR/<mode>; default ``mixed``.
+
+``blocks``: the block stage of ``test_blocks.block_plans(4)[2]`` instead (issue 38): rank 1 dies in
 its second micro-batch of its sharded Ulysses cp2 block {0, 1}; rank 0 fails inside that block,
 ranks 2 and 3 (replicated dp blocks of their own) in the stage's joint exchange.
 
-``--tp``: a switching plan (dp4, then tp4: issue 52) where rank 1 dies in the middle of a tp-overlap
+``tp``: a switching plan (dp4, then tp4: issue 52) where rank 1 dies in the middle of a tp-overlap
 ring (after the first step of a row-parallel layer's matmul + reduce-scatter in its tp4 stage); the
 others fail inside that ring, naming the tp group.
 
-writes OUT_DIR/job.json (exit codes, who hung, the kill's breadcrumb) and OUT_DIR/rank<r>.log.
+writes OUT_DIR/<mode>/job.json (exit codes, who hung, the kill's breadcrumb) and
+OUT_DIR/<mode>/rank<r>.log.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import signal
@@ -120,20 +125,30 @@ def rank_main(rank: int, port: int, out: Path, blocks: bool = False, tp: bool = 
     print(f"job: rank {rank} finished", flush=True)
 
 
+MODES = ("mixed", "blocks", "tp")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
-    parser.add_argument("--deadline", type=float, default=300.0, help="kill the ranks still running after this")
-    parser.add_argument("--blocks", action="store_true", help="the block stage of test_blocks (issue 38)")
-    parser.add_argument("--tp", action="store_true", help="a tp4 stage, killed inside a tp-overlap ring (issue 52)")
+    parser.add_argument("--deadline", type=float, default=300.0, help="kill a job's ranks still running after this")
+    parser.add_argument("--modes", default="mixed",
+                        help="comma list of: mixed (a mixed-cp round), blocks (the block stage of test_blocks, "
+                             "issue 38), tp (a tp4 stage, killed inside a tp-overlap ring, issue 52)")
     args = parser.parse_args()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    port = free_port()
-    ended = run_forked_ranks(WORLD, lambda rank: rank_main(rank, port, out, args.blocks, args.tp), args.deadline)
-    kill = out / "kill.json"
-    (out / "job.json").write_text(json.dumps({"exit_codes": ended.codes, "hung": ended.hung,
-                                              "kill": json.loads(kill.read_text()) if kill.exists() else None}))
+    modes = [m for m in args.modes.split(",") if m]
+    unknown = sorted(set(modes) - set(MODES))
+    if unknown or not modes:
+        raise SystemExit(f"--modes: unknown {unknown or 'empty'}; choose from {list(MODES)}")
+    for mode in modes:
+        out = Path(args.out) / mode
+        out.mkdir(parents=True, exist_ok=True)
+        port = free_port()
+        job = functools.partial(rank_main, port=port, out=out, blocks=mode == "blocks", tp=mode == "tp")
+        ended = run_forked_ranks(WORLD, job, args.deadline)
+        kill = out / "kill.json"
+        (out / "job.json").write_text(json.dumps({"exit_codes": ended.codes, "hung": ended.hung,
+                                                  "kill": json.loads(kill.read_text()) if kill.exists() else None}))
 
 
 if __name__ == "__main__":

@@ -21,27 +21,41 @@ ROOT = Path(__file__).resolve().parents[2]
 DEADLINE_S = 300.0  # the job kills what still runs then; the ranks' process-group timeout is 30 min
 
 
-def _kill_job(out: Path, *extra: str) -> dict:
-    """Runs tests/mixed_kill_job.py into ``out``: its job.json and every rank's log."""
-    cmd = [sys.executable, str(ROOT / "tests" / "mixed_kill_job.py"), str(out), "--deadline", str(DEADLINE_S), *extra]
+MODES = ("mixed", "blocks", "tp")
+
+
+def _kill_jobs(out: Path) -> dict[str, dict]:
+    """Runs tests/mixed_kill_job.py's three jobs one after the other from one subprocess (one import
+    of torch and Lightning, not three) into ``out``: per mode its job.json and every rank's log."""
+    deadline = DEADLINE_S * len(MODES)
+    cmd = [sys.executable, str(ROOT / "tests" / "mixed_kill_job.py"), str(out), "--deadline", str(DEADLINE_S),
+           "--modes", ",".join(MODES)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen(cmd, env=env, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
-        output, _ = proc.communicate(timeout=DEADLINE_S + 120)
+        output, _ = proc.communicate(timeout=deadline + 120)
     finally:
         try:
             os.killpg(proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
     assert proc.returncode == 0, output.decode(errors="replace")[-3000:]
-    job = json.loads((out / "job.json").read_text())
-    job["logs"] = {r: (out / f"rank{r}.log").read_text(errors="replace") for r in range(4)}
-    return job
+    jobs = {}
+    for mode in MODES:
+        job = json.loads((out / mode / "job.json").read_text())
+        job["logs"] = {r: (out / mode / f"rank{r}.log").read_text(errors="replace") for r in range(4)}
+        jobs[mode] = job
+    return jobs
 
 
 @pytest.fixture(scope="module")
-def killed(tmp_path_factory):
-    return _kill_job(tmp_path_factory.mktemp("mixed-kill"))
+def jobs(tmp_path_factory) -> dict[str, dict]:
+    return _kill_jobs(tmp_path_factory.mktemp("mixed-kill"))
+
+
+@pytest.fixture
+def killed(jobs) -> dict:
+    return jobs["mixed"]
 
 
 def _check_survivors(killed: dict, blocks: dict[int, str]) -> None:
@@ -74,22 +88,22 @@ def test_a_rank_killed_in_a_mixed_round_fails_the_others_with_the_group_named(ki
     _check_survivors(killed, {0: "dp2xcp2:fsdp", 2: "dp4:fsdp", 3: "dp4:fsdp"})
 
 
-def test_a_rank_killed_in_a_block_fails_every_other_block_with_group_and_block_named(tmp_path):
+def test_a_rank_killed_in_a_block_fails_every_other_block_with_group_and_block_named(jobs):
     """Issue 38: rank 1 dies in its second micro-batch of a sharded Ulysses cp2 block {0, 1} of a
     block stage; rank 0 fails inside that block, ranks 2 and 3 (replicated dp blocks of their own,
     one with no micro-batch) in the stage's joint exchange: each names the group and its block."""
-    killed = _kill_job(tmp_path, "--blocks")
+    killed = jobs["blocks"]
     assert killed["kill"] is not None, "rank 1 never reached its kill point"
     assert "block 1/3 (dp2xcp2, sharded, ranks 0-1)" in killed["kill"]["where"], killed["kill"]
     _check_survivors(killed, {0: "1/3 (dp2xcp2, sharded, ranks 0-1)", 2: "2/3 (dp4, replicated, ranks 2-2)",
                               3: "3/3 (dp4, replicated, ranks 3-3)"})
 
 
-def test_a_rank_killed_inside_a_tp_overlap_ring_fails_the_others_with_the_group_named(tmp_path):
+def test_a_rank_killed_inside_a_tp_overlap_ring_fails_the_others_with_the_group_named(jobs):
     """Issue 52: rank 1 dies between two steps of a row-parallel layer's matmul + reduce-scatter ring
     (tp overlap on gloo) in the tp4 stage of a switching plan; every other rank fails with a
     CollectiveError naming the collective and the tp group (ranks 0-3), not a timeout."""
-    killed = _kill_job(tmp_path, "--tp")
+    killed = jobs["tp"]
     assert killed["kill"] is not None, "rank 1 never reached its kill point"
     assert "tp4" in killed["kill"]["where"], killed["kill"]
     assert killed["hung"] == [] and killed["exit_codes"]["1"] == -signal.SIGKILL

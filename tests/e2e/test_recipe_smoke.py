@@ -20,7 +20,6 @@ spawn ranks or take longer) are marked ``slow`` and stay out of ``make test-fast
 from __future__ import annotations
 
 import ast
-import importlib.util
 import json
 import math
 import sys
@@ -30,6 +29,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import pytest
+from helpers import load_recipe
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPES = ROOT / "recipes"
@@ -216,18 +216,6 @@ def _file(key: str) -> str:
     return key.split()[0]
 
 
-def _load(name: str, monkeypatch: pytest.MonkeyPatch):
-    """``recipes/<name>`` imported as the module ``<stem>`` (recipes/ first on sys.path, as ``python
-    recipes/<name>`` has it), so its rank functions pickle by name."""
-    monkeypatch.syspath_prepend(str(RECIPES))
-    stem = name.removesuffix(".py")
-    spec = importlib.util.spec_from_file_location(stem, RECIPES / name)
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, stem, module)
-    spec.loader.exec_module(module)
-    return module
-
-
 def _params():
     for key in RUNS:
         marks = [] if SMOKE[key].fast else [pytest.mark.slow]
@@ -241,7 +229,7 @@ def test_recipe_smoke(name: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("HOTSPA_CACHE_DIR", str(tmp_path / "cache"))
     start = time.perf_counter()
-    module = _load(_file(name), monkeypatch)
+    module = load_recipe(_file(name), monkeypatch)
     monkeypatch.setattr(sys, "argv", [str(RECIPES / _file(name)), *smoke.args])
     module.main()
     seconds = time.perf_counter() - start
