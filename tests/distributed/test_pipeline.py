@@ -115,7 +115,7 @@ def test_pipeline_layouts_and_switch_equal_single_process(ranks):
         assert len(res["errors"]) == len(SCHEDULE_NAMES) * 5
         # pp2: one of two stages (an uneven 9-layer split: 5 + the head, or 4 + the embedding)
         assert res["fraction"]["dp2xpp2"] < 0.75 and res["fraction"]["pp4"] < 0.5, res["fraction"]
-        assert res["built"]["1f1b"] == 5  # one schedule per (layout, micro-batch count, tokens) this plan set uses
+        assert res["built"]["1f1b"] == 6  # one per (layout, micro-batch count, tokens): 4 layouts + the switch's 2
 
 
 def test_pipeline_validation_errors():
