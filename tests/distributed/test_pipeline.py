@@ -100,7 +100,7 @@ def run_pipeline_checks(schedules: list[str], case_names: list[str] | None = Non
     return out
 
 
-SCHEDULE_NAMES = ["gpipe", "1f1b", "interleaved_1f1b"]
+SCHEDULE_NAMES = ["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"]
 
 
 @pytest.mark.slow
