@@ -62,8 +62,10 @@ class Layout:
     (HSDP: the per-layer gathers stay inside a node while the model is split over it). It defaults
     to all ``dp * cp`` of them (plain ``:fsdp``); it is ``dp * cp`` or a proper divisor > 1 of it.
 
-    ``pp`` (name part ``pp<n>``): pipeline stages. Only the simulator prices ``pp > 1`` (the
-    artifact's Megatron-style baselines); the runtime refuses it (:meth:`check_runnable`).
+    ``pp`` (name part ``pp<n>``): pipeline stages over the OUTERMOST mesh dims (after tp, cp and dp:
+    a stage's tp ranks stay node-local); run by :mod:`lightning_hotspa.parallel.pipeline` with
+    ``torch.distributed.pipelining``. A sharded copy (``:fsdp``) with ``pp > 1`` is refused
+    (:meth:`check_runnable`).
     """
 
     dp: int = 1
@@ -105,10 +107,13 @@ class Layout:
                               f"{group} (the ranks the working copy is sharded over)")
 
     def check_runnable(self) -> Layout:
-        """This layout if the runtime can run it; a :class:`LayoutError` naming it if it has ``pp > 1``."""
-        if self.pp != 1:
-            raise LayoutError(f"layout {self.name} has pipeline parallelism (pp={self.pp}), which the runtime does "
-                              f"not run: only the simulator prices it; use dp / tp / cp layouts")
+        """This layout if the runtime can run it; a :class:`LayoutError` naming it if it pairs ``pp > 1``
+        with a sharded working copy (``:fsdp``): the per-unit gathers and reduce-scatters run inside the
+        pipeline schedule's own forward / backward order, which the fsdp units do not follow (not built)."""
+        if self.pp != 1 and self.fsdp:
+            raise LayoutError(f"layout {self.name}: pipeline parallelism (pp={self.pp}) with a sharded working "
+                              f"copy (:fsdp) is not built (the fsdp units' per-unit gathers do not follow the "
+                              f"pipeline schedule's order); use {self.degrees.name} (a replicated copy per stage)")
         return self
 
     @property
@@ -276,7 +281,8 @@ def parse_layouts(specs: Iterable[Layout | str | Mapping[str, int]], world_size:
     """Parses and validates a candidate layout set the runtime can run on ``world_size`` ranks.
 
     Args:
-        specs: layouts or their user-facing forms (:meth:`Layout.parse`); no duplicates, no ``pp > 1``.
+        specs: layouts or their user-facing forms (:meth:`Layout.parse`); no duplicates, no ``pp > 1``
+            with ``:fsdp``.
         world_size: the ranks every layout must cover.
     """
     if isinstance(specs, (str, Mapping, Layout)):
@@ -288,8 +294,8 @@ def parse_layouts(specs: Iterable[Layout | str | Mapping[str, int]], world_size:
     for layout in layouts:
         if layout.world_size != world_size:
             raise LayoutError(
-                f"layout {layout} covers {layout.world_size} ranks (dp*tp*cp = "
-                f"{layout.dp}*{layout.tp}*{layout.cp}), but the world size is {world_size}"
+                f"layout {layout} covers {layout.world_size} ranks (dp*tp*cp*pp = "
+                f"{layout.dp}*{layout.tp}*{layout.cp}*{layout.pp}), but the world size is {world_size}"
             )
     seen: set[Layout] = set()
     for layout in layouts:
@@ -312,7 +318,7 @@ class MeshShape:
     """The factorization of the world into mesh dims (dim 0 most local) and each layout's dims.
 
     Pure arithmetic: no process groups. ``tp_dims(layout)`` is a prefix range, ``cp_dims`` follows
-    it, ``dp_dims`` is the rest.
+    it, then ``dp_dims``; ``pp_dims`` are the outermost (the rest).
     """
 
     sizes: tuple[int, ...]
@@ -323,7 +329,8 @@ class MeshShape:
         layouts = parse_layouts(layouts, world_size)
         def sizes_of(lay: Layout) -> set[int]:  # group sizes that must be mesh-dim boundaries
             shard = {lay.tp * lay.fsdp_shard} if lay.fsdp else set()
-            return {lay.tp, lay.tp * lay.cp_ulysses, lay.tp * lay.cp} | shard
+            pipe = {lay.tp * lay.cp * lay.dp} if lay.pp > 1 else set()
+            return {lay.tp, lay.tp * lay.cp_ulysses, lay.tp * lay.cp} | shard | pipe
 
         boundaries = sorted(set().union(*(sizes_of(lay) for lay in layouts)) | {world_size})
         boundaries = [b for b in boundaries if b > 1]
@@ -332,7 +339,8 @@ class MeshShape:
                 culprits = [str(lay) for lay in layouts if small in sizes_of(lay) or large in sizes_of(lay)]
                 raise LayoutError(
                     f"layouts {sorted(set(culprits))} cannot share one world mesh: their tp / tp*cp "
-                    f"(or tp*Ulysses part of cp, or tp*fsdp shard) group sizes {small} and {large} do not nest "
+                    f"(or tp*Ulysses part of cp, tp*fsdp shard, or tp*cp*dp under pp) group sizes {small} and "
+                    f"{large} do not nest "
                     f"(one must divide the other)"
                 )
         sizes, previous = [], 1
@@ -375,7 +383,12 @@ class MeshShape:
         return range(self.prefix_length(layout.tp * layout.cp_ulysses), self.prefix_length(layout.tp * layout.cp))
 
     def dp_dims(self, layout: Layout) -> range:
-        return range(self.prefix_length(layout.tp * layout.cp), self.ndim)
+        return range(self.prefix_length(layout.tp * layout.cp), self.prefix_length(layout.tp * layout.cp * layout.dp)
+                     if layout.pp > 1 else self.ndim)
+
+    def pp_dims(self, layout: Layout) -> range:
+        """The pipeline dims: the outermost ones, after dp (empty for ``pp == 1``)."""
+        return range(self.dp_dims(layout).stop, self.ndim)
 
     def fsdp_dims(self, layout: Layout) -> range:
         """The dims a sharded working copy splits beyond tp: its ``fsdp_shard`` most local dp x cp

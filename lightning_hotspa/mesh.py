@@ -86,6 +86,8 @@ class LayoutGroups:
     # a rank's cp index is ``cp_ulysses.index * cp_kv.size + cp_kv.index`` (nested shard order)
     cp_ulysses: RankGroup | None = None
     cp_kv: RankGroup | None = None
+    #: the pipeline group (ranks differing only on the pp dims; a stage's index is its slot in it)
+    pp: RankGroup | None = None
 
     @property
     def tp_rank(self) -> int:
@@ -133,11 +135,11 @@ class WorldMesh:
         self.create_groups(self.layout_ranges())
 
     def layout_ranges(self) -> list[tuple[int, int]]:
-        """The ``[start, stop)`` mesh-dim ranges of every layout's tp, cp, dp and two cp parts."""
+        """The ``[start, stop)`` mesh-dim ranges of every layout's tp, cp, dp, two cp parts and pp."""
         out = []
         for lay in self.layouts:
             for dims in (self.shape.tp_dims(lay), self.shape.cp_dims(lay), self.shape.dp_dims(lay),
-                         self.shape.cp_ulysses_dims(lay), self.shape.cp_kv_dims(lay)):
+                         self.shape.cp_ulysses_dims(lay), self.shape.cp_kv_dims(lay), self.shape.pp_dims(lay)):
                 out.append((dims.start, dims.stop))
         return out
 
@@ -228,4 +230,5 @@ class WorldMesh:
             dp=self.group(self.shape.dp_dims(layout)),
             cp_ulysses=self.group(self.shape.cp_ulysses_dims(layout)),
             cp_kv=self.group(self.shape.cp_kv_dims(layout)),
+            pp=self.group(self.shape.pp_dims(layout)),
         )

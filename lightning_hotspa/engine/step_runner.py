@@ -101,12 +101,15 @@ class StepRunner:
             stage reduces at its end).
         fsdp_reduce_dtype: the dtype fsdp units reduce-scatter their gradients in (None: fp32;
             ``torch.bfloat16`` halves the bytes, summing in bf16).
+        pipeline_schedule: the schedule of pp layouts' stages (:data:`..parallel.pipeline.SCHEDULES`).
+        pipeline_virtual: pipeline stages per rank (None: the schedule's default, 2 if interleaved).
     """
 
     def __init__(self, engine: SwitchEngine, parallel: ParallelModel, *, device: torch.device | str = "cpu",
                  activation_checkpointing: Callable[[Layout], Any] | None = None, clock: Clock | None = None,
                  cpu_clock: Callable[[], float] = cpu_seconds, overlap: bool = True,
-                 share_gradients: bool = True, fsdp_reduce_dtype: torch.dtype | None = None) -> None:
+                 share_gradients: bool = True, fsdp_reduce_dtype: torch.dtype | None = None,
+                 pipeline_schedule: str = "1f1b", pipeline_virtual: int | None = None) -> None:
         self.engine, self.parallel = engine, parallel
         self.device = torch.device(device)
         self.activation_checkpointing = activation_checkpointing or (lambda layout: False)
@@ -118,6 +121,19 @@ class StepRunner:
             if any(x.fsdp for x in engine.world.layouts) else None
         #: the working layouts of a stage whose gradients the last run left unreduced (``carry_out``)
         self.carried: tuple[Layout, ...] | None = None
+        #: pp layouts' stages and schedules (:mod:`..parallel.pipeline`); None: no pp layout
+        self.pipeline = None
+        if any(x.pp > 1 for x in engine.world.layouts):
+            from ..parallel.pipeline import PipelineRunner
+
+            self.pipeline = PipelineRunner(parallel, pipeline_schedule, pipeline_virtual, self.device)
+            world = engine.world
+
+            def owned(layout: Layout) -> frozenset[str]:
+                pp = world.layout_groups(layout).pp
+                return self.pipeline.owned(layout, pp.slot_of_shard[pp.index])
+
+            engine.pipeline_owned = owned
 
     def _prefetch(self) -> contextlib.AbstractContextManager:
         """A forward's context: fsdp units prefetch the next unit's gather (:mod:`.fsdp`)."""
@@ -209,7 +225,9 @@ class StepRunner:
                 t1, c1 = clock.mark(), self.cpu_clock()
                 fsdp_start = self._fsdp_bytes()
                 real = len(stage.micro_batches)
-                rounds = stage.num_rounds
+                rounds = 0 if stage.compute_layout.pp > 1 else stage.num_rounds
+                if stage.compute_layout.pp > 1:  # torch's schedule runs every micro-batch's forward and backward
+                    loss_sum += self._run_pipeline(stage, plan, scale, hooks)
                 idle = self._idle(stage.compute_layout) if rounds > real else None  # built once per stage
                 for n, i in enumerate(self._order(stage, rounds)):
                     mb = stage.micro_batches[i] if i < real else idle
@@ -265,6 +283,16 @@ class StepRunner:
             skip = bool(on_nonfinite(loss, plan))
         return StepResult(plan.step, loss, tuple(stats), records, table, finite, skip)
 
+    def _run_pipeline(self, stage: Any, plan: RankPlan, scale: float, hooks: StepHooks) -> Tensor:
+        """A pp stage's micro-batches through the pipeline schedule; this rank's share of the plan's loss."""
+        layout = stage.compute_layout
+        weights = [loss_weight(mb, plan, layout) * scale for mb in stage.micro_batches]
+        for mb in stage.micro_batches:
+            hooks.enter_micro_batch(mb)
+        with hooks.compute_context():
+            own = self.pipeline.run(layout, stage.micro_batches, weights, record=hooks.record_loss)
+        return (own / scale if scale else own * 0) / layout.tp  # tp ranks hold copies of one loss
+
     def run_forward(self, plan: RankPlan, fn: Callable[[Any], Any],
                     context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext) -> Any:
         """Evaluation: ``fn`` on every micro-batch of every stage in its layout, no gradients
@@ -273,6 +301,11 @@ class StepRunner:
         self.flush()  # an evaluation inside an accumulation window: what was carried goes to the store
         try:
             for stage in plan.stages:
+                if stage.compute_layout.pp > 1:
+                    from ..layout import LayoutError
+
+                    raise LayoutError(f"evaluation (run_forward) in the pipelined layout {stage.compute_layout} is "
+                                      f"not built; evaluate in a layout without pp")
                 self.enter(stage)
                 self.parallel.activate(stage.compute_layout, self.engine.working)
                 for mb in stage.micro_batches:

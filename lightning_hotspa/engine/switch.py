@@ -125,6 +125,9 @@ class SwitchEngine(GradientReduction):
         self._exchanges: dict[tuple[Layout, ...], NestedExchange] = {}
         #: parameters inside the model's fsdp units (:meth:`set_fsdp_units`)
         self.fsdp_names: frozenset[str] = frozenset()
+        #: a pp layout -> the parameters this rank's pipeline stages compute with (the others' working
+        #: copies are freed after a switch into it; :mod:`..parallel.pipeline`); None: no pp layout runs
+        self.pipeline_owned: Callable[[Layout], frozenset[str]] | None = None
         self._init_gradients(grad_accum_dtype, max_buckets_in_flight)
         #: ``(category, tensor)`` for each buffer the engine allocates ("params", "grads",
         #: "temporaries"): how the memory estimator files them (None: nobody listens)
@@ -287,15 +290,30 @@ class SwitchEngine(GradientReduction):
                     land()
         while pending:
             land()
-        lower_bound = sum(n * (dtype or locals_[name].dtype).itemsize for name, n in plan.lower_bound_elems.items())
+        owned = self._owned(target)
+        lower_bound = sum(n * (dtype or locals_[name].dtype).itemsize for name, n in plan.lower_bound_elems.items()
+                          if owned is None or name in owned)
         old = dict(locals_) if source is not None else {}
         self.working = {n: out[n] for n in self.shardings}
+        if owned is not None:  # a pp layout: only this rank's stages' parameters stay materialized
+            for name, p in self.working.items():
+                if name not in owned:
+                    _free(p)
         for name, p in self.working.items():
             if old.get(name) is not p:
                 self._label("params", p)
         self._track_accumulation(old, self.working, keep_grads)
         self.active = target
         return SwitchReport(source, target, received, lower_bound, collectives, time.perf_counter() - start)
+
+    def _owned(self, layout: Layout) -> frozenset[str] | None:
+        """The parameters a pp ``layout``'s stages on this rank hold (None: every parameter)."""
+        if layout.pp == 1:
+            return None
+        if self.pipeline_owned is None:
+            raise LayoutError(f"layout {layout} is pipelined, but no pipeline was registered with the switch "
+                              f"engine (pipeline_owned; the StepRunner sets it from its PipelineRunner)")
+        return self.pipeline_owned(layout)
 
     def _buckets(self, pieces: list[torch.Tensor], dtype: torch.dtype | None = None) -> list[list[int]]:
         """Consecutive groups of at most ``bucket_bytes`` per rank (a larger tensor goes alone):
@@ -338,6 +356,8 @@ class SwitchEngine(GradientReduction):
         if self.mixed is not None:  # a block copy never outlives its stage: reduced, or evaluated
             self.release(free=True)
         if len(set(key)) == 1:
+            if self.active is not None and self.active.pp > 1 and key[0] != self.active:
+                self.release(free=True)  # its other stages' parameters are gone: the next copy comes from home
             if self.active is None:
                 return self.materialize(key[0])
             return self.switch(key[0], keep_grads=keep_grads)
@@ -404,6 +424,8 @@ class SwitchEngine(GradientReduction):
         equals one after each: the working gradients of both are partial sums of the same kind. Two
         fsdp layouts of one tp degree share; an fsdp and a replicated layout do not (other shards)."""
         la, lb = self._member(a), self._member(b)
+        if la != lb and (la.pp > 1 or lb.pp > 1):
+            return False  # a pp layout holds only its stages' parameters: the next copy comes from home
         return all(self._working_prefix(n, la) == self._working_prefix(n, lb)
                    and self._grad_states(n, la) == self._grad_states(n, lb) for n in self.shardings)
 

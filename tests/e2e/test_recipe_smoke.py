@@ -125,6 +125,14 @@ def _check_memory_peers(out: dict) -> None:
 def _check_model(out: dict) -> None:
     _finite_positive(*out["tokens_per_s"].values())
     assert out["max_grad_rel_err"] < 1e-3, out["grad_rel_err"]
+    assert len([k for k in out["per_layout_max_grad_rel_err"] if "pp" in k]) >= 3, out["per_layout_max_grad_rel_err"]
+
+
+def _check_pipeline(out: dict) -> None:
+    assert max(out["schedules"].values()) <= 1e-5 and out["switch_plan_max_grad_rel_err"] <= 1e-5, out
+    fractions = out["param_fraction_per_rank"]
+    assert fractions["pp4"] < 0.5 and fractions["dp2xpp2"] < 0.75 and fractions["dp4"] == 1.0, fractions
+    assert all(v >= 1 for v in out["switch_bytes_over_bound"].values()), out["switch_bytes_over_bound"]
 
 
 def _check_switch(out: dict) -> None:
@@ -165,7 +173,11 @@ SMOKE: dict[str, Smoke | Reuse] = {
                                                      "sp_activation_ratio", "estimator_vs_model_max_rel_error"},
                                        _check_memory_peers),
     "benchmark_model.py": Smoke(["--preset", "tiny", "--tokens", "128", "--micro-batches", "4", "--steps", "1"],
-                                {"tokens_per_s", "grad_rel_err", "max_grad_rel_err", "lm_loss"}, _check_model),
+                                {"tokens_per_s", "grad_rel_err", "max_grad_rel_err", "lm_loss",
+                                 "per_layout_max_grad_rel_err"}, _check_model),
+    "benchmark_pipeline.py": Smoke(["--layers", "8", "--schedules", "1f1b"],
+                                   {"schedules", "switch_plan_max_grad_rel_err", "param_fraction_per_rank",
+                                    "switch_bytes_over_bound"}, _check_pipeline),
     "benchmark_overhead.py": Smoke(["--model", "tiny", "--steps", "2", "--repeats", "1", "--tokens", "256"],
                                    {"tokens_per_s", "dp4_vs_ddp", "dp2xtp2_vs_model_parallel", "dp4_vs_ddp_cpu"},
                                    _check_overhead),

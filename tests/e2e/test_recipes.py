@@ -165,7 +165,8 @@ def _run_main(argv: list[str], tmp: Path, capsys: pytest.CaptureFixture[str]) ->
 
 @pytest.mark.parametrize(("argv", "expected"), [
     (["strategy.layouts=[{dp:2,tp:4}]"], ["strategy.layouts", "covers 8 ranks", "dp*tp*cp = 4", "{dp: 4}"]),
-    (["strategy.layouts=[{dp:2,pp:2}]"], ["strategy.layouts", "layout dp2xpp2 has pipeline parallelism (pp=2)"]),
+    (["strategy.layouts=[{dp:2,pp:2,fsdp:true}]"],
+     ["strategy.layouts", "layout dp2xpp2:fsdp: pipeline parallelism (pp=2)"]),
     (["strategy.layouts=dp4"], ["strategy.layouts", "write a list"]),
     (["data.context_length=4096"], ["data.context_length=4096", "strategy.tokens_per_rank"]),
     (["data=jsonl"], ["data.source_kwargs.path is required"]),

@@ -80,8 +80,10 @@ def test_fsdp_shard_suffix_names_an_hsdp_copy_and_becomes_a_mesh_boundary():
         (lambda: Layout(tp=-2), "tp must be a positive int, got -2"),
         (lambda: Layout(cp=1.5), "cp must be a positive int, got 1.5"),
         (lambda: Layout(dp=True), "dp must be a positive int, got True"),
-        (lambda: parse_layouts(["dp2xpp2"], 4), "layout dp2xpp2 has pipeline parallelism \\(pp=2\\)"),
-        (lambda: MeshShape.for_layouts(["dp4", {"dp": 2, "pp": 2}], 4), "layout dp2xpp2 has pipeline parallelism"),
+        (lambda: parse_layouts(["dp2xpp2:fsdp"], 4), "layout dp2xpp2:fsdp: pipeline parallelism \\(pp=2\\) with a "
+                                                     "sharded working copy \\(:fsdp\\) is not built"),
+        (lambda: parse_layouts(["dp2xpp2"], 8),
+         "layout dp2xpp2 covers 4 ranks \\(dp\\*tp\\*cp\\*pp = 2\\*1\\*1\\*2\\)"),
         (lambda: Layout.parse("dp2xpp2xpp2"), "names pp twice"),
         (lambda: Layout.parse("dp2xdp2"), "names dp twice"),
         (lambda: Layout.parse({"dp": 2, "sp": 2}), "unknown keys \\['sp'\\]"),
@@ -196,3 +198,15 @@ def test_world_mesh_groups_carry_a_description_naming_them():
         world = WorldMesh(["dp2xtp4", "dp4xtp2"])
         tp = world.layout_groups(Layout.parse("dp2xtp4")).tp
         assert tp.group.group_desc == f"hotspa mesh dims {list(tp.dims)} ranks 4..7 (4)"
+
+
+def test_pipeline_dims_are_outermost() -> None:
+    """pp takes the outermost mesh dims (after tp, cp and dp); the dp / pp groups of a rank."""
+    mesh = MeshShape.for_layouts(["dp2xpp2", "dp4", "tp2xcp2", "tp2xpp2", "pp4"], 4)
+    assert mesh.sizes == (2, 2)
+    dp2pp2, tp2pp2, pp4 = (Layout.parse(x) for x in ("dp2xpp2", "tp2xpp2", "pp4"))
+    assert (mesh.dp_dims(dp2pp2), mesh.pp_dims(dp2pp2)) == (range(0, 1), range(1, 2))
+    assert (mesh.tp_dims(tp2pp2), mesh.dp_dims(tp2pp2), mesh.pp_dims(tp2pp2)) == (range(0, 1), range(1, 1), range(1, 2))
+    assert mesh.pp_dims(pp4) == range(0, 2) and mesh.pp_dims(Layout.parse("dp4")) == range(2, 2)
+    assert mesh.group_ranks(0, mesh.pp_dims(dp2pp2)) == (0, 2)  # a stage's dp ranks are consecutive
+    assert [mesh.rank_coords(dp2pp2, r)[0] for r in range(4)] == [0, 1, 0, 1]  # both stages see one dp shard
