@@ -184,6 +184,7 @@ def auto_layouts(
     static_batches: Sequence[Sequence[int]] | None = None,
     refine_batches: Sequence[Sequence[int]] | None = None,
     static: Layout | str | None = None,
+    pp: bool = True,
 ) -> tuple[Layout, ...]:
     """2-4 candidate layouts (fewer only if fewer exist); see the module docstring.
 
@@ -197,10 +198,11 @@ def auto_layouts(
     the best static layout on the very batches they price): every set
     considered contains it instead of the pick on ``static_batches``, so the guard's fallback is the
     layout the plan is compared with and no plan is predicted slower than it (issue 54); it need not
-    hold the context (another layout of the set must)."""
+    hold the context (another layout of the set must). ``pp``: pipeline-parallel layouts among the
+    candidates where the runtime runs them (:func:`enumerate_layouts`)."""
     cm = AnalyticCostModel(model, hardware, world_size)
     check_int(context, "context", error=LayoutError)
-    layouts = enumerate_layouts(world_size, cm)
+    layouts = enumerate_layouts(world_size, cm, pp=pp)
     if not layouts:
         raise LayoutError(f"{cm.model.n_layers}-layer model ({cm.params / 1e9:.1f}B parameters) has no layout on "
                           f"{world_size} x {cm.hardware.name}: no split of its heads fits in memory")

@@ -3,9 +3,10 @@
 On the SAME sampled global batches it prices (a) our plan (:class:`CostModelPlanner` over automatic
 candidate layouts), (b) every static single layout that holds the longest document, planned by the
 same solver restricted to that layout (so packing and balancing are equally good; pipeline-parallel
-statics ``(dp, tp, pp)`` get LPT balancing and the 1F1B bubble), and (c) the artifact's hand-set rule
-(:mod:`.artifact_rule`, combinations c1 and c2). All use one cost model, so the figures compare
-planning decisions under one runtime model, not our runtime against the artifact's.
+statics get LPT balancing, their schedule's bubble and the best of 1-8 x the micro-batch count), and
+(c) the artifact's hand-set rule (:mod:`.artifact_rule`, combinations c1 and c2). All use one cost
+model, so the figures compare planning decisions under one runtime model, not our runtime against the
+artifact's. On 7B 8-GPU cells it also prices the artifact's three 7B strategies (:data:`REFERENCE_STRATEGIES`).
 
 Batches: ``sequences`` documents (512, the paper's global batch) from a length profile, truncated to
 the context as the artifact does. GitHub-like lengths are the byte-token profile scaled by 1/3.5
@@ -23,10 +24,11 @@ from typing import Any
 import numpy as np
 
 from ..layout import Layout
+from ..micro_batch import PlanError
 from ..planner.candidates import auto_layouts, enumerate_layouts, runs
 from ..planner.cost.cost_model import AnalyticCostModel, CostModelError
 from ..planner.solve.assign import pack_lpt
-from ..planner.solve.packing import DocumentTooLongError, max_doc_length
+from ..planner.solve.packing import max_doc_length
 from ..planner.solve.solver import CostModelPlanner
 from .artifact_rule import RuleNotFoundError, artifact_rule, artifact_stages
 from .progress import progress
@@ -45,7 +47,7 @@ GRID: dict[str, Any] = {
 DATA_SCALE = {"github": 1 / 3.5}
 
 #: the reference artifact's three 7B-on-8-GPU strategies (dp, tp, pp) it hot-switches among (docs/REFERENCE.md,
-#: issue 56): priced as static layouts next to ours on the paper grid's 8-GPU cells
+#: issue 56): priced as static layouts next to ours on the paper grid's 7B 8-GPU cells
 REFERENCE_STRATEGIES = (Layout(tp=4, pp=2), Layout(dp=8), Layout(dp=2, tp=2, pp=2))
 
 
@@ -86,14 +88,17 @@ def static_seconds(cm: AnalyticCostModel, par: Layout, lengths: np.ndarray,
         return planners[par].solve(lengths)[0]
     best = math.inf
     for ac in (False, True):
-        opt = cm.option(par, ac)
-        padded = opt.padded(lengths)
-        if padded.max() > opt.capacity:
-            continue
-        cost = opt.doc_seconds(padded)
-        groups = pack_lpt(padded, cost + opt.per_micro_batch * padded / opt.capacity, opt.capacity, par.dp)
-        worst = max(opt.group_seconds(float(sum(cost[i] for mb in g for i in mb)), len(g)) for g in groups)
-        best = min(best, worst + opt.stage_fixed + cm.switch_seconds(None, par))
+        full = cm.option(par, ac)
+        # a pipeline wants more, smaller micro-batches (its bubble is (p-1)/m): the memory's capacity or
+        # 1/2 .. 1/8 of it, whichever prices fastest (each still holding the longest document)
+        for opt in [full] + [cm.option(par, ac, capacity=full.capacity // k) for k in (2, 4, 8)]:
+            padded = opt.padded(lengths)
+            if padded.max() > opt.capacity:
+                continue
+            cost = opt.doc_seconds(padded)
+            groups = pack_lpt(padded, cost + opt.per_micro_batch * padded / opt.capacity, opt.capacity, par.dp)
+            worst = max(opt.group_seconds(float(sum(cost[i] for mb in g for i in mb)), len(g)) for g in groups)
+            best = min(best, worst + opt.stage_fixed + cm.switch_seconds(None, par))
     return best
 
 
@@ -209,7 +214,7 @@ def simulate_cell(model: str, world_size: int, context: int, data: str, hardware
     best_no_cp = min(no_cp, key=lambda p: (static_totals[p], p.name)) if no_cp else None
     n = len(data_batches)
     reference = {lay.name: reference_seconds(cm, lay, data_batches, planners) / n
-                 for lay in REFERENCE_STRATEGIES if lay.world_size == world_size}
+                 for lay in REFERENCE_STRATEGIES if lay.world_size == world_size and model == "llama7b"}
     return CellResult(model, world_size, context, data, [x.name for x in layouts], float(np.mean(tokens)),
                       float(np.mean(ours)), best.name, static_totals[best] / n,
                       {k: float(np.mean(v)) for k, v in rules.items()}, fits,
@@ -227,7 +232,7 @@ def reference_seconds(cm: AnalyticCostModel, lay: Layout, batches: Sequence[np.n
     try:
         cm.check(lay)
         return sum(static_seconds(cm, lay, b, planners) for b in batches)
-    except (CostModelError, DocumentTooLongError):
+    except (CostModelError, PlanError):  # the weights do not fit, or a document does not (DocumentTooLongError)
         return math.inf
 
 
