@@ -110,3 +110,24 @@ def test_pp_candidates_are_priced_by_the_simulator_and_offered_only_when_runnabl
     monkeypatch.setattr(Layout, "check_runnable", lambda self: self)  # as once the runtime runs pp
     assert {lay for lay in enumerate_layouts(8, cm) if lay.pp > 1} == set(priced)
     assert not [lay for lay in enumerate_layouts(8, cm, pp=False) if lay.pp > 1]
+
+
+def test_the_planner_plans_pp_layouts_once_the_runtime_runs_them(monkeypatch):
+    """With ``check_runnable`` accepting pp (the runtime's side of issue 56), a declared pp layout is
+    planned: every document once, its stage priced with the schedule's bubble over its micro-batches."""
+    import numpy as np
+
+    from lightning_hotspa.planner.solve.solver import CostModelPlanner
+
+    monkeypatch.setattr(Layout, "check_runnable", lambda self: self)
+    lengths = np.array([9000, 7000, 5000, 3000, 2000, 1500, 1200, 800, 600, 400] * 4)
+    planner = CostModelPlanner(["dp2xtp2xpp2"], model="llama7b", hardware="H100")
+    total, stages = planner.solve(lengths)
+    (opt, groups), = stages
+    assert opt.layout == Layout(dp=2, tp=2, pp=2)
+    assert sorted(i for g in groups for mb in g for i in mb) == list(range(lengths.size))
+    docs = opt.doc_seconds(opt.padded(lengths))
+    busiest = max(groups, key=lambda g: float(sum(docs[list(mb)].sum() for mb in g)))
+    plain = float(sum(docs[list(mb)].sum() for mb in busiest)) + opt.per_micro_batch * len(busiest)
+    assert opt.stage_seconds(docs, groups) >= plain * (1 + 1 / len(busiest)) * (1 - 1e-9)
+    assert total >= opt.stage_seconds(docs, groups)
