@@ -61,7 +61,7 @@ def model_for(run: PublishedRun, profile: HardwareProfile | str | None = None) -
         prof = at_precision(prof, get_runtime(run.system), "fp8", recipe=run.fp8_recipe)
     if run.compiled and "[compiled" not in prof.source:
         prof = compiled(prof, get_runtime(run.system))
-    return AnalyticCostModel(run.model, prof, run.world, runtime=run.system)
+    return AnalyticCostModel(run.model, prof, run.world, runtime=run.system, pipeline=run.pipeline)
 
 
 def fit_rows(gpu: str) -> list[PublishedRun]:

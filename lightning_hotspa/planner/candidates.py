@@ -24,6 +24,7 @@ per length on a log grid up to the context.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Sequence
 from typing import Any
@@ -40,7 +41,8 @@ from .cost.hardware import HardwareProfile
 from .solve.oracle_bound import charged_oracle
 from .solve.solver import CostModelPlanner
 
-__all__ = ["auto_layouts", "auto_planner", "cp_kinds", "enumerate_layouts", "layout_rates", "prune_dominated"]
+__all__ = ["PP_DEGREES", "auto_layouts", "auto_planner", "cp_kinds", "enumerate_layouts", "layout_rates",
+           "prune_dominated", "runs"]
 
 
 def _divisors(n: int) -> list[int]:
@@ -62,32 +64,56 @@ def cp_kinds(tp: int, cp: int, devices_per_node: int) -> list[int]:
     return [cp_kv for cp_kv in offered if cp_kv is not None]
 
 
+#: pipeline degrees offered (pp takes the outermost mesh dims; each stage keeps at least a layer)
+PP_DEGREES = (2, 4, 8, 16)
+
+
 def enumerate_layouts(world_size: int, cost_model: AnalyticCostModel, cp_kind: bool = True,
-                      fsdp: bool = True) -> list[Layout]:
+                      fsdp: bool = True, pp: bool = True, runnable_only: bool = True) -> list[Layout]:
     """Every layout of ``world_size`` the model can split and whose weights fit (any checkpointing);
     ``cp_kind=False``: Ulysses context parallelism only (the runtime's only kind before all-gather-KV);
     ``fsdp``: each degree set (dp*cp > 1) also with a sharded working copy (``:fsdp``), and where
     the dp x cp ranks span nodes with one node's worth of them (``devices_per_node / tp``), with
     an HSDP one sharded over that node (``:fsdp<n>``), listed right after their replicated twin
-    (which is left out where only a sharded one fits)."""
+    (which is left out where only a sharded one fits). ``pp``: also each of those degree sets over
+    ``pp`` pipeline stages (:data:`PP_DEGREES`), listed after the pp-1 ones; ``runnable_only``: only
+    the layouts the runtime runs (:meth:`Layout.check_runnable`, through the mesh check: before the
+    runtime runs pp, no pp layout); False (the simulator) prices the pp ones regardless, their mesh
+    checked without the pipeline dims."""
     out = []
     per_node = cost_model.hardware.devices_per_node
-    for tp in _divisors(world_size):
-        if tp > per_node:
-            continue
-        for cp in _divisors(world_size // tp):
-            dp = world_size // (tp * cp)
-            for cp_kv in (cp_kinds(tp, cp, per_node) if cp_kind else [1]):
-                for sharded, shard in _working_copies(dp * cp, per_node // tp if fsdp else 0):
-                    try:
-                        lay = Layout(dp=dp, tp=tp, cp=cp, cp_kv=cp_kv, fsdp=sharded, fsdp_shard=shard)
-                        MeshShape.for_layouts([lay], world_size)  # its shard group nests with its cp groups
-                        cost_model.check(lay)
-                    except (CostModelError, LayoutError):
-                        continue
-                    if cost_model.capacity(lay, True) >= 2 * cp:
-                        out.append(lay)
+    for stages in (1, *(p for p in PP_DEGREES if pp and world_size % p == 0)):
+        world = world_size // stages  # the ranks of one stage
+        for tp in _divisors(world):
+            if tp > per_node:
+                continue
+            for cp in _divisors(world // tp):
+                dp = world // (tp * cp)
+                for cp_kv in (cp_kinds(tp, cp, per_node) if cp_kind else [1]):
+                    for sharded, shard in _working_copies(dp * cp, per_node // tp if fsdp else 0):
+                        try:
+                            lay = Layout(dp=dp, tp=tp, cp=cp, pp=stages, cp_kv=cp_kv, fsdp=sharded,
+                                         fsdp_shard=shard)
+                            if stages == 1 or runnable_only:  # its shard group nests with its cp groups
+                                MeshShape.for_layouts([lay], world_size)
+                            else:  # priced only: the stage's mesh
+                                MeshShape.for_layouts([dataclasses.replace(lay, pp=1)], world)
+                            cost_model.check(lay)
+                        except (CostModelError, LayoutError):
+                            continue
+                        if cost_model.capacity(lay, True) >= 2 * cp:
+                            out.append(lay)
     return out
+
+
+def runs(layout: Layout) -> bool:
+    """Whether the runtime runs ``layout`` (:meth:`Layout.check_runnable`): the gate between what the
+    simulator prices and what the training planner offers."""
+    try:
+        layout.check_runnable()
+    except LayoutError:
+        return False
+    return True
 
 
 def _working_copies(group: int, node_share: int) -> list[tuple[bool, int]]:
@@ -158,6 +184,7 @@ def auto_layouts(
     static_batches: Sequence[Sequence[int]] | None = None,
     refine_batches: Sequence[Sequence[int]] | None = None,
     static: Layout | str | None = None,
+    pp: bool = True,
 ) -> tuple[Layout, ...]:
     """2-4 candidate layouts (fewer only if fewer exist); see the module docstring.
 
@@ -171,10 +198,11 @@ def auto_layouts(
     the best static layout on the very batches they price): every set
     considered contains it instead of the pick on ``static_batches``, so the guard's fallback is the
     layout the plan is compared with and no plan is predicted slower than it (issue 54); it need not
-    hold the context (another layout of the set must)."""
+    hold the context (another layout of the set must). ``pp``: pipeline-parallel layouts among the
+    candidates where the runtime runs them (:func:`enumerate_layouts`)."""
     cm = AnalyticCostModel(model, hardware, world_size)
     check_int(context, "context", error=LayoutError)
-    layouts = enumerate_layouts(world_size, cm)
+    layouts = enumerate_layouts(world_size, cm, pp=pp)
     if not layouts:
         raise LayoutError(f"{cm.model.n_layers}-layer model ({cm.params / 1e9:.1f}B parameters) has no layout on "
                           f"{world_size} x {cm.hardware.name}: no split of its heads fits in memory")

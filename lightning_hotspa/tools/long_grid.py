@@ -150,8 +150,10 @@ def megatron_rows_seconds(cm: AnalyticCostModel, lengths: np.ndarray, context: i
 
 
 def long_cell(model: str, gpus: int, context: int, data: str, hardware: str, batches: int = 2, seed: int = 0,
-              margin: float = DEFAULT_STATIC_MARGIN, breakdown: bool = False) -> dict[str, Any]:
+              margin: float = DEFAULT_STATIC_MARGIN, breakdown: bool = False, pp: bool = True) -> dict[str, Any]:
     """One cell; ``feasible`` False (with ``reason``) when no layout holds the context.
+    ``pp``: pipeline-parallel layouts among ours and the static ones where the runtime runs them (False:
+    none, the same cell without pp).
     ``breakdown``: also the oracle ladder of :mod:`.oracles`, the most any plan reaches under the
     guard (``guarded_bound``) and ours with margin 0."""
     cm = AnalyticCostModel(model, hardware, gpus)
@@ -166,10 +168,10 @@ def long_cell(model: str, gpus: int, context: int, data: str, hardware: str, bat
     try:
         static_sample = [token_batch(data, context, tokens, seed + 104729 + i) for i in range(16)]
         layouts = auto_layouts(gpus, cm.model, cm.hardware, context, lengths=sample, static_batches=static_sample,
-                               refine_batches=samples)
+                               refine_batches=samples, pp=pp)
     except LayoutError as err:
         return {**out, "feasible": False, "reason": str(err)}
-    statics = [lay for lay in enumerate_layouts(gpus, cm)
+    statics = [lay for lay in enumerate_layouts(gpus, cm, pp=pp)
                if max(cm.option(lay, ac).max_doc_length for ac in (False, True)) >= context]
     batch_list = [token_batch(data, context, tokens, seed + b) for b in range(batches)]
     planners: dict[Layout, CostModelPlanner] = {}

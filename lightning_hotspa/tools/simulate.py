@@ -3,9 +3,10 @@
 On the SAME sampled global batches it prices (a) our plan (:class:`CostModelPlanner` over automatic
 candidate layouts), (b) every static single layout that holds the longest document, planned by the
 same solver restricted to that layout (so packing and balancing are equally good; pipeline-parallel
-statics ``(dp, tp, pp)`` get LPT balancing and the 1F1B bubble), and (c) the artifact's hand-set rule
-(:mod:`.artifact_rule`, combinations c1 and c2). All use one cost model, so the figures compare
-planning decisions under one runtime model, not our runtime against the artifact's.
+statics get LPT balancing, their schedule's bubble and the best of 1-8 x the micro-batch count), and
+(c) the artifact's hand-set rule (:mod:`.artifact_rule`, combinations c1 and c2). All use one cost
+model, so the figures compare planning decisions under one runtime model, not our runtime against the
+artifact's. On 7B 8-GPU cells it also prices the artifact's three 7B strategies (:data:`REFERENCE_STRATEGIES`).
 
 Batches: ``sequences`` documents (512, the paper's global batch) from a length profile, truncated to
 the context as the artifact does. GitHub-like lengths are the byte-token profile scaled by 1/3.5
@@ -23,7 +24,8 @@ from typing import Any
 import numpy as np
 
 from ..layout import Layout
-from ..planner.candidates import auto_layouts, enumerate_layouts
+from ..micro_batch import PlanError
+from ..planner.candidates import auto_layouts, enumerate_layouts, runs
 from ..planner.cost.cost_model import AnalyticCostModel, CostModelError
 from ..planner.solve.assign import pack_lpt
 from ..planner.solve.packing import max_doc_length
@@ -31,7 +33,8 @@ from ..planner.solve.solver import CostModelPlanner
 from .artifact_rule import RuleNotFoundError, artifact_rule, artifact_stages
 from .progress import progress
 
-__all__ = ["CellResult", "GRID", "sample_batches", "simulate_cell", "simulate_grid", "static_seconds",
+__all__ = ["CellResult", "GRID", "REFERENCE_STRATEGIES", "reference_seconds", "sample_batches", "simulate_cell",
+           "simulate_grid", "static_seconds",
            "static_layouts", "geometric_mean"]
 
 #: The paper-scale grid: (model, GPUs) x contexts x data (docs/REFERENCE.md §2).
@@ -42,6 +45,10 @@ GRID: dict[str, Any] = {
 }
 
 DATA_SCALE = {"github": 1 / 3.5}
+
+#: the reference artifact's three 7B-on-8-GPU strategies (dp, tp, pp) it hot-switches among (docs/REFERENCE.md,
+#: issue 56): priced as static layouts next to ours on the paper grid's 7B 8-GPU cells
+REFERENCE_STRATEGIES = (Layout(tp=4, pp=2), Layout(dp=8), Layout(dp=2, tp=2, pp=2))
 
 
 def sample_batches(kind: str, context: int, batches: int, sequences: int = 512, seed: int = 0) -> list[np.ndarray]:
@@ -56,20 +63,12 @@ def sample_batches(kind: str, context: int, batches: int, sequences: int = 512, 
 def static_layouts(cm: AnalyticCostModel, longest: int, include_pp: bool = True,
                    tokens_per_rank: int | None = None) -> list[Layout]:
     """Every static layout that holds a ``longest``-token document: our (dp, tp, cp) family and,
-    with ``include_pp``, Megatron-style (dp, tp, pp) with pp in {2, 4}. ``tokens_per_rank``: the
-    planner's capacity override (then pp layouts are left out: the override has no pp rule)."""
-    out = [lay for lay in enumerate_layouts(cm.world_size, cm)]
+    with ``include_pp``, the same over pp stages (Megatron-style (dp, tp, pp) among them; priced
+    whether or not the runtime runs them). ``tokens_per_rank``: the planner's capacity override (then
+    pp layouts are left out: the override has no pp rule)."""
+    out = enumerate_layouts(cm.world_size, cm, pp=False)
     if include_pp:
-        for pp in (2, 4):
-            for tp in (1, 2, 4, 8):
-                if cm.world_size % (tp * pp) or tp > cm.hardware.devices_per_node:
-                    continue
-                par = Layout(dp=cm.world_size // (tp * pp), tp=tp, pp=pp)
-                try:
-                    cm.check(par)
-                except CostModelError:
-                    continue
-                out.append(par)
+        out += [lay for lay in enumerate_layouts(cm.world_size, cm, runnable_only=False) if lay.pp > 1]
     if tokens_per_rank is not None:
         ratio = cm.activation_ratio()
         return [p for p in out if p.pp == 1
@@ -89,14 +88,17 @@ def static_seconds(cm: AnalyticCostModel, par: Layout, lengths: np.ndarray,
         return planners[par].solve(lengths)[0]
     best = math.inf
     for ac in (False, True):
-        opt = cm.option(par, ac)
-        padded = opt.padded(lengths)
-        if padded.max() > opt.capacity:
-            continue
-        cost = opt.doc_seconds(padded)
-        groups = pack_lpt(padded, cost + opt.per_micro_batch * padded / opt.capacity, opt.capacity, par.dp)
-        worst = max(opt.group_seconds(float(sum(cost[i] for mb in g for i in mb)), len(g)) for g in groups)
-        best = min(best, worst + opt.stage_fixed + cm.switch_seconds(None, par))
+        full = cm.option(par, ac)
+        # a pipeline wants more, smaller micro-batches (its bubble is (p-1)/m): the memory's capacity or
+        # 1/2 .. 1/8 of it, whichever prices fastest (each still holding the longest document)
+        for opt in [full] + [cm.option(par, ac, capacity=full.capacity // k) for k in (2, 4, 8)]:
+            padded = opt.padded(lengths)
+            if padded.max() > opt.capacity:
+                continue
+            cost = opt.doc_seconds(padded)
+            groups = pack_lpt(padded, cost + opt.per_micro_batch * padded / opt.capacity, opt.capacity, par.dp)
+            worst = max(opt.group_seconds(float(sum(cost[i] for mb in g for i in mb)), len(g)) for g in groups)
+            best = min(best, worst + opt.stage_fixed + cm.switch_seconds(None, par))
     return best
 
 
@@ -131,6 +133,7 @@ class CellResult:
     best_static_no_cp_s: float = float("nan")
     ours_batches_s: list[float] = field(default_factory=list)  # per batch, ours and the best static's
     static_batches_s: list[float] = field(default_factory=list)
+    reference_strategies_s: dict[str, float | None] = field(default_factory=dict)  # None: does not hold a batch
 
     @property
     def speedup_static(self) -> float:
@@ -161,6 +164,9 @@ class CellResult:
             "speedup_vs_best_static": self.speedup_static, "speedup_vs_hand_set": self.speedup_rule,
             "speedup_vs_best_static_no_cp": self.speedup_static_no_cp,
             "speedup_vs_hand_set_artifact_packing": self.speedup_rule_artifact_packing,
+            "reference_strategies_s": self.reference_strategies_s,
+            "reference_strategies_over_ours": {k: None if v is None else v / self.ours_s
+                                               for k, v in self.reference_strategies_s.items()},
         }
 
 
@@ -184,7 +190,7 @@ def simulate_cell(model: str, world_size: int, context: int, data: str, hardware
     # candidates from other data, holding the static layout the cell compares with (every set then
     # holds it: the guard's fallback, issue 54; pipeline-parallel statics are priced, never run)
     sample = sample_batches(data, context, 1, sequences, seed + 7919)[0]
-    runnable = min((p for p in statics if p.pp == 1), key=lambda p: (static_totals[p], p.name))
+    runnable = min((p for p in statics if runs(p)), key=lambda p: (static_totals[p], p.name))
     layouts: tuple[Layout, ...] = auto_layouts(world_size, cm.model, cm.hardware, context, lengths=sample,
                                                static=runnable)
     planner = CostModelPlanner(layouts, model=cm.model, hardware=cm.hardware)
@@ -207,13 +213,27 @@ def simulate_cell(model: str, world_size: int, context: int, data: str, hardware
     no_cp = [p for p in statics if p.cp == 1]
     best_no_cp = min(no_cp, key=lambda p: (static_totals[p], p.name)) if no_cp else None
     n = len(data_batches)
+    reference = {lay.name: reference_seconds(cm, lay, data_batches, planners) / n
+                 for lay in REFERENCE_STRATEGIES if lay.world_size == world_size and model == "llama7b"}
     return CellResult(model, world_size, context, data, [x.name for x in layouts], float(np.mean(tokens)),
                       float(np.mean(ours)), best.name, static_totals[best] / n,
                       {k: float(np.mean(v)) for k, v in rules.items()}, fits,
                       {k: float(np.mean(v)) for k, v in rules_art.items()},
                       best_no_cp.name if best_no_cp else "",
                       static_totals[best_no_cp] / n if best_no_cp else float("nan"),
-                      [float(x) for x in ours], [static_seconds(cm, best, b, planners) for b in data_batches])
+                      [float(x) for x in ours], [static_seconds(cm, best, b, planners) for b in data_batches],
+                      {k: None if not math.isfinite(v) else v for k, v in reference.items()})
+
+
+def reference_seconds(cm: AnalyticCostModel, lay: Layout, batches: Sequence[np.ndarray],
+                      planners: dict[Layout, CostModelPlanner]) -> float:
+    """Summed predicted seconds of one declared static layout over ``batches`` (inf: it cannot run the
+    model or hold a document)."""
+    try:
+        cm.check(lay)
+        return sum(static_seconds(cm, lay, b, planners) for b in batches)
+    except (CostModelError, PlanError):  # the weights do not fit, or a document does not (DocumentTooLongError)
+        return math.inf
 
 
 def simulate_grid(hardware: str = "A800-80G", batches: int = 2, sequences: int = 512, seed: int = 0,

@@ -12,7 +12,6 @@ from lightning_hotspa.layout import Layout, LayoutError, MeshShape
 from lightning_hotspa.planner.candidates import auto_layouts, enumerate_layouts
 from lightning_hotspa.planner.cost.cost_model import (
     AnalyticCostModel,
-    CostModelError,
     shares_gradients,
 )
 from lightning_hotspa.planner.cost.hardware import get_profile
@@ -118,8 +117,9 @@ def test_switches_and_stage_ends_of_a_sharded_copy():
     assert cm.reductions_seconds([rep, sh]) == cm.grad_reduce_seconds(rep)
     assert cm.reductions_seconds([rep, Layout.parse("dp2xtp8xcp4"), Layout.parse("dp64")]) == pytest.approx(
         cm.grad_reduce_seconds(rep) + cm.grad_reduce_seconds(Layout.parse("dp64")))
-    with pytest.raises(CostModelError, match="fsdp.*no pp"):
-        cm.check(Layout(dp=2, tp=8, pp=4, fsdp=True))
+    # fsdp with pp (torchtitan's FSDP + PP): each stage's weights sharded over its dp x cp ranks, a local switch in
+    piped = cm.check(Layout(dp=2, tp=8, pp=4, fsdp=True))
+    assert cm.switch_bytes(None, piped) == 0 and cm.option(piped, True).stage_fixed == 0.0
     with pytest.raises(LayoutError, match="tp8xpp8:fsdp: fsdp shards .* dp = cp = 1"):
         Layout(tp=8, pp=8, fsdp=True)
 

@@ -75,8 +75,15 @@ rows); the cost is padding (``s`` rounded up to ``2*cp``) and communication:
   its dp groups run in lockstep rounds (:meth:`OptionCost.stage_seconds`). HSDP (``:fsdp8``): the
   same over its ``fsdp_shard`` ranks (the span tp x shard: one node when it fits), a stage-end
   reduce-scatter of its fp32 shard over the replicas, and a switch in gathers over them.
-* pp (simulation of the artifact's (dp, tp, pp) layouts only): each rank runs ``L/pp`` layers, a dp
-  group's ``m`` micro-batches take ``sum/pp * (m + pp - 1)/m`` (1F1B bubble).
+* pp (:mod:`.pipeline`, the schedule ``AnalyticCostModel.pipeline``): a rank runs its stage's layers
+  (:meth:`AnalyticCostModel.stage_layers`: balanced, or Megatron's even split), priced at the slowest
+  stage's (the attention and the GEMM coefficients each at their largest stage's, the loss head's GEMMs
+  on the last stage); a dp group's ``m`` micro-batches take ``sum * (1 + bubble(p, m))``, the bubble per
+  schedule (GPipe / 1F1B ``(p-1)/m``, interleaved ``(p-1)/(v m)``, ZB-H1 a third of 1F1B's); per
+  micro-batch ``v`` point-to-point sends of the stage's output and its gradient (``[s/(tp cp), h]`` each)
+  between ranks ``world/p`` apart, exposed unless the schedule's runtime overlaps them. Per-stage memory:
+  :mod:`.pp_memory`. A sharded copy (``:fsdp``) with pp shards each stage's weights over its dp x cp
+  ranks (torchtitan's FSDP + PP) and gathers only its stage's units.
 
 Memory per rank (:mod:`.memory_model`, :meth:`AnalyticCostModel.memory`, checked against the real
 step by ``hotspa memory``): home state over the world (fp32 weights, Adam m and v, fp32 gradient
@@ -110,6 +117,7 @@ from .efficiency import UNFUSED_KERNELS, unfused_attention_seconds
 from .grad_exposure import REDUCE_BUCKET_BYTES, exposed_share, reduce_buckets
 from .hardware import HardwareProfile, get_profile
 from .memory_model import MemoryModel, MemoryUse
+from .pipeline import PipelineSchedule, get_schedule, stage_layers
 from .runtime_profile import RuntimeProfile, get_runtime
 from .terms import (
     CostModelError,
@@ -142,6 +150,7 @@ class OptionCost:
     per_document: float = 0.0  # e: fixed seconds per document (0 analytically; e.g. per-document kernels on CPU)
     ring_exchange: float = 0.0  # x: seconds per padded token of the cp ring's exchange, hidden by attention
     ring_hiding: float = 0.0  # h: seconds per (padded length)^2 of the attention that hides it
+    pipeline: PipelineSchedule = PipelineSchedule()  # pp > 1: its schedule (the bubble)
 
     @property
     def key(self) -> tuple[str, Checkpointing]:
@@ -176,8 +185,9 @@ class OptionCost:
         return self.doc_seconds(s) + self.per_micro_batch * s / max(self.capacity, 1)
 
     def pipeline_factor(self, micro_batches: int) -> float:
-        pp = self.layout.pp
-        return 1.0 if pp == 1 or micro_batches == 0 else (micro_batches + pp - 1) / micro_batches
+        """``1 + bubble``: a dp group's pipelined time over its micro-batches' summed stage time."""
+        full = self.activation_checkpointing is Checkpointing.FULL
+        return 1.0 + self.pipeline.bubble(self.layout.pp, micro_batches, recompute=full)
 
     def group_seconds(self, doc_seconds_sum: float, micro_batches: int) -> float:
         """One dp group's time for its micro-batches (documents' seconds summed beforehand)."""
@@ -244,6 +254,7 @@ class AnalyticCostModel(MemoryModel):
     registered chunk kernel the all-gather-KV attention runs (its memory terms differ: the CPU flash
     chunks keep their output and log-sum-exp for backward); default: the one that runs on the hardware
     profile's ``device_type``.
+    ``pipeline``: how pp layouts are scheduled and split (:mod:`.pipeline`; default 1F1B, balanced split).
     ``runtime``: what the runtime overlaps (:mod:`.runtime_profile`); OUR runtime, ``"hotspa"``, unless
     pricing another system's published run. GEMM and attention efficiencies come from the hardware
     profile's curves (:mod:`.efficiency`, fitted to published runs: docs/cost-model.md).
@@ -252,11 +263,16 @@ class AnalyticCostModel(MemoryModel):
     def __init__(self, model: ModelShape | str | Any, hardware: HardwareProfile | str, world_size: int, *,
                  grad_bytes: int = 4, param_bytes: int = 2, capacity_multiple: int = 128,
                  grad_accum_bytes: int = 4, attention_backend: str = "flash_varlen",
-                 runtime: RuntimeProfile | str = "hotspa", chunk_kernel: str | None = None) -> None:
+                 runtime: RuntimeProfile | str = "hotspa", chunk_kernel: str | None = None,
+                 pipeline: PipelineSchedule | str | None = None) -> None:
         check_int(world_size, "world size", error=CostModelError)
         self.model = resolve_model(model)
         self.hardware = get_profile(hardware)
         self.runtime = get_runtime(runtime)  # what the runtime overlaps (ours unless pricing a published run)
+        try:
+            self.pipeline = get_schedule(pipeline)
+        except ValueError as err:
+            raise CostModelError(str(err)) from None
         self.world_size = world_size
         self.grad_bytes = grad_bytes
         self.param_bytes = param_bytes
@@ -286,23 +302,47 @@ class AnalyticCostModel(MemoryModel):
                                  f"them; all-gather-KV cp, ':kv', does not)")
         if m.n_kv_heads % par.tp and par.tp % m.n_kv_heads:
             raise CostModelError(f"{par}: tp={par.tp} and the model's {m.n_kv_heads} kv heads do not nest")
-        if par.fsdp and (par.pp > 1 or par.dp * par.cp == 1):
-            raise CostModelError(f"{par}: a sharded working copy (fsdp) needs dp*cp > 1 and no pp")
-        if m.n_layers % par.pp:
-            raise CostModelError(f"{par}: pp={par.pp} does not divide the model's {m.n_layers} layers")
+        if par.fsdp and par.dp * par.cp == 1:
+            raise CostModelError(f"{par}: a sharded working copy (fsdp) needs dp*cp > 1")
+        if par.pp > 1:
+            try:
+                self.stage_layers(par)
+            except ValueError as err:
+                raise CostModelError(f"{par}: {err}") from None
         if (m.ffn_hidden % par.tp) or (m.padded_vocab_size % par.tp):
             raise CostModelError(f"{par}: tp={par.tp} does not divide ffn {m.ffn_hidden} / vocab "
                                  f"{m.padded_vocab_size}")
         return par
+
+    def stage_layers(self, par: Layout) -> tuple[int, ...]:
+        """Transformer layers per pipeline stage of ``par`` (:func:`.pipeline.stage_layers`; the loss
+        head counted as ``vocab x hidden / layer parameters`` layers of GEMM work on the last stage)."""
+        s = self.pipeline
+        head = self.model.padded_vocab_size * self.model.hidden / self.layer_params
+        return stage_layers(self.model.n_layers, par.pp, head, s.split, s.virtual_stages)
+
+    def stage_shares(self, par: Layout) -> tuple[float, float, int]:
+        """(attention share, GEMM share, layers) of the slowest stage: the largest stage's layers over all
+        layers, the largest stage's GEMM parameters (its layers, the loss head on the last) over all, and
+        its layer count; ``(1/1, 1, L)`` without pp. Each share is the max over stages (an upper bound where
+        different stages hold the most attention and the most GEMM work)."""
+        m = self.model
+        if par.pp == 1:
+            return 1.0, 1.0, m.n_layers
+        layers = self.stage_layers(par)
+        head = self.dense_params - m.n_layers * self.layer_params
+        dense = max(n * self.layer_params + (head if s == par.pp - 1 else 0.0) for s, n in enumerate(layers))
+        return max(layers) / m.n_layers, dense / self.dense_params, max(layers)
 
     # ------------------------------------------------------------------ time
     def _coefficients(self, par: Layout, ac: Checkpointing | bool) -> tuple[float, float, float, float, float]:
         m, hw = self.model, self.hardware
         mode = Checkpointing.parse(ac)
         full = mode is Checkpointing.FULL
-        # tp*cp*pp ways, each at the measured efficiency of its smaller local shapes (1.0 by default)
-        div = par.tp * par.cp * par.pp * hw.shard_efficiency(par.tp, par.cp)
-        layers = m.n_layers / par.pp
+        # tp*cp ways, each at the measured efficiency of its smaller local shapes (1.0 by default); a pp
+        # stage's share of the layers (the slowest stage's)
+        attn_share, _, layers = self.stage_shares(par)
+        div = par.tp * par.cp * hw.shard_efficiency(par.tp, par.cp) / attn_share
         # both modes recompute the attention kernel's forward; the GEMMs: :meth:`_dense_seconds_per_token`
         recompute = 1.0 + (1.0 / 3.0 if mode else 0.0)
         # compute: attention 6*L*H*hd*s*(s+1) (models/config.py), dense 6*P*s (+2*P_layers*s recompute)
@@ -349,10 +389,11 @@ class AnalyticCostModel(MemoryModel):
                 b += attn * recompute_attn / recompute
                 ring_h += hw.layer_comm_overlap * attn * recompute_attn / recompute if hidden else 0.0
         # ---- end context parallelism ----
-        if par.pp > 1:  # activations across each stage boundary, forward and backward
-            bw = hw.bandwidth(self.world_size)
-            b += 2.0 * m.hidden * self.param_bytes / (par.tp * par.cp) / bw
-            d += 2.0 * hw.latency(self.world_size)
+        if par.pp > 1:  # activations across each stage boundary, forward and backward (pipeline.py)
+            gap = self.world_size // par.pp  # pp takes the outermost dims: the peer is world/pp ranks away
+            bw, sends = hw.bandwidth(2 * gap, gap), 2.0 * self.pipeline.messages()
+            b += self._exposed(self.pipeline.p2p_overlap) * sends * m.hidden * self.param_bytes / (par.tp * par.cp) / bw
+            d += sends * hw.latency(2 * gap)
         return a, b, d, ring_x, ring_h
 
     def _attention_seconds(self, div: float) -> float:
@@ -379,7 +420,7 @@ class AnalyticCostModel(MemoryModel):
         every block GEMM's forward, selective the q / k / v projections)."""
         m, hw = self.model, self.hardware
         mode = Checkpointing.parse(ac)
-        div = par.tp * par.cp * par.pp * hw.shard_efficiency(par.tp, par.cp)
+        div = par.tp * par.cp * hw.shard_efficiency(par.tp, par.cp) / self.stage_shares(par)[1]
         redo = {Checkpointing.NONE: 0.0, Checkpointing.FULL: self.layer_params,
                 Checkpointing.SELECTIVE: m.hidden * (self.attn_width + 2.0 * self.kv_width)}[mode]
         dense_flops = 6.0 * self.dense_params + 2.0 * redo * m.n_layers
@@ -416,6 +457,9 @@ class AnalyticCostModel(MemoryModel):
         units = split / par.tp + full
         embedding = self.model.padded_vocab_size * self.model.hidden / par.tp  # its backward needs no weight
         hw, span, n = self.hardware, par.tp * g, self.model.n_layers + 2
+        if par.pp > 1:  # a stage gathers its own units: its layers and the embedding or the head
+            layers = self.stage_shares(par)[2]
+            units, embedding, n = units * (layers + 1) / n, embedding * (layers + 1) / n, layers + 1
         bw, lat = hw.bandwidth(span, par.tp), hw.latency(span)
         ring = (g - 1) / g * self.param_bytes / bw
         return (ring * units + n * lat, ring * (units - embedding) + (n - 1) * lat,
@@ -498,7 +542,7 @@ class AnalyticCostModel(MemoryModel):
         if par.fsdp:
             b, d = self._fsdp_exposed(par, activation_checkpointing, cap, b, d)
         return OptionCost(par, activation_checkpointing, cap, a, b, d, self.grad_reduce_seconds(par),
-                          ring_exchange=ring_x, ring_hiding=ring_h)
+                          ring_exchange=ring_x, ring_hiding=ring_h, pipeline=self.pipeline)
 
     # ------------------------------------------------------------------ switches
     def _working_shards(self, par: Layout | None) -> int:
@@ -507,7 +551,7 @@ class AnalyticCostModel(MemoryModel):
         (``:fsdp8``) over tp x its shard."""
         if par is None:
             return self.world_size
-        return par.tp * par.fsdp_shard if par.fsdp else par.shards
+        return par.shards * par.fsdp_shard if par.fsdp else par.shards
 
     def switch_bytes(self, source: Layout | None, target: Layout) -> float:
         """Bytes each rank receives to hold ``target``'s working weights (``source`` None: home). Into

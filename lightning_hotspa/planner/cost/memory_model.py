@@ -126,6 +126,14 @@ class MemoryModel:
         layer's tensors but its attention core's (q / k / v, the kernel's; wo's input stays), and a
         layer's recomputed core counts where it exceeds the loss head's transients, freed by then
         (measured: the head's turn is the peak; docs/DESIGN.md §11)."""
+        per_layer, once, head = self.activation_parts(activation_checkpointing, tp, cp, cp_kv)
+        return self.model.n_layers * per_layer + once + head
+
+    def activation_parts(self, activation_checkpointing: Checkpointing | bool, tp: int = 1, cp: int = 1,
+                         cp_kv: int = 1) -> tuple[float, float, float]:
+        """(per layer, once, loss head) bytes per token of :meth:`activation_bytes_per_token` (= ``n_layers x
+        per layer + once + head``): a pipeline stage holds its layers' per-layer part for each micro-batch in
+        flight (:mod:`.pp_memory`)."""
         mode = Checkpointing.parse(activation_checkpointing)
         m = self.model
         f, hd, wb = m.ffn_hidden, m.head_dim, self.param_bytes
@@ -145,12 +153,12 @@ class MemoryModel:
         head = (self.norm_bytes_per_token() / tp + wb * m.hidden * (1 - 1 / tp) + HEAD_STATE_BYTES) / cp \
             + self.logits_bytes_per_token(tp, cp)
         if mode is Checkpointing.FULL:  # each layer's input (this rank's tokens), plus one layer recomputed
-            return m.n_layers * wb * m.hidden / (tp * cp) + layer + rope + head
+            return wb * m.hidden / (tp * cp), layer + rope, head
         if mode is Checkpointing.SELECTIVE:  # the core's output (wo's input) kept, the rest recomputed
             kept = wb * self.attn_width / (tp * cp)
             recomputed = max(0.0, attention - kept - self.logits_bytes_per_token(tp, cp))
-            return m.n_layers * (layer - attention + kept) + recomputed + rope + head
-        return m.n_layers * layer + rope + head
+            return layer - attention + kept, recomputed + rope, head
+        return layer, rope, head
 
     def logits_bytes_per_token(self, tp: int = 1, cp: int = 1) -> float:
         """The blocked loss head's transients per token (models/loss_head.py) at its backward, the
@@ -211,6 +219,10 @@ class MemoryModel:
         is priced as its working layout ``:fsdp<n>``: parameters / block ranks; its joint exchange
         sends this rank's shard of the largest parameter and receives at most all of it, counted
         as a transient beside the per-unit gathers' (the larger of the two)."""
+        if par.pp > 1:  # the stage that holds the fewest tokens (pp_memory.py)
+            from .pp_memory import binding_stage
+
+            return binding_stage(self, par, activation_checkpointing)
         hw = self.hardware
         home = self.params * 16.0 / self.world_size
         split, full = self._param_split(par.tp)
@@ -241,9 +253,13 @@ class MemoryModel:
                    mixed_tp: bool = False) -> float:
         """Predicted peak bytes per rank with a micro-batch of ``tokens`` (no reserve: compare with
         the memory estimator, ``hotspa memory``); ``mixed_tp``: as a block of a mixed-tp stage."""
-        mem = self.memory(par, activation_checkpointing, mixed_tp)
         quadratic = self.attention_quadratic_bytes(par) * float(tokens) ** 2  # one document: the worst
         kv = self.kv_ring_extra_bytes(par, activation_checkpointing, tokens)
+        if par.pp > 1:  # the fullest stage at this micro-batch
+            from .pp_memory import stage_memories
+
+            return max(mem.peak(tokens, quadratic) for mem in stage_memories(self, par, activation_checkpointing)) + kv
+        mem = self.memory(par, activation_checkpointing, mixed_tp)
         return mem.peak(tokens, quadratic) + kv
 
     def kv_ring_extra_bytes(self, par: Layout, activation_checkpointing: Checkpointing | bool,

@@ -3,7 +3,7 @@
 Each row is the source's own stated configuration and measured throughput, cited by repository +
 file + commit or paper + table; ``recipes/benchmark_published.py`` prices them. FP8 rows are priced
 with their linears at their runtime's ``fp8_gemm_speedup`` (docs/cost-model.md). Rows that the cost
-model cannot express (pipeline parallelism, FP8 of a runtime without a stated rate) are kept with
+model cannot express (FP8 of a runtime without a stated rate, 405B-class pp rows with FP8) are kept with
 ``excluded`` saying why, outside the statistics (the only readable Ulysses table, the Hugging Face
 blog's Qwen3-4B runs, among them: its CPU-offloaded optimizer). MPT models (llm-foundry) are priced as
 FLOP-equivalent Llama shapes: multi-head attention, and a SwiGLU width of 8h/3 (three h x 8h/3
@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ...model_shape import ModelShape
+from .pipeline import PipelineSchedule
 
 __all__ = ["PublishedRun", "PUBLISHED_RUNS", "QWEN3_4B", "mpt_config", "megatron_flops_per_token",
            "megatron_gpt_config", "nemo_llama2_tokens_per_s"]
@@ -105,8 +106,34 @@ def megatron_flops_per_token(hidden: int, layers: int, seq_len: int, vocab: int)
     return 72.0 * layers * hidden ** 2 * (1 + seq_len / (6 * hidden) + vocab / (12 * layers * hidden))
 
 
+MEGATRON_H100_PP = ("NVIDIA/Megatron-LM README.md @ f2e5db402c44ae309aa6448bcb4ae87e8ae0f5f4, 'Training Speed and "
+                    "Scalability', images/model_table.png row '{size}' ({heads} heads, hidden {h}, {layers} layers, tp "
+                    "8, pp {pp}, dp 48, {gpus} GPUs, batch size {batch}, {tflops} teraFLOP/s per GPU; vocab 131072, "
+                    "sequence 4096 and 'pipeline-parallel communication (enabled by default)' overlapped with "
+                    "computation in the text); tokens/s/GPU = teraFLOP/s / megatron_flops_per_token")
+
+#: the schedule Megatron-LM's pp rows ran: ASSUMED its non-interleaved 1F1B (the README states no virtual-stage
+#: count; without ``--num-layers-per-virtual-pipeline-stage`` Megatron runs 1F1B, and 92 layers over 4 stages
+#: leave no interleaving but one layer per chunk), ``L / pp`` layers per stage (Megatron's default split, the
+#: embedding and the loss head beside the first and last stages' layers), point-to-point overlapped (the README)
+MEGATRON_PIPELINE = PipelineSchedule("1f1b", split="even", p2p_overlap=True)
+
+
+def _megatron_h100_pp(size: str, heads: int, h: int, layers: int, pp: int, batch: int, tflops: float) -> PublishedRun:
+    """A pp row of Megatron-LM's H100 scaling table (tp 8, dp 48; issue 56), priced with :data:`MEGATRON_PIPELINE`."""
+    gpus = 48 * 8 * pp
+    return PublishedRun(f"megatron-h100-{size.lower()}-tp8-pp{pp}",
+                        MEGATRON_H100_PP.format(size=size, heads=heads, h=h, layers=layers, pp=pp, gpus=gpus,
+                                                batch=batch, tflops=tflops),
+                        "megatron-core", "H100", megatron_gpt_config(h, layers, heads, vocab=131072), gpus, 48, 8,
+                        1, pp, "none", 4096, 1, batch // 48, "none", "bf16",
+                        tflops * 1e12 / megatron_flops_per_token(h, layers, 4096, 131072),
+                        note=f"micro-batch 1 x {batch // 48} per dp rank ASSUMED (batch {batch} over dp 48), no "
+                        f"recompute ASSUMED, 1F1B ASSUMED", pipeline=MEGATRON_PIPELINE)
+
+
 def _megatron_h100(size: str, heads: int, h: int, layers: int, tp: int, tflops: float) -> PublishedRun:
-    """A pp-1 row of Megatron-LM's H100 scaling table (the pp rows belong to the pipeline issue)."""
+    """A pp-1 row of Megatron-LM's H100 scaling table (its pp rows: :func:`_megatron_h100_pp`)."""
     gpus = 48 * tp
     return PublishedRun(f"megatron-h100-tp{tp}", MEGATRON_H100.format(size=size, heads=heads, h=h, layers=layers,
                                                                       tp=tp, gpus=gpus, tflops=tflops),
@@ -129,7 +156,8 @@ class PublishedRun:
     ``excluded`` (why it is outside the statistics, or ``""``); ``note``; ``cp_kv`` (how cp is done, as
     :class:`~lightning_hotspa.layout.Layout`'s: 1 Ulysses all-to-all, ``cp`` ring / all-gather of K and V);
     ``compiled`` (torch.compile'd: priced at its runtime's ``compile_speedup``); ``fp8_recipe`` (a torchao
-    recipe an FP8 row names: priced at its runtime's rate for it; "": the runtime's own ``fp8_gemm_speedup``)."""
+    recipe an FP8 row names: priced at its runtime's rate for it; "": the runtime's own ``fp8_gemm_speedup``);
+    ``pipeline`` (a pp row's schedule and layer split, :class:`~.pipeline.PipelineSchedule`)."""
 
     id: str
     source: str
@@ -153,6 +181,7 @@ class PublishedRun:
     cp_kv: int = 1
     compiled: bool = False
     fp8_recipe: str = ""
+    pipeline: PipelineSchedule | None = None  # pp > 1: the schedule it ran (None: the cost model's default, 1F1B)
 
 
 def _foundry(gpu: str, table: str, size: str, seq: int, world: int, mbs: int, ga: int, ac: bool,
@@ -293,6 +322,12 @@ PUBLISHED_RUNS: tuple[PublishedRun, ...] = (
     _megatron_h100("7.1B", 32, 4096, 30, 2, 465.9),
     _megatron_h100("16B", 48, 6144, 32, 4, 489.1),
     _megatron_h100("32B", 56, 7168, 48, 8, 459.6),
+    # ... and its pp rows (issue 56), each priced with the schedule it ran (1F1B ASSUMED) and Megatron's even split
+    _megatron_h100_pp("70B", 64, 8192, 84, 2, 384, 419.7),
+    _megatron_h100_pp("119B", 80, 10240, 92, 4, 768, 420.5),
+    _megatron_h100_pp("177B", 96, 12288, 96, 6, 1152, 432.8),
+    _megatron_h100_pp("314B", 128, 16384, 96, 8, 1536, 474.4),
+    _megatron_h100_pp("462B", 144, 18432, 112, 16, 3072, 459.9),
     # ---- context parallel (issue 39): FP8 linears priced at their runtime's fp8_gemm_speedup (torchtitan's
     # from its Table 1 pair, NeMo / TE's fitted on its own table); cp_kv = cp: ring / all-gather of K and V
     PublishedRun("titan-8b-fsdp8-compile-fp8",

@@ -69,7 +69,8 @@ class Timeline:
 
     def _spans(self, opt: OptionCost) -> np.ndarray | None:
         par = opt.layout
-        return None if par.fsdp or self.blocks is None else self.blocks.spans(par)
+        # a pp layout's dp group spans its stages' ranks: priced in step (its stage's slowest dp group)
+        return None if par.fsdp or par.pp > 1 or self.blocks is None else self.blocks.spans(par)
 
     def release_times(self, opt: OptionCost) -> np.ndarray | None:
         """When each dp group of a stage in ``opt`` would start (None: at once, in step)."""
