@@ -118,7 +118,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def run_fp8_layouts(recipe: str, dtype: torch.dtype = torch.float32, cases: tuple[str, ...] = tuple(CASES)) -> dict:
     """On every rank of a 2-rank world: each case's loss and gradients vs the single process in FP8.
 
-    Returns ``{"cases": {case: {"loss_err", "max_grad_err", "worst"}}, "between": the largest relative
+    Returns ``{"cases": {case: {"loss", "loss_err", "max_grad_err", "worst"}}, "between": the largest relative
     difference of any gradient between two layouts (the control excluded), "fp8_linears", "scaled_mm_calls",
     "bf16_loss_rel": the FP8 reference loss against the same run without FP8}``.
 
@@ -170,7 +170,8 @@ def run_fp8_layouts(recipe: str, dtype: torch.dtype = torch.float32, cases: tupl
         engine.clear_grad_store()
         errors = {name: _rel(g, ref_grads[name]) for name, g in grads.items()}
         worst = max(errors, key=errors.get)
-        out["cases"][case] = {"loss_err": abs(float(result.loss) - ref_loss) / abs(ref_loss),
+        loss = float(result.loss)
+        out["cases"][case] = {"loss": loss, "loss_err": abs(loss - ref_loss) / abs(ref_loss),
                               "max_grad_err": errors[worst], "worst": worst,
                               "errors": {k: v for k, v in errors.items() if v > 1e-4}}
         if case != "tp2-no-reduce":
