@@ -205,6 +205,7 @@ SMOKE: dict[str, Smoke | Reuse] = {
 HELPERS = {
     "gpu_check_common.py": "gpu_check.py",
     "gpu_check_compile.py": "gpu_check.py",
+    "gpu_check_fp8.py": "gpu_check.py",
     "gpu_check_cp.py": "gpu_check.py",
     "gpu_check_hopper.py": "gpu_check.py",
     "gpu_check_hotpath.py": "gpu_check.py",

@@ -64,3 +64,37 @@ def test_a_step_runs_scaled_mm_close_to_bf16(recipe) -> None:
     per_step = {"tensorwise": 42, "rowwise": 42, "rowwise_with_gw_hp": 28}[recipe]  # 14 layers x 3 or 2 GEMMs
     assert calls["calls"] == per_step
     assert abs(losses[1] - losses[0]) / losses[0] <= 0.03
+
+
+def test_gpu_check_fp8_part_dry_run(tmp_path) -> None:
+    """gpu_check.py --parts fp8 on CPU (the dry run: never run on a GPU): every recipe ran _scaled_mm."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, str(root / "recipes" / "gpu_check.py"), "--dry-run", "--parts", "fp8",
+                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=300,
+                          env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    part = json.loads((tmp_path / "gpu_check.json").read_text())["parts"]["fp8"]
+    assert part["status"] == "ok", part
+    for recipe, cell in part["recipes"].items():
+        assert cell["fp8_linears"] == 7 and cell["scaled_mm_calls"] >= 14 and cell["rel_error"] < 0.2, (recipe, cell)
+
+
+def test_strategy_and_hydra_switch() -> None:
+    """``HotSPaStrategy(fp8=...)`` validates at construction; every strategy config names ``fp8`` (off)."""
+    from pathlib import Path
+
+    from omegaconf import OmegaConf
+
+    from lightning_hotspa import HotSPaStrategy
+
+    with pytest.raises(ValueError, match="strategy.fp8='e4m3'"):
+        HotSPaStrategy(fp8="e4m3")
+    assert HotSPaStrategy(fp8="rowwise").fp8 == "rowwise" and HotSPaStrategy().fp8 is None
+    folder = Path(__file__).resolve().parents[2] / "lightning_hotspa" / "configs" / "strategy"
+    for path in folder.glob("*.yaml"):
+        assert OmegaConf.load(path).get("fp8", "missing") is None, path.name
