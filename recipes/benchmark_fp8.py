@@ -4,7 +4,7 @@ torch runs ``torch._scaled_mm`` on CPU, so the FP8 numerics are checked here (sp
 
 1. Layouts: one step of a tiny Llama (ffn 128) on 2 gloo ranks in dp2, tp2 with and without sequence
    parallelism, dp2:fsdp, cp2 and a plan switching dp2 -> tp2 -> dp2:fsdp, every layout on the same
-   micro-batches (lightning_hotspa/testing/fp8_layouts.py), each against the single process in FP8.
+   micro-batches (lightning_hotspa/tools/fp8_layouts.py), each against the single process in FP8.
    ``max_rel_diff_between_layouts``: the largest relative difference of the step loss between two layouts;
    ``max_grad_rel_diff_between_layouts``: the same over every gradient tensor (reported, not held to the
    tolerance: a tp layout sums the row-parallel partial products in another order, which flips the FP8
@@ -36,8 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # a checkout works
 import torch  # noqa: E402
 
 from lightning_hotspa.parallel.fp8 import FP8_RECIPES, install_fp8  # noqa: E402
-from lightning_hotspa.testing.fp8_layouts import CASES, run_fp8_layouts, scaled_mm_counter  # noqa: E402
 from lightning_hotspa.testing.spawn import run_on_ranks  # noqa: E402
+from lightning_hotspa.tools.fp8_layouts import CASES, run_fp8_layouts, scaled_mm_counter  # noqa: E402
 
 TOLERANCE = 0.03
 SMOKE_CASES = ("dp2", "tp2-sp", "dp2:fsdp")

@@ -18,7 +18,7 @@ from lightning_hotspa.models.config import LlamaConfig
 from lightning_hotspa.models.llama import Block
 from lightning_hotspa.models.rope import position_ids_from_cu_seqlens, rotary_cos_sin
 from lightning_hotspa.parallel.fp8 import FP8_RECIPES, install_fp8
-from lightning_hotspa.testing.fp8_layouts import scaled_mm_counter
+from lightning_hotspa.tools.fp8_layouts import scaled_mm_counter
 
 __all__ = ["fp8_check"]
 

@@ -2,7 +2,7 @@
 
 ONE spawn of 2 gloo ranks runs, for each of torchao's three recipes, one step of a tiny Llama in dp2,
 tp2 with and without sequence parallelism, dp2:fsdp, cp2 and a plan switching dp2 -> tp2 -> dp2:fsdp
-(lightning_hotspa/testing/fp8_layouts.py: every layout runs the same micro-batches), and a column- then
+(lightning_hotspa/tools/fp8_layouts.py: every layout runs the same micro-batches), and a column- then
 row-parallel FP8 pair under tp2 with the amax reductions on and off. Stated tolerances (fp32 model):
 
 - the step loss, every layout vs the single process: <= 1e-4 relative;
@@ -19,7 +19,7 @@ from __future__ import annotations
 import pytest
 
 from lightning_hotspa.parallel.fp8 import FP8_RECIPES
-from lightning_hotspa.testing.fp8_layouts import run_fp8_layouts, run_gemm_check
+from lightning_hotspa.tools.fp8_layouts import run_fp8_layouts, run_gemm_check
 
 pytest.importorskip("torchao")
 

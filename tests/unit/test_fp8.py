@@ -9,7 +9,7 @@ import torch
 
 from lightning_hotspa.models import Llama, LlamaConfig
 from lightning_hotspa.parallel.fp8 import check_fp8, install_fp8, uninstall_fp8
-from lightning_hotspa.testing.fp8_layouts import scaled_mm_counter
+from lightning_hotspa.tools.fp8_layouts import scaled_mm_counter
 
 pytest.importorskip("torchao")
 

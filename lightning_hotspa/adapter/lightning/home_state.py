@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from lightning.pytorch.utilities.rank_zero import rank_zero_debug
+from lightning.pytorch.utilities.rank_zero import rank_zero_debug, rank_zero_info
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
@@ -81,6 +81,9 @@ def build_home_state(module: nn.Module, world: WorldMesh, *, home_dtype: torch.d
     uninstall_parallel(module)  # a module an earlier Trainer ran: its old forwards give way to ours
     parallel = ParallelModel(module, {n: s.role.name for n, s in shardings.items()}, world, tp_regather=tp_regather,
                              tp_overlap=tp_overlap, fp8=fp8)
+    if fp8 is not None:
+        rank_zero_info(f"hotspa: fp8 {fp8}: {len(parallel.fp8_linears)} linear layers run their GEMMs in FP8 "
+                       f"(torchao; the rest in the working precision, parallel/fp8.py)")
     if parallel.loss_parallel:
         rank_zero_debug(f"hotspa: {type(module).__name__}.vocab_parallel_loss is True: under tp its "
                        f"loss_fn gets vocab-sharded logits (a vocab-parallel cross entropy)")
