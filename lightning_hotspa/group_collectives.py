@@ -102,6 +102,14 @@ class GroupCollectives:
         ``rights[i] [K_i, N]`` -> ``[T, N]``, the sum over members of their products for this slot."""
         return self.reduce_scatter(_products(lefts, rights))
 
+    def all_reduce_max(self, t: Tensor) -> Tensor:
+        """The elementwise max of ``t`` over the members, in a fresh tensor (an FP8 scale's amax,
+        parallel/fp8.py; a few floats, no autograd)."""
+        out = t.clone(memory_format=torch.contiguous_format)
+        with collective("an all-reduce (max)", self.owner):
+            dist.all_reduce(out, op=dist.ReduceOp.MAX, group=self.group)
+        return out
+
     def ring_shift(self, send: Tensor) -> RingShift:
         """Posts ``send`` to the next member in SHARD order (``owner.ranks``) and a receive of the same
         shape from the previous one; returns at once (the caller computes, then waits).

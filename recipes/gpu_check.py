@@ -32,6 +32,9 @@ after every part (``$OUT`` defaults to ./gpu_check_out), so a run cut short stil
 * (i) ``compile`` (opt-in: ``--parts compile``, not in the default run): one decoder block compiled with
   inductor, the token dim dynamic, against eager over several length mixes: speedup, error, graphs and
   breaks (gpu_check_compile.py). Never run on a GPU yet (2026-12-06).
+* (j) ``fp8`` (opt-in: ``--parts fp8``): one decoder block with its projections in FP8 per torchao recipe
+  (``strategy.fp8``, parallel/fp8.py) against bf16: speedup, error, ``_scaled_mm`` calls (gpu_check_fp8.py).
+  Never run on a GPU yet (2026-12-06): only its CPU dry run.
 
 Parts run in the order of ``PARTS``, the backends part (with its flex-attention compile) last.
 
@@ -69,20 +72,22 @@ from lightning_hotspa.planner.cost.hardware import get_profile  # noqa: E402
 # the backends part runs last: its flex-attention compile is the one step that can take minutes
 PARTS = ("matmul", "train", "hotpath", "cpchunks", "hopper", "shards", "timers", "backends")
 #: parts only ``--parts`` names run (their share comes out of the whole budget)
-OPT_IN = ("compile",)
+OPT_IN = ("compile", "fp8")
 PART_SHARES = {"matmul": 0.03, "train": 0.28, "hotpath": 0.07, "cpchunks": 0.12, "hopper": 0.05, "backends": 0.23,
-               "shards": 0.16, "timers": 0.06, "compile": 0.3}
+               "shards": 0.16, "timers": 0.06, "compile": 0.3,
+               "fp8": 0.2}
 
 REAL = {"preset": "1b", "steps": 20, "tokens_per_batch": 16384, "context_length": 8192, "tokens_per_rank": 8192,
         "lr": 3e-4, "lengths": [2048, 4096, 8192, 16384, 32768], "tokens": 32768, "matmul_n": 8192,
         "layer_tokens": 16384, "layer_length": 4096, "timer_tokens": 8192, "timer_length": 2048,
         "kv_tokens": 32768, "hardware": "H200", "budget_s": 265.0, "cp_chunks": "real",
-        "compile_mixes": [[4096, 4096], [1024] * 8, [8192], [2048, 512, 3072, 2560]]}
+        "compile_mixes": [[4096, 4096], [1024] * 8, [8192], [2048, 512, 3072, 2560]],
+        "fp8_lengths": [4096, 4096, 8192]}
 DRY = {"preset": "tiny", "steps": 8, "tokens_per_batch": 1024, "context_length": 256, "tokens_per_rank": 512,
        "lr": 3e-3, "lengths": [64, 128], "tokens": 256, "matmul_n": 256,
        "layer_tokens": 256, "layer_length": 64, "timer_tokens": 256, "timer_length": 64,
        "kv_tokens": 256, "hardware": "cpu-gloo", "budget_s": 120.0, "cp_chunks": "dry",
-       "compile_mixes": [[32, 32], [16] * 4]}
+       "compile_mixes": [[32, 32], [16] * 4], "fp8_lengths": [32, 32]}
 
 
 class Report:
@@ -236,6 +241,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
         _run_part(report, "compile", lambda b: compile_check(config, cfg["compile_mixes"], device, dtype, b),
                   budget("compile"))
+    if "fp8" in args.parts:
+        from gpu_check_fp8 import fp8_check
+
+        _run_part(report, "fp8", lambda b: fp8_check(config, cfg["fp8_lengths"], device, dtype, b), budget("fp8"))
     if "backends" in args.parts:  # last: flex attention's compile, behind the part's own budget
         _run_part(report, "backends", lambda b: _backends(config, model(), cfg, device, dtype, peaks, b),
                   budget("backends"))

@@ -32,15 +32,23 @@ class ParallelModel:
     """``loss_parallel``: None reads the module's ``vocab_parallel_loss`` opt-in; True / False force it
     (True needs ``loss_fn``). ``self.loss_parallel`` says what was installed. ``tp_overlap``: tp
     communication with its GEMMs under sequence parallelism (``install_tensor_parallel``'s ``overlap``);
-    ``tp_regather``: False keeps a region's gathered input for backward instead of gathering it again."""
+    ``tp_regather``: False keeps a region's gathered input for backward instead of gathering it again.
+    ``fp8``: a torchao float8 recipe name for the transformer blocks' projections (:mod:`.fp8`), None off;
+    ``self.fp8_linears`` names the layers that run in FP8."""
 
     def __init__(self, module: nn.Module, roles: Mapping[str, str], world: WorldMesh,
-                 *, loss_parallel: bool | None = None, tp_overlap: bool = True, tp_regather: bool = True) -> None:
+                 *, loss_parallel: bool | None = None, tp_overlap: bool = True, tp_regather: bool = True,
+                 fp8: str | None = None) -> None:
         self.module = module
         self.world = world
         self.state = ParallelState()
         self.hooks = 0
         self.loss_parallel = False
+        self.fp8_linears: list[str] = []
+        if fp8 is not None:  # before tensor parallelism: its forwards read the FP8 mark
+            from .fp8 import install_fp8
+
+            self.fp8_linears = install_fp8(module, fp8, self.state, max(layout.tp for layout in world.layouts))
         if any(layout.tp > 1 for layout in world.layouts):
             from .tensor_parallel import install_tensor_parallel
 
@@ -124,6 +132,7 @@ def uninstall_parallel(module: nn.Module) -> int:
         module: the root module a ParallelModel was built on.
     """
     from .core_attention import ParallelCoreAttention
+    from .fp8 import uninstall_fp8
     from .loss import VocabParallelLoss
     from .tensor_parallel import TPForward
 
@@ -137,6 +146,7 @@ def uninstall_parallel(module: nn.Module) -> int:
             sub.core_attention = wrapper.inner if sub.core_attention is wrapper else sub.core_attention
             del sub._hotspa_attention
             removed += 1
+    removed += uninstall_fp8(module)
     loss = module.__dict__.get("loss_fn")
     if isinstance(loss, VocabParallelLoss):
         original = loss.original

@@ -18,6 +18,11 @@ every reader's output from it; the others take theirs. Its backward owns the reg
   ``all_gather_matmul`` / ``matmul_reduce_scatter``: fused on NCCL, a ring on gloo); the re-gather
   for the weight gradients is then an all-gather of its own.
 
+FP8 readers (:mod:`.fp8`) take another path: the input goes through ``f`` as plain autograd
+functions once (one all-reduce / one reduce-scatter of the summed input gradient, as above), then
+each reader's FP8 GEMM runs on it; under sequence parallelism the gathered input is then kept for
+backward (no re-gather) and nothing overlaps.
+
 No state is shared with other autograd nodes: the row-parallel layer that closes the region
 reduce-scatters (or all-reduces) its own output and all-gathers its own gradient.
 """
@@ -33,8 +38,9 @@ from torch import Tensor, nn
 
 from ..mesh import RankGroup
 from ..shard_rows import all_gather_matmul_rows, matmul_reduce_scatter_rows, reduce_scatter_and_gather_rows
-from .collectives import all_reduce_sum
-from .sequence_parallel import all_gather_tokens, check_token_split, reduce_scatter_tokens
+from .collectives import all_reduce_sum, copy_to_group
+from .fp8 import Fp8Axes, fp8_linear, tokens_group
+from .sequence_parallel import all_gather_tokens, check_token_split, gather_tokens, reduce_scatter_tokens
 
 __all__ = ["ColumnRegion"]
 
@@ -127,11 +133,18 @@ class ColumnRegion:
         regather: under sequence parallelism, save only this rank's token shard and gather it again in
             backward (less memory); False: save the gathered input (2 x hidden bytes per token and
             layer more, one all-gather less: ``RuntimeProfile.tp_regather``, priced by the planner).
+        kinds: each reader's tensor-parallel kind (``colwise`` splits N over tp; ``partial_input``
+            holds the whole weight), read by FP8 readers for their amax groups.
+        state: the shared ``ParallelState`` (FP8 readers reduce the tokens' amax over its cp).
     """
 
     def __init__(self, name: str, readers: dict[str, nn.Linear], sequence_parallel: bool,
-                 overlap: bool = True, regather: bool = True) -> None:
+                 overlap: bool = True, regather: bool = True, kinds: dict[str, str] | None = None,
+                 state: Any = None) -> None:
         self.name = name
+        self.kinds = kinds or {}
+        self.state = state
+        self.fp8 = [getattr(m, "_hotspa_fp8", None) for m in readers.values()]
         self.readers = readers
         self.sequence_parallel = sequence_parallel
         self.overlap = overlap
@@ -148,9 +161,26 @@ class ColumnRegion:
             for m in self.readers.values():
                 params += [m.weight, m.bias]
             sp = self.sequence_parallel and group.size > 1
-            outs: Sequence[Tensor] = _ColumnRegion.apply(x, group, sp, self.overlap, self.regather, *params)
+            outs: Sequence[Tensor]
+            if any(s is not None for s in self.fp8):
+                outs = self._fp8_outputs(x, group, sp)
+            else:
+                outs = _ColumnRegion.apply(x, group, sp, self.overlap, self.regather, *params)
             self._input, self._pending = x, dict(zip(self.readers, outs, strict=True))
             out = self._pending.pop(reader)
         if not self._pending:
             self._input = None
         return out
+
+    def _fp8_outputs(self, x: Tensor, group: RankGroup, sp: bool) -> list[Tensor]:
+        """Every reader's output from ONE ``f`` of ``x``, FP8 readers through :func:`~.fp8.fp8_linear`."""
+        full = gather_tokens(x, group) if sp else copy_to_group(x, group)
+        tokens = tokens_group(self.state)
+        outs = []
+        for (reader, m), spec in zip(self.readers.items(), self.fp8, strict=True):
+            if spec is None:
+                outs.append(F.linear(full, m.weight, m.bias))
+                continue
+            n = group if self.kinds.get(reader, "colwise") == "colwise" else None
+            outs.append(fp8_linear(full, m.weight, m.bias, spec, Fp8Axes(t=tokens, n=n)))
+        return outs

@@ -38,6 +38,11 @@ its input gradient's reduce-scatter), ``g`` of a row-parallel output and of the 
 embedding a reduce-scatter along the tokens, and a ``vocab`` head gathers its input tokens. Every
 other parameter such a model has must then be ``sequence`` (not ``replicated``: its gradient is a
 partial sum over tp), and it needs a ``vocab`` nn.Embedding (where the tokens get split).
+
+FP8 (:mod:`.fp8`, ``strategy.fp8``): a layer :func:`~.fp8.install_fp8` marked runs its GEMM in FP8
+with its amax reduced over the tp group that splits it (and cp for the tokens), so the scales do not
+depend on the layout; such a layer uses the plain collectives (no tp overlap), and a region of FP8
+readers gathers its input once through autograd and runs each reader's FP8 GEMM on it.
 """
 
 from __future__ import annotations
@@ -53,6 +58,7 @@ from ..mesh import RankGroup
 from ..models.vocab import check_token_ids
 from .collectives import copy_to_group, gather_last_dim, reduce_from_group
 from .core_attention import attention_modules, ensure_parallel_attention
+from .fp8 import Fp8Axes, fp8_linear, left_operand, tokens_group
 from .loss import VocabParallelLoss
 from .regions import ColumnRegion
 from .row_scatter import row_scatter
@@ -171,8 +177,9 @@ class TPForward:
         self.sequence_parallel = sequence_parallel
         self.region = region
         self.local_output = local_output
+        self.fp8 = getattr(module, "_hotspa_fp8", None)  # the FP8 recipe (.fp8) or None
         # a row-parallel output's reduce-scatter runs with its GEMM (.row_scatter) where the module allows it
-        self.row_overlap = overlap and sequence_parallel and kind == "rowwise" and \
+        self.row_overlap = overlap and sequence_parallel and kind == "rowwise" and self.fp8 is None and \
             (not _linear_like(module) or callable(getattr(type(module), "tp_row_input", None)))
 
     def _reduce(self, out: Tensor, tp: RankGroup) -> Tensor:
@@ -188,6 +195,8 @@ class TPForward:
         tp = groups.tp if groups is not None and groups.tp.size > 1 else None
         if self.kind == "vocab_embedding":
             return self._embedding(x, tp)
+        if self.fp8 is not None:
+            return self._fp8(x, rest, tp)
         if _linear_like(m):
             return self._linear_like(x, rest, tp)
         if tp is None:
@@ -203,6 +212,22 @@ class TPForward:
             return region.output(name, x, tp)
         out = F.linear(self._copy(x, tp), m.weight, m.bias)  # gather: the vocab head
         return out if self.local_output else gather_last_dim(out, tp)
+
+    def _fp8(self, x: Tensor, rest: tuple[Tensor, ...], tp: RankGroup | None) -> Tensor:
+        """An FP8 layer: its GEMM in FP8 (:func:`~.fp8.fp8_linear`) with the role's collectives around
+        it; the amax groups: tp on the dim the role splits, cp on the tokens."""
+        m, tokens = self.module, tokens_group(self.state)
+        if tp is None:
+            return fp8_linear(left_operand(m, x, rest), m.weight, m.bias, self.fp8, Fp8Axes(t=tokens))
+        if self.kind == "rowwise":
+            out = self._reduce(fp8_linear(left_operand(m, x, rest), m.weight, None, self.fp8,
+                                          Fp8Axes(t=tokens, k=tp)), tp)
+            return out if m.bias is None else out + m.bias
+        if self.region is not None:  # colwise, partial_input
+            region, name = self.region
+            return region.output(name, x, tp)
+        raise LayoutError(f"{type(m).__name__}: an FP8 layer of kind {self.kind!r} is not built (only block "
+                          f"projections run in FP8; parallel/fp8.py)")
 
     def _linear_like(self, x: Tensor, rest: tuple[Tensor, ...], tp: RankGroup | None) -> Tensor:
         """A ``tp_linear_forward`` module's own forward on its shard; a vocab head called with
@@ -254,8 +279,8 @@ def declared_regions(module: nn.Module) -> dict[str, tuple[str, ...]]:
 
 
 def _build_regions(module: nn.Module, kinds: Mapping[str, str], declared: Mapping[str, Sequence[str]],
-                   sequence_parallel: bool, overlap: bool = True, regather: bool = True
-                   ) -> dict[str, tuple[ColumnRegion, str]]:
+                   sequence_parallel: bool, overlap: bool = True, regather: bool = True,
+                   state: ParallelState | None = None) -> dict[str, tuple[ColumnRegion, str]]:
     """``{reader module name: (its region, its name there)}``: the declared regions, and one region of
     its own for every other plain column-parallel Linear."""
     out: dict[str, tuple[ColumnRegion, str]] = {}
@@ -273,11 +298,13 @@ def _build_regions(module: nn.Module, kinds: Mapping[str, str], declared: Mappin
                                   f"parallel nn.Linear (roles 'colwise' or 'replicated_partial'); kinds "
                                   f"{ {n: kinds.get(n) for n in names} }")
             region = ColumnRegion(owner, {r: modules[n] for r, n in zip(readers, names, strict=True)},
-                                  sequence_parallel, overlap, regather)
+                                  sequence_parallel, overlap, regather,
+                                  kinds={r: kinds[n] for r, n in zip(readers, names, strict=True)}, state=state)
             out.update({n: (region, r) for r, n in zip(readers, names, strict=True)})
     for name, kind in kinds.items():
         if kind in _READERS and name not in out and not _linear_like(modules[name]):
-            out[name] = (ColumnRegion(name, {name: modules[name]}, sequence_parallel, overlap, regather), name)
+            out[name] = (ColumnRegion(name, {name: modules[name]}, sequence_parallel, overlap, regather,
+                                      kinds={name: kind}, state=state), name)
     return out
 
 
@@ -311,7 +338,7 @@ def install_tensor_parallel(
                               f"callable {type(module).__name__}.loss_fn(logits, labels) to replace")
     sequence_parallel = _sequence_parallel(roles, kinds, type(module).__name__)
     regions = _build_regions(module, kinds, declared_regions(module) if regions is None else regions,
-                             sequence_parallel, overlap, regather)
+                             sequence_parallel, overlap, regather, state)
     installed = 0
     for name, kind in kinds.items():
         sub = module.get_submodule(name)

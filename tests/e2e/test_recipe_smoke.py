@@ -147,6 +147,11 @@ def _check_mixed(out: dict) -> None:
         assert out["block_tokens_logged"] == out["batch_tokens"]
 
 
+def _check_fp8(out: dict) -> None:
+    assert out["fp8_linears"] > 0 and out["scaled_mm_calls"] > 0 and out["layouts_run"] >= 3, out
+    assert out["tolerance"] <= 0.03 and out["within_tolerance"] is True, out
+
+
 SMOKE: dict[str, Smoke | Reuse] = {
     "benchmark_backends.py": Reuse("e2e/test_benchmark_backends.py::"
                                    "test_runs_every_cpu_backend_and_reports_unavailable_ones"),
@@ -181,6 +186,8 @@ SMOKE: dict[str, Smoke | Reuse] = {
     "benchmark_overhead.py": Smoke(["--model", "tiny", "--steps", "2", "--repeats", "1", "--tokens", "256"],
                                    {"tokens_per_s", "dp4_vs_ddp", "dp2xtp2_vs_model_parallel", "dp4_vs_ddp_cpu"},
                                    _check_overhead),
+    "benchmark_fp8.py": Smoke(["--smoke"], {"fp8_linears", "scaled_mm_calls", "layouts_run", "tolerance",
+                                            "max_rel_diff_between_layouts", "loss_rel_diff_vs_bf16"}, _check_fp8),
     "benchmark_compile.py": Reuse("e2e/test_recipe_smoke_benchmark_compile.py::test_benchmark_compile_smoke"),
     "benchmark_peers.py": Reuse("e2e/test_recipe_smoke_benchmark_peers.py::"
                                 "test_smoke_prints_one_json_line_with_the_issue_keys"),
@@ -210,6 +217,7 @@ SMOKE: dict[str, Smoke | Reuse] = {
 HELPERS = {
     "gpu_check_common.py": "gpu_check.py",
     "gpu_check_compile.py": "gpu_check.py",
+    "gpu_check_fp8.py": "gpu_check.py",
     "gpu_check_cp.py": "gpu_check.py",
     "gpu_check_hopper.py": "gpu_check.py",
     "gpu_check_hotpath.py": "gpu_check.py",

@@ -25,12 +25,15 @@ def test_smoke_prints_one_json_line_with_the_issue_keys(bench, capsys):
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert json.loads(last) == json.loads(json.dumps(out))
     names = set(bench.SMOKE_ROWS)
-    for key in ("ours_over_peer", "ours_over_peer_before", "ours_over_peer_conservative", "ours_options"):
+    for key in ("ours_over_peer", "ours_over_peer_before", "ours_over_peer_conservative", "ours_over_peer_without_fp8",
+                "ours_options"):
         assert set(out[key]) == names, key
     assert set(out["targets"]) == names and all({"value", "target", "met"} <= set(t) for t in out["targets"].values())
     flags = out["ours_options"]["torchtitan-8b-fsdp-compile-float8"]
-    # no FP8 code path in ours yet: ours runs bf16 against the peer's Float8 run
-    assert flags == {"attention_backend": "fa3_varlen", "compile_blocks": True, "fp8": None}
+    # ours turns strategy.fp8 on against the peer's Float8 run, and FP8 is what separates it from the bf16 column
+    assert flags == {"attention_backend": "fa3_varlen", "compile_blocks": True, "fp8": "tensorwise"}
+    for name in names:
+        assert out["ours_over_peer_without_fp8"][name] < out["ours_over_peer"][name], name
     # before: FA2, eager, bf16: the options are what moves the ratio, and the conservative FA3 lies between
     row = "torchtitan-8b-fsdp-compile-float8"
     assert out["ours_over_peer_before"][row] < out["ours_over_peer_conservative"][row] < out["ours_over_peer"][row]

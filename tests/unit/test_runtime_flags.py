@@ -24,13 +24,24 @@ def test_compile_is_priced_only_with_the_per_block_compile_option():
     assert check_compile_spec(True) is not None and check_compile_spec(False) is None
 
 
-def test_fp8_is_priced_only_where_an_fp8_option_exists():
-    """No FP8 linears in our runtime yet (issue 51 item 3): no FP8 rate in our description, and a peer's FP8
-    run is compared with ours in bf16."""
-    has_option = "fp8" in _strategy_parameters()
-    assert bool(HOTSPA.fp8_recipe_speedups) == has_option and HOTSPA.fp8_gemm_speedup == 0
+def test_fp8_is_priced_only_where_the_user_turns_it_on():
+    """FP8 linears (parallel/fp8.py, ``strategy.fp8``): our default description has no FP8 rate (the planner's
+    default prices are bf16); ``hotspa_runtime(recipe)`` has torchao's rate for exactly the recipes the switch
+    accepts (each validated and run through ParallelModel's fp8 path), and a peer's FP8 run is compared with
+    ours with the switch on."""
+    from lightning_hotspa.parallel.fp8 import FP8_RECIPES as CODE_RECIPES
+    from lightning_hotspa.parallel.fp8 import check_fp8
+    from lightning_hotspa.parallel.model import ParallelModel
+    from lightning_hotspa.planner.cost.runtime_profile import FP8_RECIPES, hotspa_runtime
+
+    assert "fp8" in _strategy_parameters() and "fp8" in inspect.signature(ParallelModel.__init__).parameters
+    assert HOTSPA.fp8_recipe_speedups == () and HOTSPA.fp8_gemm_speedup == 0 and hotspa_runtime(None) is HOTSPA
+    assert set(CODE_RECIPES) == set(FP8_RECIPES)
+    for recipe in FP8_RECIPES:
+        assert check_fp8(recipe) == recipe and hotspa_runtime(recipe).fp8_rate(recipe) > 1
     fp8_runs = [r for r in PUBLISHED_RUNS if r.precision == "fp8"]
-    assert fp8_runs and all(bool(matching_options(r).fp8) == has_option for r in fp8_runs)
+    assert fp8_runs and all(matching_options(r).fp8 == "tensorwise" for r in fp8_runs)
+    assert all(not matching_options(r).fp8 for r in PUBLISHED_RUNS if r.precision != "fp8")
 
 
 def test_overlap_flags_have_their_switches():

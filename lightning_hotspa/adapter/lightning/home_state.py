@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from lightning.pytorch.utilities.rank_zero import rank_zero_debug
+from lightning.pytorch.utilities.rank_zero import rank_zero_debug, rank_zero_info
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
@@ -53,11 +53,12 @@ def param_roles_of(module: nn.Module, max_tp: int) -> dict[str, str]:
 def build_home_state(module: nn.Module, world: WorldMesh, *, home_dtype: torch.dtype,
                      working_dtype: torch.dtype | None, device: torch.device,
                      grad_accum_dtype: torch.dtype | None = None, buckets: dict | None = None,
-                     tp_regather: bool = True, tp_overlap: bool = True) -> HomeState:
+                     tp_regather: bool = True, tp_overlap: bool = True, fp8: str | None = None) -> HomeState:
     """Home parameters, parallel model and switch engine of ``module`` on ``world``; ``buckets``: the
     engine's bucket keyword arguments (``engine.buckets.BucketSizes.engine_kwargs``); ``tp_regather``:
     ``ParallelModel``'s (False keeps the column regions' gathered inputs); ``tp_overlap``: ``ParallelModel``'s
-    (False under ``compile_blocks``: dynamo cannot trace the overlapped row layer's backward)."""
+    (False under ``compile_blocks``: dynamo cannot trace the overlapped row layer's backward); ``fp8``: its
+    torchao float8 recipe (None: off; parallel/fp8.py)."""
     shapes = {n: tuple(p.shape) for n, p in module.named_parameters()}
     roles = param_roles_of(module, max(x.tp for x in world.layouts))
     shardings = build_shardings(shapes, roles, world.shape)
@@ -79,7 +80,10 @@ def build_home_state(module: nn.Module, world: WorldMesh, *, home_dtype: torch.d
     home = build_home_parameters(world, shardings, full, dtype=home_dtype, device=device, init_shard=init_shard)
     uninstall_parallel(module)  # a module an earlier Trainer ran: its old forwards give way to ours
     parallel = ParallelModel(module, {n: s.role.name for n, s in shardings.items()}, world, tp_regather=tp_regather,
-                             tp_overlap=tp_overlap)
+                             tp_overlap=tp_overlap, fp8=fp8)
+    if fp8 is not None:
+        rank_zero_info(f"hotspa: fp8 {fp8}: {len(parallel.fp8_linears)} linear layers run their GEMMs in FP8 "
+                       f"(torchao; the rest in the working precision, parallel/fp8.py)")
     if parallel.loss_parallel:
         rank_zero_debug(f"hotspa: {type(module).__name__}.vocab_parallel_loss is True: under tp its "
                        f"loss_fn gets vocab-sharded logits (a vocab-parallel cross entropy)")

@@ -38,6 +38,7 @@ from ...engine.step_runner import StepRunner
 from ...engine.switch import SwitchEngine
 from ...layout import Layout, MeshShape
 from ...mesh import WorldMesh
+from ...parallel.fp8 import check_fp8
 from ...parallel.model import ParallelModel
 from ...plan import RankPlan
 from ...planner.base import Planner, PricedPlanner
@@ -126,6 +127,10 @@ class HotSPaStrategy(GuardedCollectives, StrategyCheckpoints, ParallelStrategy):
             and gathers it again in backward (True, the default: less memory); False keeps the
             gathered input (2 x hidden bytes per token and layer x (1 - 1/tp) more, one all-gather per
             region less): the cost planner prices the choice (memory and time, issue 52).
+        fp8: None (default) or a torchao float8 recipe, ``"tensorwise"``, ``"rowwise"`` or
+            ``"rowwise_with_gw_hp"``: the transformer blocks' projections run their GEMMs in FP8 with
+            dynamic scales reduced over the layout's groups, so the math does not depend on the layout;
+            embeddings and the LM head stay in the working precision (``parallel/fp8.py``; needs torchao).
     """
 
     strategy_name = "hotspa"
@@ -155,6 +160,7 @@ class HotSPaStrategy(GuardedCollectives, StrategyCheckpoints, ParallelStrategy):
         reduce_buckets_in_flight: int | None = None,
         fsdp_reduce_dtype: str = "fp32",
         tp_regather: bool = True,
+        fp8: str | None = None,
     ) -> None:
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
@@ -185,6 +191,7 @@ class HotSPaStrategy(GuardedCollectives, StrategyCheckpoints, ParallelStrategy):
         if not isinstance(tp_regather, bool):
             raise TypeError(f"tp_regather must be True or False, got {tp_regather!r}")
         self._tp_regather = tp_regather
+        self.fp8 = check_fp8(fp8)
         self._breadcrumb_dir = breadcrumb_dir if breadcrumb_dir is not None else os.environ.get("HOTSPA_BREADCRUMB_DIR")
         self.tracker = StepTracker()  # this rank's breadcrumb and the step's micro-batch losses
         self.nonfinite = NonFiniteHandler(nonfinite, self.tracker)
@@ -352,7 +359,7 @@ class HotSPaStrategy(GuardedCollectives, StrategyCheckpoints, ParallelStrategy):
                                                              *self._bucket_args).engine_kwargs(),
                                      tp_regather=self._tp_regather,
                                      # compiled blocks: tp's plain collectives (the overlap does not trace yet)
-                                     tp_overlap=self._compile is None)
+                                     tp_overlap=self._compile is None, fp8=self.fp8)
             self.home, self.parallel, self.engine = state.home, state.parallel, state.engine
             self.runner = StepRunner(self.engine, self.parallel, device=self.root_device,
                                      activation_checkpointing=self.activation_checkpointing_for,

@@ -10,8 +10,8 @@ checkpointing ours is priced with its own selective mode (the attention core rec
   sm90; else ``fa2``, flash_varlen);
 - ``compiled``: ``strategy.compile_blocks`` (inductor per block) at the runtime's ``compile_speedup``,
   turned on where the peer's run was compiled or fused its elementwise work (Transformer Engine);
-- ``fp8``: a torchao recipe (``tensorwise``, the fastest) where the peer's run was FP8 AND our runtime has an
-  FP8 code path (``HOTSPA.fp8_recipe_speedups``; empty until FP8 linears are built: ours stays bf16).
+- ``fp8``: a torchao recipe (``tensorwise``, the fastest) where the peer's run was FP8 (``strategy.fp8``,
+  parallel/fp8.py): ours is then priced on ``hotspa_runtime(fp8=recipe)``, torchao's published rates.
 
 ``before`` prices ours as the main branch described it before issue 51: FlashAttention-2, no compile, bf16.
 Row providers (:data:`ROW_PROVIDERS`) are functions returning rows; the communication issue adds its own.
@@ -27,7 +27,7 @@ from .cost_model import AnalyticCostModel
 from .hardware import FA3_OVER_FA2, get_profile
 from .published_pricing import PricedRun, at_precision, compiled, price_run
 from .published_runs import PUBLISHED_RUNS, PublishedRun
-from .runtime_profile import HOTSPA, RuntimeProfile
+from .runtime_profile import RuntimeProfile, hotspa_runtime
 from .terms import resolve_model
 
 __all__ = ["BEFORE", "OursOptions", "PeerRow", "ROW_PROVIDERS", "compute_peer_rows", "ours_runtime", "price_ours",
@@ -80,15 +80,17 @@ _FUSED_RUNTIMES = ("nemo-te",)
 def matching_options(run: PublishedRun) -> OursOptions:
     """The options a user of ours turns on for the peer's configuration: the fastest attention kernel ours runs
     on that GPU, compile where the peer compiled or fused (Transformer Engine), FP8 (torchao tensorwise) where
-    the peer ran FP8 and ours has an FP8 code path."""
+    the peer ran FP8 (ours' ``strategy.fp8``)."""
     return OursOptions(attention="fa3" if run.gpu in _HOPPER else "fa2",
                        compiled=run.compiled or run.system in _FUSED_RUNTIMES,
-                       fp8="tensorwise" if run.precision == "fp8" and HOTSPA.fp8_recipe_speedups else "")
+                       fp8="tensorwise" if run.precision == "fp8" else "")
 
 
 def ours_runtime(options: OursOptions) -> RuntimeProfile:
-    """Our runtime description with ``options``' attention kernel; its selective mode recomputes the attention core."""
-    return dataclasses.replace(HOTSPA, attention_kernel=options.attention, selective_recompute="core-attention")
+    """Our runtime description with ``options``' attention kernel and FP8 recipe (:func:`.hotspa_runtime`); its
+    selective mode recomputes the attention core."""
+    return dataclasses.replace(hotspa_runtime(options.fp8 or None), attention_kernel=options.attention,
+                               selective_recompute="core-attention")
 
 
 def price_ours(run: PublishedRun, options: OursOptions) -> PricedRun:
@@ -111,9 +113,11 @@ def price_ours(run: PublishedRun, options: OursOptions) -> PricedRun:
     return price_run(dataclasses.replace(run, system=rt.name, precision="bf16", compiled=False), model_for)
 
 
-def price_row(row: PeerRow, options: OursOptions | None = None, conservative: bool = False) -> dict:
+def price_row(row: PeerRow, options: OursOptions | None = None, conservative: bool = False,
+              fp8: bool = True) -> dict:
     """``{"ratio", "options", "runs": [{id, ours, published, ratio, fits_ours}]}`` of one row (``options``:
-    instead of the row's own, e.g. :data:`BEFORE`; ``conservative``: FA3 priced from the fitted FA2 value)."""
+    instead of the row's own, e.g. :data:`BEFORE`; ``conservative``: FA3 priced from the fitted FA2 value;
+    ``fp8``: False prices the row's own options in bf16, ``strategy.fp8`` off)."""
     known = {r.id: r for r in PUBLISHED_RUNS}
     missing = [i for i in row.run_ids if i not in known]
     if missing or not row.run_ids:
@@ -127,6 +131,8 @@ def price_row(row: PeerRow, options: OursOptions | None = None, conservative: bo
         opts = (row.options or matching_options)(run) if options is None else options
         if conservative:
             opts = dataclasses.replace(opts, conservative=True)
+        if not fp8:
+            opts = dataclasses.replace(opts, fp8="")
         p = price_ours(run, opts)
         out.append({"id": rid, "ours": round(p.predicted, 1), "published": run.tokens_per_s_per_gpu,
                     "ratio": p.predicted / run.tokens_per_s_per_gpu, "fits_ours": p.fits_ours,

@@ -12,6 +12,7 @@ share the same cores), so on cpu-gloo every description prices as fully exposed.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from ...models.attention_kernels import PRICED_KERNELS
@@ -177,14 +178,31 @@ HOTSPA = RuntimeProfile(
     "the same way in backward (cp_comm_overlap); backward runs from the saved output and log-sum-exp, no "
     "attention forward again (kv_gather_recomputes_attention False).",
     tp_regather=True, kv_gather_recomputes_attention=False,
-    # no FP8 linears in our runtime yet (issue 51 item 3): no FP8 rate until the code path exists
+    # FP8 linears exist (parallel/fp8.py, strategy.fp8) but are the user's option: the rates join only
+    # through hotspa_runtime(fp8=...), never the planner's default prices
     compile_speedup=TORCHTITAN_COMPILE_SPEEDUP, fp8_recipe_speedups=(),
 )
+
+
+def hotspa_runtime(fp8: str | None = None) -> RuntimeProfile:
+    """Our runtime description as a user runs it: :data:`HOTSPA`, plus torchao's FP8 rates
+    (:data:`TORCHAO_FP8_RATES`) when ``strategy.fp8`` names a recipe (parallel/fp8.py; it has no FP8
+    all-gather of ``:fsdp`` shards, which torchao's tensorwise row used: that rate over-credits ours a little).
+
+    Args:
+        fp8: None (bf16) or one of :data:`FP8_RECIPES`.
+    """
+    if fp8 is None or fp8 == "":
+        return HOTSPA
+    if fp8 not in FP8_RECIPES:
+        raise ValueError(f"hotspa_runtime: fp8={fp8!r} is not one of {list(FP8_RECIPES)}")
+    return dataclasses.replace(HOTSPA, fp8_recipe_speedups=TORCHAO_FP8_RATES)
 HOTSPA_OPTIONS_NOTE = (
     "Priced only where the user turns them on (not in the planner's default prices): strategy.compile_blocks "
     "(inductor per transformer block) at torchtitan's compile rate (the same per-block inductor compile, "
-    "TORCHTITAN_COMPILE_SPEEDUP: ASSUMED equal, never run on a GPU here); FP8 linears: none (no FP8 code path "
-    "yet; torchao's rates, TORCHAO_FP8_RATES, are priced for the peers only); attention_backend fa3_varlen / "
+    "TORCHTITAN_COMPILE_SPEEDUP: ASSUMED equal, never run on a GPU here); strategy.fp8 (torchao recipes through "
+    "parallel/fp8.py, hotspa_runtime(fp8=...)) at torchao's published rates, TORCHAO_FP8_RATES (never run on a GPU "
+    "here; no FP8 all-gather of :fsdp shards); attention_backend fa3_varlen / "
     "fa4_varlen / cudnn_varlen at the hardware profile's efficiency of that kernel (planner/cost/hardware.py).")
 
 RUNTIME_PROFILES: dict[str, RuntimeProfile] = {
