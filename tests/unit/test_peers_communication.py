@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_hotspa.planner.cost.published_runs import PUBLISHED_RUNS, megatron_flops_per_token
 from lightning_hotspa.planner.cost.peer_rows import (
     OursOptions,
     communication_rows,
@@ -15,6 +14,7 @@ from lightning_hotspa.planner.cost.peer_rows import (
     price_row,
     resolve_runs,
 )
+from lightning_hotspa.planner.cost.published_runs import PUBLISHED_RUNS, megatron_flops_per_token
 from lightning_hotspa.tools.peers_communication import PEERS, communication_peer_rows
 
 NAMES = ["megatron-h100-tp1", "megatron-h100-tp2", "megatron-h100-tp4", "megatron-h100-tp8",
