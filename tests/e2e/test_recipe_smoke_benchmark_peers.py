@@ -35,7 +35,7 @@ def test_smoke_prints_one_json_line_with_the_issue_keys(bench, capsys):
                      "tp_regather": True}
     # the peer's own run on its runtime over its published figure: the published-runs benchmark's number
     assert 0.5 < out["peer_model_ratio"]["torchtitan-8b-fsdp-compile-float8"] < 2
-    # before: FA2, eager, bf16, communication exposed: the options are what moves the ratio, and the conservative FA3 lies between
+    # before: FA2, eager, bf16, communication exposed: the options move the ratio; the conservative FA3 between
     row = "torchtitan-8b-fsdp-compile-float8"
     assert out["ours_over_peer_before"][row] < out["ours_over_peer_conservative"][row] < out["ours_over_peer"][row]
     # the long-sequence minimum is the minimum over NeMo's >= 16K rows
