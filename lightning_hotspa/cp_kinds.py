@@ -67,10 +67,21 @@ class Exchange:
     tail: int = 0
 
 
+def _kv_heads_per_tp_rank(shape: Any, tp: int) -> int:
+    """The kv heads a tp rank's attention holds: ``n_kv_heads / tp``, or the one its q heads use when tp exceeds
+    them (``models/tp_plan.py``'s ``replicated_partial`` KV projections)."""
+    return shape.n_kv_heads // tp if shape.n_kv_heads % tp == 0 else 1
+
+
 def _all_to_all(shape: Any, tp: int, cp: int, cp_kv: int) -> Exchange:
-    """The Ulysses part's all-to-alls: fused q / k / v and the output, each its ``1 / tp`` head slice."""
+    """The Ulysses part's all-to-alls: fused q / k / v and the output, each its ``1 / tp`` head slice. K / V
+    travel as ``parallel/ulysses.py``'s ``exchange_qkv`` sends them: a tp rank's kv heads repeated until ``u``
+    divides them (``lcm(kv heads per tp rank, u)``), so with fewer kv heads per tp rank than ``u`` the exchange
+    carries ``u / gcd`` times their bytes (the output: q's heads)."""
     u = cp // cp_kv
-    width = 2 * shape.n_heads * shape.head_dim + 2 * shape.n_kv_heads * shape.head_dim
+    heads = _kv_heads_per_tp_rank(shape, tp)
+    sent_kv = math.lcm(heads, u) if u > 1 else heads  # per tp rank, after the repeat
+    width = 2 * shape.n_heads * shape.head_dim + 2 * tp * sent_kv * shape.head_dim
     return Exchange(what="all-to-all of q / k / v and of the output", ranks=u, span=tp * u, stride=tp,
                     width=width, steps=u - 1, per=u, rounds=2, recompute_rounds=1, calls=2)
 
@@ -81,7 +92,7 @@ def _kv_gather(shape: Any, tp: int, cp: int, cp_kv: int) -> Exchange:
     shift, ``tail``; ``parallel/kv_ring.py``). Its rows are the kv heads a rank holds after the Ulysses
     part, which repeats them until it divides them (``u`` of them for one kv head per tp rank)."""
     u = cp // cp_kv
-    heads = shape.n_kv_heads // tp if shape.n_kv_heads % tp == 0 else 1
+    heads = _kv_heads_per_tp_rank(shape, tp)
     after = heads * (u // math.gcd(heads, u)) // u  # per rank, after the Ulysses exchange
     return Exchange(what="ring of K / V (of K / V and dK / dV in backward)", ranks=cp_kv,
                     span=tp * cp, stride=tp * u, width=2 * tp * u * after * shape.head_dim,

@@ -15,10 +15,13 @@ profile, and divided by the peer's PUBLISHED tokens/s/GPU. Two columns, side by 
   kernels' own benchmarks (``hardware.FA3_OVER_FA2``) instead of the profile's entry (anchored on the cuDNN
   value fitted on NeMo's rows): the two fitted anchors disagree, so both are shown.
 
-The communication issue's rows (Megatron-LM's H100 tp1-tp8 rows, torchtitan's 70B 2D row with async TP:
-:func:`lightning_hotspa.tools.peers_communication.communication_peer_rows`) are priced by that module's own path
-(ours' default overlaps, checkpointing only where needed, FA2, eager) and join the same keys; their ``before`` is
-the same runtime with tp and dp communication fully exposed, and they have no conservative column.
+Every row, the compute issue's and the communication issue's (Megatron-LM's H100 tp1-tp8 rows, torchtitan's
+70B 2D row with async TP) alike, is priced by ONE function (``peer_rows.price_ours``: checkpointing only as ours
+needs it, ours' own optimizer step, compile offered where the peer compiled or fused and priced without tp
+overlap as the strategy builds it, the faster of compiled and eager taken). ``peer_model_ratio``: the PEER's own
+run on its runtime description over its published figure (the published-runs benchmark's number for that row, the
+same ``price_run``; null for a column that table does not hold), so a ratio far from 1 can be read as the model's
+error on the peer or ours' difference.
 
 Predicted only: no GPU ran any of it. The last line printed is ONE JSON object: ``ours_over_peer``,
 ``ours_over_peer_before``, ``ours_options`` ({name: flags}), ``runs`` ({name: per-run detail}), ``targets``
@@ -33,8 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from lightning_hotspa.planner.cost.peer_rows import BEFORE, price_row, rows
-from lightning_hotspa.tools.peers_communication import communication_peer_rows
+from lightning_hotspa.planner.cost.peer_rows import BEFORE, peer_model_ratio, price_row, resolve_runs, rows
 
 SMOKE_ROWS = ("torchtitan-8b-fsdp-compile-float8", "nemo-7b-fp8-long-min")
 
@@ -46,34 +48,27 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     selected = [r for r in rows() if not args.smoke or r.name in SMOKE_ROWS]
     out: dict = {"ours_over_peer": {}, "ours_over_peer_before": {}, "ours_over_peer_conservative": {},
-                 "ours_over_peer_without_fp8": {},
-                 "ours_options": {}, "runs": {}, "targets": {}}
-    print(f"{'row':40s} {'before':>7s} {'after':>7s} {'conserv':>7s}  options (after)")
+                 "ours_over_peer_without_fp8": {}, "ours_options": {}, "peer_model_ratio": {}, "runs": {},
+                 "targets": {}}
+    print(f"{'row':40s} {'before':>7s} {'after':>7s} {'conserv':>7s} {'peer_mdl':>8s}  options (after)")
     for row in selected:
         after, before, low = price_row(row), price_row(row, BEFORE), price_row(row, conservative=True)
+        worst = min(after["runs"], key=lambda r: r["ratio"])["id"]
+        model = peer_model_ratio(next(r for r in resolve_runs(row) if r.id == worst))
         out["ours_over_peer"][row.name] = round(after["ratio"], 4)
         out["ours_over_peer_before"][row.name] = round(before["ratio"], 4)
         out["ours_over_peer_conservative"][row.name] = round(low["ratio"], 4)
         out["ours_over_peer_without_fp8"][row.name] = round(price_row(row, fp8=False)["ratio"], 4)
         out["ours_options"][row.name] = after["options"]
+        out["peer_model_ratio"][row.name] = None if model is None else round(model, 4)
         out["runs"][row.name] = after["runs"]
         if row.target is not None:
             out["targets"][row.name] = {"value": round(after["ratio"], 4), "target": f">= {row.target}",
                                         "met": after["ratio"] >= row.target,
                                         "conservative": round(low["ratio"], 4)}
-        print(f"{row.name:40s} {before['ratio']:7.3f} {after['ratio']:7.3f} {low['ratio']:7.3f}  {after['options']}"
+        print(f"{row.name:40s} {before['ratio']:7.3f} {after['ratio']:7.3f} {low['ratio']:7.3f} "
+              f"{'-' if model is None else f'{model:.3f}':>8s}  {after['options']}"
               + ("" if all(r["fits_ours"] for r in after["runs"]) else "  (ours' memory model: does not fit)"))
-    if not args.smoke:
-        before, after = communication_peer_rows(before=True), communication_peer_rows()
-        for name, row in after.items():
-            out["ours_over_peer"][name] = round(row["ours_over_peer"], 4)
-            out["ours_over_peer_before"][name] = round(before[name]["ours_over_peer"], 4)
-            out["ours_options"][name] = row["ours_options"]
-            target = 1.0 if name.startswith("torchtitan") else 0.9
-            out["targets"][name] = {"value": round(row["ours_over_peer"], 4), "target": f">= {target}",
-                                    "met": row["ours_over_peer"] >= target}
-            print(f"{name:40s} {before[name]['ours_over_peer']:7.3f} {row['ours_over_peer']:7.3f} {'-':>7s}  "
-                  f"{row['ours_options']}")
     for name, t in out["targets"].items():
         print(f"target {name}: {t['value']} (want {t['target']}): {'met' if t['met'] else 'NOT met'}")
     print(json.dumps(out))

@@ -27,8 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from lightning_hotspa.planner.cost.cost_model import AnalyticCostModel
-from lightning_hotspa.planner.cost.hardware import HardwareProfile, get_profile
+from lightning_hotspa.planner.cost.hardware import get_profile
 from lightning_hotspa.planner.cost.published_fit import fit_fp8_and_attention, fit_profile, price_all
 from lightning_hotspa.planner.cost.published_pricing import (
     at_precision,
@@ -37,6 +36,7 @@ from lightning_hotspa.planner.cost.published_pricing import (
     derive_fp8_speedup,
     derive_rate,
     guard_margin_from,
+    source_model,
     summarize,
 )
 from lightning_hotspa.planner.cost.published_runs import PUBLISHED_RUNS, PublishedRun
@@ -52,16 +52,8 @@ COMPILE_PAIR = ("titan-8b-fsdp8", "titan-8b-fsdp8-compile")
 TORCHAO_BASE = "torchao-8b-fsdp8-bf16"
 
 
-def model_for(run: PublishedRun, profile: HardwareProfile | str | None = None) -> AnalyticCostModel:
-    """The cost model the planner would build for the run's GPU and world, with its system's runtime (an FP8
-    row's linears at its runtime's FP8 rate for its recipe, a compiled row's GEMM side at its runtime's
-    ``compile_speedup``, unless ``profile`` already says that rate)."""
-    prof = get_profile(run.gpu if profile is None else profile)
-    if run.precision == "fp8" and "fp8 linears" not in prof.source:
-        prof = at_precision(prof, get_runtime(run.system), "fp8", recipe=run.fp8_recipe)
-    if run.compiled and "[compiled" not in prof.source:
-        prof = compiled(prof, get_runtime(run.system))
-    return AnalyticCostModel(run.model, prof, run.world, runtime=run.system, pipeline=run.pipeline)
+#: the published-runs pricing (one function, shared with recipes/benchmark_peers.py)
+model_for = source_model
 
 
 def fit_rows(gpu: str) -> list[PublishedRun]:

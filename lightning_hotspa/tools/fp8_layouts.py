@@ -127,10 +127,9 @@ def run_fp8_layouts(recipe: str, dtype: torch.dtype = torch.float32, cases: tupl
         dtype: the model's precision.
         cases: which of :data:`CASES` to run.
     """
-    import torch.distributed as dist
-
     from ..engine.step_runner import StepRunner
     from ..engine.switch import SwitchEngine, build_home_parameters
+    from ..group_collectives import world_collectives
     from ..mesh import WorldMesh
     from ..models import llama_tp_plan, param_roles
     from ..parallel.model import ParallelModel
@@ -181,7 +180,7 @@ def run_fp8_layouts(recipe: str, dtype: torch.dtype = torch.float32, cases: tupl
                           for p in grads_of[a]), default=0.0)
     out["layouts_run"] = len({lay for c in grads_of for lay, _ in CASES[c]} | ({"tp2-nosp"} & set(names)))
     out["bf16_loss_rel"] = abs(ref_loss - bf_loss) / abs(bf_loss)
-    dist.barrier()
+    world_collectives().barrier()
     return out
 
 

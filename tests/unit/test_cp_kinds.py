@@ -106,3 +106,29 @@ def test_the_ring_is_priced_hidden_behind_attention_where_the_runtime_overlaps_i
     assert exposed.per_micro_batch - opt.per_micro_batch == pytest.approx(3 * (7 - 1) * layers * lat)
     gloo = AnalyticCostModel("small", "cpu-gloo", 8).option(Layout.parse("cp8:kv"), False, capacity=4096)
     assert gloo.ring_exchange == gloo.ring_hiding == 0
+
+
+@pytest.mark.parametrize(("model", "tp", "u"), [("llama3-8b", 8, 4), ("llama3-8b", 4, 8), ("llama3-8b", 2, 8),
+                                                ("llama3-8b", 2, 2), ("llama3-70b", 8, 8), ("llama7b", 4, 8)])
+def test_the_ulysses_priced_width_is_what_exchange_qkv_moves(monkeypatch, model, tp, u) -> None:
+    """The all-to-all's priced elements per token (``width / tp``) equal what ``parallel/ulysses.py`` sends: the
+    fused q / k / v (kv heads repeated until u divides them) plus the output's q heads."""
+    import torch
+
+    from lightning_hotspa.parallel import ulysses
+
+    shape = PRESET_SHAPES[model]
+    sent: list[int] = []
+
+    def fake_a2a(t, group):  # heads -> tokens: [T, H, d] -> [T * u, H / u, d]
+        sent.append(t.numel())
+        return torch.zeros(t.shape[0] * group.size, t.shape[1] // group.size, t.shape[2])
+
+    monkeypatch.setattr(ulysses, "all_to_all_heads_to_tokens", fake_a2a)
+    tokens, d = 4, shape.head_dim
+    kv = shape.n_kv_heads // tp if shape.n_kv_heads % tp == 0 else 1  # tp_plan: the one kv head its q heads use
+    q, k = torch.zeros(tokens, shape.n_heads // tp, d), torch.zeros(tokens, kv, d)
+    ulysses.exchange_qkv(q, k, k.clone(), type("G", (), {"size": u})())
+    moved = sum(sent) / tokens + shape.n_heads // tp * d  # and the output's all-to-all
+    ex = CP_KINDS["ulysses"].exchanges(shape, tp, u, 1)[0]
+    assert ex.width / tp == moved

@@ -19,13 +19,13 @@ from lightning_hotspa.tools.long_grid import token_batch
 pytestmark = pytest.mark.fast
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture
 def _all_gather_kv_pricing(monkeypatch):
-    """These batches were built (issue 38) where the ladder wins under the all-gather-KV pricing: the
-    ``:kv`` layouts' exchange exposed and their attention forward re-run in backward. Under the KV
-    ring's pricing (exchange hidden behind attention, no recompute) the static ``:kv`` layouts got
-    cheaper and no ladder clears even a zero margin on them (benchmarks/2026-12-06-kv-ring.md), so the
-    ladder's mechanics are tested on that earlier runtime description."""
+    """Only for the tests of what the guard and the solver do WHEN a ladder prices lower: these batches were
+    built (issue 38) where it does under the all-gather-KV pricing (the ``:kv`` layouts' exchange exposed, their
+    attention forward re-run in backward). Under the KV ring's pricing no ladder clears even a zero margin on
+    them (benchmarks/2026-12-06-kv-ring.md). The ladder's structure is tested on today's pricing
+    (``plan_ladder``: the ladder whatever it costs)."""
     from lightning_hotspa.planner.cost.runtime_profile import HOTSPA, RUNTIME_PROFILES
 
     earlier = dataclasses.replace(HOTSPA, cp_comm_overlap=False, kv_gather_recomputes_attention=True)
@@ -60,7 +60,7 @@ def test_block_chain_and_working_layouts():
 
 def test_a_ladder_tiles_the_world_and_holds_every_document_once(lengths):
     planner = _planner()
-    plan = planner.plan(1, lengths)
+    plan = planner.plan_ladder(1, lengths)
     stage = _block_stage(plan)
     mesh = planner.block_mesh()
     spans = sorted(block_ranks(b, mesh) for b in stage.blocks)
@@ -79,7 +79,7 @@ def test_a_ladder_tiles_the_world_and_holds_every_document_once(lengths):
                 assert sum(-(-lengths[d] // (2 * b.layout.cp)) * 2 * b.layout.cp if b.layout.cp > 1 else lengths[d]
                            for d in mb) <= cap
     # the prediction of the emitted plan is what the solver priced
-    assert planner.predict(plan).seconds == pytest.approx(planner.solve(lengths)[0], rel=1e-9)
+    assert planner.predict(plan).seconds == pytest.approx(planner.ladder.solve(lengths)[0], rel=1e-9)
 
 
 def test_a_block_sharded_over_fewer_ranks_holds_fewer_tokens():
@@ -101,6 +101,7 @@ def test_ladders_are_deterministic(lengths):
     assert a.ladder.solve(lengths)[0] == b.ladder.solve(lengths[::-1].copy())[0]  # order-free price
 
 
+@pytest.mark.usefixtures("_all_gather_kv_pricing")
 def test_the_guard_falls_back_when_a_ladder_gains_less_than_the_margin(lengths):
     free = _planner(static_margin=0.0)
     assert any(s.blocks for s in free.plan(1, lengths).stages)
@@ -111,16 +112,17 @@ def test_the_guard_falls_back_when_a_ladder_gains_less_than_the_margin(lengths):
     assert decision.fell_back and not any(s.blocks for s in plan.stages) and len({s.layout for s in plan.stages}) == 1
     assert decision.multi_s == pytest.approx(ladder_s) and strict.predict(plan).seconds == pytest.approx(
         decision.static_s) and decision.static_s > ladder_s  # it gave up a predicted gain, as told
-    default = _planner()  # the default margin (0.137): this ladder's gain clears it
-    assert any(s.blocks for s in default.plan(1, lengths).stages)
-    assert default.last_decision.static_s > default.last_decision.multi_s * 1.138
+    gain = decision.static_s / ladder_s - 1  # a margin below the gain keeps the ladder, one above drops it
+    for margin, kept in ((0.5 * gain, True), (2.0 * gain, False)):
+        plan = _planner(static_margin=margin).plan(1, lengths)
+        assert any(s.blocks for s in plan.stages) is kept, (margin, gain)
 
 
 def test_declared_layouts_only_and_the_plan_slices_on_the_real_mesh(lengths):
     """A real run: blocks only of the declared layouts (their working copies too), and the plan
     slices on the mesh of those layouts for a rank of every block."""
     auto = _planner(static_margin=0.0)
-    stage = _block_stage(auto.plan(1, lengths))
+    stage = _block_stage(auto.plan_ladder(1, lengths))
     declared = sorted({*LAYOUTS, *(b.layout.name for b in stage.blocks),
                        *(b.working_layout.name for b in stage.blocks)})
     real = CostModelPlanner(declared, model="llama3-8b", hardware="H100", world_size=64, static_margin=0.0)
@@ -149,10 +151,10 @@ def test_ladder_option_is_checked():
 
 def test_a_ladder_stage_is_priced_per_block_plus_the_joint_exchange(lengths):
     planner = _planner(static_margin=0.0)
-    _, stages = planner.solve(lengths)
-    ladder = next(g for _, g in stages if isinstance(g, LadderGroups))
+    _, ladder = planner.ladder.solve(lengths)
+    assert isinstance(ladder, LadderGroups)
     per_block = ladder.block_seconds(lengths)
-    pred = planner.predict(planner.plan(1, lengths))
+    pred = planner.predict(planner.plan_ladder(1, lengths))
     stage = next(s for s in pred.stages if s.layout.startswith("blocks["))
     assert stage.compute_seconds == pytest.approx(float(per_block.max()))  # the slowest block
     assert stage.stage_fixed == pytest.approx(ladder.exchange) and ladder.exchange > 0
@@ -175,6 +177,7 @@ def _class(ladder, compute: str, sharded: bool = True, mode: int = 0) -> int:
                 if ladder.computes[c].name == compute and sh == sharded and m == mode)
 
 
+@pytest.mark.usefixtures("_all_gather_kv_pricing")
 def test_a_class_is_repriced_at_the_block_sizes_it_is_given():
     """Size-aware pricing (benchmarks/2026-12-04-ladder-3.md): a sharded class's rate is its best
     block size's until an allocation gives it blocks; then its blocks' own (a copy sharded over
@@ -213,9 +216,10 @@ def test_a_class_is_repriced_at_the_block_sizes_it_is_given():
     plan = planner.plan(0, batch)
     decision = planner.last_decision
     assert any(s.blocks for s in plan.stages) and not decision.fell_back
-    assert decision.static_s > decision.multi_s * 1.138
+    assert decision.predicted_gain > planner.static_margin  # kept: the guard's own rule, not a picked number
 
 
+@pytest.mark.usefixtures("_all_gather_kv_pricing")
 def test_a_head_of_one_round_runs_the_longest_documents_side_by_side_on_the_world():
     """``round_size`` (benchmarks/2026-12-06-ladder-4.md): where the world's widest groups are a
     quarter of it (70B on 1024 H100: ``dp4xtp2xcp128``, 256 ranks a group), four 512K documents run
@@ -234,8 +238,8 @@ def test_a_head_of_one_round_runs_the_longest_documents_side_by_side_on_the_worl
     (head_opt, head), (_, ladder) = stages
     assert sorted(d for g in head for mb in g for d in mb) == sorted(longest[:4].tolist())
     assert head_opt.layout.dp == 4 and isinstance(ladder, LadderGroups)
-    alone, _ = planner.ladder.solve(batch)  # the ladder over every document, no head
-    assert secs < 0.9 * alone
+    alone, _ = planner.ladder.solve(batch)  # the ladder over every document, no head: two rounds
+    assert secs < alone, (secs, alone)  # the solver took the head because it prices lower
 
 
 def test_lockstep_blocks_are_also_tried_split_into_blocks_of_one_dp_group():

@@ -8,8 +8,8 @@ import pytest
 from lightning_hotspa.layout import Layout
 from lightning_hotspa.planner.candidates import enumerate_layouts, runs
 from lightning_hotspa.planner.cost.cost_model import AnalyticCostModel, CostModelError
-from lightning_hotspa.planner.cost.pipeline import PipelineSchedule, get_schedule, in_flight, stage_layers
 from lightning_hotspa.planner.cost.pp_memory import stage_memories
+from lightning_hotspa.planner.cost.pp_schedule import PipelineSchedule, get_schedule, in_flight, stage_layers
 
 
 def test_bubble_per_schedule_matches_the_hand_computation():

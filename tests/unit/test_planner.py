@@ -648,7 +648,7 @@ def test_candidate_sets_seeded_by_the_lower_bound_plan_faster(monkeypatch):
     seeded = choose()
     monkeypatch.setattr(candidates, "_oracle_seeded", lambda *args: [])
     relaxed = choose()
-    # 1.9 % faster since the KV ring's pricing (the ":kv" layouts' exchange hidden, nothing recomputed:
-    # the relaxed set's cp16 / cp32 layouts got cheaper); over 10 % under the all-gather's
-    assert planned(seeded) < planned(relaxed) * 0.99, (seeded, relaxed)
+    # faster on the same batches (no picked size: 1.9 % under the KV ring's pricing, over 10 % under the
+    # all-gather's), and for the reason the seeding gives: the 256K documents' dp1 layout
+    assert planned(seeded) < planned(relaxed), (seeded, relaxed)
     assert any(lay.dp == 1 for lay in seeded) and not any(lay.dp == 1 for lay in relaxed)

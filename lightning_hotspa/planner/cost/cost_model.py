@@ -117,7 +117,7 @@ from .efficiency import UNFUSED_KERNELS, unfused_attention_seconds
 from .grad_exposure import REDUCE_BUCKET_BYTES, exposed_share, reduce_buckets
 from .hardware import HardwareProfile, get_profile
 from .memory_model import MemoryModel, MemoryUse
-from .pipeline import PipelineSchedule, get_schedule, stage_layers
+from .pp_schedule import PipelineSchedule, get_schedule, stage_layers
 from .runtime_profile import RuntimeProfile, get_runtime
 from .terms import (
     CostModelError,
@@ -389,7 +389,7 @@ class AnalyticCostModel(MemoryModel):
                 b += attn * recompute_attn / recompute
                 ring_h += hw.layer_comm_overlap * attn * recompute_attn / recompute if hidden else 0.0
         # ---- end context parallelism ----
-        if par.pp > 1:  # activations across each stage boundary, forward and backward (pipeline.py)
+        if par.pp > 1:  # activations across each stage boundary, forward and backward (pp_schedule.py)
             gap = self.world_size // par.pp  # pp takes the outermost dims: the peer is world/pp ranks away
             bw, sends = hw.bandwidth(2 * gap, gap), 2.0 * self.pipeline.messages()
             b += self._exposed(self.pipeline.p2p_overlap) * sends * m.hidden * self.param_bytes / (par.tp * par.cp) / bw

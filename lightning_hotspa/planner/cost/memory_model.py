@@ -12,12 +12,12 @@ attention and the all-gather-KV chunk kernel: their memory terms), ``attn_width`
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any
 
 from ...activation_checkpointing import Checkpointing
 from ...layout import Layout
 from .cp_memory import MEMORY_TERMS
+from .memory_use import MemoryUse, most_tokens
 
 __all__ = ["HEAD_STATE_BYTES", "HEAD_VOCAB_BLOCK", "MODEL_ERROR_MARGIN", "MemoryModel", "MemoryUse"]
 
@@ -36,36 +36,6 @@ HEAD_STATE_BYTES = 8.0 + 1.0 + 1.0 + 4.0
 #: 0.02 still covers. With it every layout the planner calls feasible fits with its capacity
 #: micro-batch.
 MODEL_ERROR_MARGIN = 0.02
-
-
-@dataclass(frozen=True)
-class MemoryUse:
-    """Bytes per rank of one option."""
-
-    home: float
-    working: float
-    activation_per_token: float  # per token of the micro-batch (already divided by tp*cp)
-    usable: float  # the hardware's usable bytes (after its reserve): what "fits" compares with
-    margin: float = 0.0  # the model's own error margin (:data:`MODEL_ERROR_MARGIN`)
-    # Bytes live when the loss head's transients (``head_per_token``, part of the activations) are
-    # not: an fsdp unit's gathered weights and gradient while it runs backward, or (replicated
-    # copies) the overlapped reduction of the head's gradient; the peak holds the larger of the two.
-    transient: float = 0.0
-    head_per_token: float = 0.0
-
-    @property
-    def planning_budget(self) -> float:
-        """Bytes a predicted peak may reach: ``usable / (1 + margin)``."""
-        return self.usable / (1.0 + self.margin)
-
-    @property
-    def free_for_activations(self) -> float:
-        return self.planning_budget - self.home - self.working
-
-    def peak(self, tokens: float, quadratic: float = 0.0) -> float:
-        """Bytes with a micro-batch of ``tokens`` (``quadratic``: the attention's s^2 bytes)."""
-        extra = max(0.0, self.transient - self.head_per_token * tokens)
-        return self.home + self.working + self.activation_per_token * tokens + quadratic + extra
 
 
 class MemoryModel:
@@ -287,8 +257,8 @@ class MemoryModel:
         q = self.attention_quadratic_bytes(par)
         free = mem.free_for_activations
         # the peak is the larger of (activations) and (activations without the logits + transient)
-        tokens = min(_most_tokens(free, mem.activation_per_token, q),
-                     _most_tokens(free - mem.transient, mem.activation_per_token - mem.head_per_token, q))
+        tokens = min(most_tokens(free, mem.activation_per_token, q),
+                     most_tokens(free - mem.transient, mem.activation_per_token - mem.head_per_token, q))
         if tokens <= 0:
             return 0
         if MEMORY_TERMS[par.cp_kind].extra is not None:  # its kind's transients are piecewise: bisect
@@ -308,12 +278,3 @@ class MemoryModel:
     def activation_ratio(self) -> float:
         """Capacity gain of checkpointing: activations per token without / with it."""
         return self.activation_bytes_per_token(False) / self.activation_bytes_per_token(True)
-
-
-def _most_tokens(free: float, per_token: float, quadratic: float) -> int:
-    """Largest ``T`` with ``per_token * T + quadratic * T^2 <= free`` (0 when ``free <= 0``)."""
-    if free <= 0:
-        return 0
-    if quadratic == 0:
-        return int(free // per_token)
-    return int((-per_token + (per_token * per_token + 4 * quadratic * free) ** 0.5) / (2 * quadratic))

@@ -22,8 +22,8 @@ from typing import Any
 
 from ...activation_checkpointing import Checkpointing
 from ...layout import Layout
-from .memory_model import MemoryUse, _most_tokens
-from .pipeline import in_flight
+from .memory_use import MemoryUse, most_tokens
+from .pp_schedule import in_flight
 
 __all__ = ["binding_stage", "stage_memories"]
 
@@ -78,8 +78,8 @@ def binding_stage(mm: Any, par: Layout, activation_checkpointing: Checkpointing 
     """
     def tokens(mem: MemoryUse) -> int:
         free = mem.free_for_activations
-        return min(_most_tokens(free, mem.activation_per_token, 0.0),
-                   _most_tokens(free - mem.transient, mem.activation_per_token - mem.head_per_token, 0.0))
+        return min(most_tokens(free, mem.activation_per_token, 0.0),
+                   most_tokens(free - mem.transient, mem.activation_per_token - mem.head_per_token, 0.0))
 
     stages = stage_memories(mm, par, activation_checkpointing)
     best = min(range(len(stages)), key=lambda s: (tokens(stages[s]), s))

@@ -31,7 +31,8 @@ from .runtime_profile import RuntimeProfile, get_runtime
 
 __all__ = ["PricedRun", "at_precision", "attention_bands", "between_layout_error", "compiled", "derive_fp8_speedup",
            "derive_rate",
-           "guard_margin_from", "layout_key", "optimizer_seconds", "price_run", "selective_extra", "summarize"]
+           "guard_margin_from", "layout_key", "optimizer_seconds", "price_run", "selective_extra", "source_model",
+           "summarize"]
 
 #: attention share bands for ``by_attention_share`` (the issue's "attention-heavy": share > 0.5)
 attention_bands = ((0.0, 0.25), (0.25, 0.5), (0.5, 1.0))
@@ -88,6 +89,19 @@ def compiled(profile: HardwareProfile, runtime: RuntimeProfile, speedup: float |
         raise ValueError(f"runtime {runtime.name!r} states no compile_speedup: its compiled runs cannot be priced")
     return dataclasses.replace(profile, dense_efficiency=profile.dense_efficiency * s,
                                source=profile.source + f" [compiled: GEMM-side rate x {s:.3f}]")
+
+
+def source_model(run: PublishedRun, profile: HardwareProfile | str | None = None) -> AnalyticCostModel:
+    """The cost model the planner would build for ``run``'s GPU and world with its SOURCE system's runtime (an
+    FP8 row's linears at its runtime's FP8 rate for its recipe, a compiled row's GEMM side at its runtime's
+    ``compile_speedup``, unless ``profile`` already says that rate): how the published-runs benchmark and
+    ``recipes/benchmark_peers.py``'s ``peer_model_ratio`` price a peer's row."""
+    prof = get_profile(run.gpu if profile is None else profile)
+    if run.precision == "fp8" and "fp8 linears" not in prof.source:
+        prof = at_precision(prof, get_runtime(run.system), "fp8", recipe=run.fp8_recipe)
+    if run.compiled and "[compiled" not in prof.source:
+        prof = compiled(prof, get_runtime(run.system))
+    return AnalyticCostModel(run.model, prof, run.world, runtime=run.system, pipeline=run.pipeline)
 
 
 def derive_rate(base_run: PublishedRun, run: PublishedRun, model_for: Callable[..., AnalyticCostModel],

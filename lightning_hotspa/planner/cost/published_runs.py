@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ...model_shape import ModelShape
-from .pipeline import PipelineSchedule
+from .pp_schedule import PipelineSchedule
 
 __all__ = ["PublishedRun", "PUBLISHED_RUNS", "QWEN3_4B", "mpt_config", "megatron_flops_per_token",
            "megatron_gpt_config", "nemo_llama2_tokens_per_s"]
