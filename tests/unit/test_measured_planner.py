@@ -126,3 +126,24 @@ def test_notes_and_saved_corrections():
     q = _planner()
     q.load_corrections(p.save_corrections())
     assert q.guard.correction.state_dict() == p.guard.correction.state_dict()
+
+
+def test_cli_plan_with_saved_corrections(tmp_path, capsys):
+    """``hotspa plan --calibration``: cp4 measured 40 % fast makes it the reference static it plans."""
+    import json
+
+    from lightning_hotspa.tools.cli import main
+
+    p = MeasuredCostPlanner(["dp8", "dp4xcp2", "dp2xcp4"], model="llama7b", hardware="H100", world_size=8)
+    for key in ("dp8/none", "dp8/full", "dp4xcp2/none", "dp4xcp2/full", "dp2xcp4/none", "dp2xcp4/full"):
+        p.guard.correction.observe([(key, 1.0, 0.6 if key.startswith("dp2xcp4") else 1.4)])
+    path = tmp_path / "corr.json"
+    path.write_text(json.dumps(p.save_corrections()))
+    main(["plan", "--model", "llama7b", "--hardware", "H100", "--world-size", "8", "--layouts",
+          "dp8,dp4xcp2,dp2xcp4", "--calibration", str(path), "--json"])
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["measured"]["reference"] == "dp2xcp4"
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    assert main(["plan", "--layouts", "dp8,dp4xcp2", "--calibration", str(bad)]) != 0
+    assert "no 'guard' key" in capsys.readouterr().err
