@@ -135,9 +135,17 @@ def _cmd_plan(args: argparse.Namespace) -> dict[str, Any]:
     else:
         layouts = [x for x in args.layouts.split(",") if x.strip()]
     ladder = {"auto": "auto", "declared": True, "off": False}[args.ladder]
-    planner = CostModelPlanner(layouts, model=cm.model, hardware=cm.hardware, world_size=args.world_size,
-                               tokens_per_rank=args.tokens_per_rank, ladder=ladder)
-    plan = planner.plan(args.step, lengths)
+    kwargs = dict(model=cm.model, hardware=cm.hardware, world_size=args.world_size,
+                  tokens_per_rank=args.tokens_per_rank, ladder=ladder)
+    if getattr(args, "calibration", None):  # issue 53: a run's saved measured corrections decide the plan
+        from ..planner.profiled.measured_planner import MeasuredCostPlanner
+
+        planner = MeasuredCostPlanner(layouts, explore_budget=0.0, **kwargs)
+        planner.load_corrections(_read_corrections(args.calibration))
+        plan = planner.plan(args.step, lengths, latest=True)
+    else:
+        planner = CostModelPlanner(layouts, **kwargs)
+        plan = planner.plan(args.step, lengths)
     pred = planner.predict(plan)
     own = {x.name for x in planner.layouts}
     reference = min((k for k in static if k in own), key=lambda k: (static[k], k), default=None)
@@ -165,7 +173,13 @@ def _cmd_plan(args: argparse.Namespace) -> dict[str, Any]:
     if best and best != reference:  # explicit --layouts without it: said, never passed off as the reference
         print(f"outside the candidates: static {best}: {static[best]:.3f} s (--layouts auto always includes the "
               f"best static layout)")
+    measured = getattr(planner, "last_measured", None)
+    if measured is not None:
+        print(f"measured corrections ({args.calibration}): runs {measured.run} (reference static {measured.reference}"
+              f"; best multi-layout gain {measured.gain:+.4f} ln, needed > {measured.threshold:.4f})")
     return {
+        "measured": None if measured is None else {"run": measured.run, "reference": measured.reference,
+                                                   "gain_ln": measured.gain, "threshold_ln": measured.threshold},
         "command": "plan", "model": args.model, "world_size": args.world_size, "hardware": cm.hardware.name,
         "context": args.context, "data": args.data, "documents": int(lengths.size), "tokens": int(lengths.sum()),
         "layouts": [x.name for x in planner.layouts], "step_s": pred.seconds, "tokens_per_s": pred.tokens_per_s,
@@ -174,6 +188,21 @@ def _cmd_plan(args: argparse.Namespace) -> dict[str, Any]:
         "best_static_any": {"layout": best, "seconds": static[best]} if best else None,
         "static_s": static, "speedup_vs_best_static": speedup, "guard": guard_lines,
     }
+
+
+def _read_corrections(path: str) -> dict[str, Any]:
+    """A measured planner's saved corrections: JSON of ``MeasuredCostPlanner.save_corrections()``
+    (or of its ``state_dict()``)."""
+    import json
+
+    try:
+        with open(path) as f:
+            state = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise CliError(f"--calibration {path!r}: cannot read it as JSON saved corrections: {exc}") from None
+    if not isinstance(state, dict) or not ("guard" in state or "measured" in state):
+        raise CliError(f"--calibration {path!r}: not a measured planner's saved corrections (no 'guard' key)")
+    return state
 
 
 def block_rows(planner: Any, stage: Any, predicted: Any) -> list[dict[str, Any]]:
@@ -557,6 +586,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--seed", type=int, default=0, help="seed of the length generator and the batch sampler")
     plan.add_argument("--step", type=int, default=0, help="which global batch of the data to plan")
     plan.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    plan.add_argument("--calibration", default=None,
+                      help="a measured planner's saved corrections (JSON of MeasuredCostPlanner.save_corrections()):"
+                           " plan with them (issue 53)")
     sim = sub.add_parser("simulate", help="the paper-scale grid: speed-ups over static layouts and the hand-set rule")
     sim.add_argument("--hardware", default=None, help="--grid paper: the profile (default A800-80G)")
     sim.add_argument("--batches", type=_positive, default=2, help="global batches per cell")

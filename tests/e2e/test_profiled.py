@@ -198,7 +198,7 @@ def test_four_ranks_refit_at_the_same_steps_and_plan_alike(ranks, tmp_path) -> N
         assert o["restored_next_versions"] == o["next_versions"]
 
 
-@pytest.mark.parametrize("name", ["rule", "cost", "cost-profiled"])
+@pytest.mark.parametrize("name", ["rule", "cost", "cost-profiled", "cost-measured"])
 def test_the_strategy_builds_each_named_planner(name: str) -> None:
     """``planner="cost-profiled"`` is documented and was once rejected by the constructor's check."""
     strategy = HotSPaStrategy(LAYOUTS, planner=name, tokens_per_rank=TOKENS_PER_RANK)
@@ -206,5 +206,6 @@ def test_the_strategy_builds_each_named_planner(name: str) -> None:
     strategy._lightning_module = LlamaLM("tiny")
     planner = strategy.planner
     assert tuple(planner.layouts) == strategy.layouts
-    assert getattr(planner, "profiled", False) == (name == "cost-profiled")
+    assert getattr(planner, "profiled", False) == (name in ("cost-profiled", "cost-measured"))
+    assert hasattr(planner, "guard") == (name == "cost-measured")
     assert isinstance(planner, CostModelPlanner) == name.startswith("cost")

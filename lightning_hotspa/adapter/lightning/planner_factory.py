@@ -19,7 +19,7 @@ from ...planner.base import Planner, check_planner
 __all__ = ["PLANNER_NAMES", "build_planner", "check_planner_spec", "hardware_for"]
 
 #: what ``planner=`` accepts by name (anything else must be a Planner instance)
-PLANNER_NAMES = ("rule", "cost", "cost-profiled")
+PLANNER_NAMES = ("rule", "cost", "cost-profiled", "cost-measured")
 
 
 def check_planner_spec(planner: Any, hardware: str | None) -> None:
@@ -29,7 +29,7 @@ def check_planner_spec(planner: Any, hardware: str | None) -> None:
             raise ValueError(f"unknown planner {planner!r}; use one of {list(PLANNER_NAMES)} or a Planner instance")
     else:
         check_planner(planner, f"planner must be one of {list(PLANNER_NAMES)} or a Planner", ValueError)
-    if hardware is not None and planner not in ("cost", "cost-profiled"):
+    if hardware is not None and planner not in ("cost", "cost-profiled", "cost-measured"):
         shown = planner if isinstance(planner, str) else type(planner).__name__
         raise ValueError(f"hardware={hardware!r} prices plans for planner='cost' or 'cost-profiled' only; "
                          f"planner={shown!r} would ignore it: drop hardware= or choose planner='cost'")
@@ -66,7 +66,8 @@ def build_planner(spec: Any, layouts: tuple[Layout, ...], *, tokens_per_rank: in
         from ...planner.rule import ThresholdPlanner
 
         return ThresholdPlanner(layouts, tokens_per_rank=tokens_per_rank)
-    if spec in ("cost", "cost-profiled"):
+    if spec in ("cost", "cost-profiled", "cost-measured"):
+        from ...planner.profiled.measured_planner import MeasuredCostPlanner
         from ...planner.solve.solver import CostModelPlanner
 
         config = getattr(module, "config", None)
@@ -77,8 +78,9 @@ def build_planner(spec: Any, layouts: tuple[Layout, ...], *, tokens_per_rank: in
 
         from ...planner.cost.runtime_profile import HOTSPA
 
-        return CostModelPlanner(layouts, model=config, hardware=hardware_for(hardware, device),
-                                tokens_per_rank=tokens_per_rank, activation_checkpointing=activation_checkpointing,
-                                profiled=spec == "cost-profiled",
-                                runtime=HOTSPA if tp_regather else dataclasses.replace(HOTSPA, tp_regather=False))
+        kind = MeasuredCostPlanner if spec == "cost-measured" else CostModelPlanner  # its budget etc.: an instance
+        return kind(layouts, model=config, hardware=hardware_for(hardware, device),
+                    tokens_per_rank=tokens_per_rank, activation_checkpointing=activation_checkpointing,
+                    profiled=spec != "cost",
+                    runtime=HOTSPA if tp_regather else dataclasses.replace(HOTSPA, tp_regather=False))
     return spec  # a Planner instance (checked in the constructor)

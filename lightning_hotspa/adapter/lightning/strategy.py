@@ -92,6 +92,8 @@ class HotSPaStrategy(GuardedCollectives, StrategyCheckpoints, ParallelStrategy):
         planner: ``"rule"`` (each document to the most data-parallel layout that holds it),
             ``"cost"`` (the cost-model solver, :class:`~lightning_hotspa.planner.CostModelPlanner`),
             ``"cost-profiled"`` (the same, refitting its coefficients to the measured stage times),
+            ``"cost-measured"`` (issue 53: its guard trusts each option's measured speed,
+            :mod:`~lightning_hotspa.planner.profiled.measured_planner`; its exploration budget: an instance),
             or a ready :class:`~lightning_hotspa.planner.base.Planner`.
         hardware: hardware profile name for ``planner="cost"`` (e.g. ``"cpu-gloo"``, ``"h200"``);
             default: the profile of the device it runs on (``cpu-gloo`` on CPU).
