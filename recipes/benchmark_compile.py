@@ -39,7 +39,8 @@ WORLD = 4
 LAYOUTS = ("dp4", "dp2xtp2", "tp4")
 
 
-def plans(steps: int, docs_per_step: int, max_len: int, seed: int = 0) -> list[Any]:
+def plans(steps: int, docs_per_step: int, max_len: int, layouts: tuple[str, ...] = LAYOUTS,
+          seed: int = 0) -> list[Any]:
     """Per step: random document lengths dealt to one stage per layout, each dp group 1-2 micro-batches."""
     from lightning_hotspa.layout import Layout
     from lightning_hotspa.plan import Stage, StepPlan
@@ -48,9 +49,9 @@ def plans(steps: int, docs_per_step: int, max_len: int, seed: int = 0) -> list[A
     out = []
     for step in range(steps):
         lengths = [rng.randint(4, max_len) for _ in range(docs_per_step)]
-        share = -(-docs_per_step // len(LAYOUTS))
+        share = -(-docs_per_step // len(layouts))
         stages = []
-        for i, name in enumerate(LAYOUTS):
+        for i, name in enumerate(layouts):
             layout, ids = Layout.parse(name), list(range(i * share, min(docs_per_step, (i + 1) * share)))
             groups = [ids[g::layout.dp] for g in range(layout.dp)]
             stages.append(Stage(layout, tuple(tuple((d,) for d in g) for g in groups), label=name))
@@ -82,7 +83,7 @@ def rank_main(args: dict[str, Any]) -> dict[str, Any]:
     """On every rank: the steps eager, then compiled; the counters and the differences."""
     import torch.distributed as dist
 
-    from lightning_hotspa.adapter.lightning.compile_blocks import compile_blocks, compile_counts
+    from lightning_hotspa.adapter.lightning.compile_blocks import check_compile_spec, compile_blocks, compile_counts
     from lightning_hotspa.adapter.lightning.home_state import build_home_state
     from lightning_hotspa.engine.step_runner import StepRunner
     from lightning_hotspa.mesh import WorldMesh
@@ -91,24 +92,25 @@ def rank_main(args: dict[str, Any]) -> dict[str, Any]:
 
     torch.manual_seed(0)
     module = LlamaLM("tiny", seed=3)
-    world = WorldMesh(list(LAYOUTS))
-    # tp_overlap off, as the strategy does under compile_blocks: the overlapped row layer's backward
-    # (torch.autograd.grad inside an autograd.Function) is a graph break
+    layouts = tuple(args["layouts"])
+    world = WorldMesh(list(layouts))
     state = build_home_state(module, world, home_dtype=torch.float32, working_dtype=None,
-                             device=torch.device("cpu"), tp_overlap=False)
+                             device=torch.device("cpu"), tp_overlap=args["tp_overlap"])
     runner = StepRunner(state.engine, state.parallel)
     vocab = module.config.vocab_size
     batches = [slice_plan(p, _documents(p, vocab), world.shape, dist.get_rank())
-               for p in plans(args["steps"], args["docs"], args["max_len"])]
+               for p in plans(args["steps"], args["docs"], args["max_len"], layouts)]
     eager = _run(state, runner, module, batches)
-    blocks = compile_blocks(module, {"backend": args["backend"]}, len(LAYOUTS))
+    blocks = compile_blocks(module, check_compile_spec({"backend": args["backend"]}), len(layouts))
     compiled = _run(state, runner, module, batches)
     counts = compile_counts()
-    from torch._dynamo.utils import guard_failures
+    from torch._dynamo.utils import counters, guard_failures
 
     reasons = sorted({str(r).split("\n")[0][:160] for failures in guard_failures.values() for r in failures})
+    breaks = sorted({str(r).split("\n")[0][:160] for r in counters["graph_break"]})
     diff = max(float((c - e).abs().max()) for c, e in zip(compiled, eager, strict=True))
-    return {**counts, "blocks": blocks, "max_abs_diff_vs_eager": diff, "recompile_reasons": reasons}
+    return {**counts, "blocks": blocks, "max_abs_diff_vs_eager": diff, "recompile_reasons": reasons,
+            "break_reasons": breaks}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -117,21 +119,27 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--smoke", action="store_true", help="aot_eager, 1 step, short documents")
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--backend", default=None, help="torch.compile backend (default inductor; smoke: aot_eager)")
+    parser.add_argument("--layouts", default=",".join(LAYOUTS), help="comma-separated layouts of 4 ranks")
+    parser.add_argument("--no-tp-overlap", action="store_true", help="tp's plain collectives (no row overlap)")
     args = parser.parse_args(argv)
-    run = {"steps": args.steps or (1 if args.smoke else 40), "docs": 6 if args.smoke else 12,
+    layouts = tuple(args.layouts.split(","))
+    run = {"layouts": layouts, "tp_overlap": not args.no_tp_overlap,
+           "steps": args.steps or (1 if args.smoke else 40), "docs": 6 if args.smoke else 12,
            "max_len": 24 if args.smoke else 96, "backend": args.backend or ("aot_eager" if args.smoke else "inductor")}
     results = run_on_ranks(rank_main, WORLD, run, timeout_s=3000)
     graphs = max(r["compiled_graphs"] for r in results)
     blocks = results[0]["blocks"]
-    out = {"backend": run["backend"], "world": WORLD, "layouts": list(LAYOUTS), "layouts_run": len(LAYOUTS),
+    out = {"backend": run["backend"], "world": WORLD, "layouts": list(layouts), "layouts_run": len(layouts),
+           "tp_overlap": run["tp_overlap"],
            "steps": run["steps"], "blocks": blocks, "compiled_graphs": graphs,
            "graph_breaks": max(r["graph_breaks"] for r in results),
-           "recompiles": graphs - blocks, "graphs_per_layout_block": round(graphs / (blocks * len(LAYOUTS)), 3),
+           "recompiles": graphs - blocks, "graphs_per_layout_block": round(graphs / (blocks * len(layouts)), 3),
            "recompile_limit": results[0]["recompile_limit"],
            "cache_limit_hits": max(r["cache_limit_hits"] for r in results),
            "skipped_frames": max(r["skipped_frames"] for r in results),
            "max_abs_diff_vs_eager": max(r["max_abs_diff_vs_eager"] for r in results),
-           "recompile_reasons": sorted({x for r in results for x in r["recompile_reasons"]})}
+           "recompile_reasons": sorted({x for r in results for x in r["recompile_reasons"]}),
+           "break_reasons": sorted({x for r in results for x in r["break_reasons"]})}
     print(json.dumps(out))
     return out
 

@@ -56,8 +56,7 @@ def build_home_state(module: nn.Module, world: WorldMesh, *, home_dtype: torch.d
                      tp_regather: bool = True, tp_overlap: bool = True) -> HomeState:
     """Home parameters, parallel model and switch engine of ``module`` on ``world``; ``buckets``: the
     engine's bucket keyword arguments (``engine.buckets.BucketSizes.engine_kwargs``); ``tp_regather``:
-    ``ParallelModel``'s (False keeps the column regions' gathered inputs); ``tp_overlap``: ``ParallelModel``'s
-    (False under ``compile_blocks``: dynamo cannot trace the overlapped row layer's backward)."""
+    ``ParallelModel``'s (False keeps the column regions' gathered inputs); ``tp_overlap``: ``ParallelModel``'s."""
     shapes = {n: tuple(p.shape) for n, p in module.named_parameters()}
     roles = param_roles_of(module, max(x.tp for x in world.layouts))
     shardings = build_shardings(shapes, roles, world.shape)

@@ -350,9 +350,7 @@ class HotSPaStrategy(GuardedCollectives, StrategyCheckpoints, ParallelStrategy):
                                      grad_accum_dtype=self.hotspa_precision.grad_accum_dtype,
                                      buckets=bucket_defaults(self._process_group_backend,
                                                              *self._bucket_args).engine_kwargs(),
-                                     tp_regather=self._tp_regather,
-                                     # compiled blocks: tp's plain collectives (the overlap does not trace yet)
-                                     tp_overlap=self._compile is None)
+                                     tp_regather=self._tp_regather)
             self.home, self.parallel, self.engine = state.home, state.parallel, state.engine
             self.runner = StepRunner(self.engine, self.parallel, device=self.root_device,
                                      activation_checkpointing=self.activation_checkpointing_for,
