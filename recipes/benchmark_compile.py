@@ -5,14 +5,17 @@ dp2xtp2, tp4: a hot switch between every stage) and new document lengths each st
 the SAME steps twice through the engine's ``StepRunner`` (the strategy's step loop): first eager,
 then with every block compiled (``compile_blocks``, inductor by default, the token dim dynamic),
 and compares the global losses and the reduced home gradients of every step (fp32, no optimizer
-update, so both passes see the same weights). Keys:
+update, so both passes see the same weights). tp overlap is on (its row layer one custom op under
+compile); ``--layouts`` picks other layouts of 4 ranks (cp and ``:fsdp`` ones are not traceable yet:
+their graph breaks are listed in ``break_reasons``). Keys:
 
 * ``layouts_run``, ``steps``; ``compiled_graphs``, ``graph_breaks``, ``cache_limit_hits``,
   ``skipped_frames`` (dynamo's own counters, the max over ranks; a limit hit or a skipped frame means
   a block ran eager); ``recompiles``: graphs beyond the first per block; ``recompile_limit``: what
   ``compile_blocks`` set it to (layouts x blocks, x2 for the checkpointing variant, + warm-up);
   ``graphs_per_layout_block``: ``compiled_graphs / (layouts x blocks)``; ``recompile_reasons``: the first
-  line of each guard that failed (why a graph was added), over all ranks;
+  line of each guard that failed (why a graph was added), over all ranks; ``break_reasons``: dynamo's
+  graph-break reasons, over all ranks;
 * ``max_abs_diff_vs_eager``: the largest |compiled - eager| over every step's loss and gradients.
 
     python recipes/benchmark_compile.py             # inductor, 40 steps

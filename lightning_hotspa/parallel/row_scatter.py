@@ -119,10 +119,12 @@ def _(weight: Tensor, inputs: list[Tensor], dims: list[int], ranks: list[int], l
 @torch.library.custom_op("hotspa::row_scatter_backward", mutates_args=())
 def _row_scatter_backward_op(grad: Tensor, weight: Tensor, inputs: list[Tensor], dims: list[int], ranks: list[int],
                              left: str) -> list[Tensor]:
-    ctx = _NoContext(group=_op_group(dims, ranks), left=_left(left), saved_tensors=(weight, *inputs),
-                     needs_input_grad=(True, False, False, *(True,) * len(inputs)))
-    grads = _RowScatter.backward(ctx, grad)
-    return [g.contiguous() for g in (grads[0], *grads[3:])]
+    # a custom op runs below autograd: the left operand's gradient through torch.func.vjp
+    gathered, (grad_h,) = all_gather_matmul_rows(grad.movedim(-2, 0), [weight], _op_group(dims, ranks))
+    gathered, grad_h = gathered.movedim(0, -2), grad_h.movedim(0, -2)
+    h, vjp = torch.func.vjp(_left(left), *inputs)
+    grad_weight = gathered.reshape(-1, gathered.shape[-1]).t().mm(h.reshape(-1, h.shape[-1]))
+    return [g.contiguous() for g in (grad_weight, *vjp(grad_h))]
 
 
 @_row_scatter_backward_op.register_fake
@@ -148,10 +150,7 @@ _row_scatter_op.register_autograd(_backward, setup_context=_setup)
 
 
 class _NoContext:
-    """The attributes :class:`_RowScatter`'s forward and backward read, outside autograd (the custom op)."""
-
-    def __init__(self, **attrs: Any) -> None:
-        self.__dict__.update(attrs)
+    """The context :class:`_RowScatter`'s forward writes, outside autograd (the custom op)."""
 
     def save_for_backward(self, *tensors: Tensor) -> None:
         pass
