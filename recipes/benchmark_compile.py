@@ -5,8 +5,9 @@ dp2xtp2, tp4: a hot switch between every stage) and new document lengths each st
 the SAME steps twice through the engine's ``StepRunner`` (the strategy's step loop): first eager,
 then with every block compiled (``compile_blocks``, inductor by default, the token dim dynamic),
 and compares the global losses and the reduced home gradients of every step (fp32, no optimizer
-update, so both passes see the same weights). tp overlap is on (its row layer one custom op under
-compile); ``--layouts`` picks other layouts of 4 ranks (cp and ``:fsdp`` ones are not traceable yet:
+update, so both passes see the same weights). tp overlap is off, as the strategy has it under
+compile (``--tp-overlap``: its row layer is one custom op, its column regions' ring still breaks);
+``--layouts`` picks other layouts of 4 ranks (cp and ``:fsdp`` ones are not traceable yet:
 their graph breaks are listed in ``break_reasons``). Keys:
 
 * ``layouts_run``, ``steps``; ``compiled_graphs``, ``graph_breaks``, ``cache_limit_hits``,
@@ -123,10 +124,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--backend", default=None, help="torch.compile backend (default inductor; smoke: aot_eager)")
     parser.add_argument("--layouts", default=",".join(LAYOUTS), help="comma-separated layouts of 4 ranks")
-    parser.add_argument("--no-tp-overlap", action="store_true", help="tp's plain collectives (no row overlap)")
+    parser.add_argument("--tp-overlap", action="store_true", help="tp overlap on (its column regions still break)")
     args = parser.parse_args(argv)
     layouts = tuple(args.layouts.split(","))
-    run = {"layouts": layouts, "tp_overlap": not args.no_tp_overlap,
+    run = {"layouts": layouts, "tp_overlap": args.tp_overlap,
            "steps": args.steps or (1 if args.smoke else 40), "docs": 6 if args.smoke else 12,
            "max_len": 24 if args.smoke else 96, "backend": args.backend or ("aot_eager" if args.smoke else "inductor")}
     results = run_on_ranks(rank_main, WORLD, run, timeout_s=3000)
