@@ -5,14 +5,18 @@ dp2xtp2, tp4: a hot switch between every stage) and new document lengths each st
 the SAME steps twice through the engine's ``StepRunner`` (the strategy's step loop): first eager,
 then with every block compiled (``compile_blocks``, inductor by default, the token dim dynamic),
 and compares the global losses and the reduced home gradients of every step (fp32, no optimizer
-update, so both passes see the same weights). Keys:
+update, so both passes see the same weights). tp overlap is off, as the strategy has it under
+compile (``--tp-overlap``: its row layer is one custom op, its column regions' ring still breaks);
+``--layouts`` picks other layouts of 4 ranks (cp and ``:fsdp`` ones are not traceable yet:
+their graph breaks are listed in ``break_reasons``). Keys:
 
 * ``layouts_run``, ``steps``; ``compiled_graphs``, ``graph_breaks``, ``cache_limit_hits``,
   ``skipped_frames`` (dynamo's own counters, the max over ranks; a limit hit or a skipped frame means
   a block ran eager); ``recompiles``: graphs beyond the first per block; ``recompile_limit``: what
   ``compile_blocks`` set it to (layouts x blocks, x2 for the checkpointing variant, + warm-up);
   ``graphs_per_layout_block``: ``compiled_graphs / (layouts x blocks)``; ``recompile_reasons``: the first
-  line of each guard that failed (why a graph was added), over all ranks;
+  line of each guard that failed (why a graph was added), over all ranks; ``break_reasons``: dynamo's
+  graph-break reasons, over all ranks;
 * ``max_abs_diff_vs_eager``: the largest |compiled - eager| over every step's loss and gradients.
 
     python recipes/benchmark_compile.py             # inductor, 40 steps
@@ -39,7 +43,8 @@ WORLD = 4
 LAYOUTS = ("dp4", "dp2xtp2", "tp4")
 
 
-def plans(steps: int, docs_per_step: int, max_len: int, seed: int = 0) -> list[Any]:
+def plans(steps: int, docs_per_step: int, max_len: int, layouts: tuple[str, ...] = LAYOUTS,
+          seed: int = 0) -> list[Any]:
     """Per step: random document lengths dealt to one stage per layout, each dp group 1-2 micro-batches."""
     from lightning_hotspa.layout import Layout
     from lightning_hotspa.plan import Stage, StepPlan
@@ -48,9 +53,9 @@ def plans(steps: int, docs_per_step: int, max_len: int, seed: int = 0) -> list[A
     out = []
     for step in range(steps):
         lengths = [rng.randint(4, max_len) for _ in range(docs_per_step)]
-        share = -(-docs_per_step // len(LAYOUTS))
+        share = -(-docs_per_step // len(layouts))
         stages = []
-        for i, name in enumerate(LAYOUTS):
+        for i, name in enumerate(layouts):
             layout, ids = Layout.parse(name), list(range(i * share, min(docs_per_step, (i + 1) * share)))
             groups = [ids[g::layout.dp] for g in range(layout.dp)]
             stages.append(Stage(layout, tuple(tuple((d,) for d in g) for g in groups), label=name))
@@ -82,7 +87,7 @@ def rank_main(args: dict[str, Any]) -> dict[str, Any]:
     """On every rank: the steps eager, then compiled; the counters and the differences."""
     import torch.distributed as dist
 
-    from lightning_hotspa.adapter.lightning.compile_blocks import compile_blocks, compile_counts
+    from lightning_hotspa.adapter.lightning.compile_blocks import check_compile_spec, compile_blocks, compile_counts
     from lightning_hotspa.adapter.lightning.home_state import build_home_state
     from lightning_hotspa.engine.step_runner import StepRunner
     from lightning_hotspa.mesh import WorldMesh
@@ -91,24 +96,25 @@ def rank_main(args: dict[str, Any]) -> dict[str, Any]:
 
     torch.manual_seed(0)
     module = LlamaLM("tiny", seed=3)
-    world = WorldMesh(list(LAYOUTS))
-    # tp_overlap off, as the strategy does under compile_blocks: the overlapped row layer's backward
-    # (torch.autograd.grad inside an autograd.Function) is a graph break
+    layouts = tuple(args["layouts"])
+    world = WorldMesh(list(layouts))
     state = build_home_state(module, world, home_dtype=torch.float32, working_dtype=None,
-                             device=torch.device("cpu"), tp_overlap=False)
+                             device=torch.device("cpu"), tp_overlap=args["tp_overlap"])
     runner = StepRunner(state.engine, state.parallel)
     vocab = module.config.vocab_size
     batches = [slice_plan(p, _documents(p, vocab), world.shape, dist.get_rank())
-               for p in plans(args["steps"], args["docs"], args["max_len"])]
+               for p in plans(args["steps"], args["docs"], args["max_len"], layouts)]
     eager = _run(state, runner, module, batches)
-    blocks = compile_blocks(module, {"backend": args["backend"]}, len(LAYOUTS))
+    blocks = compile_blocks(module, check_compile_spec({"backend": args["backend"]}), len(layouts))
     compiled = _run(state, runner, module, batches)
     counts = compile_counts()
-    from torch._dynamo.utils import guard_failures
+    from torch._dynamo.utils import counters, guard_failures
 
     reasons = sorted({str(r).split("\n")[0][:160] for failures in guard_failures.values() for r in failures})
+    breaks = sorted({str(r).split("\n")[0][:160] for r in counters["graph_break"]})
     diff = max(float((c - e).abs().max()) for c, e in zip(compiled, eager, strict=True))
-    return {**counts, "blocks": blocks, "max_abs_diff_vs_eager": diff, "recompile_reasons": reasons}
+    return {**counts, "blocks": blocks, "max_abs_diff_vs_eager": diff, "recompile_reasons": reasons,
+            "break_reasons": breaks}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -117,21 +123,27 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--smoke", action="store_true", help="aot_eager, 1 step, short documents")
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--backend", default=None, help="torch.compile backend (default inductor; smoke: aot_eager)")
+    parser.add_argument("--layouts", default=",".join(LAYOUTS), help="comma-separated layouts of 4 ranks")
+    parser.add_argument("--tp-overlap", action="store_true", help="tp overlap on (its column regions still break)")
     args = parser.parse_args(argv)
-    run = {"steps": args.steps or (1 if args.smoke else 40), "docs": 6 if args.smoke else 12,
+    layouts = tuple(args.layouts.split(","))
+    run = {"layouts": layouts, "tp_overlap": args.tp_overlap,
+           "steps": args.steps or (1 if args.smoke else 40), "docs": 6 if args.smoke else 12,
            "max_len": 24 if args.smoke else 96, "backend": args.backend or ("aot_eager" if args.smoke else "inductor")}
     results = run_on_ranks(rank_main, WORLD, run, timeout_s=3000)
     graphs = max(r["compiled_graphs"] for r in results)
     blocks = results[0]["blocks"]
-    out = {"backend": run["backend"], "world": WORLD, "layouts": list(LAYOUTS), "layouts_run": len(LAYOUTS),
+    out = {"backend": run["backend"], "world": WORLD, "layouts": list(layouts), "layouts_run": len(layouts),
+           "tp_overlap": run["tp_overlap"],
            "steps": run["steps"], "blocks": blocks, "compiled_graphs": graphs,
            "graph_breaks": max(r["graph_breaks"] for r in results),
-           "recompiles": graphs - blocks, "graphs_per_layout_block": round(graphs / (blocks * len(LAYOUTS)), 3),
+           "recompiles": graphs - blocks, "graphs_per_layout_block": round(graphs / (blocks * len(layouts)), 3),
            "recompile_limit": results[0]["recompile_limit"],
            "cache_limit_hits": max(r["cache_limit_hits"] for r in results),
            "skipped_frames": max(r["skipped_frames"] for r in results),
            "max_abs_diff_vs_eager": max(r["max_abs_diff_vs_eager"] for r in results),
-           "recompile_reasons": sorted({x for r in results for x in r["recompile_reasons"]})}
+           "recompile_reasons": sorted({x for r in results for x in r["recompile_reasons"]}),
+           "break_reasons": sorted({x for r in results for x in r["break_reasons"]})}
     print(json.dumps(out))
     return out
 

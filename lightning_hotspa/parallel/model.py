@@ -23,6 +23,7 @@ from ..layout import Layout, LayoutError
 from ..mesh import WorldMesh
 from ..plan import MicroBatch
 from .params import set_parameters
+from .row_scatter import file_group
 from .state import ParallelState
 
 __all__ = ["ParallelModel"]
@@ -87,6 +88,7 @@ class ParallelModel:
 
             check_attention(self.module, groups)  # re-attach swapped backends; heads vs layout
         self.state.groups = groups
+        file_group(groups.tp)  # for the compiled row layer (.row_scatter)
         set_parameters(self.module, params)
         for m in self._checkpointers:
             m.set_activation_checkpointing(mode if getattr(m, "selective_checkpointing", False) else bool(mode))

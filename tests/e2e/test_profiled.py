@@ -21,6 +21,7 @@ from lightning_hotspa.layout import Layout, MeshShape
 from lightning_hotspa.models import LlamaLM
 from lightning_hotspa.plan import PlanError
 from lightning_hotspa.planner.profiled.calibration import Observation
+from lightning_hotspa.planner.profiled.measured_planner import MeasuredCostPlanner
 from lightning_hotspa.planner.profiled.schedule import CoefficientSchedule
 from lightning_hotspa.planner.solve.solver import CostModelPlanner
 
@@ -209,3 +210,41 @@ def test_the_strategy_builds_each_named_planner(name: str) -> None:
     assert getattr(planner, "profiled", False) == (name in ("cost-profiled", "cost-measured"))
     assert hasattr(planner, "guard") == (name == "cost-measured")
     assert isinstance(planner, CostModelPlanner) == name.startswith("cost")
+
+
+# ------------------------------------------------------------- the measured cost planner, 4 ranks (issue 53)
+def _measured_planner() -> MeasuredCostPlanner:
+    return MeasuredCostPlanner(LAYOUTS, model="tiny", hardware="cpu-gloo", tokens_per_rank=TOKENS_PER_RANK,
+                               activation_checkpointing=False, noise_sd=0.1, explore_budget=0.2, horizon=6)
+
+
+def measured_fit(ckpt: str, steps: int):
+    with lightning_rank_env(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        kw = dict(accelerator="cpu", devices=4, max_steps=steps, logger=False, enable_checkpointing=False,
+                  enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
+                  limit_val_batches=0, num_sanity_val_steps=0)
+        strategy = HotSPaStrategy(LAYOUTS, planner=_measured_planner(), tokens_per_rank=TOKENS_PER_RANK)
+        trainer = L.Trainer(strategy=strategy, **kw)
+        trainer.fit(LlamaLM("tiny", seed=1), datamodule=_datamodule())
+        planner = trainer.strategy.planner
+        trainer.save_checkpoint(ckpt)
+        saved = planner.state_dict()["measured"]
+        strategy = HotSPaStrategy(LAYOUTS, planner=_measured_planner(), tokens_per_rank=TOKENS_PER_RANK)
+        restored = L.Trainer(strategy=strategy, **kw)
+        restored.fit(LlamaLM("tiny", seed=1), datamodule=_datamodule(), ckpt_path=ckpt)  # at max_steps: restore only
+    again = restored.strategy.planner.state_dict()["measured"]
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, saved)
+    return {"all": gathered, "restored_equal": again == saved}
+
+
+def test_four_ranks_measure_alike_and_resume(ranks, tmp_path) -> None:
+    """Issue 53: the measured cost planner in a real 4-rank Trainer: the gathered stage table feeds it on every
+    rank alike, and its state (corrections, exploration, published decisions) survives a checkpoint."""
+    out = ranks(4).run(measured_fit, str(tmp_path / "ckpt"), 5)
+    first = out[0]["all"][0]
+    assert all(s == first for o in out for s in o["all"]), "ranks disagree on the measured planner's state"
+    assert first["guard"]["correction"]["options"], "no option was measured"
+    assert first["decided_through"] == 4
+    assert all(o["restored_equal"] for o in out)

@@ -10,8 +10,9 @@ outside every graph.
 Graphs: the token dim is dynamic (``dynamic=True`` unless the caller says otherwise), and the CPU
 attention is one opaque op (:mod:`lightning_hotspa.models.documents_op`), so new document lengths
 never recompile. A layout switch swaps the block's parameters (other shapes under tp) and the
-active groups, which dynamo guards on: one graph per (layout, block), plus a bounded few per block
-(first calls fill lazy caches; a block's first graph can come out static in the token count).
+active groups, which dynamo guards on: one graph per (layout, block). With ``dynamic`` on,
+``compile_blocks`` also sets ``backed_size_oblivious`` (process-wide), so a 1-token slice does not
+specialize a graph of its own.
 All blocks share one code object, and dynamo's recompile limit counts per code object (8 by
 default): past it a block runs EAGER without an error, so :func:`compile_blocks` raises the limit
 to what the run needs and :func:`compile_counts` reports any hit (docs/DESIGN.md §7, "torch.compile").
@@ -81,6 +82,11 @@ def compile_blocks(module: nn.Module, options: Mapping[str, Any], layouts: int =
                  config.recompile_limit, needed, len(blocks), layouts)
         config.recompile_limit = needed
     config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, needed)
+    if options.get("dynamic"):
+        # a 1-token micro-batch slice would get its own graph (dynamo specializes sizes 0 and 1)
+        import torch.fx.experimental._config as fx_config
+
+        fx_config.backed_size_oblivious = True
     for block in blocks:
         block.compile(**options)
     return len(blocks)

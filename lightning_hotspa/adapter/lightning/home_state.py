@@ -57,7 +57,7 @@ def build_home_state(module: nn.Module, world: WorldMesh, *, home_dtype: torch.d
     """Home parameters, parallel model and switch engine of ``module`` on ``world``; ``buckets``: the
     engine's bucket keyword arguments (``engine.buckets.BucketSizes.engine_kwargs``); ``tp_regather``:
     ``ParallelModel``'s (False keeps the column regions' gathered inputs); ``tp_overlap``: ``ParallelModel``'s
-    (False under ``compile_blocks``: dynamo cannot trace the overlapped row layer's backward); ``fp8``: its
+    (False under ``compile_blocks``: the column regions' gloo ring does not trace yet); ``fp8``: its
     torchao float8 recipe (None: off; parallel/fp8.py)."""
     shapes = {n: tuple(p.shape) for n, p in module.named_parameters()}
     roles = param_roles_of(module, max(x.tp for x in world.layouts))

@@ -316,7 +316,10 @@ class HotSPaStrategy(GuardedCollectives, StrategyCheckpoints, ParallelStrategy):
             self._planner = build_planner(self._planner_spec, self.layouts, tokens_per_rank=self.tokens_per_rank,
                                           hardware=self.hardware, device=self._device_or_cpu(),
                                           module=self.lightning_module, activation_checkpointing=self._ac_spec,
-                                          tp_regather=self._tp_regather)
+                                          tp_regather=self._tp_regather,
+                                     # compiled blocks: tp's plain collectives (the column regions' gloo
+                                     # ring is not traceable yet; DESIGN §7 "torch.compile" (4))
+                                     tp_overlap=self._compile is None)
         return self._planner
 
     def _device_or_cpu(self) -> torch.device:  # no Trainer has given devices yet (a bare strategy)
@@ -360,7 +363,8 @@ class HotSPaStrategy(GuardedCollectives, StrategyCheckpoints, ParallelStrategy):
                                      buckets=bucket_defaults(self._process_group_backend,
                                                              *self._bucket_args).engine_kwargs(),
                                      tp_regather=self._tp_regather,
-                                     # compiled blocks: tp's plain collectives (the overlap does not trace yet)
+                                     # compiled blocks: tp's plain collectives (the column regions' gloo
+                                     # ring is not traceable yet; DESIGN §7 "torch.compile" (4))
                                      tp_overlap=self._compile is None, fp8=self.fp8)
             self.home, self.parallel, self.engine = state.home, state.parallel, state.engine
             self.runner = StepRunner(self.engine, self.parallel, device=self.root_device,
