@@ -94,6 +94,7 @@ MOVED = {
     "strategy": "adapter.lightning.strategy",
     "switch": "engine.switch",
     "telemetry": "adapter.observability.telemetry",
+    "testing.fp8_layouts": "tools.fp8_layouts",
     "timeline": "adapter.observability.timeline_png",
     "wandb_utils": "adapter.observability.wandb_run",
 }
