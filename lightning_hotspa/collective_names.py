@@ -1,4 +1,5 @@
-"""Which process group a failed collective ran in: noted on the exception, read where it is reported.
+"""Failed collectives: which process group one ran in (noted on the exception, read where it is
+reported), and whether an exception is one at all (:func:`is_collective_failure`).
 
 Why: gloo's error for a dead peer says "Connection closed by peer [addr]:port", not which of the
 runtime's groups the rank was waiting in (its block's cp group, a tp group, the unit gathers' shard
@@ -6,16 +7,21 @@ group, the world); a mixed-cp round runs different ones on different ranks at th
 runtime's collectives are issued and waited on inside :func:`collective`, which notes the collective
 and its group (the ``RankGroup``'s name and ranks) on any exception leaving it;
 :func:`failed_collective` reads the note back from an exception's chain (``adapter/lightning/reliability.py``
-puts it into the ``CollectiveError`` it raises). One mechanism: nothing else guesses the group.
+puts it into the :class:`CollectiveError` it raises). One mechanism: nothing else guesses the group.
+The error and its test live on this floor so that the checkpoint code (``adapter/checkpoints``) tells
+a failed collective from a bad file without importing the Lightning seam.
 """
 
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-__all__ = ["collective", "failed_collective", "ranks_text"]
+import torch.distributed as dist
+
+__all__ = ["CollectiveError", "collective", "failed_collective", "is_collective_failure", "ranks_text"]
 
 _ATTR = "hotspa_collective"
 
@@ -70,3 +76,34 @@ def failed_collective(exc: BaseException | None) -> str | None:
             return f"{what} over ranks {ranks_text(ranks)}"
         exc = exc.__cause__ or exc.__context__
     return None
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed or timed out (usually: another rank died); the message says where this rank was."""
+
+
+# gloo raises plain RuntimeErrors such as "[../gloo/transport/tcp/pair.cc:553] Connection closed by peer"
+_COLLECTIVE_MARKERS = re.compile(r"gloo|nccl|Connection (closed|reset)|[Tt]imed out|timeout|c10d|ProcessGroup|"
+                                 r"[Bb]roken pipe|peer", re.IGNORECASE)
+
+
+def is_collective_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` (or something in its cause chain) is a failed or timed-out collective (a
+    :class:`CollectiveError` is one already reported: False).
+
+    Args:
+        exc: the exception to classify.
+    """
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, CollectiveError):
+            return False  # already wrapped
+        dist_error = getattr(dist, "DistError", None)
+        if dist_error is not None and isinstance(exc, dist_error):
+            return True
+        if type(exc).__name__ == "CheckpointException" or isinstance(exc, (RuntimeError, ConnectionError)):
+            if _COLLECTIVE_MARKERS.search(str(exc)):
+                return True
+        exc = exc.__cause__ or exc.__context__
+    return False

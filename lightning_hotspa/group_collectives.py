@@ -48,7 +48,7 @@ from torch import Tensor
 from .collective_names import collective
 
 __all__ = ["DeviceCollectives", "GlooCollectives", "GroupCollectives", "RingShift", "collectives_for",
-           "world_collectives"]
+           "objects_to_cpu", "world_collectives"]
 
 
 class RingShift:
@@ -323,3 +323,20 @@ def world_collectives() -> GroupCollectives:
     process group."""
     size = dist.get_world_size()
     return GroupCollectives(None, tuple(range(size)), size)
+
+
+def objects_to_cpu(obj: Any) -> Any:
+    """``obj`` with every tensor inside dicts, lists and tuples moved to the CPU (others unchanged): an
+    object collective pickles its payload, and a CUDA tensor in it is unpickled onto the same device
+    index on every receiver (cuda:0 of every rank when it came from rank 0).
+
+    Args:
+        obj: the payload of an object collective.
+    """
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu() if obj.device.type != "cpu" else obj
+    if type(obj) is dict:
+        return {k: objects_to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)) and type(obj) in (list, tuple):
+        return type(obj)(objects_to_cpu(v) for v in obj)
+    return obj

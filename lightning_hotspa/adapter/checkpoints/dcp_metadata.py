@@ -202,7 +202,7 @@ def _is_misfit(exc: BaseException) -> bool:
 
 
 def _is_collective(exc: BaseException) -> bool:
-    from ..lightning.reliability import is_collective_failure
+    from ...collective_names import is_collective_failure
 
     return is_collective_failure(exc)
 

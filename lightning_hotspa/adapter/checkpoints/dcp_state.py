@@ -29,8 +29,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from ...collective_names import is_collective_failure
 from ...paths import output_problem, write_output
-from ..lightning.reliability import is_collective_failure
 from .dcp_metadata import SafeFileSystemReader, safe_dcp_load, safe_dcp_save
 from .trust import (
     COMMIT_FILE,
@@ -72,8 +72,7 @@ def all_gather_objects(obj: Any) -> list[Any]:
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return [obj]
-    from ...group_collectives import world_collectives
-    from ..lightning.nccl_runtime import objects_to_cpu
+    from ...group_collectives import objects_to_cpu, world_collectives
 
     out = world_collectives().all_gather_object(objects_to_cpu(obj))  # no CUDA tensor in a pickle (it lands on cuda:0)
     return out

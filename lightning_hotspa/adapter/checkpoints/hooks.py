@@ -4,27 +4,38 @@ The distributed save and load themselves are :mod:`.checkpoint` (DCP folders, co
 when complete) and :mod:`.nodes` (shared or node-local folders, the newest step every
 rank has). A checkpoint also records the layouts and world size it was written with, so a
 resume on another number of ranks says what changed; a stateful planner (profiled coefficients)
-is saved and restored with it.
+is saved and restored with it. The step tracker (``adapter/lightning/reliability.StepTracker``) is
+passed in and read as a :class:`Breadcrumbs` (checkpoints/ sits below the Lightning seam).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from contextlib import AbstractContextManager
+from typing import Any, Protocol
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from ...layout import Layout
 from ...planner.base import Planner, StatefulPlanner
-from ..lightning.reliability import StepTracker
 from .dcp_state import all_gather_objects, load_distributed_checkpoint
 from .nodes import CheckpointPlacement, no_checkpoint
 
-__all__ = ["StrategyCheckpoints", "load_with_planner", "save_with_planner"]
+__all__ = ["Breadcrumbs", "StrategyCheckpoints", "load_with_planner", "save_with_planner"]
+
+
+class Breadcrumbs(Protocol):
+    """What a checkpoint save or load tells the rank's step tracker (``StepTracker`` is one)."""
+
+    def between_steps(self, phase: str, global_step: int) -> None:
+        """Notes work outside a step's stages (``phase`` names it)."""
+
+    def guard(self, operation: str | None = None) -> AbstractContextManager[None]:
+        """A context that re-raises a failed collective inside it as one naming where this rank was."""
 
 
 def save_with_planner(checkpoint: dict[str, Any], path: str, *, planner: Planner, layouts: Sequence[Layout],
-                      world_size: int, tracker: StepTracker, placement: CheckpointPlacement) -> None:
+                      world_size: int, tracker: Breadcrumbs, placement: CheckpointPlacement) -> None:
     state = planner.state_dict() if isinstance(planner, StatefulPlanner) else {}
     checkpoint.setdefault("hotspa", {})["planner"] = state
     checkpoint["hotspa"]["layouts"] = [x.name for x in layouts]
@@ -35,7 +46,7 @@ def save_with_planner(checkpoint: dict[str, Any], path: str, *, planner: Planner
 
 
 def load_with_planner(checkpoint_path: str, module: Any, optimizers: Sequence[Any], *, planner: Planner,
-                      layouts: Sequence[Layout], world_size: int, tracker: StepTracker,
+                      layouts: Sequence[Layout], world_size: int, tracker: Breadcrumbs,
                       placement: CheckpointPlacement) -> dict[str, Any]:
     with tracker.guard("finding the checkpoint to resume from"):
         found = placement.resolve(checkpoint_path, [x.name for x in layouts])

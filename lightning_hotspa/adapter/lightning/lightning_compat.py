@@ -3,6 +3,8 @@
 Lightning 2.x keeps these underscored; when one moves, this is the only file to change. Each is
 used for what a strategy of Lightning's own does with it: launching ranks, starting the process
 group, calling the hooks around a backward, syncing a logged value, creating a logged metric.
+One private name lives elsewhere: the ``WandbLogger``'s pending ``_wandb_init`` arguments, in
+``adapter/observability/wandb_run.py`` (observability/ sits below this folder and imports nothing from it).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from lightning.pytorch.trainer.connectors.logger_connector.result import (
 
 __all__ = ["ResultMetric", "accumulates", "SubprocessScriptLauncher", "Sync", "call_callback_hooks", "call_module_hook",
            "default_process_group_backend", "distributed_is_initialized", "init_dist_connection",
-           "drop_unset_wandb_init_keys", "forget_logged", "result_metadata", "sync_ddp_if_available", "trainer_results"]
+           "forget_logged", "result_metadata", "sync_ddp_if_available", "trainer_results"]
 
 ResultMetric = _ResultMetric
 Sync = _Sync
@@ -98,19 +100,6 @@ def forget_logged(results: Any, prefix: str) -> None:
     for metric in results.values():
         if isinstance(metric, _ResultMetric) and metric.meta.name.startswith(prefix) and not metric.has_reset:
             metric.reset()
-
-
-def drop_unset_wandb_init_keys(logger: Any) -> None:
-    """Remove ``anonymous=None`` from a ``WandbLogger``'s pending ``wandb.init`` arguments
-    (``_wandb_init``): Lightning always passes it (``None`` unless asked), and wandb 0.31 prints
-    "The anonymous setting has no effect" for any value it is given.
-
-    Args:
-        logger: a ``WandbLogger`` before its run starts.
-    """
-    init = getattr(logger, "_wandb_init", None)
-    if isinstance(init, dict) and "anonymous" in init and init["anonymous"] is None:
-        del init["anonymous"]
 
 
 def accumulates(trainer: Any) -> bool:

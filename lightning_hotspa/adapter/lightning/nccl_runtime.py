@@ -4,7 +4,8 @@
   A small tensor built on the host for a collective goes to this device first.
 * ``objects_to_cpu``: object collectives pickle their payload; a CUDA tensor inside it is
   unpickled onto the same device index on every receiver (cuda:0 of every rank when it came from
-  rank 0), so payloads are moved to the CPU before the collective.
+  rank 0), so payloads are moved to the CPU before the collective (``group_collectives``' function,
+  which the checkpoint code uses too; re-exported here).
 * ``apply_allocator_settings``: every switch frees working copies and allocates others of other
   shapes, and micro-batches vary in size: the caching allocator's ``expandable_segments`` keeps
   that from fragmenting memory the memory model cannot see. It must be set before the first CUDA
@@ -19,6 +20,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from ...group_collectives import objects_to_cpu
 
 __all__ = ["ALLOCATOR_SETTINGS", "apply_allocator_settings", "collective_device", "objects_to_cpu"]
 
@@ -36,21 +39,6 @@ def collective_device(group: Any = None) -> torch.device:
     if dist.is_available() and dist.is_initialized() and dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
-
-
-def objects_to_cpu(obj: Any) -> Any:
-    """``obj`` with every tensor inside dicts, lists and tuples moved to the CPU (others unchanged).
-
-    Args:
-        obj: the payload of an object collective.
-    """
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().cpu() if obj.device.type != "cpu" else obj
-    if type(obj) is dict:
-        return {k: objects_to_cpu(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)) and type(obj) in (list, tuple):
-        return type(obj)(objects_to_cpu(v) for v in obj)
-    return obj
 
 
 def apply_allocator_settings(environ: MutableMapping[str, str] | None = None) -> str | None:

@@ -13,6 +13,9 @@
   per-micro-batch losses the tracker kept inspected, and the ranks exchange what they found so the
   report names every offending micro-batch. Policy ``"stop"`` (default) raises
   :class:`NonFiniteLossError`; ``"skip"`` drops the update and logs the plan that caused it.
+
+``CollectiveError`` and ``is_collective_failure`` live on the ground floor (``collective_names``, which
+the checkpoint code reads too) and are re-exported here.
 """
 
 from __future__ import annotations
@@ -20,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
@@ -30,7 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ...collective_names import failed_collective
+from ...collective_names import CollectiveError, failed_collective, is_collective_failure
 from ...group_collectives import world_collectives
 
 __all__ = ["NONFINITE_POLICIES", "CollectiveError", "as_timeout", "NonFiniteLossError", "StepTracker",
@@ -47,10 +49,6 @@ _LINE = 400  # the breadcrumb file holds one line padded to this width, rewritte
 #: the sub-groups' timeout on NCCL unless the user sets one: a step's collectives take seconds, and a
 #: hung peer should be reported in minutes, not after torch's 30 (docs/gpu-runtime.md)
 NCCL_SUBGROUP_TIMEOUT = timedelta(minutes=10)
-
-
-class CollectiveError(RuntimeError):
-    """A collective failed or timed out (usually: another rank died); the message says where this rank was."""
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -72,28 +70,6 @@ def enable_nccl_flight_recorder(backend: str | None, environ: Any = None) -> boo
     environ["TORCH_NCCL_TRACE_BUFFER_SIZE"] = FLIGHT_RECORDER_ENTRIES
     environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
     return True
-
-
-# gloo raises plain RuntimeErrors such as "[../gloo/transport/tcp/pair.cc:553] Connection closed by peer"
-_COLLECTIVE_MARKERS = re.compile(r"gloo|nccl|Connection (closed|reset)|[Tt]imed out|timeout|c10d|ProcessGroup|"
-                                 r"[Bb]roken pipe|peer", re.IGNORECASE)
-
-
-def is_collective_failure(exc: BaseException) -> bool:
-    """Whether ``exc`` (or something in its cause chain) is a failed or timed-out collective."""
-    seen: set[int] = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        if isinstance(exc, CollectiveError):
-            return False  # already wrapped
-        dist_error = getattr(dist, "DistError", None)
-        if dist_error is not None and isinstance(exc, dist_error):
-            return True
-        if type(exc).__name__ == "CheckpointException" or isinstance(exc, (RuntimeError, ConnectionError)):
-            if _COLLECTIVE_MARKERS.search(str(exc)):
-                return True
-        exc = exc.__cause__ or exc.__context__
-    return False
 
 
 @dataclass

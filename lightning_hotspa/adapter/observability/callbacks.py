@@ -9,7 +9,8 @@ the exact step loss, the step plan as a table, and a timeline picture; the plan 
 step ran (``batch.extras["global_plan"]``), never re-derived. Everything scalar goes through
 ``LightningModule.log_dict``, so every logger (W&B, CSV, ...) gets the same numbers; tables and
 images go to W&B when it is a logger and to files in ``output_dir`` always. All of it runs on rank 0
-and needs no communication.
+and needs no communication. The strategy is read as a :class:`MonitoredStrategy` (what the callbacks
+need of ``HotSPaStrategy``): observability/ sits below ``adapter/lightning/`` and imports nothing from it.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import sys
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import lightning as L
 import numpy as np
@@ -32,15 +33,15 @@ from lightning.pytorch.loggers import WandbLogger
 
 from ...checks import check_int
 from ...engine.records import StageRecord, StepResult, rank_stage_fields
+from ...layout import Layout
 from ...plan import RankPlan, StepPlan
 from ...planner.base import PricedPlanner
-from ..lightning.strategy import HotSPaStrategy
 from .epochs import epoch_text
 from .stats import monitor_metrics
 from .telemetry import RunSummary, detect_hardware, records_as_rows, stage_flops
 from .timeline_png import PARTS, block_lanes, draw_timeline
 
-__all__ = ["HotSPaMonitor", "HotSPaProgressBar", "epoch_text", "plan_text"]
+__all__ = ["HotSPaMonitor", "HotSPaProgressBar", "MonitoredStrategy", "epoch_text", "plan_text"]
 
 Predictor = Callable[[StepPlan], list[float | None]]
 
@@ -49,10 +50,27 @@ def _nonneg_int(name: str, value: Any) -> int:
     return check_int(value, f"HotSPaMonitor: {name}", minimum=0, hint=" (0 = never)")
 
 
+@runtime_checkable
+class MonitoredStrategy(Protocol):
+    """What the callbacks read of a HotSPa strategy (``HotSPaStrategy`` is one; checked by
+    tests/unit/test_architecture.py). Its ``planner`` is read too, after this check: a property that
+    builds the planner on first use has no place in an ``isinstance`` test."""
+
+    last_step: StepResult | None  # the last training step's typed records (every rank)
+    layouts: tuple[Layout, ...]  # the run's layouts (empty before the processes are set up)
+    tokens_per_rank: int
+
+    def activation_checkpointing_for(self, layout: Layout) -> Any:
+        """What the strategy adds to a stage's own checkpointing flag in ``layout``."""
+
+    def planning_context(self) -> Any:
+        """What the DataModule plans with (None before set-up)."""
+
+
 def last_step_of(trainer: L.Trainer) -> StepResult | None:
     """The typed records of the step that just ran (None outside a HotSPa strategy)."""
     strategy = trainer.strategy
-    return strategy.last_step if isinstance(strategy, HotSPaStrategy) else None
+    return strategy.last_step if isinstance(strategy, MonitoredStrategy) else None
 
 
 def plan_text(batch: RankPlan, records: Sequence[StageRecord] = ()) -> str:
@@ -129,7 +147,7 @@ class HotSPaMonitor(L.Callback):
     def _build_predictor(self, trainer: L.Trainer, pl_module: L.LightningModule) -> Predictor | None:
         """The planner's ``predict``; where it cannot price plans, a cost-model planner built for that."""
         strategy = trainer.strategy
-        if not isinstance(strategy, HotSPaStrategy) or not strategy.layouts:
+        if not isinstance(strategy, MonitoredStrategy) or not strategy.layouts:
             return None
         planner, pricing = strategy.planner, None
         config = getattr(pl_module, "config", None)

@@ -19,9 +19,8 @@ from urllib.parse import urlparse
 from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
-from ..lightning.lightning_compat import drop_unset_wandb_init_keys
-
-__all__ = ["WandbDecision", "decide_wandb_mode", "find_api_key_source", "offline_run_message", "wandb_logger"]
+__all__ = ["WandbDecision", "decide_wandb_mode", "drop_unset_wandb_init_keys", "find_api_key_source",
+           "offline_run_message", "wandb_logger"]
 
 _DEFAULT_HOST = "https://api.wandb.ai"
 
@@ -72,6 +71,19 @@ def decide_wandb_mode(offline: bool | str = "auto", env: dict[str, str] | None =
     if source is None:
         return WandbDecision("offline", "no W&B API key found (WANDB_API_KEY, ~/.netrc or `wandb login`)")
     return WandbDecision("online", f"W&B credentials from {source}")
+
+
+def drop_unset_wandb_init_keys(logger: Any) -> None:
+    """Remove ``anonymous=None`` from a ``WandbLogger``'s pending ``wandb.init`` arguments
+    (``_wandb_init``, a private Lightning name): Lightning always passes it (``None`` unless asked), and
+    wandb 0.31 prints "The anonymous setting has no effect" for any value it is given.
+
+    Args:
+        logger: a ``WandbLogger`` before its run starts.
+    """
+    init = getattr(logger, "_wandb_init", None)
+    if isinstance(init, dict) and "anonymous" in init and init["anonymous"] is None:
+        del init["anonymous"]
 
 
 def wandb_logger(*, offline: bool | str = "auto", save_dir: str | None = None, **kwargs: Any) -> WandbLogger:
