@@ -1,6 +1,7 @@
-"""The shape of the package: no import cycles, dependencies point down, the planner and the layouts
-load without Lightning, the strategy name is registered in either import order, and the docs the
-project cites are in the repository (docs/DESIGN.md section 5 draws the floors checked here)."""
+"""The shape of the package: no import cycles, dependencies point down (between the package's parts
+and between adapter/'s sub-packages), the planner and the layouts load without Lightning, the strategy
+name is registered in either import order, and the docs the project cites are in the repository
+(docs/DESIGN.md section 5 draws the floors checked here)."""
 
 from __future__ import annotations
 
@@ -29,9 +30,39 @@ FLOORS = {
 }
 
 
+#: floors inside a part folded into sub-packages: adapter/'s Lightning seam (lightning/) may import its
+#: checkpoints/ and observability/, never the reverse (they read what they need through protocols or
+#: from the ground floor); the Hydra glue (recipes/) sits on top
+SUB_FLOORS = {"adapter": {"checkpoints": 0, "observability": 0, "lightning": 1, "recipes": 2}}
+
+
 def _part(module: str) -> str:
     parts = module.split(".")
     return parts[1] if len(parts) > 1 else ""
+
+
+def _sub_part(module: str) -> str:
+    """``adapter.lightning`` for a module of adapter/lightning/; "" for a module outside a folded part
+    or for the folded part's own ``__init__``."""
+    parts = module.split(".")
+    return f"{parts[1]}.{parts[2]}" if len(parts) > 2 and parts[1] in SUB_FLOORS else ""
+
+
+def _floor_of(part: str) -> int | None:
+    """A part's floor: ``FLOORS`` for a top-level part, ``SUB_FLOORS`` for ``adapter.<sub>``."""
+    top, _, sub = part.partition(".")
+    return SUB_FLOORS.get(top, {}).get(sub) if sub else FLOORS.get(top)
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    """``module -> target`` for every import of a higher floor: between the package's parts (``FLOORS``)
+    and, inside a folded part, between its sub-packages (``SUB_FLOORS``)."""
+    def above(mine: str, theirs: str) -> bool:
+        return bool(mine and theirs) and _floor_of(theirs) > _floor_of(mine)
+
+    return sorted(f"{module} -> {target}" for module, targets in graph.items() for target in targets
+                  if above(_part(module), _part(target))
+                  or _part(module) == _part(target) and above(_sub_part(module), _sub_part(target)))
 
 
 def test_no_import_cycle_among_the_package_modules() -> None:
@@ -51,17 +82,40 @@ def test_the_cycle_finder_sees_deferred_imports(tmp_path: Path) -> None:
 
 
 def test_dependencies_point_down() -> None:
+    """No module imports a higher floor: neither between the package's parts nor, inside adapter/,
+    between its sub-packages (``lightning -> checkpoints`` may be, ``checkpoints -> lightning`` not)."""
     graph = import_graph(PACKAGE)
-    unknown = sorted({_part(m) for m in graph if _part(m) and _part(m) not in FLOORS})
-    assert not unknown, f"give these parts of the package a floor in FLOORS: {unknown}"
-    upward = []
-    for module, targets in graph.items():
-        if module == "lightning_hotspa":
-            continue  # the package __init__: lazy names and the registration hook
-        for target in targets:
-            if FLOORS[_part(target)] > FLOORS[_part(module)]:
-                upward.append(f"{module} -> {target}")
-    assert upward == []
+    unknown = sorted({p for m in graph for p in (_part(m), _sub_part(m)) if p and _floor_of(p) is None})
+    assert not unknown, f"give these parts of the package a floor in FLOORS or SUB_FLOORS: {unknown}"
+    assert upward_imports(graph) == []
+
+
+def test_the_floor_check_catches_an_upward_import(tmp_path: Path) -> None:
+    """Planted violations, fed to the same checker as the package: a sub-package of adapter/ that imports
+    the Lightning seam (one deferred, one absolute) and a ground-floor module that imports adapter/."""
+    sources = {
+        "__init__.py": "from .adapter.lightning import strategy\n",  # the package __init__: exempt
+        "layout.py": "from .adapter.checkpoints import hooks\n",
+        "adapter/__init__.py": "from .lightning import strategy\n",  # a folded part's own __init__: exempt
+        "adapter/lightning/__init__.py": "",
+        "adapter/lightning/reliability.py": "from ...layout import x\n",
+        "adapter/lightning/strategy.py": "from ..checkpoints import hooks\nfrom ..observability.callbacks import y\n",
+        "adapter/checkpoints/__init__.py": "",
+        "adapter/checkpoints/hooks.py": "def f():\n    from ..lightning.reliability import StepTracker\n",
+        "adapter/observability/__init__.py": "",
+        "adapter/observability/callbacks.py": "import lightning_hotspa.adapter.lightning.strategy\n",
+        "adapter/recipes/__init__.py": "",
+        "adapter/recipes/hydra_recipe.py": "from ..lightning.strategy import S\nfrom ..checkpoints import hooks\n",
+    }
+    root = tmp_path / "lightning_hotspa"
+    for name, text in sources.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    assert upward_imports(import_graph(root)) == [
+        "lightning_hotspa.adapter.checkpoints.hooks -> lightning_hotspa.adapter.lightning.reliability",
+        "lightning_hotspa.adapter.observability.callbacks -> lightning_hotspa.adapter.lightning.strategy",
+        "lightning_hotspa.layout -> lightning_hotspa.adapter.checkpoints.hooks",
+    ]
 
 
 def test_no_two_package_modules_share_a_file_name() -> None:
@@ -78,8 +132,23 @@ def test_adapter_is_folded_by_job() -> None:
     """adapter/ holds sub-packages only (the Lightning seam, checkpoints, observability, recipes)."""
     adapter = PACKAGE / "adapter"
     assert sorted(p.name for p in adapter.glob("*.py")) == ["__init__.py"]
-    assert sorted(p.name for p in adapter.iterdir() if p.is_dir() and p.name != "__pycache__") == [
-        "checkpoints", "lightning", "observability", "recipes"]
+    assert sorted(p.name for p in adapter.iterdir() if p.is_dir() and p.name != "__pycache__") == sorted(
+        SUB_FLOORS["adapter"]) == ["checkpoints", "lightning", "observability", "recipes"]
+
+
+def test_observability_reads_the_strategy_through_a_protocol() -> None:
+    """observability/ names what it reads of the strategy (``MonitoredStrategy``), not the class it may
+    not import: ``HotSPaStrategy`` is one, Lightning's own strategies are not (so a monitor on them
+    logs no HotSPa records instead of failing)."""
+    import torch
+    from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+
+    from lightning_hotspa import HotSPaStrategy
+    from lightning_hotspa.adapter.observability.callbacks import MonitoredStrategy
+
+    assert isinstance(HotSPaStrategy(), MonitoredStrategy)
+    assert not isinstance(SingleDeviceStrategy(torch.device("cpu")), MonitoredStrategy)
+    assert not isinstance(DDPStrategy(), MonitoredStrategy)
 
 
 def test_the_planner_reads_a_model_description_not_a_model_class() -> None:
@@ -96,14 +165,16 @@ def test_the_planner_reads_a_model_description_not_a_model_class() -> None:
 
 def test_the_folders_import_each_other_without_a_loop() -> None:
     """Two parts of one floor may import each other's modules only one way round (no folder loop, as
-    ``parallel -> models.vocab`` beside ``models.loss_head -> parallel.collectives`` was)."""
+    ``parallel -> models.vocab`` beside ``models.loss_head -> parallel.collectives`` was); so may two
+    sub-packages of adapter/ (checkpoints/ and observability/ share a floor)."""
     graph = import_graph(PACKAGE)
-    parts: dict[str, set[str]] = {}
-    for module, targets in graph.items():
-        if module != "lightning_hotspa":
-            others = {_part(t) for t in targets} - {"", _part(module)}
-            parts.setdefault(_part(module), set()).update(others)
-    assert find_cycles(parts) == []
+    for part_of in (_part, _sub_part):  # the package's parts; adapter/'s sub-packages
+        parts: dict[str, set[str]] = {}
+        for module, targets in graph.items():
+            if part_of(module):
+                others = {part_of(t) for t in targets} - {"", part_of(module)}
+                parts.setdefault(part_of(module), set()).update(others)
+        assert find_cycles(parts) == []
     assert FLOORS["models"] < FLOORS["parallel"], "docs/DESIGN.md §5: the model is written for one device"
 
 
