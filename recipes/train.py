@@ -22,7 +22,13 @@ sys.path.insert(0, str(ROOT))  # a checkout works without installing
 import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
-from lightning_hotspa.adapter.recipes.hydra_recipe import CONFIG_DIR, ConfigError, register_resolvers, train  # noqa: E402
+from lightning_hotspa.adapter.recipes.hydra_recipe import (  # noqa: E402
+    CONFIG_DIR,
+    ConfigError,
+    check_overrides,
+    register_resolvers,
+    train,
+)
 from lightning_hotspa.data.errors import DataError  # noqa: E402
 from lightning_hotspa.layout import LayoutError  # noqa: E402
 from lightning_hotspa.plan import PlanError  # noqa: E402
@@ -45,4 +51,8 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    moved = check_overrides(sys.argv[1:])  # strategy.compile_blocks=... -> strategy.runtime.compile_blocks
+    if moved is not None:
+        print(f"config error: {moved}", file=sys.stderr, flush=True)
+        raise SystemExit(2)
     main()
