@@ -58,8 +58,8 @@ class OursOptions:
     compiled run is priced without tp overlap); ``fp8`` (a torchao recipe, or "" for bf16); ``conservative``
     (FA3 priced at the fitted FA2 value x ``FA3_OVER_FA2``, the kernels' own ratio, instead of the hardware
     profile's entry anchored on the fitted cuDNN value); ``tp_regather`` (False: ``HotSPaStrategy(
-    tp_regather=False)``, the gathered region inputs kept for backward); ``exposed_comm`` (tp collectives and the
-    dp reduction priced fully exposed: the model before issue 52)."""
+    runtime={"tp_regather": False})``, the gathered region inputs kept for backward); ``exposed_comm`` (tp collectives
+    and the dp reduction priced fully exposed: the model before issue 52)."""
 
     attention: str = "fa2"
     compiled: bool = False
