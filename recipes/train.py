@@ -37,7 +37,7 @@ register_resolvers()
 
 
 @hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name="config")
-def main(cfg: DictConfig) -> None:
+def _hydra_main(cfg: DictConfig) -> None:
     try:
         status = train(cfg)
     except (ConfigError, LayoutError, DataError, PlanError) as exc:
@@ -50,9 +50,15 @@ def main(cfg: DictConfig) -> None:
         raise SystemExit(status)
 
 
-if __name__ == "__main__":
-    moved = check_overrides(sys.argv[1:])  # strategy.compile_blocks=... -> strategy.runtime.compile_blocks
+def main() -> None:
+    """Hydra's main, after one check of the command line: a strategy key that moved into an option group
+    (``strategy.compile_blocks=true``) is named with its new place, not refused by Hydra as unknown."""
+    moved = check_overrides(sys.argv[1:])
     if moved is not None:
         print(f"config error: {moved}", file=sys.stderr, flush=True)
         raise SystemExit(2)
+    _hydra_main()
+
+
+if __name__ == "__main__":
     main()
