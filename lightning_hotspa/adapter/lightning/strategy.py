@@ -288,10 +288,7 @@ class HotSPaStrategy(GuardedCollectives, StrategyCheckpoints, ParallelStrategy):
             self._planner = build_planner(self._planner_spec, self.layouts, tokens_per_rank=self.tokens_per_rank,
                                           hardware=self.hardware, device=self._device_or_cpu(),
                                           module=self.lightning_module, activation_checkpointing=self._ac_spec,
-                                          tp_regather=self._tp_regather,
-                                     # compiled blocks: tp's plain collectives (the column regions' gloo
-                                     # ring is not traceable yet; DESIGN §7 "torch.compile" (4))
-                                     tp_overlap=self._compile is None)
+                                          tp_regather=self._tp_regather)
         return self._planner
 
     def _device_or_cpu(self) -> torch.device:  # no Trainer has given devices yet (a bare strategy)
