@@ -17,10 +17,12 @@ __version__ = "0.1.0"
 
 #: name -> module that defines it, imported on first access (they import Lightning)
 _LAZY = {"HotSPaStrategy": ".adapter.lightning.strategy", "HotSPaDataModule": ".data.datamodule",
-         "grad_norm": ".adapter.lightning.grad_norms"}
+         "grad_norm": ".adapter.lightning.grad_norms",
+         "RuntimeOptions": ".adapter.lightning.strategy_options",
+         "ReliabilityOptions": ".adapter.lightning.strategy_options"}
 
 __all__ = ["HotSPaDataModule", "HotSPaStrategy", "Layout", "LayoutError", "MeshShape", "MicroBatch",
-           "RankPlan", "StepPlan", "WorldMesh", "grad_norm", "parse_layouts"]
+           "RankPlan", "ReliabilityOptions", "RuntimeOptions", "StepPlan", "WorldMesh", "grad_norm", "parse_layouts"]
 
 
 def __getattr__(name: str) -> Any:

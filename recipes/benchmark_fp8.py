@@ -1,4 +1,4 @@
-"""FP8 linears through torchao (``strategy.fp8``, parallel/fp8.py) on CPU: layouts agree, and training stays near bf16.
+"""FP8 linears via torchao (``strategy.runtime.fp8``, parallel/fp8.py) on CPU: layouts agree, training stays near bf16.
 
 torch runs ``torch._scaled_mm`` on CPU, so the FP8 numerics are checked here (speed is not: no GPU ran any of it).
 

@@ -9,7 +9,7 @@ profile, and divided by the peer's PUBLISHED tokens/s/GPU. Two columns, side by 
   Transformer Engine does), torchao
   FP8 tensorwise where the peer ran FP8; selective checkpointing priced as ours, the attention core);
 - ``ours_over_peer_before``: ours as main described it before issue 51 (FlashAttention-2, eager, bf16);
-- ``ours_over_peer_without_fp8``: the same options with ``strategy.fp8`` off (bf16), so the FP8 term reads
+- ``ours_over_peer_without_fp8``: the same options with ``strategy.runtime.fp8`` off (bf16), so the FP8 term reads
   side by side in one run;
 - ``ours_over_peer_conservative``: the same options, FA3 priced at the fitted FA2 value x FA3 / FA2 of the
   kernels' own benchmarks (``hardware.FA3_OVER_FA2``) instead of the profile's entry (anchored on the cuDNN

@@ -33,7 +33,7 @@ after every part (``$OUT`` defaults to ./gpu_check_out), so a run cut short stil
   inductor, the token dim dynamic, against eager over several length mixes: speedup, error, graphs and
   breaks (gpu_check_compile.py). Never run on a GPU yet (2026-12-06).
 * (j) ``fp8`` (opt-in: ``--parts fp8``): one decoder block with its projections in FP8 per torchao recipe
-  (``strategy.fp8``, parallel/fp8.py) against bf16: speedup, error, ``_scaled_mm`` calls (gpu_check_fp8.py).
+  (``strategy.runtime.fp8``, parallel/fp8.py) against bf16: speedup, error, ``_scaled_mm`` calls (gpu_check_fp8.py).
   Never run on a GPU yet (2026-12-06): only its CPU dry run.
 
 Parts run in the order of ``PARTS``, the backends part (with its flex-attention compile) last.

@@ -22,7 +22,13 @@ sys.path.insert(0, str(ROOT))  # a checkout works without installing
 import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
-from lightning_hotspa.adapter.recipes.hydra_recipe import CONFIG_DIR, ConfigError, register_resolvers, train  # noqa: E402
+from lightning_hotspa.adapter.recipes.hydra_recipe import (  # noqa: E402
+    CONFIG_DIR,
+    ConfigError,
+    check_overrides,
+    register_resolvers,
+    train,
+)
 from lightning_hotspa.data.errors import DataError  # noqa: E402
 from lightning_hotspa.layout import LayoutError  # noqa: E402
 from lightning_hotspa.plan import PlanError  # noqa: E402
@@ -31,7 +37,7 @@ register_resolvers()
 
 
 @hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name="config")
-def main(cfg: DictConfig) -> None:
+def _hydra_main(cfg: DictConfig) -> None:
     try:
         status = train(cfg)
     except (ConfigError, LayoutError, DataError, PlanError) as exc:
@@ -42,6 +48,16 @@ def main(cfg: DictConfig) -> None:
         raise SystemExit(2) from None
     if status:
         raise SystemExit(status)
+
+
+def main() -> None:
+    """Hydra's main, after one check of the command line: a strategy key that moved into an option group
+    (``strategy.compile_blocks=true``) is named with its new place, not refused by Hydra as unknown."""
+    moved = check_overrides(sys.argv[1:])
+    if moved is not None:
+        print(f"config error: {moved}", file=sys.stderr, flush=True)
+        raise SystemExit(2)
+    _hydra_main()
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""The per-document SDPA kernel as ONE opaque op, for compiled blocks (``strategy.compile_blocks``).
+"""The per-document SDPA kernel as ONE opaque op, for compiled blocks (``strategy.runtime.compile_blocks``).
 
 Why: :func:`.attention.sdpa_attention` reads the document bounds on the host and loops over them.
 Traced by dynamo, that read is a graph break (``aten._local_scalar_dense``) and the loop bakes the

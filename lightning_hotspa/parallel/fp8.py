@@ -1,6 +1,6 @@
 """FP8 linear layers through torchao's float8 recipes, with scales that do not depend on the layout.
 
-``strategy.fp8`` (``tensorwise``, ``rowwise``, ``rowwise_with_gw_hp``: torchao's
+``strategy.runtime.fp8`` (``tensorwise``, ``rowwise``, ``rowwise_with_gw_hp``: torchao's
 ``Float8LinearConfig.from_recipe_name``; dynamic scaling, torchao has no delayed scaling) turns the
 projections of every transformer block (each ``nn.Linear`` inside a child of an ``nn.ModuleList``)
 into FP8 GEMMs (``torch._scaled_mm``, which also runs on CPU). Embeddings and the LM head (outside
@@ -50,7 +50,7 @@ _ALIGN = 16  # torch._scaled_mm needs both GEMM dims divisible by 16
 
 
 def check_fp8(value: Any) -> str | None:
-    """``strategy.fp8`` validated: None (off) or one of :data:`FP8_RECIPES`; torchao must import.
+    """``strategy.runtime.fp8`` validated: None (off) or one of :data:`FP8_RECIPES`; torchao must import.
 
     Args:
         value: what the user wrote (None, ``"none"`` / ``"null"`` / ``""`` / False mean off).
@@ -58,12 +58,12 @@ def check_fp8(value: Any) -> str | None:
     if value is None or value is False or (isinstance(value, str) and value.lower() in ("", "none", "null")):
         return None
     if not isinstance(value, str) or value not in FP8_RECIPES:
-        raise ValueError(f"strategy.fp8={value!r} is not an FP8 recipe; use null (off) or one of {list(FP8_RECIPES)} "
-                         f"(torchao.float8's recipe names)")
+        raise ValueError(f"strategy.runtime.fp8={value!r} is not an FP8 recipe; use null (off) or one of "
+                         f"{list(FP8_RECIPES)} (torchao.float8's recipe names)")
     try:
         import torchao.float8  # noqa: F401
     except ImportError as err:
-        raise ImportError(f"strategy.fp8={value!r} needs torchao (pip install torchao); it is not importable "
+        raise ImportError(f"strategy.runtime.fp8={value!r} needs torchao (pip install torchao); it is not importable "
                           f"here: {err}") from err
     return value
 

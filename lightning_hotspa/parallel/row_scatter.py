@@ -9,7 +9,7 @@ gradient. A ``tp_linear_forward`` module whose GEMM's left operand is an element
 inputs declares it as ``tp_row_input`` (``SwiGLUDown``: ``silu(a) * b``); that operand is recomputed
 in backward, never saved, as the module's own kernel does.
 
-Under ``torch.compile`` (``strategy.compile_blocks``) the same computation is ONE custom op,
+Under ``torch.compile`` (``strategy.runtime.compile_blocks``) the same computation is ONE custom op,
 ``hotspa::row_scatter`` with its backward ``hotspa::row_scatter_backward``: dynamo cannot trace the
 gloo ring's send / receive nor the ``torch.autograd.grad`` that recomputes the left operand's
 gradient, and an opaque op keeps both out of the graph (no graph break). The op names its group by

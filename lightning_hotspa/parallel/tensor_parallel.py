@@ -39,7 +39,7 @@ embedding a reduce-scatter along the tokens, and a ``vocab`` head gathers its in
 other parameter such a model has must then be ``sequence`` (not ``replicated``: its gradient is a
 partial sum over tp), and it needs a ``vocab`` nn.Embedding (where the tokens get split).
 
-FP8 (:mod:`.fp8`, ``strategy.fp8``): a layer :func:`~.fp8.install_fp8` marked runs its GEMM in FP8
+FP8 (:mod:`.fp8`, ``strategy.runtime.fp8``): a layer :func:`~.fp8.install_fp8` marked runs its GEMM in FP8
 with its amax reduced over the tp group that splits it (and cp for the tokens), so the scales do not
 depend on the layout; such a layer uses the plain collectives (no tp overlap), and a region of FP8
 readers gathers its input once through autograd and runs each reader's FP8 GEMM on it.

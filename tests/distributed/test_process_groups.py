@@ -76,7 +76,7 @@ def test_subgroup_timeout_defaults_and_bad_values():
     assert subgroup_timeout("gloo", half_hour) == half_hour
     assert subgroup_timeout("nccl", half_hour, 42) == timedelta(seconds=42)
     with pytest.raises(ValueError, match=r"subgroup_timeout must be positive, got -3"):
-        HotSPaStrategy(layouts=["dp2"], subgroup_timeout=-3)
+        HotSPaStrategy(layouts=["dp2"], reliability={"subgroup_timeout": -3})
 
 
 def test_a_failure_names_the_group_of_its_noted_collective_only():

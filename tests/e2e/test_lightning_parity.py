@@ -411,7 +411,7 @@ def compiled_vs_eager() -> dict:
         for name, option in (("eager", False), ("compiled", {"backend": "aot_eager"})):
             recorder = _GradRecorder()
             trainer = L.Trainer(accelerator="cpu", devices=2, max_steps=2, logger=False, enable_checkpointing=False,
-                                strategy=HotSPaStrategy(TP_LAYOUTS, timeout=60, compile_blocks=option),
+                                strategy=HotSPaStrategy(TP_LAYOUTS, timeout=60, runtime={"compile_blocks": option}),
                                 enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
                                 callbacks=[recorder])
             model = LlamaLM("tiny", seed=3, lr=2e-3)

@@ -30,7 +30,7 @@ def test_smoke_prints_one_json_line_with_the_issue_keys(bench, capsys):
         assert set(out[key]) == names, key
     assert set(out["targets"]) == names and all({"value", "target", "met"} <= set(t) for t in out["targets"].values())
     flags = out["ours_options"]["torchtitan-8b-fsdp-compile-float8"]
-    # ours turns strategy.fp8 on against the peer's Float8 run, and FP8 is what separates it from the bf16 column
+    # ours turns strategy.runtime.fp8 on against the peer's Float8 run; FP8 is what separates it from the bf16 column
     assert flags["fp8"] == "tensorwise" and flags["attention_backend"] == "fa3_varlen", flags
     for name in names:
         assert out["ours_over_peer_without_fp8"][name] < out["ours_over_peer"][name], name

@@ -171,6 +171,7 @@ def _run_main(argv: list[str], tmp: Path, capsys: pytest.CaptureFixture[str]) ->
     (["data.context_length=4096"], ["data.context_length=4096", "strategy.tokens_per_rank"]),
     (["data=jsonl"], ["data.source_kwargs.path is required"]),
     (["model=nope"], ["Could not find 'model/nope'", "tiny", "llama7b"]),
+    (["strategy.compile_blocks=true"], ["compile_blocks=...) moved", "strategy.runtime.compile_blocks"]),
 ])
 def test_bad_override_prints_one_short_message(argv: list[str], expected: list[str], tmp_path: Path,
                                                capsys: pytest.CaptureFixture[str]) -> None:

@@ -148,7 +148,7 @@ def test_strategy_arguments_that_would_be_ignored_or_crash_later_are_named():
     with pytest.raises(LayoutError, match=r"layouts must be 'auto' or a list of layouts.*got None"):
         HotSPaStrategy(None)
     with pytest.raises(TypeError, match=r"breadcrumb_dir must be a folder path.*got 123"):
-        HotSPaStrategy(["dp1"], breadcrumb_dir=123)
+        HotSPaStrategy(["dp1"], reliability={"breadcrumb_dir": 123})
 
 
 def test_layouts_that_do_not_fit_the_world_fail_when_the_trainer_is_built():

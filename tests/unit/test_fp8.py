@@ -85,16 +85,17 @@ def test_gpu_check_fp8_part_dry_run(tmp_path) -> None:
 
 
 def test_strategy_and_hydra_switch() -> None:
-    """``HotSPaStrategy(fp8=...)`` validates at construction; every strategy config names ``fp8`` (off)."""
+    """``HotSPaStrategy(runtime=RuntimeOptions(fp8=...))`` validates at construction; every strategy config
+    names ``runtime.fp8`` (off)."""
     from pathlib import Path
 
     from omegaconf import OmegaConf
 
-    from lightning_hotspa import HotSPaStrategy
+    from lightning_hotspa import HotSPaStrategy, RuntimeOptions
 
-    with pytest.raises(ValueError, match="strategy.fp8='e4m3'"):
-        HotSPaStrategy(fp8="e4m3")
-    assert HotSPaStrategy(fp8="rowwise").fp8 == "rowwise" and HotSPaStrategy().fp8 is None
+    with pytest.raises(ValueError, match="strategy.runtime.fp8='e4m3'"):
+        HotSPaStrategy(runtime=RuntimeOptions(fp8="e4m3"))
+    assert HotSPaStrategy(runtime={"fp8": "rowwise"}).fp8 == "rowwise" and HotSPaStrategy().fp8 is None
     folder = Path(__file__).resolve().parents[2] / "lightning_hotspa" / "configs" / "strategy"
     for path in folder.glob("*.yaml"):
-        assert OmegaConf.load(path).get("fp8", "missing") is None, path.name
+        assert OmegaConf.load(path).runtime.get("fp8", "missing") is None, path.name

@@ -11,9 +11,13 @@ from lightning_hotspa.planner.cost.runtime_profile import HOTSPA
 
 
 def _strategy_parameters() -> set[str]:
-    from lightning_hotspa import HotSPaStrategy
+    """The strategy's keywords and its runtime group's fields (``HotSPaStrategy(runtime=RuntimeOptions(...))``)."""
+    import dataclasses
 
-    return set(inspect.signature(HotSPaStrategy.__init__).parameters)
+    from lightning_hotspa import HotSPaStrategy, RuntimeOptions
+
+    return set(inspect.signature(HotSPaStrategy.__init__).parameters) | {
+        f.name for f in dataclasses.fields(RuntimeOptions)}
 
 
 def test_compile_is_priced_only_with_the_per_block_compile_option():
@@ -25,7 +29,7 @@ def test_compile_is_priced_only_with_the_per_block_compile_option():
 
 
 def test_fp8_is_priced_only_where_the_user_turns_it_on():
-    """FP8 linears (parallel/fp8.py, ``strategy.fp8``): our default description has no FP8 rate (the planner's
+    """FP8 linears (parallel/fp8.py, ``strategy.runtime.fp8``): our default description has no FP8 rate (the planner's
     default prices are bf16); ``hotspa_runtime(recipe)`` has torchao's rate for exactly the recipes the switch
     accepts (each validated and run through ParallelModel's fp8 path), and a peer's FP8 run is compared with
     ours with the switch on."""
@@ -46,7 +50,7 @@ def test_fp8_is_priced_only_where_the_user_turns_it_on():
 
 def test_overlap_flags_have_their_switches():
     """tp overlap: ParallelModel(tp_overlap=), on by default; the kept sequence-parallel input:
-    HotSPaStrategy(tp_regather=False)."""
+    HotSPaStrategy(runtime=RuntimeOptions(tp_regather=False))."""
     from lightning_hotspa.parallel.model import ParallelModel
 
     tp_overlap = inspect.signature(ParallelModel.__init__).parameters["tp_overlap"]

@@ -1,4 +1,4 @@
-"""Per-block ``torch.compile`` (``HotSPaStrategy(compile_blocks=...)``), as torchtitan applies it.
+"""Per-block ``torch.compile`` (``HotSPaStrategy(runtime={"compile_blocks": ...})``), as torchtitan applies it.
 
 Lightning refuses ``torch.compile(model)`` for strategies other than single-device, DDP and FSDP
 (the strategy must own the module's forward); compiling each transformer block (every child of an

@@ -19,7 +19,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.plugins.precision import Precision
@@ -75,8 +74,9 @@ from .planner_factory import PLANNER_NAMES, build_planner, check_planner_spec
 from .precision import HotSPaPrecision, as_hotspa_precision
 from .profiling import ProfilingFeedback
 from .reliability import StepTracker, as_timeout, check_breadcrumb_dir, enable_nccl_flight_recorder, subgroup_timeout
+from .strategy_options import ReliabilityOptions, RuntimeOptions, as_options, moved_keywords
 
-__all__ = ["PLANNER_NAMES", "HotSPaStrategy", "default_layouts"]
+__all__ = ["PLANNER_NAMES", "HotSPaStrategy", "ReliabilityOptions", "RuntimeOptions", "default_layouts"]
 
 
 _REDUCE_DTYPES = {"fp32": None, "bf16": torch.bfloat16}
@@ -106,37 +106,19 @@ class HotSPaStrategy(GuardedCollectives, StrategyCheckpoints, ParallelStrategy):
         nonfinite: what a NaN/Inf micro-batch loss does, decided alike on every rank before the
             optimizer step: ``"stop"`` (default; raises ``NonFiniteLossError`` naming the step, stage,
             layout and micro-batch) or ``"skip"`` (no update for that step; logged with its plan).
-        breadcrumb_dir: where each rank keeps its step / stage / layout / micro-batch / phase as
-            ``rank<N>.txt`` (also ``$HOTSPA_BREADCRUMB_DIR``; a file there is refused at construction).
-            Default: off on gloo (a failed collective raises an error naming it),
-            ``<default_root_dir>/hotspa_breadcrumbs`` on NCCL.
         timeout: the process-group timeout (a ``timedelta`` or seconds): how long a rank waits in a
             collective for a peer that hangs (a peer that dies is noticed at once on gloo).
-        subgroup_timeout: the same for the mesh's tp / cp / dp / switch groups, where a step's
-            collectives run; None: 10 minutes on NCCL (at most ``timeout``), ``timeout`` elsewhere.
-            A failure there raises ``CollectiveError`` naming the group (docs/gpu-runtime.md).
-        compile_blocks: ``torch.compile`` each block (child of an ``nn.ModuleList``) after the layouts
-            are installed: True, or a dict of torch.compile arguments (e.g. ``{"backend": "aot_eager"}``);
-            ``dynamic`` defaults to True (the token dim), dynamo's recompile limit is raised to the run's
-            layouts x blocks (``adapter/lightning/compile_blocks.py``).
-        bucket_mb, switch_buckets_in_flight, reduce_buckets_in_flight: how the switch engine fuses and
-            overlaps its collectives (MiB per fused all-gather / reduction bucket; buckets in flight);
-            None: the backend's defaults, 100 MiB / 2 / 4 on NCCL, 4 MiB / 1 / 2 on gloo
-            (``engine/buckets.py``, docs/gpu-runtime.md).
-        fsdp_reduce_dtype: ``"fp32"`` (default) or ``"bf16"``: the dtype ``:fsdp`` units reduce-scatter
-            their gradients in (bf16: half the bytes, summed in bf16 as FSDP2's ``reduce_dtype``).
-        tp_regather: under sequence parallelism each column region keeps only its input's token shard
-            and gathers it again in backward (True, the default: less memory); False keeps the
-            gathered input (2 x hidden bytes per token and layer x (1 - 1/tp) more, one all-gather per
-            region less): the cost planner prices the choice (memory and time, issue 52).
-        fp8: None (default) or a torchao float8 recipe, ``"tensorwise"``, ``"rowwise"`` or
-            ``"rowwise_with_gw_hp"``: the transformer blocks' projections run their GEMMs in FP8 with
-            dynamic scales reduced over the layout's groups, so the math does not depend on the layout;
-            embeddings and the LM head stay in the working precision (``parallel/fp8.py``; needs torchao).
+        runtime: :class:`~.strategy_options.RuntimeOptions` (or a dict of its fields): compile_blocks, fp8,
+            tp_regather, fsdp_reduce_dtype, the collective buckets, process_group_backend.
+        reliability: :class:`~.strategy_options.ReliabilityOptions` (or a dict): subgroup_timeout, breadcrumb_dir.
+
+    Lightning's own plumbing (accelerator, devices, cluster environment, checkpoint IO, precision) comes
+    from the Trainer; a keyword that moved names its new place (``strategy_options.MOVED``).
     """
 
     strategy_name = "hotspa"
 
+    @moved_keywords
     def __init__(
         self,
         layouts: Sequence[Layout | str | Mapping[str, int]] | str = "auto",
@@ -147,53 +129,43 @@ class HotSPaStrategy(GuardedCollectives, StrategyCheckpoints, ParallelStrategy):
         activation_checkpointing: bool | str | Sequence[Layout | str] = False,
         default_layout: Layout | str | None = None,
         nonfinite: str = "stop",
-        breadcrumb_dir: str | os.PathLike | None = None,
-        accelerator: Any = None,
-        parallel_devices: list[torch.device] | None = None,
-        cluster_environment: ClusterEnvironment | None = None,
-        checkpoint_io: CheckpointIO | None = None,
-        precision_plugin: Precision | None = None,
-        process_group_backend: str | None = None,
         timeout: timedelta | float = default_pg_timeout,
-        subgroup_timeout: timedelta | float | None = None,
-        compile_blocks: bool | Mapping[str, Any] = False,
-        bucket_mb: float | None = None,
-        switch_buckets_in_flight: int | None = None,
-        reduce_buckets_in_flight: int | None = None,
-        fsdp_reduce_dtype: str = "fp32",
-        tp_regather: bool = True,
-        fp8: str | None = None,
+        runtime: RuntimeOptions | Mapping[str, Any] | None = None,
+        reliability: ReliabilityOptions | Mapping[str, Any] | None = None,
     ) -> None:
-        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
-                         cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
-                         precision_plugin=precision_plugin)
+        super().__init__()  # accelerator, devices, environment, checkpoint IO, precision: set by the Trainer
         filter_unactionable_warnings()  # every rank builds a strategy: once per process
+        run, rel = as_options(runtime, "runtime"), as_options(reliability, "reliability")
+        self.runtime, self.reliability = run, rel
         self._layout_spec = parse_layout_spec(layouts)
         check_int(tokens_per_rank, "tokens_per_rank")
         check_planner_spec(planner, hardware)
         self.tokens_per_rank, self.hardware = tokens_per_rank, hardware
         self._planner_spec, self._ac_spec = planner, check_checkpointing_spec(activation_checkpointing)
         self._default_layout_spec = Layout.parse(default_layout) if default_layout is not None else None
-        self._process_group_backend = process_group_backend
+        self._process_group_backend = run.process_group_backend
         self._timeout = as_timeout(timeout)
-        self._subgroup_timeout = None if subgroup_timeout is None else as_timeout(subgroup_timeout, "subgroup_timeout")
+        self._subgroup_timeout = (None if rel.subgroup_timeout is None
+                                  else as_timeout(rel.subgroup_timeout, "subgroup_timeout"))
+        breadcrumb_dir = rel.breadcrumb_dir
         if breadcrumb_dir is not None and not isinstance(breadcrumb_dir, (str, os.PathLike)):
             raise TypeError(f"breadcrumb_dir must be a folder path (str or os.PathLike) or None, got "
                             f"{breadcrumb_dir!r}")
         check_breadcrumb_dir(breadcrumb_dir if breadcrumb_dir is not None else os.environ.get("HOTSPA_BREADCRUMB_DIR"))
         if self._layout_spec != "auto":  # explicit layouts: an activation_checkpointing list is checked now
             check_checkpointing_layouts(self._ac_spec, self._layout_spec, type(self).__name__)
-        self._compile = check_compile_spec(compile_blocks)
+        self._compile = check_compile_spec(run.compile_blocks)
         # collective bucket sizes (None: the backend's default, engine/buckets.py); checked here, sized at setup
-        self._bucket_args = (bucket_mb, switch_buckets_in_flight, reduce_buckets_in_flight)
-        bucket_defaults(process_group_backend, *self._bucket_args)
-        if fsdp_reduce_dtype not in _REDUCE_DTYPES:
-            raise ValueError(f"fsdp_reduce_dtype must be one of {sorted(_REDUCE_DTYPES)}, got {fsdp_reduce_dtype!r}")
-        self._fsdp_reduce_dtype = _REDUCE_DTYPES[fsdp_reduce_dtype]
-        if not isinstance(tp_regather, bool):
-            raise TypeError(f"tp_regather must be True or False, got {tp_regather!r}")
-        self._tp_regather = tp_regather
-        self.fp8 = check_fp8(fp8)
+        self._bucket_args = (run.bucket_mb, run.switch_buckets_in_flight, run.reduce_buckets_in_flight)
+        bucket_defaults(run.process_group_backend, *self._bucket_args)
+        if run.fsdp_reduce_dtype not in _REDUCE_DTYPES:
+            raise ValueError(f"fsdp_reduce_dtype must be one of {sorted(_REDUCE_DTYPES)}, got "
+                             f"{run.fsdp_reduce_dtype!r}")
+        self._fsdp_reduce_dtype = _REDUCE_DTYPES[run.fsdp_reduce_dtype]
+        if not isinstance(run.tp_regather, bool):
+            raise TypeError(f"tp_regather must be True or False, got {run.tp_regather!r}")
+        self._tp_regather = run.tp_regather
+        self.fp8 = check_fp8(run.fp8)
         self._breadcrumb_dir = breadcrumb_dir if breadcrumb_dir is not None else os.environ.get("HOTSPA_BREADCRUMB_DIR")
         self.tracker = StepTracker()  # this rank's breadcrumb and the step's micro-batch losses
         self.nonfinite = NonFiniteHandler(nonfinite, self.tracker)

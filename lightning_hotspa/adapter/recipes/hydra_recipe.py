@@ -20,10 +20,11 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from ...checks import check_int, is_int
+from ..lightning.strategy_options import MOVED, moved_message
 from .moved_targets import check_moved_targets
 
-__all__ = ["ConfigError", "CONFIG_DIR", "check_config", "group_options", "hardware_profile", "register_resolvers",
-           "run_dir_name", "train"]
+__all__ = ["ConfigError", "CONFIG_DIR", "check_config", "check_overrides", "group_options", "hardware_profile",
+           "register_resolvers", "run_dir_name", "train"]
 
 # Shipped as package data, so an installed wheel finds them too (not only a checkout).
 CONFIG_DIR = Path(str(importlib.resources.files("lightning_hotspa") / "configs"))
@@ -112,6 +113,27 @@ def _layout_error(world: int | None, problem: str) -> ConfigError:
         valid = (f"'auto', or a list of {{dp, tp, cp}} with dp*tp*cp = {world} (trainer.devices x "
                  f"trainer.num_nodes), e.g. [{example}]")
     return ConfigError(f"strategy.layouts: {problem}. Valid: {valid}")
+
+
+def check_strategy_keys(strategy_cfg: Any) -> None:
+    """A HotSPaStrategy key that moved into an option group (``strategy.compile_blocks`` ->
+    ``strategy.runtime.compile_blocks``) is the strategy's own one-line error, before anything is built."""
+    if strategy_cfg.get("_target_") not in _STRATEGY_TARGETS:
+        return
+    for key in strategy_cfg:
+        if key in MOVED:
+            raise ConfigError(moved_message(str(key)))
+
+
+def check_overrides(args: list[str]) -> str | None:
+    """The moved-key error for a command-line override ``strategy.<old key>=...`` (Hydra would refuse it
+    first, saying only that the key is not in the config), else None."""
+    for arg in args:
+        key = arg.split("=", 1)[0].lstrip("+~")
+        group, _, leaf = key.partition(".")
+        if "=" in arg and group == "strategy" and leaf in MOVED:
+            return moved_message(leaf)
+    return None
 
 
 def check_layouts(strategy_cfg: Any, trainer_cfg: Any) -> None:
@@ -231,6 +253,7 @@ def check_config(cfg: DictConfig) -> None:
     except OmegaConfBaseException as exc:
         raise ConfigError(f"cannot resolve the config: {_first_line(exc)}") from None
     check_values(cfg)
+    check_strategy_keys(cfg.strategy)
     check_layouts(cfg.strategy, cfg.trainer)
     _check_context(cfg)
 

@@ -10,11 +10,11 @@ whole world). The options (:func:`option_space`; a row takes the fastest):
 
 - ``attention``: the priced kernel family of ours' attention backend (``fa3`` where ``fa3_varlen`` runs:
   sm90; else ``fa2``, flash_varlen);
-- ``compiled``: ``strategy.compile_blocks`` (inductor per block) at the runtime's ``compile_speedup``,
+- ``compiled``: ``strategy.runtime.compile_blocks`` (inductor per block) at the runtime's ``compile_speedup``,
   offered where the peer's run was compiled or fused its elementwise work (Transformer Engine); the strategy
   then builds tp's plain collectives (no tp overlap), so eager with tp overlap is priced beside it;
 - ``tp_regather``: False (the gathered inputs kept for backward) where the micro-batch still fits;
-- ``fp8``: a torchao recipe (``tensorwise``, the fastest) where the peer's run was FP8 (``strategy.fp8``,
+- ``fp8``: a torchao recipe (``tensorwise``, the fastest) where the peer's run was FP8 (``strategy.runtime.fp8``,
   parallel/fp8.py): ours is then priced on ``hotspa_runtime(fp8=recipe)``, torchao's published rates.
 
 :data:`BEFORE` prices ours as main described it before issues 51 and 52: FlashAttention-2, eager, bf16, tp
@@ -54,12 +54,12 @@ _HOPPER = ("H100", "H100-GT500W", "H200")
 @dataclass(frozen=True)
 class OursOptions:
     """What ours runs for a row. Args: ``attention`` (a priced kernel family); ``compiled``
-    (``strategy.compile_blocks``: the strategy then builds tp's plain collectives, ``tp_overlap=False``, so a
+    (``strategy.runtime.compile_blocks``: the strategy then builds tp's plain collectives, ``tp_overlap=False``, so a
     compiled run is priced without tp overlap); ``fp8`` (a torchao recipe, or "" for bf16); ``conservative``
     (FA3 priced at the fitted FA2 value x ``FA3_OVER_FA2``, the kernels' own ratio, instead of the hardware
     profile's entry anchored on the fitted cuDNN value); ``tp_regather`` (False: ``HotSPaStrategy(
-    tp_regather=False)``, the gathered region inputs kept for backward); ``exposed_comm`` (tp collectives and the
-    dp reduction priced fully exposed: the model before issue 52)."""
+    runtime={"tp_regather": False})``, the gathered region inputs kept for backward); ``exposed_comm`` (tp collectives
+    and the dp reduction priced fully exposed: the model before issue 52)."""
 
     attention: str = "fa2"
     compiled: bool = False
@@ -108,7 +108,7 @@ _FUSED_RUNTIMES = ("nemo-te", "megatron-core")
 def matching_options(run: PublishedRun) -> OursOptions:
     """The options a user of ours turns on for the peer's configuration: the fastest attention kernel ours runs
     on that GPU, compile where the peer compiled or fused (Transformer Engine), FP8 (torchao tensorwise) where
-    the peer ran FP8 (ours' ``strategy.fp8``)."""
+    the peer ran FP8 (ours' ``strategy.runtime.fp8``)."""
     return OursOptions(attention="fa3" if run.gpu in _HOPPER else "fa2",
                        compiled=run.compiled or run.system in _FUSED_RUNTIMES,
                        fp8="tensorwise" if run.precision == "fp8" else "")
@@ -189,7 +189,7 @@ def price_row(row: PeerRow, options: OursOptions | None = None, conservative: bo
               fp8: bool = True) -> dict:
     """``{"ratio", "options", "runs": [{id, ours, published, ratio, fits_ours, checkpointing, options}]}`` of one
     row (``options``: instead of the row's own, e.g. :data:`BEFORE`; ``conservative``: FA3 priced from the
-    fitted FA2 value; ``fp8``: False prices the row's options in bf16, ``strategy.fp8`` off). Without
+    fitted FA2 value; ``fp8``: False prices the row's options in bf16, ``strategy.runtime.fp8`` off). Without
     ``options`` every run takes the fastest of :func:`option_space` (options whose micro-batch does not fit ours
     without full checkpointing are skipped when another fits)."""
     out = []

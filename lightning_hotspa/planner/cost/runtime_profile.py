@@ -81,7 +81,7 @@ class RuntimeProfile:
     re-runs the attention forward of each chunk: attention FLOPs x 4/3; False: the kernel's backward
     needs only the saved output and log-sum-exp, as ring attention's);
     ``compile_speedup`` (the GEMM-side rate of its torch.compile'd runs over eager, applied where a run is
-    compiled: published rows marked so, ours where the user turns on ``strategy.compile_blocks``; 0: none);
+    compiled: published rows marked so, ours where the user turns on ``strategy.runtime.compile_blocks``; 0: none);
     ``fp8_recipe_speedups`` (``((recipe, GEMM rate), ...)`` per torchao.float8 recipe of :data:`FP8_RECIPES`,
     applied where a run names its recipe; ours where the user turns FP8 on);
     ``fp8_gemm_speedup`` (how much faster its Float8 linear layers run than bf16 ones on the GPU its FP8
@@ -178,7 +178,7 @@ HOTSPA = RuntimeProfile(
     "the same way in backward (cp_comm_overlap); backward runs from the saved output and log-sum-exp, no "
     "attention forward again (kv_gather_recomputes_attention False).",
     tp_regather=True, kv_gather_recomputes_attention=False,
-    # FP8 linears exist (parallel/fp8.py, strategy.fp8) but are the user's option: the rates join only
+    # FP8 linears exist (parallel/fp8.py, strategy.runtime.fp8) but are the user's option: the rates join only
     # through hotspa_runtime(fp8=...), never the planner's default prices
     compile_speedup=TORCHTITAN_COMPILE_SPEEDUP, fp8_recipe_speedups=(),
 )
@@ -186,7 +186,7 @@ HOTSPA = RuntimeProfile(
 
 def hotspa_runtime(fp8: str | None = None) -> RuntimeProfile:
     """Our runtime description as a user runs it: :data:`HOTSPA`, plus torchao's FP8 rates
-    (:data:`TORCHAO_FP8_RATES`) when ``strategy.fp8`` names a recipe (parallel/fp8.py; it has no FP8
+    (:data:`TORCHAO_FP8_RATES`) when ``strategy.runtime.fp8`` names a recipe (parallel/fp8.py; it has no FP8
     all-gather of ``:fsdp`` shards, which torchao's tensorwise row used: that rate over-credits ours a little).
 
     Args:
@@ -198,12 +198,13 @@ def hotspa_runtime(fp8: str | None = None) -> RuntimeProfile:
         raise ValueError(f"hotspa_runtime: fp8={fp8!r} is not one of {list(FP8_RECIPES)}")
     return dataclasses.replace(HOTSPA, fp8_recipe_speedups=TORCHAO_FP8_RATES)
 HOTSPA_OPTIONS_NOTE = (
-    "Priced only where the user turns them on (not in the planner's default prices): strategy.compile_blocks "
-    "(inductor per transformer block) at torchtitan's compile rate (the same per-block inductor compile, "
-    "TORCHTITAN_COMPILE_SPEEDUP: ASSUMED equal, never run on a GPU here); strategy.fp8 (torchao recipes through "
-    "parallel/fp8.py, hotspa_runtime(fp8=...)) at torchao's published rates, TORCHAO_FP8_RATES (never run on a GPU "
-    "here; no FP8 all-gather of :fsdp shards); attention_backend fa3_varlen / "
-    "fa4_varlen / cudnn_varlen at the hardware profile's efficiency of that kernel (planner/cost/hardware.py).")
+    "Priced only where the user turns them on (not in the planner's default prices): "
+    "strategy.runtime.compile_blocks (inductor per transformer block) at torchtitan's compile rate (the same "
+    "per-block inductor compile, TORCHTITAN_COMPILE_SPEEDUP: ASSUMED equal, never run on a GPU here); "
+    "strategy.runtime.fp8 (torchao recipes through parallel/fp8.py, hotspa_runtime(fp8=...)) at torchao's published "
+    "rates, TORCHAO_FP8_RATES (never run on a GPU here; no FP8 all-gather of :fsdp shards); attention_backend "
+    "fa3_varlen / fa4_varlen / cudnn_varlen at the hardware profile's efficiency of that kernel "
+    "(planner/cost/hardware.py).")
 
 RUNTIME_PROFILES: dict[str, RuntimeProfile] = {
     "hotspa": HOTSPA,
