@@ -95,6 +95,6 @@ def test_strategy_and_hydra_switch() -> None:
     with pytest.raises(ValueError, match="strategy.fp8='e4m3'"):
         HotSPaStrategy(fp8="e4m3")
     assert HotSPaStrategy(fp8="rowwise").fp8 == "rowwise" and HotSPaStrategy().fp8 is None
-    folder = Path(__file__).resolve().parents[2] / "lightning_hotspa" / "configs" / "strategy"
+    folder = Path(__file__).resolve().parents[2] / "configs" / "strategy"
     for path in folder.glob("*.yaml"):
         assert OmegaConf.load(path).get("fp8", "missing") is None, path.name
