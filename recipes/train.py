@@ -1,4 +1,4 @@
-"""Train a model with HotSPa from the Hydra configs in ``lightning_hotspa/configs/``.
+"""Train a model with HotSPa from the Hydra configs in the top-level ``configs/``.
 
     python recipes/train.py                                   # = make train (tiny, 4 CPU processes)
     python recipes/train.py model=small strategy=static_tp2xcp2 logger=csv trainer.max_steps=20

@@ -101,7 +101,7 @@ def test_docs_and_configs_name_only_registered_attention_kernels() -> None:
     """Every ``attention_backend=...`` in the docs, the README and the Hydra configs names a registered
     ``documents`` kernel (or "auto"), and docs/extending.md's kernel table lists the registry exactly."""
     files = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")),
-             *sorted((ROOT / "lightning_hotspa" / "configs").rglob("*.yaml"))]
+             *sorted((ROOT / "configs").rglob("*.yaml"))]
     named = {(f.name, m.group(1)) for f in files for m in _BACKEND_NAMED.finditer(f.read_text(encoding="utf-8"))}
     assert named, "the check must see the configs' attention_backend"
     assert {(f, n) for f, n in named if n not in {"auto", *BACKENDS}} == set()

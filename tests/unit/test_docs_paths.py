@@ -11,10 +11,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 #: top-level folders of the repository whose paths are checked from the root
-_ROOTS = ("lightning_hotspa", "recipes", "tests", "docs", "benchmarks", ".ci")
+_ROOTS = ("lightning_hotspa", "recipes", "tests", "docs", "benchmarks", "configs", ".ci")
 #: sub-packages that docs name without the `lightning_hotspa/` prefix (checked under the package)
-_PACKAGE_PARTS = ("engine", "parallel", "models", "data", "planner", "adapter", "tools", "testing",
-                  "configs")
+_PACKAGE_PARTS = ("engine", "parallel", "models", "data", "planner", "adapter", "tools", "testing")
 _TOKEN = r"[^\s`'\"()\[\],;:|#]*"
 _ROOT_PATH = re.compile(rf"(?<![\w./-])((?:{'|'.join(map(re.escape, _ROOTS))})/{_TOKEN})")
 _PACKAGE_PATH = re.compile(rf"(?<![\w./-])((?:{'|'.join(_PACKAGE_PARTS)})/[\w/.-]*\.(?:py|yaml))")

@@ -96,6 +96,6 @@ def test_strategy_and_hydra_switch() -> None:
     with pytest.raises(ValueError, match="strategy.runtime.fp8='e4m3'"):
         HotSPaStrategy(runtime=RuntimeOptions(fp8="e4m3"))
     assert HotSPaStrategy(runtime={"fp8": "rowwise"}).fp8 == "rowwise" and HotSPaStrategy().fp8 is None
-    folder = Path(__file__).resolve().parents[2] / "lightning_hotspa" / "configs" / "strategy"
+    folder = Path(__file__).resolve().parents[2] / "configs" / "strategy"
     for path in folder.glob("*.yaml"):
         assert OmegaConf.load(path).runtime.get("fp8", "missing") is None, path.name

@@ -23,11 +23,24 @@ from ...checks import check_int, is_int
 from ..lightning.strategy_options import MOVED, moved_message
 from .moved_targets import check_moved_targets
 
-__all__ = ["ConfigError", "CONFIG_DIR", "check_config", "check_overrides", "group_options", "hardware_profile",
-           "register_resolvers", "run_dir_name", "train"]
+__all__ = ["ConfigError", "CONFIG_DIR", "check_config", "check_overrides", "find_config_dir", "group_options",
+           "hardware_profile", "register_resolvers", "run_dir_name", "train"]
 
-# Shipped as package data, so an installed wheel finds them too (not only a checkout).
-CONFIG_DIR = Path(str(importlib.resources.files("lightning_hotspa") / "configs"))
+
+def find_config_dir() -> Path:
+    """The top-level ``configs/`` folder: the package ``lightning_hotspa.configs`` that pyproject.toml
+    maps to it (a wheel, an editable install), else the one beside the package (a checkout run
+    without installing, as ``recipes/train.py`` allows)."""
+    try:
+        found = Path(str(importlib.resources.files("lightning_hotspa.configs")))
+    except (ImportError, OSError):  # not installed, or an install made before configs/ moved
+        found = None
+    if found is None or not (found / "config.yaml").is_file():
+        found = Path(__file__).resolve().parents[3] / "configs"
+    return found
+
+
+CONFIG_DIR = find_config_dir()
 REQUIRED_GROUPS = ("model", "strategy", "data", "trainer")
 _STRATEGY_TARGETS = ("lightning_hotspa.HotSPaStrategy", "lightning_hotspa.adapter.lightning.strategy.HotSPaStrategy")
 
