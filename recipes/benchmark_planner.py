@@ -66,16 +66,25 @@ def _median_ms(fn, repeats: int) -> tuple[float, float]:
 
 def measured_planner_ms(layouts, model, hardware, lengths, repeats: int) -> dict[str, float]:
     """Issue 53: (wall, CPU) ms of the measured cost planner's plan (one solve per layout, the
-    multi-layout solve, the measured guard) after some measured steps (corrections in)."""
+    multi-layout solve, the measured guard) after some measured steps (corrections in); before
+    (``_no_reuse``) and after its per-plan memo of solves and predictions, in this process, same
+    batch, and whether both plan the same."""
     from lightning_hotspa.planner.profiled.measured_planner import MeasuredCostPlanner, option_key
 
     planner = MeasuredCostPlanner(layouts, model=model, hardware=hardware)
     rows = [(option_key(*k), 1.0, 1.0 + 0.05 * i) for i, k in enumerate(planner._sorted_keys(planner._analytic))]
     planner.guard.correction.observe(rows)
     planner.load_corrections({"guard": planner.guard.state_dict()})
+    planner.reuse_solves = False  # before the per-plan memo: every solve and prediction afresh
+    before_wall, before_cpu = _median_ms(lambda: planner.plan(0, lengths, latest=True), repeats)
+    before = planner.plan(0, lengths, latest=True)
+    planner.reuse_solves = True
     wall, cpu = _median_ms(lambda: planner.plan(0, lengths, latest=True), repeats)
-    print(f"  measured planner: plan {wall:.1f} ms ({cpu:.1f} ms CPU)")
-    return {"measured_plan_ms": wall, "measured_plan_cpu_ms": cpu}
+    same = planner.plan(0, lengths, latest=True) == before
+    print(f"  measured planner: plan {wall:.1f} ms ({cpu:.1f} ms CPU); without reused solves {before_wall:.1f} ms "
+          f"({before_cpu:.1f} ms CPU); same plan: {same}")
+    return {"measured_plan_ms": wall, "measured_plan_cpu_ms": cpu, "measured_plan_ms_no_reuse": before_wall,
+            "measured_plan_cpu_ms_no_reuse": before_cpu, "measured_reuse_same_plan": same}
 
 
 def paper_set_cpu_ms() -> float:

@@ -74,6 +74,8 @@ def _check_startup(out: dict) -> None:
 
 def _check_planner(out: dict) -> None:
     _finite_positive(out["max_guarded_plan_ms"], out["paper_set_median_cpu_ms"])
+    reuse = [v["measured_reuse_same_plan"] for v in out.values() if isinstance(v, dict) and "measured_plan_ms" in v]
+    assert reuse and all(reuse), reuse  # the measured planner's memo changes no plan
 
 
 def _check_blocks(out: dict) -> None:
