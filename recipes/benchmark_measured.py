@@ -21,9 +21,12 @@ choice is ``settled_on``); ``fastest_measured``: the static layout with the fewe
 ``settled_on_fastest``: whether they agree. ``exploration_share``: the guard's measured seconds spent
 exploring over its measured seconds (its own account).
 
-The default layouts are ones the ``cpu-gloo`` profile prices within ~25 % of each other on these batches: dp4, priced ~3x cheaper than any, would always run, and a layout the model
-prices several times dearer than the reference is never explored (the guard's prior trusts the model's
-between-layout ratios to ~12 %: a gap of ln 3 is far outside it).
+The default layouts are ones the ``cpu-gloo`` profile prices within ~25 % of each other on these
+batches: dp4, priced ~3x cheaper than any, would always run, and a layout the model prices several
+times dearer than the reference is never explored (the guard's prior trusts the model's between-layout
+ratios to ~12 %: a gap of ln 3 is far outside it). Known limit, seen here: an option never run takes
+the MEAN correction of those that ran as its prior, so a slowdown of one measured layout raises the
+prior of every unmeasured one too, which can keep a truly faster, never-run layout unexplored.
 
 **Injected slowdown** (a documented test hook, on by default; ``--slow none`` turns it off): on this
 loaded CPU box the layouts' real speeds differ from the model's by noise-sized amounts, so which one is
@@ -59,9 +62,10 @@ from lightning_hotspa.testing.spawn import run_on_ranks  # noqa: E402
 
 WORLD = 4
 DEFAULTS = {"layouts": "dp2xcp2,cp4,dp2xtp2", "steps": 30, "static_steps": 5, "tokens_per_rank": 256,
-            "static_rounds": 2, "tokens_per_batch": 1024, "docs": 600, "slow": "auto", "slow_factor": 2.0, "explore_budget": 0.25,
-            "noise_sd": 0.1, "seed": 0, "lr": 2e-3, "tolerance": 1e-4}
-SMOKE = {"layouts": "dp2xcp2,cp4", "steps": 3, "static_steps": 2, "static_rounds": 1, "tokens_per_batch": 256, "docs": 40}
+            "static_rounds": 2, "tokens_per_batch": 1024, "docs": 600, "slow": "auto", "slow_factor": 2.0,
+            "explore_budget": 0.25, "noise_sd": 0.1, "seed": 0, "lr": 2e-3, "tolerance": 1e-4}
+SMOKE = {"layouts": "dp2xcp2,cp4", "steps": 3, "static_steps": 2, "static_rounds": 1, "tokens_per_batch": 256,
+         "docs": 40}
 
 
 def corpus(args: argparse.Namespace):
@@ -215,7 +219,8 @@ def train_rank(args: argparse.Namespace) -> dict[str, Any]:
             single = CostModelPlanner([layout], model="tiny", hardware="cpu-gloo", tokens_per_rank=args.tokens_per_rank,
                                       activation_checkpointing=False, ladder=False, mixed_rounds=False)
             with own_process_groups():
-                static.setdefault(layout, []).extend(fit(args, [layout], single, args.static_steps, slow)["seconds"][1:])
+                seconds = fit(args, [layout], single, args.static_steps, slow)["seconds"]
+            static.setdefault(layout, []).extend(seconds[1:])
     if dist.get_rank() != 0:
         return {}
     decisions = [planner.decisions[s] for s in sorted(planner.decisions) if s < args.steps]
@@ -246,9 +251,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.smoke:
         for key, value in SMOKE.items():
             setattr(args, key, value)
-    if args.steps < 2 or args.static_steps < 2 or args.static_rounds < 1 or len(args.layouts.split(",")) < 2 or args.slow_factor < 1:
-        raise SystemExit(f"--steps >= 2, --static-steps >= 2, --static-rounds >= 1, two or more --layouts and --slow-factor >= 1, got "
-                         f"{args.steps}, {args.static_steps}, {args.static_rounds}, {args.layouts!r}, {args.slow_factor}")
+    if args.steps < 2 or args.static_steps < 2 or args.static_rounds < 1 or len(args.layouts.split(",")) < 2 \
+            or args.slow_factor < 1:
+        raise SystemExit(f"--steps >= 2, --static-steps >= 2, --static-rounds >= 1, two or more --layouts and "
+                         f"--slow-factor >= 1, got {args.steps}, {args.static_steps}, {args.static_rounds}, "
+                         f"{args.layouts!r}, {args.slow_factor}")
     t0 = time.perf_counter()
     raw = run_on_ranks(train_rank, WORLD, args, timeout_s=3600)[0]
     static_s = {k: statistics.median(v) for k, v in raw["static"].items()}
