@@ -75,12 +75,17 @@ def measured_planner_ms(layouts, model, hardware, lengths, repeats: int) -> dict
     rows = [(option_key(*k), 1.0, 1.0 + 0.05 * i) for i, k in enumerate(planner._sorted_keys(planner._analytic))]
     planner.guard.correction.observe(rows)
     planner.load_corrections({"guard": planner.guard.state_dict()})
-    planner.reuse_solves = False  # before the per-plan memo: every solve and prediction afresh
-    before_wall, before_cpu = _median_ms(lambda: planner.plan(0, lengths, latest=True), repeats)
-    before = planner.plan(0, lengths, latest=True)
-    planner.reuse_solves = True
-    wall, cpu = _median_ms(lambda: planner.plan(0, lengths, latest=True), repeats)
-    same = planner.plan(0, lengths, latest=True) == before
+    times: dict[bool, list[tuple[float, float]]] = {False: [], True: []}
+    plans = {}
+    for _ in range(repeats + 1):  # before (False: every solve and prediction afresh) and after the per-plan
+        for reuse in (False, True):  # memo, alternating so that the shared box's load drifts onto both alike
+            planner.reuse_solves = reuse
+            t0, c0 = time.perf_counter(), time.process_time()
+            plans[reuse] = planner.plan(0, lengths, latest=True)
+            times[reuse].append((1e3 * (time.perf_counter() - t0), 1e3 * (time.process_time() - c0)))
+    (before_wall, before_cpu), (wall, cpu) = [
+        tuple(statistics.median(t[i] for t in times[r][1:]) for i in (0, 1)) for r in (False, True)]  # 1st: warm-up
+    same = plans[True] == plans[False]
     print(f"  measured planner: plan {wall:.1f} ms ({cpu:.1f} ms CPU); without reused solves {before_wall:.1f} ms "
           f"({before_cpu:.1f} ms CPU); same plan: {same}")
     return {"measured_plan_ms": wall, "measured_plan_cpu_ms": cpu, "measured_plan_ms_no_reuse": before_wall,
