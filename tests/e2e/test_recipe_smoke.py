@@ -180,8 +180,8 @@ SMOKE: dict[str, Smoke | Reuse] = {
                                     "reduce_exposure", "tp_cp_bytes_per_layer",
                                     "cp_exchange_bytes_per_layer"},
                                    _check_hot_path),
-    # 4 spawned gloo ranks, 3 Trainer fits (2 static layouts x 2 steps, 3 measured steps): ~1-8 min on the
-    # loaded 2-core box (466 s measured at load ~130; the fits' start-up dominates), so not in the fast tier
+    # 4 spawned gloo ranks, 3 Trainer fits (2 static layouts x 2 steps, 3 measured steps): 109 s on the shared
+    # 2-core box at load ~30 (466 s at load ~130; the fits' start-up dominates), so not in the fast tier
     "benchmark_measured.py": Smoke(["--smoke"], {"static_s_per_step", "fastest_measured", "settled_step", "settled_on",
                                                  "max_loss_rel_err_vs_single", "exploration_share", "steps"},
                                    _check_measured),
