@@ -66,16 +66,30 @@ def _median_ms(fn, repeats: int) -> tuple[float, float]:
 
 def measured_planner_ms(layouts, model, hardware, lengths, repeats: int) -> dict[str, float]:
     """Issue 53: (wall, CPU) ms of the measured cost planner's plan (one solve per layout, the
-    multi-layout solve, the measured guard) after some measured steps (corrections in)."""
+    multi-layout solve, the measured guard) after some measured steps (corrections in); before
+    (``_no_reuse``) and after its per-plan memo of solves and predictions, in this process, same
+    batch, and whether both plan the same."""
     from lightning_hotspa.planner.profiled.measured_planner import MeasuredCostPlanner, option_key
 
     planner = MeasuredCostPlanner(layouts, model=model, hardware=hardware)
     rows = [(option_key(*k), 1.0, 1.0 + 0.05 * i) for i, k in enumerate(planner._sorted_keys(planner._analytic))]
     planner.guard.correction.observe(rows)
     planner.load_corrections({"guard": planner.guard.state_dict()})
-    wall, cpu = _median_ms(lambda: planner.plan(0, lengths, latest=True), repeats)
-    print(f"  measured planner: plan {wall:.1f} ms ({cpu:.1f} ms CPU)")
-    return {"measured_plan_ms": wall, "measured_plan_cpu_ms": cpu}
+    times: dict[bool, list[tuple[float, float]]] = {False: [], True: []}
+    plans = {}
+    for _ in range(repeats + 1):  # before (False: every solve and prediction afresh) and after the per-plan
+        for reuse in (False, True):  # memo, alternating so that the shared box's load drifts onto both alike
+            planner.reuse_solves = reuse
+            t0, c0 = time.perf_counter(), time.process_time()
+            plans[reuse] = planner.plan(0, lengths, latest=True)
+            times[reuse].append((1e3 * (time.perf_counter() - t0), 1e3 * (time.process_time() - c0)))
+    (before_wall, before_cpu), (wall, cpu) = [
+        tuple(statistics.median(t[i] for t in times[r][1:]) for i in (0, 1)) for r in (False, True)]  # 1st: warm-up
+    same = plans[True] == plans[False]
+    print(f"  measured planner: plan {wall:.1f} ms ({cpu:.1f} ms CPU); without reused solves {before_wall:.1f} ms "
+          f"({before_cpu:.1f} ms CPU); same plan: {same}")
+    return {"measured_plan_ms": wall, "measured_plan_cpu_ms": cpu, "measured_plan_ms_no_reuse": before_wall,
+            "measured_plan_cpu_ms_no_reuse": before_cpu, "measured_reuse_same_plan": same}
 
 
 def paper_set_cpu_ms() -> float:

@@ -159,3 +159,28 @@ def test_cli_plan_with_saved_corrections(tmp_path, capsys):
     bad.write_text("{}")
     assert main(["plan", "--layouts", "dp8,dp4xcp2", "--calibration", str(bad)]) != 0
     assert "no 'guard' key" in capsys.readouterr().err
+
+
+def test_reused_solves_plan_and_decide_the_same():
+    """``reuse_solves`` (memoized solves and predictions within one plan) changes no plan and no decision:
+    a 20-step clocked run with exploration, and the 64-rank long-context set of the planner benchmark
+    (ladder and mixed rounds on) over seeded batches."""
+    pool, factors = _pool(), {"dp4/none": 1.3, "cp4/none": 0.9}
+    runs = {}
+    for reuse in (False, True):
+        p = _planner(explore_budget=0.1)
+        p.reuse_solves = reuse
+        runs[reuse] = [(d, p.plan(d.step, pool[d.step % len(pool)], latest=True))
+                       for d in _run(p, FactorClock(factors, noise=0.05, seed=1), pool, 20)]
+    assert runs[False] == runs[True]
+    assert len({d.run for d, _ in runs[True]}) > 1  # the run moved between plans: decisions were exercised
+    from lightning_hotspa.tools.long_grid import token_batch
+
+    layouts = ["dp16xtp4", "dp4xtp4xcp4:kv", "dp2xtp4xcp8:kv4", "tp4xcp16:kv8"]
+    plans = {}
+    for reuse in (False, True):
+        p = MeasuredCostPlanner(layouts, model="llama3-8b", hardware="H100")
+        p.reuse_solves = reuse
+        plans[reuse] = [(p.plan(0, token_batch("sft-longtail", 131072, 2**21, seed)[:96], latest=True),
+                         p.last_measured) for seed in range(3)]
+    assert plans[False] == plans[True]

@@ -91,9 +91,49 @@ class MeasuredCostPlanner(CostModelPlanner):
         self.log: list[str] = []
 
     # ------------------------------------------------------------------ candidates
+    #: within one :meth:`candidates` call, reuse its solves and predictions (the static guard of
+    #: ``CostModelPlanner.solve`` re-solves a layout the candidates solved; each candidate's stage
+    #: breakdown re-predicts the stages its solve already predicted). Pure memoization of the same
+    #: calls on the same inputs: the plans and decisions are the same either way (test_measured_planner)
+    reuse_solves: bool = True
+    _memo: dict | None = None
+
+    def _solve_over(self, lengths: np.ndarray, option_list: list) -> tuple[float, list]:
+        memo = self._memo
+        if memo is None:
+            return super()._solve_over(lengths, option_list)
+        key = ("solve", lengths.tobytes(), tuple(map(id, option_list)))  # the options live through the call
+        if key not in memo:
+            memo[key] = super()._solve_over(lengths, option_list)
+        return memo[key]
+
+    def _seconds(self, lengths: np.ndarray, stages: Sequence[tuple[Any, tuple]]) -> float:
+        return self._predict(lengths, stages).seconds
+
+    def _predict(self, lengths: np.ndarray, stages: Sequence[tuple[Any, tuple]]) -> Any:
+        """``predict_stages`` of solver stages (memoized within a :meth:`candidates` call)."""
+        memo = self._memo
+        if memo is None:
+            return predict_stages(stages, lengths, self.cost_model, self.blocks, in_order=False)
+        key = ("predict", lengths.tobytes(), tuple((id(o), g) for o, g in stages))
+        try:
+            hash(key)
+        except TypeError:  # a stage whose groups are not plain tuples: not memoized
+            return predict_stages(stages, lengths, self.cost_model, self.blocks, in_order=False)
+        if key not in memo:
+            memo[key] = predict_stages(stages, lengths, self.cost_model, self.blocks, in_order=False)
+        return memo[key]
+
     def candidates(self, lengths: np.ndarray, options: Sequence[Any] | None = None,
                    ) -> list[tuple[Candidate, list]]:
         """(candidate, solver stages) per static layout and the cheapest multi-layout plan."""
+        self._memo = {} if self.reuse_solves else None
+        try:
+            return self._candidates(lengths, options)
+        finally:
+            self._memo = None
+
+    def _candidates(self, lengths: np.ndarray, options: Sequence[Any] | None) -> list[tuple[Candidate, list]]:
         option_list = list(self._option_list if options is None else options)
         longest = int(lengths.max())
         out = []
@@ -106,13 +146,11 @@ class MeasuredCostPlanner(CostModelPlanner):
                                       fits=False), []))
                 continue
             _, stages = self._solve_over(lengths, own)
-            pred = predict_stages(stages, lengths, self.cost_model, self.blocks, in_order=False)
-            out.append((Candidate(lay.name, option_seconds(pred), True), stages))
+            out.append((Candidate(lay.name, option_seconds(self._predict(lengths, stages)), True), stages))
         super().solve(lengths, option_list)  # sets last_multi (the unguarded cheapest plan)
         multi = self.last_multi_layout
         if multi is not None:
-            pred = predict_stages(multi[1], lengths, self.cost_model, self.blocks, in_order=False)
-            out.append((Candidate("multi", option_seconds(pred), False), multi[1]))
+            out.append((Candidate("multi", option_seconds(self._predict(lengths, multi[1])), False), multi[1]))
         return out
 
     def _guard_for(self, step: int | None) -> MeasuredGuard:
