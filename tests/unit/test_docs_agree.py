@@ -212,3 +212,15 @@ def test_the_floor_line_check_sees_a_stale_line() -> None:
     assert readme_floors(line) == {"checks": 0, "layout": 0, "models": 1, "engine": 2}
     assert readme_floors(line.replace("2 `engine`", "1 `engine`")) != readme_floors(line)
 
+
+
+
+
+# ----------------------------------------------------------------------------- doc sizes
+def test_the_docs_stay_short() -> None:
+    """docs/DESIGN.md at most 500 lines and every page under docs/ (sub-folders included) at most 1,800
+    together: history goes to dated notes under benchmarks/, mechanisms to module docstrings."""
+    design = len((ROOT / "docs/DESIGN.md").read_text(encoding="utf-8").splitlines())
+    total = sum(len(p.read_text(encoding="utf-8").splitlines()) for p in (ROOT / "docs").rglob("*.md"))
+    assert design <= 500, f"docs/DESIGN.md has {design} lines"
+    assert total <= 1800, f"docs/ has {total} lines of Markdown"
