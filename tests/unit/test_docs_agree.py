@@ -4,6 +4,7 @@ registered cp kinds listed exactly."""
 
 from __future__ import annotations
 
+import ast
 import re
 from pathlib import Path
 
@@ -128,3 +129,98 @@ def test_the_readme_reads_in_five_minutes() -> None:
     assert len(rows) >= 10 and [r for r in rows if len(r) > 160] == []
     table = _section(readme, "Documentation")
     assert [p.name for p in sorted((ROOT / "docs").glob("*.md")) if f"](docs/{p.name})" not in table] == []
+
+
+# ------------------------------------------------------- BENCHMARKS.md: one row per figure
+def _cells(row: str) -> list[str]:
+    """The cells of one Markdown table row (``\\|`` inside a cell is not a separator)."""
+    return [c.strip() for c in re.split(r"(?<!\\)\|", row.strip())[1:-1]]
+
+
+def figure_problems(table: str) -> list[str]:
+    """What breaks "one row per figure" in a BENCHMARKS.md text.
+
+    A figure is named by its row's first two cells, the recipe and the figure, compared without case,
+    spaces and ``([details](...))`` links. No name may occur twice in the file (an earlier value of a
+    figure goes to a dated note under benchmarks/); the long-context grid (rows whose recipe names
+    ``--grid long``) takes at most 3 rows; and the prose outside the table states no figure
+    (:func:`readme_figures`: a figure's value lives in its row only).
+
+    Args:
+        table: the text of BENCHMARKS.md.
+    """
+    rows = [line for line in table.splitlines() if line.startswith("| ") and not line.startswith("| recipe | figure")]
+    names = [" ".join(re.sub(r"\(\[details\]\([^)]*\)\)", "", c).lower().split()) for r in rows
+             for c in [" | ".join(_cells(r)[:2])]]
+    problems = [f"figure twice: {n}" for n in sorted({n for n in names if names.count(n) > 1})]
+    grid = [r for r in rows if "--grid long" in _cells(r)[0]]
+    if len(grid) > 3:
+        problems.append(f"the long grid takes {len(grid)} rows (at most 3)")
+    prose = "\n".join(line for line in table.splitlines() if not line.startswith("|"))
+    problems += [f"figure outside the table: {n}{u}" for n, u in readme_figures(prose)]
+    return problems
+
+
+def test_benchmarks_states_each_figure_once() -> None:
+    table = (ROOT / "BENCHMARKS.md").read_text(encoding="utf-8")
+    assert len(_FIGURE_ROW.findall(table)) >= 20
+    assert figure_problems(table) == []
+
+
+def test_the_figure_rule_catches_a_repeated_figure() -> None:
+    table = (ROOT / "BENCHMARKS.md").read_text(encoding="utf-8")
+    row = next(line for line in table.splitlines() if line.startswith("| `make train` | loss"))
+    older = row.replace("5.7254", "5.9999")  # an earlier value of the same figure, planted
+    assert figure_problems(table + "\n" + older + "\n") == [f"figure twice: {' '.join(_cells(row)[0:1]).lower()}"
+                                                            f" | {' '.join(_cells(row)[1].lower().split())}"]
+    grid = "| `hotspa simulate --grid long` | geomean x{} | 1.0 | - | yes | abc | 2026-12-06 | simulated |\n"
+    assert any("long grid" in p for p in figure_problems("".join(grid.format(i) for i in range(4))))
+    assert figure_problems("Loss went 5.7254 -> 3.0572.\n") == ["figure outside the table: 5.7254",
+                                                                "figure outside the table: 3.0572"]
+
+
+# ------------------------------------------------------------------ README's floor line
+def architecture_floors() -> dict[str, int]:
+    """The ``FLOORS`` table of tests/unit/test_architecture.py, read from its source (a test file never
+    imports another)."""
+    tree = ast.parse((ROOT / "tests" / "unit" / "test_architecture.py").read_text(encoding="utf-8"))
+    value = next(node.value for node in tree.body if isinstance(node, ast.Assign)
+                 and [getattr(t, "id", None) for t in node.targets] == ["FLOORS"])
+    return ast.literal_eval(value)
+
+
+def readme_floors(text: str) -> dict[str, int]:
+    """The floors README's **Floors** paragraph states: ``N `name` `name`; N ...`` -> {name: N}.
+
+    Args:
+        text: the README.
+    """
+    start = text.index("**Floors**")
+    paragraph = text[start:text.find("\n\n", start)].split(":", 1)[1]
+    return {name: int(floor) for floor, names in re.findall(r"(?<![\w`])(\d) ((?:`\w+`\s*)+)", paragraph)
+            for name in re.findall(r"`(\w+)`", names)}
+
+
+def test_the_readme_floor_line_is_the_architecture_tests_table() -> None:
+    floors = architecture_floors()
+    assert floors["models"] == 1 and len(floors) > 20  # the table was read
+    assert readme_floors((ROOT / "README.md").read_text(encoding="utf-8")) == floors
+
+
+def test_the_floor_line_check_sees_a_stale_line() -> None:
+    line = "**Floors** (x): 0 `checks` `layout`;\n1 `models`; 2 `engine`.\n\nnext"
+    assert readme_floors(line) == {"checks": 0, "layout": 0, "models": 1, "engine": 2}
+    assert readme_floors(line.replace("2 `engine`", "1 `engine`")) != readme_floors(line)
+
+
+
+
+
+# ----------------------------------------------------------------------------- doc sizes
+def test_the_docs_stay_short() -> None:
+    """docs/DESIGN.md at most 500 lines and every page under docs/ (sub-folders included) at most 1,800
+    together: history goes to dated notes under benchmarks/, mechanisms to module docstrings."""
+    design = len((ROOT / "docs/DESIGN.md").read_text(encoding="utf-8").splitlines())
+    total = sum(len(p.read_text(encoding="utf-8").splitlines()) for p in (ROOT / "docs").rglob("*.md"))
+    assert design <= 500, f"docs/DESIGN.md has {design} lines"
+    assert total <= 1800, f"docs/ has {total} lines of Markdown"
