@@ -8,7 +8,7 @@ torch runs ``torch._scaled_mm`` on CPU, so the FP8 numerics are checked here (sp
    ``max_rel_diff_between_layouts``: the largest relative difference of the step loss between two layouts;
    ``max_grad_rel_diff_between_layouts``: the same over every gradient tensor (reported, not held to the
    tolerance: a tp layout sums the row-parallel partial products in another order, which flips the FP8
-   rounding of a few elements of the next cast, amplified by the e5m2 gradients; tests/distributed/test_fp8.py
+   rounding of a few elements of the next cast, amplified by the e5m2 gradients; tests/distributed/test_fp8_ranks.py
    bounds it at 0.06).
 2. Training: ``make train``'s model (the tiny Llama preset, bf16 weights, AdamW) in one process for
    ``--steps`` steps of 1,024 tokens, once in bf16 and once in FP8; ``loss_rel_diff_vs_bf16``: the relative

@@ -63,7 +63,7 @@ FAST_MODULES = frozenset({
 #: its place after them.
 LONGEST_FIRST = (
     "e2e/test_mixed_kill.py", "distributed/test_pipeline.py", "e2e/test_reliability.py", "unit/test_memory.py",
-    "e2e/test_profiled.py", "distributed/test_fp8.py", "e2e/test_recipe_smoke.py",
+    "e2e/test_profiled.py", "distributed/test_fp8_ranks.py", "e2e/test_recipe_smoke.py",
     "e2e/test_multinode.py", "e2e/test_recipe_smoke_benchmark_compile.py", "unit/test_architecture.py",
     "unit/test_planner.py", "distributed/test_parallel.py", "e2e/test_strategy.py", "e2e/test_recipes.py",
     "distributed/test_blocks.py", "e2e/test_lightning_parity.py", "e2e/test_what_a_user_sees.py",

@@ -22,7 +22,7 @@ GLOBAL scale); the GEMMs are torchao's ``Float8TrainingTensor`` matmuls. For ``x
 
 A tensorwise cast reduces over the groups of both its axes; an axiswise (rowwise) cast over the group
 of the axis it reduces along. Then every layout casts each element with the scale the single process
-uses for the same micro-batch; only the GEMMs' summation order differs (tests/distributed/test_fp8.py).
+uses for the same micro-batch; only the GEMMs' summation order differs (tests/distributed/test_fp8_ranks.py).
 Micro-batches packed differently scale differently (dynamic scaling is per GEMM call), an FP8
 rounding difference the tests bound separately. Not built: an FP8 all-gather of ``:fsdp`` shards
 (same numbers, half the bytes); FP8 under tp overlap (an FP8 layer uses the plain collectives).

@@ -5,7 +5,7 @@ length is a multiple of 4, so neither tp2 nor cp2 pads one), so the single proce
 micro-batches casts every element with the same scale when the amax reductions of
 ``parallel/fp8.py`` are right: the layouts then differ from it by the GEMMs' summation order only.
 ``tp2-no-reduce`` runs tp2 with the reductions switched off (each shard scaled by its own amax), the
-control that shows what the comparison catches. Used by tests/distributed/test_fp8.py and
+control that shows what the comparison catches. Used by tests/distributed/test_fp8_ranks.py and
 recipes/benchmark_fp8.py (each rank runs :func:`run_fp8_layouts`).
 """
 
