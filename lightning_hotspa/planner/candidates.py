@@ -372,7 +372,15 @@ def _oracle_seeded(cm: AnalyticCostModel, layouts: Sequence[Layout], batches: Se
     over ALL layouts, on each sample batch): its ``k`` most used layouts, with ``star``, in every
     combination that shares a mesh and holds the context, scored by the same bound over only the
     set. Why: the relaxed score prices a long document at its world-seconds, so it prefers a wide
-    dp layout in which that document leaves all but one dp group idle; the bound does not."""
+    dp layout in which that document leaves all but one dp group idle; the bound does not. pp layouts are
+    left out of the seeding (they stay candidates of the relaxed sets): the bound is exact over subsets of
+    gradient kinds (tp, pp, fsdp shard), exponential in their count, and pp multiplies them (64 ranks: 19 GB)."""
+    keep = [i for i, lay in enumerate(layouts) if lay.pp == 1]
+    if len(keep) < len(layouts):
+        pick = (star,) if star is not None and layouts[star].pp == 1 else ()
+        sub = _oracle_seeded(cm, [layouts[i] for i in keep], batches, keep.index(pick[0]) if pick else None,
+                             context, max_layouts, k)
+        return [(score, size, tuple(keep[i] for i in subset)) for score, size, subset in sub]
     rates = [layout_rates(cm, layouts, b) for b in batches]
     share = np.zeros(len(layouts))
     for r in rates:

@@ -131,3 +131,20 @@ def test_the_planner_plans_pp_layouts_once_the_runtime_runs_them(monkeypatch):
     plain = float(sum(docs[list(mb)].sum() for mb in busiest)) + opt.per_micro_batch * len(busiest)
     assert opt.stage_seconds(docs, groups) >= plain * (1 + 1 / len(busiest)) * (1 - 1e-9)
     assert total >= opt.stage_seconds(docs, groups)
+
+
+def test_the_exact_bound_refuses_more_gradient_kinds_than_it_enumerates():
+    """pp multiplies the gradient kinds (tp, pp, fsdp shard) the exact bound enumerates subsets of (2^k): past
+    MAX_GRADIENT_KINDS it raises naming the count instead of exhausting memory; the candidates' seeding leaves
+    pp layouts out (test_planner's seeded 64-rank test runs with them among the candidates)."""
+    import numpy as np
+
+    from lightning_hotspa.planner.cost.terms import gradient_kind
+    from lightning_hotspa.planner.solve.oracle_bound import MAX_GRADIENT_KINDS, charged_oracles
+
+    cm = AnalyticCostModel("llama13b", "H200", 64)
+    layouts = enumerate_layouts(64, cm)
+    kinds = {gradient_kind(lay) for lay in layouts}
+    assert len(kinds) > MAX_GRADIENT_KINDS and any(lay.pp > 1 for lay in layouts)
+    with pytest.raises(ValueError, match=f"{len(kinds)} gradient kinds"):
+        charged_oracles(cm, np.ones((len(layouts), 3)), layouts)

@@ -21,7 +21,12 @@ from ...layout import Layout
 from ..cost.cost_model import AnalyticCostModel
 from ..cost.terms import gradient_kind
 
-__all__ = ["charged_oracle", "charged_oracles", "exclusive_seconds", "oracle_assignment", "oracle_from_rates"]
+#: the exact bound's limit: subsets of gradient kinds are enumerated (2^k compute bisections, 2^k x k switch
+#: orders); beyond it a caller must pass fewer layouts (the candidates' seeding leaves pp layouts out)
+MAX_GRADIENT_KINDS = 16
+
+__all__ = ["MAX_GRADIENT_KINDS", "charged_oracle", "charged_oracles", "exclusive_seconds", "oracle_assignment",
+           "oracle_from_rates"]
 
 
 def oracle_assignment(rates: np.ndarray, dp: np.ndarray, fixed: float = 0.0) -> tuple[float, np.ndarray]:
@@ -159,6 +164,9 @@ def charged_oracles(cm: AnalyticCostModel, rates: np.ndarray, layouts: Sequence[
     for i, lay in enumerate(layouts):
         by_kind.setdefault(gradient_kind(lay), []).append(i)
     kinds = sorted(by_kind)
+    if len(kinds) > MAX_GRADIENT_KINDS:
+        raise ValueError(f"charged_oracles: {len(kinds)} gradient kinds (tp, pp, fsdp shard) {kinds}; the exact bound "
+                         f"enumerates every subset (2^k) and handles at most {MAX_GRADIENT_KINDS}: pass fewer layouts")
     reduction = [cm.reductions_seconds([layouts[i] for i in by_kind[k]]) for k in kinds]
     switching = _switch_orders(cm, [layouts[by_kind[k][0]] for k in kinds])
     floor = oracle_assignment(rates, dp)[0] if kinds else math.inf
