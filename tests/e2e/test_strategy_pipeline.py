@@ -4,7 +4,8 @@ ONE rank pool: (1) 3 AdamW steps of plans that switch between ``dp4``, ``dp2xpp2
 inside each step, activation checkpointing on, fp32: every step's home gradients and loss equal the
 single process's from the same weights (1e-5); (2) fp64: 2 steps saved (DCP) under the layout set
 ``dp4, dp2xpp2``, resumed under ``dp4, pp4`` (another pp degree) for the third step, equal to the
-uninterrupted 3 steps at 1e-12.
+uninterrupted 3 steps at 1e-12; (3) the plans of (1) under bf16-mixed within test_strategy's bf16
+bounds of the fp32 single process.
 """
 
 from __future__ import annotations
@@ -76,7 +77,9 @@ def pipeline_in_the_trainer(path: str) -> dict:
     trainer, resumed = _fit(["dp4", "pp4"], full_plans[2:], 3, ckpt_path=path)  # step 2 only
     full_w = {n: p.detach().full_tensor() for n, p in full.named_parameters()}
     resumed_w = {n: p.detach().full_tensor() for n, p in resumed.named_parameters()}
-    return {"compared": compared, "resume_errors": rel_errors(resumed_w, full_w), "resumed_step": trainer.global_step}
+    bf16 = fit_and_compare(LAYOUTS, 3, "bf16-mixed", plans=plans, make_model=tiny4)
+    return {"compared": compared, "resume_errors": rel_errors(resumed_w, full_w), "resumed_step": trainer.global_step,
+            "bf16": bf16}
 
 
 @pytest.mark.slow
@@ -90,3 +93,10 @@ def test_pp_layouts_in_the_trainer_equal_single_process_and_resume_at_another_pp
     assert worst(compared["weights"])[1] <= 1e-4, worst(compared["weights"])
     assert result["resumed_step"] == 3
     assert max(result["resume_errors"].values()) <= 1e-12, worst(result["resume_errors"])
+    # bf16-mixed (bf16 working copies and P2P activations, fp32 home): test_strategy's bf16 bounds
+    bf16 = result["bf16"]
+    assert bf16["global_step"] == 3
+    for step, errors in enumerate(bf16["grads"]):
+        assert worst(errors)[1] <= 5e-2, (step, worst(errors))
+    assert max(bf16["losses"]) <= 1e-2, bf16["losses"]
+    assert worst(bf16["weights"])[1] <= 5e-2, worst(bf16["weights"])
