@@ -9,7 +9,7 @@ peer's closed connection, not on a timeout. Rank 1 kills itself in the forward o
 transformer block of its second round of the mixed stage (its cp2 block's partner is rank 0; ranks
 2 and 3 compute at cp1 beside it).
 
-    python tests/mixed_kill_job.py OUT_DIR [--deadline S] [--modes mixed,blocks,tp]
+    python tests/mixed_kill_job.py OUT_DIR [--deadline S] [--modes mixed,blocks,tp,pp]
 
 ``--modes``: the jobs to run one after the other from this one parent (one import of torch, Lightning
 and the tests it reuses), each into OUT_DIR/<mode>; default ``mixed``.
@@ -21,6 +21,10 @@ ranks 2 and 3 (replicated dp blocks of their own) in the stage's joint exchange.
 ``tp``: a switching plan (dp4, then tp4: issue 52) where rank 1 dies in the middle of a tp-overlap
 ring (after the first step of a row-parallel layer's matmul + reduce-scatter in its tp4 stage); the
 others fail inside that ring, naming the tp group.
+
+``pp``: a switching plan (dp4, then dp2xpp2: issue 56) where rank 1 (the first pipeline stage of pp
+group {1, 3}) dies entering a transformer layer inside torch's pipeline schedule; rank 3 fails in the
+schedule's point-to-point, ranks 0 and 2 (the other pp group) in the stage's gradient reduction.
 
 writes OUT_DIR/<mode>/job.json (exit codes, who hung, the kill's breadcrumb) and
 OUT_DIR/<mode>/rank<r>.log.
@@ -98,15 +102,39 @@ def tp_plan() -> tuple[StepPlan, list[str]]:
     return StepPlan(0, lengths, (dealt_stage("dp4", [0, 1, 2, 3]), dealt_stage("tp4", [4, 5, 6, 7]))), ["dp4", "tp4"]
 
 
-def rank_main(rank: int, port: int, out: Path, blocks: bool = False, tp: bool = False) -> None:
+def install_pp_kill(model: LlamaLM, strategy: HotSPaStrategy, out: Path) -> None:
+    """Rank 1 dies entering any transformer layer in the pp stage (the plan's second)."""
+    tracker = strategy.tracker
+
+    def die(module, args):
+        if tracker.stage == 1:
+            (out / "kill.json").write_text(json.dumps({"where": tracker.describe()}))
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    for layer in model.model.layers:
+        layer.register_forward_pre_hook(die)
+
+
+def pp_plan() -> tuple[StepPlan, list[str]]:
+    """dp4 then dp2xpp2 over 8 documents, two one-document micro-batches per dp group in the pp stage."""
+    from helpers import dealt_stage
+
+    from lightning_hotspa.plan import Stage
+
+    lengths = (40, 33, 57, 21, 64, 18, 45, 30)
+    pp = Stage(Layout.parse("dp2xpp2"), (((4,), (6,)), ((5,), (7,))))
+    return StepPlan(0, lengths, (dealt_stage("dp4", [0, 1, 2, 3]), pp)), ["dp4", "dp2xpp2"]
+
+
+def rank_main(rank: int, port: int, out: Path, blocks: bool = False, tp: bool = False, pp: bool = False) -> None:
     log = (out / f"rank{rank}.log").open("w")
     os.dup2(log.fileno(), 1)
     os.dup2(log.fileno(), 2)
     os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(WORLD), "NODE_RANK": "0",
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
     torch.set_num_threads(1)
-    if tp:
-        plan, layouts = tp_plan()
+    if tp or pp:
+        plan, layouts = tp_plan() if tp else pp_plan()
     else:
         plan, layouts = (block_plans(WORLD)[2], BLOCK_LAYOUTS[WORLD]) if blocks else (planner_mixed_plans()[0], PAIR_4)
         stage = next(k for k, s in enumerate(plan.stages) if s.blocks)
@@ -115,6 +143,8 @@ def rank_main(rank: int, port: int, out: Path, blocks: bool = False, tp: bool = 
     model = LlamaLM("tiny", seed=3, lr=2e-3)
     if rank == 1 and tp:
         install_ring_kill(strategy, out)
+    elif rank == 1 and pp:
+        install_pp_kill(model, strategy, out)
     elif rank == 1:
         install_kill(model, strategy, stage, out)
     trainer = L.Trainer(accelerator="cpu", devices=WORLD, strategy=strategy, max_steps=1, logger=False,
@@ -125,7 +155,7 @@ def rank_main(rank: int, port: int, out: Path, blocks: bool = False, tp: bool = 
     print(f"job: rank {rank} finished", flush=True)
 
 
-MODES = ("mixed", "blocks", "tp")
+MODES = ("mixed", "blocks", "tp", "pp")
 
 
 def main() -> None:
@@ -134,7 +164,8 @@ def main() -> None:
     parser.add_argument("--deadline", type=float, default=300.0, help="kill a job's ranks still running after this")
     parser.add_argument("--modes", default="mixed",
                         help="comma list of: mixed (a mixed-cp round), blocks (the block stage of test_blocks, "
-                             "issue 38), tp (a tp4 stage, killed inside a tp-overlap ring, issue 52)")
+                             "issue 38), tp (a tp4 stage, killed inside a tp-overlap ring, issue 52), pp (a dp2xpp2 "
+                             "stage, killed inside the pipeline schedule, issue 56)")
     args = parser.parse_args()
     modes = [m for m in args.modes.split(",") if m]
     unknown = sorted(set(modes) - set(MODES))
@@ -144,7 +175,8 @@ def main() -> None:
         out = Path(args.out) / mode
         out.mkdir(parents=True, exist_ok=True)
         port = free_port()
-        job = functools.partial(rank_main, port=port, out=out, blocks=mode == "blocks", tp=mode == "tp")
+        job = functools.partial(rank_main, port=port, out=out, blocks=mode == "blocks", tp=mode == "tp",
+                                pp=mode == "pp")
         ended = run_forked_ranks(WORLD, job, args.deadline)
         kill = out / "kill.json"
         (out / "job.json").write_text(json.dumps({"exit_codes": ended.codes, "hung": ended.hung,

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from ..activation_checkpointing import Checkpointing
 from ..collective_names import collective
 from ..group_collectives import world_collectives
+from ..host import host_reads
 from ..layout import Layout
 from ..plan import RankStage
 
@@ -78,8 +79,9 @@ class StageStats:
         mbs = [m for m in stage.micro_batches if hasattr(m, "num_tokens")]
         sum_sq = sum_len = 0.0
         if mbs:  # a local document of a cp rank is 1/cp of its padded row; one host copy per stage
-            s = torch.cat([m.cu_seqlens.diff() for m in mbs]).double() * stage.compute_layout.cp
-            sum_sq, sum_len = torch.stack([(s * s).sum(), s.sum()]).tolist()
+            with host_reads():  # plan metadata (real tensors under the fake-world estimator's mode)
+                s = torch.cat([m.cu_seqlens.diff() for m in mbs]).double() * stage.compute_layout.cp
+                sum_sq, sum_len = torch.stack([(s * s).sum(), s.sum()]).tolist()
         return cls(stage.layout, order, stage.label,
                    tokens=sum(m.num_tokens for m in mbs), documents=sum(m.num_documents for m in mbs),
                    micro_batches=len(stage.micro_batches), target_tokens=sum(m.num_target_tokens for m in mbs),

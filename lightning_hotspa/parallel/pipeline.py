@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ..host import host_reads
 from ..layout import Layout, LayoutError
 from ..micro_batch import MicroBatch
 from ..plan import IGNORE_INDEX
@@ -268,7 +269,8 @@ class PipelineRunner:
             self._cache[key] = self._build(layout, n_mb, tokens, dtype)
             self.built += 1
         schedule = self._cache[key]
-        padded = [pad_micro_batch(mb, tokens) for mb in micro_batches]
+        with host_reads():  # plan metadata (real tensors under the fake-world estimator's mode)
+            padded = [pad_micro_batch(mb, tokens) for mb in micro_batches]
         for stage in schedule._stages if hasattr(schedule, "_stages") else [schedule._stage]:
             stage.hotspa_micro_batches = padded
         losses: list[Tensor] = []

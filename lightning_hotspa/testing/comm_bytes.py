@@ -172,11 +172,30 @@ def count_collective_bytes() -> Iterator[CollectiveLog]:
 
         return counted
 
-    for name, fn in originals.items():
-        setattr(dist, name, wrap(name, fn))
+    wrapped = {name: wrap(name, fn) for name, fn in originals.items()}
+    for name, fn in wrapped.items():
+        setattr(dist, name, fn)
+    p2p_op = dist.P2POp
+    dist.P2POp = _p2p_op_class(p2p_op, {id(wrapped[n]): originals[n] for n in ("isend", "irecv")})
     try:
         with _FunctionalCollectiveMode(log):
             yield log
     finally:
+        dist.P2POp = p2p_op
         for name, fn in originals.items():
             setattr(dist, name, fn)
+
+
+def _p2p_op_class(base: type, unwrap: dict[int, object]) -> type:
+    """``P2POp`` that accepts the counted ``dist.isend`` / ``dist.irecv`` (torch's pipelining builds
+    ``dist.P2POp(dist.isend, ...)``; ``P2POp`` accepts only the original functions) and holds the
+    original: the ``batch_isend_irecv`` that runs it is counted once, with its receives' bytes."""
+
+    class CountedP2POp(base):
+        def __new__(cls, op, *args, **kwargs):
+            return super().__new__(cls, unwrap.get(id(op), op), *args, **kwargs)
+
+        def __init__(self, op, *args, **kwargs) -> None:
+            super().__init__(unwrap.get(id(op), op), *args, **kwargs)
+
+    return CountedP2POp

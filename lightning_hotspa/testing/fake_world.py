@@ -14,7 +14,8 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
-__all__ = ["CATEGORIES", "FakeWorld", "fake_mode", "host_reads_real", "is_fake", "MemoryTracker"]
+__all__ = ["CATEGORIES", "FakeWorld", "fake_mode", "host_reads_real", "is_fake", "MemoryTracker",
+           "static_pipeline_votes"]
 
 #: categories reported, in order (MemTracker's reference types folded into the issue's five)
 CATEGORIES = ("params", "grads", "optimizer", "activations", "temporaries")
@@ -62,6 +63,37 @@ def host_reads_real() -> Iterator[None]:
 
     with unset_fake_temporarily():
         yield
+
+
+@contextlib.contextmanager
+def static_pipeline_votes() -> Iterator[None]:
+    """torch's pipeline schedules (2.13) start with a vote over the pp ranks, point-to-point, on whether
+    every stage declared its shapes (STATIC) or some must infer them (DYNAMIC). The fake group moves
+    no bytes, so a rank reads its zero-initialized receive buffer (DYNAMIC: it then waits for metadata
+    no peer sends), and under ``FakeTensorMode`` the vote's ``.item()`` has no value at all. Within
+    the block each rank takes its OWN stages' votes (every stage of this package declares its shapes;
+    one that does not raises). Torch releases without the vote are left alone."""
+    from torch.distributed.pipelining import schedules
+
+    base = schedules._PipelineSchedule
+    original = base.__dict__.get("_warmup_p2p")
+    if original is None:
+        yield
+        return
+    from torch.distributed.pipelining._utils import InferenceMode
+
+    def local_vote(self, stages, has_backward, p2p_done):
+        for stage in stages:
+            if InferenceMode.needs_dynamic(stage._user_meta, has_backward):
+                raise RuntimeError(f"pipeline stage {stage.stage_index} declares no static shapes: the fake "
+                                   f"world cannot run torch's shape inference (it moves no bytes)")
+            stage._inference_mode = InferenceMode.STATIC
+
+    base._warmup_p2p = local_vote
+    try:
+        yield
+    finally:
+        base._warmup_p2p = original
 
 
 def _is_meta(device: object) -> bool:

@@ -4,7 +4,8 @@
 pp2 x tp2, pp2 x cp2, pp4; an uneven layer split: 9 layers) and a step that switches pp -> dp4 ->
 tp2xcp2 -> pp inside one optimizer step, run by the StepRunner, give the single process's loss and
 home gradients (per tensor ||ours - ref|| / ||ref|| <= 1e-5, fp32). A rank of a pp layout holds
-only its stages' parameters.
+only its stages' parameters. For GPipe, 1F1B and interleaved 1F1B, 3 AdamW steps of that switching
+plan in fp64 end at the single process's weights (1e-9; the issue asks 1e-5, fp64 leaves ~1e-13).
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ def cases() -> dict[str, tuple]:
     return out
 
 
-def build_setup(layouts: list[str], build=lambda: LlamaFusedLoss(CONFIG)):
+def build_setup(layouts: list[str], build=lambda: LlamaFusedLoss(CONFIG), dtype=torch.float32):
     """``(module, world, shardings, home, parallel, engine, init)`` on this rank's process group."""
     from lightning_hotspa.engine.switch import SwitchEngine, build_home_parameters
     from lightning_hotspa.mesh import WorldMesh
@@ -61,7 +62,7 @@ def build_setup(layouts: list[str], build=lambda: LlamaFusedLoss(CONFIG)):
     world = WorldMesh(layouts)
     roles = param_roles(module, LlamaLoss.plan(CONFIG))
     shardings = build_shardings({n: tuple(p.shape) for n, p in init.items()}, roles, world.shape)
-    home = build_home_parameters(world, shardings, lambda name, shape: init[name])
+    home = build_home_parameters(world, shardings, lambda name, shape: init[name], dtype)
     parallel = ParallelModel(module, roles, world)
     parallel.restore(home)
     return module, world, shardings, home, parallel, SwitchEngine(world, shardings, home), init
@@ -100,6 +101,54 @@ def run_pipeline_checks(schedules: list[str], case_names: list[str] | None = Non
     return out
 
 
+def run_trajectories(schedules: list[str]) -> dict:
+    """On every rank: :func:`trajectory_errors` per schedule."""
+    return {schedule: trajectory_errors(schedule) for schedule in schedules}
+
+
+#: the schedules whose 3-step fp64 trajectories are checked (zero bubble: the per-step check only)
+TRAJECTORY_SCHEDULES = ["gpipe", "1f1b", "interleaved_1f1b"]
+
+
+def trajectory_errors(schedule: str, steps: int = 3) -> dict:
+    """3 AdamW steps in fp64, each step the plan that switches pp -> dp4 -> tp2xcp2 -> pp (new
+    documents per step), against the single process's 3 steps on the same global mini-batches:
+    the largest per-step loss error and the final weights' largest per-tensor relative error."""
+    from lightning_hotspa.engine.step_runner import StepRunner
+    from lightning_hotspa.plan import StepPlan, pack_micro_batch, slice_plan
+
+    def build():
+        return LlamaFusedLoss(CONFIG).double()
+
+    def adamw(params):
+        return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, foreach=False)
+
+    reference = build()
+    ref_opt = adamw(reference.parameters())
+    module, world, _, home, parallel, engine, _ = build_setup(MESH, build, torch.float64)
+    runner = StepRunner(engine, parallel, pipeline_schedule=schedule)
+    optimizer = adamw(list(home.values()))
+    loss_errors = []
+    for step in range(steps):
+        g = torch.Generator().manual_seed(zlib.crc32(f"trajectory/{step}".encode()))
+        docs = [torch.randint(0, CONFIG.vocab_size, (n,), generator=g) for n in LENGTHS]
+        ref_opt.zero_grad()
+        ref_loss = reference.training_step(pack_micro_batch(docs))
+        ref_loss.backward()
+        ref_opt.step()
+        ref_loss = float(ref_loss.detach())
+        plan = slice_plan(StepPlan(step, tuple(LENGTHS), cases()["switch"]), docs, world.shape, world.rank)
+        result = runner.run(plan, module.training_step)
+        engine.assign_home_grads()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        engine.clear_grad_store()
+        loss_errors.append(abs(float(result.loss) - ref_loss) / abs(ref_loss))
+    ref = dict(reference.named_parameters())
+    weights = {n: rel_error(p.detach().full_tensor(), ref[n]) for n, p in home.items()}
+    return {"loss": max(loss_errors), "weights": max(weights.values()), "dtype": str(next(iter(home.values())).dtype)}
+
+
 SCHEDULE_NAMES = ["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"]
 
 
@@ -116,6 +165,13 @@ def test_pipeline_layouts_and_switch_equal_single_process(ranks):
         # pp2: one of two stages (an uneven 9-layer split: 5 + the head, or 4 + the embedding)
         assert res["fraction"]["dp2xpp2"] < 0.75 and res["fraction"]["pp4"] < 0.5, res["fraction"]
         assert res["built"]["1f1b"] == 6  # one per (layout, micro-batch count, tokens): 4 layouts + the switch's 2
+    # the same rank pool: 3 fp64 AdamW steps of the switching plan per schedule
+    trajectories = ranks(4).run(run_trajectories, TRAJECTORY_SCHEDULES, timeout_s=600)
+    for rank, res in enumerate(trajectories):
+        assert set(res) == set(TRAJECTORY_SCHEDULES)
+        for schedule, traj in res.items():  # the issue's 1e-5; fp64 rounding leaves ~1e-13 (1e-9: Adam's noise)
+            assert traj["dtype"] == "torch.float64" and traj["loss"] <= 1e-10 and traj["weights"] <= 1e-9, \
+                (rank, schedule, traj)
 
 
 def test_pipeline_validation_errors():

@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 DEADLINE_S = 300.0  # the job kills what still runs then; the ranks' process-group timeout is 30 min
 
 
-MODES = ("mixed", "blocks", "tp")
+MODES = ("mixed", "blocks", "tp", "pp")
 
 
 def _kill_jobs(out: Path) -> dict[str, dict]:
@@ -113,6 +113,24 @@ def test_a_rank_killed_inside_a_tp_overlap_ring_fails_the_others_with_the_group_
         assert killed["exit_codes"][str(rank)] != 0 and errors, log[-3000:]
         line = errors[-1]
         assert re.search(r"(matmul|ring).* on process group '[^']+' \(ranks \[0, 1, 2, 3\]\)", line), line
+        assert "timed out" not in line.lower(), line
+
+
+def test_a_rank_killed_inside_a_pipeline_schedule_fails_the_others_naming_the_stage(jobs):
+    """Issue 56: rank 1 (first pipeline stage of pp group {1, 3}) dies inside torch's 1F1B schedule
+    of the dp2xpp2 stage; its pp peer 3 fails in that schedule's point-to-point, ranks 0 and 2 in the
+    stage's gradient reduction: each a CollectiveError naming the step's stage and its layout (not
+    the pipeline stage index: torch's P2P is not one of the package's named collectives), no timeout."""
+    killed = jobs["pp"]
+    assert killed["kill"] is not None, "rank 1 never reached its kill point"
+    assert "stage 2/2 (layout dp2xpp2)" in killed["kill"]["where"], killed["kill"]
+    assert killed["hung"] == [] and killed["exit_codes"]["1"] == -signal.SIGKILL
+    for rank, phase in ((0, "phase reduce"), (2, "phase reduce"), (3, "phase forward-backward")):
+        log = killed["logs"][rank]
+        errors = [x for x in log.splitlines() if "CollectiveError:" in x]
+        assert killed["exit_codes"][str(rank)] != 0 and errors, log[-3000:]
+        line = errors[-1]
+        assert f"at rank {rank}, global step 0" in line and "stage 2/2 (layout dp2xpp2)" in line and phase in line, line
         assert "timed out" not in line.lower(), line
 
 

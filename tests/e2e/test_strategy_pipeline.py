@@ -1,0 +1,102 @@
+"""HotSPaStrategy with declared pp layouts under a real Lightning Trainer on 4 gloo ranks.
+
+ONE rank pool: (1) 3 AdamW steps of plans that switch between ``dp4``, ``dp2xpp2`` and ``pp4``
+inside each step, activation checkpointing on, fp32: every step's home gradients and loss equal the
+single process's from the same weights (1e-5); (2) fp64: 2 steps saved (DCP) under the layout set
+``dp4, dp2xpp2``, resumed under ``dp4, pp4`` (another pp degree) for the third step, equal to the
+uninterrupted 3 steps at 1e-12; (3) the plans of (1) under bf16-mixed within test_strategy's bf16
+bounds of the fp32 single process.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from helpers import LENGTHS, fit_and_compare, lightning_rank_env, rank_plans, rel_errors, worst
+
+import lightning_hotspa  # noqa: F401  (registers "hotspa")
+from lightning_hotspa.layout import Layout
+from lightning_hotspa.plan import Stage, StepPlan
+
+LAYOUTS = ["dp4", "dp2xpp2", "pp4"]
+
+
+def tiny4(dtype=torch.float32, **kwargs):
+    """The tiny LlamaLM with 4 layers (pp4: one per stage), seed 3."""
+    from lightning_hotspa.models import LlamaConfig, LlamaLM
+
+    kwargs = {"lr": 2e-3, "weight_decay": 0.1, **kwargs}
+    return LlamaLM(LlamaConfig.preset("tiny", n_layers=4), seed=3, **kwargs).to(dtype)
+
+
+def _stage(name: str, doc_ids: list[int]) -> Stage:
+    """One document per micro-batch, dealt round-robin (each dp group gets >= pp micro-batches)."""
+    lay = Layout.parse(name)
+    return Stage(lay, tuple(tuple((d,) for d in doc_ids[g::lay.dp]) for g in range(lay.dp)), label=name)
+
+
+def _plan(step: int, order: list[str]) -> StepPlan:
+    lengths = LENGTHS[step % len(LENGTHS)]
+    ids = list(range(len(lengths)))
+    share = -(-len(ids) // len(order))
+    return StepPlan(step, tuple(lengths), tuple(_stage(name, ids[i * share:(i + 1) * share])
+                                                for i, name in enumerate(order)))
+
+
+#: every step switches into and out of pp inside the step
+ORDERS = [["dp2xpp2", "dp4", "pp4"], ["dp4", "pp4", "dp2xpp2"], ["pp4", "dp2xpp2", "dp4"]]
+
+
+def _fit(layouts, plans, steps, ckpt_path=None):
+    import lightning as L
+
+    from lightning_hotspa import HotSPaStrategy
+
+    batches = rank_plans(plans, [Layout.parse(x) for x in layouts], dist.get_rank())
+    model = tiny4(torch.float64, warmup_steps=1, max_steps=10)  # an LR schedule to restore
+    with lightning_rank_env():
+        trainer = L.Trainer(accelerator="cpu", devices=dist.get_world_size(), strategy=HotSPaStrategy(layouts),
+                            max_steps=steps, precision="64-true", logger=False, enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False)
+        trainer.fit(model, train_dataloaders=torch.utils.data.DataLoader(batches, batch_size=None,
+                                                                         collate_fn=lambda x: x),
+                    ckpt_path=ckpt_path)
+    return trainer, model
+
+
+def pipeline_in_the_trainer(path: str) -> dict:
+    """On every rank: the fp32 comparison, then the fp64 save at one pp degree and resume at another."""
+    plans = [_plan(s, ORDERS[s]) for s in range(3)]
+    compared = fit_and_compare(LAYOUTS, 3, "32-true", plans=plans, make_model=tiny4, activation_checkpointing=True)
+    full_plans = [_plan(0, ["dp2xpp2", "dp4"]), _plan(1, ["dp4", "dp2xpp2"]), _plan(2, ["pp4", "dp4"])]
+    _, full = _fit(LAYOUTS, full_plans, 3)
+    trainer, _ = _fit(["dp4", "dp2xpp2"], full_plans[:2], 2)
+    with lightning_rank_env():
+        trainer.save_checkpoint(path)
+    trainer, resumed = _fit(["dp4", "pp4"], full_plans[2:], 3, ckpt_path=path)  # step 2 only
+    full_w = {n: p.detach().full_tensor() for n, p in full.named_parameters()}
+    resumed_w = {n: p.detach().full_tensor() for n, p in resumed.named_parameters()}
+    bf16 = fit_and_compare(LAYOUTS, 3, "bf16-mixed", plans=plans, make_model=tiny4)
+    return {"compared": compared, "resume_errors": rel_errors(resumed_w, full_w), "resumed_step": trainer.global_step,
+            "bf16": bf16}
+
+
+@pytest.mark.slow
+def test_pp_layouts_in_the_trainer_equal_single_process_and_resume_at_another_pp_degree(ranks, tmp_path):
+    result = ranks(4).run(pipeline_in_the_trainer, str(tmp_path / "ckpt"), timeout_s=600)[0]
+    compared = result["compared"]
+    assert compared["global_step"] == 3
+    for step, errors in enumerate(compared["grads"]):
+        assert worst(errors)[1] <= 1e-5, (step, worst(errors))
+    assert max(compared["losses"]) <= 1e-5, compared["losses"]
+    assert worst(compared["weights"])[1] <= 1e-4, worst(compared["weights"])
+    assert result["resumed_step"] == 3
+    assert max(result["resume_errors"].values()) <= 1e-12, worst(result["resume_errors"])
+    # bf16-mixed (bf16 working copies and P2P activations, fp32 home): test_strategy's bf16 bounds
+    bf16 = result["bf16"]
+    assert bf16["global_step"] == 3
+    for step, errors in enumerate(bf16["grads"]):
+        assert worst(errors)[1] <= 5e-2, (step, worst(errors))
+    assert max(bf16["losses"]) <= 1e-2, bf16["losses"]
+    assert worst(bf16["weights"])[1] <= 5e-2, worst(bf16["weights"])
