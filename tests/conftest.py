@@ -50,7 +50,7 @@ FAST_MODULES = frozenset({
     "test_block_lanes", "test_cp_kinds", "test_docs_agree", "test_docs_paths", "test_ladder", "test_model_shape",
     "test_fsdp_planner", "test_hf",
     "test_kv_ring",
-    "test_collectives_door",
+    "test_collectives_door", "test_configs_home", "test_strategy_surface",
     "test_layout", "test_long_grid", "test_minibatches", "test_packing", "test_plan", "test_planner",
     "test_profile_update", "test_recipe_smoke", "test_timeline", "test_varlen_kernels", "test_vocab",
 })
@@ -63,7 +63,8 @@ FAST_MODULES = frozenset({
 #: its place after them.
 LONGEST_FIRST = (
     "e2e/test_mixed_kill.py", "distributed/test_pipeline.py", "e2e/test_reliability.py", "unit/test_memory.py",
-    "e2e/test_profiled.py", "distributed/test_fp8_ranks.py", "e2e/test_recipe_smoke.py",
+    "e2e/test_profiled.py", "distributed/test_fp8_ranks.py", "unit/test_pipeline_fake_world.py",
+    "e2e/test_strategy_pipeline.py", "e2e/test_recipe_smoke.py",
     "e2e/test_multinode.py", "e2e/test_recipe_smoke_benchmark_compile.py", "unit/test_architecture.py",
     "unit/test_planner.py", "distributed/test_parallel.py", "e2e/test_strategy.py", "e2e/test_recipes.py",
     "distributed/test_blocks.py", "e2e/test_lightning_parity.py", "e2e/test_what_a_user_sees.py",
