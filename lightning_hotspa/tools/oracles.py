@@ -50,8 +50,12 @@ def charged_oracle(cm: AnalyticCostModel, lengths: np.ndarray, layouts: Sequence
 
 
 def oracle_ladder(cm: AnalyticCostModel, lengths: np.ndarray, candidates: Sequence[Layout]) -> dict[str, float]:
-    """Seconds of each step of :data:`LADDER` for one batch (each >= the one before)."""
-    layouts = enumerate_layouts(cm.world_size, cm)
+    """Seconds of each step of :data:`LADDER` for one batch (each >= the one before). The layouts are every
+    runnable one without pp plus the candidates' pp layouts: the exact bound enumerates subsets of gradient
+    kinds (``oracle_bound.MAX_GRADIENT_KINDS``) and every pp degree multiplies them; pp is priced where the
+    candidates hold it (its bubble keeps it out of every cell so far)."""
+    flat = enumerate_layouts(cm.world_size, cm, pp=False)
+    layouts = flat + [c for c in dict.fromkeys(candidates) if c.pp > 1 and c not in flat]
     rates = layout_rates(cm, layouts, lengths)
     dp = np.array([lay.dp for lay in layouts], dtype=np.float64)
     loosest = oracle_from_rates(rates, dp, min(cm.grad_reduce_seconds(lay) for lay in layouts))

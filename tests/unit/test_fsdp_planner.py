@@ -164,8 +164,9 @@ def test_candidates_offer_both_copies_and_mix_them_in_one_mesh():
     """70B on 64 H100: without :fsdp no layout with tp < 4 fits; with it, every degree set that
     fits has both variants next to each other, and dominance keeps what wins per layout."""
     cm = AnalyticCostModel("llama3-70b", "H100", 64)
-    replicated_only = enumerate_layouts(64, cm, fsdp=False)
-    both = enumerate_layouts(64, cm)
+    replicated_only = enumerate_layouts(64, cm, fsdp=False, pp=False)  # pp splits the model too (below)
+    both = enumerate_layouts(64, cm, pp=False)
+    assert any(lay.pp > 1 and lay.tp < 8 for lay in enumerate_layouts(64, cm, fsdp=False))
     assert all(lay.tp >= 8 for lay in replicated_only) and Layout.parse("dp64:fsdp") in both
     assert set(replicated_only) <= set(both)
     assert {lay.degrees for lay in both if lay.fsdp} >= set(replicated_only)
