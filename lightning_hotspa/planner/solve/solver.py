@@ -60,7 +60,8 @@ from ..profiled.calibration import Observation, ProfiledCoefficients, apply_coef
 from ..profiled.schedule import CoefficientSchedule, ScheduleEntry
 from .assign import pack_in_order, solve_heuristic
 from .exact import solve_exact
-from .ladder import LadderBlock, LadderGroups, LadderPlanner, joint_exchange_seconds, remap
+from .ladder import LadderPlanner
+from .ladder_blocks import LadderBlock, LadderGroups, joint_exchange_seconds, remap
 from .mixed_rounds import MixedBlock, MixedGroups, MixedRounds
 from .packing import DocumentTooLongError, pack_layout
 from .static_guard import DEFAULT_STATIC_MARGIN, GuardDecision, check_margin, guard, used_layouts
