@@ -49,7 +49,7 @@ FAST_MODULES = frozenset({
     "test_bad_input_table", "test_block_metrics", "test_block_plan", "test_chat_data", "test_checkpointing",
     "test_block_lanes", "test_cp_kinds", "test_docs_agree", "test_docs_paths", "test_ladder", "test_model_shape",
     "test_fsdp_planner", "test_hf",
-    "test_kv_ring",
+    "test_kv_ring", "test_module_sizes",
     "test_collectives_door", "test_configs_home", "test_strategy_surface",
     "test_layout", "test_long_grid", "test_minibatches", "test_packing", "test_plan", "test_planner",
     "test_profile_update", "test_recipe_smoke", "test_timeline", "test_varlen_kernels", "test_vocab",

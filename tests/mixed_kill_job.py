@@ -2,7 +2,7 @@
 mixed-cp round (issue 31) and the others must fail with a ``CollectiveError`` naming the group.
 
 The parent imports torch and Lightning once, builds the planner-made mixed plan of
-``test_mixed_planner.MIXED_BATCHES[0]`` and forks the ranks (torchrun-style environment, so
+``helpers.MIXED_BATCHES[0]`` and forks the ranks (torchrun-style environment, so
 Lightning sees external processes). Each trains on it with ``HotSPaStrategy`` and the default
 process-group timeout (30 min): a survivor that fails before the job's deadline failed on the dead
 peer's closed connection, not on a timeout. Rank 1 kills itself in the forward of the second
@@ -12,9 +12,9 @@ transformer block of its second round of the mixed stage (its cp2 block's partne
     python tests/mixed_kill_job.py OUT_DIR [--deadline S] [--modes mixed,blocks,tp,pp]
 
 ``--modes``: the jobs to run one after the other from this one parent (one import of torch, Lightning
-and the tests it reuses), each into OUT_DIR/<mode>; default ``mixed``.
+and tests/helpers.py), each into OUT_DIR/<mode>; default ``mixed``.
 
-``blocks``: the block stage of ``test_blocks.block_plans(4)[2]`` instead (issue 38): rank 1 dies in
+``blocks``: the block stage of ``helpers.block_plans(4)[2]`` instead (issue 38): rank 1 dies in
 its second micro-batch of its sharded Ulysses cp2 block {0, 1}; rank 0 fails inside that block,
 ranks 2 and 3 (replicated dp blocks of their own) in the stage's joint exchange.
 
@@ -42,13 +42,11 @@ from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 TESTS = Path(__file__).resolve().parent
-sys.path[:0] = [str(TESTS.parent), str(TESTS), str(TESTS / "distributed"), str(TESTS / "e2e")]  # the tests it reuses
+sys.path[:0] = [str(TESTS.parent), str(TESTS)]  # tests/helpers.py (the plans it reuses)
 
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
-from helpers import rank_plans  # noqa: E402
-from test_blocks import BLOCK_LAYOUTS, block_plans  # noqa: E402
-from test_mixed_planner import PAIR_4, planner_mixed_plans  # noqa: E402
+from helpers import BLOCK_LAYOUTS, PAIR_4, block_plans, planner_mixed_plans, rank_plans  # noqa: E402
 
 import lightning_hotspa  # noqa: E402, F401
 from lightning_hotspa import HotSPaStrategy  # noqa: E402

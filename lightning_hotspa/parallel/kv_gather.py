@@ -48,7 +48,7 @@ from ..plan import MicroBatch
 from ..shard_rows import all_gather_rows, reduce_scatter_rows
 from .collectives import all_to_all_tokens_to_heads
 from .kv_ring import kv_parts, ulysses_heads
-from .ulysses import host_bounds
+from .ulysses import chunked_bounds
 
 __all__ = ["KVGeometry", "kv_geometry", "kv_gather_attention"]
 
@@ -86,12 +86,7 @@ def _full_index(cu_seqlens: Tensor, tokens: int, cp: int, cp_ranks: list[int]) -
 
 def _build_geometry(cu_seqlens: Tensor, cp: int, ulysses: int, kv: int, kv_index: int, window: int | None,
                     where: str) -> KVGeometry:
-    bounds = host_bounds(cu_seqlens)
-    local = [b - a for a, b in zip(bounds, bounds[1:])]
-    if not local or min(local) < 2 or any(n % 2 for n in local):
-        raise LayoutError(f"{where}: with cp={cp} every local document must be two equal chunks (the plan "
-                          f"splits each padded document in 2*cp), got local lengths {local[:8]}; was the "
-                          f"micro-batch packed for this cp size?")
+    bounds, local = chunked_bounds(cu_seqlens, cp, where)
     tokens = bounds[-1]
     full_cu = [0]
     for n in local:

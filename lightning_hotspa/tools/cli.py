@@ -9,7 +9,8 @@
   ``FakeTensorMode`` and a fake process group, next to the cost model's prediction (tools/memory.py).
 * ``hotspa check-calibration``: profiled mode end to end on local gloo ranks with the real model:
   fit on early steps' stage timings, report the prediction error on later (held-out) steps, on
-  each rank's CPU seconds (default, see :data:`CLOCKS`) and on wall seconds.
+  each rank's CPU seconds (default, see :data:`~.check_calibration.CLOCKS`) and on wall seconds
+  (tools/check_calibration.py).
 
 ``--json`` (plan, simulate) prints one JSON object as the last line. Bad inputs exit with code 2 and a
 one-line message naming the cause.
@@ -26,39 +27,11 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["main"]
+from .check_calibration import CLOCKS, calibration_errors
+from .cli_args import CliError, HelpFormatter, SubParser, positive_int, registry_names, token_count
 
-
-class CliError(Exception):
-    """A bad input; printed as one line, exit code 2."""
-
-
-_MAX_TOKENS, _MAX_INT = 2**30, 2**31 - 1  # beyond them an argument is a typo, not a plan (numpy's int64 overflows)
-
-
-def _tokens(text: str) -> int:
-    """``32768``, ``32K`` / ``32k`` (x1024), ``1M`` (x1024^2)."""
-    t = text.strip().lower()
-    mult = {"k": 1024, "m": 1024**2}.get(t[-1:], 1)
-    try:
-        value = int(float(t[:-1] if mult > 1 else t) * mult)
-    except (ValueError, OverflowError):  # OverflowError: 'inf'
-        raise argparse.ArgumentTypeError(f"expected a token count like 32768, 32K or 1M, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"token counts must be positive, got {text!r}")
-    if value > _MAX_TOKENS:
-        raise argparse.ArgumentTypeError(f"token counts above {_MAX_TOKENS // 1024**2}M are out of range, got {text!r}")
-    return value
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if not 1 <= value <= _MAX_INT:
-        raise argparse.ArgumentTypeError(f"expected a positive integer up to {_MAX_INT}, got {text!r}")
-    return value
+# the names tests and callers import from here (CLOCKS, calibration_errors: tools/check_calibration.py)
+__all__ = ["CLOCKS", "CliError", "HelpFormatter", "build_parser", "calibration_errors", "main"]
 
 
 # ------------------------------------------------------------------------------------------ data
@@ -365,220 +338,22 @@ def _cmd_calibrate(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-# ------------------------------------------------------------------------------------------ check-calibration
-#: Which clock ``check-calibration`` reads. ``cpu``: the rank's CPU seconds (``time.process_time``,
-#: all its threads, gloo's included). On this testbed 4 ranks time-share 2 cores with other users'
-#: jobs, so a rank's wall time is set by the OS scheduler and the machine's load (it depends on what
-#: every OTHER process does), not by its own micro-batches; its CPU seconds are what it would take
-#: with a core of its own, the analog of a GPU rank's dedicated device. ``wall``: perf_counter.
-CLOCKS = ("cpu", "wall")
-
-
-def _measure_stages(layouts: list[str], steps: int, seed: int, model: str, tokens_per_rank: int) -> list[list[float]]:
-    """On every rank: run ``steps`` random step plans over all ``layouts`` with the real model
-    (the engine's StepRunner on gloo) and time each stage's micro-batches (forward + backward) on
-    both clocks (device seconds and this rank's CPU seconds). Returns the all-gathered rows (the
-    same on every rank), step-major: the :func:`~.planner.profiled.calibration.encode_observations` columns
-    with device (wall) seconds, plus CPU seconds."""
-    import torch
-    import torch.distributed as dist
-
-    from ..engine.step_runner import StepHooks, StepRunner
-    from ..engine.switch import SwitchEngine, build_home_parameters
-    from ..group_collectives import world_collectives
-    from ..layout import Layout
-    from ..mesh import WorldMesh
-    from ..models import Llama, LlamaConfig, llama_tp_plan, param_roles, token_mean_cross_entropy
-    from ..parallel.model import ParallelModel
-    from ..placements import build_shardings
-    from ..plan import Stage, StepPlan, slice_plan
-    from ..planner.profiled.calibration import ROW_WIDTH, Observation, encode_observations
-    from ..planner.solve.packing import pack_layout
-
-    config = LlamaConfig.preset(model)
-    world = WorldMesh(layouts)
-    lays = [Layout.parse(x) for x in layouts]
-
-    class Wrapped(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            torch.manual_seed(0)
-            self.model = Llama(config)
-            self.loss_fn = token_mean_cross_entropy
-
-        def forward(self, mb):  # type: ignore[no-untyped-def]
-            return self.loss_fn(self.model(mb.input_ids, mb.position_ids, mb.cu_seqlens, mb.max_seqlen), mb.labels)
-
-    module = Wrapped()
-    init = {n: p.detach().clone() for n, p in module.named_parameters()}
-    roles = param_roles(module, llama_tp_plan(config, max(x.tp for x in lays), prefix="model."))
-    shardings = build_shardings({n: tuple(p.shape) for n, p in module.named_parameters()}, roles, world.shape)
-    home = build_home_parameters(world, shardings, lambda name, shape: init[name])
-    parallel = ParallelModel(module, roles, world)
-    parallel.restore(home)
-    engine = SwitchEngine(world, shardings, home)
-
-    class StartTogether(StepHooks):
-        def before_compute(self, stage):  # type: ignore[no-untyped-def]
-            world_collectives().barrier()  # every rank's stage clock starts at once
-
-    # each stage reduces at its end, none overlapped: compute_s is the micro-batches alone
-    runner, hooks = StepRunner(engine, parallel, overlap=False, share_gradients=False), StartTogether()
-    rows = []
-    for step in range(steps):
-        rng = np.random.default_rng([seed, step])
-        lengths, stages = [], []
-        for lay in lays:
-            n = int(rng.integers(2, 6 * lay.dp + 1))
-            doc = np.minimum(np.exp(rng.normal(5.5, 1.0, n)).astype(np.int64) + 8, tokens_per_rank * lay.tp * lay.cp)
-            ids = list(range(len(lengths), len(lengths) + n))
-            lengths.extend(int(x) for x in doc)
-            packed = pack_layout(ids, doc, lay, tokens_per_rank * lay.tp * lay.cp)
-            stages.append(Stage(lay, packed.micro_batches))
-        plan = StepPlan(step, tuple(lengths), tuple(stages))
-        g = torch.Generator().manual_seed(step)
-        docs = [torch.randint(0, config.vocab_size, (n,), generator=g) for n in lengths]
-        mine = slice_plan(plan, docs, world.shape, world.rank)
-        result = runner.run(mine, module, hooks)
-        engine.clear_grad_store()
-        observed = [Observation.from_rank_stage(stage, r.compute_s) for stage, r in zip(mine.stages, result.stages)]
-        cpu = [r.compute_cpu_s for r in result.stages]
-        local = torch.tensor(np.column_stack([encode_observations(observed, lays), cpu]), dtype=torch.float64)
-        gathered = [torch.empty_like(local) for _ in range(dist.get_world_size())]
-        world_collectives().all_gather_list(gathered, local)
-        rows.extend(r.tolist() for t in gathered for r in t.reshape(-1, ROW_WIDTH + 1))
-    return rows
-
-
-def _check_split(steps: int, warmup: int, train_fraction: float) -> None:
-    if not 0 <= warmup <= steps - 2:
-        raise CliError(f"--warmup {warmup} leaves fewer than 2 of the {steps} steps to fit and hold out")
-    if not 0 < train_fraction < 1:
-        raise CliError(f"--train-fraction must be in (0, 1), got {train_fraction}")
-
-
-def calibration_errors(rows: np.ndarray, layouts: Sequence[str], steps: int, warmup: int, train_fraction: float,
-                       prior: Any, clock: str) -> dict[str, Any]:
-    """Held-out errors of one clock from :func:`_measure_stages` rows: the first ``warmup`` steps are
-    dropped (one-off allocations), the next ``train_fraction`` of the steps are fitted, the rest are
-    held out (never seen by the fit). Rank level (each rank's stage seconds) and stage level (the
-    slowest rank, what a step waits for). ``noise_floor``: the stage error on the same held-out
-    steps of a fit that DID see them (all steps): what no coefficients can beat on this data."""
-    from ..layout import Layout
-    from ..planner.profiled.calibration import (
-        ROW_WIDTH,
-        decode_observations,
-        held_out_error,
-        held_out_stage_error,
-        stage_errors,
-    )
-
-    if clock not in CLOCKS:
-        raise CliError(f"unknown clock {clock!r}; use one of {', '.join(CLOCKS)}")
-    rows = np.asarray(rows, dtype=np.float64).reshape(-1, ROW_WIDTH + 1)
-    if steps < 1 or len(rows) % steps:
-        raise CliError(f"{len(rows)} observation rows do not split into {steps} steps")
-    _check_split(steps, warmup, train_fraction)
-    table = rows[:, :ROW_WIDTH].copy()
-    if clock == "cpu":
-        table[:, 5] = rows[:, ROW_WIDTH]
-    obs = decode_observations(table, [Layout.parse(x) for x in layouts])
-    per_step = len(obs) // steps
-    by_step = [obs[i * per_step:(i + 1) * per_step] for i in range(warmup, steps)]
-    train_steps = min(max(1, int(round(len(by_step) * train_fraction))), len(by_step) - 1)
-    flat = [o for step in by_step for o in step]
-    rank = held_out_error(flat, prior, train_fraction=train_steps / len(by_step))
-    stage = held_out_stage_error(by_step, prior, train_steps)
-    floor = stage_errors(by_step, by_step[train_steps:], prior)["stage_mean_error"]
-    return {"clock": clock, "train_steps": train_steps, "held_out_steps": len(by_step) - train_steps,
-            "rank_mean_error": rank.mean_error, "rank_p90_error": rank.p90_error,
-            "rank_per_option": rank.per_option, "analytic_rank_mean_error": rank.analytic_mean_error, **stage,
-            "noise_floor": floor}
-
-
-def _cmd_check_calibration(args: argparse.Namespace) -> dict[str, Any]:
-    import os
-
-    from ..planner.solve.solver import CostModelPlanner
-    from ..testing.spawn import run_on_ranks
-
-    layouts = [x for x in args.layouts.split(",") if x.strip()]
-    planner = CostModelPlanner(layouts, model=args.model, hardware="cpu-gloo", tokens_per_rank=args.tokens_per_rank)
-    if args.clock not in CLOCKS:
-        raise CliError(f"unknown clock {args.clock!r}; use one of {', '.join(CLOCKS)}")
-    _check_split(args.steps, args.warmup, args.train_fraction)
-    load_before = os.getloadavg()[0]
-    rows = np.asarray(run_on_ranks(_measure_stages, args.ranks, layouts, args.steps, args.seed, args.model,
-                                   args.tokens_per_rank, timeout_s=3600)[0])
-    load_after = os.getloadavg()[0]
-    if args.rows_out:
-        np.savetxt(args.rows_out, rows, header=f"layouts={','.join(layouts)} steps={args.steps} "
-                   "columns=layout,ac,sum_sq,sum_len,micro_batches,wall_s,documents,cpu_s")
-    results = {}
-    for c in (args.clock, *[c for c in CLOCKS if c != args.clock]):
-        r = results[c] = calibration_errors(rows, layouts, args.steps, args.warmup, args.train_fraction,
-                                            planner._analytic, c)
-        per = ", ".join(f"{k} {v:.1%}" for k, v in r["stage_per_option"].items())
-        print(f"[{c} clock] held-out stage error (slowest rank): mean {r['stage_mean_error']:.1%} ({per}; "
-              f"{r['stages']} stages of {r['held_out_steps']} held-out steps, fitted on {r['train_steps']}; "
-              f"noise floor {r['noise_floor']:.1%}); rank level mean {r['rank_mean_error']:.1%} (uncalibrated "
-              f"analytic {r['analytic_rank_mean_error']:.1%})")
-    head = results[args.clock]
-    out = {"ranks": args.ranks, "model": args.model, "layouts": layouts, "steps": args.steps,
-           "warmup_steps": args.warmup, "seed": args.seed,
-           "load_average": [load_before, load_after], "clock": args.clock,
-           "stage_mean_error": head["stage_mean_error"], "stage_per_option": head["stage_per_option"],
-           "clocks": results}
-    print(f"load average {load_before:.1f} -> {load_after:.1f} on {os.cpu_count()} cores")
-    return out
-
-
-class HelpFormatter(argparse.HelpFormatter):
-    """Every option's help ends with its default, where it has one (not a flag's False, not None:
-    the help says what None means), unless the help already names it."""
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        text = action.help or ""
-        default = action.default
-        if default is None or default is False or default is argparse.SUPPRESS or "default" in text.lower():
-            return text
-        return f"{text} (default: %(default)s)"
-
-
-class _Parser(argparse.ArgumentParser):
-    """An ``ArgumentParser`` with :class:`HelpFormatter` (every sub-command's parser is one)."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        kwargs.setdefault("formatter_class", HelpFormatter)
-        super().__init__(*args, **kwargs)
-
-
-def _names() -> dict[str, str]:
-    """The registries' names as help text: model presets, hardware profiles, length generators."""
-    from ..data.lengths import LENGTH_PROFILES
-    from ..model_shape import PRESET_SHAPES
-    from ..planner.cost.hardware import PROFILES
-
-    return {"models": ", ".join(n for n in PRESET_SHAPES if not n.startswith("artifact-")),
-            "hardware": ", ".join(PROFILES), "data": ", ".join(LENGTH_PROFILES)}
-
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="hotspa", description=__doc__.split("\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    names = _names()
+    parser = SubParser(prog="hotspa", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=SubParser)
+    names = registry_names()
     plan = sub.add_parser("plan", help="plan one global batch: layout per length band, predicted speed-up")
     plan.add_argument("--model", default="llama7b", help=f"model preset: {names['models']}")
-    plan.add_argument("--world-size", type=_positive, default=8, help="number of devices (ranks)")
+    plan.add_argument("--world-size", type=positive_int, default=8, help="number of devices (ranks)")
     plan.add_argument("--hardware", default="A800-80G", help=f"hardware profile: {names['hardware']}")
     plan.add_argument("--data", default="commoncrawl",
                       help=f"length generator ({names['data']}), a corpus path, or 'stdlib'")
-    plan.add_argument("--global-batch-tokens", type=_tokens, default=_tokens("512K"),
+    plan.add_argument("--global-batch-tokens", type=token_count, default=token_count("512K"),
                       help="tokens per global batch (e.g. 512K, 4M)")
-    plan.add_argument("--context", type=_tokens, default=_tokens("32K"),
+    plan.add_argument("--context", type=token_count, default=token_count("32K"),
                       help="longest document in tokens (longer ones are cut into context-sized chunks)")
     plan.add_argument("--layouts", default="auto", help="'auto' or a comma list like dp8,dp4xtp2,tp4xcp2")
-    plan.add_argument("--tokens-per-rank", type=_positive, default=None,
+    plan.add_argument("--tokens-per-rank", type=positive_int, default=None,
                       help="micro-batch capacity per rank (default: from the memory model)")
     plan.add_argument("--ladder", choices=("declared", "auto", "off"), default="declared",
                       help="block stages (a cp ladder, blocks side by side): of the given layouts only (a real "
@@ -591,9 +366,9 @@ def build_parser() -> argparse.ArgumentParser:
                            " plan with them (issue 53)")
     sim = sub.add_parser("simulate", help="the paper-scale grid: speed-ups over static layouts and the hand-set rule")
     sim.add_argument("--hardware", default=None, help="--grid paper: the profile (default A800-80G)")
-    sim.add_argument("--batches", type=_positive, default=2, help="global batches per cell")
-    sim.add_argument("--sequences", type=_positive, default=512, help="documents per global batch")
-    sim.add_argument("--contexts", type=_tokens, nargs="+", default=None,
+    sim.add_argument("--batches", type=positive_int, default=2, help="global batches per cell")
+    sim.add_argument("--sequences", type=positive_int, default=512, help="documents per global batch")
+    sim.add_argument("--contexts", type=token_count, nargs="+", default=None,
                      help="--grid paper: the contexts (default: the grid's, 8K 16K 32K)")
     sim.add_argument("--seed", type=int, default=0, help="seed of the sampled batches")
     sim.add_argument("--grid", choices=("paper", "long", "smoke"), default="paper", help="paper: 7B-30B, 8K-32K; "
@@ -605,32 +380,19 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--truth", choices=("perturbed",), default=None, help="--grid long/smoke: a ground truth per "
                      "option (tools/truth.py): model-only vs measured planner vs the true oracle")
     sim.add_argument("--noise", choices=("gpu", "cpu"), default="gpu", help="--truth: the headline noise setting")
-    sim.add_argument("--draws", type=_positive, default=5, help="--truth: truth draws per cell")
-    sim.add_argument("--steps", type=_positive, default=200, help="--truth: steps per cell and draw")
-    sim.add_argument("--pool", type=_positive, default=6, help="--truth: priced batches per cell")
-    sim.add_argument("--cells", type=_positive, default=None, help="--truth: only the grid's first N cells")
+    sim.add_argument("--draws", type=positive_int, default=5, help="--truth: truth draws per cell")
+    sim.add_argument("--steps", type=positive_int, default=200, help="--truth: steps per cell and draw")
+    sim.add_argument("--pool", type=positive_int, default=6, help="--truth: priced batches per cell")
+    sim.add_argument("--cells", type=positive_int, default=None, help="--truth: only the grid's first N cells")
     sim.add_argument("--budget", type=float, default=0.03, help="--truth: exploration budget (share of seconds)")
     sim.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     cal = sub.add_parser("calibrate", help="measure the cpu-gloo profile on local gloo ranks")
-    cal.add_argument("--ranks", type=_positive, default=4, help="local gloo ranks to measure on")
-    cal.add_argument("--repeats", type=_positive, default=9, help="timed repeats per measurement (the median counts)")
+    cal.add_argument("--ranks", type=positive_int, default=4, help="local gloo ranks to measure on")
+    cal.add_argument("--repeats", type=positive_int, default=9,
+                     help="timed repeats per measurement (the median counts)")
     cal.add_argument("--json", action="store_true", help="print one JSON object as the last line")
-    chk = sub.add_parser("check-calibration", help="profiled mode end to end: time real stages on local gloo "
-                         "ranks, fit on early steps, report the error on later ones")
-    chk.add_argument("--ranks", type=_positive, default=4, help="local gloo ranks")
-    chk.add_argument("--layouts", default="dp4,dp2xtp2,tp2xcp2", help="comma list of the layouts to time")
-    chk.add_argument("--model", default="tiny", help=f"model preset: {names['models']}")
-    chk.add_argument("--steps", type=_positive, default=16, help="steps to time")
-    chk.add_argument("--warmup", type=int, default=2, help="first steps left out (start-up)")
-    chk.add_argument("--train-fraction", type=float, default=0.5,
-                     help="share of the timed steps the fit sees; the error is reported on the rest")
-    chk.add_argument("--tokens-per-rank", type=_positive, default=1024, help="micro-batch capacity per rank")
-    chk.add_argument("--seed", type=int, default=0, help="seed of the sampled documents")
-    chk.add_argument("--clock", default="cpu", help="cpu (each rank's CPU seconds: see CLOCKS) or wall")
-    chk.add_argument("--rows-out", default=None, help="save the raw observation rows (np.savetxt) here")
-    chk.add_argument("--json", action="store_true", help="print one JSON object as the last line")
-    from . import consolidate, export, memory
-    for command in (export, consolidate, memory):
+    from . import check_calibration, consolidate, export, memory
+    for command in (check_calibration, export, consolidate, memory):
         command.add_parser(sub)
     return parser
 
@@ -663,9 +425,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``hotspa`` console script; returns the exit code."""
     parser = build_parser()
     args = parser.parse_args(_attach_dash_values(parser, list(sys.argv[1:] if argv is None else argv)))
-    from . import consolidate, export, memory
+    from . import check_calibration, consolidate, export, memory
     commands = {"plan": _cmd_plan, "simulate": _cmd_simulate, "calibrate": _cmd_calibrate, "memory": memory.run,
-                "check-calibration": _cmd_check_calibration, "export": export.run, "consolidate": consolidate.run,
+                "check-calibration": check_calibration.run, "export": export.run, "consolidate": consolidate.run,
                 "upgrade-checkpoint": export.run_upgrade}
     try:
         from .progress import progress_enabled

@@ -5,78 +5,10 @@ joint gradient reduction, against the single process on 4 and 8 ranks."""
 import functools
 
 import pytest
-from helpers import LENGTHS, SMALLISH, deal, fit_and_compare, tiny_lm, worst
+from helpers import BLOCK_LAYOUTS, BLOCK_SHAPES, LENGTHS, SMALLISH, block_plans, fit_and_compare, tiny_lm, worst
 
-from lightning_hotspa.layout import Layout, MeshShape
-from lightning_hotspa.plan import Block, Stage, StepPlan, block_dp_groups
-
-#: the candidates of each world: every block's compute layout and, for a sharded one, its working layout
-BLOCK_LAYOUTS = {
-    4: ["dp4", "dp2xtp2", "dp2xcp2", "dp2xcp2:kv", "dp4:fsdp2", "dp2xcp2:fsdp2", "dp2xcp2:kv:fsdp2", "cp4:kv",
-        "cp4:kv:fsdp"],
-    8: ["dp8", "dp4xtp2", "dp2xcp4:kv", "dp2xcp4:kv2", "dp4xcp2", "dp8:fsdp2", "dp2xcp4:kv:fsdp4",
-        "dp2xcp4:kv2:fsdp4", "dp4xcp2:fsdp4", "dp2xtp2xcp2", "dp8:fsdp4", "dp4xtp2:fsdp2"],
-}
-
-#: per world, per step: the block stage's blocks (layout, ranks, micro-batches per dp group, sharded,
-#: checkpointing), and the plain stages before / after it
-BLOCK_SHAPES = {
-    4: [  # cp2 all-gather-KV sharded + a dp block sharded over 2 ranks with 2 and 1 micro-batches
-        ([("dp2xcp2:kv", (0, 1), [1], True, "full"), ("dp4", (2, 3), [2, 1], True, None)], (), ()),
-        # a replicated tp2 block beside a sharded dp block whose second group has no micro-batch
-        ([("dp2xtp2", (0, 1), [2], False, None), ("dp4", (2, 3), [1, 0], True, "full")], ("dp4",), ("dp2xtp2",)),
-        # Ulysses cp2 sharded, two replicated dp1 blocks, one without a micro-batch
-        ([("dp2xcp2", (0, 1), [2], True, None), ("dp4", (2,), [2], False, "selective"),
-          ("dp4", (3,), [0], False, None)], (), ("dp4",)),
-        # one block over the world: cp4 all-gather-KV sharded over all 4 ranks
-        ([("cp4:kv", (0, 1, 2, 3), [2], True, None)], ("dp2xcp2",), ()),
-    ],
-    8: [  # cp4 all-gather-KV sharded over 0-3, a sharded dp block 4-5, a replicated tp2 block 6-7
-        ([("dp2xcp4:kv", range(4), [1], True, "full"), ("dp8", (4, 5), [2, 1], True, None),
-          ("dp4xtp2", (6, 7), [2], False, None)], (), ()),
-        # hybrid cp4 (kv2) sharded, a lockstep dp x cp2 block of two dp groups, one idle
-        ([("dp2xcp4:kv2", range(4), [2], True, None), ("dp4xcp2", range(4, 8), [1, 0], True, "full")],
-         ("dp8",), ()),
-        # tp2 x cp2 replicated beside a sharded dp block of 4 ranks (3, 1, 0, 2 micro-batches)
-        ([("dp2xtp2xcp2", range(4), [1], False, None), ("dp8", range(4, 8), [3, 1, 0, 2], True, None)],
-         (), ("dp4xtp2",)),
-        # a tp2 block sharded over its 4 ranks (two dp groups in lockstep) beside a sharded cp4 block
-        ([("dp4xtp2", range(4), [2, 1], True, None), ("dp2xcp4:kv", range(4, 8), [1], True, "full")], ("dp8",), ()),
-    ],
-}
-
-
-def block_plans(world: int) -> list[StepPlan]:
-    """:data:`BLOCK_SHAPES` of ``world`` as step plans over :data:`LENGTHS`: the longest documents go
-    to the blocks in order, the rest are dealt to the plain stages (or to the last busy block)."""
-    mesh = MeshShape.for_layouts([Layout.parse(x) for x in BLOCK_LAYOUTS[world]], world)
-    plans = []
-    for step, (blocks, before, after) in enumerate(BLOCK_SHAPES[world]):
-        lengths = LENGTHS[step % len(LENGTHS)]
-        docs = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-        built = []
-        for name, ranks, counts, sharded, ac in blocks:
-            layout = Layout.parse(name)
-            groups = tuple(tuple(tuple(docs.pop(0) for _ in range(min(2, len(docs)))) for _ in range(c))
-                           for c in counts)
-            built.append((layout, block_dp_groups(layout, mesh, ranks), groups, sharded, ac))
-        others = list(before) + list(after)
-        rest = sorted(docs)
-        if not others:  # the last block with micro-batches takes the rest, two documents each
-            k = max(i for i, b in enumerate(built) if any(b[2]))
-            layout, dp_groups, groups, sharded, ac = built[k]
-            extra = tuple(tuple(rest[i:i + 2]) for i in range(0, len(rest), 2))
-            built[k] = (layout, dp_groups, (groups[0] + extra,) + groups[1:], sharded, ac)
-        stage = Stage(Layout.parse(blocks[0][0]), (), label="blocks", blocks=tuple(
-            Block(layout, dp_groups, groups, sharded=sharded, activation_checkpointing=ac)
-            for layout, dp_groups, groups, sharded, ac in built))
-        stages: tuple[Stage, ...] = (stage,)
-        if others:
-            share = -(-len(rest) // len(others))
-            normal = [deal(Layout.parse(x), rest[i * share:(i + 1) * share]) for i, x in enumerate(others)]
-            stages = tuple(normal[:len(before)]) + (stage,) + tuple(normal[len(before):])
-        plans.append(StepPlan(step, tuple(lengths), stages))
-    return plans
+from lightning_hotspa.layout import Layout
+from lightning_hotspa.plan import StepPlan
 
 
 def run_blocks(world: int, precision: str, kv_heads: int | None = None):

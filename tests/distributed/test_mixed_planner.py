@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from helpers import fit_and_compare, worst
+from helpers import MIXED_BATCHES, PAIR_4, fit_and_compare, planner_mixed_plans, worst
 
 from lightning_hotspa.layout import Layout, MeshShape
 from lightning_hotspa.plan import slice_plan
@@ -88,23 +88,6 @@ def test_no_mixed_stage_without_two_candidates_of_one_sharded_working_copy():
 
 
 # -- a planner-made mixed plan on 4 gloo ranks ----------------------------------------------------
-
-PAIR_4 = ["dp4:fsdp", "dp2xcp2:fsdp"]
-#: (tokens per rank, lengths) for which the planner (llama7b on H100 prices, capacities set small)
-#: makes a mixed stage: a 2-rank cp2 block beside two cp1 ranks
-MIXED_BATCHES = [(32, [8, 5, 5, 25, 10, 26, 19, 27, 18, 56, 34]),
-                 (24, [6, 4, 4, 19, 8, 19, 14, 20, 14, 42, 26]),
-                 (48, [46, 38, 33, 16, 29, 38, 34, 12, 20, 18, 33, 21, 21, 26, 28, 7, 44, 56])]
-
-
-def planner_mixed_plans():
-    """One plan per batch of :data:`MIXED_BATCHES`, each as the planner made it (step = index)."""
-    plans = []
-    for step, (tokens, lengths) in enumerate(MIXED_BATCHES):
-        planner = _planner(PAIR_4, world_size=4, tokens_per_rank=tokens, activation_checkpointing=False)
-        plans.append(planner.plan(step, lengths))
-    return plans
-
 
 def test_the_planner_makes_a_mixed_stage_of_each_batch_of_the_gloo_run():
     for plan in planner_mixed_plans():

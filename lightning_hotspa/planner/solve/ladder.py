@@ -7,13 +7,7 @@ every other dp group of that layout while it runs. A block stage (``plan.Block``
 micro-batch stream at once: the long document's block on wide cp, medium documents on narrower cp
 beside it, the short ones on plain dp, all ending together in ONE joint gradient exchange.
 
-Priced as the runtime runs it (:func:`ladder_seconds`): each block on its own clock over its own
-working copy (a sharded copy: its option is the ``:fsdp<n>`` working layout's, whose per-micro-batch
-gathers and reduce-scatters span the block only and whose capacity holds parameters / block ranks;
-a replicated one: the plain layout's), the stage's compute is its slowest block, plus the copy's
-materialization from home (the slowest block's gather) and the joint exchange (each rank's share
-of its block's fp32 gradient sent to the home holders, one all-to-all at the per-rank inter-node
-bandwidth once the world spans nodes).
+Priced as the runtime runs it (:func:`~.ladder_blocks.ladder_seconds`: :mod:`.ladder_blocks`).
 
 How (deterministic, no randomness; :meth:`LadderPlanner.solve`): per compute layout and document
 the cheapest option (block size, copy, checkpointing) that holds it gives a rate; for a step time
@@ -27,7 +21,7 @@ its best block size's; a further pass re-prices each class at the block sizes th
 it (a sharded copy on a small block: fewer tokens a micro-batch, more gathers per token), bisects
 again and builds that ladder (in the carry's rounding also with its small sharded blocks merged
 pairwise into blocks of twice the size where that lowers their documents' estimated rank-seconds,
-and a second re-pricing from the re-priced sizes: ``_REPRICED``). Each block takes
+and a second re-pricing from the re-priced sizes: ``REPRICED`` of :mod:`.ladder_tuning`). Each block takes
 its cheapest copy / checkpointing that holds its documents; then documents, longest first, go by
 LPT to the dp group (over every block that holds them) that finishes them earliest on its own
 clock, and are packed first-fit into micro-batches of their block's capacity. Each allocation is
@@ -40,135 +34,24 @@ documents in ordinary world-wide stages (:meth:`LadderPlanner.head_size`,
 
 from __future__ import annotations
 
-import dataclasses
-import heapq
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from ...activation_checkpointing import Checkpointing
 from ...layout import Layout, LayoutError, MeshShape
 from ..cost.cost_model import AnalyticCostModel, CostModelError, OptionCost
-from ..cost.timeline import stage_group_seconds
-from .mixed_rounds import BlockGroups
+from . import ladder_blocks
+from .ladder_blocks import LadderBlock, LadderGroups, block_chain, joint_exchange_seconds, working_layout
+from .ladder_head import LadderHeads
+from .ladder_tuning import BISECT_HALVINGS, BRACKET_GROWTH, BRACKET_MOST, REPRICED, REPRICED_TRIES, ROUNDS, T_TRIES
 
-__all__ = ["LadderBlock", "LadderGroups", "LadderPlanner", "block_chain", "joint_exchange_seconds", "ladder_seconds",
-           "remap", "working_layout"]
+# the blocks' names stay importable from here (:mod:`.ladder_blocks` holds them)
+__all__ = ["LadderBlock", "LadderGroups", "LadderPlanner", "block_chain", "joint_exchange_seconds", "working_layout"]
 
-StageGroups = tuple[tuple[tuple[int, ...], ...], ...]  # [dp group][micro-batch] -> doc indices
-#: step-time multiples of the smallest tiling ``T`` that are priced exactly (larger ``T``: fewer,
-#: cheaper-rate blocks)
-_T_TRIES = (1.0, 1.1, 1.25)
-_BISECT = 14
-#: the most documents a ladder's head may hold (:meth:`LadderPlanner.head_size`)
-_HEAD_MOST = 32
-#: (round_up, carry): a class keeps a dp group its work fills to 1 - round_up (the rest: spare
-#: ranks, given by load), with or without the wider classes' idle time carried to it
-#: (:meth:`LadderPlanner._allocate`); both are tried (the carry fills a long document's wide
-#: block, but sometimes leaves the narrower classes too few groups). The first ladder's second
-#: pass, round_up 0.25 without the carry, gave way to the carry's pass to keep the planner's time
-#: (benchmarks/2026-12-04-ladder-2.md).
-_ROUNDS = ((0.5, True), (0.5, False))
 _MODE_ORDER = tuple(Checkpointing)
-#: per rounding of ``_ROUNDS``, its re-pricing passes (:meth:`LadderPlanner._repriced`), each from
-#: the previous pass's allocation, and per pass its ladders: as allocated (False) and with its small
-#: sharded blocks merged (True, :meth:`LadderPlanner._widen`), at its step time only
-#: (``_REPRICED_TRIES``). The carry's rounding gets two passes, the other one pass of one ladder: on
-#: the long cells, more passes, more ladders per pass or 1.1 / 1.25 of the step time gained nothing
-#: more, and fewer lost (benchmarks/2026-12-04-ladder-3.md; the planner's time)
-_REPRICED: dict[tuple[float, bool], tuple[tuple[bool, ...], ...]] = {(0.5, True): ((False, True), (False,)),
-                                                                     (0.5, False): ((False,),)}
-_REPRICED_TRIES = (1.0,)
-
-
-def block_chain(world: int) -> tuple[int, ...]:
-    """Block sizes that tile ``world`` aligned when placed largest first: ``world / 2^j``."""
-    out, n = [], world
-    while True:
-        out.append(n)
-        if n % 2:
-            return tuple(out)
-        n //= 2
-
-
-def working_layout(compute: Layout, ranks: int, sharded: bool) -> Layout:
-    """The working layout of a block of ``ranks`` ranks computing in ``compute``: ``compute`` itself
-    (replicated copy) or ``compute`` sharded over the block's dp x cp ranks (``plan.Block.working_layout``)."""
-    if not sharded:
-        return compute
-    shard = ranks // compute.tp
-    return Layout(dp=compute.dp, tp=compute.tp, cp=compute.cp, cp_kv=compute.cp_kv, fsdp=True,
-                  fsdp_shard=0 if shard == compute.dp * compute.cp else shard)
-
-
-@dataclass(frozen=True)
-class LadderBlock:
-    """One block of a ladder as the solver holds it.
-
-    Args:
-        option: the working copy's option (its layout is the working layout).
-        compute: the plain compute layout (tp, cp, cp kind).
-        start: the block's first rank (its ranks: ``start .. start + size - 1``).
-        size: how many ranks.
-        sharded: the working copy is sharded over the block's ranks.
-        groups: per dp group of the block, in rank order, its micro-batches.
-    """
-
-    option: OptionCost
-    compute: Layout
-    start: int
-    size: int
-    sharded: bool
-    groups: StageGroups
-
-
-@dataclass(frozen=True)
-class LadderGroups(BlockGroups):
-    """A block stage's blocks (the solver's stand-in for a stage's groups of micro-batches).
-
-    Args:
-        blocks: the blocks, tiling the world.
-        switch_in: seconds to materialize every block's copy from home (the slowest block).
-        exchange: seconds of the joint gradient exchange at the stage's end.
-    """
-
-    blocks: tuple[LadderBlock, ...]
-    switch_in: float
-    exchange: float
-
-    @property
-    def layouts(self) -> tuple[Layout, ...]:
-        """The blocks' compute layouts."""
-        return tuple(b.compute for b in self.blocks)
-
-    def block_seconds(self, lengths: np.ndarray, in_order: bool = False) -> np.ndarray:
-        """Each block's compute seconds on its own clock (its slowest dp group; lockstep rounds when
-        its sharded copy spans its dp groups)."""
-        out = []
-        for b in self.blocks:
-            opt = b.option
-            secs = stage_group_seconds(opt, b.groups, opt.doc_seconds(opt.padded(lengths)), in_order)
-            out.append(float(secs.max(initial=0.0)))
-        return np.asarray(out)
-
-
-def ladder_seconds(ladder: LadderGroups, lengths: np.ndarray, in_order: bool = False) -> float:
-    """The block stage's seconds: materialization + slowest block + joint exchange."""
-    return ladder.switch_in + float(ladder.block_seconds(lengths, in_order).max(initial=0.0)) + ladder.exchange
-
-
-def joint_exchange_seconds(cm: AnalyticCostModel, blocks: Sequence[tuple[Layout, int, bool]]) -> float:
-    """The joint exchange of blocks ``(compute, ranks, sharded)``: each rank sends its block's fp32
-    gradient share (all of a sharded block's shard; a replicated block's tp shard) and each home
-    holder receives one contribution per block; one all-to-all at the per-rank bandwidth."""
-    hw = cm.hardware
-    send = max(cm.params * cm.grad_bytes / (n if sharded else lay.tp) for lay, n, sharded in blocks)
-    recv = len(blocks) * cm.params * cm.grad_bytes / cm.world_size
-    span = cm.world_size
-    bw = hw.intra_node_bw if span <= hw.devices_per_node else hw.inter_node_bw
-    return max(send, recv) / bw + hw.latency(span)
 
 
 @dataclass(frozen=True)
@@ -179,7 +62,19 @@ class _Entry:
     option: OptionCost
 
 
-class LadderPlanner:
+@dataclass
+class _Search:
+    """One :meth:`LadderPlanner.solve`: the batch, its [entry, doc] tables, the allocations built so
+    far and the cheapest ladder found (``best``: (seconds, ladder), None before the first)."""
+
+    lengths: np.ndarray
+    costs: np.ndarray
+    fits: np.ndarray
+    seen: set[tuple[tuple[int, int], ...]] = field(default_factory=set)
+    best: tuple[float, LadderGroups] | None = None
+
+
+class LadderPlanner(LadderHeads):
     """Ladder plans over blocks of ``computes`` (plain layouts of one world).
 
     Args:
@@ -271,13 +166,12 @@ class LadderPlanner:
         alone = rates.copy()
         units = np.array([self._width(i) for i in range(len(self._classes))], dtype=np.float64)
         rates = rates * units[:, None]  # rank-seconds
-        best: tuple[float, LadderGroups] | None = None
-        seen: set[tuple[tuple[int, int], ...]] = set()
-        for round_up, carry in _ROUNDS:
+        search = _Search(lengths, costs, fits)
+        for round_up, carry in ROUNDS:
             hi = self._bisect(rates, alone, round_up, carry)
             if hi is None:
                 continue
-            best = self._try(lengths, costs, fits, rates, alone, hi, round_up, carry, seen, best, _T_TRIES)
+            self._try(search, (rates, alone), hi, (round_up, carry), T_TRIES)
             first = self._allocate(rates, alone, hi, round_up, carry)
             if first is None:
                 continue
@@ -286,20 +180,20 @@ class LadderPlanner:
             # block: 3.3-4x the rank-seconds of a 1K document), a new step time for them and its
             # ladder (as allocated, and with its small sharded blocks merged); in the carry's
             # rounding once more from the re-priced allocation's sizes
-            passes = _REPRICED.get((round_up, carry), ())
+            passes = REPRICED.get((round_up, carry), ())
             for n, widens in enumerate(passes):
                 re_rates, re_alone = self._repriced(big, units, rates, alone, first[0])
                 re_hi = self._bisect(re_rates, re_alone, round_up, carry)
                 if re_hi is None:
                     break
                 for widen in widens:
-                    best = self._try(lengths, costs, fits, re_rates, re_alone, re_hi, round_up, carry, seen, best,
-                                     _REPRICED_TRIES, (big, units) if widen else None)
+                    self._try(search, (re_rates, re_alone), re_hi, (round_up, carry), REPRICED_TRIES,
+                              (big, units) if widen else None)
                 if n + 1 < len(passes):  # the next pass starts from this pass's allocation
                     first = self._allocate(re_rates, re_alone, re_hi, round_up, carry)
                     if first is None:
                         break
-        return best
+        return search.best
 
     def _split(self, blocks: tuple[tuple[int, int], ...]) -> tuple[tuple[int, int], ...]:
         """``blocks`` with each sharded block of several dp groups (lockstep rounds: each round waits
@@ -323,21 +217,30 @@ class LadderPlanner:
         lo = max(floor, float(rates.min(axis=0).sum()) / self.cm.world_size)
         hi = lo
         while self._allocate(rates, alone, hi, round_up, carry) is None:
-            hi *= 1.5
-            if hi > lo * 1e4:
+            hi *= BRACKET_GROWTH
+            if hi > lo * BRACKET_MOST:
                 return None
-        for _ in range(_BISECT):
+        for _ in range(BISECT_HALVINGS):
             mid = 0.5 * (lo + hi)
             lo, hi = (lo, mid) if self._allocate(rates, alone, mid, round_up, carry) is not None else (mid, hi)
         return hi
 
-    def _try(self, lengths: np.ndarray, costs: np.ndarray, fits: np.ndarray, rates: np.ndarray, alone: np.ndarray,
-             hi: float, round_up: float, carry: bool, seen: set, best: tuple[float, LadderGroups] | None,
-             mults: Sequence[float], widen: tuple[np.ndarray, np.ndarray] | None = None
-             ) -> tuple[float, LadderGroups] | None:
-        """Builds and prices the allocation of each step time ``hi * mult`` (``widen``: (``big``,
-        ``units``) of :meth:`_widen`, its small sharded blocks merged) not built before (``seen``);
-        the cheapest of them and ``best``."""
+    def _try(self, search: _Search, prices: tuple[np.ndarray, np.ndarray], hi: float, rounding: tuple[float, bool],
+             mults: Sequence[float], widen: tuple[np.ndarray, np.ndarray] | None = None) -> None:
+        """Builds and prices the allocation of each step time ``hi * mult`` not built before
+        (``search.seen``), keeping the cheapest in ``search.best``.
+
+        Args:
+            search: this solve's batch, tables and ladders so far.
+            prices: (rates, alone) per class and document (:meth:`solve`, :meth:`_repriced`).
+            hi: the smallest tiling step time (:meth:`_bisect`).
+            rounding: (round_up, carry) of ``ROUNDS`` (:meth:`_allocate`).
+            mults: step-time multiples to build (``T_TRIES`` or ``REPRICED_TRIES``).
+            widen: (``big``, ``units``) of :meth:`_widen`: its small sharded blocks merged; None: as allocated.
+        """
+        rates, alone = prices
+        round_up, carry = rounding
+        seen = search.seen
         for mult in mults:
             alloc = self._allocate(rates, alone, hi * mult, round_up, carry)
             if alloc is not None and widen is not None:
@@ -347,13 +250,12 @@ class LadderPlanner:
             seen.add(alloc[0])
             split = self._split(alloc[0])
             for blocks in (alloc[0], split) if split != alloc[0] else (alloc[0],):
-                ladder = self._build(lengths, costs, fits, blocks, alloc[1])
+                ladder = self._build(search.lengths, search.costs, search.fits, blocks, alloc[1])
                 if ladder is None:
                     continue
-                secs = ladder_seconds(ladder, lengths)
-                if best is None or secs < best[0] - 1e-12:
-                    best = (secs, ladder)
-        return best
+                secs = ladder_blocks.ladder_seconds(ladder, search.lengths)
+                if search.best is None or secs < search.best[0] - 1e-12:
+                    search.best = (secs, ladder)
 
     def _widen(self, blocks: tuple[tuple[int, int], ...], rows: np.ndarray, big: np.ndarray,
                units: np.ndarray) -> tuple[tuple[int, int], ...]:
@@ -414,112 +316,6 @@ class LadderPlanner:
             alone[i] = big[ks].min(axis=0)
         return rates, alone
 
-    def tables(self, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """[option, doc] balance cost and whether the option holds the document (``tables`` of
-        :meth:`head_size` and :meth:`round_size`, computed once for both)."""
-        return self._tables(np.asarray(lengths, dtype=np.int64))
-
-    def head_size(self, lengths: np.ndarray, most: int = _HEAD_MOST,
-                  tables: tuple[np.ndarray, np.ndarray] | None = None) -> int:
-        """How many of the longest documents (longest first, index ties) to run before the ladder in
-        ordinary stages over the world: the ``k <= most`` that minimizes the estimate "the head's
-        seconds (:meth:`_head_seconds`) + max(the rest's largest least time alone on a smaller
-        block, the rest's least rank-seconds / world)" (a ladder of two or more blocks has no block
-        of the world's size); 0: no head."""
-        lengths = np.asarray(lengths, dtype=np.int64)
-        if not self.entries or lengths.size < 2:
-            return 0
-        costs, fits = self.tables(lengths) if tables is None else tables
-        big = np.where(fits, costs, np.inf)
-        world = self.cm.world_size
-        sizes = np.array([e.size for e in self.entries])
-        order = np.lexsort((np.arange(lengths.size), -lengths))
-        none = np.full(lengths.size, np.inf)
-        part = big[sizes < world].min(axis=0)[order] if (sizes < world).any() else none
-        work = self._least_work(big)[order]
-        k = np.arange(min(most, lengths.size - 1) + 1)
-        head = self._head_seconds(big[:, order], sizes == world, k.size - 1)
-        rest_floor = np.maximum.accumulate(part[::-1])[::-1][k]
-        rest_work = np.cumsum(work[::-1])[::-1][k]
-        est = head + np.maximum(rest_floor, rest_work)
-        if not np.isfinite(est).any():
-            return 0
-        return int(k[np.flatnonzero(est <= float(est.min()) * (1 + 1e-9))[0]])  # ties (rounding): the smaller head
-
-    def round_size(self, lengths: np.ndarray, tables: tuple[np.ndarray, np.ndarray] | None = None) -> int:
-        """A head of one round of the world's widest groups: on the world-sized entry where the
-        longest document runs fastest alone, how many of the longest documents (at most its dp
-        groups and ``_HEAD_MOST``) each take at least half the longest's time there, so that they
-        run side by side in about that time (4 documents of 512K on ``dp4xtp2xcp128``: the ladder
-        has no block of the world's size, and 3 groups of 256 ranks would take two rounds); 0:
-        none, one document (``head_size`` weighs a head of one), or a longest document under a
-        quarter of the step's least work (short documents gain nothing from a head)."""
-        lengths = np.asarray(lengths, dtype=np.int64)
-        whole = [k for k, e in enumerate(self.entries) if e.size == self.cm.world_size]
-        if not whole or lengths.size < 2:
-            return 0
-        costs, fits = self.tables(lengths) if tables is None else tables
-        order = np.lexsort((np.arange(lengths.size), -lengths))[:_HEAD_MOST]
-        big = np.where(fits[whole][:, order], costs[whole][:, order], np.inf)
-        r = int(np.argmin(big[:, 0]))
-        first = float(big[r, 0])
-        work = float(self._least_work(np.where(fits, costs, np.inf)).sum())
-        if not math.isfinite(first) or first < 0.25 * work:
-            return 0
-        comp = self.computes[self.entries[whole[r]].compute]
-        groups = self.cm.world_size // (comp.tp * comp.cp)
-        k = int(np.argmin(np.append(big[r] >= 0.5 * first, False)))  # the first that takes less than half
-        k = min(k, groups)
-        return k if k >= 2 else 0
-
-    def _least_work(self, big: np.ndarray) -> np.ndarray:
-        """Per document, its least rank-seconds over the entries (``big``: [entry, doc] seconds alone
-        on one dp group, inf where it does not fit) over the world's ranks."""
-        return (big * self._units[:, None]).min(axis=0) / self.cm.world_size
-
-    def _head_seconds(self, big: np.ndarray, whole: np.ndarray, most: int) -> np.ndarray:
-        """Per ``k = 0 .. most``, an estimate of the seconds of a head of the ``k`` first documents
-        (``big``'s columns, longest first) in world-wide stages: the least over the world-sized
-        entries of the head run LPT over that entry's dp groups side by side (4 documents of 512K
-        on ``dp4xcp256`` take one document's time, not four), and the documents one after another
-        on their best world-sized entry each (a head of several stages)."""
-        world = self.cm.world_size
-        rows = np.flatnonzero(whole)
-        out = np.full(most + 1, np.inf)
-        out[0] = 0.0
-        if rows.size == 0 or most == 0:
-            return out
-        cols = big[rows, :most]
-        out[1:] = np.cumsum(cols.min(axis=0))  # one after another, each on its best entry
-        for r, row in zip(rows.tolist(), cols):
-            groups = int(world // self._units[r])
-            if groups < 2 or not math.isfinite(float(row[0])):
-                continue
-            loads: list[float] = []  # a heap of the busy groups' loads (the others are idle)
-            span = 0.0
-            for j, secs in enumerate(row.tolist()):  # longest first: LPT onto the least loaded group
-                if not math.isfinite(secs):
-                    break
-                load = secs + (heapq.heappop(loads) if len(loads) == groups else 0.0)
-                heapq.heappush(loads, load)
-                span = max(span, load)
-                out[j + 1] = min(out[j + 1], span)
-        return out
-
-    def _tables(self, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """[entry, doc] balance cost (seconds + micro-batch share) and whether the entry holds it."""
-        padded_by_cp: dict[int, np.ndarray] = {}
-        costs = np.empty((len(self.entries), lengths.size))
-        fits = np.empty((len(self.entries), lengths.size), dtype=bool)
-        for k, e in enumerate(self.entries):
-            opt = e.option
-            cp = opt.layout.cp
-            if cp not in padded_by_cp:
-                padded_by_cp[cp] = opt.padded(lengths)
-            padded = padded_by_cp[cp]
-            costs[k] = opt.balance_cost(padded)
-            fits[k] = padded <= opt.capacity
-        return costs, fits
 
     def _allocate(self, rates: np.ndarray, alone: np.ndarray, limit: float, round_up: float = 0.5,
                   carry_idle: bool = True) -> tuple[tuple[tuple[int, int], ...], np.ndarray] | None:
@@ -568,7 +364,7 @@ class LadderPlanner:
         for i, g in sorted(groups.items()):
             if g == 0:
                 continue
-            sizes = self._decompose(g * self._width(i), self._sizes[i])
+            sizes = ladder_blocks.chain_pieces(g * self._width(i), self._sizes[i])
             if sizes is None:
                 return None
             blocks += [(i, s) for s in sizes]
@@ -606,18 +402,6 @@ class LadderPlanner:
         """Ranks of one dp group of class ``cls`` (tp x cp)."""
         comp = self._comp(cls)
         return comp.tp * comp.cp
-
-    def _decompose(self, need: int, sizes: Sequence[int]) -> list[int] | None:
-        """Block sizes of ``sizes`` (chain members a layout can run) summing to at least ``need``."""
-        out, rest = [], need
-        if not sizes:
-            return None
-        while rest > 0:
-            fit = [s for s in sizes if s <= rest]
-            s = max(fit) if fit else min(sizes)
-            out.append(s)
-            rest -= s
-        return out
 
     def _build(self, lengths: np.ndarray, costs: np.ndarray, fits: np.ndarray,
                blocks: tuple[tuple[int, int], ...], rows: np.ndarray) -> LadderGroups | None:
@@ -704,7 +488,7 @@ class LadderPlanner:
             pad = padded[opt.layout.cp]
             cost = opt.doc_seconds(pad)
             least = int(rounds[b]) if opt.layout.lockstep else 0
-            groups = tuple(_balanced(by_owner[cuts[g]:cuts[g + 1]], pad, cost, opt.capacity, least)
+            groups = tuple(ladder_blocks.balanced_groups(by_owner[cuts[g]:cuts[g + 1]], pad, cost, opt.capacity, least)
                            for g in range(bounds[b], bounds[b + 1]))
             out.append(LadderBlock(opt, self.computes[e.compute], start, e.size, e.sharded, groups))
             start += e.size
@@ -712,40 +496,3 @@ class LadderPlanner:
         switch_in = max(self.cm.switch_seconds(None, blk.option.layout) for blk in out)
         return LadderGroups(tuple(out), switch_in, joint_exchange_seconds(self.cm, trio))
 
-
-def remap(ladder: LadderGroups, ids: np.ndarray) -> LadderGroups:
-    """``ladder`` planned over ``lengths[ids]`` with its document indices mapped back to ``ids``."""
-    def back(groups: StageGroups) -> StageGroups:
-        return tuple(tuple(tuple(sorted(int(ids[d]) for d in mb)) for mb in g) for g in groups)
-
-    blocks = tuple(dataclasses.replace(b, groups=back(b.groups)) for b in ladder.blocks)
-    return dataclasses.replace(ladder, blocks=blocks)
-
-
-def _balanced(docs: np.ndarray, padded: np.ndarray, cost: np.ndarray, capacity: int,
-              least: int) -> tuple[tuple[int, ...], ...]:
-    """``docs`` packed into micro-batches of ``capacity`` tokens with even seconds: at least
-    ``least`` (a lockstep block's rounds: each round lasts its slowest group's micro-batch) and as
-    many as the tokens need; LPT by seconds into the least loaded one that has room (a new one if none)."""
-    if docs.size == 0:
-        return ()
-    n = max(least, int(math.ceil(float(padded[docs].sum()) / capacity)), 1)
-    n = min(n, int(docs.size))
-    bins: list[list[int]] = [[] for _ in range(n)]
-    load = [0.0] * n
-    room = [int(capacity)] * n
-    for d in docs[np.lexsort((docs, -cost[docs]))].tolist():  # costliest first, index ties
-        need = int(padded[d])
-        j = -1
-        for i in range(len(bins)):  # the least loaded bin with room (the first of equals)
-            if room[i] >= need and (j < 0 or load[i] < load[j]):
-                j = i
-        if j < 0:
-            bins.append([])
-            load.append(0.0)
-            room.append(int(capacity))
-            j = len(bins) - 1
-        bins[j].append(d)
-        load[j] += float(cost[d])
-        room[j] -= need
-    return tuple(tuple(sorted(b)) for b in bins if b)

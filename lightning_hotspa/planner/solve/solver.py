@@ -49,20 +49,23 @@ from ...activation_checkpointing import Checkpointing, parse_checkpointing_spec
 from ...checks import check_int
 from ...layout import Layout, LayoutError, MeshShape, parse_layouts
 from ...model_shape import ModelShape
-from ...plan import Block, PlanError, Stage, StepPlan, block_dp_groups, block_ranks
+from ...plan import PlanError, StepPlan
 from ..base import PlannerBase
 from ..cost.cost_model import AnalyticCostModel, OptionCost
 from ..cost.hardware import HardwareProfile
 from ..cost.predict import StepPrediction, predict_stages
 from ..cost.runtime_profile import RuntimeProfile
 from ..cost.timeline import GroupBlocks
-from ..profiled.calibration import Observation, ProfiledCoefficients, apply_coefficients
+from ..profiled.calibration import ProfiledCoefficients
 from ..profiled.schedule import CoefficientSchedule, ScheduleEntry
 from .assign import pack_in_order, solve_heuristic
 from .exact import solve_exact
-from .ladder import LadderBlock, LadderGroups, LadderPlanner, joint_exchange_seconds, remap
+from .ladder import LadderPlanner
+from .ladder_blocks import LadderGroups, remap
 from .mixed_rounds import MixedBlock, MixedGroups, MixedRounds
 from .packing import DocumentTooLongError, pack_layout
+from .plan_stages import ladder_groups, ladder_stage, mixed_stage, plain_stage
+from .profiled_mode import ProfiledPlanning
 from .static_guard import DEFAULT_STATIC_MARGIN, GuardDecision, check_margin, guard, used_layouts
 
 __all__ = ["CostModelPlanner"]
@@ -78,7 +81,7 @@ LayoutSpec = Layout | str | Mapping[str, int]
 CheckpointingSpec = Checkpointing | bool | str | Collection[LayoutSpec]
 
 
-class CostModelPlanner(PlannerBase):
+class CostModelPlanner(ProfiledPlanning, PlannerBase):
     """Cost-model planner over candidate ``layouts`` (all of one world size, sharing one mesh).
 
     Args:
@@ -254,38 +257,6 @@ class CostModelPlanner(PlannerBase):
         }
         self._option_list = [self.options[k] for k in self._sorted_keys(self.options)]
 
-    def _options_of(self, entry: ScheduleEntry) -> list[OptionCost]:
-        """The option list of one scheduled version (cached: versions change rarely)."""
-        if self._entry_options is None or self._entry_options[0] != entry:
-            self._entry_options = (entry, [apply_coefficients(self._analytic[k], entry.scale, entry.fitted)
-                                                   for k in self._sorted_keys(self._analytic)])
-        return self._entry_options[1]
-
-    @property
-    def version(self) -> int:
-        """The newest coefficient version (bumps whenever a refit changes them; saved in checkpoints).
-        Plans use it from step ``refit step + plan_lag`` on: :meth:`version_at`."""
-        return self.coefficients.version
-
-    @property
-    def plan_lag(self) -> int:
-        """Steps between a refit and the first plan it changes."""
-        return self._schedule.lag if self._schedule is not None else self._plan_lag
-
-    def ensure_plan_lag(self, lag: int) -> None:
-        """Plans may be built up to ``lag - 2`` steps ahead of Lightning's own prefetch (a loader's
-        workers): raise ``plan_lag`` to ``lag`` so that no worker waits for a refit. The same call
-        on every rank; versions already decided keep the steps they plan."""
-        if self._schedule is not None:
-            self._schedule.ensure_lag(int(lag))
-        self._plan_lag = max(self._plan_lag, int(lag))
-
-    def version_at(self, step: int) -> int:
-        """The coefficient version that plans ``step`` (raises if that is not decided yet)."""
-        if self._schedule is None:
-            return self.version
-        return self._schedule.entry_for(step, wait=False).version
-
     def capacity(self, layout: Layout) -> int:
         """Largest micro-batch of ``layout`` over its allowed checkpointing choices."""
         caps = [o.capacity for k, o in self.options.items() if k[0] == layout]
@@ -439,28 +410,16 @@ class CostModelPlanner(PlannerBase):
         (in a DataLoader worker: after waiting for that version to be decided). ``latest``: the
         newest decided version instead (evaluation plans, built while training is paused)."""
         lengths = self._check_lengths(doc_lengths)
-        options = None
-        if self._schedule is not None:
-            entry = self._schedule.entry_for(None if latest else int(step), wait=_in_loader_worker())
-            options, self.last_version = self._options_of(entry), entry.version
-        _, stages = self.solve(lengths, options)
+        _, stages = self.solve(lengths, self._scheduled_options(step, latest))
         out = []
         for opt, groups in stages:
             if isinstance(groups, MixedGroups):
-                out.append(_mixed_stage(opt, groups, lengths))
+                out.append(mixed_stage(opt, groups, lengths))
                 continue
             if isinstance(groups, LadderGroups):
-                out.append(_ladder_stage(groups, lengths, self.ladder.mesh))
+                out.append(ladder_stage(groups, lengths, self.ladder.mesh))
                 continue
-            ids = [d for g in groups for mb in g for d in mb]
-            label = f"{int(lengths[ids].min())}-{int(lengths[ids].max())}"
-            if opt.layout.lockstep:  # lockstep rounds: costliest micro-batches first in every group
-                secs = opt.doc_seconds(opt.padded(lengths))
-                key = lambda mb, s=secs: (-float(s[list(mb)].sum()), -len(mb), tuple(sorted(mb)))  # noqa: E731
-            else:
-                key = lambda mb: (-len(mb), mb)  # noqa: E731
-            mbs = tuple(tuple(tuple(sorted(mb)) for mb in sorted(g, key=key)) for g in groups)
-            out.append(Stage(opt.layout, mbs, opt.activation_checkpointing, label))
+            out.append(plain_stage(opt, groups, lengths))
         notes = self.last_decision.notes() if self.last_decision is not None else ()
         return StepPlan(int(step), tuple(int(n) for n in lengths.tolist()), tuple(out), notes=notes)
 
@@ -473,7 +432,7 @@ class CostModelPlanner(PlannerBase):
         if found is None:
             return None
         return StepPlan(int(step), tuple(int(n) for n in lengths.tolist()),
-                        (_ladder_stage(found[1], lengths, self.block_mesh()),))
+                        (ladder_stage(found[1], lengths, self.block_mesh()),))
 
     def predict(self, plan: StepPlan) -> StepPrediction:
         """Predicted seconds of any plan over these layouts (another planner's too)."""
@@ -484,7 +443,7 @@ class CostModelPlanner(PlannerBase):
         for s in plan.stages:
             ac = s.activation_checkpointing
             if s.blocks and not s.lockstep_blocks:
-                stages.append(self._ladder_of(s, opt_of))
+                stages.append(ladder_groups(s, opt_of, self.block_mesh(), self.cost_model))
                 continue
             groups = MixedGroups(tuple(MixedBlock(opt_of(b.layout, ac), b.dp_groups, b.micro_batches)
                                        for b in s.blocks)) if s.blocks else s.micro_batches
@@ -499,102 +458,8 @@ class CostModelPlanner(PlannerBase):
             raise PlanError(f"{type(self).__name__}: the candidates {[x.name for x in self.layouts]} share no mesh")
         return mesh
 
-    def _ladder_of(self, stage: Stage, opt_of) -> tuple[OptionCost, LadderGroups]:
-        """A plan's block stage as the solver prices it (:mod:`.ladder`)."""
-        mesh = self.block_mesh()
-        blocks = []
-        for b in stage.blocks:
-            ranks = block_ranks(b, mesh)
-            opt = opt_of(b.working_layout, b.checkpointing(stage.activation_checkpointing))
-            blocks.append(LadderBlock(opt, b.layout, ranks[0], len(ranks), b.sharded, b.micro_batches))
-        blocks.sort(key=lambda x: x.start)
-        trio = [(x.compute, x.size, x.sharded) for x in blocks]
-        cm = self.cost_model
-        groups = LadderGroups(tuple(blocks), max(cm.switch_seconds(None, x.option.layout) for x in blocks),
-                              joint_exchange_seconds(cm, trio))
-        return blocks[0].option, groups
-
-    # ------------------------------------------------------------------ profiled mode
-    def observe(self, observations: Iterable[Observation]) -> None:
-        """Buffers timings (the same all-gathered rows on every rank); plans change only at refit."""
-        self.coefficients.observe(o for o in observations if (o.layout, o.activation_checkpointing) in self._analytic)
-
-    def refit(self, step: int) -> bool:
-        """Called after training step ``step`` (every step, in order, on every rank with the same
-        observations). At multiples of ``refit_every`` refits the coefficients; a new version plans
-        steps ``>= step + plan_lag``. True if the coefficients changed."""
-        if not self.profiled or self._schedule is None:
-            return False
-        changed = self.coefficients.refit(step, self._analytic)
-        if changed:
-            self._refresh()
-            c = self.coefficients
-            self._schedule.publish(step, c.version, c.scale, c.fitted)
-        self._schedule.mark_decided(step)
-        return changed
-
-    def state_dict(self) -> dict[str, Any]:
-        out = {"kind": "cost_model", "version": self.version, "layouts": [x.name for x in self.layouts],
-               "profiled": self.profiled, "coefficients": self.coefficients.state_dict()}
-        if self._schedule is not None:
-            out["schedule"] = self._schedule.state()
-        return out
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restores the fitted coefficients, their version and which steps each version plans;
-        other settings stay as constructed. Loader workers see it through the shared schedule."""
-        if state.get("kind") not in (None, "cost_model"):
-            raise PlanError(f"{type(self).__name__} cannot load a {state.get('kind')!r} planner state")
-        if "coefficients" in state:
-            self.coefficients.load_state_dict(state["coefficients"])
-            self._refresh()
-            if self._schedule is not None:
-                if "schedule" in state:
-                    entries, decided, lag = CoefficientSchedule.entries_from_state(state["schedule"])
-                else:  # a state without a schedule: its coefficients plan every step
-                    c = self.coefficients
-                    entries, decided, lag = [ScheduleEntry(-(2**62), c.version, c.scale, dict(c.fitted))], \
-                        c.last_refit_step, None
-                self._schedule.load(entries, decided, lag)
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = dict(self.__dict__)
-        state["_entry_options"] = None  # rebuilt on first use (keeps worker pickles small)
-        return state
-
     def __repr__(self) -> str:
         opts = ", ".join(f"{o.label}:{o.capacity}" for o in self._option_list)
         return f"{type(self).__name__}({self.cost_model.model.n_layers}L on {self.cost_model.hardware.name}; {opts})"
 
 
-def _mixed_stage(opt: OptionCost, mixed: MixedGroups, lengths: np.ndarray) -> Stage:
-    """The plan's mixed stage: the working copy in ``opt``'s layout, a :class:`Block` per block."""
-    ids = mixed.doc_ids
-    blocks = tuple(Block(b.option.layout, b.dp_groups, tuple(tuple(tuple(sorted(mb)) for mb in g) for g in b.groups))
-                   for b in mixed.blocks)
-    label = f"{int(lengths[ids].min())}-{int(lengths[ids].max())}"
-    return Stage(opt.layout, (), opt.activation_checkpointing, label, blocks=blocks)
-
-
-def _ladder_stage(ladder: LadderGroups, lengths: np.ndarray, mesh: MeshShape) -> Stage:
-    """The plan's block stage: a :class:`Block` per ladder block, its dp groups in the mesh's dp order."""
-    blocks = []
-    for b in ladder.blocks:
-        unit = b.compute.tp * b.compute.cp
-        dp = [mesh.rank_coords(b.compute, b.start + j * unit)[0] for j in range(len(b.groups))]
-        order = sorted(range(len(dp)), key=lambda j: dp[j])
-        assert tuple(sorted(dp)) == block_dp_groups(b.compute, mesh, range(b.start, b.start + b.size))
-        secs = b.option.doc_seconds(b.option.padded(lengths))  # costliest micro-batch first (lockstep rounds)
-        key = lambda mb, s=secs: (-float(s[list(mb)].sum()), -len(mb), mb)  # noqa: E731
-        blocks.append(Block(b.compute, tuple(dp[j] for j in order),
-                            tuple(tuple(sorted(b.groups[j], key=key)) for j in order),
-                            sharded=b.sharded, activation_checkpointing=b.option.activation_checkpointing))
-    ids = ladder.doc_ids
-    label = f"{int(lengths[ids].min())}-{int(lengths[ids].max())}"
-    return Stage(ladder.blocks[0].compute, (), Checkpointing.NONE, label, blocks=tuple(blocks))
-
-
-def _in_loader_worker() -> bool:
-    from torch.utils.data import get_worker_info
-
-    return get_worker_info() is not None
