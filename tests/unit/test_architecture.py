@@ -241,14 +241,11 @@ def test_trainer_finds_hotspa_after_a_bare_import_in_either_order(imports: str) 
 
 def test_no_test_file_imports_another_test_file() -> None:
     """The tests' shared helpers live in tests/helpers.py: a test module never imports a ``test_*``
-    module (nor a helper file other than that one). Not yet: tests/mixed_kill_job.py (a job script a
-    test launches) reuses test_blocks' and test_mixed_planner's plans, until they move to helpers."""
+    module (nor a helper file other than that one); job scripts (tests/mixed_kill_job.py) included."""
     import ast
 
     found = []
     for path in sorted((ROOT / "tests").rglob("*.py")):
-        if path.name == "mixed_kill_job.py":
-            continue
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
                 [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
