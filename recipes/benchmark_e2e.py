@@ -115,9 +115,11 @@ def layout_sets(args: argparse.Namespace) -> dict[str, Any]:
     from lightning_hotspa.planner.solve.packing import max_doc_length
 
     hw = budget_profile(args.memory_mib)
-    every = enumerate_layouts(WORLD, AnalyticCostModel(model_config(), hw, WORLD))
+    # no pp: this comparison's capacity rule is tokens_per_rank x tp x cp, which does not credit the weight
+    # memory pp frees, while the cost model's pp layouts would hold the context by it (auto picks them)
+    every = enumerate_layouts(WORLD, AnalyticCostModel(model_config(), hw, WORLD), pp=False)
     MeshShape.for_layouts(every, WORLD)  # one world mesh holds them all
-    candidates = list(auto_layouts(WORLD, model_config(), hw, args.context))
+    candidates = list(auto_layouts(WORLD, model_config(), hw, args.context, pp=False))
     rule = [(args.context // 4, Layout(dp=4)), (args.context // 2, Layout(dp=2, tp=2)),
             (args.context, Layout(tp=2, cp=2))]
     if args.layouts:
