@@ -628,6 +628,8 @@ def test_guard_keeps_a_large_gain_and_rejects_a_bad_margin():
             CostModelPlanner(GUARD_LAYOUTS, model="llama7b", hardware="A800-80G", static_margin=bad)
 
 
+# 30 s (64-rank auto candidates, pp among them): in make test, not in the fast tier
+@pytest.mark.slow
 def test_candidate_sets_seeded_by_the_lower_bound_plan_faster(monkeypatch):
     """The relaxed score prices a 256K document at its world-seconds and prefers a dp2 layout for
     it (one dp group idles); the sets seeded by the step's lower bound (planner/solve/oracle_bound.py)
