@@ -17,20 +17,22 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-# Two pytest workers (pytest-xdist), each test file whole on one of them (its module fixtures run
-# once): the spawned-rank tests leave a core idle part of the time. Files are handed out in collection
-# order (--no-loadscope-reorder), which tests/conftest.py starts with the longest files (LONGEST_FIRST),
-# so no long file is left for the end. 981 tests: 595 s in one process, 418 s in two on the 2-core box
-# (benchmarks/2026-12-04-suite-time.md); 1205 tests: 645.6 s on a fresh clone, then an estimated (not
-# measured) 600-630 s after benchmarks/2026-12-06-suite-time-2.md's cuts. TEST_WORKERS=0: one process.
-TEST_WORKERS ?= 2
+# Three pytest workers (pytest-xdist) on the 2-core box, each test file whole on one of them (its module
+# fixtures run once): with two, one quiet `make test` used 610 s of CPU (as /usr/bin/time counts it) in 783 s
+# of wall time, the cores idle while spawned ranks, subprocesses and checkpoint writes waited; a third worker
+# fills that time, a fourth was slower (more ranks than cores: benchmarks/2026-12-06-suite-time-3.md). Files
+# are handed out in collection order (--no-loadscope-reorder), longest first (LONGEST_FIRST in
+# tests/conftest.py). Bytecode is written even where the environment says not to (PYTHONDONTWRITEBYTECODE):
+# every subprocess and spawned rank of the run then loads the package's compiled modules instead of
+# compiling them again. TEST_WORKERS=0: one process.
+TEST_WORKERS ?= 3
 
 test: $(STAMP)
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+	OMP_NUM_THREADS=1 PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 # The fast tier: tests marked `fast` by tests/conftest.py (no process group, no spawned ranks).
 test-fast: $(STAMP)
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider -m fast
+	OMP_NUM_THREADS=1 PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -q -p no:cacheprovider -m fast
 
 # The API reference from the docstrings (pdoc, from the test extra): build/api/index.html. Fails on
 # any pdoc warning (tests/unit/test_api_docs.py checks the same in `make test`).

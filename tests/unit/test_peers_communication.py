@@ -75,3 +75,37 @@ def test_megatron_rows_are_the_tables_figures_in_tokens():
     # the formula: 72 l h^2 (1 + s/6h + V/12lh), e.g. 24 layers of width 2048 at 4K with a 128K vocabulary
     assert megatron_flops_per_token(2048, 24, 4096, 131072) == pytest.approx(
         72 * 24 * 2048**2 * (1 + 4096 / (6 * 2048) + 131072 / (12 * 24 * 2048)))
+
+
+def test_the_long_grid_before_issue_52_prices_ours_with_every_communication_term_exposed_and_restores_it():
+    from lightning_hotspa.planner.cost.cost_model import AnalyticCostModel
+    from lightning_hotspa.planner.cost.runtime_profile import HOTSPA, RUNTIME_PROFILES
+    from lightning_hotspa.tools.long_grid_communication import BEFORE_52, ours_described_as
+
+    assert not (BEFORE_52.tp_comm_overlap or BEFORE_52.cp_comm_overlap or BEFORE_52.dp_reduce_overlap)
+    assert BEFORE_52.kv_gather_recomputes_attention and HOTSPA.tp_comm_overlap and HOTSPA.dp_reduce_overlap
+    shipped = RUNTIME_PROFILES["hotspa"]
+    with ours_described_as(BEFORE_52):
+        inside = AnalyticCostModel("llama7b", "H100", 8).runtime
+    assert inside.name == "hotspa" and not inside.tp_comm_overlap and inside.kv_gather_recomputes_attention
+    assert RUNTIME_PROFILES["hotspa"] is shipped
+    with pytest.raises(RuntimeError, match="boom"), ours_described_as(BEFORE_52):
+        raise RuntimeError("boom")
+    assert RUNTIME_PROFILES["hotspa"] is shipped  # restored on an error too
+
+
+def test_the_long_grid_smoke_cell_before_and_after_issue_52_moves_only_ours(tmp_path):
+    from lightning_hotspa.tools.long_grid_communication import main
+
+    out = main(["--grid", "smoke", "--batches", "1", "--out", str(tmp_path / "smoke")])
+    before, after = out["before"], out["after"]
+    assert (tmp_path / "smoke-before.json").is_file() and (tmp_path / "smoke-after.json").is_file()
+    for k in ("megatron-te", "torchtitan"):  # the user's layouts on the peers' own runtime: only ours moved
+        assert after["competent_user_static"][k] != before["competent_user_static"][k]
+    import json
+
+    full = {s: json.loads((tmp_path / f"smoke-{s}.json").read_text())["cells"][0] for s in ("before", "after")}
+    for k in ("megatron-te", "torchtitan"):
+        peer = [full[s]["competent_user_static"][k]["seconds_on_peer_runtime"] for s in ("before", "after")]
+        assert peer[0] == peer[1]
+    assert full["before"]["ours_s"] > full["after"]["ours_s"]  # exposed communication costs ours time
