@@ -78,7 +78,8 @@ class _MovePlan:
 
 def _free(param: torch.Tensor) -> None:
     """Releases an old working copy's memory (its storage shrinks to 0 bytes, as FSDP2 does with
-    unsharded params) and its gradient; a module still holding it fails loudly if it is used."""
+    unsharded params) and its gradient. A module still holding it must not use it: matmul raises, but
+    elementwise and reduction kernels read the null storage and the process dies of SIGSEGV."""
     param.grad = None
     param.detach().untyped_storage().resize_(0)
 
@@ -433,7 +434,7 @@ class SwitchEngine(GradientReduction):
         """Drops the working params (e.g. after the optimizer step, which makes them stale) and any
         gradient hooks of an unfinished :meth:`overlap_next_backward`. ``free``: also release their
         storage now (a mixed-tp stage's neighbours: the model's modules still hold the old copies
-        until the next ``activate``; one used before then fails loudly)."""
+        until the next ``activate`` and must not use them before: see :func:`_free`)."""
         if free:
             for p in self.working.values():
                 _free(p)

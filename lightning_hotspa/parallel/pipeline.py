@@ -107,6 +107,13 @@ def pad_micro_batch(mb: MicroBatch, tokens: int) -> MicroBatch:
                       mb.num_target_tokens, mb.cp_size, mb.cp_rank, cp_cu, mb.doc_ids)
 
 
+def _stage_module_names(layers: range, first: bool, last: bool) -> list[str]:
+    """The decoder submodules one pipeline stage holds: the embedding on the first, its layers, the
+    final norm and the loss head on the last: what :class:`_Part` holds (tests/unit/test_pipeline_owned.py)."""
+    ends = (["tok_embeddings"] if first else []), (["norm", "output"] if last else [])
+    return ends[0] + [f"layers.{i}" for i in layers] + ends[1]
+
+
 class _Part(nn.Module):
     """One pipeline stage of the decoder: its layers, the embedding on the first, norm + loss head on
     the last. Holds the decoder's own submodules (the switch engine swaps their parameters)."""
@@ -198,21 +205,21 @@ class PipelineRunner:
         return [slot + k * layout.pp for k in range(self.virtual)]
 
     def owned(self, layout: Layout, slot: int) -> frozenset[str]:
-        """The parameter names the rank with pp-group ``slot`` computes with in ``layout``."""
+        """The parameter names the rank with pp-group ``slot`` computes with in ``layout``.
+
+        Named from the decoder's structure (which submodules each stage holds), never from the
+        parameters' identity: the switch engine installs new parameter objects at every switch, and
+        a name looked up by ``id()`` could belong to a dead parameter whose id a new one reuses (it
+        did: a rank freed one of its own stage's norm weights and died of SIGSEGV reading it).
+        """
         n = self.virtual * layout.pp
         split = layer_split(len(self.decoder.layers), n, layout)
         names = set()
         for s in self.stage_ids(layout, slot):
-            part = _Part(self.decoder, split[s], s == 0, s == n - 1, None)
-            names.update(self.prefix + self._decoder_name(p) for p in part.parameters())
+            for module_name in _stage_module_names(split[s], s == 0, s == n - 1):
+                module = self.decoder.get_submodule(module_name)
+                names.update(f"{self.prefix}{module_name}.{p}" for p, _ in module.named_parameters())
         return frozenset(names)
-
-    def _decoder_name(self, param: nn.Parameter) -> str:
-        if not hasattr(self, "_names"):
-            self._names = {}
-        if id(param) not in self._names:
-            self._names = {id(p): n for n, p in self.decoder.named_parameters()}
-        return self._names[id(param)]
 
     def _build(self, layout: Layout, n_mb: int, tokens: int, dtype: torch.dtype) -> Any:
         import torch.distributed.pipelining as pipelining

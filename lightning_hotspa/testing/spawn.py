@@ -19,6 +19,7 @@ they are when the pool starts, as a spawned one does.
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import importlib.util
 import os
 import queue
@@ -60,6 +61,25 @@ def use_fork_server(*modules: str) -> None:
     _START_METHOD = "forkserver"
 
 
+def _fault_path(init_file: str, rank: int) -> str:
+    """Where rank ``rank`` of the pool whose rendezvous file is ``init_file`` dumps its stacks on a fatal signal."""
+    return os.path.join(os.path.dirname(init_file), f"fatal-signal-rank{rank}.txt")
+
+
+def _fatal_stacks(init_file: str, ranks: list[int]) -> str:
+    """The Python stacks the dead ``ranks`` dumped (faulthandler), one section per rank that wrote any."""
+    out = []
+    for r in ranks:
+        try:
+            with open(_fault_path(init_file, r)) as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        if text:
+            out.append(f"\n--- rank {r} (fatal signal; faulthandler) ---\n{text}")
+    return "".join(out)
+
+
 class RankFailure(RuntimeError):
     """A rank raised, or the ranks did not finish before the deadline."""
 
@@ -78,6 +98,10 @@ def _worker(rank: int, world: int, init_file: str, tasks, results, collective_ti
     from ..torch_compat import process_groups
 
     torch.set_num_threads(1)
+    # a fatal signal (SIGSEGV in a native kernel or transport) leaves every thread's Python stack in a
+    # file the parent appends to its RankFailure: otherwise a dead rank says only its exit code
+    fault_file = open(_fault_path(init_file, rank), "w")  # noqa: SIM115 - open for the process's life
+    faulthandler.enable(file=fault_file, all_threads=True)
     dist.init_process_group(
         "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
         timeout=datetime.timedelta(seconds=collective_timeout_s),
@@ -88,6 +112,7 @@ def _worker(rank: int, world: int, init_file: str, tasks, results, collective_ti
             if task is None:
                 break
             fn, args, kwargs = task
+            faulthandler.enable(file=fault_file, all_threads=True)  # again: a task's libraries may re-point it
             try:
                 value = fn(*args, **kwargs)
                 ForkingPickler.dumps(value)  # fail here, not silently in the queue's feeder thread
@@ -118,7 +143,7 @@ class RankPool:
     def _start(self) -> None:
         ctx = mp.get_context(_START_METHOD)
         self._dir = tempfile.TemporaryDirectory(prefix="hotspa-rdzv-")
-        init_file = os.path.join(self._dir.name, "rendezvous")
+        init_file = self._init_file = os.path.join(self._dir.name, "rendezvous")
         self._results = ctx.Queue()
         self._tasks = [ctx.Queue() for _ in range(self.world)]
         caller = (dict(os.environ), os.getcwd(), list(sys.path))
@@ -154,10 +179,12 @@ class RankPool:
                 if remaining <= 0 or dead:
                     missing = sorted(set(range(self.world)) - set(results) - set(errors))
                     codes = {r: self._procs[r].exitcode for r in dead}
+                    stacks = _fatal_stacks(self._init_file, dead)  # before close() removes the folder
                     self.close(force=True)
                     why = f"ranks died (exit codes {codes})" if dead else f"timed out after {timeout_s:.0f}s"
                     raise RankFailure(f"{getattr(fn, '__name__', fn)}: {why}; no result from ranks {missing}"
-                                      + "".join(f"\n--- rank {r} ---\n{t}" for r, t in errors.items())) from None
+                                      + "".join(f"\n--- rank {r} ---\n{t}" for r, t in errors.items())
+                                      + stacks) from None
                 continue
             (results if ok else errors)[rank] = value
         if errors:

@@ -158,3 +158,29 @@ def test_a_rank_that_raises_does_not_leave_the_others_in_a_collective():
         pool.close(force=True)
     message = str(failure.value)
     assert "timed out" not in message and "failed on ranks [0, 1]" in message, message[:2000]
+
+
+def _rank_one_reads_freed_storage() -> int:
+    """Rank 1 sums a tensor whose storage was released (a SIGSEGV in the native kernel); rank 0 waits."""
+    import torch
+
+    if dist.get_rank() == 1:
+        t = torch.ones(64, 64)
+        t.untyped_storage().resize_(0)
+        return int(t.sum())
+    dist.barrier()
+    return 0
+
+
+def test_a_rank_killed_by_a_fatal_signal_reports_its_python_stack():
+    """A rank that dies of SIGSEGV used to say only its exit code (-11): now its faulthandler stacks
+    (every thread's) come with the failure, naming the function it died in."""
+    pool = RankPool(2, collective_timeout_s=1800.0)
+    try:
+        with pytest.raises(RankFailure) as failure:
+            pool.run(_rank_one_reads_freed_storage, timeout_s=120.0)
+    finally:
+        pool.close(force=True)
+    message = str(failure.value)
+    assert "exit codes {1: -11}" in message and "rank 1 (fatal signal; faulthandler)" in message, message[:2000]
+    assert "_rank_one_reads_freed_storage" in message, message[:2000]

@@ -93,8 +93,8 @@ class StepMetricSync:
         if not self._pending or results is None:
             self._pending = []
             return
-        mine = {id(t) for t in self._pending}
-        self._pending = []
+        pending, self._pending = self._pending, []  # held alive while ids are compared: a dead one's id is reused
+        mine = {id(t) for t in pending}
         for key, metric in results.items():
             cache = getattr(metric, "_forward_cache", None)
             if isinstance(cache, Tensor) and id(cache) in mine:
