@@ -129,9 +129,9 @@ class StepRunner:
             self.pipeline = PipelineRunner(parallel, pipeline_schedule, pipeline_virtual, self.device)
             world = engine.world
 
-            def owned(layout: Layout) -> frozenset[str]:
-                pp = world.layout_groups(layout).pp
-                return self.pipeline.owned(layout, pp.slot_of_shard[pp.index])
+            def owned(layout: Layout, rank: int) -> frozenset[str]:  # a stage's index is its rank's pp slot
+                ranks = world.shape.group_ranks(rank, tuple(world.shape.pp_dims(layout)))
+                return self.pipeline.owned(layout, sorted(ranks).index(rank))
 
             engine.pipeline_owned = owned
 

@@ -5,6 +5,8 @@ a move from prefix ``s`` to prefix ``t`` is either a free local slice (``t >= s`
 chunk lies inside the source chunk) or an all-gather over mesh dims ``[t, s)`` of exactly the missing
 part. All parameters that need the same all-gather travel in ONE fused buffer: one collective per
 distinct dim range instead of one per tensor (as the HotSPa artifact fuses all slices for a peer).
+A pp layout's ranks hold their own stages' parameters only: a gather into one sends each member just
+the pieces it wants (:mod:`.selective_gather`), and one out of it skips what a member's stages held.
 
 Double residency is bounded bucket by bucket: once a bucket's new working copies exist, the old
 layout's copies of those params are freed (their storage is released, as FSDP2 frees unsharded
@@ -50,6 +52,7 @@ from .gradients import GradientReduction, GradReport
 from .gradients import sub_chunk as _sub_chunk
 from .home import build_home_parameters
 from .nested_exchange import NestedExchange
+from .selective_gather import SelectiveGather, unmaterialized
 
 __all__ = ["SwitchReport", "GradReport", "SwitchEngine", "build_home_parameters"]
 
@@ -126,9 +129,10 @@ class SwitchEngine(GradientReduction):
         self._exchanges: dict[tuple[Layout, ...], NestedExchange] = {}
         #: parameters inside the model's fsdp units (:meth:`set_fsdp_units`)
         self.fsdp_names: frozenset[str] = frozenset()
-        #: a pp layout -> the parameters this rank's pipeline stages compute with (the others' working
-        #: copies are freed after a switch into it; :mod:`..parallel.pipeline`); None: no pp layout runs
-        self.pipeline_owned: Callable[[Layout], frozenset[str]] | None = None
+        #: (a pp layout, a global rank) -> the parameters that rank's pipeline stages compute with (a switch
+        #: into it moves only those; the others' working copies hold no memory; :mod:`..parallel.pipeline`);
+        #: None: no pp layout runs
+        self.pipeline_owned: Callable[[Layout, int], frozenset[str]] | None = None
         self._init_gradients(grad_accum_dtype, max_buckets_in_flight)
         #: ``(category, tensor)`` for each buffer the engine allocates ("params", "grads",
         #: "temporaries"): how the memory estimator files them (None: nobody listens)
@@ -236,7 +240,11 @@ class SwitchEngine(GradientReduction):
         return self._move_plans[key]
 
     def _move(self, source: Layout | None, target: Layout, locals_: Mapping[str, torch.Tensor],
-              keep_grads: bool = False) -> SwitchReport:
+              keep_grads: bool = False, held: tuple[Layout, Mapping[str, torch.Tensor]] | None = None
+              ) -> SwitchReport:
+        """``target``'s working copy from ``locals_`` (``source``'s copy, or home for None). ``held``: the pp
+        copy (layout, working) this rank leaves, from home: what a member holds there at a prefix the
+        target's lies within is sliced from it, never gathered."""
         if self._overlap is not None:
             raise RuntimeError("switching layouts with gradient reductions in flight; call reduce_gradients() first")
         if self.mixed is not None:
@@ -254,6 +262,8 @@ class SwitchEngine(GradientReduction):
         dtype = self.working_dtype
         rank = self.world.rank
         free_old = source is not None  # home params are never freed; old working copies are
+        owned = self._owned(target)  # a pp layout: this rank computes with its stages' parameters only
+        mine_held = self._held(held, target, rank)
         out: dict[str, torch.Tensor] = {}
         for name, s, t in plan.slices:
             x = locals_[name]
@@ -263,15 +273,24 @@ class SwitchEngine(GradientReduction):
                 out[name] = x
                 continue
             y = _sub_chunk(x.detach(), self.shardings[name], s, t, rank)
-            out[name] = nn.Parameter(y.to(dtype=dtype or y.dtype, copy=True).contiguous())
+            if owned is not None and name not in owned:  # another stage's: never copied
+                out[name] = nn.Parameter(unmaterialized(y.shape, y.new_empty(0, dtype=dtype or y.dtype)))
+            else:
+                out[name] = nn.Parameter(y.to(dtype=dtype or y.dtype, copy=True).contiguous())
             if free_old:
                 _free(x)
         received = collectives = 0
         pending: deque[tuple[list[str], FusedGather, list[torch.Tensor]]] = deque()
 
+        def from_held(name: str) -> nn.Parameter:  # this rank's chunk of the pp copy it leaves
+            x = held[1][name].detach()
+            y = _sub_chunk(x, self.shardings[name], self._prefix(name, held[0]), self._prefix(name, target), rank)
+            return nn.Parameter(y.to(dtype=dtype or y.dtype, copy=True).contiguous())
+
         def land() -> None:  # the oldest bucket in flight: its shards into place, its old copies freed
             bucket_names, gather, old = pending.popleft()
-            out.update((n, nn.Parameter(g)) for n, g in zip(bucket_names, gather.finish()))
+            out.update((n, from_held(n) if n in mine_held else nn.Parameter(g))
+                       for n, g in zip(bucket_names, gather.finish()))
             if free_old:
                 for x in old:
                     _free(x)
@@ -280,20 +299,29 @@ class SwitchEngine(GradientReduction):
         for (t, s), names in plan.gathers.items():
             group = self.world.group(range(t, s), target)
             sources = [locals_[n] for n in names]
+            # into a pp layout each member wants its own stages' parameters only; out of one, none of
+            # those it holds (members in shard order)
+            members = None if owned is None and held is None else \
+                [self._wants(target, r, self._held(held, target, r)) for r in group.ranks]
             for bucket in self._buckets(sources, dtype):
                 pieces = [sources[i].detach().to(dtype=dtype or sources[i].dtype) for i in bucket]
-                gather = FusedGather(pieces, [self.shardings[names[i]].dim for i in bucket], group, async_op=overlap)
+                dims = [self.shardings[names[i]].dim for i in bucket]
+                if members is None:
+                    gather = FusedGather(pieces, dims, group, async_op=overlap)
+                    received += sum(p.numel() * p.element_size() for p in pieces) * (group.size - 1)
+                else:
+                    wanted = [[j for j, i in enumerate(bucket) if m(names[i])] for m in members]
+                    gather = SelectiveGather(pieces, dims, group, wanted)
+                    received += gather.received_bytes
                 pending.append(([names[i] for i in bucket], gather, [sources[i] for i in bucket]))
-                received += sum(p.numel() * p.element_size() for p in pieces) * (group.size - 1)
                 del pieces
                 collectives += 1
                 while len(pending) >= self.switch_buckets_in_flight:  # at most this many buckets held twice
                     land()
         while pending:
             land()
-        owned = self._owned(target)
         lower_bound = sum(n * (dtype or locals_[name].dtype).itemsize for name, n in plan.lower_bound_elems.items()
-                          if owned is None or name in owned)
+                          if (owned is None or name in owned) and name not in mine_held)
         old = dict(locals_) if source is not None else {}
         self.working = {n: out[n] for n in self.shardings}
         if owned is not None:  # a pp layout: only this rank's stages' parameters stay materialized
@@ -305,16 +333,31 @@ class SwitchEngine(GradientReduction):
                 self._label("params", p)
         self._track_accumulation(old, self.working, keep_grads)
         self.active = target
-        return SwitchReport(source, target, received, lower_bound, collectives, time.perf_counter() - start)
+        return SwitchReport(source if held is None else held[0], target, received, lower_bound, collectives,
+                            time.perf_counter() - start)
 
-    def _owned(self, layout: Layout) -> frozenset[str] | None:
-        """The parameters a pp ``layout``'s stages on this rank hold (None: every parameter)."""
+    def _held(self, held: tuple[Layout, Mapping[str, torch.Tensor]] | None, target: Layout,
+              rank: int) -> frozenset[str]:
+        """The parameters ``rank`` holds in the pp copy it leaves (``held``) at a prefix ``target``'s lies within."""
+        if held is None:
+            return frozenset()
+        owned = self._owned(held[0], rank)
+        return frozenset(n for n in owned if self._prefix(n, target) >= self._prefix(n, held[0]))
+
+    def _wants(self, target: Layout, rank: int, holds: frozenset[str]) -> Callable[[str], bool]:
+        """Whether ``rank`` needs a parameter's gathered copy in ``target``: it computes with it there and
+        does not already hold it (``holds``)."""
+        owned = self._owned(target, rank)
+        return lambda name: (owned is None or name in owned) and name not in holds
+
+    def _owned(self, layout: Layout, rank: int | None = None) -> frozenset[str] | None:
+        """The parameters a pp ``layout``'s stages on ``rank`` (default: this rank) hold (None: every one)."""
         if layout.pp == 1:
             return None
         if self.pipeline_owned is None:
             raise LayoutError(f"layout {layout} is pipelined, but no pipeline was registered with the switch "
                               f"engine (pipeline_owned; the StepRunner sets it from its PipelineRunner)")
-        return self.pipeline_owned(layout)
+        return self.pipeline_owned(layout, self.world.rank if rank is None else rank)
 
     def _buckets(self, pieces: list[torch.Tensor], dtype: torch.dtype | None = None) -> list[list[int]]:
         """Consecutive groups of at most ``bucket_bytes`` per rank (a larger tensor goes alone):
@@ -358,7 +401,15 @@ class SwitchEngine(GradientReduction):
             self.release(free=True)
         if len(set(key)) == 1:
             if self.active is not None and self.active.pp > 1 and key[0] != self.active:
-                self.release(free=True)  # its other stages' parameters are gone: the next copy comes from home
+                # its other stages' parameters are gone: the next copy comes from home, except what a rank's
+                # own stages held (sliced from it; the gathers skip it)
+                left, working = self.active, self.working
+                self.release()
+                report = self._move(None, key[0], {n: self._home_local(n) for n in self.shardings},
+                                    held=(left, working))
+                for p in working.values():  # the new copy never shares their storage (copies, or home's)
+                    _free(p)
+                return report
             if self.active is None:
                 return self.materialize(key[0])
             return self.switch(key[0], keep_grads=keep_grads)

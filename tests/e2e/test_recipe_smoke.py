@@ -134,7 +134,8 @@ def _check_pipeline(out: dict) -> None:
     assert max(out["schedules"].values()) <= 1e-5 and out["switch_plan_max_grad_rel_err"] <= 1e-5, out
     fractions = out["param_fraction_per_rank"]
     assert fractions["pp4"] < 0.5 and fractions["dp2xpp2"] < 0.75 and fractions["dp4"] == 1.0, fractions
-    assert all(v >= 1 for v in out["switch_bytes_over_bound"].values()), out["switch_bytes_over_bound"]
+    # into pp each rank receives only its stages' missing pieces; out of pp nothing its stages held
+    assert all(v == 1.0 for v in out["switch_bytes_over_bound"].values()), out["switch_bytes_over_bound"]
 
 
 def _check_switch(out: dict) -> None:
