@@ -126,24 +126,11 @@ def measured_planner(args: argparse.Namespace, layouts: list[str], horizon: int)
 def fit(args: argparse.Namespace, layouts: list[str], planner, steps: int, slow: str | None) -> dict[str, Any]:
     """``steps`` steps of the Trainer; per step its loss and wall seconds (rank 0's)."""
     import lightning as L
-    from lightning.pytorch.callbacks import Callback
+    from step_record import StepRecord
 
     from lightning_hotspa import HotSPaStrategy
 
-    class Record(Callback):
-        def __init__(self) -> None:
-            self.losses: list[float] = []
-            self.seconds: list[float] = []
-            self.t0 = 0.0
-
-        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-            self.t0 = time.perf_counter()
-
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            self.losses.append(float(outputs["loss"]))
-            self.seconds.append(time.perf_counter() - self.t0)
-
-    record = Record()
+    record = StepRecord()
     dm = datamodule(args, steps)
     trainer = L.Trainer(accelerator="cpu", devices=WORLD, max_steps=steps, logger=False,
                         strategy=HotSPaStrategy(layouts, planner=planner, tokens_per_rank=args.tokens_per_rank),

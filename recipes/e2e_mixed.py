@@ -157,8 +157,8 @@ def train_rank(args: argparse.Namespace) -> dict[str, Any]:
     """On every rank: the strategy trains the plans; rank 0 then trains them in one process."""
     import lightning as L
     import torch.distributed as dist
-    from lightning.pytorch.callbacks import Callback
     from lightning_baselines import as_launched_ranks
+    from step_record import StepRecord
 
     from lightning_hotspa import HotSPaStrategy
     from lightning_hotspa.layout import Layout, MeshShape
@@ -175,19 +175,14 @@ def train_rank(args: argparse.Namespace) -> dict[str, Any]:
     for batch, plan in zip(batches, plans):
         batch.extras["global_plan"] = plan  # as the DataModule does: the W&B block metrics read it
 
-    class Losses(Callback):
+    class Losses(StepRecord):
+        """Also, per step, the sum of the block tokens the strategy logged."""
+
         def __init__(self) -> None:
-            self.losses: list[float] = []
-            self.seconds: list[float] = []
-            self.block_tokens: list[float] = []  # per step: the sum of the logged block tokens
-            self.t0 = 0.0
+            super().__init__()
+            self.block_tokens: list[float] = []
 
-        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-            self.t0 = time.perf_counter()
-
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            self.losses.append(float(outputs["loss"]))
-            self.seconds.append(time.perf_counter() - self.t0)
+        def after_step(self, trainer) -> None:
             metrics = trainer.strategy.last_metrics  # what the strategy logged this step
             self.block_tokens.append(sum(float(v) for k, v in metrics.items()
                                          if k.count("/") == 3 and k.endswith("/tokens")))

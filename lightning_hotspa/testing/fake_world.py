@@ -117,6 +117,18 @@ class MemoryTracker:
             return original(module, install_grad_hooks=install_grad_hooks and leaves)
 
         self.tracker._track_module_params_and_buffers = track_params
+        pre_forward = self.tracker._pre_fw_hook
+
+        def pre_forward_again(module: torch.nn.Module, inputs: object) -> None:
+            # torch's tracker refuses a top-level module's second forward; a pipeline stage runs one per
+            # micro-batch: that module's per-module stats (never reported) start over, the totals go on
+            try:
+                pre_forward(module, inputs)
+            except NotImplementedError:
+                self.tracker.memory_tracking.pop(module, None)
+                pre_forward(module, inputs)
+
+        self.tracker._pre_fw_hook = pre_forward_again  # bound at __enter__, as torch's own
         self._types = {"params": _MemRefType.PARAM, "grads": _MemRefType.GRAD, "optimizer": _MemRefType.OPT,
                        "activations": _MemRefType.ACT, "temporaries": _MemRefType.TEMP}
         self._fold = {_MemRefType.PARAM: "params", _MemRefType.BUFFER: "params", _MemRefType.GRAD: "grads",

@@ -23,18 +23,20 @@ import contextlib
 import re
 import time
 import warnings
-import weakref
 from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch import nn
 
 from ..layout import Layout
 from ..models.attention_kernels import default_chunk_kernel, kernel
 from ..models.config import LlamaConfig
 from ..planner.cost.cost_model import AnalyticCostModel, CostModelError
 from ..planner.cost.memory_model import MODEL_ERROR_MARGIN
+from .memory_parts import LiveBytes as _LiveBytes
+from .memory_parts import Wrapped as _Wrapped
+from .memory_parts import empty_shard as _empty_shard
+from .memory_parts import llama_roles_and_shardings
 from .progress import progress
 
 __all__ = ["ATTENTION_PATHS", "CHUNK_KERNEL", "ROWS", "QUICK_ROWS", "add_parser", "candidate_layouts",
@@ -68,24 +70,6 @@ def candidate_layouts(cm: AnalyticCostModel) -> list[Layout]:
     return out
 
 
-class _Wrapped(torch.nn.Module):
-    """The Llama decoder with its loss computed as ``LlamaLM`` does by default: through the model's
-    blocked loss head (``fused_loss_head``; vocab-parallel under tp). ``loss_fn`` and the opt-in
-    stay for the contract's sake (without it, tp layouts would gather full-vocabulary logits)."""
-
-    vocab_parallel_loss = True
-
-    def __init__(self, config: LlamaConfig) -> None:
-        from ..models import Llama, token_mean_cross_entropy
-
-        super().__init__()
-        self.model = Llama(config)
-        self.loss_fn = token_mean_cross_entropy
-
-    def forward(self, mb: Any) -> torch.Tensor:
-        return self.model(mb.input_ids, mb.position_ids, mb.cu_seqlens, mb.max_seqlen, labels=mb.labels)
-
-
 def _micro_batch(layout: Layout, world: Any, tokens: int) -> Any:
     """This rank's slice of a plan with one document of ``tokens`` per dp group (real tensors)."""
     from ..plan import Stage, StepPlan, slice_plan
@@ -93,24 +77,6 @@ def _micro_batch(layout: Layout, world: Any, tokens: int) -> Any:
     docs = [torch.zeros(tokens, dtype=torch.int64) for _ in range(layout.dp)]
     plan = StepPlan(0, tuple([tokens] * layout.dp), (Stage(layout, tuple(((i,),) for i in range(layout.dp))),))
     return slice_plan(plan, docs, world.shape, 0).stages[0].micro_batches[0]
-
-
-def llama_roles_and_shardings(module: nn.Module, config: LlamaConfig, layout: Layout, world: Any) -> tuple[dict, dict]:
-    """The tensor-parallel roles and home shardings of a wrapped Llama (``model.`` prefix) in ``layout``.
-
-    Args:
-        module: the model wrapped as the estimator wraps it (its parameters under ``model.``).
-        config: its configuration.
-        layout: the layout it runs in (replicated roles without tp).
-        world: the ``WorldMesh``.
-    """
-    from ..models import llama_tp_plan, param_roles
-    from ..placements import build_shardings
-
-    roles = param_roles(module, llama_tp_plan(config, layout.tp, prefix="model.")) if layout.tp > 1 \
-        else {n: "replicated" for n, _ in module.named_parameters()}
-    shardings = build_shardings({n: tuple(p.shape) for n, p in module.named_parameters()}, roles, world.shape)
-    return roles, shardings
 
 
 def estimate_layout(config: LlamaConfig, world_size: int, layout: Layout | str, tokens: int, *,
@@ -211,27 +177,6 @@ def estimate_layout(config: LlamaConfig, world_size: int, layout: Layout | str, 
             "seconds": time.perf_counter() - start}
 
 
-class _LiveBytes:
-    """Peak bytes of the engine's live working params (working copies and an fsdp unit's gathered
-    tensors), each counted from its allocation until the tensor object dies."""
-
-    def __init__(self) -> None:
-        self.now = self.peak = 0
-
-    def labeller(self, inner: Any) -> Any:
-        def label(category: str, tensor: torch.Tensor) -> None:
-            inner(category, tensor)
-            if category == "params":
-                nbytes = tensor.numel() * tensor.element_size()
-                self.now += nbytes
-                self.peak = max(self.peak, self.now)
-                weakref.finalize(tensor, self._release, nbytes)
-        return label
-
-    def _release(self, nbytes: int) -> None:
-        self.now -= nbytes
-
-
 def _as_if_mid_step(engine: Any, home: dict[str, torch.Tensor]) -> None:
     """The steady state of a stage's last micro-batch in a multi-stage step: an earlier stage filled
     the gradient store, an earlier micro-batch the working gradients (fp32 main grads, or ``.grad``
@@ -247,13 +192,6 @@ def _as_if_mid_step(engine: Any, home: dict[str, torch.Tensor]) -> None:
         else:
             w.grad = torch.zeros_like(w)
             engine._label("grads", w.grad)
-
-
-def _empty_shard(name: str, shape: tuple[int, ...], dim: int | None, start: int, stop: int) -> torch.Tensor:
-    local = list(shape)
-    if dim is not None:
-        local[dim] = stop - start
-    return torch.empty(local)
 
 
 def estimate_rows(rows: Sequence[tuple], hardware: str = "H100", *, log: Any = print,
@@ -275,7 +213,16 @@ def estimate_rows(rows: Sequence[tuple], hardware: str = "H100", *, log: Any = p
             cap = cm.capacity(lay, ac)
             feasible = cap >= 2 * lay.cp
             tokens = cap - cap % (2 * lay.cp) if feasible else 2 * lay.cp * 64
-            measured = estimate_layout(config, world, lay, tokens, activation_checkpointing=ac, attention=attention)
+            stages = {}
+            if lay.pp > 1:  # the first stage (most micro-batches in flight) and the last (the loss head)
+                from .memory_pipeline import estimate_pipeline_stage, stage_prediction
+
+                for s in sorted({0, lay.pp - 1}):
+                    got = estimate_pipeline_stage(config, world, lay, tokens, stage=s, activation_checkpointing=ac)
+                    stages[s] = (got, stage_prediction(cm, lay, ac, tokens, s))
+                measured = max((got for got, _ in stages.values()), key=lambda g: g["peak_bytes"])
+            else:
+                measured = estimate_layout(config, world, lay, tokens, activation_checkpointing=ac, attention=attention)
             predicted = cm.peak_bytes(lay, ac, tokens)
             use = cm.memory(lay, ac)
             limit = use.usable  # "fits": the measured peak within the hardware's usable bytes
@@ -288,6 +235,10 @@ def estimate_rows(rows: Sequence[tuple], hardware: str = "H100", *, log: Any = p
                      "fits": bool(measured["peak_bytes"] <= limit),
                      "measured_gib": {k: round(v / GiB, 3) for k, v in measured["peak"].items()},
                      "seconds": round(measured["seconds"], 1)}
+            if stages:  # each stage against its own prediction
+                entry["stages"] = {s: {"measured_peak_gib": round(got["peak_bytes"] / GiB, 3),
+                                       "predicted_peak_gib": round(pred / GiB, 3)} for s, (got, pred) in stages.items()}
+                worst = max([worst] + [abs(got["peak_bytes"] / pred - 1) for got, pred in stages.values()])
             worst = max(worst, abs(measured["peak_bytes"] / predicted - 1))
             out.append(entry)
             log(f"[row {number}/{len(rows)}] {model:>11} w{world:<3} {lay.name:<14} ac={int(ac)} tokens={tokens:>6} "

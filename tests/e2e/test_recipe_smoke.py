@@ -241,6 +241,7 @@ HELPERS = {
     "gpu_check_summary.py": "gpu_check.py",
     "gpu_check_train.py": "gpu_check.py",
     "lightning_baselines.py": "benchmark_e2e.py, benchmark_overhead.py, e2e_mixed.py",
+    "step_record.py": "benchmark_measured.py, e2e_mixed.py",
 }
 
 RUNS = sorted(name for name, entry in SMOKE.items() if isinstance(entry, Smoke))

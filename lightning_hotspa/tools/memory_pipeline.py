@@ -1,0 +1,161 @@
+"""``hotspa memory`` for pipelined layouts: peak memory of one rank of one pipeline stage, measured on
+the real step's code path under ``FakeTensorMode``, next to the cost model's per-stage prediction.
+
+The rank sits in the fake world as a rank of the chosen stage (its pp slot). One step of the layout:
+the home state (fp32, AdamW state created), the switch from home into the layout (its own stages'
+parameters only), ``pp`` micro-batches of one ``tokens``-long document per dp group through torch's
+schedule (1F1B by default: the first stage holds every micro-batch's activations at once), the
+gradient reduction and the optimizer step. The prediction is
+:func:`~lightning_hotspa.planner.cost.pp_memory.stage_memories` for that stage at the same tokens.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from ..layout import Layout, LayoutError
+from ..models.config import LlamaConfig
+
+__all__ = ["estimate_pipeline_stage", "stage_prediction", "stage_rank"]
+
+
+def stage_rank(layout: Layout, world_size: int, stage: int) -> int:
+    """The lowest global rank whose pipeline slot in ``layout`` is ``stage``.
+
+    Args:
+        layout: a layout with ``pp > 1``.
+        world_size: the world it runs on.
+        stage: the stage's index (``0 <= stage < pp``).
+    """
+    from ..layout import MeshShape
+
+    if not 0 <= stage < layout.pp:
+        raise LayoutError(f"layout {layout}: stage {stage} is not one of its {layout.pp} pipeline stages")
+    shape = MeshShape.for_layouts([layout], world_size)
+    dims = tuple(shape.pp_dims(layout))
+    for rank in range(world_size):
+        if sorted(shape.group_ranks(rank, dims)).index(rank) == stage:
+            return rank
+    raise LayoutError(f"layout {layout}: no rank of {world_size} holds stage {stage}")  # not reached
+
+
+def stage_prediction(cm: Any, layout: Layout, activation_checkpointing: Any, tokens: int, stage: int) -> float:
+    """The cost model's peak bytes of a rank of ``stage`` with micro-batches of one ``tokens``-long document.
+
+    Args:
+        cm: the :class:`~lightning_hotspa.planner.cost.cost_model.AnalyticCostModel`.
+        layout: a layout with ``pp > 1``.
+        activation_checkpointing: the mode.
+        tokens: the micro-batch's tokens.
+        stage: the stage's index.
+    """
+    from ..planner.cost.pp_memory import stage_memories
+
+    quadratic = cm.attention_quadratic_bytes(layout) * float(tokens) ** 2  # one document: the worst
+    kv = cm.kv_ring_extra_bytes(layout, activation_checkpointing, tokens)
+    return stage_memories(cm, layout, activation_checkpointing)[stage].peak(tokens, quadratic) + kv
+
+
+def _plan(layout: Layout, tokens: int) -> Any:
+    """``pp`` micro-batches of one ``tokens``-long document per dp group (1F1B's minimum)."""
+    from ..plan import Stage, StepPlan
+
+    n = layout.dp * layout.pp
+    groups = tuple(tuple((g * layout.pp + j,) for j in range(layout.pp)) for g in range(layout.dp))
+    return StepPlan(0, tuple([tokens] * n), (Stage(layout, groups, label=str(layout)),))
+
+
+def estimate_pipeline_stage(config: LlamaConfig, world_size: int, layout: Layout | str, tokens: int, *,
+                            stage: int = 0, activation_checkpointing: Any = False,
+                            working_dtype: torch.dtype = torch.bfloat16,
+                            grad_accum_dtype: torch.dtype | None = torch.float32,
+                            schedule: str = "1f1b") -> dict[str, Any]:
+    """Peak bytes by category of a rank of ``stage`` in the pipelined ``layout`` for one step.
+
+    Args:
+        config: the model.
+        world_size: the fake world's size.
+        layout: a layout with ``pp > 1``.
+        tokens: each micro-batch's one document (divisible by ``2 * cp`` and ``tp``).
+        stage: the pipeline stage measured (0: the first, ``pp - 1``: the last).
+        activation_checkpointing: a mode (``"none"``, ``"selective"``, ``"full"``) or a bool.
+        working_dtype, grad_accum_dtype: as the strategy's bf16-mixed.
+        schedule: a key of :data:`~lightning_hotspa.parallel.pipeline.SCHEDULES` without virtual stages.
+    """
+    from ..engine.home import build_home_parameters
+    from ..engine.step_runner import StepHooks, StepRunner
+    from ..engine.switch import SwitchEngine
+    from ..host import set_host_reads
+    from ..mesh import WorldMesh
+    from ..parallel.model import ParallelModel
+    from ..plan import slice_plan
+    from ..testing.fake_world import FakeWorld, MemoryTracker, fake_mode, host_reads_real, static_pipeline_votes
+    from .memory_parts import LiveBytes, Wrapped, empty_shard, llama_roles_and_shardings
+
+    start = time.perf_counter()
+    layout = Layout.parse(layout)
+    if layout.pp == 1:
+        raise LayoutError(f"layout {layout} is not pipelined: estimate it with estimate_layout")
+    rank = stage_rank(layout, world_size, stage)
+    plan = _plan(layout, tokens)
+    docs = [torch.zeros(tokens, dtype=torch.int64) for _ in plan.doc_lengths]
+    with FakeWorld(world_size, rank), static_pipeline_votes():
+        world = WorldMesh([layout])
+        mine = slice_plan(plan, docs, world.shape, rank)  # real metadata, outside the fake mode
+        with torch.device("meta"):
+            module = Wrapped(config)
+        roles, shardings = llama_roles_and_shardings(module, config, layout, world)
+        previous = set_host_reads(host_reads_real)
+        try:
+            with fake_mode():
+                module.to_empty(device="cpu")
+                home = build_home_parameters(world, shardings, None, init_shard=empty_shard)
+                parallel = ParallelModel(module, roles, world)
+                parallel.restore(home)
+                optimizer = torch.optim.AdamW(list(home.values()), lr=1e-4, foreach=False)
+                for p in home.values():  # AdamW state exists from step 1 on: create it untracked
+                    p.grad = torch.zeros_like(p)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                engine = SwitchEngine(world, shardings, home, working_dtype=working_dtype,
+                                      grad_accum_dtype=grad_accum_dtype)
+                runner = StepRunner(engine, parallel, pipeline_schedule=schedule)
+                with MemoryTracker() as mem:
+                    for p in home.values():
+                        mem.label("params", p)
+                    mem.track(optimizer)
+                    working = LiveBytes()
+                    engine.on_buffer = working.labeller(mem.label)
+                    step = mine.stages[0]
+                    runner.enter(step)
+                    _store_as_if_mid_step(engine, home)
+                    parallel.activate(layout, engine.working, activation_checkpointing)
+                    runner._run_pipeline(step, mine, 1.0, StepHooks())
+                    peak_before = mem.peak()
+                    mem.reset_peak()
+                    engine.reduce_gradients()
+                    reduce_peak = mem.peak()
+                    parallel.restore(home)
+                    engine.release()
+                    engine.assign_home_grads()
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
+                    engine.clear_grad_store()
+                    after = mem.peak()
+                    peak = max((peak_before, reduce_peak, after), key=lambda d: sum(d.values()))
+        finally:
+            set_host_reads(previous)
+    return {"rank": rank, "stage": stage, "micro_batches": len(mine.stages[0].micro_batches), "peak": peak,
+            "peak_bytes": sum(peak.values()), "working_params_peak": working.peak,
+            "seconds": time.perf_counter() - start}
+
+
+def _store_as_if_mid_step(engine: Any, home: dict[str, torch.Tensor]) -> None:
+    """An earlier stage of the step filled the fp32 gradient store (as ``memory._as_if_mid_step``); the
+    pipeline's own micro-batches fill the working gradients as they run."""
+    for name, p in home.items():
+        engine.grad_store[name] = torch.zeros_like(p.to_local(), dtype=torch.float32)
+        engine._label("grads", engine.grad_store[name])
