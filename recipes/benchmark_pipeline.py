@@ -8,7 +8,9 @@ stages switch dp2xpp2 -> dp4 -> tp2xcp2 -> pp4. ``param_fraction_per_rank``: per
 share of the model's parameter elements one rank materializes. ``switch_bytes_over_bound``: bytes a
 rank received (the engine's count) over the lower bound (elements of its destination copy it held
 neither at home nor in its source copy, from the shard geometry, as ``benchmark_switch.py``
-counts), for switches into and out of pp, the largest over ranks. The last line is one JSON object.
+counts), for switches into and out of pp, the largest over ranks. ``reduce_bytes_per_rank``: per pp layout,
+the bytes of a step's gradient reduction one rank received (the engine's count), the largest over ranks.
+The last line is one JSON object.
 
     python recipes/benchmark_pipeline.py --layers 8
 """
@@ -106,9 +108,13 @@ def bench_rank(layers: int, schedules: list[str]) -> dict:
     switch_plan = (_stage("dp2xpp2", every[0::4], 1), _stage("dp4", every[1::4], 1), _stage("tp2xcp2", every[2::4], 1),
                    _stage("pp4", every[3::4], 1))
 
+    reduce_bytes: dict[str, int] = {}  # a single-stage step's gradient reduction: bytes this rank received
+
     def step_error(runner, stages) -> float:
         plan = slice_plan(StepPlan(0, tuple(lengths), stages), docs, world.shape, world.rank)
-        runner.run(plan, lm.training_step)
+        result = runner.run(plan, lm.training_step)
+        if len(stages) == 1:
+            reduce_bytes[str(stages[0].layout)] = result.stages[0].reduce_bytes
         engine.assign_home_grads()
         err = max(float((p.grad.full_tensor() - ref_grads[n]).norm() / ref_grads[n].norm()) for n, p in home.items())
         for p in home.values():
@@ -122,6 +128,7 @@ def bench_rank(layers: int, schedules: list[str]) -> dict:
         runner = StepRunner(engine, parallel, pipeline_schedule=schedule)
         out["schedules"][schedule] = {name: step_error(runner, (_stage(name, every, 2),)) for name in PIPELINED}
     out["switch_plan"] = step_error(runner, switch_plan)
+    out["reduce_bytes"] = reduce_bytes
     total = sum(p.numel() for p in home.values())
     for name in [*PIPELINED, "dp4", "tp2xcp2"]:
         engine.enter_stage([Layout.parse(name)])
@@ -168,6 +175,7 @@ def main(argv: list[str] | None = None) -> dict:
         "switch_plan_max_grad_rel_err": max(r["switch_plan"] for r in ranks),
         "param_fraction_per_rank": {k: round(max(r["fraction"][k] for r in ranks), 4) for k in ranks[0]["fraction"]},
         "switch_bytes_over_bound": over,
+        "reduce_bytes_per_rank": {k: max(r["reduce_bytes"][k] for r in ranks) for k in ranks[0]["reduce_bytes"]},
     }
     print(json.dumps(result))
     return result

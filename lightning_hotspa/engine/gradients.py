@@ -29,6 +29,7 @@ from ..collective_names import collective
 from ..layout import Layout
 from ..mesh import RankGroup
 from ..placements import ParamSharding
+from .selective_reduce import selective_reduce_scatter
 
 __all__ = ["GradReport", "GradientReduction", "sub_chunk", "reduce_dtype"]
 
@@ -51,6 +52,16 @@ def sub_chunk(t: torch.Tensor, sharding: ParamSharding, start: int, stop: int, r
     count = math.prod(sharding.mesh.sizes[d] for d in dims)
     index = sharding.mesh.shard_index(rank, dims)
     return t.chunk(count, dim=sharding.dim)[index]
+
+
+def sub_shape(shape: tuple[int, ...], sharding: ParamSharding, start: int, stop: int) -> tuple[int, ...]:
+    """The shape :func:`sub_chunk` gives a tensor of ``shape`` (computed: no view of the tensor itself,
+    which may be another pipeline stage's copy that holds no storage)."""
+    if start == stop or sharding.dim is None:
+        return tuple(shape)
+    out = list(shape)
+    out[sharding.dim] //= math.prod(sharding.mesh.sizes[d] for d in range(start, stop))
+    return tuple(out)
 
 
 def reduce_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -271,7 +282,7 @@ class GradientReduction:
                 if rep:
                     plan.slices[name] = (rep[0], rep[-1] + 1)
                 w = self.working[name]
-                nbytes = sub_chunk(w.detach(), sharding, *plan.slices.get(name, (0, 0)), self.world.rank).numel() \
+                nbytes = math.prod(sub_shape(w.shape, sharding, *plan.slices.get(name, (0, 0)))) \
                     * reduce_dtype(w.dtype).itemsize
                 bucket, size = open_.get(key, (None, 0))
                 if bucket is None or size + nbytes > self.bucket_bytes:
@@ -348,16 +359,28 @@ class GradientReduction:
         while len(into.in_flight) >= self.max_buckets_in_flight:
             self._land(*into.in_flight.pop(0), into, where)
         rank = self.world.rank
+        owners = self._grad_owners(bucket) if bucket.scatter else None
         local, dtype = [], None
         for name in bucket.names:
             w = self.working[name]
             g = grads[name] if grads is not None else self.working_grad(name)
             dtype = reduce_dtype(w.dtype)
+            if g is None and owners is not None:  # another stage's parameter: nothing to send
+                local.append(None)
+                continue
             g = torch.zeros(w.shape, dtype=dtype, device=w.device) if g is None else g.detach()
             if name in plan.slices:
                 g = sub_chunk(g, self.shardings[name], *plan.slices[name], rank)
             local.append(g)
-        if bucket.scatter:
+        if owners is not None:
+            group = self.world.group(bucket.scatter, self.active)
+            shapes = [sub_shape(self.working[n].shape, self.shardings[n], *plan.slices.get(n, (0, 0)))
+                      for n in bucket.names]
+            results, received = selective_reduce_scatter(local, shapes, [self.shardings[n].dim for n in bucket.names],
+                                                         group, dtype, owners)
+            pending = _Pending(None, lambda results=results: results, None)
+            into.received += received
+        elif bucket.scatter:
             group = self.world.group(bucket.scatter, self.active)
             pending = _reduce_scatter_start(local, [self.shardings[n].dim for n in bucket.names], group, dtype)
             into.received += sum(t.numel() for t in local) * dtype.itemsize * (group.size - 1) // group.size
@@ -372,6 +395,16 @@ class GradientReduction:
             self.main_grads.pop(name, None)
         into.launched += 1
         into.in_flight.append((bucket, pending))
+
+    def _grad_owners(self, bucket: _GradBucket) -> list[list[int]] | None:
+        """In a pp layout, per parameter of ``bucket``, the shard indices of its scatter group's members
+        whose stages hold it (None outside pp: every member holds every gradient)."""
+        layout = self.active
+        if layout is None or layout.pp == 1:
+            return None
+        group = self.world.group(bucket.scatter, layout)
+        held = [self._owned(layout, r) for r in group.ranks]
+        return [[i for i, names in enumerate(held) if n in names] for n in bucket.names]
 
     def _land(self, bucket: _GradBucket, pending: _Pending, into: _Overlap, where: str) -> None:
         """Waits for ``bucket``'s first collective and stores the result, or, for a two-phase bucket,

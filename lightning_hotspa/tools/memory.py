@@ -33,10 +33,9 @@ from ..models.attention_kernels import default_chunk_kernel, kernel
 from ..models.config import LlamaConfig
 from ..planner.cost.cost_model import AnalyticCostModel, CostModelError
 from ..planner.cost.memory_model import MODEL_ERROR_MARGIN
-from .memory_parts import LiveBytes as _LiveBytes
 from .memory_parts import Wrapped as _Wrapped
 from .memory_parts import empty_shard as _empty_shard
-from .memory_parts import llama_roles_and_shardings
+from .memory_parts import llama_roles_and_shardings, reduce_and_step, track_home_and_engine, warm_optimizer
 from .progress import progress
 
 __all__ = ["ATTENTION_PATHS", "CHUNK_KERNEL", "ROWS", "QUICK_ROWS", "add_parser", "candidate_layouts",
@@ -131,21 +130,13 @@ def estimate_layout(config: LlamaConfig, world_size: int, layout: Layout | str, 
                 home = build_home_parameters(world, shardings, None, init_shard=_empty_shard)
                 parallel = ParallelModel(module, roles, world, tp_regather=tp_regather)
                 parallel.restore(home)
-                optimizer = torch.optim.AdamW(list(home.values()), lr=1e-4, foreach=False)
-                for p in home.values():  # AdamW state exists from step 1 on: create it untracked
-                    p.grad = torch.zeros_like(p)
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
+                optimizer = warm_optimizer(home)
                 engine = SwitchEngine(world, shardings, home, working_dtype=working_dtype,
                                       bucket_bytes=bucket_bytes, grad_accum_dtype=grad_accum_dtype,
                                       max_buckets_in_flight=max_buckets_in_flight)
                 units = ShardedUnits(engine, module) if layout.fsdp else None  # per-unit gathers (engine/fsdp.py)
                 with MemoryTracker() as mem:
-                    for p in home.values():
-                        mem.label("params", p)
-                    mem.track(optimizer)
-                    working = _LiveBytes()
-                    engine.on_buffer = working.labeller(mem.label)
+                    working = track_home_and_engine(mem, home, optimizer, engine)
                     engine.materialize_blocks(mixed) if mixed else engine.materialize(layout)
                     _as_if_mid_step(engine, home)
                     parallel.activate(layout, engine.working, activation_checkpointing)
@@ -159,16 +150,8 @@ def estimate_layout(config: LlamaConfig, world_size: int, layout: Layout | str, 
                     del loss
                     reduce_start = mem.current()
                     peak_before = mem.peak()
-                    mem.reset_peak()
-                    engine.reduce_blocks() if mixed else engine.reduce_gradients()
-                    reduce_peak = mem.peak()
-                    parallel.restore(home)
-                    engine.release()
-                    engine.assign_home_grads()
-                    optimizer.step()
-                    optimizer.zero_grad(set_to_none=True)
-                    engine.clear_grad_store()
-                    after = mem.peak()
+                    reduce_peak, after = reduce_and_step(mem, engine, parallel, home, optimizer,
+                                                         engine.reduce_blocks if mixed else engine.reduce_gradients)
                     peak = max((peak_before, reduce_peak, after), key=lambda d: sum(d.values()))
         finally:
             set_host_reads(previous)

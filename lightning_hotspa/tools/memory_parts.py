@@ -79,3 +79,62 @@ def empty_shard(name: str, shape: tuple[int, ...], dim: int | None, start: int, 
     if dim is not None:
         local[dim] = stop - start
     return torch.empty(local)
+
+
+def warm_optimizer(home: dict[str, torch.Tensor]) -> torch.optim.Optimizer:
+    """AdamW over the home parameters with its state already created (it exists from step 1 on): one
+    untracked step on zero gradients, run before the memory tracker starts.
+
+    Args:
+        home: the home parameters.
+    """
+    optimizer = torch.optim.AdamW(list(home.values()), lr=1e-4, foreach=False)
+    for p in home.values():
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return optimizer
+
+
+def track_home_and_engine(mem: Any, home: dict[str, torch.Tensor], optimizer: Any, engine: Any) -> LiveBytes:
+    """Files the home parameters and the optimizer's state with ``mem`` and the engine's buffers as it
+    makes them; returns the live bytes of the engine's working copies.
+
+    Args:
+        mem: the fake world's ``MemoryTracker``, entered.
+        home: the home parameters.
+        optimizer: their optimizer.
+        engine: the ``SwitchEngine``.
+    """
+    for p in home.values():
+        mem.label("params", p)
+    mem.track(optimizer)
+    working = LiveBytes()
+    engine.on_buffer = working.labeller(mem.label)
+    return working
+
+
+def reduce_and_step(mem: Any, engine: Any, parallel: Any, home: dict[str, torch.Tensor], optimizer: Any,
+                    reduce: Any) -> tuple[dict[str, int], dict[str, int]]:
+    """The step's end as the strategy runs it, after the compute: ``reduce()`` (peak measured from here
+    on alone), the home parameters back, the optimizer step. Returns (the reduction's peak, the peak by
+    the end).
+
+    Args:
+        mem: the ``MemoryTracker``.
+        engine: the ``SwitchEngine``.
+        parallel: the ``ParallelModel``.
+        home: the home parameters.
+        optimizer: their optimizer.
+        reduce: the engine's reduction to run (a bound method).
+    """
+    mem.reset_peak()
+    reduce()
+    reduce_peak = mem.peak()
+    parallel.restore(home)
+    engine.release()
+    engine.assign_home_grads()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    engine.clear_grad_store()
+    return reduce_peak, mem.peak()

@@ -93,7 +93,14 @@ def estimate_pipeline_stage(config: LlamaConfig, world_size: int, layout: Layout
     from ..parallel.model import ParallelModel
     from ..plan import slice_plan
     from ..testing.fake_world import FakeWorld, MemoryTracker, fake_mode, host_reads_real, static_pipeline_votes
-    from .memory_parts import LiveBytes, Wrapped, empty_shard, llama_roles_and_shardings
+    from .memory_parts import (
+        Wrapped,
+        empty_shard,
+        llama_roles_and_shardings,
+        reduce_and_step,
+        track_home_and_engine,
+        warm_optimizer,
+    )
 
     start = time.perf_counter()
     layout = Layout.parse(layout)
@@ -115,36 +122,20 @@ def estimate_pipeline_stage(config: LlamaConfig, world_size: int, layout: Layout
                 home = build_home_parameters(world, shardings, None, init_shard=empty_shard)
                 parallel = ParallelModel(module, roles, world)
                 parallel.restore(home)
-                optimizer = torch.optim.AdamW(list(home.values()), lr=1e-4, foreach=False)
-                for p in home.values():  # AdamW state exists from step 1 on: create it untracked
-                    p.grad = torch.zeros_like(p)
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
+                optimizer = warm_optimizer(home)
                 engine = SwitchEngine(world, shardings, home, working_dtype=working_dtype,
                                       grad_accum_dtype=grad_accum_dtype)
                 runner = StepRunner(engine, parallel, pipeline_schedule=schedule)
                 with MemoryTracker() as mem:
-                    for p in home.values():
-                        mem.label("params", p)
-                    mem.track(optimizer)
-                    working = LiveBytes()
-                    engine.on_buffer = working.labeller(mem.label)
+                    working = track_home_and_engine(mem, home, optimizer, engine)
                     step = mine.stages[0]
                     runner.enter(step)
                     _store_as_if_mid_step(engine, home)
                     parallel.activate(layout, engine.working, activation_checkpointing)
                     runner._run_pipeline(step, mine, 1.0, StepHooks())
                     peak_before = mem.peak()
-                    mem.reset_peak()
-                    engine.reduce_gradients()
-                    reduce_peak = mem.peak()
-                    parallel.restore(home)
-                    engine.release()
-                    engine.assign_home_grads()
-                    optimizer.step()
-                    optimizer.zero_grad(set_to_none=True)
-                    engine.clear_grad_store()
-                    after = mem.peak()
+                    reduce_peak, after = reduce_and_step(mem, engine, parallel, home, optimizer,
+                                                         engine.reduce_gradients)
                     peak = max((peak_before, reduce_peak, after), key=lambda d: sum(d.values()))
         finally:
             set_host_reads(previous)

@@ -136,6 +136,7 @@ def _check_pipeline(out: dict) -> None:
     assert fractions["pp4"] < 0.5 and fractions["dp2xpp2"] < 0.75 and fractions["dp4"] == 1.0, fractions
     # into pp each rank receives only its stages' missing pieces; out of pp nothing its stages held
     assert all(v == 1.0 for v in out["switch_bytes_over_bound"].values()), out["switch_bytes_over_bound"]
+    assert set(out["reduce_bytes_per_rank"]) == {"dp2xpp2", "tp2xpp2", "pp4"}, out["reduce_bytes_per_rank"]
 
 
 def _check_switch(out: dict) -> None:
@@ -197,7 +198,7 @@ SMOKE: dict[str, Smoke | Reuse] = {
                                  "per_layout_max_grad_rel_err"}, _check_model),
     "benchmark_pipeline.py": Smoke(["--layers", "8", "--schedules", "1f1b"],
                                    {"schedules", "switch_plan_max_grad_rel_err", "param_fraction_per_rank",
-                                    "switch_bytes_over_bound"}, _check_pipeline),
+                                    "switch_bytes_over_bound", "reduce_bytes_per_rank"}, _check_pipeline),
     "benchmark_overhead.py": Smoke(["--model", "tiny", "--steps", "2", "--repeats", "1", "--tokens", "256"],
                                    {"tokens_per_s", "dp4_vs_ddp", "dp2xtp2_vs_model_parallel", "dp4_vs_ddp_cpu"},
                                    _check_overhead),
