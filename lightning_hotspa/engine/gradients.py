@@ -29,6 +29,7 @@ from ..collective_names import collective
 from ..layout import Layout
 from ..mesh import RankGroup
 from ..placements import ParamSharding
+from ..shard_rows import shard_of_slot
 from .selective_reduce import selective_reduce_scatter
 
 __all__ = ["GradReport", "GradientReduction", "sub_chunk", "reduce_dtype"]
@@ -67,14 +68,6 @@ def sub_shape(shape: tuple[int, ...], sharding: ParamSharding, start: int, stop:
 def reduce_dtype(dtype: torch.dtype) -> torch.dtype:
     """Gradients are summed in fp32 at least (fp64 stays fp64)."""
     return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def _slots_to_shards(group: RankGroup) -> list[int]:
-    """shard index held by each collective output slot (inverse of ``slot_of_shard``)."""
-    out = [0] * group.size
-    for shard, slot in enumerate(group.slot_of_shard):
-        out[slot] = shard
-    return out
 
 
 @dataclass
@@ -134,7 +127,7 @@ def _reduce_scatter_start(tensors: list[torch.Tensor], dims: list[int], group: R
     moved = [t.movedim(d, 0) for t, d in zip(tensors, dims)]
     widths = [m.numel() // group.size for m in moved]
     rows = torch.empty(group.size, sum(widths), dtype=dtype, device=tensors[0].device)
-    order = None if group.in_shard_order else _slots_to_shards(group)
+    order = None if group.in_shard_order else shard_of_slot(group)
     offset = 0
     for m, n in zip(moved, widths):
         src = m.unflatten(0, (group.size, m.shape[0] // group.size))

@@ -17,6 +17,7 @@ from torch import Tensor
 
 from ..collective_names import collective
 from ..mesh import RankGroup
+from ..shard_rows import shard_of_slot
 
 __all__ = ["SelectiveGather", "unmaterialized"]
 
@@ -49,11 +50,10 @@ class SelectiveGather:
         self.dims, self.group = list(dims), group
         me = group.index
         self.mine = list(wanted[me])
-        shard_of_slot = sorted(range(group.size), key=lambda shard: group.slot_of_shard[shard])
         mine_elems = sum(self.moved[k].numel() for k in self.mine)
         send_parts: list[Tensor] = []
         self.send_sizes, self.recv_sizes = [0] * group.size, [0] * group.size
-        for slot, shard in enumerate(shard_of_slot):
+        for slot, shard in enumerate(shard_of_slot(group)):
             if shard == me:  # this rank's own piece stays where it is
                 continue
             send_parts.extend(self.moved[k].reshape(-1) for k in wanted[shard])

@@ -10,6 +10,7 @@ import torch
 
 from ..collective_names import collective
 from ..mesh import RankGroup
+from ..shard_rows import shard_of_slot
 
 __all__ = ["selective_reduce_scatter"]
 
@@ -34,9 +35,9 @@ def selective_reduce_scatter(tensors: list[torch.Tensor | None], shapes: list[tu
     chunks = [None if t is None else t.movedim(d, 0).to(dtype).unflatten(0, (size, t.shape[d] // size))
               for t, d in zip(tensors, dims)]
     piece = [math.prod(shape) // size for shape in shapes]
-    shard_of_slot = sorted(range(size), key=lambda shard: group.slot_of_shard[shard])
+    shards = shard_of_slot(group)  # the member in each collective slot
     send, send_sizes, recv_sizes = [], [0] * size, [0] * size
-    for slot, shard in enumerate(shard_of_slot):
+    for slot, shard in enumerate(shards):
         if shard == me:
             continue
         for k, c in enumerate(chunks):
@@ -51,7 +52,7 @@ def selective_reduce_scatter(tensors: list[torch.Tensor | None], shapes: list[tu
     with collective("a gradient reduce-scatter (each stage's own parameters)", group):
         group.comm.all_to_all_into(recv, flat, recv_sizes, send_sizes)
     starts, offset = {}, 0
-    for slot, shard in enumerate(shard_of_slot):
+    for slot, shard in enumerate(shards):
         starts[shard] = offset
         offset += recv_sizes[slot]
     results = []
