@@ -353,14 +353,15 @@ class GradientReduction:
             self._land(*into.in_flight.pop(0), into, where)
         rank = self.world.rank
         owners = self._grad_owners(bucket) if bucket.scatter else None
+        me = self.world.group(bucket.scatter, self.active).index if owners is not None else None
         local, dtype = [], None
-        for name in bucket.names:
+        for k, name in enumerate(bucket.names):
             w = self.working[name]
-            g = grads[name] if grads is not None else self.working_grad(name)
             dtype = reduce_dtype(w.dtype)
-            if g is None and owners is not None:  # another stage's parameter: nothing to send
-                local.append(None)
+            if owners is not None and me not in owners[k]:
+                local.append(None)  # another stage's parameter: nothing to send
                 continue
+            g = grads[name] if grads is not None else self.working_grad(name)
             g = torch.zeros(w.shape, dtype=dtype, device=w.device) if g is None else g.detach()
             if name in plan.slices:
                 g = sub_chunk(g, self.shardings[name], *plan.slices[name], rank)
@@ -370,7 +371,7 @@ class GradientReduction:
             shapes = [sub_shape(self.working[n].shape, self.shardings[n], *plan.slices.get(n, (0, 0)))
                       for n in bucket.names]
             results, received = selective_reduce_scatter(local, shapes, [self.shardings[n].dim for n in bucket.names],
-                                                         group, dtype, owners)
+                                                         group, dtype, owners, self.working[bucket.names[0]].device)
             pending = _Pending(None, lambda results=results: results, None)
             into.received += received
         elif bucket.scatter:

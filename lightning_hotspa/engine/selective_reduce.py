@@ -16,8 +16,8 @@ __all__ = ["selective_reduce_scatter"]
 
 
 def selective_reduce_scatter(tensors: list[torch.Tensor | None], shapes: list[tuple[int, ...]], dims: list[int],
-                             group: RankGroup, dtype: torch.dtype,
-                             owners: list[list[int]]) -> tuple[list[torch.Tensor], int]:
+                             group: RankGroup, dtype: torch.dtype, owners: list[list[int]],
+                             device: torch.device) -> tuple[list[torch.Tensor], int]:
     """A reduce-scatter where only some members hold each gradient (a pp layout: a parameter's own
     stage): ONE all-to-all sends each owner's chunk ``j`` of its gradients to member ``j``, and each
     member sums the chunks it receives in shard order; nobody sends zeros for another stage's
@@ -30,6 +30,7 @@ def selective_reduce_scatter(tensors: list[torch.Tensor | None], shapes: list[tu
         group: the reduce-scatter's group.
         dtype: the reduction dtype.
         owners: per parameter, the shard indices of the members that hold its gradient.
+        device: where the buffers live (the working parameters'; a rank may hold none of the bucket).
     """
     me, size = group.index, group.size
     chunks = [None if t is None else t.movedim(d, 0).to(dtype).unflatten(0, (size, t.shape[d] // size))
@@ -46,7 +47,6 @@ def selective_reduce_scatter(tensors: list[torch.Tensor | None], shapes: list[tu
                 send_sizes[slot] += piece[k]
             if shard in owners[k]:
                 recv_sizes[slot] += piece[k]
-    device = next((t.device for t in tensors if t is not None), None) or torch.device("cpu")
     flat = torch.cat(send) if send else torch.empty(0, dtype=dtype, device=device)
     recv = torch.empty(sum(recv_sizes), dtype=dtype, device=device)
     with collective("a gradient reduce-scatter (each stage's own parameters)", group):

@@ -197,6 +197,7 @@ class PipelineRunner:
         self.device = torch.device(device)
         self.prefix, self.decoder = find_decoder(parallel.module)
         self._cache: dict[tuple, Any] = {}
+        self._owned: dict[tuple[Layout, int], frozenset[str]] = {}
         #: schedules built (one per key): the cache's size
         self.built = 0
 
@@ -212,14 +213,17 @@ class PipelineRunner:
         a name looked up by ``id()`` could belong to a dead parameter whose id a new one reuses (it
         did: a rank freed one of its own stage's norm weights and died of SIGSEGV reading it).
         """
-        n = self.virtual * layout.pp
-        split = layer_split(len(self.decoder.layers), n, layout)
-        names = set()
-        for s in self.stage_ids(layout, slot):
-            for module_name in _stage_module_names(split[s], s == 0, s == n - 1):
-                module = self.decoder.get_submodule(module_name)
-                names.update(f"{self.prefix}{module_name}.{p}" for p, _ in module.named_parameters())
-        return frozenset(names)
+        key = (layout, slot)
+        if key not in self._owned:  # structure only: the same answer every switch and reduction asks
+            n = self.virtual * layout.pp
+            split = layer_split(len(self.decoder.layers), n, layout)
+            names = set()
+            for s in self.stage_ids(layout, slot):
+                for module_name in _stage_module_names(split[s], s == 0, s == n - 1):
+                    module = self.decoder.get_submodule(module_name)
+                    names.update(f"{self.prefix}{module_name}.{p}" for p, _ in module.named_parameters())
+            self._owned[key] = frozenset(names)
+        return self._owned[key]
 
     def _build(self, layout: Layout, n_mb: int, tokens: int, dtype: torch.dtype) -> Any:
         import torch.distributed.pipelining as pipelining

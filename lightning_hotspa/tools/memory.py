@@ -35,7 +35,13 @@ from ..planner.cost.cost_model import AnalyticCostModel, CostModelError
 from ..planner.cost.memory_model import MODEL_ERROR_MARGIN
 from .memory_parts import Wrapped as _Wrapped
 from .memory_parts import empty_shard as _empty_shard
-from .memory_parts import llama_roles_and_shardings, reduce_and_step, track_home_and_engine, warm_optimizer
+from .memory_parts import (
+    fill_grad_store,
+    llama_roles_and_shardings,
+    reduce_and_step,
+    track_home_and_engine,
+    warm_optimizer,
+)
 from .progress import progress
 
 __all__ = ["ATTENTION_PATHS", "CHUNK_KERNEL", "ROWS", "QUICK_ROWS", "add_parser", "candidate_layouts",
@@ -164,10 +170,7 @@ def _as_if_mid_step(engine: Any, home: dict[str, torch.Tensor]) -> None:
     """The steady state of a stage's last micro-batch in a multi-stage step: an earlier stage filled
     the gradient store, an earlier micro-batch the working gradients (fp32 main grads, or ``.grad``
     when accumulating in the working dtype)."""
-    for name, p in home.items():
-        local = p.to_local()
-        engine.grad_store[name] = torch.zeros_like(local, dtype=torch.float32)
-        engine._label("grads", engine.grad_store[name])
+    fill_grad_store(engine, home)
     for name, w in engine.working.items():
         if engine._accumulates(w):
             engine.main_grads[name] = torch.zeros_like(w, dtype=engine.grad_accum_dtype)

@@ -13,7 +13,8 @@ from torch import nn
 from ..layout import Layout
 from ..models.config import LlamaConfig
 
-__all__ = ["LiveBytes", "Wrapped", "empty_shard", "llama_roles_and_shardings"]
+__all__ = ["LiveBytes", "Wrapped", "empty_shard", "fill_grad_store", "llama_roles_and_shardings",
+           "reduce_and_step", "track_home_and_engine", "warm_optimizer"]
 
 
 class Wrapped(torch.nn.Module):
@@ -138,3 +139,15 @@ def reduce_and_step(mem: Any, engine: Any, parallel: Any, home: dict[str, torch.
     optimizer.zero_grad(set_to_none=True)
     engine.clear_grad_store()
     return reduce_peak, mem.peak()
+
+
+def fill_grad_store(engine: Any, home: dict[str, torch.Tensor]) -> None:
+    """The fp32 gradient store as an earlier stage of the step left it (every home shard), filed as grads.
+
+    Args:
+        engine: the ``SwitchEngine``.
+        home: the home parameters.
+    """
+    for name, p in home.items():
+        engine.grad_store[name] = torch.zeros_like(p.to_local(), dtype=torch.float32)
+        engine._label("grads", engine.grad_store[name])

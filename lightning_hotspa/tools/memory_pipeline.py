@@ -96,6 +96,7 @@ def estimate_pipeline_stage(config: LlamaConfig, world_size: int, layout: Layout
     from .memory_parts import (
         Wrapped,
         empty_shard,
+        fill_grad_store,
         llama_roles_and_shardings,
         reduce_and_step,
         track_home_and_engine,
@@ -130,7 +131,7 @@ def estimate_pipeline_stage(config: LlamaConfig, world_size: int, layout: Layout
                     working = track_home_and_engine(mem, home, optimizer, engine)
                     step = mine.stages[0]
                     runner.enter(step)
-                    _store_as_if_mid_step(engine, home)
+                    fill_grad_store(engine, home)  # an earlier stage of the step filled it
                     parallel.activate(layout, engine.working, activation_checkpointing)
                     runner._run_pipeline(step, mine, 1.0, StepHooks())
                     peak_before = mem.peak()
@@ -143,10 +144,3 @@ def estimate_pipeline_stage(config: LlamaConfig, world_size: int, layout: Layout
             "peak_bytes": sum(peak.values()), "working_params_peak": working.peak,
             "seconds": time.perf_counter() - start}
 
-
-def _store_as_if_mid_step(engine: Any, home: dict[str, torch.Tensor]) -> None:
-    """An earlier stage of the step filled the fp32 gradient store (as ``memory._as_if_mid_step``); the
-    pipeline's own micro-batches fill the working gradients as they run."""
-    for name, p in home.items():
-        engine.grad_store[name] = torch.zeros_like(p.to_local(), dtype=torch.float32)
-        engine._label("grads", engine.grad_store[name])
