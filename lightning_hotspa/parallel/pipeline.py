@@ -2,8 +2,9 @@
 
 A ``pp > 1`` layout splits the decoder over the ranks of its pp group (the outermost mesh dims,
 :meth:`~lightning_hotspa.layout.MeshShape.pp_dims`): the embedding on the first stage, the blocked
-loss head (:mod:`..models.loss_head`) on the last, the layers split as evenly as possible (an uneven
-split where they do not divide; the remainder goes to the middle stages, which hold neither end).
+loss head (:mod:`..models.loss_head`) on the last, the layers split as the planner prices them
+(:mod:`..pipeline_split`: the slowest stage's work, the loss head's counted, as small as it can be; an
+uneven remainder on the middle stages, which hold neither end).
 Inside a stage the layout's tp / cp hooks run as in any layout. A stage's index is its rank's SLOT in
 the pp process group (its rank order), so torch's default stage -> rank mapping holds.
 
@@ -20,6 +21,8 @@ micro-batch ``i``'s token-mean loss by its target tokens over the step's (the ``
 
 from __future__ import annotations
 
+import inspect
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -29,6 +32,8 @@ from torch import Tensor, nn
 from ..host import host_reads
 from ..layout import Layout, LayoutError
 from ..micro_batch import MicroBatch
+from ..model_shape import describe_model
+from ..pipeline_split import head_layers, stage_layer_counts
 from ..plan import IGNORE_INDEX
 
 __all__ = ["SCHEDULES", "PipelineRunner", "find_decoder", "layer_split", "pad_micro_batch"]
@@ -42,25 +47,21 @@ SCHEDULES: dict[str, tuple[str, bool]] = {
 }
 
 
-def layer_split(n_layers: int, stages: int, layout: Layout | str = "") -> list[range]:
-    """The layers of each of ``stages`` pipeline stages: as even as possible, the extra layers on the
-    middle stages first (the first holds the embedding, the last the loss head).
+def layer_split(n_layers: int, stages: int, layout: Layout | str = "", head: float = 0.0) -> list[range]:
+    """The layers of each of ``stages`` pipeline stages (:func:`~lightning_hotspa.pipeline_split.stage_layer_counts`:
+    the split the planner prices).
 
     Args:
         n_layers: the decoder's layers.
         stages: pipeline stages (``pp * virtual``).
         layout: named in the error.
+        head: the loss head's work in layers (0 with virtual stages: the planner prices those even).
     """
     if stages > n_layers:
         raise LayoutError(f"layout {layout}: {stages} pipeline stages (pp x virtual stages) but the model has "
                           f"only {n_layers} layers; every stage needs at least one")
-    base, extra = divmod(n_layers, stages)
-    order = list(range(1, stages - 1)) + [stages - 1, 0] if stages > 2 else list(range(stages))[::-1]
-    counts = [base] * stages
-    for s in order[:extra]:
-        counts[s] += 1
     out, start = [], 0
-    for c in counts:
+    for c in stage_layer_counts(n_layers, stages, head):
         out.append(range(start, start + c))
         start += c
     return out
@@ -149,11 +150,70 @@ class _Part(nn.Module):
         return x
 
 
+def _release_buffers(infos: Any) -> list[Tensor]:
+    """Drop the receive buffers of ``infos`` (torch ``_RecvInfo`` tuples): an empty tensor in their place.
+    Returns the dropped buffers (for :func:`_free`)."""
+    dropped = []
+    for info in infos:
+        buffer = getattr(info, "buffer", None)
+        if buffer is not None and not getattr(info, "is_root_arg", False) and buffer.numel():
+            info.buffer = buffer.new_empty(0)
+            dropped.append(buffer)
+    return dropped
+
+
+def _free(buffers: list[Tensor]) -> None:
+    """Free the storage of received buffers whose micro-batch's backward is over: a received activation
+    is an autograd leaf, and the loss the schedule keeps until the step's end reaches it through the
+    graph (its gradient-accumulation node holds the tensor), so dropping the reference frees nothing."""
+    for buffer in buffers:
+        buffer.grad = None
+        buffer.data = buffer.new_empty(0)
+
+
+def _fresh_buffers(infos: Any, device: torch.device) -> None:
+    """Allocate the receive buffers of ``infos`` dropped by :func:`_release_buffers` (shape from their meta)."""
+    for info in infos:
+        meta, buffer = getattr(info, "tensor_meta", None), getattr(info, "buffer", None)
+        if buffer is not None and meta is not None and buffer.numel() == 0 and math.prod(meta.shape):
+            info.buffer = torch.empty(meta.shape, dtype=meta.dtype, device=device)
+
+
 def _stage_class() -> type:
-    """A :class:`PipelineStage` that sets the micro-batch of each chunk around its forward and backward."""
+    """A :class:`PipelineStage` that sets the micro-batch of each chunk around its forward and backward,
+    and holds a receive buffer only from its chunk's receive to the end of its backward.
+
+    torch allocates every micro-batch's activation and gradient receive buffers when a schedule first
+    runs and keeps them for the schedule's life (``2 m`` boundary tensors per stage for the whole step
+    and, one cached schedule per bucket shape, after it), and a last stage's kept losses reach every
+    received activation through the graph until the step ends. Here the buffers are dropped once
+    built, allocated at each chunk's receive (``get_fwd_recv_ops`` / ``get_bwd_recv_ops``) and freed
+    when the chunk's backward is over (its weight backward too, in the zero-bubble schedules). A torch
+    version without these hooks keeps its own buffers: same results, more memory.
+    """
     from torch.distributed.pipelining import PipelineStage
 
     class _Stage(PipelineStage):
+        def _prepare_forward_infra(self, *args: Any, **kwargs: Any) -> Any:
+            out = super()._prepare_forward_infra(*args, **kwargs)
+            for infos in self.args_recv_info.values():
+                _release_buffers(infos)
+            return out
+
+        def _prepare_backward_infra(self, *args: Any, **kwargs: Any) -> Any:
+            out = super()._prepare_backward_infra(*args, **kwargs)
+            for infos in self.grad_recv_info.values():
+                _release_buffers(infos)
+            return out
+
+        def get_fwd_recv_ops(self, fwd_chunk_id: int) -> Any:
+            _fresh_buffers(self.args_recv_info.get(fwd_chunk_id, ()), self.device)
+            return super().get_fwd_recv_ops(fwd_chunk_id)
+
+        def get_bwd_recv_ops(self, bwd_chunk_id: int) -> Any:
+            _fresh_buffers(self.grad_recv_info.get(bwd_chunk_id, ()), self.device)
+            return super().get_bwd_recv_ops(bwd_chunk_id)
+
         def _with(self, chunk: int, fn: Callable, *args: Any, **kwargs: Any) -> Any:
             state = self.hotspa_state
             saved, state.micro_batch = state.micro_batch, self.hotspa_micro_batches[chunk]
@@ -166,10 +226,20 @@ def _stage_class() -> type:
             return self._with(fwd_chunk_id, super().forward_one_chunk, *args, **kwargs)
 
         def backward_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
-            return self._with(bwd_chunk_id, super().backward_one_chunk, *args, **kwargs)
+            out = self._with(bwd_chunk_id, super().backward_one_chunk, *args, **kwargs)
+            full = inspect.signature(super().backward_one_chunk).bind(bwd_chunk_id, *args, **kwargs)
+            done = _release_buffers(self.args_recv_info.get(bwd_chunk_id, ())) + \
+                _release_buffers(self.grad_recv_info.get(bwd_chunk_id, ()))
+            if full.arguments.get("full_backward", True):
+                _free(done)
+            else:  # the weight backward still reads the received activation
+                self.__dict__.setdefault("hotspa_pending", {})[bwd_chunk_id] = done
+            return out
 
         def backward_weight_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
-            return self._with(bwd_chunk_id, super().backward_weight_one_chunk, *args, **kwargs)
+            out = self._with(bwd_chunk_id, super().backward_weight_one_chunk, *args, **kwargs)
+            _free(self.__dict__.get("hotspa_pending", {}).pop(bwd_chunk_id, []))
+            return out
 
     return _Stage
 
@@ -196,6 +266,8 @@ class PipelineRunner:
         self.parallel, self.schedule, self.virtual = parallel, schedule, virtual
         self.device = torch.device(device)
         self.prefix, self.decoder = find_decoder(parallel.module)
+        #: the loss head's work in layers, as the planner counts it (0 with virtual stages: priced even there)
+        self.head_layers = head_layers(describe_model(self.decoder.config)) if virtual == 1 else 0.0
         self._cache: dict[tuple, Any] = {}
         self._owned: dict[tuple[Layout, int], frozenset[str]] = {}
         #: schedules built (one per key): the cache's size
@@ -216,7 +288,7 @@ class PipelineRunner:
         key = (layout, slot)
         if key not in self._owned:  # structure only: the same answer every switch and reduction asks
             n = self.virtual * layout.pp
-            split = layer_split(len(self.decoder.layers), n, layout)
+            split = layer_split(len(self.decoder.layers), n, layout, self.head_layers)
             names = set()
             for s in self.stage_ids(layout, slot):
                 for module_name in _stage_module_names(split[s], s == 0, s == n - 1):
@@ -232,7 +304,7 @@ class PipelineRunner:
         pp = groups.pp
         slot = pp.slot_of_shard[pp.index]
         n = self.virtual * layout.pp
-        split = layer_split(len(self.decoder.layers), n, layout)
+        split = layer_split(len(self.decoder.layers), n, layout, self.head_layers)
         hidden = self.decoder.config.hidden
         local = tokens // layout.tp  # sequence parallel: a stage's activations are its tp share of tokens
         stage_cls = _stage_class()

@@ -153,7 +153,8 @@ class ThresholdPlanner(PlannerBase):
         return lay
 
     def capacity(self, layout: Layout) -> int:
-        """``tokens_per_rank * tp * cp``: activations shard over tp and cp, not over dp."""
+        """``tokens_per_rank * tp * cp``: activations shard over tp and cp, not over dp, nor over pp (1F1B's
+        first stage holds ``pp`` micro-batches of its ``1 / pp`` of the layers: one micro-batch's worth)."""
         return self.tokens_per_rank * layout.tp * layout.cp
 
     def longest_fit(self, layout: Layout) -> int:

@@ -3,9 +3,10 @@ the real step's code path under ``FakeTensorMode``, next to the cost model's per
 
 The rank sits in the fake world as a rank of the chosen stage (its pp slot). One step of the layout:
 the home state (fp32, AdamW state created), the switch from home into the layout (its own stages'
-parameters only), ``pp`` micro-batches of one ``tokens``-long document per dp group through torch's
-schedule (1F1B by default: the first stage holds every micro-batch's activations at once), the
-gradient reduction and the optimizer step. The prediction is
+parameters only), ``2 pp`` micro-batches of one ``tokens``-long document per dp group through torch's
+schedule (1F1B by default; ``2 pp`` reaches its steady state, where the first stage holds ``pp``
+micro-batches' activations AND its filled gradient accumulators: with only ``pp`` micro-batches its
+peak comes before any gradient exists), the gradient reduction and the optimizer step. The prediction is
 :func:`~lightning_hotspa.planner.cost.pp_memory.stage_memories` for that stage at the same tokens.
 """
 
@@ -59,12 +60,12 @@ def stage_prediction(cm: Any, layout: Layout, activation_checkpointing: Any, tok
     return stage_memories(cm, layout, activation_checkpointing)[stage].peak(tokens, quadratic) + kv
 
 
-def _plan(layout: Layout, tokens: int) -> Any:
-    """``pp`` micro-batches of one ``tokens``-long document per dp group (1F1B's minimum)."""
+def _plan(layout: Layout, tokens: int, micro_batches: int) -> Any:
+    """``micro_batches`` micro-batches of one ``tokens``-long document per dp group."""
     from ..plan import Stage, StepPlan
 
-    n = layout.dp * layout.pp
-    groups = tuple(tuple((g * layout.pp + j,) for j in range(layout.pp)) for g in range(layout.dp))
+    n = layout.dp * micro_batches
+    groups = tuple(tuple((g * micro_batches + j,) for j in range(micro_batches)) for g in range(layout.dp))
     return StepPlan(0, tuple([tokens] * n), (Stage(layout, groups, label=str(layout)),))
 
 
@@ -72,7 +73,7 @@ def estimate_pipeline_stage(config: LlamaConfig, world_size: int, layout: Layout
                             stage: int = 0, activation_checkpointing: Any = False,
                             working_dtype: torch.dtype = torch.bfloat16,
                             grad_accum_dtype: torch.dtype | None = torch.float32,
-                            schedule: str = "1f1b") -> dict[str, Any]:
+                            schedule: str = "1f1b", micro_batches: int | None = None) -> dict[str, Any]:
     """Peak bytes by category of a rank of ``stage`` in the pipelined ``layout`` for one step.
 
     Args:
@@ -84,6 +85,7 @@ def estimate_pipeline_stage(config: LlamaConfig, world_size: int, layout: Layout
         activation_checkpointing: a mode (``"none"``, ``"selective"``, ``"full"``) or a bool.
         working_dtype, grad_accum_dtype: as the strategy's bf16-mixed.
         schedule: a key of :data:`~lightning_hotspa.parallel.pipeline.SCHEDULES` without virtual stages.
+        micro_batches: per dp group (default ``2 * pp``: the schedule's steady state, what the model prices).
     """
     from ..engine.home import build_home_parameters
     from ..engine.step_runner import StepHooks, StepRunner
@@ -108,7 +110,10 @@ def estimate_pipeline_stage(config: LlamaConfig, world_size: int, layout: Layout
     if layout.pp == 1:
         raise LayoutError(f"layout {layout} is not pipelined: estimate it with estimate_layout")
     rank = stage_rank(layout, world_size, stage)
-    plan = _plan(layout, tokens)
+    micro_batches = 2 * layout.pp if micro_batches is None else micro_batches
+    if micro_batches < 1:
+        raise ValueError(f"micro_batches={micro_batches}: need at least one per dp group")
+    plan = _plan(layout, tokens, micro_batches)
     docs = [torch.zeros(tokens, dtype=torch.int64) for _ in plan.doc_lengths]
     with FakeWorld(world_size, rank), static_pipeline_votes():
         world = WorldMesh([layout])

@@ -57,15 +57,15 @@ def test_micro_batches_in_flight_per_stage():
 def test_layer_split_even_or_balanced_with_the_head_on_the_last_stage():
     assert stage_layers(32, 4, 2.4, "even") == (8, 8, 8, 8)
     # head = 2.4 layers: a last stage of 6 layers loads 8.4 <= the others' 9; 5 loads 7.4 but splits less evenly
-    assert stage_layers(32, 4, 2.4) == (9, 9, 8, 6)
+    assert stage_layers(32, 4, 2.4) == (8, 9, 9, 6)  # the extra layers on the middle stages first
     assert stage_layers(32, 2, 0.65) == (16, 16)  # 16 + 0.65 < 17
-    assert stage_layers(30, 4, 0.0) == (8, 8, 7, 7)
+    assert stage_layers(30, 4, 0.0) == (7, 8, 8, 7)
     with pytest.raises(ValueError, match="pp=40 must be between 1 and the model's 32 layers"):
         stage_layers(32, 40)
     with pytest.raises(ValueError, match="does not divide the model's 30 layers"):
         stage_layers(30, 4, split="even")
     cm = AnalyticCostModel("llama3-8b", "H100", 8)
-    assert cm.stage_layers(Layout(dp=2, pp=4)) == (9, 9, 8, 6)  # its 128K vocabulary head: ~2.4 layers
+    assert cm.stage_layers(Layout(dp=2, pp=4)) == (8, 9, 9, 6)  # its 128K vocabulary head: ~2.4 layers
     with pytest.raises(CostModelError, match="pp8.*does not divide"):
         AnalyticCostModel("llama7b", "H100", 8, pipeline="interleaved:8").check(Layout(pp=8))
 
@@ -75,17 +75,22 @@ def test_memory_per_stage_first_stage_holds_the_most_activations():
     lay = Layout(dp=2, tp=2, pp=2)
     first, last = stage_memories(cm, lay, False)
     per_layer, once, head = cm.activation_parts(False, 2, 1)
-    # 1F1B: stage 0 holds p = 2 micro-batches of its 16 layers, stage 1 one, plus the loss head's
-    assert first.activation_per_token == pytest.approx(2 * 16 * per_layer + once)
+    # 1F1B: stage 0 holds p = 2 micro-batches of its 16 layers, stage 1 one, plus the loss head's; a
+    # non-last stage also its 2 in-flight outputs, one received gradient (hidden / tp wide each) and a
+    # layer's backward transients (no loss head's come first there)
+    boundary = cm.param_bytes * cm.model.hidden / 2
+    beyond = 3 * boundary + cm.layer_backward_bytes_per_token(2, 1)
+    assert first.activation_per_token == pytest.approx(2 * 16 * per_layer + once + beyond)
     assert last.activation_per_token == pytest.approx(16 * per_layer + once + head)
-    assert first.activation_per_token + head == pytest.approx(cm.activation_bytes_per_token(False, 2, 1))
+    assert first.activation_per_token + head == pytest.approx(cm.activation_bytes_per_token(False, 2, 1) + beyond)
     # the embedding on the first stage, the head and the final norm on the last: equal weights for an untied model
     m = cm.model
     assert last.working - first.working == pytest.approx(m.hidden * (cm.param_bytes + cm.grad_accum_bytes))
     assert cm.memory(lay, False) == first  # the binding stage
     gpipe = AnalyticCostModel("llama7b", "H100", 8, pipeline=PipelineSchedule("gpipe", split="even", micro_batches=8))
     assert [s.activation_per_token for s in stage_memories(gpipe, lay, False)] == pytest.approx(
-        [8 * 16 * per_layer + once, 8 * 16 * per_layer + once + head])
+        [8 * 16 * per_layer + once + 9 * boundary + cm.layer_backward_bytes_per_token(2, 1),
+         8 * 16 * per_layer + once + head])
     inter = AnalyticCostModel("llama7b", "H100", 8, pipeline="interleaved:2")
     assert stage_memories(inter, Layout(dp=2, pp=4), False)[0].activation_per_token > \
         stage_memories(AnalyticCostModel("llama7b", "H100", 8), Layout(dp=2, pp=4), False)[0].activation_per_token

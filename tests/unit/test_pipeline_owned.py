@@ -21,7 +21,7 @@ def _part_names(runner: PipelineRunner, layout: Layout, slot: int) -> set[str]:
     """The names of the parameters the stages' modules hold now, looked up by identity at this instant."""
     by_id = {id(p): runner.prefix + n for n, p in runner.decoder.named_parameters()}
     n = runner.virtual * layout.pp
-    split = layer_split(len(runner.decoder.layers), n, layout)
+    split = layer_split(len(runner.decoder.layers), n, layout, runner.head_layers)
     return {by_id[id(p)] for s in runner.stage_ids(layout, slot)
             for p in _Part(runner.decoder, split[s], s == 0, s == n - 1, None).parameters()}
 
@@ -52,3 +52,17 @@ def test_owned_follows_the_modules_when_parameter_objects_are_replaced():
     assert after == before
     for slot in range(4):
         assert after[slot] == _part_names(runner, layout, slot), slot
+
+
+def test_the_runtime_runs_the_layer_split_the_planner_prices():
+    """One rule (pipeline_split.py): the stages the runner builds hold the layers the cost model prices."""
+    from lightning_hotspa.model_shape import describe_model
+    from lightning_hotspa.planner.cost.cost_model import AnalyticCostModel
+
+    for n_layers, pp in ((4, 2), (7, 3), (4, 4)):
+        model = LlamaLM(LlamaConfig.preset("tiny", n_layers=n_layers), seed=3)
+        runner = PipelineRunner(SimpleNamespace(module=model, state=None), "1f1b")
+        assert runner.head_layers > 0
+        cm = AnalyticCostModel(describe_model(model.config), "H100", pp)
+        ran = [len(r) for r in layer_split(n_layers, pp, "", runner.head_layers)]
+        assert tuple(ran) == cm.stage_layers(Layout(pp=pp)), (n_layers, pp, ran)

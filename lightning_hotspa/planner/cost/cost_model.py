@@ -108,6 +108,7 @@ from ...cp_kinds import CP_KINDS
 from ...layout import Layout
 from ...model_shape import ModelShape
 from ...models.attention_kernels import KERNELS, AttentionKernel, default_chunk_kernel
+from ...pipeline_split import head_layers
 from .efficiency import UNFUSED_KERNELS, unfused_attention_seconds
 from .grad_exposure import REDUCE_BUCKET_BYTES, exposed_share, reduce_buckets
 from .hardware import HardwareProfile, get_profile
@@ -220,11 +221,10 @@ class AnalyticCostModel(MemoryModel):
         return par
 
     def stage_layers(self, par: Layout) -> tuple[int, ...]:
-        """Transformer layers per pipeline stage of ``par`` (:func:`.pipeline.stage_layers`; the loss
+        """Transformer layers per pipeline stage of ``par`` (:func:`.pp_schedule.stage_layers`; the loss
         head counted as ``vocab x hidden / layer parameters`` layers of GEMM work on the last stage)."""
         s = self.pipeline
-        head = self.model.padded_vocab_size * self.model.hidden / self.layer_params
-        return stage_layers(self.model.n_layers, par.pp, head, s.split, s.virtual_stages)
+        return stage_layers(self.model.n_layers, par.pp, head_layers(self.model), s.split, s.virtual_stages)
 
     def stage_shares(self, par: Layout) -> tuple[float, float, int]:
         """(attention share, GEMM share, layers) of the slowest stage: the largest stage's layers over all

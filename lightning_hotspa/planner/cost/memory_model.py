@@ -130,6 +130,15 @@ class MemoryModel:
             return layer - attention + kept, recomputed + rope, head
         return layer, rope, head
 
+    def layer_backward_bytes_per_token(self, tp: int = 1, cp: int = 1) -> float:
+        """A transformer layer's backward transients per token at their largest, SwiGLU's (models.kernels):
+        the incoming gradient gathered over tp and five ``ffn / tp`` wide tensors (four the backward
+        computes, one the fake-world measurement of a 7B-70B pp stage shows beside them: 5.2 of them
+        and 0.9 of the hidden gradient fit its four rows). Live at a pipeline stage's peak where no loss
+        head's larger transient precedes it (every stage but the last, :mod:`.pp_memory`)."""
+        m, wb = self.model, self.param_bytes
+        return wb * (5.0 * m.ffn_hidden / tp + m.hidden) / cp
+
     def logits_bytes_per_token(self, tp: int = 1, cp: int = 1) -> float:
         """The blocked loss head's transients per token (models/loss_head.py) at its backward, the
         larger end: one block's recomputed logits in fp32 next to their working-dtype copy (the

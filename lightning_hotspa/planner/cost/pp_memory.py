@@ -11,7 +11,12 @@ A rank of stage ``s`` holds (the pp-1 terms of :meth:`MemoryModel.memory`, restr
 * activations: the per-layer part of :meth:`MemoryModel.activation_parts` for each of its layers
   and each micro-batch in flight (:func:`.pipeline.in_flight`: 1F1B's first stage holds ``p``,
   GPipe's every stage ``m``, the interleaved one's first ``p + (p - 1) / v``), the once-per-rank
-  part (one layer recomputed, the rotary tables), and the loss head's on the last stage only.
+  part (one layer recomputed, the rotary tables), and the loss head's on the last stage only;
+  every stage but the last also holds each in-flight micro-batch's output (torch's schedule keeps it
+  for that micro-batch's backward), one received output gradient (the runtime allocates a receive
+  buffer at its receive: parallel/pipeline.py), and a layer's backward transients
+  (:meth:`MemoryModel.layer_backward_bytes_per_token`: on the last stage the loss head's come first
+  and are larger). These boundary tensors are ``hidden / (tp cp)`` wide (sequence parallel).
 
 The stage whose capacity (tokens per micro-batch) is the smallest binds the layout's capacity.
 """
@@ -53,7 +58,11 @@ def stage_memories(mm: Any, par: Layout, activation_checkpointing: Checkpointing
         first, last = s == 0, s == pp - 1
         params = n * (layer_split / tp + layer_full) + (vocab if first else 0.0) + (vocab + m.hidden if last else 0.0)
         largest = vocab if first or last else m.hidden * m.ffn_hidden / tp
-        act = in_flight(sched, pp, s, micro) * n * per_layer + once + (head if last else 0.0)
+        held = in_flight(sched, pp, s, micro)
+        act = held * n * per_layer + once + (head if last else 0.0)
+        if not last:
+            boundary = mm.param_bytes * m.hidden / (tp * par.cp)
+            act += (held * sched.virtual_stages + 1) * boundary + mm.layer_backward_bytes_per_token(tp, par.cp)
         head_per_token = mm.logits_bytes_per_token(tp, par.cp) if last else 0.0
         if par.fsdp:
             working = params / par.fsdp_shard * (mm.param_bytes + mm.grad_accum_bytes)

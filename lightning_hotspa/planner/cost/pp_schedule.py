@@ -30,14 +30,16 @@ README: "pipeline-parallel communication (enabled by default)" overlapped with c
 and its peer in the next stage lie ``world / p`` ranks apart.
 
 Layer split (:func:`stage_layers`): ``even`` (``L / p`` each: Megatron-LM's default, the embedding on
-the first stage and the loss head on the last beside their layers) or ``balanced`` (ours: the split
-that minimizes the slowest stage's predicted work, the loss head counted as ``head_layers`` layers
-of GEMM work on the last stage; the embedding lookup has no GEMM).
+the first stage and the loss head on the last beside their layers) or ``balanced`` (ours, and what
+our runtime runs: ``lightning_hotspa/pipeline_split.py``, the slowest stage's work minimized, the loss
+head counted as ``head_layers`` layers of GEMM work on the last stage; the embedding lookup has no GEMM).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from ...pipeline_split import stage_layer_counts
 
 __all__ = ["SCHEDULES", "PipelineSchedule", "get_schedule", "in_flight", "stage_layers"]
 
@@ -147,8 +149,8 @@ def stage_layers(n_layers: int, pp: int, head_layers: float = 0.0, split: str = 
         n_layers: the model's layers.
         pp: stages (each gets at least one layer).
         head_layers: the loss head's GEMM work on the last stage, in layers.
-        split: ``"even"`` (``n_layers / pp``, must divide) or ``"balanced"`` (the slowest stage's
-            work ``max(layers_s + head on the last)`` minimized; ties keep the evener split).
+        split: ``"even"`` (``n_layers / pp``, must divide) or ``"balanced"``
+            (:func:`~lightning_hotspa.pipeline_split.stage_layer_counts`: the runtime's own split).
         virtual_stages: ``v`` chunks per rank (interleaved): the split is even, ``pp * v`` must divide.
     """
     if pp < 1 or pp > n_layers:
@@ -158,16 +160,4 @@ def stage_layers(n_layers: int, pp: int, head_layers: float = 0.0, split: str = 
             raise ValueError(f"pp={pp} x virtual stages {virtual_stages} does not divide the model's {n_layers} "
                              f"layers (an even split needs it)")
         return (n_layers // pp,) * pp
-    if pp == 1:
-        return (n_layers,)
-    best: tuple[float, int, tuple[int, ...]] | None = None
-    for last in range(1, n_layers - pp + 2):
-        rest = n_layers - last
-        q, r = divmod(rest, pp - 1)
-        layers = tuple([q + 1] * r + [q] * (pp - 1 - r) + [last])
-        load = max(max(layers[:-1]), last + head_layers)
-        spread = max(layers) - min(layers)
-        if best is None or (load, spread) < best[:2]:
-            best = (load, spread, layers)
-    assert best is not None
-    return best[2]
+    return stage_layer_counts(n_layers, pp, head_layers)
