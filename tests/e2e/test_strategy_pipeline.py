@@ -4,8 +4,9 @@ ONE rank pool: (1) 3 AdamW steps of plans that switch between ``dp4``, ``dp2xpp2
 inside each step, activation checkpointing on, fp32: every step's home gradients and loss equal the
 single process's from the same weights (1e-5); (2) fp64: 2 steps saved (DCP) under the layout set
 ``dp4, dp2xpp2``, resumed under ``dp4, pp4`` (another pp degree) for the third step, equal to the
-uninterrupted 3 steps at 1e-12; (3) the plans of (1) under bf16-mixed within test_strategy's bf16
-bounds of the fp32 single process.
+uninterrupted 3 steps at 1e-12, and ``hotspa export`` of that checkpoint bit-equal to the trained
+weights; (3) the plans of (1) under bf16-mixed within test_strategy's bf16 bounds of the fp32 single
+process.
 """
 
 from __future__ import annotations
@@ -71,15 +72,16 @@ def pipeline_in_the_trainer(path: str) -> dict:
     compared = fit_and_compare(LAYOUTS, 3, "32-true", plans=plans, make_model=tiny4, activation_checkpointing=True)
     full_plans = [_plan(0, ["dp2xpp2", "dp4"]), _plan(1, ["dp4", "dp2xpp2"]), _plan(2, ["pp4", "dp4"])]
     _, full = _fit(LAYOUTS, full_plans, 3)
-    trainer, _ = _fit(["dp4", "dp2xpp2"], full_plans[:2], 2)
+    trainer, saved_model = _fit(["dp4", "dp2xpp2"], full_plans[:2], 2)  # its last stage ran dp2xpp2
     with lightning_rank_env():
         trainer.save_checkpoint(path)
+    saved = {n: p.detach().full_tensor() for n, p in saved_model.named_parameters()}
     trainer, resumed = _fit(["dp4", "pp4"], full_plans[2:], 3, ckpt_path=path)  # step 2 only
     full_w = {n: p.detach().full_tensor() for n, p in full.named_parameters()}
     resumed_w = {n: p.detach().full_tensor() for n, p in resumed.named_parameters()}
     bf16 = fit_and_compare(LAYOUTS, 3, "bf16-mixed", plans=plans, make_model=tiny4)
     return {"compared": compared, "resume_errors": rel_errors(resumed_w, full_w), "resumed_step": trainer.global_step,
-            "bf16": bf16}
+            "bf16": bf16, "saved": saved}
 
 
 @pytest.mark.slow
@@ -96,6 +98,17 @@ def test_pp_layouts_in_the_trainer_equal_single_process_and_resume_at_another_pp
     assert worst(compared["weights"])[1] <= 1e-4, worst(compared["weights"])
     assert result["resumed_step"] == 3
     assert max(result["resume_errors"].values()) <= 1e-12, worst(result["resume_errors"])
+    # `hotspa export` of the checkpoint saved after a pp stage: every weight, bit-equal to the trained module's
+    from safetensors.torch import load_file
+
+    from lightning_hotspa.adapter.checkpoints.hf_export import export_hf
+    from lightning_hotspa.models.hf_weights import our_name
+
+    export_hf(tmp_path / "ckpt", tmp_path / "hf")
+    exported = {k: v for f in sorted((tmp_path / "hf").glob("*.safetensors")) for k, v in load_file(f).items()}
+    assert {"model." + our_name(k) for k in exported} == set(result["saved"])
+    for name, value in exported.items():
+        assert torch.equal(value, result["saved"]["model." + our_name(name)]), name
     # bf16-mixed (bf16 working copies and P2P activations, fp32 home): test_strategy's bf16 bounds
     bf16 = result["bf16"]
     assert bf16["global_step"] == 3
