@@ -29,7 +29,7 @@ __all__ = ["FIELDS", "StageRecord", "StageStats", "StepResult", "gather_step", "
 
 #: the per-stage columns of the gathered table, in order
 FIELDS = ("tokens", "documents", "micro_batches", "target_tokens", "switch_bytes", "switch_s", "compute_s",
-          "reduce_s", "sum_sq", "sum_len", "fsdp_bytes", "tp", "before_s")
+          "reduce_s", "sum_sq", "sum_len", "fsdp_bytes", "counted_by", "before_s")
 
 
 @dataclass(frozen=True)
@@ -62,9 +62,9 @@ class StageStats:
     #: fsdp layouts: bytes this rank received in its units' gathers (forward, backward re-gathers)
     #: and reduce-scatters during the stage's micro-batches (``engine/fsdp.py``); 0 otherwise
     fsdp_bytes: int = 0
-    #: the tp degree this rank computed in (its block's in a mixed stage): its tp group's ranks each
-    #: count the same tokens, so the records divide by it
-    tp: int = 1
+    #: how many ranks count this rank's micro-batches: its tp group (its block's in a mixed stage) times
+    #: its pp group (every pipeline stage runs the same micro-batches), so the records divide by it
+    counted_by: int = 1
     #: seconds from the previous stage's end (the step's start for the first stage) to this one's
     #: start: what lies between stages (entering the stage's hooks), in no stage's seconds
     before_s: float = 0.0
@@ -89,7 +89,8 @@ class StageStats:
                    reduce_s=reduce_s, sum_sq=sum_sq, sum_len=sum_len,
                    reduce_bytes=grad_report.bytes_received, reduce_collectives=grad_report.collectives,
                    compute_cpu_s=compute_cpu_s, activation_checkpointing=activation_checkpointing,
-                   fsdp_bytes=fsdp_bytes, tp=stage.compute_layout.tp, before_s=before_s)
+                   fsdp_bytes=fsdp_bytes,
+                   counted_by=stage.compute_layout.tp * stage.compute_layout.pp, before_s=before_s)
 
 
 @dataclass(frozen=True)
@@ -192,8 +193,9 @@ def gather_step(loss_sum: torch.Tensor, stats: list[StageStats], device: torch.d
         cols = {f: gathered[:, 1 + i * len(FIELDS) + j] for j, f in enumerate(FIELDS)}
         records.append(StageRecord(
             step=step, order=s.order, layout=s.layout, label=s.label,
-            tokens=float((cols["tokens"] / cols["tp"]).sum()), documents=float((cols["documents"] / cols["tp"]).sum()),
-            micro_batches=float((cols["micro_batches"] / cols["tp"]).sum()),
+            tokens=float((cols["tokens"] / cols["counted_by"]).sum()),
+            documents=float((cols["documents"] / cols["counted_by"]).sum()),
+            micro_batches=float((cols["micro_batches"] / cols["counted_by"]).sum()),
             switch_s=float(cols["switch_s"].max()), switch_mb=float(cols["switch_bytes"].sum()) / 1e6,
             compute_s=float(cols["compute_s"].max()), reduce_s=float(cols["reduce_s"].max()),
             stage_s=float((cols["switch_s"] + cols["compute_s"] + cols["reduce_s"]).max()),

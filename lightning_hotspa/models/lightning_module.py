@@ -8,6 +8,7 @@ can swap in a vocab-parallel cross-entropy for vocab-sharded logits.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 import os
@@ -121,8 +122,12 @@ class LlamaLM(L.LightningModule):
         _check_arguments(seed=seed, lr=lr, weight_decay=weight_decay, betas=betas, warmup_steps=warmup_steps,
                          max_steps=max_steps, min_lr_ratio=min_lr_ratio,
                          activation_checkpointing=activation_checkpointing, attention_backend=attention_backend)
-        self.save_hyperparameters()
         self.config = _as_config(config)
+        # what save_hyperparameters records (it reads this frame's arguments): the config's fields as plain
+        # values, rope scaling a mapping. Lightning's CSV and TensorBoard loggers write hparams as YAML
+        # through apply_to_collection, which refuses a frozen dataclass
+        config = dataclasses.asdict(self.config)
+        self.save_hyperparameters()
         self.model: Llama = build_llama(self.config, seed)
         self.model.set_activation_checkpointing(activation_checkpointing)
         self.model.set_attention_backend(attention_backend)

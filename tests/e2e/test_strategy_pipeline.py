@@ -4,8 +4,8 @@ ONE rank pool: (1) 3 AdamW steps of plans that switch between ``dp4``, ``dp2xpp2
 inside each step, activation checkpointing on, fp32: every step's home gradients and loss equal the
 single process's from the same weights (1e-5); (2) fp64: 2 steps saved (DCP) under the layout set
 ``dp4, dp2xpp2``, resumed under ``dp4, pp4`` (another pp degree) for the third step, equal to the
-uninterrupted 3 steps at 1e-12, and ``hotspa export`` of that checkpoint bit-equal to the trained
-weights; (3) the plans of (1) under bf16-mixed within test_strategy's bf16 bounds of the fp32 single
+uninterrupted 3 steps at 1e-12, its per-stage metrics logged as W&B gets them, and ``hotspa export``
+of the checkpoint bit-equal to the trained weights; (3) the plans of (1) under bf16-mixed within test_strategy's bf16 bounds of the fp32 single
 process.
 """
 
@@ -49,17 +49,23 @@ def _plan(step: int, order: list[str]) -> StepPlan:
 ORDERS = [["dp2xpp2", "dp4", "pp4"], ["dp4", "pp4", "dp2xpp2"], ["pp4", "dp2xpp2", "dp4"]]
 
 
-def _fit(layouts, plans, steps, ckpt_path=None):
+def _fit(layouts, plans, steps, ckpt_path=None, logged_to=None):
     import lightning as L
 
     from lightning_hotspa import HotSPaStrategy
+    from lightning_hotspa.adapter.observability.callbacks import HotSPaMonitor
 
     batches = rank_plans(plans, [Layout.parse(x) for x in layouts], dist.get_rank())
     model = tiny4(torch.float64, warmup_steps=1, max_steps=10)  # an LR schedule to restore
+    logged = {} if logged_to is None else {  # the per-stage metrics W&B would get, through Lightning's CSV logger
+        "logger": L.pytorch.loggers.CSVLogger(logged_to, name="", version=""),
+        "callbacks": [HotSPaMonitor(table_every_n_steps=0, timeline_every_n_steps=0, output_dir=logged_to,
+                                    print_summary=False)], "log_every_n_steps": 1}
     with lightning_rank_env():
         trainer = L.Trainer(accelerator="cpu", devices=dist.get_world_size(), strategy=HotSPaStrategy(layouts),
-                            max_steps=steps, precision="64-true", logger=False, enable_checkpointing=False,
-                            enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False)
+                            max_steps=steps, precision="64-true", enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
+                            **({"logger": False} | logged))
         trainer.fit(model, train_dataloaders=torch.utils.data.DataLoader(batches, batch_size=None,
                                                                          collate_fn=lambda x: x),
                     ckpt_path=ckpt_path)
@@ -76,12 +82,23 @@ def pipeline_in_the_trainer(path: str) -> dict:
     with lightning_rank_env():
         trainer.save_checkpoint(path)
     saved = {n: p.detach().full_tensor() for n, p in saved_model.named_parameters()}
-    trainer, resumed = _fit(["dp4", "pp4"], full_plans[2:], 3, ckpt_path=path)  # step 2 only
+    logged_to = path + "-logs"
+    trainer, resumed = _fit(["dp4", "pp4"], full_plans[2:], 3, ckpt_path=path, logged_to=logged_to)  # step 2 only
     full_w = {n: p.detach().full_tensor() for n, p in full.named_parameters()}
     resumed_w = {n: p.detach().full_tensor() for n, p in resumed.named_parameters()}
     bf16 = fit_and_compare(LAYOUTS, 3, "bf16-mixed", plans=plans, make_model=tiny4)
     return {"compared": compared, "resume_errors": rel_errors(resumed_w, full_w), "resumed_step": trainer.global_step,
-            "bf16": bf16, "saved": saved}
+            "bf16": bf16, "saved": saved, "logged": _logged_rows(logged_to), "step_tokens": sum(full_plans[2].doc_lengths),
+            "step_documents": len(full_plans[2].doc_lengths)}
+
+
+def _logged_rows(folder: str) -> list[dict]:
+    """The rows of the CSV logger's metrics file (rank 0 writes it; [] on the other ranks)."""
+    import csv
+    from pathlib import Path
+
+    path = Path(folder) / "metrics.csv"
+    return [{k: v for k, v in row.items() if v != ""} for row in csv.DictReader(path.open())] if path.exists() else []
 
 
 @pytest.mark.slow
@@ -98,6 +115,15 @@ def test_pp_layouts_in_the_trainer_equal_single_process_and_resume_at_another_pp
     assert worst(compared["weights"])[1] <= 1e-4, worst(compared["weights"])
     assert result["resumed_step"] == 3
     assert max(result["resume_errors"].values()) <= 1e-12, worst(result["resume_errors"])
+    # the per-stage metrics of the resumed step (pp4, then dp4) as W&B gets them: one key set per stage,
+    # their tokens the step's (a pp4 stage's tokens and documents were counted by each of its 4 stages)
+    row = next((r for r in result["logged"] if "hotspa/tokens" in r), result["logged"])
+    stages = {k[len("hotspa/"):-len("/tokens")] for k in row
+              if k.startswith("hotspa/") and k.endswith("/tokens") and k != "hotspa/tokens"}
+    assert len(stages) == 2, sorted(row)
+    assert sum(float(row[f"hotspa/{k}/tokens"]) for k in stages) == float(row["hotspa/tokens"]) == result["step_tokens"], row
+    assert float(row["hotspa/documents"]) == result["step_documents"], row  # a pp stage's ranks count once
+    assert all(float(row[f"hotspa/{k}/stage_s"]) > 0 for k in stages), row
     # `hotspa export` of the checkpoint saved after a pp stage: every weight, bit-equal to the trained module's
     from safetensors.torch import load_file
 
