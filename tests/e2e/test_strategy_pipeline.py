@@ -5,8 +5,8 @@ inside each step, activation checkpointing on, fp32: every step's home gradients
 single process's from the same weights (1e-5); (2) fp64: 2 steps saved (DCP) under the layout set
 ``dp4, dp2xpp2``, resumed under ``dp4, pp4`` (another pp degree) for the third step, equal to the
 uninterrupted 3 steps at 1e-12, its per-stage metrics logged as W&B gets them, and ``hotspa export``
-of the checkpoint bit-equal to the trained weights; (3) the plans of (1) under bf16-mixed within test_strategy's bf16 bounds of the fp32 single
-process.
+of the checkpoint bit-equal to the trained weights; (3) the plans of (1) under bf16-mixed within
+test_strategy's bf16 bounds of the fp32 single process.
 """
 
 from __future__ import annotations
@@ -88,8 +88,8 @@ def pipeline_in_the_trainer(path: str) -> dict:
     resumed_w = {n: p.detach().full_tensor() for n, p in resumed.named_parameters()}
     bf16 = fit_and_compare(LAYOUTS, 3, "bf16-mixed", plans=plans, make_model=tiny4)
     return {"compared": compared, "resume_errors": rel_errors(resumed_w, full_w), "resumed_step": trainer.global_step,
-            "bf16": bf16, "saved": saved, "logged": _logged_rows(logged_to), "step_tokens": sum(full_plans[2].doc_lengths),
-            "step_documents": len(full_plans[2].doc_lengths)}
+            "bf16": bf16, "saved": saved, "logged": _logged_rows(logged_to),
+            "step_tokens": sum(full_plans[2].doc_lengths), "step_documents": len(full_plans[2].doc_lengths)}
 
 
 def _logged_rows(folder: str) -> list[dict]:
@@ -121,7 +121,8 @@ def test_pp_layouts_in_the_trainer_equal_single_process_and_resume_at_another_pp
     stages = {k[len("hotspa/"):-len("/tokens")] for k in row
               if k.startswith("hotspa/") and k.endswith("/tokens") and k != "hotspa/tokens"}
     assert len(stages) == 2, sorted(row)
-    assert sum(float(row[f"hotspa/{k}/tokens"]) for k in stages) == float(row["hotspa/tokens"]) == result["step_tokens"], row
+    tokens = [float(row[f"hotspa/{k}/tokens"]) for k in stages]
+    assert sum(tokens) == float(row["hotspa/tokens"]) == result["step_tokens"], row
     assert float(row["hotspa/documents"]) == result["step_documents"], row  # a pp stage's ranks count once
     assert all(float(row[f"hotspa/{k}/stage_s"]) > 0 for k in stages), row
     # `hotspa export` of the checkpoint saved after a pp stage: every weight, bit-equal to the trained module's
