@@ -24,9 +24,11 @@ exploring over its measured seconds (its own account).
 The default layouts are ones the ``cpu-gloo`` profile prices within ~25 % of each other on these
 batches: dp4, priced ~3x cheaper than any, would always run, and a layout the model prices several
 times dearer than the reference is never explored (the guard's prior trusts the model's between-layout
-ratios to ~12 %: a gap of ln 3 is far outside it). Known limit, seen here: an option never run takes
-the MEAN correction of those that ran as its prior, so a slowdown of one measured layout raises the
-prior of every unmeasured one too, which can keep a truly faster, never-run layout unexplored.
+ratios to ~12 %: a gap of ln 3 is far outside it). An option never run takes a robust box factor of
+those that ran as its prior (:func:`~lightning_hotspa.planner.profiled.measured.box_factor`: one
+outlying layout is left out; of two far apart, the lower): with the MEAN, the slowed layout raised
+every unmeasured prior, and a never-run layout (cp4 here) was never explored; it now is
+(benchmarks/2026-12-07-measured-prior.md).
 
 **Injected slowdown** (a documented test hook, on by default; ``--slow none`` turns it off): on this
 loaded CPU box the layouts' real speeds differ from the model's by noise-sized amounts, so which one is

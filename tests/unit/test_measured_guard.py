@@ -9,7 +9,13 @@ import math
 import numpy as np
 import pytest
 
-from lightning_hotspa.planner.profiled.measured import GAP_Z, MeasuredCorrection, prior_sd_from_margin
+from lightning_hotspa.planner.profiled.measured import (
+    GAP_Z,
+    OUTLIER_Z,
+    MeasuredCorrection,
+    box_factor,
+    prior_sd_from_margin,
+)
 from lightning_hotspa.planner.profiled.measured_guard import Candidate, MeasuredGuard, expected_gain
 from lightning_hotspa.planner.solve.static_guard import DEFAULT_STATIC_MARGIN
 
@@ -63,13 +69,15 @@ def test_correction_converges_and_round_trips():
     corr = MeasuredCorrection(noise_sd=0.05)
     rng = np.random.default_rng(1)
     for _ in range(200):
-        corr.observe([("x", 2.0, 2.0 * 1.3 * math.exp(rng.normal(0, 0.05))), ("y", 1.0, 0.8)])
+        corr.observe([("x", 2.0, 2.0 * 1.3 * math.exp(rng.normal(0, 0.05))), ("y", 1.0, 1.1)])
     mean, sd = corr.belief("x")
     assert mean == pytest.approx(math.log(1.3), abs=0.02) and sd < 0.02
     assert corr.runs["x"] == 200
-    # a never-run option: the prior sd, centred on the mean correction of the options that ran
+    # a never-run option: centred on the mean correction of the options that ran (they agree), its sd
+    # the prior's widened by that mean's own variance (two options: prior_sd^2 / 2, to first order)
     mean_z, sd_z = corr.belief("z")
-    assert sd_z == corr.prior_sd and mean_z == pytest.approx((math.log(1.3) + math.log(0.8)) / 2, abs=0.02)
+    assert mean_z == pytest.approx((math.log(1.3) + math.log(1.1)) / 2, abs=0.02)
+    assert sd_z == pytest.approx(corr.prior_sd * math.sqrt(1.5), rel=0.01)
     again = MeasuredCorrection.from_state(json.loads(json.dumps(corr.state_dict())))
     assert again.state_dict() == corr.state_dict() and again.belief("x") == corr.belief("x")
     with pytest.raises(ValueError, match="bad entry for 'q'"):
@@ -78,6 +86,53 @@ def test_correction_converges_and_round_trips():
         MeasuredCorrection(noise_sd=0.0)
     # rows with a zero or non-finite seconds say nothing
     assert MeasuredCorrection().observe([("x", 1.0, 0.0), ("y", float("nan"), 1.0)]) == {}
+
+
+def _ran(factors: dict[str, float], steps: int = 10) -> MeasuredCorrection:
+    """A correction that saw ``steps`` noise-free runs of each option at its factor (10 s predicted)."""
+    corr = MeasuredCorrection(noise_sd=0.02)
+    for _ in range(steps):
+        corr.observe([(k, 10.0, 10.0 * f) for k, f in factors.items()])
+    return corr
+
+
+def test_one_slowed_option_does_not_raise_the_unmeasured_prior():
+    """Corrections ~0, ~0, ln 2 (one layout slowed 2x): a never-run option's prior stays near 0 (the
+    arithmetic mean put it at ~ln 2 / 3); with no outlier the estimate is the plain mean."""
+    corr = _ran({"A": 2.0, "B": 1.0, "C": 1.01})
+    plain_mean = sum(corr.mean.values()) / 3
+    assert plain_mean > 0.2  # the old prior: one slowed layout raised every unmeasured one by ~6 prior sds / 3
+    mean_d, sd_d = corr.belief("D")
+    assert mean_d == pytest.approx((corr.mean["B"] + corr.mean["C"]) / 2, abs=1e-12) and abs(mean_d) < 0.01
+    var_g = (2 * corr.prior_sd ** 2 + corr.var["B"] + corr.var["C"]) / 4  # the mean of B and C's variance
+    assert sd_d == pytest.approx(math.sqrt(corr.prior_sd ** 2 + var_g), rel=1e-12)
+    agree = _ran({"A": 1.1, "B": 1.0, "C": 0.95, "E": 1.05})  # within the prior's spread: no outlier
+    assert agree.belief("D")[0] == pytest.approx(sum(agree.mean.values()) / 4, abs=1e-12)
+    # two ran options: one cannot tell the outlier; far apart -> the lower (optimism), close -> the mean
+    apart = _ran({"A": 2.0, "B": 1.0})
+    assert apart.belief("D")[0] == apart.mean["B"] < 0.01
+    close = _ran({"A": 1.1, "B": 1.0})
+    assert close.belief("D")[0] == pytest.approx((close.mean["A"] + close.mean["B"]) / 2, abs=1e-12)
+    assert box_factor({}, 0.1) == (0.0, 0.0) and MeasuredCorrection().belief("D")[1] == MeasuredCorrection().prior_sd
+    edge = OUTLIER_Z * math.sqrt(2.0) * 0.1  # two options exactly this far apart still agree
+    assert box_factor({"a": (0.0, 0.0), "b": (edge * 0.999, 0.0)}, 0.1)[0] == pytest.approx(edge * 0.999 / 2)
+    assert box_factor({"a": (0.0, 0.0), "b": (edge * 1.001, 0.0)}, 0.1)[0] == 0.0
+    with pytest.raises(ValueError, match="prior_sd must be > 0, got -1"):
+        box_factor({"a": (0.0, 0.0)}, -1)
+
+
+def test_a_never_run_layout_is_explored_despite_one_slowed_layout():
+    """A (the model's favourite) ran slowed 2x, B and C at the model's price; D never ran and is truly
+    10 % faster than the model says. The guard explores D and makes it the reference; with the prior at
+    the MEAN correction (~0.23) D looked 26 % dearer and was never run."""
+    clock = Clock({"A": 2.0, "B": 1.0, "C": 1.01, "D": 0.9})
+    corr = _ran({k: clock.factors[k] for k in "ABC"})
+    guard = MeasuredGuard(corr, budget=0.03, horizon=100, reference="B")
+    cands = [Candidate(k, {k: 10.0}, True) for k in "ABCD"]
+    first = step(guard, clock, 0, cands)
+    assert first.run == "D" and first.exploring and first.exploit == "B"
+    runs = [step(guard, clock, t, cands).run for t in range(1, 30)]
+    assert guard.reference == "D" == min(cands, key=clock.true).name and runs[-10:] == ["D"] * 10
 
 
 def test_never_runs_a_plan_that_measures_slower_than_static():

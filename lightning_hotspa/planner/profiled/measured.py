@@ -6,8 +6,15 @@ seconds differ from the cost model's: ``measured = predicted * f_k * noise``. Be
 seconds at the slowest rank; stages of one option summed) gives ``y = ln(measured / predicted)`` with
 per-step noise sd ``noise_sd``, and the estimate is a Kalman update of a random walk: the variance
 first grows by ``drift_sd^2`` (the hardware may change: another job, a slow link), then shrinks by
-the measurement. An option never run keeps its prior: large uncertainty, shrinking as it runs; its
-prior mean is the mean correction of the options that ran (one factor everywhere, e.g. a slower box).
+the measurement. An option never run keeps its prior: large uncertainty, shrinking as it runs.
+
+Its prior (:func:`box_factor`) models ``ln f_k = g + e_k``: ``g`` one factor for the whole box (a CPU
+box, a slower clock), ``e_k ~ N(0, prior_sd^2)`` per option. ``g`` is estimated robustly from the
+options that ran: one whose mean lies more than :data:`OUTLIER_Z` sds from the median of the others is
+left out (one slowed layout, ln 2 = ~6 sds, no longer raises every unmeasured prior), the rest are
+averaged; where none agrees (two ran options that far apart: which is the outlier is unknown) the
+lowest is taken, optimism an exploration's budget bounds. The prior sd adds the estimate's own
+variance (``prior_sd^2 / n`` for ``n`` agreeing options); before anything ran it is ``prior_sd``.
 
 The prior sd comes from the guard's margin (:data:`~..solve.static_guard.DEFAULT_STATIC_MARGIN`, the
 mean held-out between-layout error of published runs, ``exp(E|e_i - e_j|) - 1``): for iid
@@ -28,12 +35,14 @@ from typing import Any
 
 from ..solve.static_guard import DEFAULT_STATIC_MARGIN
 
-__all__ = ["GAP_Z", "MeasuredCorrection", "StageRow", "prior_sd_from_margin"]
+__all__ = ["GAP_Z", "OUTLIER_Z", "MeasuredCorrection", "StageRow", "box_factor", "prior_sd_from_margin"]
 
 #: sds of a plan gap equal to its expected absolute error (E|N(0, s^2)| = s * sqrt(2 / pi))
 GAP_Z = math.sqrt(2.0 / math.pi)
 
 StageRow = tuple[str, float, float]  # (option key, predicted seconds, measured seconds at the slowest rank)
+#: sds from the median of the other ran options beyond which an option's mean is an outlier for the prior
+OUTLIER_Z = 3.0
 
 
 def prior_sd_from_margin(margin: float = DEFAULT_STATIC_MARGIN) -> float:
@@ -41,6 +50,53 @@ def prior_sd_from_margin(margin: float = DEFAULT_STATIC_MARGIN) -> float:
     if not 0 < margin < 10:
         raise ValueError(f"prior_sd_from_margin: margin must be in (0, 10), got {margin!r}")
     return math.log1p(margin) * math.sqrt(math.pi) / 2.0
+
+
+def box_factor(beliefs: Mapping[str, tuple[float, float]], prior_sd: float) -> tuple[float, float]:
+    """(estimate, variance) of the box-wide log factor ``g`` from the ran options' (mean, variance).
+
+    Args:
+        beliefs: per ran option, its posterior mean and variance of ``ln(measured / predicted)``.
+        prior_sd: the per-option sd of ``e_k`` around ``g``.
+
+    An option is an outlier when its mean is more than :data:`OUTLIER_Z` sds from the median of the
+    others (sd: its own ``e_k`` and variance, plus the median's ``prior_sd^2 / (n - 1)``, first order);
+    the others are averaged. Where every option is an outlier (two ran, far apart), the lowest mean is
+    taken with the variance of one ran option. ``(0, 0)`` before any ran (the model's own prices).
+    """
+    if not (isinstance(prior_sd, (int, float)) and prior_sd > 0):
+        raise ValueError(f"box_factor: prior_sd must be > 0, got {prior_sd!r}")
+    order = sorted(beliefs, key=lambda k: (beliefs[k][0], k))  # by mean: each option's rest is O(1) away
+    if not order:
+        return 0.0, 0.0
+    means = [beliefs[k][0] for k in order]
+    inliers = [k for i, k in enumerate(order) if not _outlier(i, means, beliefs[k][1], prior_sd)]
+    if not inliers:
+        return means[0], prior_sd ** 2 + beliefs[order[0]][1]
+    n = len(inliers)
+    mean = math.fsum(beliefs[k][0] for k in inliers) / n
+    return mean, math.fsum(prior_sd ** 2 + beliefs[k][1] for k in inliers) / (n * n)
+
+
+def _outlier(i: int, means: list[float], var: float, prior_sd: float) -> bool:
+    """Whether ``means[i]`` lies beyond :data:`OUTLIER_Z` sds of the median of the other means.
+
+    Args:
+        i: the index of the option tested in ``means``.
+        means: the ran options' posterior means, sorted.
+        var: the tested option's posterior variance.
+        prior_sd: the per-option sd around the box factor.
+    """
+    rest = len(means) - 1
+    if rest == 0:
+        return False
+
+    def other(j: int) -> float:  # the j-th smallest mean once ``means[i]`` is left out
+        return means[j] if j < i else means[j + 1]
+
+    median = other(rest // 2) if rest % 2 else (other(rest // 2 - 1) + other(rest // 2)) / 2.0
+    sd = math.sqrt(prior_sd ** 2 * (1.0 + 1.0 / rest) + var)
+    return abs(means[i] - median) > OUTLIER_Z * sd
 
 
 def _round(x: float) -> float:
@@ -65,18 +121,26 @@ class MeasuredCorrection:
         self.mean: dict[str, float] = {}
         self.var: dict[str, float] = {}
         self.runs: dict[str, int] = {}
+        self._prior: tuple[float, float] | None = None  # cached prior(); cleared whenever a mean changes
 
     # ------------------------------------------------------------------ beliefs
+    def prior(self) -> tuple[float, float]:
+        """(mean, sd) of an option never run: the robust box factor of the options that ran
+        (:func:`box_factor`), its sd ``prior_sd`` widened by the factor's own uncertainty."""
+        if self._prior is None:
+            g, var = box_factor({k: (self.mean[k], self.var[k]) for k in self.mean}, self.prior_sd)
+            self._prior = (g, math.sqrt(self.prior_sd ** 2 + var))
+        return self._prior
+
     def global_mean(self) -> float:
-        """The prior mean of an option never run: the mean correction of the options that ran (the
-        model may be off by one factor everywhere: a CPU box, a slower clock), 0 before any ran."""
-        return sum(self.mean.values()) / len(self.mean) if self.mean else 0.0
+        """The prior mean of an option never run (:meth:`prior`), 0 before any ran."""
+        return self.prior()[0]
 
     def belief(self, key: str) -> tuple[float, float]:
         """(mean, sd) of ``ln(measured / predicted)`` for ``key`` (the prior when never run)."""
         if key in self.mean:
             return self.mean[key], math.sqrt(self.var[key])
-        return self.global_mean(), self.prior_sd
+        return self.prior()
 
     def factor(self, key: str) -> float:
         return math.exp(self.belief(key)[0])
@@ -127,6 +191,7 @@ class MeasuredCorrection:
             mean, sd = self.belief(key)
             var = sd * sd + self.drift_sd ** 2 if key in self.var else sd * sd
             gain = var / (var + self.noise_sd ** 2)
+            self._prior = None
             self.mean[key] = _round(mean + gain * (y - mean))
             self.var[key] = _round(var * (1.0 - gain))
             self.runs[key] = self.runs.get(key, 0) + 1
@@ -144,6 +209,7 @@ class MeasuredCorrection:
             if not (math.isfinite(float(mean)) and float(var) >= 0):
                 raise ValueError(f"MeasuredCorrection state: bad entry for {key!r}: mean {mean!r}, var {var!r}")
             self.mean[str(key)], self.var[str(key)], self.runs[str(key)] = float(mean), float(var), int(runs)
+        self._prior = None
 
     @classmethod
     def from_state(cls, state: Mapping[str, Any]) -> MeasuredCorrection:
