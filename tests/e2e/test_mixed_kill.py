@@ -146,17 +146,23 @@ def _one_rank_raises_while_the_other_gathers():
     return float(out.sum())
 
 
+def _failure_on_two_ranks(fn, timeout_s: float) -> str:
+    """The :class:`RankFailure` message of ``fn`` run on a fresh 2-rank pool (30 min collective timeout,
+    longer than ``timeout_s``), the pool closed after."""
+    pool = RankPool(2, collective_timeout_s=1800.0)
+    try:
+        with pytest.raises(RankFailure) as failure:
+            pool.run(fn, timeout_s=timeout_s)
+    finally:
+        pool.close(force=True)
+    return str(failure.value)
+
+
 def test_a_rank_that_raises_does_not_leave_the_others_in_a_collective():
     """The pool used to wait for every rank's answer while rank 0 waited in the gather for the rank
     that had raised: a hang until the collective timeout (here 30 min, longer than the call's
     deadline). Now the failed rank leaves and rank 0 fails on the closed connection: both answer."""
-    pool = RankPool(2, collective_timeout_s=1800.0)
-    try:
-        with pytest.raises(RankFailure) as failure:
-            pool.run(_one_rank_raises_while_the_other_gathers, timeout_s=240.0)
-    finally:
-        pool.close(force=True)
-    message = str(failure.value)
+    message = _failure_on_two_ranks(_one_rank_raises_while_the_other_gathers, timeout_s=240.0)
     assert "timed out" not in message and "failed on ranks [0, 1]" in message, message[:2000]
 
 
@@ -175,12 +181,6 @@ def _rank_one_reads_freed_storage() -> int:
 def test_a_rank_killed_by_a_fatal_signal_reports_its_python_stack():
     """A rank that dies of SIGSEGV used to say only its exit code (-11): now its faulthandler stacks
     (every thread's) come with the failure, naming the function it died in."""
-    pool = RankPool(2, collective_timeout_s=1800.0)
-    try:
-        with pytest.raises(RankFailure) as failure:
-            pool.run(_rank_one_reads_freed_storage, timeout_s=120.0)
-    finally:
-        pool.close(force=True)
-    message = str(failure.value)
+    message = _failure_on_two_ranks(_rank_one_reads_freed_storage, timeout_s=120.0)
     assert "exit codes {1: -11}" in message and "rank 1 (fatal signal; faulthandler)" in message, message[:2000]
     assert "_rank_one_reads_freed_storage" in message, message[:2000]
