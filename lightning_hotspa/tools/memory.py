@@ -42,6 +42,7 @@ from .memory_parts import (
     track_home_and_engine,
     warm_optimizer,
 )
+from .memory_parts import one_document_micro_batch as _micro_batch
 from .progress import progress
 
 __all__ = ["ATTENTION_PATHS", "CHUNK_KERNEL", "ROWS", "QUICK_ROWS", "add_parser", "candidate_layouts",
@@ -73,15 +74,6 @@ def candidate_layouts(cm: AnalyticCostModel) -> list[Layout]:
                 continue
             out.append(lay)
     return out
-
-
-def _micro_batch(layout: Layout, world: Any, tokens: int) -> Any:
-    """This rank's slice of a plan with one document of ``tokens`` per dp group (real tensors)."""
-    from ..plan import Stage, StepPlan, slice_plan
-
-    docs = [torch.zeros(tokens, dtype=torch.int64) for _ in range(layout.dp)]
-    plan = StepPlan(0, tuple([tokens] * layout.dp), (Stage(layout, tuple(((i,),) for i in range(layout.dp))),))
-    return slice_plan(plan, docs, world.shape, 0).stages[0].micro_batches[0]
 
 
 def estimate_layout(config: LlamaConfig, world_size: int, layout: Layout | str, tokens: int, *,

@@ -1,6 +1,7 @@
-"""The pieces of a fake-world training step both memory estimators share (``memory.py`` for one layout,
-``memory_pipeline.py`` for a pipeline stage): the wrapped decoder, its roles and shardings, empty home
-shards, and the live bytes of the engine's working copies."""
+"""The pieces of a fake-world training step the memory estimators (``memory.py`` for one layout,
+``memory_pipeline.py`` for a pipeline stage) and ``fake_llama.py`` share: the wrapped decoder, its roles
+and shardings, empty home shards, a one-document micro-batch, and the live bytes of the engine's working
+copies."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from ..layout import Layout
 from ..models.config import LlamaConfig
 
 __all__ = ["LiveBytes", "Wrapped", "empty_shard", "fill_grad_store", "llama_roles_and_shardings",
-           "reduce_and_step", "track_home_and_engine", "warm_optimizer"]
+           "one_document_micro_batch", "reduce_and_step", "track_home_and_engine", "warm_optimizer"]
 
 
 class Wrapped(torch.nn.Module):
@@ -73,6 +74,22 @@ class LiveBytes:
 
     def _release(self, nbytes: int) -> None:
         self.now -= nbytes
+
+
+def one_document_micro_batch(layout: Layout, world: Any, tokens: int, rank: int = 0) -> Any:
+    """Rank ``rank``'s slice of a plan with one document of ``tokens`` per dp group (real tensors).
+
+    Args:
+        layout: the layout of the plan's one stage.
+        world: the world mesh (its ``shape``).
+        tokens: each dp group's document.
+        rank: whose slice.
+    """
+    from ..plan import Stage, StepPlan, slice_plan
+
+    docs = [torch.zeros(tokens, dtype=torch.int64) for _ in range(layout.dp)]
+    plan = StepPlan(0, tuple([tokens] * layout.dp), (Stage(layout, tuple(((i,),) for i in range(layout.dp))),))
+    return slice_plan(plan, docs, world.shape, rank).stages[0].micro_batches[0]
 
 
 def empty_shard(name: str, shape: tuple[int, ...], dim: int | None, start: int, stop: int) -> torch.Tensor:

@@ -87,23 +87,12 @@ def estimate_pipeline_stage(config: LlamaConfig, world_size: int, layout: Layout
         schedule: a key of :data:`~lightning_hotspa.parallel.pipeline.SCHEDULES` without virtual stages.
         micro_batches: per dp group (default ``2 * pp``: the schedule's steady state, what the model prices).
     """
-    from ..engine.home import build_home_parameters
     from ..engine.step_runner import StepHooks, StepRunner
-    from ..engine.switch import SwitchEngine
-    from ..host import set_host_reads
-    from ..mesh import WorldMesh
-    from ..parallel.model import ParallelModel
+    from ..layout import MeshShape
     from ..plan import slice_plan
-    from ..testing.fake_world import FakeWorld, MemoryTracker, fake_mode, host_reads_real, static_pipeline_votes
-    from .memory_parts import (
-        Wrapped,
-        empty_shard,
-        fill_grad_store,
-        llama_roles_and_shardings,
-        reduce_and_step,
-        track_home_and_engine,
-        warm_optimizer,
-    )
+    from ..testing.fake_world import MemoryTracker
+    from .fake_llama import fake_llama
+    from .memory_parts import fill_grad_store, reduce_and_step, track_home_and_engine, warm_optimizer
 
     start = time.perf_counter()
     layout = Layout.parse(layout)
@@ -115,36 +104,22 @@ def estimate_pipeline_stage(config: LlamaConfig, world_size: int, layout: Layout
         raise ValueError(f"micro_batches={micro_batches}: need at least one per dp group")
     plan = _plan(layout, tokens, micro_batches)
     docs = [torch.zeros(tokens, dtype=torch.int64) for _ in plan.doc_lengths]
-    with FakeWorld(world_size, rank), static_pipeline_votes():
-        world = WorldMesh([layout])
-        mine = slice_plan(plan, docs, world.shape, rank)  # real metadata, outside the fake mode
-        with torch.device("meta"):
-            module = Wrapped(config)
-        roles, shardings = llama_roles_and_shardings(module, config, layout, world)
-        previous = set_host_reads(host_reads_real)
-        try:
-            with fake_mode():
-                module.to_empty(device="cpu")
-                home = build_home_parameters(world, shardings, None, init_shard=empty_shard)
-                parallel = ParallelModel(module, roles, world)
-                parallel.restore(home)
-                optimizer = warm_optimizer(home)
-                engine = SwitchEngine(world, shardings, home, working_dtype=working_dtype,
-                                      grad_accum_dtype=grad_accum_dtype)
-                runner = StepRunner(engine, parallel, pipeline_schedule=schedule)
-                with MemoryTracker() as mem:
-                    working = track_home_and_engine(mem, home, optimizer, engine)
-                    step = mine.stages[0]
-                    runner.enter(step)
-                    fill_grad_store(engine, home)  # an earlier stage of the step filled it
-                    parallel.activate(layout, engine.working, activation_checkpointing)
-                    runner._run_pipeline(step, mine, 1.0, StepHooks())
-                    peak_before = mem.peak()
-                    reduce_peak, after = reduce_and_step(mem, engine, parallel, home, optimizer,
-                                                         engine.reduce_gradients)
-                    peak = max((peak_before, reduce_peak, after), key=lambda d: sum(d.values()))
-        finally:
-            set_host_reads(previous)
+    mine = slice_plan(plan, docs, MeshShape.for_layouts([layout], world_size), rank)  # real metadata
+    with fake_llama(config, layout, world_size, tokens, rank=rank, working_dtype=working_dtype,
+                    grad_accum_dtype=grad_accum_dtype) as fake:
+        home, engine, parallel = fake.home, fake.engine, fake.parallel
+        optimizer = warm_optimizer(home)
+        runner = StepRunner(engine, parallel, pipeline_schedule=schedule)
+        with MemoryTracker() as mem:
+            working = track_home_and_engine(mem, home, optimizer, engine)
+            step = mine.stages[0]
+            runner.enter(step)
+            fill_grad_store(engine, home)  # an earlier stage of the step filled it
+            parallel.activate(layout, engine.working, activation_checkpointing)
+            runner._run_pipeline(step, mine, 1.0, StepHooks())
+            peak_before = mem.peak()
+            reduce_peak, after = reduce_and_step(mem, engine, parallel, home, optimizer, engine.reduce_gradients)
+            peak = max((peak_before, reduce_peak, after), key=lambda d: sum(d.values()))
     return {"rank": rank, "stage": stage, "micro_batches": len(mine.stages[0].micro_batches), "peak": peak,
             "peak_bytes": sum(peak.values()), "working_params_peak": working.peak,
             "seconds": time.perf_counter() - start}
