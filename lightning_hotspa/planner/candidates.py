@@ -258,6 +258,10 @@ def auto_layouts(
     return tuple(sorted(chosen, key=lambda lay: (lay.tp * lay.cp, lay.tp)))
 
 
+#: elements of the [subsets, size, lengths] slab :func:`_relaxed_scores` prices at once (8 B each)
+_RELAXED_CHUNK = 1 << 22
+
+
 def _relaxed_scores(cm: AnalyticCostModel, layouts: Sequence[Layout], rates: np.ndarray, counts: np.ndarray,
                     keep: Sequence[int], holds_context: set[int],
                     max_layouts: int) -> list[tuple[float, int, tuple[int, ...]]]:
@@ -266,34 +270,71 @@ def _relaxed_scores(cm: AnalyticCostModel, layouts: Sequence[Layout], rates: np.
     of the subset (``counts`` times), plus one reduction per gradient kind used and the cheapest
     switch order through the layouts used. Mesh sharing is checked pairwise (the group sizes of a
     set nest iff those of every pair do) and switches come from a pairwise table: 1024 GPUs have
-    ~10^6 subsets."""
-    nest: dict[tuple[int, int], bool] = {}
+    ~10^6 subsets, priced as arrays a slab at a time (a Python loop per subset took 22 s of a 64-GPU
+    ``auto_layouts``)."""
+    pos = {i: n for n, i in enumerate(keep)}
+    nest = np.eye(len(keep), dtype=bool)
     for a, b in itertools.combinations(keep, 2):
         try:
             MeshShape.for_layouts([layouts[a], layouts[b]], cm.world_size)
-            nest[a, b] = True
+            nest[pos[a], pos[b]] = nest[pos[b], pos[a]] = True
         except LayoutError:
-            nest[a, b] = False
-    from_home = {i: cm.switch_seconds(None, layouts[i]) for i in keep}
-    switch = {(a, b): cm.switch_seconds(layouts[a], layouts[b]) for a in keep for b in keep if a != b}
+            pass
+    from_home = np.zeros(len(layouts))
+    switch = np.zeros((len(layouts), len(layouts)))
+    for a in keep:
+        from_home[a] = cm.switch_seconds(None, layouts[a])
+        for b in keep:
+            if a != b:
+                switch[a, b] = cm.switch_seconds(layouts[a], layouts[b])
     fixed: dict[tuple[int, ...], float] = {}  # the same used set recurs across many subsets
     scored: list[tuple[float, int, tuple[int, ...]]] = []
+    keep_arr, holds = np.asarray(keep, dtype=np.int64), np.array([i in holds_context for i in keep])
+    keep_rates = rates[keep_arr]
     for size in range(1, max_layouts + 1):
-        for subset in itertools.combinations(keep, size):
-            if holds_context.isdisjoint(subset) or not all(nest[p] for p in itertools.combinations(subset, 2)):
-                continue
-            sub = rates[list(subset)]
-            winner = sub.argmin(axis=0)
-            best = np.take_along_axis(sub, winner[None], axis=0)[0]
-            if not np.all(np.isfinite(best)):
-                continue
-            used = tuple(subset[int(w)] for w in np.flatnonzero(np.bincount(winner, minlength=size)))
-            if used not in fixed:
-                order = min(from_home[p[0]] + sum(switch[x, y] for x, y in zip(p, p[1:]))
-                            for p in itertools.permutations(used))
-                fixed[used] = cm.reductions_seconds([layouts[i] for i in used]) + order
-            scored.append((float((best * counts).sum()) + fixed[used], size, subset))
+        combos = np.array(list(itertools.combinations(range(len(keep)), size)), dtype=np.int64).reshape(-1, size)
+        ok = holds[combos].any(axis=1)
+        for x, y in itertools.combinations(range(size), 2):
+            ok &= nest[combos[:, x], combos[:, y]]
+        combos = combos[ok]
+        chunk = max(1, _RELAXED_CHUNK // (size * max(1, rates.shape[1])))
+        for lo in range(0, len(combos), chunk):  # [subsets, size, lengths], a bounded slab at a time
+            rows = combos[lo:lo + chunk]
+            slab = keep_rates[rows]
+            winner = slab.argmin(axis=1)
+            best = np.take_along_axis(slab, winner[:, None], axis=1)[:, 0]
+            finite = np.isfinite(best).all(axis=1)
+            totals = (best * counts).sum(axis=1)[finite].tolist()
+            masks = sum((winner == j).any(axis=1) << j for j in range(size))[finite].tolist()
+            subsets = list(map(tuple, keep_arr[rows[finite]].tolist()))
+            used = [tuple(s for j, s in enumerate(sub) if mask >> j & 1) for sub, mask in zip(subsets, masks)]
+            orders = _cheapest_orders({u for u in used if u not in fixed}, from_home, switch)
+            for u, order in sorted(orders.items()):
+                fixed[u] = cm.reductions_seconds([layouts[i] for i in u]) + order
+            scored.extend((total + fixed[u], size, sub) for sub, u, total in zip(subsets, used, totals))
     return scored
+
+
+def _cheapest_orders(used: set[tuple[int, ...]], from_home: np.ndarray, switch: np.ndarray) -> dict:
+    """Per set of layout indices, the cheapest switch order through it: the switch from the home copy
+    into its first layout plus each switch after, the least over its orders (priced as arrays, per set size).
+
+    Args:
+        used: sets of layout indices (tuples).
+        from_home: [layout] seconds of the switch from the home copy.
+        switch: [from layout, to layout] seconds of a switch."""
+    out: dict[tuple[int, ...], float] = {}
+    for size in sorted({len(u) for u in used}):
+        group = sorted(u for u in used if len(u) == size)
+        sets = np.array(group, dtype=np.int64).reshape(len(group), size)
+        least = np.full(len(group), np.inf)
+        for order in itertools.permutations(range(size)):
+            path = np.zeros(len(group))
+            for x, y in zip(order, order[1:]):
+                path = path + switch[sets[:, x], sets[:, y]]
+            least = np.minimum(least, from_home[sets[:, order[0]]] + path)
+        out.update(zip(group, least.tolist()))
+    return out
 
 
 def _best_static(cm: AnalyticCostModel, layouts: Sequence[Layout], batches: Sequence[np.ndarray],
