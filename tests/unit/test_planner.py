@@ -654,3 +654,39 @@ def test_candidate_sets_seeded_by_the_lower_bound_plan_faster(monkeypatch):
     # all-gather's), and for the reason the seeding gives: the 256K documents' dp1 layout
     assert planned(seeded) < planned(relaxed), (seeded, relaxed)
     assert any(lay.dp == 1 for lay in seeded) and not any(lay.dp == 1 for lay in relaxed)
+
+
+def test_relaxed_scores_equal_a_subset_by_subset_pricing():
+    """``candidates._relaxed_scores`` prices every subset as arrays; here each subset is priced alone
+    (each length in its cheapest layout of the subset, the used layouts' reductions, the cheapest switch
+    order): the same subsets in the same order, the same scores to the last bit."""
+    import itertools
+
+    from lightning_hotspa.planner import candidates
+    from lightning_hotspa.planner.cost.cost_model import AnalyticCostModel
+    from lightning_hotspa.tools.long_grid import token_batch
+
+    cm = AnalyticCostModel("llama3-8b", "H100", 16)
+    layouts = candidates.enumerate_layouts(16, cm)
+    ref, counts = np.unique(np.minimum(token_batch("github", 65536, 16 * 16384, 3), 65536), return_counts=True)
+    rates = candidates.layout_rates(cm, layouts, ref)
+    keep = list(range(len(layouts)))[:14]
+    holds = {i for i in keep if np.isfinite(rates[i]).all()}
+    got = candidates._relaxed_scores(cm, layouts, rates, counts, keep, holds, 3)
+    want = []
+    for size in range(1, 4):
+        for subset in itertools.combinations(keep, size):
+            try:
+                MeshShape.for_layouts([layouts[i] for i in subset], 16)
+            except LayoutError:
+                continue
+            best = rates[list(subset)].min(axis=0)
+            if holds.isdisjoint(subset) or not np.isfinite(best).all():
+                continue
+            used = tuple(i for n, i in enumerate(subset) if (rates[list(subset)].argmin(axis=0) == n).any())
+            order = min(cm.switch_seconds(None, layouts[p[0]]) + sum(cm.switch_seconds(layouts[x], layouts[y])
+                                                                     for x, y in zip(p, p[1:]))
+                        for p in itertools.permutations(used))
+            fixed = cm.reductions_seconds([layouts[i] for i in used]) + order
+            want.append((float((best * counts).sum()) + fixed, size, subset))
+    assert len(want) > 50 and got == want
