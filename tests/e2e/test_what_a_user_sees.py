@@ -1,11 +1,14 @@
-"""What a user sees of one short ``make train``-like run (recipes/train.py, 4 ranks, W&B offline):
-the W&B history read back from the run's own ``.wandb`` file (per step only the stages that ran,
-their tokens adding up to the data's batch), a console free of the listed noise, and the checkpoint
-written at the end exported and loaded by ``transformers``. One run serves all three (~1 min)."""
+"""What a user sees of one short ``make train``-like run (recipes/train.py, 4 processes started by
+Lightning's own launcher, W&B offline by the recipe's own choice, CSV beside it): the W&B history
+read back from the run's own ``.wandb`` file (per step only the stages that ran, their tokens adding
+up to the data's batch), the CSV metrics, summary and timelines in the one default run folder, a
+console free of the listed noise, and the checkpoint written at the end exported and loaded by
+``transformers``. One run serves all four (~1 min; the launcher check had a run of its own before)."""
 
 from __future__ import annotations
 
 import csv
+import json
 import os
 import subprocess
 import sys
@@ -21,8 +24,9 @@ from lightning_hotspa.adapter.observability.stats import bucket_key
 ROOT = Path(__file__).resolve().parents[2]
 TRAIN = ROOT / "recipes" / "train.py"
 STEPS = 5  # the stdlib corpus at the defaults: steps 1-5 run 3 layouts, never all 3 in one step
-OVERRIDES = [f"trainer.max_steps={STEPS}", "callbacks.hotspa_monitor.table_every_n_steps=1",
-             "callbacks.hotspa_monitor.timeline_every_n_steps=0"]
+OVERRIDES = [f"trainer.max_steps={STEPS}", "logger=wandb_csv", "callbacks.hotspa_monitor.table_every_n_steps=1",
+             "callbacks.hotspa_monitor.timeline_every_n_steps=4", "expect_loss_ratio=1.5"]
+TIMELINES = ["step_000001.png", "step_000004.png", "step_000005.png"]  # the first, every 4th, the last
 
 
 @pytest.fixture(scope="module")
@@ -31,12 +35,13 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HOTSPA_CACHE_DIR": str(tmp / "cache"),
            "NETRC": str(tmp / "no_netrc")}
     env.pop("WANDB_API_KEY", None)
-    env["WANDB_MODE"] = "offline"  # as `make train`
-    out = tmp / "out"
-    proc = subprocess.run([sys.executable, str(TRAIN), *OVERRIDES, f"hydra.run.dir={out}"], cwd=tmp, env=env,
+    env.pop("WANDB_MODE", None)  # the recipe must go offline by itself (`make train` sets it too)
+    proc = subprocess.run([sys.executable, str(TRAIN), *OVERRIDES], cwd=tmp, env=env,
                           capture_output=True, text=True, timeout=420)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return {"dir": out, "stdout": proc.stdout, "stderr": proc.stderr, "tmp": tmp}
+    runs = list((tmp / "outputs").glob("*/*"))  # the default folder: outputs/<date>/<time>
+    assert len(runs) == 1, f"ranks disagree on the run dir: {runs}"  # each child used the parent's
+    return {"dir": runs[0], "stdout": proc.stdout, "stderr": proc.stderr, "tmp": tmp}
 
 
 def _batch_tokens(steps: int) -> list[int]:
@@ -95,6 +100,28 @@ def test_wandb_history_has_per_step_stage_metrics_of_the_stages_that_ran(run: di
     assert sorted(int(t["trainer/global_step"]) for t in tables) == sorted(by_step)
     steps_of_any_row = {int(r["trainer/global_step"]) for r in history if "trainer/global_step" in r}
     assert steps_of_any_row == set(by_step), steps_of_any_row  # no row on a step of its own
+
+
+def test_the_launchers_processes_share_one_run_folder_with_csv_summary_and_timelines(run: dict) -> None:
+    """Lightning's launcher re-ran the script per process, each with the parent's run folder (one
+    folder, a log per child); both loggers; the summary, plan table and timelines beside them."""
+    folder = run["dir"]
+    assert (folder / "train_ddp_process_3.log").exists() and (folder / ".hydra" / "config.yaml").exists()
+    rows = list(csv.DictReader((folder / "csv" / "version_0" / "metrics.csv").open()))
+    columns = set(rows[0])
+    for key in ("train/step_loss", "hotspa/step_s", "hotspa/tokens_per_s", "hotspa/switch_fraction", "hotspa/mfu",
+                "lr-AdamW/pg1"):
+        assert key in columns, sorted(columns)
+    assert any(c.endswith("/switch_MB") for c in columns) and any(c.endswith("/predicted_s") for c in columns)
+    losses = [float(r["train/step_loss"]) for r in rows if r.get("train/step_loss")]
+    assert len(losses) == STEPS and all(0 < x < 10 for x in losses)
+    summary = json.loads((folder / "summary.json").read_text())
+    assert summary["losses"] == pytest.approx(losses, rel=1e-5) and summary["buckets"]
+    assert [Path(p).name for p in summary["timelines"]] == TIMELINES
+    offline = list((folder / "wandb").glob("offline-run-*"))
+    out = run["stdout"]
+    assert "HotSPa summary" in out and f"wandb sync {offline[0]}" in out and "W&B: offline" in out
+    assert "loss check:" in out and "timeline PNGs" in out
 
 
 NOISE = ("LeafSpec", "The anonymous setting has no effect", "Epoch 0/-2", "`weights_only` was not set",
