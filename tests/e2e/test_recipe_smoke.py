@@ -226,7 +226,8 @@ SMOKE: dict[str, Smoke | Reuse] = {
     "gpu_check.py": Reuse("e2e/test_gpu_check.py::test_every_part_ran_within_its_budget"),
     "gpu_check_tp_overlap.py": Reuse("e2e/test_recipe_smoke_gpu_check_tp_overlap.py::"
                                      "test_the_dry_run_equals_the_plain_path_and_prints_json_last"),
-    "train.py": Reuse("e2e/test_recipes.py::test_recipe_runs_under_lightnings_launcher_with_csv_and_offline_wandb"),
+    "train.py": Reuse("e2e/test_what_a_user_sees.py::"
+                      "test_the_launchers_processes_share_one_run_folder_with_csv_summary_and_timelines"),
 }
 
 #: files under recipes/ that are not entry points: what runs them
