@@ -215,6 +215,17 @@ def test_capacity_keeps_the_model_error_margin_so_a_capacity_micro_batch_fits() 
         assert bare.capacity(lay, False) > cap and bare.memory(lay, False).usable == use.usable, layout
 
 
+def test_a_public_attribute_set_after_use_drops_the_memoized_capacities() -> None:
+    """Capacities, options and reductions are memoized per layout (the candidate choice asks ~10^5 times);
+    setting a margin afterwards prices with the new margin, not the remembered one."""
+    cm, lay = AnalyticCostModel("llama7b", "H100", 8), Layout.parse("dp4xtp2")
+    cap, option, reduce = cm.capacity(lay, False), cm.option(lay, False), cm.grad_reduce_seconds(lay)
+    assert cm.option(lay, False) is option and option.capacity == cap  # the same object: memoized
+    cm.model_error_margin = 0.0
+    assert cm.capacity(lay, False) > cap and cm.option(lay, False).capacity == cm.capacity(lay, False)
+    assert cm.grad_reduce_seconds(lay) <= reduce  # a larger capacity hides at least as much of it
+
+
 @pytest.mark.parametrize("attention", ["cpu", "gpu"])
 @pytest.mark.parametrize("layout", ["cp4:kv", "tp2xcp2:kv", "cp4:kv2", "dp2xcp2:kv"])
 def test_memory_model_counts_what_the_kv_ring_saves_and_holds(layout: str, attention: str) -> None:

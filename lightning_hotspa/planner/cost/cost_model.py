@@ -194,7 +194,6 @@ class AnalyticCostModel(MemoryModel):
         self.layer_params = (self.dense_params - m.padded_vocab_size * m.hidden - m.hidden) / m.n_layers
         self.attn_width = m.n_heads * m.head_dim
         self.kv_width = m.n_kv_heads * m.head_dim
-        self._exposed_reduce: dict[Layout, float] = {}  # grad_reduce_seconds per layout
 
     # ------------------------------------------------------------------ validity
     def check(self, par: Layout) -> Layout:
@@ -224,7 +223,8 @@ class AnalyticCostModel(MemoryModel):
         """Transformer layers per pipeline stage of ``par`` (:func:`.pp_schedule.stage_layers`; the loss
         head counted as ``vocab x hidden / layer parameters`` layers of GEMM work on the last stage)."""
         s = self.pipeline
-        return stage_layers(self.model.n_layers, par.pp, head_layers(self.model), s.split, s.virtual_stages)
+        return self._memoized(("stage_layers", par.pp), lambda: stage_layers(
+            self.model.n_layers, par.pp, head_layers(self.model), s.split, s.virtual_stages))
 
     def stage_shares(self, par: Layout) -> tuple[float, float, int]:
         """(attention share, GEMM share, layers) of the slowest stage: the largest stage's layers over all
@@ -393,24 +393,23 @@ class AnalyticCostModel(MemoryModel):
         of :meth:`grad_reduce_full_seconds` unless the runtime overlaps a replicated copy's reduction
         with the last micro-batch's backward (``RuntimeProfile.dp_reduce_overlap``), then only what
         that backward cannot hide (:mod:`.grad_exposure`). An HSDP copy's reduction over its replicas
-        runs at the stage end (ours: not overlapped)."""
+        runs at the stage end (ours: not overlapped). Memoized per layout."""
+        return self._memoized(("reduce", par), lambda: self._grad_reduce_seconds(par))
+
+    def _grad_reduce_seconds(self, par: Layout) -> float:
         full = self.grad_reduce_full_seconds(par)
         if full <= 0 or par.fsdp or not self.runtime.dp_reduce_overlap:
             return full
-        if par not in self._exposed_reduce:
-            m, hw = self.model, self.hardware
-            buckets = reduce_buckets(m, par.tp, REDUCE_BUCKET_BYTES[hw.device_type], self.grad_bytes,
-                                     m.n_layers // par.pp)
-            # ASSUMPTION: the last micro-batch is a full one (the runtime runs the plan's costliest
-            # last, engine/step_runner.py); its backward's GEMMs (2/3 of their FLOPs) hide the buckets
-            try:
-                capacity = self.capacity(par, Checkpointing.NONE)
-            except CostModelError:
-                capacity = 0
-            backward = 2.0 / 3.0 * self._dense_seconds_per_token(par, Checkpointing.NONE) * max(capacity, 0)
-            hide = hw.layer_comm_overlap * backward
-            self._exposed_reduce[par] = full * exposed_share(buckets, hide / full)
-        return self._exposed_reduce[par]
+        m, hw = self.model, self.hardware
+        buckets = reduce_buckets(m, par.tp, REDUCE_BUCKET_BYTES[hw.device_type], self.grad_bytes, m.n_layers // par.pp)
+        # ASSUMPTION: the last micro-batch is a full one (the runtime runs the plan's costliest
+        # last, engine/step_runner.py); its backward's GEMMs (2/3 of their FLOPs) hide the buckets
+        try:
+            capacity = self.capacity(par, Checkpointing.NONE)
+        except CostModelError:
+            capacity = 0
+        backward = 2.0 / 3.0 * self._dense_seconds_per_token(par, Checkpointing.NONE) * max(capacity, 0)
+        return full * exposed_share(buckets, hw.layer_comm_overlap * backward / full)
 
     def grad_reduce_full_seconds(self, par: Layout) -> float:
         """The stage's reduce-scatter of fp32 gradients over the ranks sharing a weight shard, all of
@@ -437,7 +436,14 @@ class AnalyticCostModel(MemoryModel):
     def option(self, par: Layout, activation_checkpointing: Checkpointing | bool | str,
                capacity: int | None = None) -> OptionCost:
         """The priced option of ``par`` with ``activation_checkpointing`` (a mode, a bool or its name);
-        ``capacity``: tokens per micro-batch (default: the memory model's)."""
+        ``capacity``: tokens per micro-batch (default: the memory model's, and the option memoized)."""
+        if capacity is None:
+            return self._memoized(("option", par, activation_checkpointing),
+                                  lambda: self._option(par, activation_checkpointing, None))
+        return self._option(par, activation_checkpointing, capacity)
+
+    def _option(self, par: Layout, activation_checkpointing: Checkpointing | bool | str,
+                capacity: int | None) -> OptionCost:
         par = self.check(par)
         activation_checkpointing = Checkpointing.parse(activation_checkpointing)
         if activation_checkpointing is Checkpointing.SELECTIVE and par.fsdp:

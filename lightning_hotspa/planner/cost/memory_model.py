@@ -12,6 +12,7 @@ attention and the all-gather-KV chunk kernel: their memory terms), ``attn_width`
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 from ...activation_checkpointing import Checkpointing
@@ -51,6 +52,20 @@ class MemoryModel:
     chunks: Any
     #: the loss head's per-token state (:data:`HEAD_STATE_BYTES`; read by :mod:`.kv_ring_memory`)
     head_state_bytes: float = HEAD_STATE_BYTES
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        """Sets ``name``; a public attribute (a margin, a profile, a schedule) also drops every memoized result."""
+        object.__setattr__(self, name, value)
+        if not name.startswith("_"):
+            self.__dict__.pop("_memo_table", None)
+
+    def _memoized(self, key: tuple, compute: Callable[[], Any]) -> Any:
+        """``compute()`` once per ``key`` on this model: for the pure functions of a layout and the public
+        attributes (capacity, options, reductions) the planner asks thousands of times per layout set."""
+        table = self.__dict__.setdefault("_memo_table", {})
+        if key not in table:
+            table[key] = compute()
+        return table[key]
 
     # What our runtime holds per rank, term by term; checked against the real code path under
     # FakeTensorMode + MemTracker by ``hotspa memory`` (tools/memory.py). TP is sequence parallel: norms
@@ -261,7 +276,11 @@ class MemoryModel:
         stays within the planning budget (usable / (1 + ``model_error_margin``)); ``mixed_tp``: as a
         block of a mixed-tp stage (:meth:`memory`). Rounded down to ``capacity_multiple`` and to the
         layout's :attr:`~lightning_hotspa.layout.Layout.token_granule` (below ``capacity_multiple``
-        tokens, to the granule alone)."""
+        tokens, to the granule alone). Memoized per argument set."""
+        return self._memoized(("capacity", par, activation_checkpointing, mixed_tp),
+                              lambda: self._capacity(par, activation_checkpointing, mixed_tp))
+
+    def _capacity(self, par: Layout, activation_checkpointing: Checkpointing | bool, mixed_tp: bool) -> int:
         mem = self.memory(par, activation_checkpointing, mixed_tp)
         q = self.attention_quadratic_bytes(par)
         free = mem.free_for_activations
