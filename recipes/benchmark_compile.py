@@ -20,7 +20,8 @@ their graph breaks are listed in ``break_reasons``). Keys:
 * ``max_abs_diff_vs_eager``: the largest |compiled - eager| over every step's loss and gradients.
 
     python recipes/benchmark_compile.py             # inductor, 40 steps
-    python recipes/benchmark_compile.py --smoke     # aot_eager, 1 step (the smoke test's run)
+    python recipes/benchmark_compile.py --smoke     # aot_eager, 1 step
+    python recipes/benchmark_compile.py --smoke --backend eager --layers 1   # the smoke test's run
 """
 
 from __future__ import annotations
@@ -85,17 +86,19 @@ def _run(state: Any, runner: Any, module: Any, batches: list[Any]) -> list[torch
 
 def rank_main(args: dict[str, Any]) -> dict[str, Any]:
     """On every rank: the steps eager, then compiled; the counters and the differences."""
+    import dataclasses
+
     import torch.distributed as dist
 
     from lightning_hotspa.adapter.lightning.compile_blocks import check_compile_spec, compile_blocks, compile_counts
     from lightning_hotspa.adapter.lightning.home_state import build_home_state
     from lightning_hotspa.engine.step_runner import StepRunner
     from lightning_hotspa.mesh import WorldMesh
-    from lightning_hotspa.models import LlamaLM
+    from lightning_hotspa.models import LlamaConfig, LlamaLM
     from lightning_hotspa.plan import slice_plan
 
     torch.manual_seed(0)
-    module = LlamaLM("tiny", seed=3)
+    module = LlamaLM(dataclasses.replace(LlamaConfig.preset("tiny"), n_layers=args["layers"]), seed=3)
     layouts = tuple(args["layouts"])
     world = WorldMesh(list(layouts))
     state = build_home_state(module, world, home_dtype=torch.float32, working_dtype=None,
@@ -125,9 +128,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--backend", default=None, help="torch.compile backend (default inductor; smoke: aot_eager)")
     parser.add_argument("--layouts", default=",".join(LAYOUTS), help="comma-separated layouts of 4 ranks")
     parser.add_argument("--tp-overlap", action="store_true", help="tp overlap on (its column regions still break)")
+    parser.add_argument("--layers", type=int, default=2, help="blocks of the tiny Llama (default 2, its own)")
     args = parser.parse_args(argv)
     layouts = tuple(args.layouts.split(","))
-    run = {"layouts": layouts, "tp_overlap": args.tp_overlap,
+    if args.layers < 1:
+        raise SystemExit(f"--layers must be >= 1, got {args.layers}")
+    run = {"layouts": layouts, "tp_overlap": args.tp_overlap, "layers": args.layers,
            "steps": args.steps or (1 if args.smoke else 40), "docs": 6 if args.smoke else 12,
            "max_len": 24 if args.smoke else 96, "backend": args.backend or ("aot_eager" if args.smoke else "inductor")}
     results = run_on_ranks(rank_main, WORLD, run, timeout_s=3000)

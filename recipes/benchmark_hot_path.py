@@ -39,7 +39,7 @@ Keys (docs/gpu-runtime.md explains each):
 
     python recipes/benchmark_hot_path.py [--kv-tokens 32768] [--skip-switch]
     python recipes/benchmark_hot_path.py --skip-switch --kv-tokens 256 --collectives-preset tiny \
-        --group-worlds 8,64 --cp-tokens 2048 --cp-worlds 64                                          # smoke
+        --group-worlds 8,64 --cp-tokens 2048 --cp-worlds 64 --fake-layouts dp8,dp4xtp2               # smoke
 """
 
 from __future__ import annotations
@@ -402,7 +402,12 @@ def _payloads(sizes: list[int]):
 
 # -- gradient reduction exposure -------------------------------------------------------------------------
 
-def reduce_exposure(world: int = 8, layers: int = 3, preset: str = "llama7b") -> dict:
+EXPOSURE_LAYOUTS = ("dp8", "dp4xtp2", "dp2xtp4")
+BESIDE_LAYOUTS = ("dp8", "dp4xtp2", "dp2xtp4", "tp8", "dp4xcp2", "dp2xtp2xcp2")
+
+
+def reduce_exposure(world: int = 8, layers: int = 3, preset: str = "llama7b",
+                    layouts: tuple[str, ...] = EXPOSURE_LAYOUTS) -> dict:
     """Per replicated layout (llama7b widths, ``layers`` layers, ``world`` fake ranks, NCCL's buckets): the
     share of the stage's reduction bytes launched with no backward GEMM left (exposed however fast the
     network), and the exposed share when the last backward takes 1 x the reduction's time, measured
@@ -416,7 +421,7 @@ def reduce_exposure(world: int = 8, layers: int = 3, preset: str = "llama7b") ->
 
     config = dataclasses.replace(LlamaConfig.preset(preset), n_layers=layers)
     out = {}
-    for name in ("dp8", "dp4xtp2", "dp2xtp4"):
+    for name in layouts:
         par = Layout.parse(name)
         measured = measure_reduce_buckets(config, par, world)["buckets"]
         model = reduce_buckets(describe_model(config), par.tp, REDUCE_BUCKET_BYTES["cuda"])
@@ -479,7 +484,8 @@ def _layer_bytes(layout_name: str, layers: int, world: int, tokens: int, preset:
     return float(hidden), float(sum(b for _, b in calls) - hidden)
 
 
-def comm_beside_gemms(world: int = 8, tokens: int = 1024, preset: str = "llama7b") -> dict:
+def comm_beside_gemms(world: int = 8, tokens: int = 1024, preset: str = "llama7b",
+                      layouts: tuple[str, ...] = BESIDE_LAYOUTS) -> dict:
     """Per layout (llama7b widths, ``world`` fake ranks, one micro-batch of ``tokens`` per dp group): the
     tp / cp collective bytes rank 0 receives per layer in forward + backward, split into those in flight
     while a GEMM runs (tp overlap) and those exposed (the re-gathers, cp exchanges), MB; the layer's
@@ -487,7 +493,7 @@ def comm_beside_gemms(world: int = 8, tokens: int = 1024, preset: str = "llama7b
     from lightning_hotspa.models import LlamaConfig
 
     heads, out = LlamaConfig.preset(preset).n_heads, {}
-    for name in ("dp8", "dp4xtp2", "dp2xtp4", "tp8", "dp4xcp2", "dp2xtp2xcp2"):
+    for name in layouts:
         if heads % (Layout.parse(name).tp * Layout.parse(name).cp):
             continue  # (the smoke run's tiny model: 4 heads)
         one, two = _layer_bytes(name, 1, world, tokens, preset), _layer_bytes(name, 2, world, tokens, preset)
@@ -573,6 +579,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--collectives-preset", default="llama7b", help="the model of collectives_per_step, "
                         "reduce_exposure and tp_cp_bytes_per_layer (the smoke run: tiny)")
     parser.add_argument("--group-worlds", default="8,64,1024", help="fake world sizes of process_groups_per_rank")
+    parser.add_argument("--fake-layouts", default=None, help="comma-separated layouts of 8 fake ranks for "
+                        "reduce_exposure and tp_cp_bytes_per_layer (default: each part's own; the smoke: 2)")
     args = parser.parse_args(argv)
     try:
         worlds = [int(x) for x in args.group_worlds.split(",")]
@@ -582,9 +590,18 @@ def main(argv: list[str] | None = None) -> dict:
         cp_worlds = tuple(int(x) for x in args.cp_worlds.split(","))
     except ValueError:
         raise SystemExit(f"--cp-worlds takes comma-separated world sizes, got {args.cp_worlds!r}") from None
+    fake = tuple(args.fake_layouts.split(",")) if args.fake_layouts else None
+    for name in fake or ():
+        try:
+            ranks = Layout.parse(name).world_size
+        except ValueError as err:
+            raise SystemExit(f"--fake-layouts: {err}") from None
+        if ranks != 8:
+            raise SystemExit(f"--fake-layouts: {name} covers {ranks} ranks, not the 8 fake ranks")
     parts = {"syncs": host_syncs, "waits": reduce_waits,
-             "exposure": lambda: reduce_exposure(preset=args.collectives_preset),
-             "beside": lambda: comm_beside_gemms(preset=args.collectives_preset),
+             "exposure": lambda: reduce_exposure(preset=args.collectives_preset,
+                                                 layouts=fake or EXPOSURE_LAYOUTS),
+             "beside": lambda: comm_beside_gemms(preset=args.collectives_preset, layouts=fake or BESIDE_LAYOUTS),
              "kv_calls": lambda: {"kv_attention_calls_per_layer": kv_calls()},
              "kv_work": lambda: kv_work(args.kv_tokens, *args.kv_heads, args.head_dim),
              "cp_exchange": lambda: {"cp_exchange_bytes_per_layer": cp_exchanges(args.cp_tokens, cp_worlds)},

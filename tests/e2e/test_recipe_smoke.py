@@ -176,7 +176,8 @@ SMOKE: dict[str, Smoke | Reuse] = {
     "benchmark_hf_load.py": Smoke(["--dir", "hf", "--preset", "tiny", "--ranks", "4", "--layouts", "dp4,dp2xtp2"],
                                   {"params", "per_rank", "max_peak_rss_mib", "checkpoint_mib"}, _check_hf_load),
     "benchmark_hot_path.py": Smoke(["--skip-switch", "--kv-tokens", "256", "--collectives-preset", "tiny",
-                                    "--group-worlds", "8,64", "--cp-tokens", "2048", "--cp-worlds", "64"],
+                                    "--group-worlds", "8,64", "--cp-tokens", "2048", "--cp-worlds", "64",
+                                    "--fake-layouts", "dp8,dp4xtp2"],  # dp2xtp4's exposure: test_grad_exposure
                                    {"host_syncs_per_micro_batch", "reduce_waits", "kv_attention_calls_per_layer",
                                     "kv_work_vs_single", "collectives_per_step", "process_groups_per_rank",
                                     "reduce_exposure", "tp_cp_bytes_per_layer",
