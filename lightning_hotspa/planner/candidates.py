@@ -38,7 +38,7 @@ from ..layout import Layout, LayoutError, MeshShape
 from ..model_shape import ModelShape
 from .cost.cost_model import AnalyticCostModel, CostModelError, OptionCost
 from .cost.hardware import HardwareProfile
-from .cost.terms import gradient_kind
+from .cost.terms import cheapest_per_kind, gradient_kind
 from .solve.oracle_bound import charged_oracle
 from .solve.solver import CostModelPlanner
 
@@ -289,7 +289,7 @@ def _relaxed_scores(cm: AnalyticCostModel, layouts: Sequence[Layout], rates: np.
             if a != b:
                 switch[a, b] = cm.switch_seconds(layouts[a], layouts[b])
     fixed: dict[tuple[int, ...], float] = {}  # the same used set recurs across many subsets
-    # cm.reductions_seconds by index (one per gradient kind, its cheapest layout): ~10^5 used sets at 64 GPUs
+    # cm.reductions_seconds by index (~10^5 used sets at 64 GPUs: no Layout hashed per set)
     kind_reduce = {i: (gradient_kind(layouts[i]), cm.grad_reduce_seconds(layouts[i])) for i in keep}
     scored: list[tuple[float, int, tuple[int, ...]]] = []
     keep_arr, holds = np.asarray(keep, dtype=np.int64), np.array([i in holds_context for i in keep])
@@ -313,10 +313,7 @@ def _relaxed_scores(cm: AnalyticCostModel, layouts: Sequence[Layout], rates: np.
             used = [tuple(s for j, s in enumerate(sub) if mask >> j & 1) for sub, mask in zip(subsets, masks)]
             orders = _cheapest_orders({u for u in used if u not in fixed}, from_home, switch)
             for u, order in sorted(orders.items()):
-                cheapest: dict[tuple[int, int, int], float] = {}
-                for kind, red in (kind_reduce[i] for i in u):
-                    cheapest[kind] = min(red, cheapest.get(kind, red))
-                fixed[u] = sum(cheapest.values()) + order
+                fixed[u] = cheapest_per_kind(kind_reduce[i] for i in u) + order
             scored.extend((total + fixed[u], size, sub) for sub, u, total in zip(subsets, used, totals))
     return scored
 

@@ -118,6 +118,7 @@ from .pp_schedule import PipelineSchedule, get_schedule, stage_layers
 from .runtime_profile import RuntimeProfile, get_runtime
 from .terms import (
     CostModelError,
+    cheapest_per_kind,
     gradient_kind,
     resolve_model,
     shares_gradients,
@@ -427,11 +428,7 @@ class AnalyticCostModel(MemoryModel):
         """The gradient reductions of a plan whose stages run ``layouts``: one per gradient kind
         (:func:`~.terms.gradient_kind`; a run of stages that share gradients reduces once),
         the cheapest of its layouts. A replicated and a sharded copy of one tp degree are two kinds."""
-        cheapest: dict[tuple[int, int, int], float] = {}
-        for lay in layouts:
-            kind, red = gradient_kind(lay), self.grad_reduce_seconds(lay)
-            cheapest[kind] = min(red, cheapest.get(kind, red))
-        return sum(cheapest.values())
+        return cheapest_per_kind((gradient_kind(lay), self.grad_reduce_seconds(lay)) for lay in layouts)
 
     def option(self, par: Layout, activation_checkpointing: Checkpointing | bool | str,
                capacity: int | None = None) -> OptionCost:

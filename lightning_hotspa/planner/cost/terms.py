@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 from ...layout import Layout
@@ -40,3 +41,15 @@ def gradient_kind(par: Layout) -> tuple[int, int, int]:
     """(tp, pp, fsdp shard: 0 when replicated): stages of one kind share gradients
     (:func:`shares_gradients`)."""
     return (par.tp, par.pp, par.fsdp_shard if par.fsdp else 0)
+
+
+def cheapest_per_kind(reductions: Iterable[tuple[tuple[int, int, int], float]]) -> float:
+    """The reductions a plan pays: one per gradient kind (:func:`gradient_kind`), the cheapest of that kind.
+
+    Args:
+        reductions: (gradient kind, stage reduction seconds) per layout the plan uses, in stage order.
+    """
+    cheapest: dict[tuple[int, int, int], float] = {}
+    for kind, seconds in reductions:
+        cheapest[kind] = min(seconds, cheapest.get(kind, seconds))
+    return sum(cheapest.values())
