@@ -40,8 +40,8 @@ communication. The last line is one JSON object.
     python recipes/benchmark_e2e.py --mixed           # mixed-cp rounds vs one process (recipes/e2e_mixed.py)
     python recipes/benchmark_e2e.py --blocks          # block stages vs one process (recipes/e2e_mixed.py)
     python recipes/benchmark_e2e.py --ladder          # the planner's ladder of blocks vs one process
-    python recipes/benchmark_e2e.py --datasets stdlib --context 512 --tokens-per-batch 2048 --steps 1 \
-        --repeats 1 --calibration-steps 1 --memory-mib 3 --layouts dp4      # smoke: 4 layouts, <= 14 fits
+    python recipes/benchmark_e2e.py --datasets stdlib --context 512 --tokens-per-batch 1024 --steps 1 \
+        --warmup 0 --repeats 1 --calibration-steps 1 --memory-mib 3 --layouts dp4   # smoke: 4 layouts, <= 14 fits
 """
 
 from __future__ import annotations
@@ -517,6 +517,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for key in ("steps", "repeats", "calibration_steps", "tokens_per_batch", "context"):
         if getattr(args, key) < 1:
             raise SystemExit(f"--{key.replace('_', '-')} must be >= 1, got {getattr(args, key)}")
+    if args.warmup < 0:
+        raise SystemExit(f"--warmup must be >= 0, got {args.warmup}")
     args.tokens_per_rank = tokens_per_rank(args.memory_mib)
     path = Path(args.calibration) if args.calibration else None
     args.calibration_state = json.loads(path.read_text()) if path is not None and path.exists() else None

@@ -5,9 +5,9 @@ Every layout trains on the SAME global set of micro-batches (``--micro-batches``
 so tokens/s compare like for like and every layout's gradients (reduced by the switch engine into
 the home store, as full tensors) are checked against the single process's. A step here is one
 stage run by the engine's StepRunner, as training runs it; its time is the stage's compute plus its
-gradient reduction (the switch from home is not timed), the slowest rank's,
-median over ``--steps``. The single process runs on rank 0 alone (one thread, as every rank) while
-the others wait. The last line printed is one JSON object.
+gradient reduction (the switch from home is not timed), the slowest rank's, median over ``--steps``
+after ``--warmup`` untimed steps. The single process runs on rank 0 alone (one thread, as every rank)
+while the others wait. The last line printed is one JSON object.
 
     python recipes/benchmark_model.py --preset small --tokens 512
 """
@@ -68,19 +68,19 @@ class _StartTogether(StepHooks):
         dist.barrier()
 
 
-def _single_process(lm, docs, groups, total_targets, steps) -> tuple[float, dict[str, torch.Tensor]]:
+def _single_process(lm, docs, groups, total_targets, steps, warmup) -> tuple[float, dict[str, torch.Tensor]]:
     times = []
-    for _ in range(steps + 1):  # the first step warms up
+    for _ in range(warmup + steps):
         lm.zero_grad(set_to_none=True)
         start = time.perf_counter()
         for ids in groups:
             mb = pack_micro_batch([docs[i] for i in ids])
             (lm.training_step(mb) * (mb.num_target_tokens / total_targets)).backward()
         times.append(time.perf_counter() - start)
-    return statistics.median(times[1:]), {n: p.grad.clone() for n, p in lm.named_parameters()}
+    return statistics.median(times[warmup:]), {n: p.grad.clone() for n, p in lm.named_parameters()}
 
 
-def bench_rank(preset: str, tokens: int, micro_batches: int, steps: int) -> dict:
+def bench_rank(preset: str, tokens: int, micro_batches: int, steps: int, warmup: int = 1) -> dict:
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore", message=".*self.log.*")
     from lightning_hotspa.models import LlamaLM  # Lightning: imported by the worker, not the parent
@@ -93,7 +93,7 @@ def bench_rank(preset: str, tokens: int, micro_batches: int, steps: int) -> dict
     init = {n: p.detach().clone() for n, p in lm.named_parameters()}
     result: dict = {"tokens_per_step": sum(lengths)}
     if world.rank == 0:
-        seconds, reference = _single_process(lm, docs, groups, total_targets, steps)
+        seconds, reference = _single_process(lm, docs, groups, total_targets, steps, warmup)
         result["single_process"] = {"step_s": seconds, "tokens_per_s": sum(lengths) / seconds}
     dist.barrier()
     roles = param_roles(lm, lm.tp_plan(max(Layout.parse(x).tp for x in LAYOUTS)))
@@ -109,7 +109,7 @@ def bench_rank(preset: str, tokens: int, micro_batches: int, steps: int) -> dict
                                     for dp in range(layout.dp)))
         mine = slice_plan(StepPlan(0, lengths, (stage,)), docs, world.shape, world.rank)
         times = []
-        for _ in range(steps + 1):
+        for _ in range(warmup + steps):
             engine.clear_grad_store()
             (timed,) = runner.run(mine, lm.training_step, hooks).stages
             times.append(_slowest(timed.compute_s + timed.reduce_s))
@@ -121,7 +121,7 @@ def bench_rank(preset: str, tokens: int, micro_batches: int, steps: int) -> dict
                 errors[pname] = float((full - reference[pname]).norm() / reference[pname].norm())
             p.grad = None
         engine.clear_grad_store()
-        seconds = statistics.median(times[1:])
+        seconds = statistics.median(times[warmup:])
         result[name] = {"step_s": seconds, "tokens_per_s": sum(lengths) / seconds,
                         "max_grad_rel_err": max(errors.values()) if errors else None}
     return result
@@ -132,11 +132,17 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--preset", default="small")
     parser.add_argument("--tokens", type=int, default=512, help="tokens per micro-batch (multiple of 128)")
     parser.add_argument("--micro-batches", type=int, default=4, help="global micro-batches per step")
-    parser.add_argument("--steps", type=int, default=2, help="timed steps per layout (after one warm-up)")
+    parser.add_argument("--steps", type=int, default=2, help="timed steps per layout (after the warm-up)")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed steps per layout first (the smoke run: 0)")
     args = parser.parse_args(argv)
+    if args.steps < 1:
+        raise SystemExit(f"--steps must be >= 1, got {args.steps}")
+    if args.warmup < 0:
+        raise SystemExit(f"--warmup must be >= 0, got {args.warmup}")
     pool = RankPool(4, collective_timeout_s=600)
     try:
-        out = pool.run(bench_rank, args.preset, args.tokens, args.micro_batches, args.steps, timeout_s=3600)[0]
+        out = pool.run(bench_rank, args.preset, args.tokens, args.micro_batches, args.steps, args.warmup,
+                       timeout_s=3600)[0]
     finally:
         pool.close()
     single = out["single_process"]["tokens_per_s"]
@@ -151,6 +157,8 @@ def main(argv: list[str] | None = None) -> dict:
         "ranks": 4,
         "tokens_per_micro_batch": args.tokens,
         "micro_batches_per_step": args.micro_batches,
+        "steps": args.steps,
+        "warmup": args.warmup,
         "tokens_per_step": out["tokens_per_step"],
         "dtype": "float32",
         "lm_loss": out["loss_parallel"],
