@@ -11,7 +11,7 @@ import pytest
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
 
-from lightning_hotspa.testing.spawn import RankPool, use_fork_server  # noqa: E402
+from lightning_hotspa.testing.spawn import RankPool, start_fork_server, use_fork_server  # noqa: E402
 
 # tests/unit, tests/distributed, tests/e2e on sys.path: spawned ranks inherit sys.path and import the
 # test module of the function they run by name; the shared helpers are tests/helpers.py (no test file
@@ -103,6 +103,14 @@ def pytest_collection_modifyitems(config, items):
         if (module in FAST_MODULES and "ranks" not in getattr(item, "fixturenames", ())
                 and item.get_closest_marker("slow") is None):
             item.add_marker(pytest.mark.fast)
+
+
+def pytest_collection_finish(session):
+    """Start the fork server as soon as the tests are known, if any of them may spawn ranks: its imports
+    (torch, Lightning: seconds) then run beside the first tests instead of before the first pool."""
+    if not session.config.option.collectonly and any(item.get_closest_marker("fast") is None
+                                                     for item in session.items):
+        start_fork_server()
 
 
 @pytest.fixture(autouse=True)

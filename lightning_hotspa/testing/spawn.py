@@ -33,7 +33,7 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
-__all__ = ["MAX_GROUPS", "RankPool", "RankFailure", "run_on_ranks", "use_fork_server"]
+__all__ = ["MAX_GROUPS", "RankPool", "RankFailure", "run_on_ranks", "start_fork_server", "use_fork_server"]
 
 #: process groups a pooled rank may hold after a call before the pool is restarted (3 threads each)
 MAX_GROUPS = 64
@@ -60,6 +60,17 @@ def use_fork_server(*modules: str) -> None:
             raise ValueError(f"use_fork_server: no module {name!r} on sys.path")
     mp.get_context("forkserver").set_forkserver_preload(["torch", "torch.distributed", __name__, *modules])
     _START_METHOD = "forkserver"
+
+
+def start_fork_server() -> None:
+    """Start the fork server now without waiting for its imports (they then overlap the caller's own
+    work); the first pool would otherwise start it and wait. Nothing to do unless :func:`use_fork_server`
+    was called. The server imports with this moment's environment and ``sys.path``; its ranks still take
+    their pool's caller's."""
+    if _START_METHOD == "forkserver":
+        from multiprocessing import forkserver
+
+        forkserver.ensure_running()
 
 
 def _fault_path(init_file: str, rank: int) -> str:
