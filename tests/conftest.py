@@ -105,11 +105,12 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.fast)
 
 
-def pytest_collection_finish(session):
-    """Start the fork server as soon as the tests are known, if any of them may spawn ranks: its imports
-    (torch, Lightning: seconds) then run beside the first tests instead of before the first pool."""
-    if not session.config.option.collectonly and any(item.get_closest_marker("fast") is None
-                                                     for item in session.items):
+@pytest.fixture(scope="session", autouse=True)
+def _fork_server_starts_with_the_first_test(request):
+    """Start the fork server at the first test if any test of the session may spawn ranks: its imports
+    (torch, Lightning: seconds) then run beside the first tests instead of before the first pool. Started
+    inside a test (not at collection), it and its ranks write into pytest's captured output, not the console."""
+    if any(item.get_closest_marker("fast") is None for item in request.session.items):
         start_fork_server()
 
 
