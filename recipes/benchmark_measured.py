@@ -39,6 +39,10 @@ its forward's seconds after its forward (backward ~ 2 forwards), so its measured
 that out by measuring (its prior knows nothing of the sleep). The sleep is in the recipe's
 LightningModule (:class:`SlowedLM`), not in the library.
 
+``--probe-share`` (default 0.125, the planner's; 0: off): a never-run layout may be explored by a probe,
+the middle document of every 8 in length order under it and the rest under the reference static, where
+the model prices that below the layout's whole plan (``probe_steps`` counts them).
+
 ``--explore-budget`` defaults to 0.25 (not the planner's 3 %): a run of a few dozen steps cannot learn
 anything on 3 % of its time; the share spent is reported. ``--smoke``: 2 layouts, 2 static steps,
 3 measured steps (a check that it runs, not a figure). The last line is one JSON object.
@@ -65,7 +69,7 @@ from lightning_hotspa.testing.spawn import run_on_ranks  # noqa: E402
 WORLD = 4
 DEFAULTS = {"layouts": "dp2xcp2,cp4,dp2xtp2", "steps": 30, "static_steps": 5, "tokens_per_rank": 256,
             "static_rounds": 2, "tokens_per_batch": 1024, "docs": 600, "slow": "auto", "slow_factor": 2.0,
-            "explore_budget": 0.25, "noise_sd": 0.1, "seed": 0, "lr": 2e-3, "tolerance": 1e-4}
+            "explore_budget": 0.25, "noise_sd": 0.1, "probe_share": 0.125, "seed": 0, "lr": 2e-3, "tolerance": 1e-4}
 SMOKE = {"layouts": "dp2xcp2,cp4", "steps": 3, "static_steps": 2, "static_rounds": 1, "tokens_per_batch": 256,
          "docs": 40}
 
@@ -120,7 +124,8 @@ def measured_planner(args: argparse.Namespace, layouts: list[str], horizon: int)
 
     planner = Recording(layouts, model="tiny", hardware="cpu-gloo", tokens_per_rank=args.tokens_per_rank,
                         activation_checkpointing=False, ladder=False, mixed_rounds=False,
-                        explore_budget=args.explore_budget, noise_sd=args.noise_sd, horizon=horizon)
+                        explore_budget=args.explore_budget, noise_sd=args.noise_sd, horizon=horizon,
+                        probe_share=args.probe_share)
     planner.decisions = {}
     return planner
 
@@ -217,6 +222,7 @@ def train_rank(args: argparse.Namespace) -> dict[str, Any]:
             "reference": reference_losses(args, run["dm"], args.steps),
             "runs": [d.run for d in decisions], "exploits": [d.exploit for d in decisions],
             "exploring": [bool(d.exploring) for d in decisions], "exploration_share": planner.guard.exploration_share,
+            "probes": [bool(d.probe) for d in decisions],
             "corrections": {k: round(float(np.exp(m)), 4) for k, m in planner.guard.correction.mean.items()}}
 
 
@@ -240,6 +246,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.smoke:
         for key, value in SMOKE.items():
             setattr(args, key, value)
+    if not 0 <= args.probe_share < 1:
+        raise SystemExit(f"--probe-share must be in [0, 1) (0: no probes), got {args.probe_share}")
     if args.steps < 2 or args.static_steps < 2 or args.static_rounds < 1 or len(args.layouts.split(",")) < 2 \
             or args.slow_factor < 1:
         raise SystemExit(f"--steps >= 2, --static-steps >= 2, --static-rounds >= 1, two or more --layouts and "
@@ -258,7 +266,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
            "measured_s_per_step": raw["seconds"], "corrections": raw["corrections"],
            "losses": raw["losses"], "reference_losses": raw["reference"], "max_loss_rel_err_vs_single": max(diffs),
            "losses_match": max(diffs) <= args.tolerance, "exploration_share": raw["exploration_share"],
-           "explored_steps": sum(raw["exploring"]), "steps": args.steps, "wall_s": round(time.perf_counter() - t0, 1)}
+           "explored_steps": sum(raw["exploring"]), "probe_steps": sum(raw["probes"]), "probe_share": args.probe_share,
+           "steps": args.steps, "wall_s": round(time.perf_counter() - t0, 1)}
     print(f"static s/step {({k: round(v, 3) for k, v in static_s.items()})} (slowed: {raw['slow']}); measured "
           f"planner settled on {on} at step {step} of {args.steps} (fastest measured: {fastest}); max loss rel err "
           f"{out['max_loss_rel_err_vs_single']:.1e}; exploration share {out['exploration_share']:.3f}")

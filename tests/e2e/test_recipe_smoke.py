@@ -74,8 +74,9 @@ def _check_startup(out: dict) -> None:
 
 def _check_planner(out: dict) -> None:
     _finite_positive(out["max_guarded_plan_ms"], out["paper_set_median_cpu_ms"])
-    reuse = [v["measured_reuse_same_plan"] for v in out.values() if isinstance(v, dict) and "measured_plan_ms" in v]
-    assert reuse and all(reuse), reuse  # the measured planner's memo changes no plan
+    measured = [v for v in out.values() if isinstance(v, dict) and "measured_plan_ms" in v]
+    assert measured and all(v["measured_reuse_same_plan"] for v in measured)  # the memo changes no plan
+    assert all(v["probes_priced"] >= 1 and v["measured_plan_ms_probes"] > 0 for v in measured)
 
 
 def _check_blocks(out: dict) -> None:
@@ -156,6 +157,7 @@ def _check_measured(out: dict) -> None:
     _finite_positive(*out["static_s_per_step"].values())
     assert out["fastest_measured"] in out["static_s_per_step"] and len(out["exploits"]) == out["steps"]
     assert 0 <= out["exploration_share"] <= 1 and out["settled_on"] is not None
+    assert 0 <= out["probe_steps"] <= out["explored_steps"] and out["probe_share"] == 0.125
 
 
 def _check_fp8(out: dict) -> None:
@@ -187,7 +189,8 @@ SMOKE: dict[str, Smoke | Reuse] = {
     # 4 spawned gloo ranks, 3 Trainer fits (2 static layouts x 2 steps, 3 measured steps): 109 s on the shared
     # 2-core box at load ~30 (466 s at load ~130; the fits' start-up dominates), so not in the fast tier
     "benchmark_measured.py": Smoke(["--smoke"], {"static_s_per_step", "fastest_measured", "settled_step", "settled_on",
-                                                 "max_loss_rel_err_vs_single", "exploration_share", "steps"},
+                                                 "max_loss_rel_err_vs_single", "exploration_share", "steps",
+                                                 "probe_steps"},
                                    _check_measured),
     "benchmark_memory.py": Smoke(["--rows", "tiny:4", "--layouts", "dp4", "--hardware", "cpu-gloo", "--json"],
                                  {"rows", "max_rel_error", "feasible_rows", "feasible_rows_that_fit"}, _check_memory,
@@ -213,7 +216,7 @@ SMOKE: dict[str, Smoke | Reuse] = {
                                 "test_smoke_prints_one_json_line_with_the_issue_keys"),
     "benchmark_planner.py": Smoke(["--repeats", "1", "--documents", "64"],
                                   {"max_guarded_plan_ms", "target_50ms_met", "paper_set_median_cpu_ms",
-                                   "ladder_targets_met"}, _check_planner, fast=True),
+                                   "ladder_targets_met", "measured_probe_targets_met_cpu"}, _check_planner, fast=True),
     "benchmark_published.py": Smoke([], {"rows", "geomean_ratio", "max_abs_log_ratio", "held_out", "fit", "targets",
                                          "cp_rows", "guard_margin_in_use"}, _check_published, fast=True),
     "benchmark_startup.py": Smoke(["--model", "tiny", "--world", "4"],

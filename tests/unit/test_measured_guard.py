@@ -16,7 +16,7 @@ from lightning_hotspa.planner.profiled.measured import (
     box_factor,
     prior_sd_from_margin,
 )
-from lightning_hotspa.planner.profiled.measured_guard import Candidate, MeasuredGuard, expected_gain
+from lightning_hotspa.planner.profiled.measured_guard import Candidate, MeasuredGuard, expected_gain, slice_noise
 from lightning_hotspa.planner.solve.static_guard import DEFAULT_STATIC_MARGIN
 
 pytestmark = pytest.mark.fast
@@ -258,3 +258,45 @@ def test_expected_gain_closed_form():
     x = rng.normal(-0.02, 0.05, 400_000)
     assert expected_gain(-0.02, 0.05) == pytest.approx(np.maximum(x, 0).mean(), rel=0.01)
     assert expected_gain(0.3, 0.0) == 0.3 and expected_gain(-0.3, 0.0) == 0.0
+
+
+def test_a_cheaper_probe_runs_instead_of_the_whole_plan_and_is_charged_its_own_cost():
+    """B (never run, 2 % dearer than A) carries a probe: 1/8 of the batch under B, the rest under A, plus
+    0.1 s of switches. Exploring B runs the probe where it is predicted cheaper than B's whole plan, the
+    whole plan where not; the charge is the measured excess over the exploit plan either way."""
+    def cands(probe_extra: float) -> list[Candidate]:
+        probe = {"A": 10.0 * 7 / 8, "B": 10.2 / 8 + probe_extra}
+        return [Candidate("A", {"A": 10.0}, True), Candidate("B", {"B": 10.2}, True, probe=probe)]
+
+    for extra, by_probe in ((0.1, True), (0.5, False)):
+        guard, clock = MeasuredGuard(budget=0.05, horizon=100, reference="A"), Clock({"A": 1.0, "B": 0.9})
+        step(guard, clock, 0, cands(extra))  # A runs first (the reference is measured before exploring)
+        d = guard.decide(1, cands(extra))
+        assert (d.run, d.exploring, d.probe) == ("B", True, by_probe)
+        run = next(c for c in cands(extra) if c.name == "B")
+        plan = run.probe if d.probe else run.seconds
+        rows = [(k, s, s * clock.factors[k]) for k, s in plan.items()]
+        guard.observe(d, rows, static_run=not d.probe)
+        measured = sum(r[2] for r in rows)
+        assert guard.spent == pytest.approx(max(0.0, measured - d.exploit_s))
+        assert guard.correction.belief("B")[0] == pytest.approx(math.log(0.9), abs=0.01)  # a ratio, whatever the slice
+    no_probe = [Candidate("A", {"A": 10.0}, True), Candidate("B", {"B": 10.2}, True)]
+    guard = MeasuredGuard(budget=0.05, horizon=100, reference="A")
+    step(guard, Clock({}), 0, no_probe)
+    assert not guard.decide(1, no_probe).probe
+
+
+def test_a_row_noise_scale_weighs_a_short_slice_less():
+    """A row's fourth element scales its noise: the same measured ratio moves the estimate less."""
+    full, sliced = MeasuredCorrection(noise_sd=0.05), MeasuredCorrection(noise_sd=0.05)
+    full.observe([("B", 1.0, 1.2)])
+    sliced.observe([("B", 1.0, 1.2, 3.0)])
+    assert 0 < sliced.belief("B")[0] < full.belief("B")[0] < math.log(1.2)
+    assert sliced.belief("B")[1] > full.belief("B")[1]
+    with pytest.raises(ValueError, match="'B''s noise scale must be > 0, got 0.0"):
+        MeasuredCorrection().observe([("B", 1.0, 1.2, 0.0)])
+
+
+def test_slice_noise_is_the_root_of_whole_over_slice_seconds():
+    assert slice_noise({"B": 8.0}, {"A": 7.0, "B": 1.0}) == {"B": pytest.approx(math.sqrt(8.0))}
+    assert slice_noise({"B": 8.0}, {"B": 8.0}) == {}  # not a slice: the whole plan's noise

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from lightning_hotspa.plan import PlanError
-from lightning_hotspa.planner.profiled.measured_planner import MeasuredCostPlanner
+from lightning_hotspa.planner.profiled.measured_planner import MeasuredCostPlanner, probe_documents
 from lightning_hotspa.testing.measured_clock import FactorClock
 
 LAYOUTS = ["dp4", "dp2xcp2", "cp4"]
@@ -184,3 +184,52 @@ def test_reused_solves_plan_and_decide_the_same():
         plans[reuse] = [(p.plan(0, token_batch("sft-longtail", 131072, 2**21, seed)[:96], latest=True),
                          p.last_measured) for seed in range(3)]
     assert plans[False] == plans[True]
+
+
+def test_probe_documents_keep_the_mix_of_lengths():
+    lengths = np.array([50, 10, 40, 20, 30, 80, 70, 60, 90, 100, 5, 1000, 7, 3, 2, 1])
+    picked = probe_documents(lengths, 0.125)
+    assert sorted(lengths[picked].tolist()) == [7, 80]  # the 5th of every 8, in length order
+    assert probe_documents(np.array([5, 9]), 0.125).tolist() == [0]  # at least one, never all
+    assert probe_documents(np.array([5]), 0.5).size == 1
+    with pytest.raises(ValueError, match="share must be in \\(0, 1\\), got 1.5"):
+        probe_documents(lengths, 1.5)
+    with pytest.raises(ValueError, match="probe_share must be in \\[0, 1\\) \\(0: no probes\\), got -0.1"):
+        _planner(probe_share=-0.1)
+
+
+def _stage_documents(plan) -> list[int]:
+    return sorted(d for s in plan.stages for g in s.micro_batches for mb in g for d in mb)
+
+
+def test_a_layout_is_explored_by_a_probe_for_less_and_the_slowed_pick_is_left():
+    """The first test's clock: an unmeasured layout is explored by a probe (a slice of the batch under it,
+    the rest under the reference static, every document once) where the model prices the probe below the
+    whole plan (documents of 64-2,000 tokens: on shorter ones the second stage's fixed seconds outweigh the
+    slice); each probe is predicted faster than the whole plan it stands for, and the model's slowed pick
+    is still left."""
+    rng = np.random.default_rng(0)
+    pool = [np.concatenate([rng.integers(64, 1024, 40), rng.integers(1200, 2000, 2)]).tolist() for _ in range(6)]
+    model_pick = next(iter({s.layout.name for s in _planner().plan(0, pool[0]).stages}))
+    factors = {f"{lay}/none": (1.3 if lay == model_pick else 1.0) for lay in LAYOUTS}
+    runs = {}
+    for share in (0.125, 0.0):
+        p, clock, plans = _planner(explore_budget=0.05, probe_share=share), FactorClock(factors, noise=0.02), []
+        ds = []
+        for s in range(30):
+            plan = p.plan(s, pool[s % len(pool)])
+            ds.append(p.last_measured)
+            plans.append(plan)
+            p.observe(clock.observations(p, plan))
+            p.refit(s)
+        runs[share] = (p, ds, plans)
+    p, ds, plans = runs[0.125]
+    probes = [(d, plan) for d, plan in zip(ds, plans) if d.probe]
+    assert probes and all(d.exploring for d, _ in probes)
+    for d, plan in probes:
+        assert {s.layout.name for s in plan.stages} == {d.reference, d.run}
+        assert _stage_documents(plan) == list(range(len(plan.doc_lengths)))
+        whole = MeasuredCostPlanner([d.run], **{**ARGS, "explore_budget": 0.0})
+        assert whole.predict(plan).seconds < whole.predict(whole.plan(0, plan.doc_lengths)).seconds  # analytic both
+    assert all(d.exploit != model_pick for d in ds[10:]), [(d.step, d.exploit) for d in ds]
+    assert not any(d.probe for d in runs[0.0][1])

@@ -19,9 +19,13 @@ def synthetic_cell() -> dict:
     return {"cell": "synthetic", "feasible": True, "model_static": "A", "batches": [batch(1.0), batch(1.3)]}
 
 
+def _SWITCH(reference: str, candidate: str) -> float:
+    return 0.05  # a probe's switches and reduction, seconds (the synthetic cell has no cost model)
+
+
 def test_run_draw_prices_in_true_time():
     cell = synthetic_cell()
-    runs = [run_draw(cell, d, 0.02, steps=120) for d in range(6)]
+    runs = [run_draw(cell, d, 0.02, steps=120, probe_extra=_SWITCH) for d in range(6)]
     for r in runs:
         # the oracle is the per-batch best in true time: nobody beats it; the true best static is <= 1 of it
         assert r["true_oracle"] >= max(r["measured"], r["model_only"]) - 1e-12
@@ -31,8 +35,20 @@ def test_run_draw_prices_in_true_time():
     s = summarize(runs, 6)
     assert s["measured"] > s["model_only"]  # with 3 statics and a 9 % multi plan, measuring pays
     assert s["worst_measured"] == min(r["measured"] for r in runs)
-    again = [run_draw(cell, d, 0.02, steps=120) for d in range(6)]
+    again = [run_draw(cell, d, 0.02, steps=120, probe_extra=_SWITCH) for d in range(6)]
     assert again == runs  # seeds fixed
+
+
+def test_probes_explore_for_less_than_whole_plans_and_need_a_price():
+    cell = synthetic_cell()
+    probed = [run_draw(cell, d, 0.02, steps=120, probe_extra=_SWITCH) for d in range(6)]
+    whole = [run_draw(cell, d, 0.02, steps=120, probes=False) for d in range(6)]
+    assert sum(r["probe_steps"] for r in probed) > 0 and all(r["probe_steps"] == 0 for r in whole)
+    # the same draws: a probe measures the same ratio for an eighth of the excess
+    assert sum(r["exploration_share"] for r in probed) < sum(r["exploration_share"] for r in whole)
+    assert summarize(probed, 6)["measured"] >= summarize(whole, 6)["measured"]
+    with pytest.raises(ValueError, match="cell 'synthetic' has no cost model"):
+        run_draw(cell, 0, 0.02, steps=5)
 
 
 def test_cli_truth_smoke_json(capsys):
@@ -44,6 +60,7 @@ def test_cli_truth_smoke_json(capsys):
         assert {"draws", "model_only", "measured", "true_oracle", "worst_measured", "cell_draws_below_model_only",
                 "exploration_share", "wrong_static_share"} <= set(t)
         assert t["draws"] == 2 and t["cell_draws"] == 2
+        assert {"measured_whole_plans", "worst_measured_whole_plans"} <= set(t)
     assert last["truth"]["noise"] == "gpu" and last["truth_other_noise"]["noise"] == "cpu"
 
 

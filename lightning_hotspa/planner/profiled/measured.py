@@ -40,7 +40,7 @@ __all__ = ["GAP_Z", "OUTLIER_Z", "MeasuredCorrection", "StageRow", "box_factor",
 #: sds of a plan gap equal to its expected absolute error (E|N(0, s^2)| = s * sqrt(2 / pi))
 GAP_Z = math.sqrt(2.0 / math.pi)
 
-StageRow = tuple[str, float, float]  # (option key, predicted seconds, measured seconds at the slowest rank)
+StageRow = tuple  # (option key, predicted seconds, measured seconds at the slowest rank[, noise scale])
 #: sds from the median of the other ran options beyond which an option's mean is an outlier for the prior
 OUTLIER_Z = 3.0
 
@@ -177,20 +177,27 @@ class MeasuredCorrection:
     # ------------------------------------------------------------------ updates
     def observe(self, rows: Iterable[StageRow]) -> dict[str, float]:
         """Updates from one step's stage table; returns the observed ``ln(measured / predicted)`` per key.
-        Rows with non-positive or non-finite seconds are skipped (an idle stage says nothing)."""
+        Rows with non-positive or non-finite seconds are skipped (an idle stage says nothing). A row may
+        carry a fourth element, its noise as a multiple of ``noise_sd`` (a short stage, e.g. a probe's
+        slice, measures its ratio less precisely); a key's smallest applies."""
         sums: dict[str, list[float]] = {}
-        for key, predicted, measured in rows:
+        for row in rows:
+            key, predicted, measured = row[:3]
+            scale = float(row[3]) if len(row) > 3 else 1.0
             if not (predicted > 0 and measured > 0 and math.isfinite(predicted) and math.isfinite(measured)):
                 continue
-            acc = sums.setdefault(str(key), [0.0, 0.0])
+            if not (math.isfinite(scale) and scale > 0):
+                raise ValueError(f"MeasuredCorrection.observe: {key!r}'s noise scale must be > 0, got {scale!r}")
+            acc = sums.setdefault(str(key), [0.0, 0.0, math.inf])
             acc[0] += float(predicted)
             acc[1] += float(measured)
+            acc[2] = min(acc[2], scale)  # the longest row of a key sets its noise
         seen = {}
         for key in sorted(sums):
             y = math.log(sums[key][1] / sums[key][0])
             mean, sd = self.belief(key)
             var = sd * sd + self.drift_sd ** 2 if key in self.var else sd * sd
-            gain = var / (var + self.noise_sd ** 2)
+            gain = var / (var + (self.noise_sd * sums[key][2]) ** 2)
             self._prior = None
             self.mean[key] = _round(mean + gain * (y - mean))
             self.var[key] = _round(var * (1.0 - gain))

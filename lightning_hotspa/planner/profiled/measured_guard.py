@@ -18,7 +18,12 @@ same on every rank; a resumed state decides the same):
   the candidate with the largest expected net saving runs instead: the value of one run of it
   (``E[max(0, X)]``, ``X ~ N(-|gap|, u^2)``, ``u`` how far one run may move its corrected time,
   :meth:`~.measured.MeasuredCorrection.update_sd`) times the seconds left in the run, less its
-  corrected extra cost; never a candidate that does not fit memory (``fits`` False).
+  corrected extra cost; never a candidate that does not fit memory (``fits`` False);
+* **probes**: a candidate may carry a probe, a plan of the same batch that runs a slice of it under the
+  candidate's options and the rest under the reference static (a hot switch inside the step). Measuring a
+  probe tells the candidate's correction (a ratio, whatever the slice's size) at the probe's cost, less
+  precisely (:func:`slice_noise`, which the update weighs); the exploration runs the probe where it costs
+  less than the whole plan.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from typing import Any
 
 from .measured import GAP_Z, MeasuredCorrection, StageRow
 
-__all__ = ["Candidate", "Decision", "MeasuredGuard", "expected_gain"]
+__all__ = ["Candidate", "Decision", "MeasuredGuard", "expected_gain", "slice_noise"]
 
 #: steps a found gain is assumed to last when the run's length is unknown (``horizon`` None)
 _DEFAULT_REMAINING = 100
@@ -45,6 +50,7 @@ class Candidate:
     seconds: Mapping[str, float]
     static: bool
     fits: bool = True
+    probe: Mapping[str, float] | None = None  # predicted seconds per option of its probe plan (None: none)
 
     @property
     def usable(self) -> bool:
@@ -65,6 +71,13 @@ class Decision:
     gain: float  # ln(reference / best multi), corrected (nan: no multi candidate)
     threshold: float  # what that gain had to exceed
     notes: tuple[str, ...] = field(default_factory=tuple)
+    probe: bool = False  # ``run``'s probe plan runs (a slice of the batch under it), not its full plan
+
+
+def slice_noise(whole: Mapping[str, float], probe: Mapping[str, float]) -> dict[str, float]:
+    """Per option of a probe's slice, its measurement noise as a multiple of a whole plan's:
+    ``sqrt(whole seconds / probe seconds)`` (a stage's noise averages over its length)."""
+    return {k: math.sqrt(w / probe[k]) for k, w in whole.items() if 0 < probe.get(k, 0.0) < w}
 
 
 def expected_gain(mean: float, sd: float) -> float:
@@ -86,7 +99,7 @@ class MeasuredGuard:
     """
 
     def __init__(self, correction: MeasuredCorrection | None = None, budget: float = 0.03, drift_steps: int = 3,
-                 cooldown: int = 50, min_gain: float = 0.002, reference: str | None = None,
+                 cooldown: int = 50, min_gain: float = 0.0005, reference: str | None = None,
                  horizon: int | None = None) -> None:
         if not (isinstance(budget, (int, float)) and 0 <= budget < 1):
             raise ValueError(f"MeasuredGuard: budget must be in [0, 1), got {budget!r}")
@@ -144,7 +157,7 @@ class MeasuredGuard:
             if gain > threshold and step >= self.banned_until and measured_ref:
                 exploit = best
         exploit_s = corr.corrected(exploit.seconds)
-        run, exploring = exploit, False
+        run, exploring, probe = exploit, False, False
         if self.budget > 0 and all(corr.runs.get(k, 0) for k in exploit.seconds):  # the exploit plan measured first
             # the budget: a share of the run's seconds so far, or of the whole run's expected seconds
             # when its length is known (then exploration may come early, where it is worth most)
@@ -156,22 +169,29 @@ class MeasuredGuard:
                 if c is exploit or (not c.static and step < self.banned_until):
                     continue
                 g = self._gap(c, exploit)[0]
-                cost = max(0.0, corr.corrected(c.seconds) - exploit_s)
-                value = expected_gain(-abs(g), corr.update_sd(c.seconds))  # what one run may change the choice by
+                cost, by_probe = max(0.0, corr.corrected(c.seconds) - exploit_s), False
+                if c.probe is not None and all(math.isfinite(s) and s >= 0 for s in c.probe.values()):
+                    probe_cost = max(0.0, corr.corrected(c.probe) - exploit_s)
+                    if probe_cost < cost:  # the probe measures the same options' ratios: run it where it costs less
+                        cost, by_probe = probe_cost, True
+                # what one run may change the choice by: a whole run's (a probe's noisier slice can be repeated;
+                # weighing its noise here made the truth simulation explore less and gain less, DESIGN §10)
+                value = expected_gain(-abs(g), corr.update_sd(c.seconds))
                 net = value * exploit_s * remaining - cost  # expected seconds saved over the rest of the run
                 if value > self.min_gain and cost <= allowed and net > 0:
-                    scored.append((net, c.name, c))
+                    scored.append((net, c.name, c, by_probe))
             if scored:
-                run, exploring = max(scored, key=lambda x: (x[0], x[1]))[2], True
+                _, _, run, probe = max(scored, key=lambda x: x[:2])
+                exploring = True
         self.log.extend(f"step {step}: {n}" for n in notes)
         return Decision(int(step), run.name, exploit.name, ref.name, exploring, ref_s, exploit_s, gain, threshold,
-                        tuple(notes))
+                        tuple(notes), probe)
 
     def observe(self, decision: Decision, rows: Iterable[StageRow], static_run: bool) -> list[str]:
         """Feeds the step's measured stage table (of the plan ``decision.run``; ``static_run``: it was
         a static plan); returns new log lines (drift, exploration charged)."""
         rows = list(rows)
-        measured = sum(m for _, _, m in rows if m > 0 and math.isfinite(m))
+        measured = sum(r[2] for r in rows if r[2] > 0 and math.isfinite(r[2]))
         self.correction.observe(rows)
         self.elapsed += measured
         lines: list[str] = []

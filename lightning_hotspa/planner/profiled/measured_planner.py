@@ -41,9 +41,9 @@ from ...plan import PlanError, StepPlan
 from ..cost.predict import predict_stages
 from ..solve.solver import CostModelPlanner
 from .calibration import Observation, predict
-from .measured_guard import Candidate, Decision, MeasuredGuard
+from .measured_guard import Candidate, Decision, MeasuredGuard, slice_noise
 
-__all__ = ["MeasuredCostPlanner", "option_key", "option_seconds"]
+__all__ = ["MeasuredCostPlanner", "option_key", "option_seconds", "probe_documents"]
 
 _NEVER = -(2**62)
 
@@ -52,6 +52,22 @@ def option_key(layout: Layout | str, activation_checkpointing: Any) -> str:
     """The correction's key of an option: ``"<layout name>/<checkpointing>"``."""
     name = layout.name if isinstance(layout, Layout) else str(layout)
     return f"{name}/{Checkpointing.parse(activation_checkpointing).name.lower()}"
+
+
+def probe_documents(lengths: np.ndarray, share: float) -> np.ndarray:
+    """The documents a probe runs under the probed layout: in length order, the middle one of every
+    ``round(1 / share)`` (the slice keeps the batch's mix of lengths), at least one, never all."""
+    if not 0 < share < 1:
+        raise ValueError(f"probe_documents: share must be in (0, 1), got {share!r}")
+    order = np.lexsort((np.arange(lengths.size), lengths))
+    stride = max(2, round(1.0 / share))
+    picked = order[stride // 2::stride] if lengths.size > stride // 2 else order[:1]
+    return np.sort(picked[: max(1, lengths.size - 1)])
+
+
+def _remap(stages: list, ids: np.ndarray) -> list:
+    """Plain solver stages of a subset of documents, their indices mapped back to the batch's."""
+    return [(o, tuple(tuple(tuple(int(ids[d]) for d in mb) for mb in g) for g in groups)) for o, groups in stages]
 
 
 def option_seconds(prediction: Any) -> dict[str, float]:
@@ -77,9 +93,13 @@ class MeasuredCostPlanner(CostModelPlanner):
     """
 
     def __init__(self, *args: Any, explore_budget: float = 0.03, drift_steps: int = 3, cooldown: int = 50,
-                 horizon: int | None = None, noise_sd: float = 0.02, **kwargs: Any) -> None:
+                 horizon: int | None = None, noise_sd: float = 0.02, probe_share: float = 0.125,
+                 **kwargs: Any) -> None:
         kwargs["profiled"] = True
         super().__init__(*args, **kwargs)
+        if not (isinstance(probe_share, (int, float)) and 0 <= probe_share < 1):
+            raise ValueError(f"MeasuredCostPlanner: probe_share must be in [0, 1) (0: no probes), got {probe_share!r}")
+        self.probe_share = float(probe_share)
         from .measured import MeasuredCorrection
 
         self.guard = MeasuredGuard(MeasuredCorrection(noise_sd=noise_sd), budget=explore_budget,
@@ -124,33 +144,65 @@ class MeasuredCostPlanner(CostModelPlanner):
             memo[key] = predict_stages(stages, lengths, self.cost_model, self.blocks, in_order=False)
         return memo[key]
 
-    def candidates(self, lengths: np.ndarray, options: Sequence[Any] | None = None,
-                   ) -> list[tuple[Candidate, list]]:
-        """(candidate, solver stages) per static layout and the cheapest multi-layout plan."""
+    def candidates(self, lengths: np.ndarray, options: Sequence[Any] | None = None, reference: str | None = None,
+                   measured: Mapping[str, int] | None = None) -> list[tuple[Candidate, list, list | None]]:
+        """(candidate, solver stages, probe stages or None) per static layout and the cheapest
+        multi-layout plan. ``reference``: the reference static's name (probes run the rest of the
+        batch under it; None: no probes); ``measured``: runs per option key (a layout whose options
+        all ran gets no probe)."""
         self._memo = {} if self.reuse_solves else None
         try:
-            return self._candidates(lengths, options)
+            return self._candidates(lengths, options, reference, measured or {})
         finally:
             self._memo = None
 
-    def _candidates(self, lengths: np.ndarray, options: Sequence[Any] | None) -> list[tuple[Candidate, list]]:
+    def _candidates(self, lengths: np.ndarray, options: Sequence[Any] | None, reference: str | None,
+                    measured: Mapping[str, int]) -> list[tuple[Candidate, list, list | None]]:
         option_list = list(self._option_list if options is None else options)
         longest = int(lengths.max())
-        out = []
+        statics: list[tuple[Layout, list, list]] = []  # (layout, its options, its stages) of those that fit
+        out: list[tuple[Candidate, list, list | None]] = []
         for lay in self.layouts:
             own = [o for o in option_list if o.layout == lay]
             if not own:
                 continue
             if max(o.max_doc_length for o in own) < longest:
                 out.append((Candidate(lay.name, {option_key(lay, own[0].activation_checkpointing): 0.0}, True,
-                                      fits=False), []))
+                                      fits=False), [], None))
                 continue
             _, stages = self._solve_over(lengths, own)
-            out.append((Candidate(lay.name, option_seconds(self._predict(lengths, stages)), True), stages))
+            statics.append((lay, own, stages))
+        probes = self._probes(lengths, statics, reference, measured) if self.probe_share > 0 else {}
+        for lay, _, stages in statics:
+            probe = probes.get(lay.name)
+            out.append((Candidate(lay.name, option_seconds(self._predict(lengths, stages)), True,
+                                  probe=None if probe is None else option_seconds(self._predict(lengths, probe))),
+                        stages, probe))
         super().solve(lengths, option_list)  # sets last_multi (the unguarded cheapest plan)
         multi = self.last_multi_layout
         if multi is not None:
-            out.append((Candidate("multi", option_seconds(self._predict(lengths, multi[1])), False), multi[1]))
+            out.append((Candidate("multi", option_seconds(self._predict(lengths, multi[1])), False), multi[1], None))
+        return out
+
+    def _probes(self, lengths: np.ndarray, statics: list[tuple[Layout, list, list]], reference: str | None,
+                measured: Mapping[str, int]) -> dict[str, list]:
+        """Per static layout not yet measured, its probe's solver stages: :func:`probe_documents` under
+        the layout, the rest of the batch under the reference static (none without a reference that fits)."""
+        ref = next((x for x in statics if x[0].name == reference), None)
+        if ref is None or lengths.size < 2:
+            return {}
+        todo = [(lay, own) for lay, own, _ in statics if lay is not ref[0]
+                and not all(measured.get(option_key(lay, o.activation_checkpointing), 0) for o in own)]
+        if not todo:
+            return {}
+        part = probe_documents(lengths, self.probe_share)
+        rest = np.setdiff1d(np.arange(lengths.size), part)
+        _, ref_stages = self._solve_plain(lengths[rest], ref[1])
+        head = _remap(ref_stages, rest)
+        out = {}
+        for lay, own in todo:
+            _, own_stages = self._solve_plain(lengths[part], own)
+            out[lay.name] = head + _remap(own_stages, part)
         return out
 
     def _guard_for(self, step: int | None) -> MeasuredGuard:
@@ -171,15 +223,18 @@ class MeasuredCostPlanner(CostModelPlanner):
               ) -> tuple[float, list[tuple[Any, tuple]]]:
         """The measured guard's choice among :meth:`candidates` (step: the one :meth:`plan` is on)."""
         lengths = self._check_lengths(doc_lengths)
-        cands = self.candidates(lengths, options)
         step = getattr(self, "_planning_step", None)
-        decision = self._guard_for(step).decide(-1 if step is None else step, [c for c, _ in cands])
+        guard = self._guard_for(step)
+        cands = self.candidates(lengths, options, guard.reference, guard.correction.runs)
+        decision = guard.decide(-1 if step is None else step, [c for c, _, _ in cands])
         self.last_measured = decision
+        cand, stages, probe = next(x for x in cands if x[0].name == decision.run)
+        seconds = dict(cand.probe if decision.probe else cand.seconds)
         if step is not None:
-            self._candidate_s = {c.name: dict(c.seconds) for c, _ in cands}
-            self._decisions[step] = (decision, self._candidate_s[decision.run])
-        chosen = next(st for c, st in cands if c.name == decision.run)
-        return sum(next(c for c, _ in cands if c.name == decision.run).seconds.values()), chosen
+            self._candidate_s = {c.name: dict(c.seconds) for c, _, _ in cands}
+            scale = slice_noise(cand.seconds, seconds) if decision.probe else {}  # a slice measures less precisely
+            self._decisions[step] = (decision, seconds, scale)
+        return sum(seconds.values()), (probe if decision.probe else stages)
 
     def plan(self, step: int, doc_lengths: Sequence[int], *, latest: bool = False) -> StepPlan:
         self._planning_step = None if latest else int(step)
@@ -240,7 +295,7 @@ class MeasuredCostPlanner(CostModelPlanner):
         observed) update the guard; the new state plans steps ``>= step + plan_lag``."""
         rows = getattr(self, "_pending_rows", [])
         self._pending_rows = []
-        decision, planned = self._decisions.pop(int(step), (None, {}))
+        decision, planned, scale = self._decisions.pop(int(step), (None, {}, {}))
         for old in [s for s in self._decisions if s < step]:
             self._decisions.pop(old)
         if rows:
@@ -248,8 +303,10 @@ class MeasuredCostPlanner(CostModelPlanner):
                 self.guard.reference = decision.reference  # the reference static it re-chose carries on
                 # in the plan's predicted seconds (stage, reduction, switch) at this step's measured
                 # ratio of each option: the guard compares ratios, not raw compute seconds
-                rows = [(k, planned.get(k, p), planned.get(k, p) * m / p) for k, p, m in rows if p > 0]
-                self.log += self.guard.observe(decision, rows, static_run=decision.run != "multi")
+                rows = [(k, planned.get(k, p), planned.get(k, p) * m / p, scale.get(k, 1.0)) for k, p, m in rows
+                        if p > 0]
+                static_run = decision.run != "multi" and not decision.probe
+                self.log += self.guard.observe(decision, rows, static_run=static_run)
             else:  # planned in another process: the correction only
                 self.guard.correction.observe(rows)
                 self.guard.elapsed += sum(m for _, _, m in rows)
