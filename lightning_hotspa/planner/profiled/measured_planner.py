@@ -9,7 +9,8 @@ rank) and calls :meth:`refit` after each step. Per step it:
   layout that cannot hold a document does not fit and is never run, exploration included) and the
   solver's cheapest multi-layout plan; each priced per option key (``"<layout>/<checkpointing>"``:
   each stage's seconds with its gradient reduction and the switch into it, the free-run overlap
-  shared out pro rata), then a :class:`~.measured_guard.MeasuredGuard` picks the one that runs;
+  shared out pro rata), each never-run layout with a probe (:func:`probe_documents` under it, the rest
+  under the reference static), then a :class:`~.measured_guard.MeasuredGuard` picks the one that runs;
 * **observes** (:meth:`refit`): per option, the predicted compute seconds (the analytic
   coefficients, :func:`~.calibration.predict`) and the measured seconds, each at the slowest rank,
   into the guard's :class:`~.measured.MeasuredCorrection`; the guard's state is then PUBLISHED for
@@ -89,7 +90,8 @@ class MeasuredCostPlanner(CostModelPlanner):
     ``drift_steps`` / ``cooldown``: a multi plan measuring slower than the reference static this many
     steps in a row is dropped for ``cooldown`` steps (logged); ``horizon``: the run's steps when
     known; ``noise_sd``: one step's log noise of a measured stage (0.02 on a GPU, ~0.1 on a shared
-    CPU box). Other arguments: :class:`~..solve.solver.CostModelPlanner`'s (``profiled`` is forced).
+    CPU box); ``probe_share``: the share of a batch's documents a probe runs under a never-run layout
+    (0: no probes). Other arguments: :class:`~..solve.solver.CostModelPlanner`'s (``profiled`` is forced).
     """
 
     def __init__(self, *args: Any, explore_budget: float = 0.03, drift_steps: int = 3, cooldown: int = 50,
