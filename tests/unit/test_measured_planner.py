@@ -72,6 +72,7 @@ def test_budget_off_never_explores_and_unfit_never_runs():
     (tokens_per_rank 1024: dp4 holds <= 1024 tokens) never runs, exploration included."""
     pool = _pool(1500, 2000)
     p = _planner(explore_budget=0.0, tokens_per_rank=1024)
+    p._probes = lambda *a: pytest.fail("a probe priced without an exploration budget")
     ds = _run(p, FactorClock({"dp4/none": 0.5}, noise=0.02), pool, 12)
     assert not any(d.exploring for d in ds)
     assert all(d.run != "dp4" for d in ds)

@@ -174,7 +174,7 @@ class MeasuredCostPlanner(CostModelPlanner):
                 continue
             _, stages = self._solve_over(lengths, own)
             statics.append((lay, own, stages))
-        probes = self._probes(lengths, statics, reference, measured) if self.probe_share > 0 else {}
+        probes = self._probes(lengths, statics, reference, measured) if self.probe_share > 0 and reference else {}
         for lay, _, stages in statics:
             probe = probes.get(lay.name)
             out.append((Candidate(lay.name, option_seconds(self._predict(lengths, stages)), True,
@@ -227,7 +227,8 @@ class MeasuredCostPlanner(CostModelPlanner):
         lengths = self._check_lengths(doc_lengths)
         step = getattr(self, "_planning_step", None)
         guard = self._guard_for(step)
-        cands = self.candidates(lengths, options, guard.reference, guard.correction.runs)
+        reference = guard.reference if guard.budget > 0 else None  # no exploration: no probe to price
+        cands = self.candidates(lengths, options, reference, guard.correction.runs)
         decision = guard.decide(-1 if step is None else step, [c for c, _, _ in cands])
         self.last_measured = decision
         cand, stages, probe = next(x for x in cands if x[0].name == decision.run)
