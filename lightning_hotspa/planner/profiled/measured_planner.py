@@ -40,6 +40,7 @@ from ...activation_checkpointing import Checkpointing
 from ...layout import Layout
 from ...plan import PlanError, StepPlan
 from ..cost.predict import predict_stages
+from ..solve.plan_stages import remap_plain
 from ..solve.solver import CostModelPlanner
 from .calibration import Observation, predict
 from .measured_guard import Candidate, Decision, MeasuredGuard, slice_noise
@@ -64,11 +65,6 @@ def probe_documents(lengths: np.ndarray, share: float) -> np.ndarray:
     stride = max(2, round(1.0 / share))
     picked = order[stride // 2::stride] if lengths.size > stride // 2 else order[:1]
     return np.sort(picked[: max(1, lengths.size - 1)])
-
-
-def _remap(stages: list, ids: np.ndarray) -> list:
-    """Plain solver stages of a subset of documents, their indices mapped back to the batch's."""
-    return [(o, tuple(tuple(tuple(int(ids[d]) for d in mb) for mb in g) for g in groups)) for o, groups in stages]
 
 
 def option_seconds(prediction: Any) -> dict[str, float]:
@@ -200,11 +196,11 @@ class MeasuredCostPlanner(CostModelPlanner):
         part = probe_documents(lengths, self.probe_share)
         rest = np.setdiff1d(np.arange(lengths.size), part)
         _, ref_stages = self._solve_plain(lengths[rest], ref[1])
-        head = _remap(ref_stages, rest)
+        head = remap_plain(ref_stages, rest)
         out = {}
         for lay, own in todo:
             _, own_stages = self._solve_plain(lengths[part], own)
-            out[lay.name] = head + _remap(own_stages, part)
+            out[lay.name] = head + remap_plain(own_stages, part)
         return out
 
     def _guard_for(self, step: int | None) -> MeasuredGuard:

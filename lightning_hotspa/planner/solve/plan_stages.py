@@ -15,7 +15,17 @@ from ..cost.cost_model import AnalyticCostModel, OptionCost
 from .ladder_blocks import LadderBlock, LadderGroups, joint_exchange_seconds
 from .mixed_rounds import MixedGroups
 
-__all__ = ["ladder_groups", "ladder_stage", "mixed_stage", "plain_stage"]
+__all__ = ["ladder_groups", "ladder_stage", "mixed_stage", "plain_stage", "remap_plain"]
+
+
+def remap_plain(stages: list, ids: np.ndarray) -> list:
+    """Plain solver stages solved over ``lengths[ids]``, their document indices mapped back to the batch's.
+
+    Args:
+        stages: (option, groups of micro-batches of indices into ``ids``) per stage.
+        ids: the batch's document index of each solved document.
+    """
+    return [(o, tuple(tuple(tuple(int(ids[d]) for d in mb) for mb in g) for g in groups)) for o, groups in stages]
 
 
 def plain_stage(opt: OptionCost, groups: tuple, lengths: np.ndarray) -> Stage:

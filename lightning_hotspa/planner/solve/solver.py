@@ -64,7 +64,7 @@ from .ladder import LadderPlanner
 from .ladder_blocks import LadderGroups, remap
 from .mixed_rounds import MixedBlock, MixedGroups, MixedRounds
 from .packing import DocumentTooLongError, pack_layout
-from .plan_stages import ladder_groups, ladder_stage, mixed_stage, plain_stage
+from .plan_stages import ladder_groups, ladder_stage, mixed_stage, plain_stage, remap_plain
 from .profiled_mode import ProfiledPlanning
 from .static_guard import DEFAULT_STATIC_MARGIN, GuardDecision, check_margin, guard, used_layouts
 
@@ -349,8 +349,7 @@ class CostModelPlanner(ProfiledPlanning, PlannerBase):
             if k:
                 head = np.sort(order[:k])
                 _, plain = self._solve_plain(lengths[head], option_list)
-                stages = [(o, tuple(tuple(tuple(int(head[d]) for d in mb) for mb in g) for g in groups))
-                          for o, groups in plain]
+                stages = remap_plain(plain, head)
             stages.append((found[1].blocks[0].option, remap(found[1], rest)))
             secs = self._seconds(lengths, stages)
             if best is None or secs < best[0] - 1e-12:
