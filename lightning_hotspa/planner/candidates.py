@@ -38,6 +38,7 @@ from ..layout import Layout, LayoutError, MeshShape
 from ..model_shape import ModelShape
 from .cost.cost_model import AnalyticCostModel, CostModelError, OptionCost
 from .cost.hardware import HardwareProfile
+from .cost.runtime_profile import RuntimeProfile
 from .cost.terms import cheapest_per_kind, gradient_kind
 from .solve.oracle_bound import charged_oracle
 from .solve.solver import CostModelPlanner
@@ -186,6 +187,7 @@ def auto_layouts(
     refine_batches: Sequence[Sequence[int]] | None = None,
     static: Layout | str | None = None,
     pp: bool = True,
+    runtime: RuntimeProfile | str = "hotspa",
 ) -> tuple[Layout, ...]:
     """2-4 candidate layouts (fewer only if fewer exist); see the module docstring.
 
@@ -200,8 +202,10 @@ def auto_layouts(
     considered contains it instead of the pick on ``static_batches``, so the guard's fallback is the
     layout the plan is compared with and no plan is predicted slower than it (issue 54); it need not
     hold the context (another layout of the set must). ``pp``: pipeline-parallel layouts among the
-    candidates where the runtime runs them (:func:`enumerate_layouts`)."""
-    cm = AnalyticCostModel(model, hardware, world_size)
+    candidates where the runtime runs them (:func:`enumerate_layouts`). ``runtime``: the runtime description the
+    candidates are priced on (ours, :data:`~.cost.runtime_profile.HOTSPA`, unless a comparison prices ours with
+    options, ``planner/cost/peer_rows.py``'s ``ours_cost_model``)."""
+    cm = AnalyticCostModel(model, hardware, world_size, runtime=runtime)
     check_int(context, "context", error=LayoutError)
     layouts = enumerate_layouts(world_size, cm, pp=pp)
     if not layouts:
@@ -378,7 +382,8 @@ def _best_static(cm: AnalyticCostModel, layouts: Sequence[Layout], batches: Sequ
     # the bound ranks the layouts; the real solver decides among the closest few
     real = []
     for _, i in sorted(bounds)[:8]:  # 8: every degree set comes in two working copies
-        planner = CostModelPlanner([layouts[i]], model=cm.model, hardware=cm.hardware, ladder=False)
+        planner = CostModelPlanner([layouts[i]], model=cm.model, hardware=cm.hardware, ladder=False,
+                                   runtime=cm.runtime)
         real.append((sum(planner.solve(b)[0] for b in batches), i))
     return min(real)[1]
 
@@ -394,7 +399,8 @@ def _refine(cm: AnalyticCostModel, layouts: Sequence[Layout],
     """
     def real(subset: tuple[int, ...]) -> float:  # the plans' own quality: no guard (a gain below the
         planner = CostModelPlanner([layouts[i] for i in subset], model=cm.model,  # margin would score as
-                                   hardware=cm.hardware, static_margin=0.0, ladder=False)  # the star's static plan)
+                                   hardware=cm.hardware, static_margin=0.0, ladder=False,  # the star's static plan)
+                                   runtime=cm.runtime)
         return sum(planner.solve(sample)[0] for sample in samples)
 
     ranked = sorted(scored)

@@ -303,15 +303,24 @@ def _cmd_simulate(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _cmd_long_grid(args: argparse.Namespace) -> dict[str, Any]:
-    from .long_grid import LONG_GRID, SMOKE_GRID, long_grid, print_long_grid
+    import dataclasses
+
+    from .long_grid import LONG_GRID, OURS_OPTIONS, SMOKE_GRID, long_grid, print_long_grid
 
     if args.margin is not None and not 0 <= args.margin < 10:
         raise CliError(f"--margin must be in [0, 10), got {args.margin}")
+    ours = OURS_OPTIONS[args.ours_options]
+    if args.fa3_conservative:
+        if ours is None or ours.attention != "fa3":
+            raise CliError(f"--fa3-conservative prices ours' FA3: it needs --ours-options matching, got "
+                           f"{args.ours_options!r}")
+        ours = dataclasses.replace(ours, conservative=True)
     if args.truth is not None:
         from .truth import print_truth, truth_grid
 
-        if args.breakdown or args.margin is not None:
-            raise CliError("--truth prices its own plans at the default margin: drop --breakdown / --margin")
+        if args.breakdown or args.margin is not None or ours is not None:
+            raise CliError("--truth prices its own plans at the default margin and prices: drop --breakdown / "
+                           "--margin / --ours-options")
         if not 0 <= args.budget < 1:
             raise CliError(f"--budget must be in [0, 1), got {args.budget}")
         result = truth_grid(LONG_GRID if args.grid == "long" else SMOKE_GRID, args.noise, args.draws, args.steps,
@@ -319,7 +328,7 @@ def _cmd_long_grid(args: argparse.Namespace) -> dict[str, Any]:
         print_truth(result)
         return {"command": "simulate", "grid": args.grid, **result}
     result = long_grid(LONG_GRID if args.grid == "long" else SMOKE_GRID, args.batches, args.seed, args.margin,
-                       breakdown=args.breakdown)  # margin None: the planner's default
+                       breakdown=args.breakdown, ours=ours)  # margin None: the planner's default
     print_long_grid(result)
     return {"command": "simulate", **result}
 
@@ -377,6 +386,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="--grid long/smoke: the planner's static_margin (default: its own, DEFAULT_STATIC_MARGIN "
                      "of planner/solve/static_guard.py)")
     sim.add_argument("--breakdown", action="store_true", help="--grid long/smoke: the oracle ladder (oracles.py)")
+    sim.add_argument("--ours-options", choices=("default", "matching"), default="default",
+                     help="--grid long/smoke: what ours runs: the planner's own prices (FA2, eager) or what a "
+                     "Hopper user turns on (FA3 + compile_blocks; competent torchtitan users then compile too)")
+    sim.add_argument("--fa3-conservative", action="store_true", help="--ours-options matching: FA3 priced at the "
+                     "fitted FA2 value x FA3_OVER_FA2 (the kernels' own ratio) instead of the profile's entry")
     sim.add_argument("--truth", choices=("perturbed",), default=None, help="--grid long/smoke: a ground truth per "
                      "option (tools/truth.py): model-only vs measured planner vs the true oracle")
     sim.add_argument("--noise", choices=("gpu", "cpu"), default="gpu", help="--truth: the headline noise setting")

@@ -15,9 +15,11 @@ global batches and one cost model (:mod:`..planner.cost.cost_model`):
   attention (Megatron-LM's default without a document mask: every row costs a full-context
   attention), in the best layout for such rows, no switching;
 * **artifact rule**: the paper's hand-set rule where it defines one (only <= 32K settings);
-* **competent user** (:func:`competent_user_layouts`): the static layout a competent user of a peer writes for
-  the cell's batch, bf16, priced on that PEER's runtime description and on ours
+* **competent user** (:func:`.competent_user.competent_user_layouts`): the static layout a competent user of a
+  peer writes for the cell's batch, bf16, priced on that PEER's runtime description and on ours
   (``competent_user_static``).
+
+``ours`` (:data:`OURS_OPTIONS`, ``--ours-options``): what our runtime runs, the planner's own prices by default.
 
 Nothing here is tuned to a target: the hardware profiles are frozen (``planner/cost/hardware.py``, see
 BENCHMARKS.md). Every layout comes with a replicated and a sharded (``:fsdp``) working copy
@@ -35,20 +37,21 @@ from typing import Any
 
 import numpy as np
 
-from ..activation_checkpointing import Checkpointing
 from ..layout import Layout, LayoutError, MeshShape
 from ..planner.candidates import auto_layouts, enumerate_layouts, layout_rates
-from ..planner.cost.cost_model import AnalyticCostModel, CostModelError
+from ..planner.cost.cost_model import AnalyticCostModel
+from ..planner.cost.peer_rows import OursOptions, ours_cost_model
 from ..planner.solve.packing import DocumentTooLongError
 from ..planner.solve.solver import CostModelPlanner
 from ..planner.solve.static_guard import DEFAULT_STATIC_MARGIN, guard
 from .artifact_rule import RuleNotFoundError, artifact_rule
+from .competent_user import COMPILING_PEERS, PEER_RUNTIMES, competent_user_layouts, user_model, user_seconds
 from .oracles import LADDER, oracle_from_rates, oracle_ladder, print_breakdown
 from .progress import progress
 from .simulate import geometric_mean, rule_seconds, static_seconds
 
-__all__ = ["LONG_GRID", "PEER_RUNTIMES", "SMOKE_GRID", "candidate_summary", "cell_name", "competent_user_layouts",
-           "guarded_bound", "long_cell", "long_grid", "nemo_tp", "print_long_grid", "token_batch"]
+__all__ = ["LONG_GRID", "OURS_OPTIONS", "SMOKE_GRID", "candidate_summary", "cell_name",
+           "guarded_bound", "long_cell", "long_grid", "print_long_grid", "token_batch"]
 
 #: (model, GPUs, context) settings; GPUs in nodes of 8.
 LONG_GRID: dict[str, Any] = {
@@ -72,6 +75,10 @@ DATA: dict[str, dict[str, Any]] = {
 TOKENS_PER_GPU = 16384
 #: margins ours is also guarded at (issue 38: the derived 0.137 and the earlier 0.147)
 ALT_MARGINS = (0.137, 0.147)
+#: what OUR runtime runs in the grid (``hotspa simulate --ours-options``): the planner's default prices
+#: (FlashAttention-2, eager), or what a user on the grid's Hopper GPUs turns on (``attention_backend`` fa3_varlen,
+#: ``strategy.runtime.compile_blocks``: peer_rows.matching_options' choice for a Transformer Engine peer)
+OURS_OPTIONS: dict[str, OursOptions | None] = {"default": None, "matching": OursOptions(attention="fa3", compiled=True)}
 
 
 def token_batch(data: str, context: int, tokens: int, seed: int) -> np.ndarray:
@@ -150,13 +157,19 @@ def megatron_rows_seconds(cm: AnalyticCostModel, lengths: np.ndarray, context: i
 
 
 def long_cell(model: str, gpus: int, context: int, data: str, hardware: str, batches: int = 2, seed: int = 0,
-              margin: float = DEFAULT_STATIC_MARGIN, breakdown: bool = False, pp: bool = True) -> dict[str, Any]:
+              margin: float = DEFAULT_STATIC_MARGIN, breakdown: bool = False, pp: bool = True,
+              ours: OursOptions | None = None) -> dict[str, Any]:
     """One cell; ``feasible`` False (with ``reason``) when no layout holds the context.
     ``pp``: pipeline-parallel layouts among ours and the static ones where the runtime runs them (False:
-    none, the same cell without pp).
+    none, the same cell without pp). ``ours``: what OUR runtime runs (:func:`ours_options`; None: the planner's
+    default prices, FlashAttention-2, eager): ours, the static layouts and the oracle are priced on it, and the
+    competent users compile where ours does (:func:`.competent_user.user_model`).
     ``breakdown``: also the oracle ladder of :mod:`.oracles`, the most any plan reaches under the
     guard (``guarded_bound``) and ours with margin 0."""
-    cm = AnalyticCostModel(model, hardware, gpus)
+    cm = AnalyticCostModel(model, hardware, gpus) if ours is None else ours_cost_model(model, hardware, gpus, ours)
+    if ours is not None and ours.attention not in {k for k, _, _ in cm.hardware.attention_kernels}:
+        raise ValueError(f"ours' options name attention {ours.attention!r}, which the {hardware} profile does not rate "
+                         f"(it rates {sorted({k for k, _, _ in cm.hardware.attention_kernels})})")
     tokens = max(TOKENS_PER_GPU * gpus, 2 * context)
     out: dict[str, Any] = {"model": model, "gpus": gpus, "context": context, "data": data, "hardware": hardware,
                            "tokens_per_step": tokens}
@@ -168,7 +181,7 @@ def long_cell(model: str, gpus: int, context: int, data: str, hardware: str, bat
     try:
         static_sample = [token_batch(data, context, tokens, seed + 104729 + i) for i in range(16)]
         layouts = auto_layouts(gpus, cm.model, cm.hardware, context, lengths=sample, static_batches=static_sample,
-                               refine_batches=samples, pp=pp)
+                               refine_batches=samples, pp=pp, runtime=cm.runtime)
     except LayoutError as err:
         return {**out, "feasible": False, "reason": str(err)}
     statics = [lay for lay in enumerate_layouts(gpus, cm, pp=pp)
@@ -179,8 +192,10 @@ def long_cell(model: str, gpus: int, context: int, data: str, hardware: str, bat
     static_totals = {p: sum(v) for p, v in per_batch.items()}
     best = min(statics, key=lambda p: (static_totals[p], p.name))
     layouts = with_layout(layouts, best, gpus)  # the grid's best static layout is a candidate (issue 38)
-    planner = CostModelPlanner(layouts, model=cm.model, hardware=cm.hardware, static_margin=margin, ladder="auto")
+    planner = CostModelPlanner(layouts, model=cm.model, hardware=cm.hardware, static_margin=margin, ladder="auto",
+                               runtime=cm.runtime)
     users = competent_user_layouts(cm, context, tokens)
+    compiles = ours is not None and ours.compiled
     sums = {"ours": 0.0, "oracle": 0.0, "rows": 0.0, "rule": 0.0}
     alt = {m: 0.0 for m in ALT_MARGINS if m != margin}
     user_sums = {(k, rt): 0.0 for k in users for rt in (PEER_RUNTIMES[k], "hotspa")}
@@ -189,7 +204,8 @@ def long_cell(model: str, gpus: int, context: int, data: str, hardware: str, bat
     free = None
     ladders = 0
     if breakdown and margin > 0:
-        free = CostModelPlanner(layouts, model=cm.model, hardware=cm.hardware, static_margin=0.0, ladder="auto")
+        free = CostModelPlanner(layouts, model=cm.model, hardware=cm.hardware, static_margin=0.0, ladder="auto",
+                                runtime=cm.runtime)
     for b, lengths in enumerate(batch_list):
         ours, stages = planner.solve(lengths)
         sums["ours"] += ours
@@ -198,7 +214,8 @@ def long_cell(model: str, gpus: int, context: int, data: str, hardware: str, bat
         for m in alt:  # the same pre-guard plan, guarded at another margin
             alt[m] += guard(lengths, planner._option_list, planner.last_multi, m, planner._solve_over)[0][0]
         for k, rt in user_sums:
-            user_sums[k, rt] += _user_seconds(cm, users[k], rt, lengths, planners)
+            user_sums[k, rt] += user_seconds(cm if rt == "hotspa" else user_model(cm, hardware, k, compiles),
+                                             users[k], lengths, planners)
         if breakdown:
             steps = oracle_ladder(cm, lengths, layouts)
             for k, v in steps.items():
@@ -243,6 +260,7 @@ def long_cell(model: str, gpus: int, context: int, data: str, hardware: str, bat
             "ours_at_margin": {f"{m:.3f}": v / batches for m, v in alt.items()},
             "competent_user_static": {
                 k: {"layout": lay.name, "checkpointing": "auto", "peer_runtime": PEER_RUNTIMES[k],
+                    "peer_compiled": compiles and k in COMPILING_PEERS,
                     "seconds_on_peer_runtime": user_sums[k, PEER_RUNTIMES[k]] / batches,
                     "seconds_on_ours": user_sums[k, "hotspa"] / batches,
                     "ours_over": user_sums[k, PEER_RUNTIMES[k]] / sums["ours"],
@@ -250,15 +268,17 @@ def long_cell(model: str, gpus: int, context: int, data: str, hardware: str, bat
 
 
 def long_grid(grid: dict[str, Any] | None = None, batches: int = 2, seed: int = 0,
-              margin: float | None = DEFAULT_STATIC_MARGIN, breakdown: bool = False) -> dict[str, Any]:
+              margin: float | None = DEFAULT_STATIC_MARGIN, breakdown: bool = False,
+              ours: OursOptions | None = None) -> dict[str, Any]:
     """Every cell and the headline: geomean over cells, share of the oracle's headroom captured;
     ``margin`` None: the planner's default; ``breakdown``: per cell the oracle ladder
-    (:mod:`.oracles`) and its geomeans."""
+    (:mod:`.oracles`) and its geomeans; ``ours``: what our runtime runs (:data:`OURS_OPTIONS`; None: the
+    planner's default prices), reported as ``ours_options``."""
     grid = grid or LONG_GRID
     margin = DEFAULT_STATIC_MARGIN if margin is None else margin
     start = time.perf_counter()
     jobs = [(m, g, c, d, hw) for hw in grid["hardware"] for m, g, c in grid["settings"] for d in grid["data"]]
-    cells = [long_cell(m, g, c, d, hw, batches, seed, margin, breakdown)
+    cells = [long_cell(m, g, c, d, hw, batches, seed, margin, breakdown, ours=ours)
              for m, g, c, d, hw in progress(jobs, "hotspa simulate")]
     ok = [c for c in cells if c["feasible"]]
     big = [c["ours_over_static"] for c in ok if c["oracle_over_static"] >= 1.4]
@@ -286,6 +306,8 @@ def long_grid(grid: dict[str, Any] | None = None, batches: int = 2, seed: int = 
         for k in kinds}
     extra["cells_with_ladder"] = sum(c["ladder_batches"] > 0 for c in ok)
     extra["at_margin"] = {m: at_margin(ok, m) for m in sorted({m for c in ok for m in c["ours_at_margin"]})}
+    extra["ours_options"] = ("default" if ours is None else
+                             {**ours.flags(), "fa3_priced": "conservative" if ours.conservative else "profile"})
     return {"grid": "long", **extra, "margin": margin, "batches_per_cell": batches, "cells": cells,
             "geomean_ours_over_static": geometric_mean([c["ours_over_static"] for c in ok]),
             "geomean_oracle_over_static": geometric_mean([c["oracle_over_static"] for c in ok]),
@@ -325,72 +347,6 @@ def _nests(layouts: Sequence[Layout], world: int) -> bool:
     except LayoutError:
         return False
     return True
-
-
-#: the runtime description each competent user's layout is priced on (planner/cost/runtime_profile.py)
-PEER_RUNTIMES = {"megatron-te": "nemo-te", "torchtitan": "torchtitan"}
-
-
-def nemo_tp(context: int) -> int:
-    """The tp NeMo's LLAMA2-7B long-sequence table runs at a sequence length (tp 1 at 4K, 2 at 16K-32K, 4 at
-    64K-256K, 8 at 512K-1M: planner/cost/published_runs.py's NEMO_LONG rows)."""
-    return 1 if context <= 8192 else 2 if context <= 32768 else 4 if context <= 262144 else 8
-
-
-def competent_user_layouts(cm: AnalyticCostModel, context: int, tokens: int) -> dict[str, Layout]:
-    """The static layout a competent user of each peer writes for a ``tokens``-token batch whose longest
-    document is ``context`` (issue 51), checkpointing only where a stage needs it ("auto"):
-
-    * every dp group holds at least one context row of the batch: ``tp * cp >= world * context / tokens``
-      (else dp groups idle), and the layout holds the context (with or without full checkpointing);
-    * ``torchtitan``: FSDP over the world, all-gather-KV (ring-like) cp, the smallest such cp;
-    * ``megatron-te``: tp x ring-like cp with a replicated copy, tp from NeMo's long-sequence table
-      (:func:`nemo_tp`, raised where the model does not fit, within a node), the smallest such cp.
-
-    A kind without such a layout is left out."""
-    world, node = cm.world_size, cm.hardware.devices_per_node
-    need = max(1, math.ceil(world * context / max(tokens, 1)))
-    out: dict[str, Layout] = {}
-
-    def first(tps: Sequence[int], fsdp: bool) -> Layout | None:
-        for tp in tps:
-            if world % tp or node % tp:
-                continue
-            cp = 1
-            while world % (tp * cp) == 0:
-                lay = Layout(dp=world // (tp * cp), tp=tp, cp=cp, cp_kv=cp, fsdp=fsdp and world > 1)
-                if tp * cp >= need and any(_holds(cm, lay, ac, context) for ac in (Checkpointing.NONE,
-                                                                                   Checkpointing.FULL)):
-                    return lay
-                cp *= 2
-        return None
-
-    titan = first((1,), fsdp=True)
-    if titan is not None:
-        out["torchtitan"] = titan
-    tps = [t for t in (1, 2, 4, 8, 16) if nemo_tp(context) <= t <= node]
-    megatron = first(tps, fsdp=False)
-    if megatron is not None:
-        out["megatron-te"] = megatron
-    return out
-
-
-def _holds(cm: AnalyticCostModel, lay: Layout, ac: Checkpointing, context: int) -> bool:
-    try:
-        cm.check(lay)
-        return cm.option(lay, ac).max_doc_length >= context
-    except (CostModelError, LayoutError):
-        return False
-
-
-def _user_seconds(cm: AnalyticCostModel, lay: Layout, runtime: str, lengths: np.ndarray, planners: dict) -> float:
-    """A user-written static layout's step on ``runtime``'s description, the planner's own checkpointing
-    choice per stage (only where it must), the same packing and balancing as ours."""
-    key = (lay, "user", runtime)
-    if key not in planners:
-        planners[key] = CostModelPlanner([lay], model=cm.model, hardware=cm.hardware, activation_checkpointing="auto",
-                                         ladder=False, runtime=runtime)
-    return planners[key].solve(lengths)[0]
 
 
 def cell_name(cell: dict[str, Any]) -> str:
@@ -458,5 +414,6 @@ def print_long_grid(result: dict[str, Any]) -> None:
     print("ours over a competent user's static layout (bf16), on the peer's runtime / on ours: " + "; ".join(
         f"{k} {v:.3f}x / {result['competent_user_static_on_ours_runtime'][k]:.3f}x "
         f"(ours slower in {result['competent_user_static_cells_ours_slower'][k]} cells)" for k, v in users.items()))
+    print(f"ours priced with: {result['ours_options']}")
     if "breakdown_summary" in result:
         print_breakdown(result)

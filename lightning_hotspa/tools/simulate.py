@@ -84,7 +84,7 @@ def static_seconds(cm: AnalyticCostModel, par: Layout, lengths: np.ndarray,
         planners = {} if planners is None else planners
         if par not in planners:
             planners[par] = CostModelPlanner([par], model=cm.model, hardware=cm.hardware,
-                                             tokens_per_rank=tokens_per_rank, ladder=False)
+                                             tokens_per_rank=tokens_per_rank, ladder=False, runtime=cm.runtime)
         return planners[par].solve(lengths)[0]
     best = math.inf
     for ac in (False, True):

@@ -525,6 +525,8 @@ def _cli_rows() -> list[Bad]:
         Bad("simulate --contexts inf", "cli", _cli("simulate", "--contexts", "inf"), CliRefused, ("'inf'",)),
         Bad("simulate --margin 20", "cli", _cli("simulate", "--grid", "smoke", "--margin", "20"), CliRefused,
             ("--margin", "20")),
+        Bad("simulate --fa3-conservative without matching", "cli", _cli("simulate", "--grid", "smoke",
+            "--fa3-conservative"), CliRefused, ("--fa3-conservative", "'default'")),
         Bad("export latest: of an empty folder", "cli", _cli("export", "latest:{tmp}", "{tmp}/hf"), CliRefused,
             ("latest:", "no complete checkpoint")),
         Bad("export of a missing folder", "cli", _cli("export", "{tmp}/none", "{tmp}/hf"), CliRefused,

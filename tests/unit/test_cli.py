@@ -82,8 +82,22 @@ def test_simulate_long_grid_smoke_json(monkeypatch, capsys: pytest.CaptureFixtur
     assert cell["ours_over_static"] == pytest.approx(cell["static_s"] / cell["ours_s"])
 
 
+def test_simulate_long_grid_prices_ours_with_its_users_options(monkeypatch, capsys) -> None:
+    """``--ours-options matching --fa3-conservative``: the JSON says what ours ran and how FA3 was priced."""
+    monkeypatch.setenv("HOTSPA_PROGRESS", "0")
+    code, out, err = run(capsys, "simulate", "--grid", "smoke", "--batches", "1", "--ours-options", "matching",
+                         "--fa3-conservative", "--json")
+    assert code == 0, err
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["ours_options"]["attention_backend"] == "fa3_varlen" and result["ours_options"]["compile_blocks"]
+    assert result["ours_options"]["fa3_priced"] == "conservative" and "ours priced with: {" in out
+    assert result["cells"][0]["competent_user_static"]["torchtitan"]["peer_compiled"]
+
+
 @pytest.mark.parametrize("argv,needle", [
     (["simulate", "--grid", "smoke", "--margin", "-1"], "--margin must be in [0, 10), got -1.0"),
+    (["simulate", "--grid", "smoke", "--fa3-conservative"], "it needs --ours-options matching, got 'default'"),
+    (["simulate", "--grid", "smoke", "--truth", "perturbed", "--ours-options", "matching"], "--ours-options"),
     (["plan", "--hardware", "TPUv5"], "unknown hardware profile 'TPUv5'; known profiles: A100-80G"),
     (["plan", "--layouts", "dp8", "--context", "64K", "--data", "github", "--global-batch-tokens", "2M"],
      "no candidate layout can hold it"),

@@ -2,6 +2,7 @@
 model prices the context-parallel kinds."""
 
 import itertools
+import json
 import math
 
 import numpy as np
@@ -10,19 +11,20 @@ import pytest
 from lightning_hotspa.layout import Layout
 from lightning_hotspa.planner.cost.cost_model import AnalyticCostModel, CostModelError
 from lightning_hotspa.planner.cost.hardware import PROFILES
+from lightning_hotspa.planner.cost.peer_rows import OursOptions
 from lightning_hotspa.planner.solve.oracle_bound import exclusive_seconds, oracle_assignment
 from lightning_hotspa.planner.solve.solver import CostModelPlanner
+from lightning_hotspa.tools.competent_user import PEER_RUNTIMES, competent_user_layouts, nemo_tp
 from lightning_hotspa.tools.long_grid import (
-    PEER_RUNTIMES,
     SMOKE_GRID,
     candidate_summary,
-    competent_user_layouts,
     guarded_bound,
+    long_cell,
     long_grid,
-    nemo_tp,
     oracle_seconds,
     token_batch,
 )
+from lightning_hotspa.tools.long_grid_options import SIDES, side_by_side
 from lightning_hotspa.tools.oracles import LADDER, charged_oracle
 
 # Frozen before the long grid was first run: the simulator must not be tuned to its own targets. Changing a
@@ -211,3 +213,29 @@ def test_the_competent_user_is_priced_on_the_peers_runtime_and_on_ours():
     # NeMo / TE's runtime runs cuDNN attention (0.571 of peak) where ours runs FA2 (0.175): cheaper on its own
     assert users["megatron-te"]["seconds_on_peer_runtime"] < users["megatron-te"]["seconds_on_ours"]
     assert result["competent_user_static"] == {k: pytest.approx(v["ours_over"]) for k, v in users.items()}
+
+
+def test_ours_with_its_users_options_moves_ours_and_the_compiling_peer_only(tmp_path):
+    """``--ours-options matching`` (FA3 + compile_blocks) prices ours, its statics and the users' layouts on ours
+    faster; Megatron-TE's layout on its own runtime not at all (priced on the plain profile, not ours' compiled
+    one); torchtitan's faster (its users compile where ours does); FA3 priced conservatively sits in between.
+    The three sides come from one run of tools/long_grid_options.py."""
+    out = side_by_side(SMOKE_GRID, batches=1, out=str(tmp_path / "grid"))
+    assert set(out["sides"]) == set(SIDES) and out["sides"]["default"]["ours_options"] == "default"
+    assert out["sides"]["matching-conservative"]["ours_options"]["fa3_priced"] == "conservative"
+    plain, matching, cons = (json.loads((tmp_path / f"grid-{side}.json").read_text())["cells"][0]
+                             for side in ("default", "matching", "matching-conservative"))
+    assert matching["ours_s"] < cons["ours_s"] < plain["ours_s"]
+    assert matching["static_s"] < plain["static_s"]
+    before, after = plain["competent_user_static"], matching["competent_user_static"]
+    mega = [side["megatron-te"]["seconds_on_peer_runtime"] for side in (before, after)]
+    assert mega[1] == pytest.approx(mega[0], rel=1e-12)
+    assert not after["megatron-te"]["peer_compiled"] and after["torchtitan"]["peer_compiled"]
+    assert after["torchtitan"]["seconds_on_peer_runtime"] < before["torchtitan"]["seconds_on_peer_runtime"]
+    for kind in before:
+        assert after[kind]["seconds_on_ours"] < before[kind]["seconds_on_ours"]
+    cell = SMOKE_GRID["settings"][0] + (SMOKE_GRID["data"][0], SMOKE_GRID["hardware"][0])
+    with pytest.raises(ValueError, match="'fa4'.*H100"):
+        long_cell(*cell, batches=1, ours=OursOptions(attention="fa4"))
+    with pytest.raises(ValueError, match="jobs must be >= 1, got 0"):
+        side_by_side(SMOKE_GRID, jobs=0)

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from ...activation_checkpointing import Checkpointing
 from .cost_model import AnalyticCostModel
-from .hardware import FA3_OVER_FA2, get_profile
+from .hardware import FA3_OVER_FA2, HardwareProfile, get_profile
 from .published_pricing import (
     PricedRun,
     at_precision,
@@ -41,11 +41,11 @@ from .published_pricing import (
 )
 from .published_runs import PUBLISHED_RUNS, TORCHTITAN_ASYNC_TP, PublishedRun
 from .runtime_profile import HOTSPA, RuntimeProfile, hotspa_runtime
-from .terms import resolve_model
+from .terms import ModelShape, resolve_model
 
 __all__ = ["BEFORE", "OursOptions", "PeerRow", "ROW_PROVIDERS", "TITAN_70B_ASYNC_TP", "checkpointing_needed",
-           "communication_rows", "compute_peer_rows", "matching_options", "option_space", "ours_runtime",
-           "peer_model_ratio", "price_ours", "price_row", "resolve_runs", "rows"]
+           "communication_rows", "compute_peer_rows", "matching_options", "option_space", "ours_cost_model",
+           "ours_runtime", "peer_model_ratio", "price_ours", "price_row", "resolve_runs", "rows"]
 
 #: GPUs (hardware profiles) where ours' FlashAttention-3 kernel runs (sm90)
 _HOPPER = ("H100", "H100-GT500W", "H200")
@@ -134,6 +134,30 @@ def ours_runtime(options: OursOptions) -> RuntimeProfile:
                                dp_reduce_overlap=HOTSPA.dp_reduce_overlap and not options.exposed_comm)
 
 
+def ours_cost_model(model: str | ModelShape, gpu: str | HardwareProfile, world: int,
+                    options: OursOptions) -> AnalyticCostModel:
+    """The cost model of OUR runtime run with ``options`` (:func:`ours_runtime`), the one every comparison of ours
+    with a peer prices on (peer rows, the long grid's ``--ours-options``): the hardware profile's GEMM side at the
+    FP8 recipe's and compile's rates where turned on, FA3 at the fitted FA2 value x ``FA3_OVER_FA2`` where
+    ``conservative``.
+
+    Args:
+        model: a model name or shape; gpu: a hardware profile (or its name); world: GPUs; options: what ours runs.
+    """
+    rt = ours_runtime(options)
+    prof = get_profile(gpu)
+    if options.conservative and options.attention == "fa3":
+        hd = resolve_model(model).head_dim
+        fa3 = min(1.0, prof.attention_efficiency_for("fa2", hd) * FA3_OVER_FA2)
+        table = tuple(e for e in prof.attention_kernels if e[0] != "fa3") + (("fa3", hd, fa3),)
+        prof = dataclasses.replace(prof, attention_kernels=table)
+    if options.fp8:
+        prof = at_precision(prof, rt, "fp8", recipe=options.fp8)
+    if options.compiled:
+        prof = compiled(prof, rt)
+    return AnalyticCostModel(model, prof, world, runtime=rt)
+
+
 def checkpointing_needed(cm: AnalyticCostModel, run: PublishedRun) -> str:
     """The lightest activation checkpointing under which ``run``'s micro-batch fits ours' memory model: "none",
     "selective" (the attention core; not built for sharded copies) or "full" (also when nothing fits)."""
@@ -147,22 +171,8 @@ def price_ours(run: PublishedRun, options: OursOptions) -> PricedRun:
     ``recipes/benchmark_peers.py``). The planner's path (:func:`.price_run`), with ours' checkpointing only as
     needed (:func:`checkpointing_needed`) and ours' optimizer step (torch Adam on the fp32 home shard, split
     over the whole world whatever the layout: docs/DESIGN.md's home state) instead of the peer's."""
-    rt = ours_runtime(options)
-
-    def model_for(r: PublishedRun) -> AnalyticCostModel:
-        prof = get_profile(r.gpu)
-        if options.conservative and options.attention == "fa3":
-            hd = resolve_model(r.model).head_dim
-            fa3 = min(1.0, prof.attention_efficiency_for("fa2", hd) * FA3_OVER_FA2)
-            table = tuple(e for e in prof.attention_kernels if e[0] != "fa3") + (("fa3", hd, fa3),)
-            prof = dataclasses.replace(prof, attention_kernels=table)
-        if options.fp8:
-            prof = at_precision(prof, rt, "fp8", recipe=options.fp8)
-        if options.compiled:
-            prof = compiled(prof, rt)
-        return AnalyticCostModel(r.model, prof, r.world, runtime=rt)
-
-    cm = model_for(run)
+    cm = ours_cost_model(run.model, run.gpu, run.world, options)
+    rt = cm.runtime
     ours = dataclasses.replace(run, system=rt.name, precision="bf16", compiled=False,
                                checkpointing=checkpointing_needed(cm, run))
     p = price_run(ours, lambda _: cm)
