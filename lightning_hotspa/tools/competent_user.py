@@ -100,7 +100,12 @@ def user_model(cm: AnalyticCostModel, hardware: str, kind: str, compiles: bool) 
 
 def user_seconds(cm: AnalyticCostModel, lay: Layout, lengths: np.ndarray, planners: dict) -> float:
     """A user-written static layout's step on ``cm``'s runtime description and hardware profile, the planner's
-    own checkpointing choice per stage (only where it must), the same packing and balancing as ours."""
+    own checkpointing choice per stage (only where it must), the same packing and balancing as ours.
+
+    Args:
+        cm: the cost model to price on (:func:`user_model`, or ours'); lay: the user's layout; lengths: the
+        batch's document lengths; planners: the cell's planner cache (keyed by layout, runtime and GEMM rate).
+    """
     key = (lay, "user", cm.runtime.name, cm.hardware.dense_efficiency)
     if key not in planners:
         planners[key] = CostModelPlanner([lay], model=cm.model, hardware=cm.hardware, activation_checkpointing="auto",

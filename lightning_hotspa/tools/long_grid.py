@@ -161,7 +161,7 @@ def long_cell(model: str, gpus: int, context: int, data: str, hardware: str, bat
               ours: OursOptions | None = None) -> dict[str, Any]:
     """One cell; ``feasible`` False (with ``reason``) when no layout holds the context.
     ``pp``: pipeline-parallel layouts among ours and the static ones where the runtime runs them (False:
-    none, the same cell without pp). ``ours``: what OUR runtime runs (:func:`ours_options`; None: the planner's
+    none, the same cell without pp). ``ours``: what OUR runtime runs (:data:`OURS_OPTIONS`; None: the planner's
     default prices, FlashAttention-2, eager): ours, the static layouts and the oracle are priced on it, and the
     competent users compile where ours does (:func:`.competent_user.user_model`).
     ``breakdown``: also the oracle ladder of :mod:`.oracles`, the most any plan reaches under the
@@ -207,8 +207,8 @@ def long_cell(model: str, gpus: int, context: int, data: str, hardware: str, bat
         free = CostModelPlanner(layouts, model=cm.model, hardware=cm.hardware, static_margin=0.0, ladder="auto",
                                 runtime=cm.runtime)
     for b, lengths in enumerate(batch_list):
-        ours, stages = planner.solve(lengths)
-        sums["ours"] += ours
+        ours_s, stages = planner.solve(lengths)
+        sums["ours"] += ours_s
         ladders += any(type(g).__name__ == "LadderGroups" for _, g in stages)
         fallbacks += bool(planner.last_decision and planner.last_decision.fell_back)
         for m in alt:  # the same pre-guard plan, guarded at another margin
