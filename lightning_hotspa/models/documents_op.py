@@ -3,9 +3,12 @@
 Why: :func:`.attention.sdpa_attention` reads the document bounds on the host and loops over them.
 Traced by dynamo, that read is a graph break (``aten._local_scalar_dense``) and the loop bakes the
 lengths into the graph, so every new mix of lengths recompiles until dynamo's recompile limit, after
-which the block silently runs eager. As a custom op (``hotspa::sdpa_documents``) the graph holds one
+which the block silently runs eager. As a custom op (``hotspa::sdpa_documents_v2``) the graph holds one
 node whose output shapes follow ``q``'s (the token dim stays symbolic); the bounds are read when the
-op runs, from :mod:`lightning_hotspa.host_facts` (filed where the batch was built) or the tensor.
+op runs, from :mod:`lightning_hotspa.host_facts` (filed where the batch was built) or the tensor. Its
+log-sum-exp is kept tokens first, ``[T, h]``: as ``[h, T]`` its row stride is the token count, which inductor
+fixed to the first call's value in the backward graph under ``backed_size_oblivious`` (a stride assertion on the
+next micro-batch of another length).
 
 Same kernel as eager: torch's CPU flash attention (``_scaled_dot_product_flash_attention_for_cpu``,
 GQA native), one causal call per document, its log-sum-exp kept for the backward kernel. CPU only:
@@ -73,7 +76,13 @@ def _tokens_first(pieces: list[Tensor], like: Tensor) -> Tensor:
     return torch.cat([p.squeeze(0).transpose(0, 1) for p in pieces], dim=0).contiguous()
 
 
-@torch.library.custom_op("hotspa::sdpa_documents", mutates_args=())
+#: the ops' version, in their names: inductor's FX graph cache keys on a graph's code, which names the op, not on
+#: its fake kernel, so a change of an output's layout must come with a new name, or a warm cache runs old code
+#: against the new op (v2: the log-sum-exp tokens first, [T, h], no stride depending on the token count)
+_VERSION = "v2"
+
+
+@torch.library.custom_op(f"hotspa::sdpa_documents_{_VERSION}", mutates_args=())
 def _sdpa_documents(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, window: int) -> tuple[Tensor, Tensor]:
     lengths = _lengths(cu_seqlens, q.shape[0])
     outs, lses = [], []
@@ -86,26 +95,27 @@ def _sdpa_documents(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, window:
         outs.append(out)
         lses.append(lse.squeeze(0))
     lse = torch.cat(lses, dim=-1) if lses else q.new_zeros((q.shape[1], 0), dtype=torch.float32)
-    return _tokens_first(outs, q), lse.contiguous()
+    return _tokens_first(outs, q), lse.t().contiguous()  # [T, h]: no stride depends on the token count
 
 
 @_sdpa_documents.register_fake
 def _(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, window: int) -> tuple[Tensor, Tensor]:
-    return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+    return q.new_empty(q.shape), q.new_empty((q.shape[0], q.shape[1]), dtype=torch.float32)
 
 
-@torch.library.custom_op("hotspa::sdpa_documents_backward", mutates_args=())
+@torch.library.custom_op(f"hotspa::sdpa_documents_backward_{_VERSION}", mutates_args=())
 def _sdpa_documents_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                              cu_seqlens: Tensor, window: int) -> tuple[Tensor, Tensor, Tensor]:
     lengths = _lengths(cu_seqlens, q.shape[0])
     grads: tuple[list[Tensor], list[Tensor], list[Tensor]] = ([], [], [])
-    per_doc = zip(*(_heads_first(t, lengths) for t in (grad, q, k, v, out)), lse.split(lengths, dim=-1), strict=True)
+    lses = lse.t().split(lengths, dim=-1)  # [T, h] -> per document [h, s]
+    per_doc = zip(*(_heads_first(t, lengths) for t in (grad, q, k, v, out)), lses, strict=True)
     for gd, qd, kd, vd, od, ld in per_doc:
         if not qd.shape[2]:
             continue
         mask = _mask(qd.shape[2], window, qd)
         for acc, g in zip(grads, torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                gd, qd, kd, vd, od, ld.unsqueeze(0), 0.0, mask is None, attn_mask=mask), strict=True):
+                gd, qd, kd, vd, od, ld.unsqueeze(0).contiguous(), 0.0, mask is None, attn_mask=mask), strict=True):
             acc.append(g)
     return _tokens_first(grads[0], q), _tokens_first(grads[1], k), _tokens_first(grads[2], v)
 
