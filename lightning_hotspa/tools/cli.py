@@ -274,6 +274,8 @@ def _cmd_simulate(args: argparse.Namespace) -> dict[str, Any]:
         return _cmd_long_grid(args)
     if args.truth is not None:
         raise CliError(f"--truth {args.truth}: the ground truth runs on --grid long or --grid smoke, not paper")
+    if args.ours_options != "default" or args.fa3_conservative:
+        raise CliError("--ours-options / --fa3-conservative price the long and smoke grids, not --grid paper")
     from .simulate import GRID, simulate_grid
 
     grid = dict(GRID)

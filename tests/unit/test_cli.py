@@ -97,6 +97,7 @@ def test_simulate_long_grid_prices_ours_with_its_users_options(monkeypatch, caps
 @pytest.mark.parametrize("argv,needle", [
     (["simulate", "--grid", "smoke", "--margin", "-1"], "--margin must be in [0, 10), got -1.0"),
     (["simulate", "--grid", "smoke", "--fa3-conservative"], "it needs --ours-options matching, got 'default'"),
+    (["simulate", "--ours-options", "matching"], "not --grid paper"),
     (["simulate", "--grid", "smoke", "--truth", "perturbed", "--ours-options", "matching"], "--ours-options"),
     (["plan", "--hardware", "TPUv5"], "unknown hardware profile 'TPUv5'; known profiles: A100-80G"),
     (["plan", "--layouts", "dp8", "--context", "64K", "--data", "github", "--global-batch-tokens", "2M"],
