@@ -41,7 +41,7 @@ sys.path.insert(0, str(ROOT))
 from lightning_hotspa.testing.spawn import run_on_ranks  # noqa: E402
 
 WORLD = 4
-LAYOUTS = ("dp4", "dp2xtp2", "tp4")
+LAYOUTS = ("dp4", "dp2xtp2", "tp4", "dp2xtp2:fsdp")
 
 
 def plans(steps: int, docs_per_step: int, max_len: int, layouts: tuple[str, ...] = LAYOUTS,

@@ -5,7 +5,9 @@ Lightning refuses ``torch.compile(model)`` for strategies other than single-devi
 ``nn.ModuleList``) in place, AFTER the strategy has installed its tensor- and context-parallel
 forwards, traces what the block really runs, the tp collectives included (dynamo maps our
 ``dist.*`` calls to its functional collectives). The switch engine runs between micro-batches,
-outside every graph.
+outside every graph. Each block's ``forward`` is compiled, not its ``__call__``: the module's hooks, a
+sharded (``:fsdp``) unit's gather, prefetch and release (``engine/fsdp.py``, asynchronous collectives), run
+eagerly around the graph, as dynamo skips FSDP2's hooks (with ``block.compile()`` they were traced: graph breaks).
 
 Graphs: the token dim is dynamic (``dynamic=True`` unless the caller says otherwise), and the CPU
 attention is one opaque op (:mod:`lightning_hotspa.models.documents_op`), so new document lengths
@@ -88,7 +90,11 @@ def compile_blocks(module: nn.Module, options: Mapping[str, Any], layouts: int =
 
         fx_config.backed_size_oblivious = True
     for block in blocks:
-        block.compile(**options)
+        if getattr(block.__dict__.get("forward"), "hotspa_compiled_block", False):
+            del block.forward  # compiled by an earlier run of this module: compile the class's own forward again
+        compiled = torch.compile(block.forward, **options)  # the hooks stay eager (module docstring)
+        compiled.hotspa_compiled_block = True
+        block.forward = compiled
     return len(blocks)
 
 
