@@ -1,14 +1,14 @@
 """Per-block torch.compile through hot switches and variable lengths (issue 51, item 2): one JSON line last.
 
-4 gloo ranks on CPU, the tiny Llama, every step a plan of mixed stages over three layouts (dp4,
-dp2xtp2, tp4: a hot switch between every stage) and new document lengths each step. Each rank runs
+4 gloo ranks on CPU, the tiny Llama, every step a plan of mixed stages over four layouts (dp4,
+dp2xtp2, tp4, dp2xtp2:fsdp: a hot switch between every stage) and new document lengths each step. Each rank runs
 the SAME steps twice through the engine's ``StepRunner`` (the strategy's step loop): first eager,
 then with every block compiled (``compile_blocks``, inductor by default, the token dim dynamic),
 and compares the global losses and the reduced home gradients of every step (fp32, no optimizer
 update, so both passes see the same weights). tp overlap is off, as the strategy has it under
 compile (``--tp-overlap``: its row layer is one custom op, its column regions' ring still breaks);
-``--layouts`` picks other layouts of 4 ranks (cp and ``:fsdp`` ones are not traceable yet:
-their graph breaks are listed in ``break_reasons``). Keys:
+``--layouts`` picks other layouts of 4 ranks (cp ones are not traceable yet: their graph breaks are
+listed in ``break_reasons``; a ``:fsdp`` unit's gathers run in its hooks, outside the graph). Keys:
 
 * ``layouts_run``, ``steps``; ``compiled_graphs``, ``graph_breaks``, ``cache_limit_hits``,
   ``skipped_frames`` (dynamo's own counters, the max over ranks; a limit hit or a skipped frame means
