@@ -4,10 +4,12 @@ counted. The switching checks across layouts: tests/e2e/test_recipe_smoke_benchm
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import pytest
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from lightning_hotspa.adapter.lightning.compile_blocks import (
     check_compile_spec,
@@ -47,10 +49,12 @@ def _inputs(config: LlamaConfig, lengths: list[int]):
     return x, cos, sin, cu, max(lengths)
 
 
-def _compiled_vs_eager(backend: str, mixes, **config) -> tuple[float, dict[str, int]]:
+def _compiled_vs_eager(backend: str, mixes, modes=("none",), **config) -> tuple[float, dict[str, int]]:
     """The worst relative error of a compiled block's output, input and weight gradients against the
-    same block eager, over the length mixes; and the dynamo counts. Compiled as the strategy compiles
-    (``compile_blocks``: the token dim dynamic, sizes 0 / 1 not specialized)."""
+    same block eager, over the length mixes and checkpointing ``modes`` ("none", "selective": the attention
+    core recomputed, "full": the block under non-reentrant checkpointing, as the model runs them); and the
+    dynamo counts. Compiled as the strategy compiles (``compile_blocks``: the token dim dynamic, sizes 0 / 1
+    not specialized)."""
     cfg = LlamaConfig.preset("tiny", **config)
     torch.manual_seed(0)
     compiled, eager = Block(cfg), Block(cfg)
@@ -59,12 +63,15 @@ def _compiled_vs_eager(backend: str, mixes, **config) -> tuple[float, dict[str, 
     holder.blocks = torch.nn.ModuleList([compiled])
     compile_blocks(holder, check_compile_spec({"backend": backend}))
     worst = 0.0
-    for lengths in mixes:
+    for mode, lengths in itertools.product(modes, mixes):
         x, *rest = _inputs(cfg, lengths)
         pairs = []
         for block in (compiled, eager):
             xi = x.clone().requires_grad_()
-            out = block(xi, *rest)
+            if mode == "full":
+                out = checkpoint(block, xi, *rest, use_reentrant=False)
+            else:
+                out = block(xi, *rest, mode == "selective")
             out.square().sum().backward()
             pairs.append([out.detach(), xi.grad, *(p.grad for p in block.parameters())])
             block.zero_grad()
@@ -86,6 +93,14 @@ def test_inductor_block_equals_eager_on_cpu(monkeypatch):
     worst, counts = _compiled_vs_eager("inductor", MIXES[:2])
     assert counts["compiled_graphs"] == 1 and counts["graph_breaks"] == 0, counts
     assert worst <= 1e-5, worst
+
+
+def test_checkpointing_modes_compile_once_each_equal_to_eager():
+    """Selective (the core recomputed) and full checkpointing (the block under ``checkpoint``) through the
+    compiled forward: one more graph for the selective variant (``graphs_needed``' x2), none for full."""
+    worst, counts = _compiled_vs_eager("aot_eager", MIXES[:2], modes=("none", "selective", "full"))
+    assert counts["compiled_graphs"] == 2 and counts["graph_breaks"] == 0, counts
+    assert worst <= 1e-6, worst
 
 
 def test_recompile_limit_hits_are_counted():
