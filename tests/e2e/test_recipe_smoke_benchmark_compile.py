@@ -1,6 +1,6 @@
 """recipes/benchmark_compile.py --smoke --backend eager --layers 1: per-block compile through hot switches between
-four layouts (a sharded ``:fsdp`` one among them) on 4 gloo ranks and several document lengths per stage: no graph break, no recompile-limit hit,
-at most one graph per (layout, block), equal to eager. The graphs, guards and recompiles are dynamo's,
+four layouts (a sharded ``:fsdp`` one among them) on 4 gloo ranks and several document lengths per stage: no graph
+break, no recompile-limit hit, at most one graph per (layout, block), equal to eager. The graphs, guards and recompiles are dynamo's,
 whatever the backend; dynamo's ``eager`` backend runs the captured graphs as they are, which halves this
 run (72.6 s wall / 130 CPU-s with aot_eager, 39.7 s / 75 CPU-s with eager, alone on the 2-core box). AOT
 autograd through a switch is checked by tests/e2e/test_lightning_parity.py (aot_eager in a Trainer) and
