@@ -1,11 +1,11 @@
-"""recipes/benchmark_compile.py --smoke --backend eager --layers 1: per-block compile through hot switches between
-four layouts (a sharded ``:fsdp`` one among them) on 4 gloo ranks and several document lengths per stage: no graph
-break, no recompile-limit hit, at most one graph per (layout, block), equal to eager. The graphs, guards and recompiles are dynamo's,
-whatever the backend; dynamo's ``eager`` backend runs the captured graphs as they are, which halves this
-run (72.6 s wall / 130 CPU-s with aot_eager, 39.7 s / 75 CPU-s with eager, alone on the 2-core box). AOT
-autograd through a switch is checked by tests/e2e/test_lightning_parity.py (aot_eager in a Trainer) and
-inductor by tests/unit/test_compile_blocks.py. One block instead of the tiny Llama's two: each rank traces 3
-graphs, not 6 (23.1 -> 19.0 s, one run each, 2026-12-07); the full run (40 steps, inductor) keeps both.
+"""recipes/benchmark_compile.py --smoke --backend eager --layers 1: per-block compile through hot switches between four
+layouts (a sharded ``:fsdp`` one among them) on 4 gloo ranks and several document lengths per stage: no graph break,
+no recompile-limit hit, at most one graph per (layout, block), equal to eager. The graphs, guards and recompiles are
+dynamo's, whatever the backend; dynamo's ``eager`` backend runs the captured graphs as they are, which halves this
+run (72.6 s wall / 130 CPU-s with aot_eager, 39.7 s / 75 CPU-s with eager, alone on the 2-core box). AOT autograd
+through a switch is checked by tests/e2e/test_lightning_parity.py (aot_eager in a Trainer) and inductor by
+tests/unit/test_compile_blocks.py. One block instead of the tiny Llama's two: each rank traces 3 graphs, not 6 (23.1
+-> 19.0 s, one run each, 2026-12-07); the full run (40 steps, inductor) keeps both.
 
 The recipe runs in this process (``helpers.load_recipe``): its ranks fork from the suite's preloaded
 server, where a subprocess paid a fresh interpreter's torch and Lightning imports five times (the
