@@ -1,7 +1,7 @@
 """Per-block torch.compile through hot switches and variable lengths (issue 51, item 2): one JSON line last.
 
 4 gloo ranks on CPU, the tiny Llama, every step a plan of mixed stages over four layouts (dp2xtp2:fsdp, dp4,
-dp2xtp2, tp4, dp2xtp2:fsdp: a hot switch between every stage) and new document lengths each step. Each rank runs
+dp2xtp2, tp4: a hot switch between every stage) and new document lengths each step. Each rank runs
 the SAME steps twice through the engine's ``StepRunner`` (the strategy's step loop): first eager,
 then with every block compiled (``compile_blocks``, inductor by default, the token dim dynamic),
 and compares the global losses and the reduced home gradients of every step (fp32, no optimizer
