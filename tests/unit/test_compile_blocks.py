@@ -16,6 +16,7 @@ from lightning_hotspa.adapter.lightning.compile_blocks import (
     compile_blocks,
     compile_counts,
     graphs_needed,
+    untraceable_note,
 )
 from lightning_hotspa.models import LlamaConfig
 from lightning_hotspa.models.llama import Block
@@ -120,3 +121,11 @@ def test_compile_spec_defaults_to_a_dynamic_token_dim():
     assert check_compile_spec({"dynamic": False}) == {"dynamic": False}
     assert check_compile_spec(False) is None
     assert graphs_needed(2, 3) == 14
+
+
+def test_a_user_is_told_which_layouts_cannot_be_traced_whole():
+    from lightning_hotspa.layout import Layout
+
+    assert untraceable_note([Layout.parse(x) for x in ("dp4", "dp2xtp2:fsdp", "tp4")]) is None
+    note = untraceable_note([Layout.parse(x) for x in ("dp4", "cp4:kv", "dp2xcp2")])
+    assert note is not None and "['cp4:kv', 'dp2xcp2']" in note and "not traceable" in note

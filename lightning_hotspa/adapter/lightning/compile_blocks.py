@@ -23,13 +23,13 @@ to what the run needs and :func:`compile_counts` reports any hit (docs/DESIGN.md
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["check_compile_spec", "compile_blocks", "compile_counts", "graphs_needed"]
+__all__ = ["check_compile_spec", "compile_blocks", "compile_counts", "graphs_needed", "untraceable_note"]
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +96,21 @@ def compile_blocks(module: nn.Module, options: Mapping[str, Any], layouts: int =
         compiled.hotspa_compiled_block = True
         block.forward = compiled
     return len(blocks)
+
+
+def untraceable_note(layouts: Sequence[Any]) -> str | None:
+    """What a user is told when a run compiles blocks but some of its layouts cannot be traced whole (None: all
+    can): context parallelism's attention (per-micro-batch row orders read through host facts, the KV ring's
+    point-to-point ops) breaks the graph around it; the run stays correct, with fewer fused kernels.
+
+    Args:
+        layouts: the run's layouts (anything with ``name`` and ``cp``).
+    """
+    names = sorted(lay.name for lay in layouts if lay.cp > 1)
+    if not names:
+        return None
+    return (f"compile_blocks: the context-parallel layouts {names} are not traceable yet: their blocks break the graph "
+            f"around the attention (correct, slower than a whole graph; docs/DESIGN.md §7, 'torch.compile')")
 
 
 def compile_counts() -> dict[str, int]:
