@@ -305,18 +305,14 @@ def _cmd_simulate(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _cmd_long_grid(args: argparse.Namespace) -> dict[str, Any]:
-    import dataclasses
-
-    from .long_grid import LONG_GRID, OURS_OPTIONS, SMOKE_GRID, long_grid, print_long_grid
+    from .long_grid import LONG_GRID, SMOKE_GRID, long_grid, ours_options, print_long_grid
 
     if args.margin is not None and not 0 <= args.margin < 10:
         raise CliError(f"--margin must be in [0, 10), got {args.margin}")
-    ours = OURS_OPTIONS[args.ours_options]
-    if args.fa3_conservative:
-        if ours is None or ours.attention != "fa3":
-            raise CliError(f"--fa3-conservative prices ours' FA3: it needs --ours-options matching, got "
-                           f"{args.ours_options!r}")
-        ours = dataclasses.replace(ours, conservative=True)
+    try:
+        ours = ours_options(args.ours_options, args.fa3_conservative)
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
     if args.truth is not None:
         from .truth import print_truth, truth_grid
 

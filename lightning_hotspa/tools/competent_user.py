@@ -98,15 +98,16 @@ def user_model(cm: AnalyticCostModel, hardware: str, kind: str, compiles: bool) 
     return AnalyticCostModel(cm.model, profile, cm.world_size, runtime=runtime)
 
 
-def user_seconds(cm: AnalyticCostModel, lay: Layout, lengths: np.ndarray, planners: dict) -> float:
+def user_seconds(cm: AnalyticCostModel, lay: Layout, lengths: np.ndarray, planners: dict, runtime: str) -> float:
     """A user-written static layout's step on ``cm``'s runtime description and hardware profile, the planner's
     own checkpointing choice per stage (only where it must), the same packing and balancing as ours.
 
     Args:
         cm: the cost model to price on (:func:`user_model`, or ours'); lay: the user's layout; lengths: the
-        batch's document lengths; planners: the cell's planner cache (keyed by layout, runtime and GEMM rate).
+        batch's document lengths; planners: the cell's planner cache; runtime: the name ``cm`` is priced as in the
+        cell (a peer's runtime or ``"hotspa"``: one cost model per name in a cell), the cache's key with ``lay``.
     """
-    key = (lay, "user", cm.runtime.name, cm.hardware.dense_efficiency)
+    key = (lay, "user", runtime)
     if key not in planners:
         planners[key] = CostModelPlanner([lay], model=cm.model, hardware=cm.hardware, activation_checkpointing="auto",
                                          ladder=False, runtime=cm.runtime)

@@ -30,6 +30,7 @@ cut into context-sized chunks (as the DataModule does).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Sequence
@@ -51,7 +52,7 @@ from .progress import progress
 from .simulate import geometric_mean, rule_seconds, static_seconds
 
 __all__ = ["LONG_GRID", "OURS_OPTIONS", "SMOKE_GRID", "candidate_summary", "cell_name",
-           "guarded_bound", "long_cell", "long_grid", "print_long_grid", "token_batch"]
+           "guarded_bound", "long_cell", "long_grid", "ours_options", "print_long_grid", "token_batch"]
 
 #: (model, GPUs, context) settings; GPUs in nodes of 8.
 LONG_GRID: dict[str, Any] = {
@@ -79,6 +80,23 @@ ALT_MARGINS = (0.137, 0.147)
 #: (FlashAttention-2, eager), or what a user on the grid's Hopper GPUs turns on (``attention_backend`` fa3_varlen,
 #: ``strategy.runtime.compile_blocks``: peer_rows.matching_options' choice for a Transformer Engine peer)
 OURS_OPTIONS: dict[str, OursOptions | None] = {"default": None, "matching": OursOptions(attention="fa3", compiled=True)}
+
+
+def ours_options(name: str, fa3_conservative: bool = False) -> OursOptions | None:
+    """The options of :data:`OURS_OPTIONS` named ``name``, FA3 priced at the fitted FA2 value x the kernels' own
+    ratio where ``fa3_conservative``; a clear error for an unknown name or a conservative price without FA3.
+
+    Args:
+        name: a key of :data:`OURS_OPTIONS`; fa3_conservative: ``--fa3-conservative``.
+    """
+    if name not in OURS_OPTIONS:
+        raise ValueError(f"unknown ours' options {name!r}; known: {sorted(OURS_OPTIONS)}")
+    ours = OURS_OPTIONS[name]
+    if not fa3_conservative:
+        return ours
+    if ours is None or ours.attention != "fa3":
+        raise ValueError(f"--fa3-conservative prices ours' FA3: it needs --ours-options matching, got {name!r}")
+    return dataclasses.replace(ours, conservative=True)
 
 
 def token_batch(data: str, context: int, tokens: int, seed: int) -> np.ndarray:
@@ -196,9 +214,11 @@ def long_cell(model: str, gpus: int, context: int, data: str, hardware: str, bat
                                runtime=cm.runtime)
     users = competent_user_layouts(cm, context, tokens)
     compiles = ours is not None and ours.compiled
+    user_models = {(k, rt): cm if rt == "hotspa" else user_model(cm, hardware, k, compiles)
+                   for k in users for rt in (PEER_RUNTIMES[k], "hotspa")}
     sums = {"ours": 0.0, "oracle": 0.0, "rows": 0.0, "rule": 0.0}
     alt = {m: 0.0 for m in ALT_MARGINS if m != margin}
-    user_sums = {(k, rt): 0.0 for k in users for rt in (PEER_RUNTIMES[k], "hotspa")}
+    user_sums = dict.fromkeys(user_models, 0.0)
     fallbacks, rows_layout, has_rule = 0, "", True
     ladder = {k: 0.0 for k in (*LADDER, "guarded_bound", "ours_margin0")}
     free = None
@@ -213,9 +233,8 @@ def long_cell(model: str, gpus: int, context: int, data: str, hardware: str, bat
         fallbacks += bool(planner.last_decision and planner.last_decision.fell_back)
         for m in alt:  # the same pre-guard plan, guarded at another margin
             alt[m] += guard(lengths, planner._option_list, planner.last_multi, m, planner._solve_over)[0][0]
-        for k, rt in user_sums:
-            user_sums[k, rt] += user_seconds(cm if rt == "hotspa" else user_model(cm, hardware, k, compiles),
-                                             users[k], lengths, planners)
+        for (k, rt), user_cm in user_models.items():
+            user_sums[k, rt] += user_seconds(user_cm, users[k], lengths, planners, rt)
         if breakdown:
             steps = oracle_ladder(cm, lengths, layouts)
             for k, v in steps.items():

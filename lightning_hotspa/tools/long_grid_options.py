@@ -11,7 +11,6 @@ the kernels' own ratio). The Megatron-TE-like user is priced alike on every side
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import multiprocessing
 import time
@@ -19,21 +18,17 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from .long_grid import LONG_GRID, OURS_OPTIONS, SMOKE_GRID, long_grid
+from .long_grid import LONG_GRID, SMOKE_GRID, long_grid, ours_options
 from .long_grid_communication import headline
 
 __all__ = ["SIDES", "side_by_side"]
 
-#: the sides, each a name of :data:`~.long_grid.OURS_OPTIONS` and whether FA3 is priced conservatively
+#: the sides, each :func:`~.long_grid.ours_options`' arguments: an options name and whether FA3 is priced conservatively
 SIDES = {"default": ("default", False), "matching": ("matching", False), "matching-conservative": ("matching", True)}
 
 
 def _side(grid: dict[str, Any], batches: int, name: str) -> dict[str, Any]:
-    options, conservative = SIDES[name]
-    ours = OURS_OPTIONS[options]
-    if conservative and ours is not None:
-        ours = dataclasses.replace(ours, conservative=True)
-    return long_grid(grid, batches, ours=ours)
+    return long_grid(grid, batches, ours=ours_options(*SIDES[name]))
 
 
 def side_by_side(grid: dict[str, Any], batches: int = 2, jobs: int = 1, out: str | None = None) -> dict[str, Any]:
