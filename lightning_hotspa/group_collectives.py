@@ -233,15 +233,19 @@ class GlooCollectives(GroupCollectives):
     backend = "gloo"
 
     def _all_to_all(self, send: Tensor, what: str) -> Tensor:
-        send = send.contiguous()
-        recv = torch.empty_like(send)
+        # flat (member k's block is the k-th n-th of dim 0 either way): under compile a [n, tokens, ...] buffer's
+        # stride order would be compared with the token count, a guard that adds a graph for a 1-token shard
+        flat = send.contiguous().view(-1)
+        recv = torch.empty_like(flat)
         with collective(what, self.owner):
-            dist.all_to_all_single(recv, send, group=self.group)
-        return recv
+            dist.all_to_all_single(recv, flat, group=self.group)
+        return recv.view(send.shape)
 
     def all_gather(self, flat: Tensor) -> Tensor:
-        copies = flat.unsqueeze(0).expand(self.size, *flat.shape)
-        return self._all_to_all(copies, "an all-gather of rows").reshape(-1, *flat.shape[1:])
+        # n copies by repeat, not an expanded view made contiguous: that copy's layout depends on whether the
+        # token count is 1, another guard under compile
+        copies = flat.contiguous().view(-1).repeat(self.size).view(self.size, *flat.shape)
+        return self._all_to_all(copies, "an all-gather of rows").view(-1, *flat.shape[1:])
 
     def reduce_scatter(self, send: Tensor) -> Tensor:
         return self._all_to_all(send, "a reduce-scatter of rows").sum(0)
@@ -249,10 +253,14 @@ class GlooCollectives(GroupCollectives):
     def reduce_scatter_and_all_gather(self, send: Tensor, flat: Tensor) -> tuple[Tensor, Tensor]:
         if send.dtype != flat.dtype or send.shape[1:-1] != flat.shape[:-1]:
             return super().reduce_scatter_and_all_gather(send, flat)
-        width = send.shape[-1]
-        both = torch.cat([send, flat.unsqueeze(0).expand(self.size, *flat.shape)], dim=-1)
+        n = self.size
+        # member k's block: its share of ``send`` then a copy of ``flat``, each flattened (no view whose layout
+        # depends on whether the token count is 1: a guard under compile)
+        sent = send.contiguous().view(n, -1)
+        both = torch.cat([sent, flat.contiguous().view(1, -1).expand(n, -1)], dim=1)
         recv = self._all_to_all(both, "a reduce-scatter and an all-gather of rows")
-        return recv[..., :width].sum(0), recv[..., width:].reshape(-1, *flat.shape[1:])
+        reduced = recv[:, :sent.shape[1]].sum(0).view(send.shape[1:])
+        return reduced, recv[:, sent.shape[1]:].reshape(-1).view(-1, *flat.shape[1:])
 
     # -- tp overlap: rings of point-to-point steps, each step's GEMM while the next transfer is in flight
     def _ring(self, send: Tensor, recv: Tensor) -> list:

@@ -1,14 +1,16 @@
 """Per-block torch.compile through hot switches and variable lengths (issue 51, item 2): one JSON line last.
 
-4 gloo ranks on CPU, the tiny Llama, every step a plan of mixed stages over four layouts (dp2xtp2:fsdp, dp4,
-dp2xtp2, tp4: a hot switch between every stage) and new document lengths each step. Each rank runs
+4 gloo ranks on CPU, the tiny Llama, every step a plan of mixed stages over eight layouts (dp2xtp2:fsdp, dp4,
+dp2xtp2, tp4 and the context-parallel kinds: dp2xcp2 and tp2xcp2 Ulysses, cp4:kv the KV ring, cp4:kv2 the hybrid; a
+hot switch between every stage) and new document lengths each step. Each rank runs
 the SAME steps twice through the engine's ``StepRunner`` (the strategy's step loop): first eager,
 then with every block compiled (``compile_blocks``, inductor by default, the token dim dynamic),
 and compares the global losses and the reduced home gradients of every step (fp32, no optimizer
 update, so both passes see the same weights). tp overlap is off, as the strategy has it under
 compile (``--tp-overlap``: its row layer is one custom op, its column regions' ring still breaks);
-``--layouts`` picks other layouts of 4 ranks (cp ones are not traceable yet: their graph breaks are
-listed in ``break_reasons``; a ``:fsdp`` unit's gathers run in its hooks, outside the graph). Keys:
+``--layouts`` picks other layouts of 4 ranks (a ``:fsdp`` unit's gathers run in its hooks, outside the graph; cp
+attention is one opaque op, ``parallel/cp_attention_op.py``). The smoke runs four: dp2xtp2:fsdp, dp4, tp2xcp2,
+cp4:kv2 (sharded, replicated, tp with Ulysses, Ulysses with the KV ring). Keys:
 
 * ``layouts_run``, ``steps``; ``compiled_graphs``, ``graph_breaks``, ``cache_limit_hits``,
   ``skipped_frames`` (dynamo's own counters, the max over ranks; a limit hit or a skipped frame means
@@ -22,6 +24,7 @@ listed in ``break_reasons``; a ``:fsdp`` unit's gathers run in its hooks, outsid
     python recipes/benchmark_compile.py             # inductor, 40 steps
     python recipes/benchmark_compile.py --smoke     # aot_eager, 1 step
     python recipes/benchmark_compile.py --smoke --backend eager --layers 1   # the smoke test's run
+    python recipes/benchmark_compile.py --checkpointing selective           # the attention core recomputed
 """
 
 from __future__ import annotations
@@ -41,7 +44,9 @@ sys.path.insert(0, str(ROOT))
 from lightning_hotspa.testing.spawn import run_on_ranks  # noqa: E402
 
 WORLD = 4
-LAYOUTS = ("dp2xtp2:fsdp", "dp4", "dp2xtp2", "tp4")  # the sharded one first: its hooks meet the first trace
+LAYOUTS = ("dp2xtp2:fsdp", "dp4", "dp2xtp2", "tp4", "dp2xcp2", "cp4:kv", "tp2xcp2", "cp4:kv2")  # sharded first: its
+#: hooks meet the first trace
+SMOKE_LAYOUTS = ("dp2xtp2:fsdp", "dp4", "tp2xcp2", "cp4:kv2")
 
 
 def plans(steps: int, docs_per_step: int, max_len: int, layouts: tuple[str, ...] = LAYOUTS,
@@ -90,6 +95,7 @@ def rank_main(args: dict[str, Any]) -> dict[str, Any]:
 
     import torch.distributed as dist
 
+    from lightning_hotspa.activation_checkpointing import Checkpointing
     from lightning_hotspa.adapter.lightning.compile_blocks import check_compile_spec, compile_blocks, compile_counts
     from lightning_hotspa.adapter.lightning.home_state import build_home_state
     from lightning_hotspa.engine.step_runner import StepRunner
@@ -103,7 +109,8 @@ def rank_main(args: dict[str, Any]) -> dict[str, Any]:
     world = WorldMesh(list(layouts))
     state = build_home_state(module, world, home_dtype=torch.float32, working_dtype=None,
                              device=torch.device("cpu"), tp_overlap=args["tp_overlap"])
-    runner = StepRunner(state.engine, state.parallel)
+    mode = Checkpointing.parse(args["checkpointing"])
+    runner = StepRunner(state.engine, state.parallel, activation_checkpointing=lambda layout: mode)
     vocab = module.config.vocab_size
     batches = [slice_plan(p, _documents(p, vocab), world.shape, dist.get_rank())
                for p in plans(args["steps"], args["docs"], args["max_len"], layouts)]
@@ -126,21 +133,24 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--smoke", action="store_true", help="aot_eager, 1 step, short documents")
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--backend", default=None, help="torch.compile backend (default inductor; smoke: aot_eager)")
-    parser.add_argument("--layouts", default=",".join(LAYOUTS), help="comma-separated layouts of 4 ranks")
+    parser.add_argument("--layouts", default=None, help="comma-separated layouts of 4 ranks (the smoke: its four)")
     parser.add_argument("--tp-overlap", action="store_true", help="tp overlap on (its column regions still break)")
+    parser.add_argument("--checkpointing", choices=("none", "selective", "full"), default="none",
+                        help="what every stage recomputes in backward")
     parser.add_argument("--layers", type=int, default=2, help="blocks of the tiny Llama (default 2, its own)")
     args = parser.parse_args(argv)
-    layouts = tuple(args.layouts.split(","))
+    layouts = tuple(args.layouts.split(",")) if args.layouts else (SMOKE_LAYOUTS if args.smoke else LAYOUTS)
     if args.layers < 1:
         raise SystemExit(f"--layers must be >= 1, got {args.layers}")
     run = {"layouts": layouts, "tp_overlap": args.tp_overlap, "layers": args.layers,
-           "steps": args.steps or (1 if args.smoke else 40), "docs": 6 if args.smoke else 12,
+           "checkpointing": args.checkpointing,
+           "steps": args.steps or (1 if args.smoke else 40), "docs": (2 if args.smoke else 3) * len(layouts),
            "max_len": 24 if args.smoke else 96, "backend": args.backend or ("aot_eager" if args.smoke else "inductor")}
     results = run_on_ranks(rank_main, WORLD, run, timeout_s=3000)
     graphs = max(r["compiled_graphs"] for r in results)
     blocks = results[0]["blocks"]
     out = {"backend": run["backend"], "world": WORLD, "layouts": list(layouts), "layouts_run": len(layouts),
-           "tp_overlap": run["tp_overlap"],
+           "tp_overlap": run["tp_overlap"], "checkpointing": run["checkpointing"],
            "steps": run["steps"], "blocks": blocks, "compiled_graphs": graphs,
            "graph_breaks": max(r["graph_breaks"] for r in results),
            "recompiles": graphs - blocks, "graphs_per_layout_block": round(graphs / (blocks * len(layouts)), 3),

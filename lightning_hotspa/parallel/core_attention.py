@@ -14,12 +14,14 @@ collective runs.
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor, nn
 
 from ..cp_kinds import CP_KINDS, check_bound
 from ..layout import LayoutError
 from ..mesh import LayoutGroups
 from ..models.attention_kernels import chunk_kernel_for
+from .cp_attention_op import cp_attention_op, register_wrapper
 from .kv_gather import kv_gather_attention
 from .kv_ring import kv_ring_attention
 from .state import ParallelState
@@ -63,6 +65,7 @@ class ParallelCoreAttention:
         self.select_kv = False  # set by tensor parallel: k / v hold ALL kv heads (replicated_partial)
         self.context_parallel = False  # set by context parallel
         self.heads: tuple[int, int] | None = None  # global (q, kv) heads, seen on the first call
+        self.handle = register_wrapper(self)  # how a compiled block's cp op finds this wrapper
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int) -> Tensor:
         groups = self.state.groups
@@ -75,8 +78,21 @@ class ParallelCoreAttention:
             start, stop = kv_head_range(*self.heads, tp, groups.tp.index)
             k, v = k[:, start:stop], v[:, start:stop]
         if self.context_parallel and groups.cp.size > 1:
-            return CP_ATTENTION[groups.layout.cp_kind](self, q, k, v, cu_seqlens, max_seqlen, groups)
+            if torch.compiler.is_compiling():  # one opaque op: host metadata and P2P stay out of the graph
+                return cp_attention_op(self, q, k, v, cu_seqlens, max_seqlen)
+            return self.run_context_parallel(q, k, v, cu_seqlens, max_seqlen)
         return self.inner(q, k, v, cu_seqlens, max_seqlen)
+
+    def run_context_parallel(self, q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int) -> Tensor:
+        """The active layout's cp kind's attention around the inner attention (eager; a compiled block's
+        ``hotspa::cp_attention`` op runs it too).
+
+        Args:
+            q, k, v: the local rows, the kv heads this tp rank needs already selected.
+            cu_seqlens, max_seqlen: this rank's local document boundaries and longest document.
+        """
+        groups = self.state.groups
+        return CP_ATTENTION[groups.layout.cp_kind](self, q, k, v, cu_seqlens, max_seqlen, groups)
 
     def _record_heads(self, q_heads: int, kv_heads: int) -> None:
         if self.heads is None:

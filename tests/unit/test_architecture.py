@@ -22,7 +22,7 @@ PACKAGE = Path(lightning_hotspa.__file__).resolve().parent
 FLOORS = {
     "checks": 0, "activation_checkpointing": 0, "torch_compat": 0, "host": 0, "host_facts": 0, "layout": 0, "mesh": 0,
     "placements": 0, "plan": 0, "micro_batch": 0, "collective_names": 0, "group_collectives": 0, "shard_rows": 0,
-    "model_shape": 0, "cp_kinds": 0, "paths": 0, "pipeline_split": 0,
+    "model_shape": 0, "cp_kinds": 0, "paths": 0, "pipeline_split": 0, "op_handles": 0,
     "models": 1, "planner": 1, "data": 1, "testing": 1,
     "parallel": 2, "engine": 2,
     "adapter": 3,

@@ -10,11 +10,12 @@ sharded (``:fsdp``) unit's gather, prefetch and release (``engine/fsdp.py``, asy
 eagerly around the graph, as dynamo skips FSDP2's hooks (with ``block.compile()`` they were traced: graph breaks).
 
 Graphs: the token dim is dynamic (``dynamic=True`` unless the caller says otherwise), and the CPU
-attention is one opaque op (:mod:`lightning_hotspa.models.documents_op`), so new document lengths
-never recompile. A layout switch swaps the block's parameters (other shapes under tp) and the
-active groups, which dynamo guards on: one graph per (layout, block). With ``dynamic`` on,
-``compile_blocks`` also sets ``backed_size_oblivious`` (process-wide), so a 1-token slice does not
-specialize a graph of its own.
+attention is one opaque op (:mod:`lightning_hotspa.models.documents_op`), as is context parallelism's
+(:mod:`lightning_hotspa.parallel.cp_attention_op`), so new document lengths never recompile. A layout switch
+swaps the block's parameters (other shapes under tp) and the active groups, which dynamo guards on: one graph
+per (layout, block). With ``dynamic`` on, ``compile_blocks`` also sets ``backed_size_oblivious`` (process-wide),
+so a 1-token slice does not specialize a graph of its own, and turns duck shaping off (process-wide), so a token
+count that equals the head dim on the first call is not specialized with it.
 All blocks share one code object, and dynamo's recompile limit counts per code object (8 by
 default): past it a block runs EAGER without an error, so :func:`compile_blocks` raises the limit
 to what the run needs and :func:`compile_counts` reports any hit (docs/DESIGN.md §7, "torch.compile").
@@ -23,13 +24,13 @@ to what the run needs and :func:`compile_counts` reports any hit (docs/DESIGN.md
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["check_compile_spec", "compile_blocks", "compile_counts", "graphs_needed", "untraceable_note"]
+__all__ = ["check_compile_spec", "compile_blocks", "compile_counts", "graphs_needed"]
 
 log = logging.getLogger(__name__)
 
@@ -85,10 +86,12 @@ def compile_blocks(module: nn.Module, options: Mapping[str, Any], layouts: int =
         config.recompile_limit = needed
     config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, needed)
     if options.get("dynamic"):
-        # a 1-token micro-batch slice would get its own graph (dynamo specializes sizes 0 and 1)
+        # a 1-token micro-batch slice would get its own graph (dynamo specializes sizes 0 and 1); a token count equal
+        # to a fixed dim (the head dim) would share its symbol (duck shaping) and be specialized with it
         import torch.fx.experimental._config as fx_config
 
         fx_config.backed_size_oblivious = True
+        fx_config.use_duck_shape = False
     for block in blocks:
         if getattr(block.__dict__.get("forward"), "hotspa_compiled_block", False):
             del block.forward  # compiled by an earlier run of this module: compile the class's own forward again
@@ -96,21 +99,6 @@ def compile_blocks(module: nn.Module, options: Mapping[str, Any], layouts: int =
         compiled.hotspa_compiled_block = True
         block.forward = compiled
     return len(blocks)
-
-
-def untraceable_note(layouts: Sequence[Any]) -> str | None:
-    """What a user is told when a run compiles blocks but some of its layouts cannot be traced whole (None: all
-    can): context parallelism's attention (per-micro-batch row orders read through host facts, the KV ring's
-    point-to-point ops) breaks the graph around it; the run stays correct, with fewer fused kernels.
-
-    Args:
-        layouts: the run's layouts (anything with ``name`` and ``cp``).
-    """
-    names = sorted(lay.name for lay in layouts if lay.cp > 1)
-    if not names:
-        return None
-    return (f"compile_blocks: the context-parallel layouts {names} are not traceable yet: their blocks break the graph "
-            f"around the attention (correct, slower than a whole graph; docs/DESIGN.md §7, 'torch.compile')")
 
 
 def compile_counts() -> dict[str, int]:

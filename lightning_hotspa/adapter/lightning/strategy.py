@@ -24,7 +24,7 @@ from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch import Tensor, nn
 from typing_extensions import override
 
@@ -47,7 +47,7 @@ from ..checkpoints.nodes import placement_for
 from ..observability.epochs import number_lightning_bars
 from ..observability.quiet_logs import filter_unactionable_warnings
 from .accumulation import GradAccumulation
-from .compile_blocks import check_compile_spec, compile_blocks, untraceable_note
+from .compile_blocks import check_compile_spec, compile_blocks
 from .grad_norms import naming_our_grad_norm
 from .guarded_collectives import GuardedCollectives
 from .home_state import build_home_state
@@ -342,9 +342,6 @@ class HotSPaStrategy(GuardedCollectives, StrategyCheckpoints, ParallelStrategy):
             if self._compile is not None:
                 # after the parallel forwards: they are traced
                 compile_blocks(module, self._compile, len(self.world.layouts))
-                note = untraceable_note(self.world.layouts)
-                if note:
-                    rank_zero_warn(note)
         open_breadcrumbs(self.tracker, self._breadcrumb_dir, self._process_group_backend, trainer, self.global_rank)
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
