@@ -11,10 +11,10 @@ runs below the autograd dispatch keys) and ties the small autograd graph it reco
 returns; the backward op back-propagates through that graph (``torch.autograd.grad``). Nothing is recomputed and
 the graph keeps what eager keeps; it lives exactly as long as the tape, which autograd saves for backward only when
 a gradient is needed (activation checkpointing drops and recomputes it like any other saved tensor). The recorded
-graph holds COPIES of q, k, v and of the output: inductor reuses a buffer's memory after its last use in the
-compiled graph, which would overwrite what the recorded graph saved (seen: KV-ring gradients off by 2.6e-4 in fp32
-until copied). A copy of q, k, v and the output per layer is memory traffic only: what the cp kind does not save is
-freed at once, so the memory kept for backward is eager's.
+graph runs on COPIES of q, k, v and returns a copy of its output: inductor reuses a buffer's memory after its last
+use in the compiled graph, which would overwrite what the recorded graph saved (seen: KV-ring gradients off by
+2.6e-4 in fp32 until copied). The tape holds the graph's edges, not tensors, so what stays for backward is what the
+cp kind saves, as in eager; the copies cost memory traffic (q, k, v and the output once per layer), not memory.
 
 The op finds its wrapper (the layer's :class:`~.core_attention.ParallelCoreAttention`: inner attention, state,
 active groups) by an integer handle given when the wrapper is created (:mod:`lightning_hotspa.op_handles`), so the
@@ -51,6 +51,19 @@ def _autograd_on() -> Any:
     return torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude)
 
 
+class _Entry(torch.autograd.Function):
+    """q, k, v as they enter the recorded graph: a node that saves nothing, so the tape holding its edges keeps no
+    input alive (a leaf's gradient node would hold the leaf). ``anchor``: an empty tensor that requires grad."""
+
+    @staticmethod
+    def forward(ctx: Any, anchor: Tensor, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        return q.view_as(q), k.view_as(k), v.view_as(v)
+
+    @staticmethod
+    def backward(ctx: Any, dq: Tensor, dk: Tensor, dv: Tensor) -> tuple[None, Tensor, Tensor, Tensor]:
+        return None, dq, dk, dv
+
+
 #: the ops' version, in their names (inductor's FX graph cache keys on the op's name, not its fake kernel)
 _VERSION = "v1"
 
@@ -63,13 +76,16 @@ def _cp_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqle
     if not needs_grad:
         with torch.no_grad():
             out = wrapper.run_context_parallel(q, k, v, cu_seqlens, max_seqlen)
-        return out.contiguous(), tape
+        return _unaliased([q, k, v], (out,))[0], tape
     # copies: the compiled graph owns its buffers and reuses them after their last use in the graph, so the recorded
     # graph must not share storage with the op's inputs or output (module docstring)
-    leaves = tuple(t.detach().clone().requires_grad_(True) for t in (q, k, v))
+    copies = tuple(t.detach().clone() for t in (q, k, v))
     with _autograd_on(), torch.enable_grad():
-        out = wrapper.run_context_parallel(*leaves, cu_seqlens, max_seqlen)
-    tape.hotspa_graph = (leaves, out)  # the graph lives as long as the tape (module docstring)
+        entries = _Entry.apply(torch.empty(0, device=q.device, requires_grad=True), *copies)
+        out = wrapper.run_context_parallel(*entries, cu_seqlens, max_seqlen)
+    edge = torch.autograd.graph.get_gradient_edge
+    # edges, not tensors: the tape keeps the graph's nodes (and what they saved), no input or output data
+    tape.hotspa_graph = (edge(out), tuple(edge(t) for t in entries))
     return out.detach().clone(memory_format=torch.contiguous_format), tape
 
 
@@ -85,12 +101,25 @@ def _cp_attention_backward(grad: Tensor, tape: Tensor, kv_shape: list[int]) -> t
     if recorded is None:
         raise RuntimeError("hotspa::cp_attention: backward found no recorded graph (run twice, or the forward ran "
                            "without a gradient)")
-    leaves, out = recorded
+    out, entries = recorded
     tape.hotspa_graph = None  # freed as autograd frees a graph after backward
     with _autograd_on():
-        grads = torch.autograd.grad(out, leaves, grad, allow_unused=True)
-    return tuple((torch.zeros_like(t) if g is None else g.contiguous())  # type: ignore[return-value]
-                 for g, t in zip(grads, leaves, strict=True))
+        dq, dk, dv = torch.autograd.grad([out], list(entries), [grad], allow_unused=True, materialize_grads=True)
+    return _unaliased([grad], (dq, dk, dv))
+
+
+def _unaliased(inputs: list[Tensor], outs: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+    """``outs`` contiguous, each copied if it shares storage with an input or an earlier one (a custom op's returns
+    may not alias: a cp kind's backward may hand the incoming gradient straight through)."""
+    seen = {t.untyped_storage().data_ptr() for t in inputs}
+    result = []
+    for t in outs:
+        t = t.contiguous()
+        if t.untyped_storage().data_ptr() in seen:
+            t = t.clone()
+        seen.add(t.untyped_storage().data_ptr())
+        result.append(t)
+    return tuple(result)
 
 
 @_cp_attention_backward.register_fake

@@ -7,6 +7,7 @@ tests/e2e/test_recipe_smoke_benchmark_compile.py."""
 from __future__ import annotations
 
 import gc
+import weakref
 from pathlib import Path
 
 import pytest
@@ -75,6 +76,30 @@ def test_no_graph_is_recorded_without_a_gradient_and_a_second_backward_is_refuse
     torch.testing.assert_close(q.grad, (k * (q * k).cos() * v).detach())
     with pytest.raises(RuntimeError, match="no recorded graph"):
         out.sum().backward()
+
+
+class Recording(Wrapper):
+    """A cp kind that saves what ``saves`` says, and remembers (weakly) the q it was handed."""
+
+    def __init__(self, saves: bool) -> None:
+        super().__init__()
+        self.saves, self.seen = saves, []
+
+    def run_context_parallel(self, q, k, v, cu_seqlens, max_seqlen):  # noqa: ANN001, ANN201
+        self.seen.append(weakref.ref(q))
+        return stand_in(q, k, v) if self.saves else q + k + v  # a sum saves nothing for backward
+
+
+@pytest.mark.parametrize("saves", [False, True])
+def test_the_tape_keeps_what_the_cp_kind_saves_and_nothing_more(saves):
+    wrapper = Recording(saves)
+    q, k, v = (torch.randn(6, 2, 4, requires_grad=True) for _ in range(3))
+    out = op.cp_attention_op(wrapper, q, k, v, torch.tensor([0, 6], dtype=torch.int32), 6)
+    gc.collect()
+    assert (wrapper.seen[0]() is not None) == saves  # the op's copy of q: alive only if the kind saved it
+    out.sum().backward()
+    want = k * (q * k).cos() * v if saves else torch.ones_like(q)
+    torch.testing.assert_close(q.grad, want.detach())
 
 
 def test_a_freed_wrapper_is_named_not_guessed():
