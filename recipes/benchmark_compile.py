@@ -110,7 +110,12 @@ def rank_main(args: dict[str, Any]) -> dict[str, Any]:
     state = build_home_state(module, world, home_dtype=torch.float32, working_dtype=None,
                              device=torch.device("cpu"), tp_overlap=args["tp_overlap"])
     mode = Checkpointing.parse(args["checkpointing"])
-    runner = StepRunner(state.engine, state.parallel, activation_checkpointing=lambda layout: mode)
+    sharded = Checkpointing.FULL if mode is Checkpointing.SELECTIVE else mode  # :fsdp layouts refuse selective
+
+    def checkpointing(layout: Any) -> Checkpointing:
+        return sharded if layout.fsdp else mode
+
+    runner = StepRunner(state.engine, state.parallel, activation_checkpointing=checkpointing)
     vocab = module.config.vocab_size
     batches = [slice_plan(p, _documents(p, vocab), world.shape, dist.get_rank())
                for p in plans(args["steps"], args["docs"], args["max_len"], layouts)]
@@ -136,7 +141,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--layouts", default=None, help="comma-separated layouts of 4 ranks (the smoke: its four)")
     parser.add_argument("--tp-overlap", action="store_true", help="tp overlap on (its column regions still break)")
     parser.add_argument("--checkpointing", choices=("none", "selective", "full"), default="none",
-                        help="what every stage recomputes in backward")
+                        help="what every stage recomputes in backward (selective: full on :fsdp layouts, which "
+                             "refuse selective)")
     parser.add_argument("--layers", type=int, default=2, help="blocks of the tiny Llama (default 2, its own)")
     args = parser.parse_args(argv)
     layouts = tuple(args.layouts.split(",")) if args.layouts else (SMOKE_LAYOUTS if args.smoke else LAYOUTS)

@@ -36,12 +36,15 @@ def fresh_dynamo():
     dynamo = torch._dynamo.config
     saved = (fx_config.backed_size_oblivious, fx_config.use_duck_shape, dynamo.recompile_limit,
              dynamo.accumulated_recompile_limit)
+    side_effects = getattr(dynamo, "skip_fwd_side_effects_in_bwd_under_checkpoint", None)  # not in every torch
     torch._dynamo.reset()
     counters.clear()
     yield
     torch._dynamo.reset()
     (fx_config.backed_size_oblivious, fx_config.use_duck_shape, dynamo.recompile_limit,
      dynamo.accumulated_recompile_limit) = saved
+    if side_effects is not None:
+        dynamo.skip_fwd_side_effects_in_bwd_under_checkpoint = side_effects
 
 
 def _inputs(config: LlamaConfig, lengths: list[int]):

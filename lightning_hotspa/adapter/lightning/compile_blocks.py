@@ -15,7 +15,10 @@ attention is one opaque op (:mod:`lightning_hotspa.models.documents_op`), as is 
 swaps the block's parameters (other shapes under tp) and the active groups, which dynamo guards on: one graph
 per (layout, block). With ``dynamic`` on, ``compile_blocks`` also sets ``backed_size_oblivious`` (process-wide),
 so a 1-token slice does not specialize a graph of its own, and turns duck shaping off (process-wide), so a token
-count that equals the head dim on the first call is not specialized with it.
+count that equals the head dim on the first call is not specialized with it. It lets a selectively checkpointed
+attention core mutate tp's column-region cache inside the checkpoint (dynamo's
+``skip_fwd_side_effects_in_bwd_under_checkpoint``, process-wide where torch has it): the cache is empty again
+after the forward, so nothing needs replaying in the recompute.
 All blocks share one code object, and dynamo's recompile limit counts per code object (8 by
 default): past it a block runs EAGER without an error, so :func:`compile_blocks` raises the limit
 to what the run needs and :func:`compile_counts` reports any hit (docs/DESIGN.md §7, "torch.compile").
@@ -85,6 +88,10 @@ def compile_blocks(module: nn.Module, options: Mapping[str, Any], layouts: int =
                  config.recompile_limit, needed, len(blocks), layouts)
         config.recompile_limit = needed
     config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, needed)
+    if hasattr(config, "skip_fwd_side_effects_in_bwd_under_checkpoint"):
+        # selective recompute checkpoints the attention core, where tp's column region caches its readers' outputs
+        # (a Python-side effect, cleared again when the last reader takes its output): allowed, not replayed
+        config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
     if options.get("dynamic"):
         # a 1-token micro-batch slice would get its own graph (dynamo specializes sizes 0 and 1); a token count equal
         # to a fixed dim (the head dim) would share its symbol (duck shaping) and be specialized with it
