@@ -21,7 +21,8 @@ from ..cp_kinds import CP_KINDS, check_bound
 from ..layout import LayoutError
 from ..mesh import LayoutGroups
 from ..models.attention_kernels import chunk_kernel_for
-from .cp_attention_op import cp_attention_op, register_wrapper
+from ..op_handles import handle_for
+from .cp_attention_op import cp_attention_op
 from .kv_gather import kv_gather_attention
 from .kv_ring import kv_ring_attention
 from .state import ParallelState
@@ -65,7 +66,7 @@ class ParallelCoreAttention:
         self.select_kv = False  # set by tensor parallel: k / v hold ALL kv heads (replicated_partial)
         self.context_parallel = False  # set by context parallel
         self.heads: tuple[int, int] | None = None  # global (q, kv) heads, seen on the first call
-        self.handle = register_wrapper(self)  # how a compiled block's cp op finds this wrapper
+        self.handle = handle_for(self)  # how a compiled block's cp op finds this wrapper (weakly held)
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int) -> Tensor:
         groups = self.state.groups

@@ -28,18 +28,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..op_handles import handle_for, object_for
+from ..op_handles import object_for
 
-__all__ = ["cp_attention_op", "register_wrapper"]
-
-
-def register_wrapper(wrapper: Any) -> int:
-    """The handle the op finds ``wrapper`` by (:mod:`lightning_hotspa.op_handles`: weakly held).
-
-    Args:
-        wrapper: a :class:`~.core_attention.ParallelCoreAttention` (anything with its ``run_context_parallel``).
-    """
-    return handle_for(wrapper)
+__all__ = ["cp_attention_op"]
 
 
 def _autograd_on() -> Any:

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from lightning_hotspa.op_handles import handle_for
 from lightning_hotspa.parallel import cp_attention_op as op
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -27,7 +28,7 @@ class Wrapper:
     """What the op needs of a ``ParallelCoreAttention``: a handle and the cp attention (the stand-in)."""
 
     def __init__(self) -> None:
-        self.handle = op.register_wrapper(self)
+        self.handle = handle_for(self)
 
     def run_context_parallel(self, q, k, v, cu_seqlens, max_seqlen):  # noqa: ANN001, ANN201
         return stand_in(q, k, v)
