@@ -80,14 +80,14 @@ def test_no_graph_is_recorded_without_a_gradient_and_a_second_backward_is_refuse
 
 
 class Recording(Wrapper):
-    """A cp kind that saves what ``saves`` says, and remembers (weakly) the q it was handed."""
+    """A cp kind that saves what ``saves`` says, and remembers (weakly) the tensor owning the q it was handed."""
 
     def __init__(self, saves: bool) -> None:
         super().__init__()
         self.saves, self.seen = saves, []
 
     def run_context_parallel(self, q, k, v, cu_seqlens, max_seqlen):  # noqa: ANN001, ANN201
-        self.seen.append(weakref.ref(q))
+        self.seen.append(weakref.ref(q if q._base is None else q._base))  # the tensor owning q's memory
         return stand_in(q, k, v) if self.saves else q + k + v  # a sum saves nothing for backward
 
 
