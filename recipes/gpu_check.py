@@ -221,7 +221,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if "hopper" in args.parts:
         from gpu_check_hopper import hopper_check
 
-        lengths = (8192, 16384, 32768) if device.type == "cuda" else (64,)
+        lengths = (1024, 2048, 8192, 32768) if device.type == "cuda" else (64, 128)
         _run_part(report, "hopper", lambda b: hopper_check(device, dtype, cfg["hardware"], b, lengths),
                   budget("hopper"))
     if "shards" in args.parts:

@@ -2,11 +2,12 @@
 
 Per ``documents`` kernel (``fa3_varlen``, ``fa4_varlen``, ``cudnn_varlen``) that runs here: ONE packed call over
 documents of mixed lengths against per-document SDPA (output and q / k / v gradients, bf16 tolerance), then
-forward + backward TFLOP/s at 8K-32K tokens per document set beside the hardware profile's efficiency of the
-kernel family it is priced as. Per packed ``chunks`` kernel (``fa3_chunks``, ``fa4_chunks``,
-``torch_flash_chunks``): a cp4 rank's all-gather-KV chunks of three documents in one call against ``sdpa_chunk``
-per chunk (output and gradients). A kernel that cannot run here reports why (the dry run: all of them).
-Never run on a GPU yet (2026-12-06): only the dry run has run it.
+forward + backward TFLOP/s at 1K-32K tokens per document beside the hardware profile's efficiency of the
+kernel family it is priced as at that length, and the saturating curve those lengths give (long-sequence rate,
+half length) beside the profile's (planner/cost/attention_curves.py). Per packed ``chunks`` kernel
+(``fa3_chunks``, ``fa4_chunks``, ``torch_flash_chunks``): a cp4 rank's all-gather-KV chunks of three documents in
+one call against ``sdpa_chunk`` per chunk (output and gradients). A kernel that cannot run here reports why (the
+dry run: all of them). Never run on a GPU yet (2026-12-07): only the dry run has run it.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from gpu_check_common import Budget, DeviceTimer, attention_flops, packed_attent
 
 from lightning_hotspa.models.attention import sdpa_attention
 from lightning_hotspa.models.attention_kernels import KERNELS
+from lightning_hotspa.planner.cost.attention_curves import fit_saturating
 from lightning_hotspa.planner.cost.hardware import get_profile
 
 __all__ = ["DOCUMENT_KERNELS", "CHUNK_KERNELS", "hopper_check"]
@@ -29,7 +31,8 @@ TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 5e-3, torch.float32: 1e-4}
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12))
+    a, b = a.detach().float(), b.detach().float()
+    return float((a - b).norm() / b.norm().clamp_min(1e-12))
 
 
 def _documents(name: str, device: torch.device, dtype: torch.dtype, lengths: list[int], hardware: str,
@@ -64,9 +67,17 @@ def _documents(name: str, device: torch.device, dtype: torch.dtype, lengths: lis
 
         timed = time_repeated(step, timer, budget)
         tflops = attention_flops(y["tokens"], length, 32, 128) / timed["seconds"] / 1e12
+        long_rate, half = profile.attention_efficiency_for(priced, 128), profile.attention_half_length_for(priced)
         out["speed"].append({"length": length, "seconds": timed["seconds"], "tflops": tflops,
                              "efficiency": tflops * 1e12 / profile.peak_flops,
-                             "profile_efficiency": profile.attention_efficiency_for(priced, 128), "priced_as": priced})
+                             "profile_efficiency": long_rate * length / (length + half), "priced_as": priced})
+    timed = [(p["length"], p["tflops"]) for p in out["speed"] if "tflops" in p]
+    if len({n for n, _ in timed}) >= 2:  # the priced curve against the one these lengths give
+        fit = fit_saturating(name, [n for n, _ in timed], [t for _, t in timed])
+        out["curve"] = {"efficiency_long": fit.e_inf_tflops * 1e12 / profile.peak_flops,
+                        "half_length": fit.half_length, "max_residual": fit.max_residual,
+                        "profile_efficiency_long": profile.attention_efficiency_for(priced, 128),
+                        "profile_half_length": profile.attention_half_length_for(priced)}
     return out
 
 
@@ -97,7 +108,7 @@ def _chunks(name: str, device: torch.device, dtype: torch.dtype) -> dict[str, An
 
 
 def hopper_check(device: torch.device, dtype: torch.dtype, hardware: str, budget: Budget,
-                 lengths: tuple[int, ...] = (8192, 16384, 32768)) -> dict[str, Any]:
+                 lengths: tuple[int, ...] = (1024, 2048, 8192, 32768)) -> dict[str, Any]:
     """Part (h): every Hopper-class kernel's correctness against SDPA and its speed, or why it cannot run."""
     out: dict[str, Any] = {"documents": {}, "chunks": {}, "hardware_profile": hardware,
                            "capability": list(torch.cuda.get_device_capability(device)) if device.type == "cuda"

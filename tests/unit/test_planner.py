@@ -125,7 +125,9 @@ def test_communication_terms() -> None:
     ideal = AnalyticCostModel("artifact-llama7b", _ideal(peak_flops=hw.peak_flops, dense_efficiency=hw.dense_efficiency,
                                                 gemm_half_width=hw.gemm_half_width,
                                                 attention_efficiency=hw.attention_efficiency,
-                                                attention_kernels=hw.attention_kernels), 8)
+                                                attention_kernels=hw.attention_kernels,
+                                                attention_half_lengths=hw.attention_half_lengths,
+                                                attention_half_length=hw.attention_half_length), 8)
     # tp: 4 all-reduces per layer (+1 embedding) of [s, h] bf16, ring factor 2(tp-1)/tp = 1; sequence
     # parallel: the same bytes as all-gathers + reduce-scatters, and our runtime's backward re-gathers
     # of q/k/v's and w1/w3's inputs add one all-reduce's bytes per layer; tp overlap (issue 52) hides the

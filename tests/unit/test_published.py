@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 
 from lightning_hotspa.layout import Layout
+from lightning_hotspa.planner.cost.attention_curves import fit_half_length
 from lightning_hotspa.planner.cost.cost_model import AnalyticCostModel, CostModelError
-from lightning_hotspa.planner.cost.hardware import PROFILES, get_profile
+from lightning_hotspa.planner.cost.hardware import FA3_OVER_FA2, PROFILES, get_profile
 from lightning_hotspa.planner.cost.published_runs import PUBLISHED_RUNS, megatron_flops_per_token
 from lightning_hotspa.planner.cost.runtime_profile import (
     HOTSPA,
@@ -121,8 +122,48 @@ def test_gemm_efficiency_grows_with_width_and_cpu_gloo_keeps_its_constant():
     assert h100.attention_efficiency_for("fa2", 128) == 0.175 and h100.attention_efficiency_for("flex", 64) == \
         h100.attention_efficiency
     # per kernel: FA3 above cuDNN above FA2 (the FA3 paper's ordering at head dim 128), FA3 at its nearest head dim
-    assert h100.attention_efficiency_for("fa3", 64) == h100.attention_efficiency_for("fa3", 128) == 0.644
-    assert 0.175 < h100.attention_efficiency_for("cudnn", 128) < 0.644
+    cudnn = h100.attention_efficiency_for("cudnn", 128)
+    assert h100.attention_efficiency_for("fa3", 64) == h100.attention_efficiency_for("fa3", 128) == \
+        round(cudnn * 1.11, 3)
+    assert 0.175 < cudnn < h100.attention_efficiency_for("fa3", 128)
+
+
+def test_half_lengths_and_kernel_ratios_are_what_the_fa3_papers_curves_give():
+    """The H100 profile's half lengths, its FA3 / cuDNN factor and FA3_OVER_FA2 are the fits of
+    attention_curves.py to the FA3 paper's figures, rounded as written."""
+    h100, a100 = get_profile("H100"), get_profile("A100-80G")
+    fits = {k: fit_half_length(k) for k in ("fa2", "cudnn", "fa3")}
+    for kernel, fit in fits.items():
+        assert h100.attention_half_length_for(kernel) == round(fit.half_length)
+        assert fit.max_residual < 0.035
+    assert h100.attention_half_length_for("flex") == h100.attention_half_length == round(fits["fa2"].half_length)
+    assert a100.attention_half_length_for("fa2") == h100.attention_half_length_for("fa2")  # ASSUMED, as the note says
+    assert get_profile("cpu-gloo").attention_half_length_for("fa2") == 0.0
+    assert round(fits["fa3"].e_inf_tflops / fits["cudnn"].e_inf_tflops, 2) == 1.11
+    assert round(fits["fa3"].e_inf_tflops / fits["fa2"].e_inf_tflops, 2) == FA3_OVER_FA2
+    with pytest.raises(ValueError, match="'flash_varlen'"):
+        fit_half_length("flash_varlen")
+
+
+def test_short_calls_add_a_linear_attention_term_and_the_kv_split_multiplies_it():
+    """A document's attention costs ``attn (s^2 + r_half s cp_kv)``: the option's ``attention_linear`` is
+    ``quadratic x r_half x cp_kv`` (its recompute included), and it is part of ``linear``."""
+    flat = dataclasses.replace(get_profile("H100"), attention_half_lengths=(), attention_half_length=0.0)
+    shape = next(r for r in PUBLISHED_RUNS if r.id == "nemo-llama2-7b-32k-tp2-cp2").model
+    for lay, ac in ((Layout(dp=8), False), (Layout(dp=2, cp=4, cp_kv=4), True), (Layout(dp=2, cp=4, cp_kv=2), False)):
+        curved = AnalyticCostModel(shape, "H100", 8).option(lay, ac, capacity=65536)
+        plain = AnalyticCostModel(shape, flat, 8).option(lay, ac, capacity=65536)
+        assert plain.attention_linear == 0.0 and curved.quadratic == plain.quadratic
+        assert curved.attention_linear == pytest.approx(curved.quadratic * 314.0 * lay.cp_kv, rel=1e-12)
+        assert curved.linear - plain.linear == pytest.approx(curved.attention_linear, rel=1e-12)
+
+
+def test_a_bad_half_length_table_names_the_value():
+    base = get_profile("H100")
+    for table, match in (((("nope", 10.0),), "'nope'"), ((("fa2", -1.0),), "-1.0"),
+                         ((("fa2", 1.0), ("fa2", 2.0)), "repeats"), (("fa2",), "pairs")):
+        with pytest.raises(ValueError, match=match):
+            dataclasses.replace(base, attention_half_lengths=table)
 
 
 def test_h200_is_the_h100_with_its_memory():

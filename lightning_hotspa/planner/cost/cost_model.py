@@ -33,6 +33,9 @@ rows); the cost is padding (``s`` rounded up to ``2*cp``) and communication:
   steps on gloo, each step a launch); the re-gathers and the embedding's reduce-scatter stay exposed.
 * CP (Ulysses): per layer one all-to-all of fused q/k/v and one of the output forward, the same
   backward (+ forward again with checkpointing); each moves ``(cp-1)/cp`` of its ``1/tp`` head slice.
+* Attention kernels run below their long-sequence rate on short calls: a call of ``r`` query rows at
+  ``e r / (r + r_half)`` (:mod:`.efficiency`), so a document pays ``a r_half cp_kv s`` more (the KV-gather
+  part splits its rows ``cp_kv`` ways), in ``b`` and in ``OptionCost.attention_linear``.
 * Local shapes are smaller than the unsharded ones, so a rank's kernels may run below the
   unsharded efficiency: compute divides by ``tp*cp * hardware.shard_efficiency(tp, cp)`` (a
   measured per-degree curve, recipes/gpu_check.py part (c); 1.0 when the profile has none).
@@ -116,22 +119,9 @@ from .memory_model import MemoryModel, MemoryUse
 from .option_cost import OptionCost
 from .pp_schedule import PipelineSchedule, get_schedule, stage_layers
 from .runtime_profile import RuntimeProfile, get_runtime
-from .terms import (
-    CostModelError,
-    cheapest_per_kind,
-    gradient_kind,
-    resolve_model,
-    shares_gradients,
-)
+from .terms import CostModelError, cheapest_per_kind, gradient_kind, resolve_model, shares_gradients
 
-__all__ = [
-    "AnalyticCostModel",
-    "CostModelError",
-    "MemoryUse",
-    "OptionCost",
-    "resolve_model",
-    "shares_gradients",
-]
+__all__ = ["AnalyticCostModel", "CostModelError", "MemoryUse", "OptionCost", "resolve_model", "shares_gradients"]
 
 
 #: names this argument took before the attention-kernel registry (a clear error names the new one)
@@ -241,7 +231,7 @@ class AnalyticCostModel(MemoryModel):
         return max(layers) / m.n_layers, dense / self.dense_params, max(layers)
 
     # ------------------------------------------------------------------ time
-    def _coefficients(self, par: Layout, ac: Checkpointing | bool) -> tuple[float, float, float, float, float]:
+    def _coefficients(self, par: Layout, ac: Checkpointing | bool) -> tuple[float, float, float, float, float, float]:
         m, hw = self.model, self.hardware
         mode = Checkpointing.parse(ac)
         full = mode is Checkpointing.FULL
@@ -253,7 +243,10 @@ class AnalyticCostModel(MemoryModel):
         recompute = 1.0 + (1.0 / 3.0 if mode else 0.0)
         # compute: attention 6*L*H*hd*s*(s+1) (models/config.py), dense 6*P*s (+2*P_layers*s recompute)
         attn = self._attention_seconds(div) * recompute
-        a, b = attn, attn + self._dense_seconds_per_token(par, ac)
+        # a kernel call of r query rows runs at e(r) = e_inf r / (r + r_half): + attn * r_half * s / r per
+        # document, r = s / cp_kv (the gather part splits a document's query rows; efficiency.py)
+        attn_lin = attn * self._attention_half_length() * par.cp_kv
+        a, b = attn, attn + attn_lin + self._dense_seconds_per_token(par, ac)
         # per-layer launches: full reruns a block's forward (1/3 of its passes), selective about half
         # of it (q/k/v projections, rotary, the kernel; not wo, the norms, the MLP)
         d = layers * hw.layer_overhead_s * (1.0 + (1.0 / 3.0 if full else 1.0 / 6.0 if mode else 0.0))
@@ -292,7 +285,8 @@ class AnalyticCostModel(MemoryModel):
             if ex.recomputes_attention and self.runtime.kv_gather_recomputes_attention:  # backward re-runs
                 recompute_attn = 1.0 / 3.0  # the attention forward (K / V not saved)
                 a += attn * recompute_attn / recompute
-                b += attn * recompute_attn / recompute
+                b += (attn + attn_lin) * recompute_attn / recompute
+                attn_lin *= 1.0 + recompute_attn / recompute
                 ring_h += hw.layer_comm_overlap * attn * recompute_attn / recompute if hidden else 0.0
         # ---- end context parallelism ----
         if par.pp > 1:  # activations across each stage boundary, forward and backward (pp_schedule.py)
@@ -300,7 +294,13 @@ class AnalyticCostModel(MemoryModel):
             bw, sends = hw.bandwidth(2 * gap, gap), 2.0 * self.pipeline.messages()
             b += self._exposed(self.pipeline.p2p_overlap) * sends * m.hidden * self.param_bytes / (par.tp * par.cp) / bw
             d += sends * hw.latency(2 * gap)
-        return a, b, d, ring_x, ring_h
+        return a, b, d, ring_x, ring_h, attn_lin
+
+    def _attention_half_length(self) -> float:
+        """Query rows per call at which the runtime's kernel reaches half its efficiency (0 for an unfused
+        one, priced by its FLOPs and bytes)."""
+        kernel = self.runtime.attention_kernel
+        return 0.0 if kernel in UNFUSED_KERNELS else self.hardware.attention_half_length_for(kernel)
 
     def _attention_seconds(self, div: float) -> float:
         """Attention seconds per squared document length on one rank (fwd + bwd) with the runtime's
@@ -445,12 +445,12 @@ class AnalyticCostModel(MemoryModel):
         activation_checkpointing = Checkpointing.parse(activation_checkpointing)
         if activation_checkpointing is Checkpointing.SELECTIVE and par.fsdp:
             raise CostModelError(f"{par}: selective checkpointing is not built for sharded working copies")
-        a, b, d, ring_x, ring_h = self._coefficients(par, activation_checkpointing)
+        a, b, d, ring_x, ring_h, attn_lin = self._coefficients(par, activation_checkpointing)
         cap = self.capacity(par, activation_checkpointing) if capacity is None else int(capacity)
         if par.fsdp:
             b, d = self._fsdp_exposed(par, activation_checkpointing, cap, b, d)
         return OptionCost(par, activation_checkpointing, cap, a, b, d, self.grad_reduce_seconds(par),
-                          ring_exchange=ring_x, ring_hiding=ring_h, pipeline=self.pipeline)
+                          ring_exchange=ring_x, ring_hiding=ring_h, pipeline=self.pipeline, attention_linear=attn_lin)
 
     # ------------------------------------------------------------------ switches
     def _working_shards(self, par: Layout | None) -> int:

@@ -7,7 +7,13 @@ models) reach less of the peak than wide ones (70B), which one constant cannot s
 gives a constant ``e_max`` (the cpu-gloo profile, calibrated by measurement, keeps that).
 
 Attention efficiency is kept per (kernel family, head dim); a family or head dim with no entry
-takes the nearest head dim of that family, else the profile's ``attention_efficiency``.
+takes the nearest head dim of that family, else the profile's ``attention_efficiency``. It also
+depends on how many query rows one call holds: a kernel benchmark's rate rises with the sequence
+length and flattens (the FA3 paper's H100 curves, 512 to 16K tokens). The same saturating form,
+``e(r) = e_inf * r / (r + r_half)`` per call of ``r`` query rows, makes a document of ``s`` tokens
+cost ``(s^2 + r_half * s * s / r) / e_inf`` at the FLOP rate of ``e_inf``: a LINEAR term beside the
+quadratic one (:func:`attention_half_length`, one ``r_half`` per kernel family; ``cost_model.py``
+prices it with ``r = s / cp_kv``, the rows a rank's call holds once the KV-gather part splits them).
 
 An UNFUSED attention (:data:`UNFUSED_KERNELS`: the score matrix materialized in memory, as
 Megatron-LM's 2022 core attention) is not a fraction of peak: it computes the whole square (no
@@ -20,8 +26,8 @@ from __future__ import annotations
 
 from ...models.attention_kernels import KERNELS
 
-__all__ = ["UNFUSED_KERNELS", "UNFUSED_SCORE_BYTES", "attention_efficiency", "check_attention_table",
-           "gemm_efficiency", "unfused_attention_seconds"]
+__all__ = ["UNFUSED_KERNELS", "UNFUSED_SCORE_BYTES", "attention_efficiency", "attention_half_length",
+           "check_attention_table", "check_half_length_table", "gemm_efficiency", "unfused_attention_seconds"]
 
 #: kernel families that materialize the score matrix (priced by :func:`unfused_attention_seconds`)
 UNFUSED_KERNELS = tuple(k.name for k in KERNELS.values() if k.priced_by_flops)
@@ -46,6 +52,34 @@ def attention_efficiency(table: tuple[tuple[str, int, float], ...], default: flo
     """The (kernel, head dim) entry of ``table``; else the same kernel's nearest head dim; else ``default``."""
     same = [(abs(hd - head_dim), eff) for k, hd, eff in table if k == kernel]
     return min(same)[1] if same else default
+
+
+def attention_half_length(table: tuple[tuple[str, float], ...], default: float, kernel: str) -> float:
+    """Query rows per call at which ``kernel`` reaches half its long-sequence efficiency: its entry of
+    ``table`` ((kernel, rows), ...), else ``default``."""
+    return next((rows for k, rows in table if k == kernel), default)
+
+
+def check_half_length_table(profile: str, value: object) -> tuple[tuple[str, float], ...]:
+    """((kernel, half_length_rows), ...) validated, with a clear error naming the bad entry."""
+    from .runtime_profile import ATTENTION_KERNELS
+
+    try:
+        rows = tuple((k, r) for k, r in value)  # type: ignore[union-attr]
+    except (TypeError, ValueError):
+        raise ValueError(f"HardwareProfile {profile!r}: attention_half_lengths must be (kernel, rows) pairs, "
+                         f"got {value!r}") from None
+    for k, r in rows:
+        if k not in ATTENTION_KERNELS or k in UNFUSED_KERNELS:
+            raise ValueError(f"HardwareProfile {profile!r}: attention_half_lengths names {k!r}, not a fused kernel "
+                             f"of {tuple(x for x in ATTENTION_KERNELS if x not in UNFUSED_KERNELS)}")
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 <= r < float("inf"):
+            raise ValueError(f"HardwareProfile {profile!r}: attention half length of {k!r} must be a finite "
+                             f"number of rows >= 0, got {r!r}")
+    kernels = [k for k, _ in rows]
+    if len(set(kernels)) != len(kernels):
+        raise ValueError(f"HardwareProfile {profile!r}: attention_half_lengths repeats a kernel: {kernels}")
+    return tuple((str(k), float(r)) for k, r in rows)
 
 
 def check_attention_table(profile: str, value: object) -> tuple[tuple[str, int, float], ...]:

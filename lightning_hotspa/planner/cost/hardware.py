@@ -20,7 +20,13 @@ from pathlib import Path
 from typing import Any
 
 from ...checks import check_number
-from .efficiency import attention_efficiency, check_attention_table, gemm_efficiency
+from .efficiency import (
+    attention_efficiency,
+    attention_half_length,
+    check_attention_table,
+    check_half_length_table,
+    gemm_efficiency,
+)
 
 __all__ = ["CPU_GLOO_CALIBRATION", "DEVICE_TYPES", "FA3_OVER_FA2", "HardwareProfile", "PROFILES", "UnknownProfileError",
            "get_profile",
@@ -70,6 +76,11 @@ class HardwareProfile:
     # attention efficiency per (kernel family, head dim): ((kernel, head_dim, efficiency), ...); a kernel
     # without an entry takes attention_efficiency
     attention_kernels: tuple[tuple[str, int, float], ...] = ()
+    # query rows per kernel call at which a kernel family reaches half its long-sequence efficiency (the
+    # efficiencies above are its long-sequence values): ((kernel, rows), ...); a kernel without an entry takes
+    # attention_half_length; 0: flat in the length (planner/cost/efficiency.py)
+    attention_half_lengths: tuple[tuple[str, float], ...] = ()
+    attention_half_length: float = 0.0
     # HBM bytes/s that memory-bound kernels reach (an unfused attention's score passes, an optimizer step);
     # 0: unknown (nothing that needs it can be priced on this profile)
     hbm_bandwidth: float = 0.0
@@ -85,6 +96,9 @@ class HardwareProfile:
                 continue
             if f.name == "attention_kernels":
                 object.__setattr__(self, f.name, check_attention_table(self.name, value))
+                continue
+            if f.name == "attention_half_lengths":
+                object.__setattr__(self, f.name, check_half_length_table(self.name, value))
                 continue
             if f.name == "device_type":
                 if value not in DEVICE_TYPES:
@@ -114,6 +128,10 @@ class HardwareProfile:
     def attention_efficiency_for(self, kernel: str, head_dim: int) -> float:
         """Fraction of peak an attention kernel family reaches at this head dim, fwd + bwd."""
         return attention_efficiency(self.attention_kernels, self.attention_efficiency, kernel, head_dim)
+
+    def attention_half_length_for(self, kernel: str) -> float:
+        """Query rows per call at which an attention kernel family reaches half its long-sequence efficiency."""
+        return attention_half_length(self.attention_half_lengths, self.attention_half_length, kernel)
 
     def bandwidth(self, span: int, stride: int = 1) -> float:
         """Bus bandwidth of a collective whose ranks lie within ``span`` consecutive devices, every
@@ -170,29 +188,35 @@ def _interpolate(curve: tuple[tuple[int, float], ...], degree: int) -> float:
 _FIT = ("FITTED by recipes/benchmark_published.py on every other llm-foundry bf16 row of this GPU "
         "(planner/cost/published_runs.py; residuals printed there): GEMMs e(h) = {e} * h / (h + {hh}) of peak "
         "by model width h (planner/cost/efficiency.py), FlashAttention-2 (fa2) fwd+bwd at head dim 128: {a} of "
-        "peak; other kernel families and head dims: not measured, they take the fa2 value (ASSUMED). ")
-_AMPERE = dict(peak_flops=312e12, dense_efficiency=0.824, gemm_half_width=746.0, attention_efficiency=0.310,
-               attention_kernels=(("fa2", 128, 0.310),))
-_AMPERE_NOTE = "bf16 dense peak 312 TFLOP/s (NVIDIA A100 data sheet). " + _FIT.format(e=0.824, hh=746, a=0.310)
-_HOPPER = dict(peak_flops=989e12, dense_efficiency=0.507, gemm_half_width=476.0, attention_efficiency=0.175,
-               attention_kernels=(("fa2", 128, 0.175), ("cudnn", 128, 0.585), ("fa3", 128, 0.644)))
-_HOPPER_NOTE = ("bf16 dense peak 989 TFLOP/s (NVIDIA H100 SXM data sheet). " + _FIT.format(e=0.507, hh=476, a=0.175)
-                + "cuDNN fused attention (Transformer Engine) at head dim 128: 0.585 of peak, fitted with TE's FP8 "
-                "GEMM rate on every other row of NeMo's LLAMA2-7B H100 long-sequence table (4K-512K tokens, "
-                "local chunks 4K-32K query rows; recipes/benchmark_published.py). FlashAttention-3 at head dim 128: "
-                "0.644 = the cuDNN value x 1.10, FA3 over cuDNN forward + backward at 8K-16K tokens in the FA3 paper "
-                "(Shah et al. 2024, arXiv 2407.08608, Figures 5 and 6, H100 SXM5, head dim 128: forward causal 602 / "
-                "616 vs 529 / 539 TFLOP/s, backward 559 / 561 vs 518 / 516; backward counted 2.5x the forward FLOPs: "
-                "571 / 576 vs 521 / 522); FA3 / cuDNN is 1.04 at 1K, 1.08 at 2K, 1.09 at 4K, so the entry holds for "
-                "documents of 4K and more (per-length efficiency is not priced: the paper's curves flatten past 4K). "
-                "FlashAttention-4 on H100: no published training figures found: no entry (priced at the fa2 default, "
-                "ASSUMED). ")
-#: FlashAttention-3 over FlashAttention-2, forward + backward at head dim 128 and 8K-16K tokens on H100 SXM5, the
-#: FA3 paper's Figures 5 (causal forward 602 / 616 vs 333 / 335 TFLOP/s) and 6 (backward 559 / 561 vs 318 / 322),
-#: backward counted 2.5x the forward FLOPs: 571 / 576 vs 322 / 326. The conservative price of ours' FA3 beside
-#: the fitted FA2 value (recipes/benchmark_peers.py ``ours_over_peer_conservative``): the fitted fa2 and cudnn
-#: entries are 3.3x apart where the kernels' own benchmarks put them 1.6x apart
-FA3_OVER_FA2 = 1.77
+        "peak on long sequences, e(r) = {a} * r / (r + 314) for calls of r query rows (the half length of FA2's "
+        "H100 curve, planner/cost/attention_curves.py{a100}); other kernel families and head dims: not measured, "
+        "they take the fa2 values (ASSUMED). ")
+#: the half lengths (query rows per call at half the long-sequence rate) planner/cost/attention_curves.py fits
+#: to the FA3 paper's H100 curves (FA2 314, cuDNN 392, FA3 493 rows; within 1.2 / 2.9 / 3.4 % of its six lengths)
+_HALF_LENGTHS = (("fa2", 314.0), ("cudnn", 392.0), ("fa3", 493.0))
+_AMPERE = dict(peak_flops=312e12, dense_efficiency=0.825, gemm_half_width=685.0, attention_efficiency=0.31,
+               attention_kernels=(("fa2", 128, 0.31),), attention_half_lengths=_HALF_LENGTHS[:1],
+               attention_half_length=314.0)
+_AMPERE_NOTE = "bf16 dense peak 312 TFLOP/s (NVIDIA A100 data sheet). " + _FIT.format(
+    e=0.825, hh=685, a=0.31, a100=": ASSUMED on the A100, whose FA2 curve was not found in stored material")
+_HOPPER = dict(peak_flops=989e12, dense_efficiency=0.508, gemm_half_width=409.0, attention_efficiency=0.175,
+               attention_kernels=(("fa2", 128, 0.175), ("cudnn", 128, 0.591), ("fa3", 128, 0.656)),
+               attention_half_lengths=_HALF_LENGTHS, attention_half_length=314.0)
+_HOPPER_NOTE = ("bf16 dense peak 989 TFLOP/s (NVIDIA H100 SXM data sheet). " + _FIT.format(e=0.508, hh=409, a=0.175,
+                                                                                            a100="")
+                + "cuDNN fused attention (Transformer Engine) at head dim 128: 0.591 of peak on long sequences (half "
+                "length 392 rows), fitted with TE's FP8 GEMM rate on every other row of NeMo's LLAMA2-7B H100 "
+                "long-sequence table (4K-512K tokens, local chunks 4K-32K query rows; recipes/benchmark_published.py). "
+                "FlashAttention-3 at head dim 128: 0.656 = the cuDNN value x 1.11 (half length 493 rows), FA3 over "
+                "cuDNN on long sequences in the FA3 paper (Shah et al. 2024, arXiv 2407.08608, Figures 5 and 6, H100 "
+                "SXM5, head dim 128, causal forward and backward at 512-16K tokens, backward counted 2.5x the forward "
+                "FLOPs: the curves of planner/cost/attention_curves.py reach 613 and 551 TFLOP/s). FlashAttention-4 on "
+                "H100: no published training figures found: no entry (priced at the fa2 values, ASSUMED). ")
+#: FlashAttention-3 over FlashAttention-2 on long sequences at head dim 128 on H100 SXM5: the long-sequence rates
+#: (613 / 336 TFLOP/s) of the FA3 paper's curves as planner/cost/attention_curves.py fits them. The conservative
+#: price of ours' FA3 beside the fitted FA2 value (recipes/benchmark_peers.py ``ours_over_peer_conservative``):
+#: the fitted fa2 and cudnn entries are 3.4x apart where the kernels' own benchmarks put them 1.6x apart
+FA3_OVER_FA2 = 1.83
 #: fraction of the data-sheet HBM bandwidth memory-bound kernels reach: ASSUMED (STREAM-style copies
 #: reach roughly 80-90 % on A100 / H100)
 HBM_FRACTION = 0.8

@@ -33,6 +33,7 @@ class OptionCost:
     ring_exchange: float = 0.0  # x: seconds per padded token of the cp ring's exchange, hidden by attention
     ring_hiding: float = 0.0  # h: seconds per (padded length)^2 of the attention that hides it
     pipeline: PipelineSchedule = PipelineSchedule()  # pp > 1: its schedule (the bubble)
+    attention_linear: float = 0.0  # the part of b that is attention: short calls below the kernel's peak rate
 
     @property
     def key(self) -> tuple[str, Checkpointing]:

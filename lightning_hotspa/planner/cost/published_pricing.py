@@ -143,8 +143,8 @@ def price_run(run: PublishedRun, model_for: Callable[[PublishedRun], AnalyticCos
     groups = [[list(range(run.micro_batch))] * run.grad_accum] * run.dp
     step = opt.stage_seconds(doc, groups) + opt.stage_fixed
     dense = cm._dense_seconds_per_token(par, ac) * tokens * run.grad_accum
-    attention = opt.quadratic * float(np.sum(np.asarray(opt.padded([run.seq_len] * run.micro_batch), float) ** 2 +
-                                             np.asarray(opt.padded([run.seq_len] * run.micro_batch), float)))
+    padded = np.asarray(opt.padded([run.seq_len] * run.micro_batch), float)
+    attention = opt.quadratic * float(np.sum(padded ** 2 + padded)) + opt.attention_linear * float(np.sum(padded))
     attention *= run.grad_accum
     extra_dense, extra_attention = selective_extra(run, cm, dense, attention)
     dense, attention = dense + extra_dense, attention + extra_attention

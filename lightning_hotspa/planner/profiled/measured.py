@@ -19,9 +19,9 @@ variance (``prior_sd^2 / n`` for ``n`` agreeing options); before anything ran it
 The prior sd comes from the guard's margin (:data:`~..solve.static_guard.DEFAULT_STATIC_MARGIN`, the
 mean held-out between-layout error of published runs, ``exp(E|e_i - e_j|) - 1``): for iid
 ``e ~ N(0, s^2)``, ``E|e_i - e_j| = 2 s / sqrt(pi)``, so ``s = ln(1 + margin) * sqrt(pi) / 2``
-(:func:`prior_sd_from_margin`, 0.112 at 0.135, 0.114 at 0.137). :data:`GAP_Z` makes the guard's threshold the expected
-absolute error of a plan gap, ``sqrt(2/pi)`` sds: at the prior, two one-option plans need exactly the
-fixed margin (the margin survives only as the prior).
+(:func:`prior_sd_from_margin`, 0.112 at 0.135, 0.114 at 0.137, 0.115 at 0.139). :data:`GAP_Z` makes the
+guard's threshold the expected absolute error of a plan gap, ``sqrt(2/pi)`` sds: at the prior, two one-option
+plans need exactly the fixed margin (the margin survives only as the prior).
 
 Options are keyed by plain strings (an option's label). State is plain data (:meth:`state_dict`),
 independent of the world size: keys of layouts a resumed run no longer has are kept and unused.
