@@ -251,11 +251,11 @@ class GlooCollectives(GroupCollectives):
         return self._all_to_all(send, "a reduce-scatter of rows").sum(0)
 
     def reduce_scatter_and_all_gather(self, send: Tensor, flat: Tensor) -> tuple[Tensor, Tensor]:
-        if send.dtype != flat.dtype or send.shape[1:-1] != flat.shape[:-1]:
+        if send.dtype != flat.dtype:
             return super().reduce_scatter_and_all_gather(send, flat)
         n = self.size
         # member k's block: its share of ``send`` then a copy of ``flat``, each flattened (no view whose layout
-        # depends on whether the token count is 1: a guard under compile)
+        # depends on whether the token count is 1: a guard under compile), so the two need not share inner shapes
         sent = send.contiguous().view(n, -1)
         both = torch.cat([sent, flat.contiguous().view(1, -1).expand(n, -1)], dim=1)
         recv = self._all_to_all(both, "a reduce-scatter and an all-gather of rows")

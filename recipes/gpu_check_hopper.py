@@ -55,6 +55,7 @@ def _documents(name: str, device: torch.device, dtype: torch.dtype, lengths: lis
                            "match": max(errors) <= TOLERANCE.get(dtype, 2e-2), "speed": []}
     profile = get_profile(hardware)
     priced = record.priced_as or name
+    long_rate, half = profile.attention_efficiency_for(priced, 128), profile.attention_half_length_for(priced)
     timer = DeviceTimer(device)
     for length in lengths:
         if not budget.allows():
@@ -67,17 +68,15 @@ def _documents(name: str, device: torch.device, dtype: torch.dtype, lengths: lis
 
         timed = time_repeated(step, timer, budget)
         tflops = attention_flops(y["tokens"], length, 32, 128) / timed["seconds"] / 1e12
-        long_rate, half = profile.attention_efficiency_for(priced, 128), profile.attention_half_length_for(priced)
         out["speed"].append({"length": length, "seconds": timed["seconds"], "tflops": tflops,
                              "efficiency": tflops * 1e12 / profile.peak_flops,
                              "profile_efficiency": long_rate * length / (length + half), "priced_as": priced})
-    timed = [(p["length"], p["tflops"]) for p in out["speed"] if "tflops" in p]
-    if len({n for n, _ in timed}) >= 2:  # the priced curve against the one these lengths give
-        fit = fit_saturating(name, [n for n, _ in timed], [t for _, t in timed])
+    points = [(p["length"], p["tflops"]) for p in out["speed"] if "tflops" in p]
+    if len({n for n, _ in points}) >= 2:  # the priced curve against the one these lengths give
+        fit = fit_saturating(name, [n for n, _ in points], [t for _, t in points])
         out["curve"] = {"efficiency_long": fit.e_inf_tflops * 1e12 / profile.peak_flops,
                         "half_length": fit.half_length, "max_residual": fit.max_residual,
-                        "profile_efficiency_long": profile.attention_efficiency_for(priced, 128),
-                        "profile_half_length": profile.attention_half_length_for(priced)}
+                        "profile_efficiency_long": long_rate, "profile_half_length": half}
     return out
 
 
